@@ -1,0 +1,27 @@
+"""runnx: an ONNX interpreter in Python that moves values instead of copying them.
+
+    import runnx
+    model = runnx.load("model.onnx")
+    outputs = model.run({"x": x})                        # {name: array}
+    session = runnx.InferenceSession("model.onnx")       # onnxruntime's API
+"""
+from runnx import ops as _ops  # registers every kernel
+from runnx.capture import Owned, with_capacity
+from runnx.errors import (
+    CycleError, ExternalDataError, InputError, InputShapeError, InputTypeError, InvalidModelError,
+    MissingInputError, MissingValueError, ModelLoadError, NodeError, PlanError, ResourceLimitError,
+    RunnxError, UnknownInputError, UnknownOutputError, UnsupportedOpError,
+)
+from runnx.interp.model import Model, load
+from runnx.interp.options import Options
+from runnx.interp.profiler import Profile
+from runnx.interp.session import InferenceSession, NodeArg, SessionOptions
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CycleError", "ExternalDataError", "InferenceSession", "InputError", "InputShapeError", "InputTypeError",
+    "InvalidModelError", "MissingInputError", "MissingValueError", "Model", "ModelLoadError", "NodeArg",
+    "NodeError", "Options", "Owned", "PlanError", "Profile", "ResourceLimitError", "RunnxError",
+    "SessionOptions", "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "load", "with_capacity",
+]

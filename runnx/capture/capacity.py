@@ -1,0 +1,87 @@
+"""Capacity buffers: a tensor with spare room along an axis is a prefix view of a larger buffer.
+
+`buf[:, :, :S]` of `buf[B, H, Smax, D]` can grow to `buf[:, :, :S+n]` by writing only the n new
+rows: this is how a KV cache is extended in O(new tokens) instead of re-copied every step.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from runnx.capture.ownership import Owned
+
+
+def _axis(array: np.ndarray, axis: int) -> int:
+    if not -array.ndim <= axis < array.ndim:
+        raise ValueError(f"axis {axis} out of range for a tensor of rank {array.ndim}")
+    return axis % array.ndim
+
+
+def allocate_prefix(shape: tuple, axis: int, capacity: int, dtype) -> np.ndarray:
+    """An uninitialised buffer with `capacity` rows along `axis`, as a prefix view of `shape`."""
+    buffer_shape = list(shape)
+    buffer_shape[axis] = max(capacity, shape[axis])
+    buffer = np.empty(buffer_shape, dtype=dtype)
+    return buffer[(slice(None),) * axis + (slice(0, shape[axis]),)]
+
+
+def with_capacity(array, axis: int, capacity: int) -> Owned:
+    """Copy `array` into a new buffer with room for `capacity` rows along `axis`, handed over
+    as `Owned` so that runnx can append to it in place (e.g. a KV cache: axis=2)."""
+    array = np.asarray(array)
+    axis = _axis(array, axis)
+    view = allocate_prefix(array.shape, axis, capacity, array.dtype)
+    view[...] = array
+    return Owned(view)
+
+
+def spare_capacity(view: np.ndarray, axis: int) -> int:
+    """How many rows can be appended to `view` along `axis` inside its buffer (0 if it is not a
+    prefix view of a larger buffer)."""
+    buffer = view.base
+    if type(buffer) is not np.ndarray or buffer.ndim != view.ndim or buffer.dtype != view.dtype:
+        return 0
+    if view.strides != buffer.strides or view.ctypes.data != buffer.ctypes.data:
+        return 0
+    vshape, bshape = view.shape, buffer.shape
+    for dim in range(view.ndim):
+        if dim != axis and vshape[dim] != bshape[dim]:
+            return 0
+    return bshape[axis] - vshape[axis]
+
+
+def _prefix(buffer: np.ndarray, axis: int, length: int) -> np.ndarray:
+    return buffer[(slice(None),) * axis + (slice(0, length),)]
+
+
+def write_rows(buffer: np.ndarray, axis: int, start: int, rows: np.ndarray) -> None:
+    """buffer[..., start:start+n, ...] = rows along `axis`."""
+    index = (slice(None),) * axis + (slice(start, start + rows.shape[axis]),)
+    buffer[index] = rows
+
+
+def append_in_place(view: np.ndarray, parts, axis: int) -> np.ndarray | None:
+    """Write `parts` after `view` inside its buffer and return the longer prefix view, or None
+    when the buffer has no room (the caller then allocates)."""
+    added = sum(p.shape[axis] for p in parts)
+    if spare_capacity(view, axis) < added:
+        return None
+    buffer = view.base
+    start = view.shape[axis]
+    for part in parts:
+        write_rows(buffer, axis, start, part)
+        start += part.shape[axis]
+    return _prefix(buffer, axis, start)
+
+
+def concatenate_with_headroom(parts, axis: int) -> np.ndarray:
+    """np.concatenate into a buffer with twice the rows, so the next appends are in place
+    (amortised doubling). Untouched pages of a large buffer cost no memory."""
+    first = parts[0]
+    total = sum(p.shape[axis] for p in parts)
+    shape = first.shape[:axis] + (total,) + first.shape[axis + 1:]
+    view = allocate_prefix(shape, axis, 2 * total, np.result_type(*parts))
+    start = 0
+    for part in parts:
+        write_rows(view.base, axis, start, part)
+        start += part.shape[axis]
+    return view

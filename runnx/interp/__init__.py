@@ -1,0 +1,1 @@
+"""Loading, IR, planning and execution of ONNX graphs."""

@@ -1,0 +1,203 @@
+"""Execution of a plan: values move through a flat list indexed by value id.
+
+Per step: gather inputs, grant in-place reuse of inputs that die here and whose storage is owned
+and unaliased, move dying owned captures into the subgraph's CaptureEnv, call the kernel, register
+the outputs' storage (a view inherits its input's ownership; a fresh writeable array is owned),
+release dead values. There are no op-specific branches here: the registry declares everything.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from runnx.capture.env import CaptureEnv, Subgraph
+from runnx.capture.ownership import StorageTable, storage_keys
+from runnx.errors import NodeError, RunnxError
+from runnx.interp.ir import MISSING, Graph
+from runnx.interp.planner import Plan, make_plan
+
+
+class InPlaceMismatchError(RunnxError):
+    """Checking mode found an in-place execution whose result differs from the out-of-place one."""
+
+
+def _describe_value(name, value) -> str:
+    if isinstance(value, np.ndarray):
+        return f"{name}: {value.dtype}{list(value.shape)}"
+    if value is None:
+        return f"{name}: <none>"
+    if isinstance(value, list):
+        return f"{name}: sequence of {len(value)}"
+    return f"{name}: {type(value).__name__}"
+
+
+def _node_context(graph: Graph, node, args) -> str:
+    names = [graph.names[v] if v != MISSING else "" for v in node.inputs]
+    described = ", ".join(_describe_value(n, a) for n, a in zip(names, args))
+    return f"{node.describe()} (inputs {described})"
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        if a.dtype.kind in "fc":
+            return bool(np.array_equal(a, b, equal_nan=True))
+        return bool(np.array_equal(a, b))
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a is b or (a is None and b is None)
+
+
+def _snapshot(value):
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    return value
+
+
+class Executor:
+    """Runs plans of one model; per-run state lives in locals, so one Executor serves many threads."""
+
+    def run_subgraph(self, graph: Graph, env: CaptureEnv, inputs: list, owned, ctx) -> tuple[list, list]:
+        """Run a subgraph (If branch, loop body) with its formal inputs and captures from `env`."""
+        count = len(inputs)
+        plans = graph.__dict__.setdefault("_plans", {})
+        plan = plans.get(count)
+        if plan is None:
+            provided = frozenset(graph.inputs[:count]) | frozenset(graph.capture_ids)
+            plan = plans[count] = make_plan(graph, provided, graph.outputs)
+        owned = owned if owned is not None else [False] * count
+        needed = set(plan.inputs)
+        bound = {}
+        for vid, value, is_owned in zip(graph.inputs, inputs, owned):
+            if vid in needed:
+                bound[vid] = (value, is_owned)
+        for name, vid in zip(graph.captures, graph.capture_ids):
+            if vid in needed:
+                bound[vid] = env.take(name)
+        return self.run(graph, plan, bound, ctx)
+
+    def run(self, graph: Graph, plan: Plan, bound: dict, ctx) -> tuple[list, list]:
+        """Execute `plan`; `bound` maps value id -> (value, owned). Returns outputs and owned flags."""
+        size = len(graph.names)
+        values = [None] * size
+        keys = [()] * size
+        profile = ctx.profile
+        table = StorageTable(track_bytes=profile is not None)
+        for vid, (value, owned) in bound.items():
+            values[vid] = value
+            keys[vid] = k = storage_keys(value)
+            table.hold(k, bool(owned) and getattr(getattr(value, "flags", None), "writeable", True), value)
+        for vid in plan.constants:
+            values[vid] = value = graph.constants[vid]
+            keys[vid] = k = storage_keys(value)
+            table.hold(k, False, value)
+        options = ctx.options
+        inplace_on = options.inplace
+        checking = options.check_inplace
+        trace = options.trace
+        for step in plan.steps:
+            node = step.node
+            kernel = node.kernel
+            args = [values[v] if v != MISSING else None for v in step.inputs]
+            attrs = node.attrs
+            granted = ()
+            if step.candidates and inplace_on:
+                granted = tuple(pos for pos, vid in step.candidates if table.exclusive(keys[vid]))
+            if node.subgraphs:
+                attrs = self._bind_subgraphs(graph, node, step, attrs, values, keys, table, inplace_on, ctx)
+            extra = {}
+            if kernel.inplace or kernel.inplace_from is not None:
+                extra["overwrite"] = granted
+            if kernel.wants_ctx:
+                extra["ctx"] = ctx
+            start = time.perf_counter() if profile is not None else 0.0
+            try:
+                reference = None
+                if checking and granted and not node.subgraphs:
+                    reference = _out_of_place(kernel, args, attrs, extra)
+                result = kernel.fn(*args, **attrs, **extra)
+                if reference is not None:
+                    _compare(node, reference, result)
+            except RunnxError as error:
+                if getattr(error, "node_context", False):
+                    raise
+                wrapped = type(error)(f"{_node_context(graph, node, args)}: {error}")
+                wrapped.node_context = True
+                raise wrapped from error
+            except Exception as error:
+                wrapped = NodeError(f"{_node_context(graph, node, args)} failed: {type(error).__name__}: {error}")
+                wrapped.node_context = True
+                raise wrapped from error
+            outputs = result if type(result) is tuple else (result,)
+            if len(outputs) < len(step.outputs) and any(v != MISSING for v in step.outputs[len(outputs):]):
+                raise NodeError(f"{node.describe()} produced {len(outputs)} outputs, the node declares "
+                                f"{len(step.outputs)}")
+            for vid, value in zip(step.outputs, outputs):
+                if vid == MISSING:
+                    continue
+                if type(value) is not np.ndarray and isinstance(value, (np.generic, np.ndarray)):
+                    value = np.asarray(value)
+                values[vid] = value
+                keys[vid] = k = storage_keys(value)
+                table.hold(k, None, value)
+            if profile is not None:
+                op = node.op_type
+                profile.op_time[op] += time.perf_counter() - start
+                profile.op_calls[op] += 1
+                if granted and any(keys[node.inputs[p]][0] in keys[v] for p in granted
+                                   for v in step.outputs if v != MISSING and keys[node.inputs[p]] and keys[v]):
+                    profile.inplace[op] += 1
+            if trace:
+                shapes = [_describe_value(graph.names[v], values[v]) for v in step.outputs if v != MISSING]
+                print(f"runnx trace: {node.describe()} -> {', '.join(shapes)}"
+                      f"{' (in place)' if granted else ''}", file=sys.stderr)
+            for vid in step.releases:
+                table.drop(keys[vid])
+                values[vid] = None
+                keys[vid] = ()
+        if profile is not None and table.peak_bytes > profile.peak_live_bytes:
+            profile.peak_live_bytes = table.peak_bytes
+        return [values[v] for v in plan.outputs], [table.is_owned(keys[v]) for v in plan.outputs]
+
+    def _bind_subgraphs(self, graph, node, step, attrs, values, keys, table, inplace_on, ctx) -> dict:
+        """Build the node's CaptureEnv (moving dying owned captures) and bind each subgraph to it."""
+        captured, owned = {}, {}
+        for vid in node.captures:
+            name = graph.names[vid]
+            captured[name] = values[vid]
+            if inplace_on and vid in step.movable and table.exclusive(keys[vid]):
+                owned[name] = True
+                table.drop(keys[vid])  # moved: the parent no longer holds it
+                values[vid] = None
+                keys[vid] = ()
+                if ctx.profile is not None:
+                    ctx.profile.moves += 1
+        env = CaptureEnv(captured, owned)
+        bound = dict(attrs)
+
+        def runner(sub_graph, sub_env, inputs, owned_flags):
+            return self.run_subgraph(sub_graph, sub_env, inputs, owned_flags, ctx)
+
+        for attr_name, sub in node.subgraphs.items():
+            if isinstance(sub, list):
+                bound[attr_name] = [Subgraph(g, env, runner) for g in sub]
+            else:
+                bound[attr_name] = Subgraph(sub, env, runner)
+        return bound
+
+def _out_of_place(kernel, args, attrs, extra) -> list:
+    """Checking mode: the node's outputs computed without reusing any input, snapshotted."""
+    reference = kernel.fn(*args, **attrs, **{**extra, "overwrite": ()})
+    return [_snapshot(v) for v in (reference if type(reference) is tuple else (reference,))]
+
+
+def _compare(node, reference: list, result) -> None:
+    result = result if type(result) is tuple else (result,)
+    for index, (expected, got) in enumerate(zip(reference, result)):
+        if not _same(expected, got):
+            raise InPlaceMismatchError(f"{node.describe()}: output {index} differs when computed in place")

@@ -1,0 +1,112 @@
+"""External tensor data and safetensors weights, memory-mapped and confined to the model folder.
+
+Only relative paths inside the model's folder are accepted: absolute paths, `..` escapes and
+symlinks are refused, and every (offset, length) must lie inside the file. Nothing is unpickled.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+
+import numpy as np
+
+from runnx.errors import ExternalDataError
+
+SAFETENSORS_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
+    "I16": np.int16, "I8": np.int8, "U64": np.uint64, "U32": np.uint32, "U16": np.uint16,
+    "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def _map_file(path: str) -> mmap.mmap | bytes:
+    with open(path, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size == 0:
+            return b""
+        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def confined_path(folder: str, location: str, what: str) -> str:
+    """The real path of `location` inside `folder`, or ExternalDataError."""
+    if not location or os.path.isabs(location) or location.startswith(("/", "\\")) or ":" in location[:3]:
+        raise ExternalDataError(f"{what}: external data path '{location}' must be relative to the model folder")
+    parts = location.replace("\\", "/").split("/")
+    if ".." in parts:
+        raise ExternalDataError(f"{what}: external data path '{location}' escapes the model folder")
+    folder = os.path.realpath(folder)
+    path = os.path.join(folder, *parts)
+    probe = folder
+    for part in parts:
+        probe = os.path.join(probe, part)
+        if os.path.islink(probe):
+            raise ExternalDataError(f"{what}: external data path '{location}' goes through a symlink")
+    if os.path.commonpath([folder, os.path.realpath(path)]) != folder:
+        raise ExternalDataError(f"{what}: external data path '{location}' escapes the model folder")
+    if not os.path.isfile(path):
+        raise ExternalDataError(f"{what}: external data file '{location}' not found in {folder}")
+    return path
+
+
+class ExternalData:
+    """Reads tensors stored outside the protobuf, from mmaps of files in the model's folder."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._maps: dict[str, object] = {}
+
+    def read(self, tensor):
+        entries = {e.key: e.value for e in tensor.external_data}
+        what = f"tensor '{tensor.name}'"
+        path = confined_path(self.folder, entries.get("location", ""), what)
+        if path not in self._maps:
+            self._maps[path] = _map_file(path)
+        data = self._maps[path]
+        try:
+            offset = int(entries.get("offset", 0))
+            length = int(entries["length"]) if "length" in entries else len(data) - offset
+        except ValueError:
+            raise ExternalDataError(f"{what}: offset/length are not integers: {entries}") from None
+        if offset < 0 or length < 0 or offset + length > len(data):
+            raise ExternalDataError(
+                f"{what}: bytes [{offset}, {offset + length}) lie outside '{entries['location']}' ({len(data)} bytes)")
+        return memoryview(data)[offset:offset + length]
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Read-only, zero-copy arrays from a .safetensors file, with its header validated."""
+    try:
+        data = _map_file(path)
+    except OSError as error:
+        raise ExternalDataError(f"cannot open weights file '{path}': {error}") from None
+    if len(data) < 8:
+        raise ExternalDataError(f"'{path}' is not a safetensors file (too short)")
+    (header_len,) = struct.unpack("<Q", data[:8])
+    if header_len > len(data) - 8 or header_len > 100 * 2**20:
+        raise ExternalDataError(f"'{path}': safetensors header length {header_len} exceeds the file")
+    try:
+        header = json.loads(bytes(data[8:8 + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ExternalDataError(f"'{path}': safetensors header is not valid JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise ExternalDataError(f"'{path}': safetensors header is not a JSON object")
+    body = memoryview(data)[8 + header_len:]
+    tensors = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ExternalDataError(f"'{path}': tensor '{name}' has a malformed or unsupported header entry {info}") from None
+        count = int(np.prod(shape, dtype=np.int64))
+        if any(d < 0 for d in shape) or not 0 <= start <= end <= len(body) or end - start != count * dtype.itemsize:
+            raise ExternalDataError(
+                f"'{path}': tensor '{name}' {info['dtype']}{list(shape)} does not match its byte range [{start}, {end})")
+        array = np.frombuffer(body[start:end], dtype=dtype, count=count).reshape(shape)
+        array.flags.writeable = False
+        tensors[name] = array
+    return tensors

@@ -1,0 +1,69 @@
+"""The small IR runnx executes: graphs of nodes over integer value ids.
+
+Each graph has its own id space. Names a subgraph reads from enclosing scopes are its *captures*:
+they get local ids bound at run time from a CaptureEnv, so every graph is a closed function of
+(inputs, captures) and no parent environment is ever handed down wholesale.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MISSING = -1  # id of an omitted optional input or output
+
+
+@dataclass(frozen=True, slots=True)
+class ValueInfo:
+    """Declared type of a graph input/output: kind is 'tensor', 'sequence', 'optional', ... ."""
+
+    name: str
+    kind: str
+    elem_type: int | None  # ONNX element type of the tensor (or of the sequence/optional's tensor)
+    shape: tuple | None  # None: rank unknown; entries are int, str (symbolic) or None (unknown)
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    index: int
+    name: str
+    op_type: str
+    domain: str
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    attrs: dict
+    subgraphs: dict  # attribute name -> Graph
+    captures: tuple[int, ...] = ()  # ids (in the node's graph) of outer values its subgraphs read
+    kernel: object = None  # registry.Kernel, bound at load
+    since: int = 0  # since-version of the bound kernel
+
+    def describe(self) -> str:
+        domain = f"{self.domain}." if self.domain not in ("", "ai.onnx") else ""
+        return f"{domain}{self.op_type} node '{self.name}'"
+
+
+@dataclass(eq=False)
+class Graph:
+    name: str
+    names: list[str]  # value id -> name
+    inputs: tuple[int, ...]  # formal inputs the caller (or the parent op) provides
+    input_info: tuple[ValueInfo, ...]
+    outputs: tuple[int, ...]
+    output_info: tuple[ValueInfo, ...]
+    constants: dict[int, np.ndarray]  # initializers and folded Constant nodes (read-only arrays)
+    nodes: tuple[Node, ...]
+    captures: tuple[str, ...] = ()  # names read from enclosing scopes
+    capture_ids: tuple[int, ...] = ()
+    optional_inputs: frozenset = frozenset()  # inputs that have an initializer as default
+    ids: dict = field(default_factory=dict)  # name -> value id
+    producer: dict = field(default_factory=dict)  # value id -> Node
+
+    def value_id(self, name: str) -> int:
+        return self.ids[name]
+
+    def walk(self):
+        """Yield (graph, node) for every node of this graph and of all nested subgraphs."""
+        for node in self.nodes:
+            yield self, node
+            for sub in node.subgraphs.values():
+                yield from sub.walk()

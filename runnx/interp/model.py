@@ -1,0 +1,118 @@
+"""Model: a loaded graph plus its plan cache; `run` validates feeds, plans, executes."""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from runnx.errors import UnknownOutputError
+from runnx.interp.context import RunContext
+from runnx.interp.dtypes import type_name
+from runnx.interp.executor import Executor
+from runnx.interp.loader import LoadedModel, load_model
+from runnx.interp.options import Options
+from runnx.interp.planner import Plan, make_plan
+from runnx.interp.profiler import Profile
+from runnx.interp.validation import bind_feeds, feed_specs
+
+
+class Model:
+    def __init__(self, loaded: LoadedModel, options: Options | None = None):
+        self.loaded = loaded
+        self.graph = loaded.graph
+        self.options = options or Options()
+        self.opsets = dict(loaded.opsets)
+        self.path = loaded.path
+        self._specs = feed_specs(self.graph)
+        self._output_ids = {self.graph.names[v]: v for v in self.graph.outputs}
+        self._plans: dict[tuple, Plan] = {}
+        self._executor = Executor()
+
+    @property
+    def input_names(self) -> list[str]:
+        return [self.graph.names[v] for v in self.graph.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [self.graph.names[v] for v in self.graph.outputs]
+
+    @property
+    def inputs(self):
+        return list(self.graph.input_info)
+
+    @property
+    def outputs(self):
+        return list(self.graph.output_info)
+
+    def _output_vids(self, outputs) -> tuple[int, ...]:
+        if outputs is None:
+            return tuple(self.graph.outputs)
+        if isinstance(outputs, str):
+            outputs = [outputs]
+        vids = []
+        for name in outputs:
+            vid = self._output_ids.get(name)
+            if vid is None:
+                vid = self.graph.ids.get(name)  # intermediate values may be requested too
+                if vid is None:
+                    raise UnknownOutputError(f"'{name}' is not a value of the model (outputs: "
+                                             f"{', '.join(self.output_names)})")
+            vids.append(vid)
+        return tuple(vids)
+
+    def _plan_for(self, provided: frozenset, outputs: tuple[int, ...]) -> Plan:
+        key = (provided, outputs)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = make_plan(self.graph, provided, outputs)
+        return plan
+
+    def plan(self, outputs=None, inputs=None) -> list:
+        """The nodes that run, in order, to compute `outputs` from `inputs` (default: all of both)."""
+        names = self.input_names if inputs is None else list(inputs)
+        provided = frozenset(self._specs[n].vid for n in names)
+        return self._plan_for(provided, self._output_vids(outputs)).nodes
+
+    def run(self, feeds, outputs=None, *, profile=False):
+        """Run the model. `feeds` maps input names to arrays (or `runnx.Owned(array)` to hand a buffer
+        over for in-place use). Returns {output name: array}; with profile=True, (outputs, Profile);
+        with profile=<Profile>, adds to that profile and returns the outputs."""
+        bound = bind_feeds(self._specs, feeds)
+        output_vids = self._output_vids(outputs)
+        plan = self._plan_for(frozenset(bound), output_vids)
+        for vid in plan.unused_inputs:
+            bound.pop(vid, None)
+        record = profile if isinstance(profile, Profile) else (Profile() if profile or self.options.profile else None)
+        ctx = RunContext(self.options, record)
+        values, _ = self._executor.run(self.graph, plan, bound, ctx)
+        names = [self.graph.names[v] for v in output_vids]
+        result = {}
+        for name, value in zip(names, values):
+            if isinstance(value, np.ndarray) and not value.flags.writeable:
+                value = value.copy()  # never hand out a view of a constant or of a caller's array
+            result[name] = value
+        if record is not None:
+            record.runs += 1
+            if self.options.profile and profile is False:
+                print(record.summary(), file=sys.stderr)
+        if profile is True:
+            return result, record
+        return result
+
+    def describe_io(self):
+        return ([(i.name, type_name(i.elem_type or 0), i.shape) for i in self.inputs],
+                [(o.name, type_name(o.elem_type or 0), o.shape) for o in self.outputs])
+
+
+def load(source, *, weights=None, options: Options | None = None, **option_values) -> Model:
+    """Load an ONNX model from a path, bytes or onnx.ModelProto. `weights=` a .safetensors file
+    whose tensors supply or override initializers by name (memory-mapped). Keyword options
+    (inplace=False, check_inplace=True, max_tensor_elements=...) build an Options."""
+    if option_values:
+        options = Options(**option_values) if options is None else _replace(options, option_values)
+    return Model(load_model(source, weights), options)
+
+
+def _replace(options: Options, values: dict) -> Options:
+    from dataclasses import replace
+    return replace(options, **values)

@@ -1,0 +1,32 @@
+"""Session options; each has an environment variable so a switch needs no code change."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+@dataclass(frozen=True)
+class Options:
+    """inplace: run ops in place / move captures (RUNNX_INPLACE=0 turns it off; results are
+    bitwise identical either way). check_inplace: also compute every in-place step out of place and
+    compare (RUNNX_CHECK_INPLACE=1). profile: print a profile after each run (RUNNX_PROFILE=1).
+    max_tensor_elements / max_loop_iterations: resource limits checked before allocating."""
+
+    inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_INPLACE", True))
+    check_inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_CHECK_INPLACE", False))
+    profile: bool = field(default_factory=lambda: _env_flag("RUNNX_PROFILE", False))
+    trace: bool = field(default_factory=lambda: _env_flag("RUNNX_TRACE", False))
+    max_tensor_elements: int = field(default_factory=lambda: _env_int("RUNNX_MAX_TENSOR_ELEMENTS", 2**32))
+    max_loop_iterations: int = field(default_factory=lambda: _env_int("RUNNX_MAX_LOOP_ITERATIONS", 10**7))

@@ -1,0 +1,155 @@
+"""Planning: which nodes run, in which order, and what each step may consume or release.
+
+Backwards from the requested outputs (only needed nodes run), then forwards over the frontier
+of runnable nodes, always preferring a node that consumes nothing in place: readers of a value
+(Shape, Gather of a shape, ...) run before the node that would overwrite it. Liveness is
+computed once per plan, so the executor only checks storage ownership at run time.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from runnx.errors import CycleError, MissingInputError, MissingValueError
+from runnx.interp.ir import MISSING, Graph, Node
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    node: Node
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    candidates: tuple[tuple[int, int], ...]  # (input position, value id) that die here, may be overwritten
+    movable: frozenset  # captured value ids that die here and may be moved into the subgraph
+    releases: tuple[int, ...]  # value ids dead after this step (dying inputs, unused outputs)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    steps: tuple[Step, ...]
+    inputs: tuple[int, ...]  # provided value ids the plan reads
+    constants: tuple[int, ...]  # constant ids the plan reads
+    outputs: tuple[int, ...]
+    unused_inputs: tuple[int, ...]
+
+    @property
+    def nodes(self) -> list[Node]:
+        return [step.node for step in self.steps]
+
+
+def _reads(node: Node):
+    yield from (v for v in node.inputs if v != MISSING)
+    yield from node.captures
+
+
+def _consumes(node: Node) -> bool:
+    """Whether the node may consume an input in place or move a capture (it then runs last)."""
+    kernel = node.kernel
+    return bool(node.captures) or (kernel is not None and bool(kernel.inplace or kernel.inplace_from is not None))
+
+
+def make_plan(graph: Graph, provided: frozenset, outputs: tuple[int, ...]) -> Plan:
+    """The execution plan computing `outputs` from the `provided` value ids and the constants."""
+    needed = _needed_nodes(graph, provided, outputs)
+    order = _forward_order(graph, needed, provided)
+    return _liveness(graph, order, provided, outputs)
+
+
+def _needed_nodes(graph: Graph, provided: frozenset, outputs) -> list[Node]:
+    """Iterative DFS backwards from the outputs; detects cycles and missing values."""
+    state: dict[int, int] = {}  # node index -> 1 visiting, 2 done
+    needed: list[Node] = []
+    by_index = {node.index: node for node in graph.nodes}
+
+    def producer_of(vid: int, user: str):
+        if vid in provided or vid in graph.constants:
+            return None
+        node = graph.producer.get(vid)
+        if node is None:
+            name = graph.names[vid]
+            if vid in graph.inputs or vid in graph.capture_ids:
+                raise MissingInputError(f"input '{name}' is needed by {user} but was not provided")
+            raise MissingValueError(f"value '{name}' needed by {user} is not produced by any node")
+        return node
+
+    for out in outputs:
+        root = producer_of(out, f"the requested output '{graph.names[out]}'")
+        if root is None or state.get(root.index) == 2:
+            continue
+        stack = [(root, iter(list(_reads(root))))]
+        state[root.index] = 1
+        while stack:
+            node, reads = stack[-1]
+            for vid in reads:
+                dep = producer_of(vid, node.describe())
+                if dep is None:
+                    continue
+                mark = state.get(dep.index)
+                if mark == 1:
+                    raise CycleError(f"the graph has a cycle through {dep.describe()} (reached again from "
+                                     f"{node.describe()})")
+                if mark is None:
+                    state[dep.index] = 1
+                    stack.append((dep, iter(list(_reads(dep)))))
+                    break
+            else:
+                state[node.index] = 2
+                needed.append(node)
+                stack.pop()
+    needed.sort(key=lambda n: n.index)
+    del by_index
+    return needed
+
+
+def _forward_order(graph: Graph, needed: list[Node], provided: frozenset) -> list[Node]:
+    """Topological order over the frontier, readers (non-consuming nodes) first, then model order."""
+    waiting: dict[int, int] = {}
+    consumers: dict[int, list[Node]] = {}
+    in_plan = {node.index for node in needed}
+    for node in needed:
+        deps = {vid for vid in _reads(node)
+                if vid not in provided and vid not in graph.constants and graph.producer[vid].index in in_plan}
+        waiting[node.index] = len(deps)
+        for vid in deps:
+            consumers.setdefault(vid, []).append(node)
+    frontier = [(_consumes(n), n.index, n) for n in needed if waiting[n.index] == 0]
+    heapq.heapify(frontier)
+    order = []
+    while frontier:
+        _, _, node = heapq.heappop(frontier)
+        order.append(node)
+        for vid in node.outputs:
+            for consumer in consumers.get(vid, ()):
+                waiting[consumer.index] -= 1
+                if waiting[consumer.index] == 0:
+                    heapq.heappush(frontier, (_consumes(consumer), consumer.index, consumer))
+    return order
+
+
+def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> Plan:
+    requested = set(outputs)
+    last_use: dict[int, int] = {}
+    for position, node in enumerate(order):
+        for vid in _reads(node):
+            last_use[vid] = position
+    steps = []
+    for position, node in enumerate(order):
+        reads = list(_reads(node))
+        dying = {vid for vid in reads if last_use[vid] == position and vid not in requested}
+        once = {vid for vid in dying if reads.count(vid) == 1}
+        kernel = node.kernel
+        candidates = tuple((pos, vid) for pos, vid in enumerate(node.inputs)
+                           if vid in once and kernel.can_overwrite(pos))
+        movable = frozenset(vid for vid in node.captures if vid in once)
+        unused = tuple(vid for vid in node.outputs
+                       if vid != MISSING and vid not in last_use and vid not in requested)
+        steps.append(Step(node, node.inputs, node.outputs, candidates, movable,
+                          tuple(sorted(dying)) + unused))
+    read = set(last_use) | requested
+    return Plan(
+        steps=tuple(steps),
+        inputs=tuple(sorted(v for v in provided if v in read)),
+        constants=tuple(sorted(v for v in graph.constants if v in read and v not in provided)),
+        outputs=tuple(outputs),
+        unused_inputs=tuple(sorted(v for v in provided if v not in read)),
+    )

@@ -1,0 +1,114 @@
+"""Feed validation, before anything runs: names, dtypes (never cast silently), ranks, dimensions."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from runnx.capture.ownership import Owned, read_only_view
+from runnx.errors import InputShapeError, InputTypeError, UnknownInputError
+from runnx.interp.dtypes import ONNX_TO_NUMPY, type_name
+from runnx.interp.ir import Graph, ValueInfo
+
+
+class FeedSpec:
+    """What one model input accepts, precomputed once per model."""
+
+    __slots__ = ("name", "vid", "info", "dtype", "shape")
+
+    def __init__(self, name: str, vid: int, info: ValueInfo | None):
+        self.name, self.vid, self.info = name, vid, info
+        self.dtype = ONNX_TO_NUMPY.get(info.elem_type) if info is not None and info.elem_type else None
+        self.shape = info.shape if info is not None and info.kind == "tensor" else None
+
+
+def feed_specs(graph: Graph) -> dict[str, FeedSpec]:
+    specs = {graph.names[vid]: FeedSpec(graph.names[vid], vid, info)
+             for vid, info in zip(graph.inputs, graph.input_info)}
+    for vid in graph.optional_inputs:  # initializers that a feed may override
+        constant = graph.constants[vid]
+        name = graph.names[vid]
+        specs[name] = FeedSpec(name, vid, ValueInfo(name, "tensor", _elem_type(constant.dtype), constant.shape))
+    return specs
+
+
+def _elem_type(dtype):
+    from runnx.interp.dtypes import onnx_type
+    try:
+        return onnx_type(dtype)
+    except KeyError:
+        return None
+
+
+def _as_value(spec: FeedSpec, raw):
+    """The array (or sequence / None) runnx will hold for a feed."""
+    kind = spec.info.kind if spec.info is not None else "tensor"
+    if kind == "sequence":
+        if not isinstance(raw, (list, tuple)):
+            raise InputTypeError(f"input '{spec.name}' is a sequence: pass a list of arrays, got {type(raw).__name__}")
+        return [_as_array(spec, item) for item in raw]
+    if kind == "optional" and raw is None:
+        return None
+    return _as_array(spec, raw)
+
+
+def _as_array(spec: FeedSpec, raw) -> np.ndarray:
+    if isinstance(raw, np.ndarray):
+        array = raw
+    elif isinstance(raw, (np.generic, int, float, bool, str, bytes, list, tuple)):
+        array = np.asarray(raw)  # wrapping, not casting: the dtype check below still applies
+    else:
+        raise InputTypeError(f"input '{spec.name}' must be a numpy array, got {type(raw).__name__}")
+    if array.dtype.kind in "US":
+        array = array.astype(object)
+    expected = spec.dtype
+    if expected is not None and array.dtype != expected:
+        wanted = type_name(spec.info.elem_type)
+        raise InputTypeError(f"input '{spec.name}' expects {wanted} ({expected}), got an array of {array.dtype}"
+                             " (runnx does not cast inputs: convert it with .astype)")
+    return array
+
+
+def check_shape(spec: FeedSpec, array: np.ndarray, symbols: dict) -> None:
+    declared = spec.shape
+    if declared is None or not isinstance(array, np.ndarray):
+        return
+    if array.ndim != len(declared):
+        raise InputShapeError(f"input '{spec.name}' expects rank {len(declared)} (shape {_show(declared)}), "
+                              f"got shape {list(array.shape)}")
+    for axis, (want, got) in enumerate(zip(declared, array.shape)):
+        if isinstance(want, int) and want > 0 and want != got:
+            raise InputShapeError(f"input '{spec.name}' expects dimension {axis} to be {want} (shape "
+                                  f"{_show(declared)}), got shape {list(array.shape)}")
+        if isinstance(want, str):
+            seen = symbols.setdefault(want, (got, spec.name))
+            if seen[0] != got:
+                raise InputShapeError(f"input '{spec.name}' has {want}={got} at dimension {axis}, but input "
+                                      f"'{seen[1]}' has {want}={seen[0]}")
+
+
+def _show(shape) -> str:
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def bind_feeds(specs: dict[str, FeedSpec], feeds) -> dict[int, tuple]:
+    """value id -> (value, owned) for every feed; raises InputError subclasses naming the culprit."""
+    if not isinstance(feeds, Mapping):
+        raise InputTypeError(f"feeds must be a mapping of input name to array, got {type(feeds).__name__}")
+    bound, symbols = {}, {}
+    for name, raw in feeds.items():
+        spec = specs.get(name)
+        if spec is None:
+            known = ", ".join(sorted(specs)) or "none"
+            raise UnknownInputError(f"'{name}' is not an input of the model (inputs: {known})")
+        owned = isinstance(raw, Owned)
+        value = _as_value(spec, raw.array if owned else raw)
+        if isinstance(value, np.ndarray):
+            check_shape(spec, value, symbols)
+            if not owned or not value.flags.writeable:
+                value = read_only_view(value)
+                owned = False
+        elif isinstance(value, list):
+            value = [read_only_view(v) for v in value] if not owned else value
+        bound[spec.vid] = (value, owned)
+    return bound

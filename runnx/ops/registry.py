@@ -1,0 +1,133 @@
+"""The operator registry: the one place that knows which kernel runs which (domain, op, opset).
+
+A kernel is a plain function named after the ONNX op. Arrays are positional (a missing optional
+input arrives as None); attributes are keyword-only, typed, with the ONNX defaults in the
+signature. Two keyword names are reserved:
+
+- ``overwrite``: the positions of inputs this call may reuse or overwrite (declared with
+  ``inplace=``; the executor grants a position only when that input is owned, dead after this
+  node and not aliased by any live value),
+- ``ctx``: the RunContext (options, profile counters, subgraph execution).
+
+A kernel returns one value, or a tuple for several outputs (a list is a sequence value). It must
+never return a writeable array that it keeps a reference to (module caches must be read-only).
+Resolution picks the newest registration whose since-version is <= the model's opset.
+"""
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+from dataclasses import dataclass
+
+import numpy as np
+
+from runnx.capture.env import Subgraph
+
+REQUIRED = inspect.Parameter.empty
+RESERVED = ("overwrite", "ctx")
+DEFAULT_DOMAIN = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    op_type: str
+    domain: str
+    since: int
+    fn: typing.Callable
+    inplace: tuple[int, ...]  # input positions the kernel can reuse
+    inplace_from: int | None  # all positions >= this one too (variadic ops like Loop)
+    attrs: dict  # name -> (allowed python types, default or REQUIRED)
+    subgraph_attrs: tuple[str, ...]
+    wants_ctx: bool
+
+    def can_overwrite(self, position: int) -> bool:
+        return position in self.inplace or (self.inplace_from is not None and position >= self.inplace_from)
+
+
+_REGISTRY: dict[tuple[str, str], list[Kernel]] = {}
+
+
+def _canonical_domain(domain: str) -> str:
+    return DEFAULT_DOMAIN if domain in ("", "ai.onnx") else domain
+
+
+def _allowed_types(annotation) -> tuple:
+    """Python types an attribute value may have, from the kernel's annotation."""
+    if annotation is REQUIRED:
+        return (object,)
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        allowed = ()
+        for arg in typing.get_args(annotation):
+            allowed += (type(None),) if arg is type(None) else _allowed_types(arg)
+        return allowed
+    if origin in (list, tuple) or annotation in (list, tuple):
+        return (tuple,)
+    if annotation is float:
+        return (float, int)
+    return (annotation,)
+
+
+def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace: tuple[int, ...] = (),
+             inplace_from: int | None = None):
+    """Register a kernel for `op_type` from opset `since` on; see the module docstring."""
+
+    def decorate(fn):
+        hints = typing.get_type_hints(fn)
+        attrs, subgraphs = {}, []
+        params = inspect.signature(fn).parameters
+        for name, param in params.items():
+            if param.kind is not inspect.Parameter.KEYWORD_ONLY or name in RESERVED:
+                continue
+            annotation = hints.get(name, REQUIRED)
+            if annotation is Subgraph:
+                subgraphs.append(name)
+            attrs[name] = (_allowed_types(annotation), param.default)
+        if (inplace or inplace_from is not None) and "overwrite" not in params:
+            raise TypeError(f"kernel {fn.__name__} declares in-place inputs but takes no 'overwrite'")
+        kernel = Kernel(op_type, _canonical_domain(domain), since, fn, tuple(inplace), inplace_from, attrs,
+                        tuple(subgraphs), "ctx" in params)
+        versions = _REGISTRY.setdefault((kernel.domain, op_type), [])
+        if any(k.since == since for k in versions):
+            raise ValueError(f"{op_type} since {since} registered twice")
+        versions.append(kernel)
+        versions.sort(key=lambda k: k.since)
+        return fn
+
+    return decorate
+
+
+def resolve(domain: str, op_type: str, opset: int) -> Kernel | None:
+    """The kernel for this op at this opset, or None when runnx has none."""
+    versions = _REGISTRY.get((_canonical_domain(domain), op_type), ())
+    chosen = None
+    for kernel in versions:
+        if kernel.since <= opset:
+            chosen = kernel
+    return chosen
+
+
+def known_versions(domain: str, op_type: str) -> list[int]:
+    return [k.since for k in _REGISTRY.get((_canonical_domain(domain), op_type), ())]
+
+
+def all_ops() -> list[tuple[str, str, list[int]]]:
+    """(domain, op_type, since-versions) of everything registered, for `runnx inspect` and docs."""
+    return sorted((d, op, [k.since for k in ks]) for (d, op), ks in _REGISTRY.items())
+
+
+def check_attribute(kernel: Kernel, name: str, value) -> str | None:
+    """Why `value` is not acceptable for attribute `name` of `kernel`, or None when it is."""
+    if name not in kernel.attrs:
+        known = ", ".join(sorted(kernel.attrs)) or "none"
+        return f"unknown attribute '{name}' (known: {known})"
+    allowed, _ = kernel.attrs[name]
+    if name in kernel.subgraph_attrs:
+        return None if hasattr(value, "nodes") else f"attribute '{name}' should be a graph"
+    if object in allowed or isinstance(value, allowed):
+        return None
+    if isinstance(value, np.ndarray) and np.ndarray in allowed:
+        return None
+    wanted = " or ".join(sorted({t.__name__ for t in allowed}))
+    return f"attribute '{name}' should be {wanted}, got {type(value).__name__}"
