@@ -115,6 +115,8 @@ class Executor:
                 extra["overwrite"] = granted
             if kernel.wants_ctx:
                 extra["ctx"] = ctx
+            if kernel.wants_output_count:
+                extra["output_count"] = len(node.outputs)
             start = time.perf_counter() if profile is not None else 0.0
             try:
                 reference = None

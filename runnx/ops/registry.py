@@ -2,12 +2,13 @@
 
 A kernel is a plain function named after the ONNX op. Arrays are positional (a missing optional
 input arrives as None); attributes are keyword-only, typed, with the ONNX defaults in the
-signature. Two keyword names are reserved:
+signature. Three keyword names are reserved:
 
 - ``overwrite``: the positions of inputs this call may reuse or overwrite (declared with
   ``inplace=``; the executor grants a position only when that input is owned, dead after this
   node and not aliased by any live value),
-- ``ctx``: the RunContext (options, profile counters, subgraph execution).
+- ``ctx``: the RunContext (options, profile counters, subgraph execution),
+- ``output_count``: how many outputs the node declares (Split into equal parts needs it).
 
 A kernel returns one value, or a tuple for several outputs (a list is a sequence value). It must
 never return a writeable array that it keeps a reference to (module caches must be read-only).
@@ -25,7 +26,7 @@ import numpy as np
 from runnx.capture.env import Subgraph
 
 REQUIRED = inspect.Parameter.empty
-RESERVED = ("overwrite", "ctx")
+RESERVED = ("overwrite", "ctx", "output_count")
 DEFAULT_DOMAIN = ""
 
 
@@ -40,6 +41,7 @@ class Kernel:
     attrs: dict  # name -> (allowed python types, default or REQUIRED)
     subgraph_attrs: tuple[str, ...]
     wants_ctx: bool
+    wants_output_count: bool
 
     def can_overwrite(self, position: int) -> bool:
         return position in self.inplace or (self.inplace_from is not None and position >= self.inplace_from)
@@ -87,7 +89,7 @@ def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace:
         if (inplace or inplace_from is not None) and "overwrite" not in params:
             raise TypeError(f"kernel {fn.__name__} declares in-place inputs but takes no 'overwrite'")
         kernel = Kernel(op_type, _canonical_domain(domain), since, fn, tuple(inplace), inplace_from, attrs,
-                        tuple(subgraphs), "ctx" in params)
+                        tuple(subgraphs), "ctx" in params, "output_count" in params)
         versions = _REGISTRY.setdefault((kernel.domain, op_type), [])
         if any(k.since == since for k in versions):
             raise ValueError(f"{op_type} since {since} registered twice")
