@@ -1,0 +1,221 @@
+"""One decoder step at a time, with the self-attention KV cache appended in place.
+
+Usage (any Optimum decoder export; Whisper's decoder the same way)::
+
+    from runnx.generate.decoder import DecoderStep
+    decoder = DecoderStep.from_folder("whisper-tiny.en", capacity=448)   # or DecoderStep(model[, with_past])
+    decoder.reset(batch_size=1, fixed_feeds={"encoder_hidden_states": hidden})
+    logits = decoder.step(np.array([[50257, 50362]]))   # (batch, new tokens, vocab); first step = prefill
+    logits = decoder.step(np.array([[next_id]]))        # later steps append to the cache
+    decoder.length                                       # tokens in the cache
+
+What it does for you:
+
+- Names: inputs/outputs are discovered by `DecoderIO` (io_names.py) for the three export shapes
+  (`model.onnx`; `decoder_model_merged.onnx`, where it feeds `use_cache_branch` False on the first
+  step and True afterwards; `decoder_model.onnx` for the first step + `decoder_with_past_model.onnx`).
+  `attention_mask`, `position_ids` (from the mask: left padding works) and `cache_position` are
+  built when the model has them; the caller passes only input ids (and, for padding, the new tokens'
+  mask as `step(ids, attention_mask=...)`).
+- Self-attention KV (`past_key_values.N[.decoder].key|value`): a `KVCache` with `capacity` rows,
+  handed to the model as `runnx.Owned` each step so that Concat appends in place; the `present.*`
+  outputs (views of the same buffers) become the cache. Short of room, it doubles.
+- Cross-attention KV (`.encoder.`): taken from the *first* step's `present.*.encoder.*` outputs and
+  fed unchanged (read-only) to every later step; later steps' encoder presents are ignored (the
+  merged Whisper decoder returns dummies there with use_cache_branch=True).
+- Fixed feeds (`encoder_hidden_states`, ...): given once to `reset`, fed to every step whose model
+  has that input (decoder_with_past_model.onnx does not take it).
+- `profile=runnx.Profile()` accumulates every step's profile (in-place counters for tests).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from runnx.generate.io_names import DecoderIO, DecoderIOError, KVName, find_decoder_files
+from runnx.generate.kv_cache import SEQUENCE_AXIS, KVCache
+from runnx.interp.dtypes import numpy_dtype
+from runnx.interp.model import load as runnx_load
+
+
+class DecoderStep:
+    """Runs a decoder one step at a time and owns its KV cache (see the module docstring)."""
+
+    def __init__(self, model, with_past=None, *, capacity: int = 256, config: dict | None = None, profile=None):
+        """`model` runs the first step (and every step when `with_past` is None); `config` (the
+        model's config.json) is only needed when the past inputs do not declare heads/head_dim."""
+        self.first_model = model
+        self.past_model = with_past if with_past is not None else model
+        self.first_io = DecoderIO.of(model)
+        self.past_io = DecoderIO.of(self.past_model)
+        if not self.past_io.takes_past:
+            raise DecoderIOError("the decoder takes no past_key_values: it cannot be run step by step with a cache")
+        self.capacity = capacity
+        self.profile = profile
+        self._layout = _kv_layout(self.past_model, self.past_io, config or {})
+        self.reset()
+
+    @classmethod
+    def from_folder(cls, folder, *, capacity: int = 256, profile=None, load=None, prefix: str = "") -> "DecoderStep":
+        """Load the decoder file(s) of an Optimum export folder; `load` defaults to runnx.load."""
+        load = load or runnx_load
+        files = find_decoder_files(folder, prefix)
+        first = load(str(files.first))
+        with_past = load(str(files.with_past)) if files.with_past != files.first else None
+        config_path = Path(folder) / "config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        return cls(first, with_past, capacity=capacity, config=config, profile=profile)
+
+    # -- state -------------------------------------------------------------------------------
+    def reset(self, batch_size: int = 1, fixed_feeds: dict | None = None) -> None:
+        """Forget everything: the next step is a prefill."""
+        self.batch_size = batch_size
+        self.fixed_feeds = dict(fixed_feeds or {})
+        self.cache: KVCache | None = None  # self-attention KV, keyed by the past input names
+        self.cross: dict[str, np.ndarray] = {}  # cross-attention KV from the first step
+        self.attention_mask = np.zeros((batch_size, 0), np.int64)
+
+    @property
+    def length(self) -> int:
+        """Number of tokens (per row, padding included) in the cache."""
+        return self.attention_mask.shape[1]
+
+    @property
+    def started(self) -> bool:
+        return self.cache is not None
+
+    def truncate(self, length: int) -> None:
+        """Forget every token after the first `length` (a cheap shortening of views: the capacity stays)."""
+        if self.cache is None or length >= self.length:
+            return
+        index = (slice(None),) * SEQUENCE_AXIS + (slice(0, length),)
+        self.cache.accept({name: array[index] for name, array in self.cache.arrays.items()})
+        self.attention_mask = self.attention_mask[:, :length]
+
+    def kv_arrays(self) -> dict[str, np.ndarray]:
+        """Exact-size copies of the KV tensors (self- and cross-attention), keyed by past input name."""
+        arrays = self.cache.copy_arrays() if self.cache is not None else {}
+        arrays.update({name: np.ascontiguousarray(a) for name, a in self.cross.items()})
+        return arrays
+
+    def restore(self, arrays: dict[str, np.ndarray], attention_mask: np.ndarray, fixed_feeds=None) -> None:
+        """Continue from saved `kv_arrays()` and the attention mask that goes with them."""
+        attention_mask = np.asarray(attention_mask, np.int64)
+        self.reset(attention_mask.shape[0], fixed_feeds)
+        self_names = {k.past for k in self.past_io.kv if not k.is_cross_attention}
+        missing = self_names - set(arrays)
+        if missing:
+            raise DecoderIOError(f"saved state lacks {sorted(missing)}")
+        self.cache = KVCache.with_capacity({n: arrays[n] for n in self_names},
+                                           max(self.capacity, 2 * attention_mask.shape[1]))
+        self.cross = {k.past: arrays[k.past] for k in self.past_io.kv if k.is_cross_attention}
+        self.attention_mask = attention_mask
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self, input_ids, attention_mask=None) -> np.ndarray:
+        """Run the model on `input_ids` [batch, new] and return the logits [batch, new, vocab].
+        `attention_mask` [batch, new] marks padding among the new tokens (default: all ones)."""
+        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        if input_ids.ndim != 2 or input_ids.shape[0] != self.batch_size:
+            raise DecoderIOError(f"input_ids must be [batch={self.batch_size}, new tokens], got {list(input_ids.shape)}")
+        new = input_ids.shape[1]
+        new_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask, np.int64)
+        first = not self.started
+        model, io = (self.first_model, self.first_io) if first else (self.past_model, self.past_io)
+        full_mask = np.concatenate([self.attention_mask, new_mask], axis=1)
+
+        feeds = {io.input_ids: input_ids}
+        if io.attention_mask:
+            feeds[io.attention_mask] = full_mask
+        if io.position_ids:
+            feeds[io.position_ids] = _positions(full_mask, new)
+        if io.cache_position:
+            feeds[io.cache_position] = np.arange(self.length, self.length + new, dtype=np.int64)
+        if io.use_cache_branch:
+            feeds[io.use_cache_branch] = np.array([not first])
+        for name in io.other_inputs:
+            if name in self.fixed_feeds:
+                feeds[name] = self.fixed_feeds[name]
+        feeds.update(self._past_feeds(io, first, new))
+
+        wanted = [io.logits] + [k.present for k in io.kv if k.present and (first or not k.is_cross_attention)]
+        run_kwargs = {"profile": self.profile} if self.profile is not None else {}
+        outputs = model.run(feeds, wanted, **run_kwargs)
+        self._take_presents(io, outputs, first)
+        self.attention_mask = full_mask
+        return outputs[io.logits]
+
+    def _past_feeds(self, io: DecoderIO, first: bool, new: int) -> dict:
+        if not io.takes_past:
+            return {}
+        if not first:
+            feeds = self.cache.handover(new)
+            feeds.update({k.past: self.cross[k.past] for k in io.kv if k.is_cross_attention and k.past})
+            return feeds
+        if io.use_cache_branch:  # merged decoder, first step: the past is ignored but must be fed
+            return {k.past: self._empty(k) for k in io.kv if k.past}
+        # model.onnx: the prefill appends into the reserved buffers already
+        self_attention = [k for k in io.kv if k.past and not k.is_cross_attention]
+        self.cache = KVCache.empty({k.past: self._empty_shape(k) for k in self_attention},
+                                   {k.past: self._layout[k.slot][2] for k in self_attention}, self.capacity)
+        feeds = self.cache.handover(new)
+        feeds.update({k.past: self._empty(k) for k in io.kv if k.past and k.is_cross_attention})
+        return feeds
+
+    def _take_presents(self, io: DecoderIO, outputs: dict, first: bool) -> None:
+        past_name = {k.slot: k.past for k in self.past_io.kv}
+        self_presents = {past_name[k.slot]: outputs[k.present] for k in io.kv
+                         if k.present and not k.is_cross_attention}
+        if first:
+            self.cross = {past_name[k.slot]: outputs[k.present] for k in io.kv if k.present and k.is_cross_attention}
+        if self.cache is None:  # a prefill without past inputs returned exact-size arrays
+            self.cache = KVCache.with_capacity(self_presents, self.capacity)
+        else:
+            self.cache.accept(self_presents)
+
+    def _empty_shape(self, kv: KVName) -> tuple:
+        heads, head_dim, _ = self._layout[kv.slot]
+        return (self.batch_size, heads, 0, head_dim)
+
+    def _empty(self, kv: KVName) -> np.ndarray:
+        return np.zeros(self._empty_shape(kv), self._layout[kv.slot][2])
+
+
+def _positions(mask: np.ndarray, new: int) -> np.ndarray:
+    """position_ids of the last `new` tokens: count of real tokens before each one (as transformers
+    computes them from the attention mask), 1 on padding."""
+    positions = np.cumsum(mask, axis=1) - 1
+    positions[mask == 0] = 1
+    return positions[:, -new:].astype(np.int64)
+
+
+def _kv_layout(model, io: DecoderIO, config: dict) -> dict:
+    """(heads, head_dim, dtype) per KV slot, from the past inputs' declared shapes or the config."""
+    infos = {info.name: info for info in getattr(model, "inputs", ())}
+    layout = {}
+    for kv in io.kv:
+        if not kv.past:
+            continue
+        info = infos.get(kv.past)
+        shape = info.shape if info is not None and info.shape is not None else (None,) * 4
+        heads, head_dim = shape[1], shape[3]
+        if not isinstance(heads, int) or not isinstance(head_dim, int):
+            heads, head_dim = _layout_from_config(config, kv)
+        dtype = numpy_dtype(info.elem_type) if info is not None and info.elem_type else np.dtype(np.float32)
+        layout[kv.slot] = (heads, head_dim, dtype)
+    return layout
+
+
+def _layout_from_config(config: dict, kv: KVName) -> tuple[int, int]:
+    heads = config.get("num_key_value_heads") or config.get("num_attention_heads") or config.get("n_head")
+    if kv.group:
+        heads = config.get(f"{kv.group}_attention_heads", heads)
+    hidden = config.get("hidden_size") or config.get("d_model") or config.get("n_embd")
+    total_heads = config.get("num_attention_heads") or config.get("n_head") or heads
+    head_dim = config.get("head_dim") or (hidden // total_heads if hidden and total_heads else None)
+    if not heads or not head_dim:
+        raise DecoderIOError(f"cannot tell the KV heads/head_dim of '{kv.past}': the input declares no sizes "
+                             "and config.json has none")
+    return int(heads), int(head_dim)
