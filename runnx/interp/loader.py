@@ -120,6 +120,11 @@ class _GraphBuilder:
         where: dict[str, str] = {}
 
         def define(name, origin):
+            if name in capture_users:  # read before its producer (nodes out of order): local after all
+                captures.remove(name)
+                del capture_users[name]
+                where[name] = origin
+                return ids[name]
             if name in ids:
                 raise InvalidModelError(f"value '{name}' is defined twice in {owner}'s graph: by {where[name]} and by {origin}")
             ids[name] = len(names)

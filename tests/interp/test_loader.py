@@ -1,0 +1,189 @@
+"""Loading: external data confined to the model folder and memory-mapped, safetensors weights,
+and one error listing every unsupported op."""
+import json
+import mmap
+import os
+import struct
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from onnx import TensorProto, helper, numpy_helper
+
+import runnx
+
+WEIGHT = np.arange(12, dtype=np.float32).reshape(3, 4)
+
+
+def _proto(weight=WEIGHT, nodes=None):
+    init = numpy_helper.from_array(weight, "w")
+    graph = helper.make_graph(
+        nodes or [helper.make_node("Add", ["x", "w"], ["y"], name="add")], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])], [init])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _external(tmp_path, location, offset=None, length=None, payload=WEIGHT.tobytes()):
+    """Save a model whose initializer 'w' points at `location` (written by the test itself)."""
+    model = _proto()
+    tensor = model.graph.initializer[0]
+    tensor.ClearField("raw_data")
+    tensor.data_location = TensorProto.EXTERNAL
+    entries = {"location": location}
+    if offset is not None:
+        entries["offset"] = str(offset)
+    if length is not None:
+        entries["length"] = str(length)
+    for key, value in entries.items():
+        tensor.external_data.add(key=key, value=value)
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    if payload is not None and location and not os.path.isabs(location) and ".." not in location:
+        (folder / location).write_bytes(payload)
+    path = folder / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def _reaches_mmap(array) -> bool:
+    seen = array
+    while seen is not None:
+        if isinstance(seen, mmap.mmap):
+            return True
+        seen = getattr(seen, "base", None) if not isinstance(seen, memoryview) else seen.obj
+    return False
+
+
+def test_valid_external_data_is_memory_mapped_not_copied(tmp_path):
+    path = _external(tmp_path, "weights.bin", offset=16, length=WEIGHT.nbytes,
+                     payload=b"\0" * 16 + WEIGHT.tobytes())
+    model = runnx.load(path)
+    constant = model.graph.constants[model.graph.ids["w"]]
+    np.testing.assert_array_equal(constant, WEIGHT)
+    assert _reaches_mmap(constant) and not constant.flags.writeable
+    x = np.ones((3, 4), np.float32)
+    np.testing.assert_array_equal(model.run({"x": x})["y"], WEIGHT + 1)
+
+
+@pytest.mark.parametrize("location, message", [
+    ("../weights.bin", "escapes the model folder"),
+    ("sub/../../weights.bin", "escapes the model folder"),
+    ("/etc/passwd", "must be relative"),
+    ("", "must be relative"),
+])
+def test_external_data_outside_the_model_folder_is_refused(tmp_path, location, message):
+    (tmp_path / "weights.bin").write_bytes(WEIGHT.tobytes())
+    with pytest.raises(runnx.ExternalDataError, match=message) as caught:
+        runnx.load(_external(tmp_path, location))
+    assert "tensor 'w'" in str(caught.value)
+
+
+def test_external_data_through_a_symlink_is_refused(tmp_path):
+    (tmp_path / "secret.bin").write_bytes(WEIGHT.tobytes())
+    path = _external(tmp_path, "link.bin", payload=None)
+    os.symlink(tmp_path / "secret.bin", path.parent / "link.bin")
+    with pytest.raises(runnx.ExternalDataError, match="symlink"):
+        runnx.load(path)
+
+
+@pytest.mark.parametrize("offset, length", [(0, WEIGHT.nbytes + 4), (8, WEIGHT.nbytes), (10**12, 4), (-4, 4)])
+def test_external_data_range_outside_the_file_is_refused(tmp_path, offset, length):
+    with pytest.raises(runnx.ExternalDataError, match="outside 'weights.bin'"):
+        runnx.load(_external(tmp_path, "weights.bin", offset=offset, length=length))
+
+
+def test_external_data_of_the_wrong_size_is_refused(tmp_path):
+    with pytest.raises(runnx.InvalidModelError, match="tensor 'w' has 40 bytes"):
+        runnx.load(_external(tmp_path, "weights.bin", length=40))
+
+
+def test_missing_external_file_and_bytes_models_with_external_data_are_refused(tmp_path):
+    path = _external(tmp_path, "weights.bin", payload=None)
+    with pytest.raises(runnx.ExternalDataError, match="not found"):
+        runnx.load(path)
+    with pytest.raises(runnx.InvalidModelError, match="not loaded from a file"):
+        runnx.load(path.read_bytes())
+
+
+def test_safetensors_weights_override_initializers_zero_copy(tmp_path):
+    weights = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file({"w": np.full((3, 4), 7, np.float32)}, weights)
+    model = runnx.load(_proto(), weights=weights)
+    constant = model.graph.constants[model.graph.ids["w"]]
+    assert _reaches_mmap(constant)
+    np.testing.assert_array_equal(model.run({"x": np.ones((3, 4), np.float32)})["y"], np.full((3, 4), 8))
+
+
+def test_weights_naming_tensors_the_model_does_not_have_are_refused(tmp_path):
+    weights = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file({"w": WEIGHT, "other": WEIGHT}, weights)
+    with pytest.raises(runnx.InvalidModelError, match="other"):
+        runnx.load(_proto(), weights=weights)
+
+
+def _safetensors_bytes(header, body=b""):
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + body
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"abc", "too short"),
+    (struct.pack("<Q", 10**9) + b"{}", "exceeds the file"),
+    (struct.pack("<Q", 4) + b"\xff\xfe{]", "not valid JSON"),
+    (_safetensors_bytes([1, 2]), "not a JSON object"),
+    (_safetensors_bytes({"w": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 48]}}, b"\0" * 40),
+     "does not match its byte range"),
+    (_safetensors_bytes({"w": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 40]}}, b"\0" * 48),
+     "does not match its byte range"),
+    (_safetensors_bytes({"w": {"dtype": "F32", "shape": [-3, -4], "data_offsets": [0, 48]}}, b"\0" * 48),
+     "does not match its byte range"),
+    (_safetensors_bytes({"w": {"dtype": "F32", "shape": [3, 4], "data_offsets": [8, 4]}}, b"\0" * 48),
+     "does not match its byte range"),
+    (_safetensors_bytes({"w": {"dtype": "X99", "shape": [3, 4], "data_offsets": [0, 48]}}, b"\0" * 48),
+     "malformed or unsupported"),
+    (_safetensors_bytes({"w": {"shape": [3, 4]}}), "malformed or unsupported"),
+    (_safetensors_bytes({"w": "F32"}), "malformed or unsupported"),
+])
+def test_malformed_safetensors_headers_are_refused(tmp_path, content, message):
+    weights = tmp_path / "bad.safetensors"
+    weights.write_bytes(content)
+    with pytest.raises(runnx.ExternalDataError, match=message):
+        runnx.load(_proto(), weights=weights)
+
+
+def test_missing_weights_file_is_refused(tmp_path):
+    with pytest.raises(runnx.ExternalDataError, match="cannot open"):
+        runnx.load(_proto(), weights=tmp_path / "none.safetensors")
+
+
+def test_one_error_lists_every_unsupported_op_with_its_nodes():
+    nodes = [helper.make_node("NoSuchOp", ["x"], ["a"], name="first"),
+             helper.make_node("NoSuchOp", ["a"], ["b"], name="second"),
+             helper.make_node("OtherOp", ["b", "w"], ["c"], name="third", domain="com.example"),
+             helper.make_node("Add", ["c", "w"], ["y"], name="add")]
+    model = _proto(nodes=nodes)
+    model.opset_import.append(helper.make_opsetid("com.example", 3))
+    with pytest.raises(runnx.UnsupportedOpError) as caught:
+        runnx.load(model)
+    message = str(caught.value)
+    assert "ai.onnx::NoSuchOp at opset 18: nodes 'first', 'second'" in message
+    assert "com.example::OtherOp at opset 3: nodes 'third'" in message
+    assert "Add" not in message
+
+
+def test_unsupported_op_version_says_where_runnx_starts():
+    model = _proto()
+    model.opset_import[0].version = 6  # Add is registered from opset 7
+    with pytest.raises(runnx.UnsupportedOpError, match=r"Add at opset 6 \(runnx has it from opset 7\): nodes 'add'"):
+        runnx.load(model)
+
+
+def test_model_files_and_bytes_that_are_not_onnx_are_refused(tmp_path):
+    with pytest.raises(runnx.ModelLoadError, match="not found"):
+        runnx.load(tmp_path / "missing.onnx")
+    (tmp_path / "junk.onnx").write_bytes(b"\xff" * 64)
+    with pytest.raises(runnx.ModelLoadError, match="junk.onnx"):
+        runnx.load(tmp_path / "junk.onnx")
+    with pytest.raises(runnx.ModelLoadError, match="not an ONNX model"):
+        runnx.load(b"\x0a\xff\xff\xff\xff\x0f")
