@@ -1,9 +1,16 @@
-"""Tensor creation: Constant (folded at load time)."""
+"""Tensor creation: Constant (folded at load time), ConstantOfShape, Range, EyeLike.
+
+Ops whose output size comes from a tensor's values check it against the session's element limit
+before allocating."""
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
-from runnx.errors import InvalidModelError
+from runnx.errors import InvalidModelError, RunnxError
+from runnx.interp.dtypes import numpy_dtype
+from runnx.ops._shape_util import int_values, scalar_value
 from runnx.ops.registry import register
 
 
@@ -26,3 +33,39 @@ def Constant(*, value: np.ndarray | None = None, value_float: float | None = Non
     if name in ("value_int", "value_ints"):
         return np.array(data, dtype=np.int64)
     return np.array(data, dtype=object)
+
+
+@register("ConstantOfShape", since=9)
+def ConstantOfShape(shape, *, value: np.ndarray | None = None, ctx):
+    dims = int_values(shape)
+    if any(d < 0 for d in dims):
+        raise RunnxError(f"ConstantOfShape shape {dims} has a negative dimension")
+    ctx.check_elements(dims, "ConstantOfShape output")
+    if value is None:
+        return np.zeros(dims, dtype=np.float32)
+    if value.size != 1:
+        raise InvalidModelError(f"ConstantOfShape value must hold one element, got shape {value.shape}")
+    return np.full(dims, value.reshape(-1)[0], dtype=value.dtype)
+
+
+@register("Range", since=11)
+def Range(start, limit, delta, *, ctx):
+    dtype = start.dtype
+    first, last, step = (scalar_value(v, name) for v, name in ((start, "start"), (limit, "limit"), (delta, "delta")))
+    if step == 0:
+        raise RunnxError("Range delta cannot be 0")
+    if dtype.kind in "iu":
+        count = max(-((first - last) // step), 0)  # ceil((limit - start) / delta), exactly
+    else:
+        count = max(math.ceil((last - first) / step), 0)
+    ctx.check_elements([count], "Range output")
+    # start + i * delta, computed wide and rounded once into the input's type
+    wide = np.int64 if dtype.kind in "iu" else np.float64
+    return (first + np.arange(count, dtype=wide) * np.asarray(step, dtype=wide)).astype(dtype)
+
+
+@register("EyeLike", since=9)
+def EyeLike(x, *, dtype: int | None = None, k: int = 0):
+    if x.ndim != 2:
+        raise RunnxError(f"EyeLike needs a 2-D input, got shape {x.shape}")
+    return np.eye(x.shape[0], x.shape[1], k, dtype=x.dtype if dtype is None else numpy_dtype(dtype))
