@@ -1,0 +1,79 @@
+"""numba kernels of the neural-network families, for loops numpy cannot vectorise (per-ROI sampling grids)."""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+
+@numba.njit(cache=True)
+def _bilinear_corners(y, x, height, width):
+    """(flat index, weight) of the 4 neighbours of (y, x), onnxruntime's RoiAlign clamping; weights 0 outside."""
+    index = np.zeros(4, dtype=np.int64)
+    weight = np.zeros(4)
+    if y < -1.0 or y > height or x < -1.0 or x > width:
+        return index, weight
+    y = max(y, 0.0)
+    x = max(x, 0.0)
+    y_low, x_low = int(y), int(x)
+    if y_low >= height - 1:
+        y_low = y_high = height - 1
+        y = float(y_low)
+    else:
+        y_high = y_low + 1
+    if x_low >= width - 1:
+        x_low = x_high = width - 1
+        x = float(x_low)
+    else:
+        x_high = x_low + 1
+    ly, lx = y - y_low, x - x_low
+    hy, hx = 1.0 - ly, 1.0 - lx
+    index[0], index[1] = y_low * width + x_low, y_low * width + x_high
+    index[2], index[3] = y_high * width + x_low, y_high * width + x_high
+    weight[0], weight[1], weight[2], weight[3] = hy * hx, hy * lx, ly * hx, ly * lx
+    return index, weight
+
+
+@numba.njit(cache=True)
+def roi_align(x, rois, batch_indices, pooled_h, pooled_w, sampling_ratio, scale, use_max, half_pixel):
+    """RoiAlign over x (N, C, H, W) float64 -> (R, C, pooled_h, pooled_w); max mode takes the largest
+    weighted corner, as onnxruntime does."""
+    channels, height, width = x.shape[1], x.shape[2], x.shape[3]
+    out = np.zeros((rois.shape[0], channels, pooled_h, pooled_w))
+    shift = 0.5 if half_pixel else 0.0
+    for r in range(rois.shape[0]):
+        image = x[batch_indices[r]].reshape(channels, height * width)
+        start_w, start_h = rois[r, 0] * scale - shift, rois[r, 1] * scale - shift
+        roi_w, roi_h = rois[r, 2] * scale - shift - start_w, rois[r, 3] * scale - shift - start_h
+        if not half_pixel:  # malformed ROIs become 1x1
+            roi_w, roi_h = max(roi_w, 1.0), max(roi_h, 1.0)
+        bin_h, bin_w = roi_h / pooled_h, roi_w / pooled_w
+        grid_h = sampling_ratio if sampling_ratio > 0 else int(math.ceil(roi_h / pooled_h))
+        grid_w = sampling_ratio if sampling_ratio > 0 else int(math.ceil(roi_w / pooled_w))
+        count = max(grid_h * grid_w, 1)
+        for ph in range(pooled_h):
+            for pw in range(pooled_w):
+                first = True
+                for iy in range(grid_h):
+                    y = start_h + ph * bin_h + (iy + 0.5) * bin_h / grid_h
+                    for ix in range(grid_w):
+                        xx = start_w + pw * bin_w + (ix + 0.5) * bin_w / grid_w
+                        index, weight = _bilinear_corners(y, xx, height, width)
+                        for c in range(channels):
+                            if use_max:
+                                value = weight[0] * image[c, index[0]]
+                                for k in range(1, 4):
+                                    value = max(value, weight[k] * image[c, index[k]])
+                                if first or value > out[r, c, ph, pw]:
+                                    out[r, c, ph, pw] = value
+                            else:
+                                value = 0.0
+                                for k in range(4):
+                                    value += weight[k] * image[c, index[k]]
+                                out[r, c, ph, pw] += value
+                        first = False
+                if not use_max:
+                    for c in range(channels):
+                        out[r, c, ph, pw] /= count
+    return out
