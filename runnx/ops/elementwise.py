@@ -1,10 +1,15 @@
-"""Elementwise arithmetic: broadcasting binary ops and unary math, in place when granted."""
+"""Elementwise math: arithmetic, unary math, comparisons, logic and bitwise ops, the variadic
+Sum/Mean/Max/Min, Where and Clip. Binary ops broadcast like numpy and, like unary ops, write into a
+dying input when the executor grants it (see _elementwise_util)."""
 from __future__ import annotations
 
 import numpy as np
 
-from runnx.ops._elementwise_util import binary, unary
+from runnx.errors import RunnxError
+from runnx.ops._elementwise_util import binary, broadcast_fold, erf, unary
 from runnx.ops.registry import register
+
+# --- arithmetic -----------------------------------------------------------------------------------
 
 
 @register("Add", since=7, inplace=(0, 1))
@@ -22,11 +27,54 @@ def Mul(a, b, *, overwrite=()):
     return binary(np.multiply, a, b, overwrite)
 
 
+def _truncating_divide(a, b, out=None):
+    """Integer division rounding toward zero (C semantics), where numpy floors."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        quotient = np.floor_divide(a, b, out=out)
+    if a.dtype.kind == "i":
+        # floor and trunc differ by one exactly when the division is inexact and the signs differ
+        inexact = (quotient * b != a) & ((a < 0) != (b < 0)) & (b != 0)
+        quotient += inexact
+    return quotient
+
+
 @register("Div", since=7, inplace=(0, 1))
 def Div(a, b, *, overwrite=()):
     if a.dtype.kind in "iu":
-        return np.asarray(np.trunc(a / b).astype(a.dtype) if a.dtype.kind == "i" else a // b)
+        # the correction reads a and b after the floor division, so never write into either
+        return np.asarray(_truncating_divide(a, b))
     return binary(np.divide, a, b, overwrite)
+
+
+@register("Mod", since=10, inplace=(0, 1))
+def Mod(a, b, *, fmod: int = 0, overwrite=()):
+    # fmod=0: the result takes the divisor's sign (numpy's mod); fmod=1: the dividend's (C fmod)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return binary(np.fmod if fmod else np.mod, a, b, overwrite)
+
+
+@register("Pow", since=7, inplace=(0,))
+def Pow(base, exponent, *, overwrite=()):
+    # the output has the base's type whatever the exponent's type is (opset 12 allows mixing)
+    with np.errstate(all="ignore"):
+        if base.dtype == exponent.dtype:
+            if base.dtype.kind in "iu":
+                return np.asarray(_integer_power(base, exponent))
+            return binary(np.power, base, exponent, overwrite)
+        if base.dtype.kind in "iu" and exponent.dtype.kind in "iu":
+            return np.asarray(_integer_power(base, exponent.astype(base.dtype)))
+        return np.asarray(np.power(base, exponent)).astype(base.dtype, copy=False)
+
+
+def _integer_power(base, exponent):
+    """Integer power; numpy refuses negative integer exponents, C truncates 1/base**n toward zero."""
+    negative = exponent < 0
+    if not negative.any():
+        return np.power(base, exponent)
+    result = np.power(base, np.where(negative, 0, exponent))
+    # base**-n truncates to 0 except for base 1 (1) and base -1 (+-1 by parity)
+    inverse = np.where(base == 1, 1, np.where(base == -1, np.where(exponent % 2 == 0, 1, -1), 0))
+    return np.where(negative, inverse, result).astype(base.dtype)
 
 
 @register("Neg", since=6, inplace=(0,))
@@ -34,6 +82,297 @@ def Neg(x, *, overwrite=()):
     return unary(np.negative, x, overwrite)
 
 
+@register("Abs", since=6, inplace=(0,))
+def Abs(x, *, overwrite=()):
+    return unary(np.absolute, x, overwrite)
+
+
+@register("Sign", since=9, inplace=(0,))
+def Sign(x, *, overwrite=()):
+    return unary(np.sign, x, overwrite)
+
+
+@register("Reciprocal", since=6, inplace=(0,))
+def Reciprocal(x, *, overwrite=()):
+    with np.errstate(divide="ignore"):
+        return unary(np.reciprocal, x, overwrite)
+
+
+@register("Floor", since=6, inplace=(0,))
+def Floor(x, *, overwrite=()):
+    return unary(np.floor, x, overwrite)
+
+
+@register("Ceil", since=6, inplace=(0,))
+def Ceil(x, *, overwrite=()):
+    return unary(np.ceil, x, overwrite)
+
+
+@register("Round", since=11, inplace=(0,))
+def Round(x, *, overwrite=()):
+    return unary(np.rint, x, overwrite)  # halves to even, as ONNX requires
+
+
+# --- transcendental functions -----------------------------------------------------------------------
+
+
 @register("Sqrt", since=6, inplace=(0,))
 def Sqrt(x, *, overwrite=()):
-    return unary(np.sqrt, x, overwrite)
+    with np.errstate(invalid="ignore"):
+        return unary(np.sqrt, x, overwrite)
+
+
+@register("Exp", since=6, inplace=(0,))
+def Exp(x, *, overwrite=()):
+    with np.errstate(over="ignore"):
+        return unary(np.exp, x, overwrite)
+
+
+@register("Log", since=6, inplace=(0,))
+def Log(x, *, overwrite=()):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return unary(np.log, x, overwrite)
+
+
+@register("Sin", since=7, inplace=(0,))
+def Sin(x, *, overwrite=()):
+    return unary(np.sin, x, overwrite)
+
+
+@register("Cos", since=7, inplace=(0,))
+def Cos(x, *, overwrite=()):
+    return unary(np.cos, x, overwrite)
+
+
+@register("Tan", since=7, inplace=(0,))
+def Tan(x, *, overwrite=()):
+    return unary(np.tan, x, overwrite)
+
+
+@register("Asin", since=7, inplace=(0,))
+def Asin(x, *, overwrite=()):
+    with np.errstate(invalid="ignore"):
+        return unary(np.arcsin, x, overwrite)
+
+
+@register("Acos", since=7, inplace=(0,))
+def Acos(x, *, overwrite=()):
+    with np.errstate(invalid="ignore"):
+        return unary(np.arccos, x, overwrite)
+
+
+@register("Atan", since=7, inplace=(0,))
+def Atan(x, *, overwrite=()):
+    return unary(np.arctan, x, overwrite)
+
+
+@register("Sinh", since=9, inplace=(0,))
+def Sinh(x, *, overwrite=()):
+    with np.errstate(over="ignore"):
+        return unary(np.sinh, x, overwrite)
+
+
+@register("Cosh", since=9, inplace=(0,))
+def Cosh(x, *, overwrite=()):
+    with np.errstate(over="ignore"):
+        return unary(np.cosh, x, overwrite)
+
+
+@register("Tanh", since=6, inplace=(0,))
+def Tanh(x, *, overwrite=()):
+    return unary(np.tanh, x, overwrite)
+
+
+@register("Asinh", since=9, inplace=(0,))
+def Asinh(x, *, overwrite=()):
+    return unary(np.arcsinh, x, overwrite)
+
+
+@register("Acosh", since=9, inplace=(0,))
+def Acosh(x, *, overwrite=()):
+    with np.errstate(invalid="ignore"):
+        return unary(np.arccosh, x, overwrite)
+
+
+@register("Atanh", since=9, inplace=(0,))
+def Atanh(x, *, overwrite=()):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return unary(np.arctanh, x, overwrite)
+
+
+@register("Erf", since=9, inplace=(0,))
+def Erf(x, *, overwrite=()):
+    return erf(x, overwrite)
+
+
+# --- classification of floats -------------------------------------------------------------------------
+
+
+@register("IsNaN", since=9)
+def IsNaN(x):
+    return np.isnan(x)
+
+
+@register("IsInf", since=10)
+def IsInf(x, *, detect_negative: int = 1, detect_positive: int = 1):
+    if detect_negative and detect_positive:
+        return np.isinf(x)
+    if detect_negative:
+        return np.isneginf(x)
+    if detect_positive:
+        return np.isposinf(x)
+    return np.zeros(x.shape, dtype=np.bool_)
+
+
+# --- variadic broadcasting ops ---------------------------------------------------------------------
+
+
+@register("Sum", since=8, inplace=(0,))
+def Sum(*inputs, overwrite=()):
+    return broadcast_fold(np.add, inputs, overwrite)
+
+
+@register("Mean", since=8, inplace=(0,))
+def Mean(*inputs, overwrite=()):
+    total = broadcast_fold(np.add, inputs, overwrite)
+    if len(inputs) == 1:
+        return total
+    # the fold wrote into a fresh array or into the granted input 0, so dividing in place is safe
+    return np.divide(total, len(inputs), out=total)
+
+
+@register("Max", since=8, inplace=(0,))
+def Max(*inputs, overwrite=()):
+    return broadcast_fold(np.maximum, inputs, overwrite)
+
+
+@register("Min", since=8, inplace=(0,))
+def Min(*inputs, overwrite=()):
+    return broadcast_fold(np.minimum, inputs, overwrite)
+
+
+@register("Where", since=9, inplace=(1, 2))
+def Where(condition, x, y, *, overwrite=()):
+    if overwrite:
+        shape = np.broadcast_shapes(condition.shape, x.shape, y.shape)
+        if 1 in overwrite and x.shape == shape and x.dtype == y.dtype:
+            np.copyto(x, y, where=~condition)
+            return x
+        if 2 in overwrite and y.shape == shape and x.dtype == y.dtype:
+            np.copyto(y, x, where=condition)
+            return y
+    return np.where(condition, x, y)
+
+
+def _clip(x, low, high, overwrite):
+    # minimum/maximum rather than np.clip: they work for every dtype (bfloat16 too), and apply max
+    # last so that min > max gives max everywhere, as the spec says
+    out = x if overwrite else None
+    if low is not None:
+        out = np.maximum(x, low, out=out)
+    if high is not None:
+        out = np.minimum(x if out is None else out, high, out=out)
+    return x if out is None else out
+
+
+@register("Clip", since=6, inplace=(0,))
+def Clip(x, *, min: float = -3.4028234663852886e38, max: float = 3.4028234663852886e38, overwrite=()):
+    return _clip(x, min, max, overwrite)
+
+
+@register("Clip", since=11, inplace=(0,))
+def Clip_11(x, min=None, max=None, *, overwrite=()):
+    return _clip(x, None if min is None else min.reshape(()), None if max is None else max.reshape(()),
+                 overwrite)
+
+
+# --- comparisons ---------------------------------------------------------------------------------------
+
+
+@register("Equal", since=7)
+def Equal(a, b):
+    return np.asarray(np.equal(a, b), dtype=np.bool_)
+
+
+@register("Greater", since=7)
+def Greater(a, b):
+    return np.greater(a, b)
+
+
+@register("Less", since=7)
+def Less(a, b):
+    return np.less(a, b)
+
+
+@register("GreaterOrEqual", since=12)
+def GreaterOrEqual(a, b):
+    return np.greater_equal(a, b)
+
+
+@register("LessOrEqual", since=12)
+def LessOrEqual(a, b):
+    return np.less_equal(a, b)
+
+
+# --- logic and bits ------------------------------------------------------------------------------------
+
+
+@register("And", since=7, inplace=(0, 1))
+def And(a, b, *, overwrite=()):
+    return binary(np.logical_and, a, b, overwrite)
+
+
+@register("Or", since=7, inplace=(0, 1))
+def Or(a, b, *, overwrite=()):
+    return binary(np.logical_or, a, b, overwrite)
+
+
+@register("Xor", since=7, inplace=(0, 1))
+def Xor(a, b, *, overwrite=()):
+    return binary(np.logical_xor, a, b, overwrite)
+
+
+@register("Not", since=1, inplace=(0,))
+def Not(x, *, overwrite=()):
+    return unary(np.logical_not, x, overwrite)
+
+
+@register("BitwiseAnd", since=18, inplace=(0, 1))
+def BitwiseAnd(a, b, *, overwrite=()):
+    return binary(np.bitwise_and, a, b, overwrite)
+
+
+@register("BitwiseOr", since=18, inplace=(0, 1))
+def BitwiseOr(a, b, *, overwrite=()):
+    return binary(np.bitwise_or, a, b, overwrite)
+
+
+@register("BitwiseXor", since=18, inplace=(0, 1))
+def BitwiseXor(a, b, *, overwrite=()):
+    return binary(np.bitwise_xor, a, b, overwrite)
+
+
+@register("BitwiseNot", since=18, inplace=(0,))
+def BitwiseNot(x, *, overwrite=()):
+    return unary(np.invert, x, overwrite)
+
+
+@register("BitShift", since=11)
+def BitShift(x, y, *, direction: str):
+    if direction not in ("LEFT", "RIGHT"):
+        raise RunnxError(f"BitShift direction must be 'LEFT' or 'RIGHT', got {direction!r}")
+    bits = x.dtype.itemsize * 8
+    # shifts outside [0, bits) are defined (opset 28) as what the sign fill alone gives; C leaves
+    # them undefined, so clamp the amount and patch those lanes afterwards
+    out_of_range = (y < 0) | (y >= bits)
+    amount = np.where(out_of_range, 0, y).astype(x.dtype)
+    if direction == "RIGHT":
+        result = np.right_shift(x, amount)
+        fill = np.where(x < 0, -1, 0).astype(x.dtype) if x.dtype.kind == "i" else 0
+    else:
+        # shift the two's complement bits: bits pushed past the sign bit are discarded
+        unsigned = np.dtype(f"u{x.dtype.itemsize}")
+        result = np.left_shift(x.view(unsigned), amount.view(unsigned) if amount.dtype.kind == "i"
+                               else amount).view(x.dtype)
+        fill = 0
+    return np.where(out_of_range, fill, result).astype(x.dtype, copy=False)

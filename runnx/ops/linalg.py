@@ -1,11 +1,66 @@
-"""Linear algebra: MatMul (BLAS through numpy)."""
+"""Linear algebra: MatMul, Gemm, MatMulInteger, Einsum, Det (BLAS/LAPACK through numpy).
+
+Results keep the input dtype: numpy returns float32 for bfloat16 products (it accumulates in
+float32), which is rounded back once, as the ONNX reference does.
+"""
 from __future__ import annotations
 
 import numpy as np
 
+from runnx.errors import RunnxError
 from runnx.ops.registry import register
+
+
+def _in_dtype(result, dtype):
+    return np.asarray(result).astype(dtype, copy=False)
 
 
 @register("MatMul", since=1)
 def MatMul(a, b):
-    return np.matmul(a, b)
+    return _in_dtype(np.matmul(a, b), a.dtype)
+
+
+@register("Gemm", since=7)
+def Gemm(a, b, c=None, *, alpha: float = 1.0, beta: float = 1.0, transA: int = 0, transB: int = 0):
+    dtype = a.dtype
+    product = np.matmul(a.T if transA else a, b.T if transB else b)
+    if alpha != 1.0:
+        product = product * (dtype.type(alpha) if dtype.kind == "f" else alpha)
+    if c is not None and beta != 0.0:
+        product = product + (c * (dtype.type(beta) if dtype.kind == "f" else beta) if beta != 1.0 else c)
+    return _in_dtype(product, dtype)
+
+
+@register("MatMulInteger", since=10)
+def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
+    # 8-bit products cannot overflow int32; the spec lets only the accumulation wrap around in 32 bits
+    a32 = a.astype(np.int32)
+    if a_zero_point is not None:
+        zero = a_zero_point.astype(np.int32)
+        if zero.ndim == 1 and zero.size > 1:
+            zero = zero.reshape(-1, 1)  # one zero point per row of A
+        a32 -= zero
+    b32 = b.astype(np.int32)
+    if b_zero_point is not None:
+        b32 -= b_zero_point.astype(np.int32)  # scalar, or one per column of B
+    return np.matmul(a32, b32)
+
+
+@register("Einsum", since=12)
+def Einsum(*inputs, equation: str):
+    equation = equation.replace(" ", "")
+    if not equation:
+        raise RunnxError("Einsum equation is empty")
+    dtype = inputs[0].dtype
+    if dtype.name == "bfloat16":
+        # numpy's einsum has no bfloat16 loops: accumulate in float32, round once
+        return _in_dtype(np.einsum(equation, *(x.astype(np.float32) for x in inputs), optimize=True), dtype)
+    return _in_dtype(np.einsum(equation, *inputs, optimize=True), dtype)
+
+
+@register("Det", since=11)
+def Det(x):
+    if x.dtype in (np.float32, np.float64):
+        return np.asarray(np.linalg.det(x))
+    # LAPACK has no half-precision routines: factorise in float32 and round the result once
+    return _in_dtype(np.linalg.det(x.astype(np.float32)), x.dtype)

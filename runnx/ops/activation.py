@@ -1,0 +1,135 @@
+"""Activation functions (Relu family, sigmoids, Gelu, Mish, Swish, SwiGLU, ...), computed in the
+input's dtype; those that can write into a dying input declare it."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from runnx.errors import RunnxError
+from runnx.ops._elementwise_util import erf, output_buffer, sigmoid
+from runnx.ops.registry import register
+
+
+@register("Relu", since=6, inplace=(0,))
+def Relu(x, *, overwrite=()):
+    return np.maximum(x, x.dtype.type(0), out=output_buffer(x, overwrite))
+
+
+@register("LeakyRelu", since=6, inplace=(0,))
+def LeakyRelu(x, *, alpha: float = 0.01, overwrite=()):
+    return _scale_negatives(x, alpha, overwrite)
+
+
+def _scale_negatives(x, factor, overwrite):
+    """x where x >= 0, x * factor elsewhere (factor broadcasts to x)."""
+    out = output_buffer(x, overwrite)
+    negative = x < 0
+    if out is not x:
+        np.copyto(out, x, where=~negative)
+    return np.multiply(x, factor, out=out, where=negative)
+
+
+@register("PRelu", since=7, inplace=(0,))
+def PRelu(x, slope, *, overwrite=()):
+    # slope broadcasts to x (unidirectionally), so the result always has x's shape
+    return _scale_negatives(x, slope, overwrite)
+
+
+@register("ThresholdedRelu", since=10, inplace=(0,))
+def ThresholdedRelu(x, *, alpha: float = 1.0, overwrite=()):
+    below = ~(x > alpha)  # NaN is below too
+    out = output_buffer(x, overwrite)
+    if out is not x:
+        np.copyto(out, x)
+    out[below] = 0
+    return out
+
+
+@register("Elu", since=6)
+def Elu(x, *, alpha: float = 1.0):
+    return np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0))).astype(x.dtype, copy=False)
+
+
+@register("Selu", since=6)
+def Selu(x, *, alpha: float = 1.67326319217681884765625, gamma: float = 1.05070102214813232421875):
+    return (gamma * np.where(x > 0, x, alpha * np.expm1(np.minimum(x, 0)))).astype(x.dtype, copy=False)
+
+
+@register("Celu", since=12)
+def Celu(x, *, alpha: float = 1.0):
+    negative = alpha * np.expm1(np.minimum(x, 0) / alpha)
+    return np.where(x > 0, x, negative).astype(x.dtype, copy=False)
+
+
+@register("Sigmoid", since=6, inplace=(0,))
+def Sigmoid(x, *, overwrite=()):
+    return sigmoid(x, overwrite)
+
+
+@register("HardSigmoid", since=6, inplace=(0,))
+def HardSigmoid(x, *, alpha: float = 0.2, beta: float = 0.5, overwrite=()):
+    out = np.multiply(x, alpha, out=output_buffer(x, overwrite))
+    out += x.dtype.type(beta)
+    return _unit_clamp(out)
+
+
+def _unit_clamp(out):
+    """out clamped to [0, 1] in place."""
+    np.maximum(out, out.dtype.type(0), out=out)
+    return np.minimum(out, out.dtype.type(1), out=out)
+
+
+@register("HardSwish", since=14)
+def HardSwish(x):
+    gate = _unit_clamp(x / x.dtype.type(6) + x.dtype.type(0.5))
+    return np.multiply(x, gate, out=gate)
+
+
+@register("Softplus", since=1)
+def Softplus(x):
+    with np.errstate(over="ignore"):
+        return np.logaddexp(x.dtype.type(0), x)
+
+
+@register("Softsign", since=1, inplace=(0,))
+def Softsign(x, *, overwrite=()):
+    denominator = np.abs(x)
+    denominator += x.dtype.type(1)
+    return np.divide(x, denominator, out=output_buffer(x, overwrite))
+
+
+@register("Gelu", since=20)
+def Gelu(x, *, approximate: str = "none"):
+    half = x.dtype.type(0.5)
+    if approximate == "tanh":
+        inner = x.dtype.type(math.sqrt(2 / math.pi)) * (x + x.dtype.type(0.044715) * x * x * x)
+        return half * x * (x.dtype.type(1) + np.tanh(inner))
+    if approximate != "none":
+        raise RunnxError(f"Gelu approximate must be 'none' or 'tanh', got {approximate!r}")
+    return half * x * (x.dtype.type(1) + erf(x / x.dtype.type(math.sqrt(2))))
+
+
+@register("Mish", since=18)
+def Mish(x):
+    with np.errstate(over="ignore"):
+        return x * np.tanh(np.logaddexp(x.dtype.type(0), x))
+
+
+@register("Shrink", since=9)
+def Shrink(x, *, bias: float = 0.0, lambd: float = 0.5):
+    return np.where(x < -lambd, x + bias, np.where(x > lambd, x - bias, 0)).astype(x.dtype, copy=False)
+
+
+@register("Swish", since=24)
+def Swish(x, *, alpha: float = 1.0):
+    return x * sigmoid(x * x.dtype.type(alpha))
+
+
+@register("SwiGLU", since=28, inplace=(1,))
+def SwiGLU(gate, value, *, alpha: float = 1.0, overwrite=()):
+    if gate.shape != value.shape or gate.dtype != value.dtype:
+        raise RunnxError(f"SwiGLU needs A and B of one shape and dtype (no broadcasting), got "
+                         f"{gate.shape} {gate.dtype} and {value.shape} {value.dtype}")
+    swish = gate * sigmoid(gate * gate.dtype.type(alpha))
+    return np.multiply(swish, value, out=value if 1 in overwrite else swish)
