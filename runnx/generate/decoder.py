@@ -45,7 +45,9 @@ class DecoderStep:
 
     def __init__(self, model, with_past=None, *, capacity: int = 256, config: dict | None = None, profile=None):
         """`model` runs the first step (and every step when `with_past` is None); `config` (the
-        model's config.json) is only needed when the past inputs do not declare heads/head_dim."""
+        model's config.json) is only needed when the past inputs do not declare heads/head_dim.
+        Load merged decoders with `runnx.load(path, check_symbolic_dims=False)` (or use
+        `load_decoder`): their attention_mask and input_ids share a misnamed symbolic length."""
         self.first_model = model
         self.past_model = with_past if with_past is not None else model
         self.first_io = DecoderIO.of(model)
@@ -59,8 +61,9 @@ class DecoderStep:
 
     @classmethod
     def from_folder(cls, folder, *, capacity: int = 256, profile=None, load=None, prefix: str = "") -> "DecoderStep":
-        """Load the decoder file(s) of an Optimum export folder; `load` defaults to runnx.load."""
-        load = load or runnx_load
+        """Load the decoder file(s) of an Optimum export folder; `load` defaults to runnx.load
+        without the symbolic-dimension check (merged exports misname the attention_mask length)."""
+        load = load or load_decoder
         files = find_decoder_files(folder, prefix)
         first = load(str(files.first))
         with_past = load(str(files.with_past)) if files.with_past != files.first else None
@@ -181,6 +184,10 @@ class DecoderStep:
 
     def _empty(self, kv: KVName) -> np.ndarray:
         return np.zeros(self._empty_shape(kv), self._layout[kv.slot][2])
+
+
+def load_decoder(path):
+    return runnx_load(path, check_symbolic_dims=False)
 
 
 def _positions(mask: np.ndarray, new: int) -> np.ndarray:

@@ -77,7 +77,7 @@ class Model:
         """Run the model. `feeds` maps input names to arrays (or `runnx.Owned(array)` to hand a buffer
         over for in-place use). Returns {output name: array}; with profile=True, (outputs, Profile);
         with profile=<Profile>, adds to that profile and returns the outputs."""
-        bound = bind_feeds(self._specs, feeds)
+        bound = bind_feeds(self._specs, feeds, self.options.check_symbolic_dims)
         output_vids = self._output_vids(outputs)
         plan = self._plan_for(frozenset(bound), output_vids)
         for vid in plan.unused_inputs:

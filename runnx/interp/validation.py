@@ -69,7 +69,8 @@ def _as_array(spec: FeedSpec, raw) -> np.ndarray:
     return array
 
 
-def check_shape(spec: FeedSpec, array: np.ndarray, symbols: dict) -> None:
+def check_shape(spec: FeedSpec, array: np.ndarray, symbols: dict | None) -> None:
+    """Rank, fixed dimensions and, unless symbols is None, one size per symbolic name across inputs."""
     declared = spec.shape
     if declared is None or not isinstance(array, np.ndarray):
         return
@@ -80,7 +81,7 @@ def check_shape(spec: FeedSpec, array: np.ndarray, symbols: dict) -> None:
         if isinstance(want, int) and want > 0 and want != got:
             raise InputShapeError(f"input '{spec.name}' expects dimension {axis} to be {want} (shape "
                                   f"{_show(declared)}), got shape {list(array.shape)}")
-        if isinstance(want, str):
+        if symbols is not None and isinstance(want, str):
             seen = symbols.setdefault(want, (got, spec.name))
             if seen[0] != got:
                 raise InputShapeError(f"input '{spec.name}' has {want}={got} at dimension {axis}, but input "
@@ -91,11 +92,11 @@ def _show(shape) -> str:
     return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
 
 
-def bind_feeds(specs: dict[str, FeedSpec], feeds) -> dict[int, tuple]:
+def bind_feeds(specs: dict[str, FeedSpec], feeds, check_symbolic_dims: bool = True) -> dict[int, tuple]:
     """value id -> (value, owned) for every feed; raises InputError subclasses naming the culprit."""
     if not isinstance(feeds, Mapping):
         raise InputTypeError(f"feeds must be a mapping of input name to array, got {type(feeds).__name__}")
-    bound, symbols = {}, {}
+    bound, symbols = {}, ({} if check_symbolic_dims else None)
     for name, raw in feeds.items():
         spec = specs.get(name)
         if spec is None:
