@@ -115,6 +115,7 @@ class _GraphBuilder:
             raise UnsupportedOpError("unsupported operators:\n" + "\n".join(lines))
 
     def build(self, proto, top=False, owner="the model") -> Graph:
+        _check_text(proto, owner)
         names: list[str] = []
         ids: dict[str, int] = {}
         where: dict[str, str] = {}
@@ -219,6 +220,11 @@ class _GraphBuilder:
             self.unsupported.setdefault((node.domain, node.op_type, opset), []).append(node.name)
             return
         node.kernel, node.since = kernel, kernel.since
+        least, most = kernel.arity
+        if not least <= len(node.inputs) <= (most if most is not None else len(node.inputs)):
+            takes = f"{least}" if least == most else f"{least} to {most}" if most is not None else f"at least {least}"
+            raise InvalidModelError(f"{node.describe()} has {len(node.inputs)} inputs, {node.op_type}-{kernel.since} "
+                                    f"takes {takes}")
         for attr_name, value in node.attrs.items():
             problem = registry.check_attribute(kernel, attr_name, value)
             if problem:
@@ -276,15 +282,38 @@ class _GraphBuilder:
                 return tuple(attribute.type_protos)
         except UnicodeDecodeError:
             raise InvalidModelError(f"{label}: attribute '{attribute.name}' is not valid UTF-8") from None
+        except ModelLoadError as error:  # a tensor attribute that cannot be decoded
+            raise type(error)(f"{label}: attribute '{attribute.name}': {error}") from None
         raise InvalidModelError(f"{label}: attribute '{attribute.name}' has an unknown or unset type ({kind})")
+
+
+def _check_text(graph, owner) -> None:
+    """protobuf hands out invalid UTF-8 in string fields as bytes: refuse it before it reaches a name."""
+    for index, node in enumerate(graph.node):
+        fields = [node.op_type, node.domain, node.name, *node.input, *node.output, *(a.name for a in node.attribute)]
+        if any(type(field) is not str for field in fields):
+            raise InvalidModelError(f"node {index} ({node.op_type!r}) of {owner}'s graph has a name that is not "
+                                    f"valid UTF-8")
+    values = [*(v.name for v in graph.input), *(v.name for v in graph.output), *(t.name for t in graph.initializer)]
+    bad = [v for v in values if type(v) is not str]
+    if bad:
+        raise InvalidModelError(f"{owner}'s graph has a value name that is not valid UTF-8: {bad[0]!r}")
 
 
 def _sparse_to_dense(sparse) -> np.ndarray:
     values = tensor_to_array(sparse.values)
     indices = tensor_to_array(sparse.indices).astype(np.int64)
     shape = tuple(sparse.dims)
-    dense = np.zeros(int(np.prod(shape, dtype=np.int64)), dtype=values.dtype)
-    flat = indices.reshape(-1) if indices.ndim == 1 else np.ravel_multi_index(indices.T, shape)
+    if any(d < 0 for d in shape):
+        raise InvalidModelError(f"sparse tensor '{sparse.values.name}' has a negative dimension: {shape}")
+    size = int(np.prod(shape, dtype=np.int64))
+    try:
+        flat = indices.reshape(-1) if indices.ndim == 1 else np.ravel_multi_index(indices.T, shape)
+        if flat.size != values.size or (flat.size and not 0 <= flat.min() <= flat.max() < size):
+            raise ValueError(f"{values.size} values at indices outside [0, {size}) or of another count")
+    except ValueError as error:
+        raise InvalidModelError(f"sparse tensor '{sparse.values.name}' of shape {shape}: {error}") from None
+    dense = np.zeros(size, dtype=values.dtype)
     dense[flat] = values.reshape(-1)
     dense = dense.reshape(shape)
     dense.flags.writeable = False

@@ -42,6 +42,7 @@ class Kernel:
     subgraph_attrs: tuple[str, ...]
     wants_ctx: bool
     wants_output_count: bool
+    arity: tuple[int, int | None] = (0, None)  # (positional inputs without default, max or None: variadic)
 
     def can_overwrite(self, position: int) -> bool:
         return position in self.inplace or (self.inplace_from is not None and position >= self.inplace_from)
@@ -88,8 +89,12 @@ def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace:
             attrs[name] = (_allowed_types(annotation), param.default)
         if (inplace or inplace_from is not None) and "overwrite" not in params:
             raise TypeError(f"kernel {fn.__name__} declares in-place inputs but takes no 'overwrite'")
+        positional = [p for p in params.values()
+                      if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        variadic = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
+        arity = (sum(p.default is REQUIRED for p in positional), None if variadic else len(positional))
         kernel = Kernel(op_type, _canonical_domain(domain), since, fn, tuple(inplace), inplace_from, attrs,
-                        tuple(subgraphs), "ctx" in params, "output_count" in params)
+                        tuple(subgraphs), "ctx" in params, "output_count" in params, arity)
         versions = _REGISTRY.setdefault((kernel.domain, op_type), [])
         if any(k.since == since for k in versions):
             raise ValueError(f"{op_type} since {since} registered twice")
