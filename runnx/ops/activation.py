@@ -30,6 +30,14 @@ def _scale_negatives(x, factor, overwrite):
     return np.multiply(x, factor, out=out, where=negative)
 
 
+@register("PRelu", since=1, inplace=(0,))
+def PRelu_1(x, slope, *, consumed_inputs: tuple[int, ...] | None = None, overwrite=()):
+    # before opset 7 a 1-D slope holds one value per channel (axis 1), not per last-axis element
+    if slope.ndim == 1 and slope.size > 1 and x.ndim > 2:
+        slope = slope.reshape((-1,) + (1,) * (x.ndim - 2))
+    return _scale_negatives(x, slope, overwrite)
+
+
 @register("PRelu", since=7, inplace=(0,))
 def PRelu(x, slope, *, overwrite=()):
     # slope broadcasts to x (unidirectionally), so the result always has x's shape

@@ -10,6 +10,46 @@ from runnx.ops._elementwise_util import binary, broadcast_fold, erf, unary
 from runnx.ops.registry import register
 
 # --- arithmetic -----------------------------------------------------------------------------------
+# Before opset 7, binary ops broadcast only B, only with broadcast=1, aligning B's dims with A's
+# from `axis` on (default: A's trailing dims); the *_1 kernels turn that into numpy broadcasting.
+
+
+def legacy_broadcast(a, b, broadcast: int, axis: int | None):
+    """B reshaped so that numpy broadcasting gives the opset < 7 result of op(A, B)."""
+    if not broadcast:
+        if a.shape != b.shape:
+            raise RunnxError(f"shapes {a.shape} and {b.shape} differ and broadcast=0 (before opset 7)")
+        return b
+    if axis is None:
+        return b
+    axis = axis + a.ndim if axis < 0 else axis
+    if axis + b.ndim > a.ndim:
+        raise RunnxError(f"cannot broadcast shape {b.shape} into {a.shape} from axis {axis}")
+    return b.reshape((1,) * axis + b.shape + (1,) * (a.ndim - axis - b.ndim))
+
+
+@register("Add", since=1, inplace=(0, 1))
+def Add_1(a, b, *, broadcast: int = 0, axis: int | None = None, consumed_inputs: tuple[int, ...] | None = None,
+          overwrite=()):
+    return Add(a, legacy_broadcast(a, b, broadcast, axis), overwrite=overwrite)
+
+
+@register("Sub", since=1, inplace=(0, 1))
+def Sub_1(a, b, *, broadcast: int = 0, axis: int | None = None, consumed_inputs: tuple[int, ...] | None = None,
+          overwrite=()):
+    return Sub(a, legacy_broadcast(a, b, broadcast, axis), overwrite=overwrite)
+
+
+@register("Mul", since=1, inplace=(0, 1))
+def Mul_1(a, b, *, broadcast: int = 0, axis: int | None = None, consumed_inputs: tuple[int, ...] | None = None,
+          overwrite=()):
+    return Mul(a, legacy_broadcast(a, b, broadcast, axis), overwrite=overwrite)
+
+
+@register("Div", since=1, inplace=(0, 1))
+def Div_1(a, b, *, broadcast: int = 0, axis: int | None = None, consumed_inputs: tuple[int, ...] | None = None,
+          overwrite=()):
+    return Div(a, legacy_broadcast(a, b, broadcast, axis), overwrite=overwrite)
 
 
 @register("Add", since=7, inplace=(0, 1))
@@ -51,6 +91,11 @@ def Mod(a, b, *, fmod: int = 0, overwrite=()):
     # fmod=0: the result takes the divisor's sign (numpy's mod); fmod=1: the dividend's (C fmod)
     with np.errstate(divide="ignore", invalid="ignore"):
         return binary(np.fmod if fmod else np.mod, a, b, overwrite)
+
+
+@register("Pow", since=1, inplace=(0,))
+def Pow_1(base, exponent, *, broadcast: int = 0, axis: int | None = None, overwrite=()):
+    return Pow(base, legacy_broadcast(base, exponent, broadcast, axis), overwrite=overwrite)
 
 
 @register("Pow", since=7, inplace=(0,))
@@ -225,14 +270,15 @@ def IsInf(x, *, detect_negative: int = 1, detect_positive: int = 1):
 
 
 # --- variadic broadcasting ops ---------------------------------------------------------------------
+# Opset 6 wants equal shapes and opset 8 broadcasts; broadcasting serves both.
 
 
-@register("Sum", since=8, inplace=(0,))
+@register("Sum", since=6, inplace=(0,))
 def Sum(*inputs, overwrite=()):
     return broadcast_fold(np.add, inputs, overwrite)
 
 
-@register("Mean", since=8, inplace=(0,))
+@register("Mean", since=6, inplace=(0,))
 def Mean(*inputs, overwrite=()):
     total = broadcast_fold(np.add, inputs, overwrite)
     if len(inputs) == 1:
@@ -241,12 +287,12 @@ def Mean(*inputs, overwrite=()):
     return np.divide(total, len(inputs), out=total)
 
 
-@register("Max", since=8, inplace=(0,))
+@register("Max", since=6, inplace=(0,))
 def Max(*inputs, overwrite=()):
     return broadcast_fold(np.maximum, inputs, overwrite)
 
 
-@register("Min", since=8, inplace=(0,))
+@register("Min", since=6, inplace=(0,))
 def Min(*inputs, overwrite=()):
     return broadcast_fold(np.minimum, inputs, overwrite)
 

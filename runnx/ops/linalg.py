@@ -20,6 +20,15 @@ def MatMul(a, b):
     return _in_dtype(np.matmul(a, b), a.dtype)
 
 
+@register("Gemm", since=1)
+def Gemm_1(a, b, c, *, alpha: float = 1.0, beta: float = 1.0, transA: int = 0, transB: int = 0,
+           broadcast: int = 0):
+    # before opset 7 C broadcasts only with broadcast=1; numpy's rules give the same result then
+    if not broadcast and c.shape != (a.shape[1 if transA else 0], b.shape[0 if transB else 1]):
+        raise RunnxError(f"Gemm C of shape {c.shape} needs broadcast=1 (before opset 7)")
+    return Gemm(a, b, c, alpha=alpha, beta=beta, transA=transA, transB=transB)
+
+
 @register("Gemm", since=7)
 def Gemm(a, b, c=None, *, alpha: float = 1.0, beta: float = 1.0, transA: int = 0, transB: int = 0):
     dtype = a.dtype

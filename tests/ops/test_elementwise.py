@@ -1,0 +1,196 @@
+"""Elementwise math and activations: the sign, rounding, overflow and opset rules the backend suite
+checks only partly, against hand-computed or exact-integer expectations; and in-place reuse."""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from _single_node import run_node
+
+F32 = np.float32
+
+
+def test_integer_div_truncates_toward_zero():
+    a = np.array([-7, 7, -7, 7, -6, 0], dtype=np.int32)
+    b = np.array([2, 2, -2, -2, 3, -5], dtype=np.int32)
+    np.testing.assert_array_equal(run_node("Div", [a, b]), [-3, 3, 3, -3, -2, 0])
+
+
+def test_int64_div_is_exact_beyond_float_precision():
+    a = np.array([2**62 + 1, -(2**62) - 7, 2**63 - 1], dtype=np.int64)
+    b = np.array([3, 5, -2], dtype=np.int64)
+    expected = [abs(x) // abs(y) * (1 if (x < 0) == (y < 0) else -1) for x, y in zip(a.tolist(), b.tolist())]
+    np.testing.assert_array_equal(run_node("Div", [a, b]), expected)
+
+
+def test_unsigned_div():
+    np.testing.assert_array_equal(run_node("Div", [np.array([7, 255], np.uint8), np.array([2, 16], np.uint8)]), [3, 15])
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float32])
+def test_mod_sign_follows_divisor_or_dividend(dtype):
+    a = np.array([-7, 7, -7, 7], dtype=dtype)
+    b = np.array([3, -3, -3, 3], dtype=dtype)
+    # fmod=0 (floats allowed from opset 28 on): the result has the divisor's sign
+    np.testing.assert_array_equal(run_node("Mod", [a, b], opset=28), [2, -2, -1, 1])
+    # fmod=1: C fmod, the dividend's sign
+    np.testing.assert_array_equal(run_node("Mod", [a, b], fmod=1), [-1, 1, -1, 1])
+
+
+def test_pow_keeps_the_base_type():
+    base = np.array([2, 3, -2], dtype=np.int32)
+    got = run_node("Pow", [base, np.array([0.5, 2.0, 3.0], dtype=F32)])
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, [1, 9, -8])
+    got = run_node("Pow", [np.array([2.0, 4.0], F32), np.array([3, -1], np.int64)])
+    assert got.dtype == F32
+    np.testing.assert_array_equal(got, [8.0, 0.25])
+
+
+def test_integer_pow_with_negative_exponent_truncates():
+    base = np.array([2, 1, -1, -1, 5], dtype=np.int64)
+    exponent = np.array([-1, -3, -3, -2, 2], dtype=np.int64)
+    np.testing.assert_array_equal(run_node("Pow", [base, exponent]), [0, 1, -1, 1, 25])
+
+
+def test_bitshift_edges():
+    x = np.array([-8, -8, 5, 1, -1], dtype=np.int8)
+    y = np.array([1, 9, -1, 7, 8], dtype=np.int8)
+    # arithmetic right shift; out-of-range shifts give the sign fill
+    np.testing.assert_array_equal(run_node("BitShift", [x, y], direction="RIGHT", opset=28), [-4, -1, 0, 0, -1])
+    # left shift discards bits pushed past the sign bit; out-of-range shifts give 0
+    np.testing.assert_array_equal(run_node("BitShift", [x, y], direction="LEFT", opset=28), [-16, 0, 0, -128, 0])
+    u = np.array([1, 255], np.uint8)
+    np.testing.assert_array_equal(run_node("BitShift", [u, np.array([7, 1], np.uint8)], direction="LEFT"), [128, 254])
+
+
+def test_round_halves_to_even():
+    x = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 2.4], dtype=F32)
+    np.testing.assert_array_equal(run_node("Round", [x]), [0, 2, 2, -0.0, -2, 2])
+
+
+def test_erf_matches_math_erf_in_float32_and_float16():
+    x = np.linspace(-4, 4, 41)
+    expected = [math.erf(v) for v in x]
+    np.testing.assert_allclose(run_node("Erf", [x.astype(F32)]), expected, rtol=1e-6, atol=1e-7)
+    half_x = x.astype(np.float16)
+    half = run_node("Erf", [half_x])
+    assert half.dtype == np.float16  # erf of the float16 input, rounded once
+    np.testing.assert_array_equal(half, np.array([math.erf(v) for v in half_x.tolist()], dtype=np.float16))
+
+
+def test_clip_versions():
+    x = np.array([-5, 0, 5], dtype=F32)
+    np.testing.assert_array_equal(run_node("Clip", [x], opset=6, min=-1.0, max=2.0), [-1, 0, 2])
+    np.testing.assert_array_equal(run_node("Clip", [x], opset=6), x)  # defaults: the float range
+    # from opset 11 the bounds are optional inputs; min > max gives max everywhere
+    np.testing.assert_array_equal(run_node("Clip", [x, np.array(3, F32), np.array(1, F32)], opset=13), [1, 1, 1])
+    np.testing.assert_array_equal(run_node("Clip", [x, None, np.array(1, F32)], opset=13), [-5, 0, 1])
+    ints = np.array([-128, 0, 127], np.int8)
+    np.testing.assert_array_equal(run_node("Clip", [ints, np.array(-3, np.int8)], opset=13), [-3, 0, 127])
+
+
+def test_opset6_broadcast_aligns_b_from_axis():
+    a = np.zeros((2, 3, 4), F32)
+    b = np.array([1, 2, 3], F32)
+    got = run_node("Add", [a, b], opset=6, broadcast=1, axis=1)
+    np.testing.assert_array_equal(got, np.broadcast_to(b.reshape(1, 3, 1), (2, 3, 4)))
+    np.testing.assert_array_equal(run_node("Mul", [np.ones((2, 3), F32), b], opset=6, broadcast=1), [b, b])
+    with pytest.raises(Exception, match="broadcast=0"):
+        run_node("Sub", [a, b], opset=6)
+
+
+def test_prelu_slope_is_per_channel_before_opset7():
+    x = -np.ones((1, 3, 2), F32)
+    slope = np.array([1, 2, 3], F32)
+    np.testing.assert_array_equal(run_node("PRelu", [x, slope], opset=6), -np.array([[[1, 1], [2, 2], [3, 3]]]))
+    x = -np.ones((1, 2, 3), F32)
+    np.testing.assert_array_equal(run_node("PRelu", [x, slope], opset=9), -np.array([[[1, 2, 3], [1, 2, 3]]]))
+
+
+def test_variadic_ops_broadcast():
+    a = np.array([[1], [5]], F32)
+    b = np.array([2, 4, 6], F32)
+    c = np.array(3, F32)
+    np.testing.assert_array_equal(run_node("Sum", [a, b, c]), a + b + c)
+    np.testing.assert_array_equal(run_node("Mean", [a, b, c]), (a + b + c) / 3)
+    np.testing.assert_array_equal(run_node("Max", [a, b, c]), np.maximum(np.maximum(a, b), c))
+    np.testing.assert_array_equal(run_node("Min", [a, b]), np.minimum(a, b))
+    assert np.isnan(run_node("Max", [np.array([np.nan, 1], F32), np.array([0, 2], F32)])[0])
+
+
+def test_isinf_directions():
+    x = np.array([-np.inf, np.inf, 0, np.nan], F32)
+    np.testing.assert_array_equal(run_node("IsInf", [x]), [True, True, False, False])
+    np.testing.assert_array_equal(run_node("IsInf", [x], detect_positive=0), [True, False, False, False])
+    np.testing.assert_array_equal(run_node("IsInf", [x], detect_negative=0), [False, True, False, False])
+
+
+def test_sigmoid_is_stable_and_accurate_at_the_tails():
+    x = np.array([-100, -20, 0, 20, 100], np.float64)
+    np.testing.assert_allclose(run_node("Sigmoid", [x]), 1 / (1 + np.exp(-x)), rtol=1e-12)
+    with np.errstate(over="raise"):
+        assert run_node("Sigmoid", [np.array([-1e4], F32)])[0] == 0
+
+
+def test_activations_against_formulas():
+    x = np.linspace(-3, 3, 13).astype(np.float64)
+    erf = np.vectorize(math.erf)
+    cases = {
+        ("Elu", 6, ()): np.where(x > 0, x, np.exp(x) - 1),
+        ("Celu", 12, (("alpha", 2.0),)): np.maximum(0, x) + np.minimum(0, 2 * (np.exp(x / 2) - 1)),
+        ("HardSigmoid", 6, ()): np.clip(0.2 * x + 0.5, 0, 1),
+        ("HardSwish", 14, ()): x * np.clip(x / 6 + 0.5, 0, 1),
+        ("Softplus", 1, ()): np.log1p(np.exp(x)),
+        ("Softsign", 1, ()): x / (1 + np.abs(x)),
+        ("Mish", 18, ()): x * np.tanh(np.log1p(np.exp(x))),
+        ("Gelu", 20, ()): 0.5 * x * (1 + erf(x / np.sqrt(2))),
+        ("Gelu", 20, (("approximate", "tanh"),)):
+            0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3))),
+        ("ThresholdedRelu", 10, (("alpha", 1.5),)): np.where(x > 1.5, x, 0),
+        ("Shrink", 9, (("bias", 0.5), ("lambd", 1.0))): np.where(x < -1, x + 0.5, np.where(x > 1, x - 0.5, 0)),
+        ("Swish", 24, (("alpha", 2.0),)): x / (1 + np.exp(-2 * x)),
+        ("LeakyRelu", 6, ()): np.where(x < 0, 0.01 * x, x),
+    }
+    for (op, opset, attributes), expected in cases.items():
+        np.testing.assert_allclose(run_node(op, [x], opset=opset, **dict(attributes)), expected, rtol=1e-12,
+                                   atol=1e-15, err_msg=op)
+
+
+def test_swiglu_requires_equal_shapes():
+    a = np.array([-1.0, 2.0], F32)
+    b = np.array([3.0, 4.0], F32)
+    np.testing.assert_allclose(run_node("SwiGLU", [a, b], opset=28), a / (1 + np.exp(-a)) * b, rtol=1e-6)
+    with pytest.raises(Exception, match="one shape"):
+        run_node("SwiGLU", [a, b[:1]], opset=28)
+
+
+def test_half_precision_stays_in_its_dtype():
+    x = np.array([0.1, 1.7, -2.3], np.float16)
+    for op in ("Exp", "Tanh", "Sigmoid", "Relu", "Sqrt", "Gelu"):
+        assert run_node(op, [np.abs(x) if op == "Sqrt" else x], opset=20).dtype == np.float16, op
+    bf = x.astype(ml_dtypes.bfloat16)
+    got = run_node("Add", [bf, bf])
+    assert got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(got, bf + bf)
+
+
+@pytest.mark.parametrize("op, inputs, attributes", [
+    ("Add", [np.arange(6, dtype=F32).reshape(2, 3), np.arange(3, dtype=F32)], {}),
+    ("Sub", [np.arange(3, dtype=F32), np.arange(6, dtype=F32).reshape(2, 3)], {}),
+    ("Relu", [np.linspace(-1, 1, 5).astype(F32)], {}),
+    ("Sigmoid", [np.linspace(-9, 9, 7).astype(F32)], {}),
+    ("LeakyRelu", [np.linspace(-1, 1, 5).astype(F32)], {"alpha": 0.3}),
+    ("Clip", [np.linspace(-2, 2, 5).astype(F32), np.array(-1, F32), np.array(1, F32)], {}),
+    ("Where", [np.array([True, False, True]), np.arange(3, dtype=F32), np.array(7, F32)], {}),
+    ("Sum", [np.ones((2, 2), F32), np.arange(2, dtype=F32), np.ones((2, 2), F32)], {}),
+    ("Mean", [np.ones((2, 2), F32), np.arange(2, dtype=F32)], {}),
+    ("Erf", [np.linspace(-1, 1, 5).astype(F32)], {}),
+    ("ThresholdedRelu", [np.linspace(-2, 2, 5).astype(F32)], {}),
+    ("Softsign", [np.linspace(-2, 2, 5).astype(F32)], {}),
+])
+def test_in_place_gives_the_out_of_place_result(op, inputs, attributes):
+    borrowed = run_node(op, inputs, opset=18, **attributes)
+    owned, profile = run_node(op, inputs, opset=18, owned=True, profile=True, **attributes)
+    np.testing.assert_array_equal(owned, borrowed)
+    assert profile.inplace[op] == 1, f"{op} did not reuse its input"

@@ -1,0 +1,75 @@
+"""Linear algebra: Gemm options and its opset-6 broadcast attribute, MatMulInteger zero points,
+Einsum, Det, and dtypes kept for half precision."""
+import ml_dtypes
+import numpy as np
+import pytest
+from _single_node import run_node
+
+F32 = np.float32
+RNG = np.random.default_rng(0)
+A = RNG.standard_normal((3, 4)).astype(F32)
+B = RNG.standard_normal((4, 5)).astype(F32)
+
+
+def test_gemm_transposes_and_scales():
+    c = np.arange(5, dtype=F32)
+    got = run_node("Gemm", [A.T.copy(), B.T.copy(), c], transA=1, transB=1, alpha=0.5, beta=2.0)
+    np.testing.assert_allclose(got, 0.5 * A @ B + 2 * c, rtol=1e-5)
+    np.testing.assert_allclose(run_node("Gemm", [A, B]), A @ B, rtol=1e-5)  # C optional from opset 11
+    np.testing.assert_allclose(run_node("Gemm", [A, B, c], beta=0.0), A @ B, rtol=1e-5)
+
+
+def test_gemm_opset6_needs_broadcast_for_a_smaller_c():
+    c = np.arange(5, dtype=F32)
+    np.testing.assert_allclose(run_node("Gemm", [A, B, c], opset=6, broadcast=1), A @ B + c, rtol=1e-5)
+    with pytest.raises(Exception, match="broadcast=1"):
+        run_node("Gemm", [A, B, c], opset=6)
+
+
+def test_integer_gemm_stays_integer():
+    a = np.array([[1, 2], [3, 4]], np.int32)
+    got = run_node("Gemm", [a, a, np.array([1], np.int32)], alpha=2.0)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, 2 * a @ a + 1)
+
+
+def test_matmul_integer_zero_points():
+    a = np.array([[11, 7, 3], [10, 6, 2]], np.uint8)
+    b = np.array([[1, 4], [2, 5], [3, 6]], np.uint8)
+    a_zero = np.array([1, 2], np.uint8)  # one per row of A
+    b_zero = np.array([0, 1], np.uint8)  # one per column of B
+    expected = (a.astype(np.int32) - a_zero.reshape(2, 1)) @ (b.astype(np.int32) - b_zero)
+    got = run_node("MatMulInteger", [a, b, a_zero, b_zero])
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(run_node("MatMulInteger", [a, b, np.array(3, np.uint8)]),
+                                  (a.astype(np.int32) - 3) @ b.astype(np.int32))
+    signed = np.array([[-128, 127]], np.int8)
+    np.testing.assert_array_equal(run_node("MatMulInteger", [signed, signed.T.copy()]), [[128 * 128 + 127 * 127]])
+
+
+def test_einsum():
+    x = RNG.standard_normal((2, 3, 4)).astype(F32)
+    y = RNG.standard_normal((2, 4, 5)).astype(F32)
+    np.testing.assert_allclose(run_node("Einsum", [x, y], equation="bij, bjk -> bik"), x @ y, rtol=1e-5)
+    np.testing.assert_allclose(run_node("Einsum", [A], equation="ij"), A)
+    np.testing.assert_allclose(run_node("Einsum", [A], equation="ji"), A.T)  # implicit output is sorted: "ij"
+    np.testing.assert_allclose(run_node("Einsum", [x], equation="...ij->...ji"), x.transpose(0, 2, 1))
+    np.testing.assert_allclose(run_node("Einsum", [A[:, :3].copy()], equation="ii"), np.trace(A[:, :3]), rtol=1e-6)
+
+
+def test_det_batches_and_half_precision():
+    m = RNG.standard_normal((2, 3, 3))
+    np.testing.assert_allclose(run_node("Det", [m]), np.linalg.det(m), rtol=1e-12)
+    half = np.array([[2, 1], [1, 3]], np.float16)
+    got = run_node("Det", [half])
+    assert got.dtype == np.float16 and got == 5
+
+
+def test_half_precision_products_keep_their_dtype():
+    bf = A.astype(ml_dtypes.bfloat16)
+    got = run_node("MatMul", [bf, B.astype(ml_dtypes.bfloat16)])
+    assert got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_allclose(got.astype(F32), A @ B, rtol=0.05, atol=0.05)
+    assert run_node("Einsum", [bf, bf], equation="ij,ij->i").dtype == ml_dtypes.bfloat16
+    assert run_node("Gemm", [A.astype(np.float16), B.astype(np.float16)], alpha=0.5).dtype == np.float16
