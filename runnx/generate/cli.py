@@ -1,0 +1,100 @@
+"""`runnx generate` and `runnx chat`: text generation from an Optimum export folder in the terminal.
+
+    runnx generate MODEL_DIR "The capital of France is" [--chat] [--max-new-tokens N] [--temperature T]
+                   [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--stop TEXT]
+    runnx chat MODEL_DIR [--system TEXT] [sampling options]     (Ctrl-D leaves)
+"""
+from __future__ import annotations
+
+import sys
+
+
+def register(subparsers) -> None:
+    generate = subparsers.add_parser("generate", help="generate text from a prompt (streams it, then the speed)",
+                                     description="Generate text with a decoder exported by Optimum (a folder "
+                                                 "with model.onnx or decoder_model_merged.onnx, config.json, "
+                                                 "generation_config.json and tokenizer.json).")
+    generate.add_argument("model_dir", metavar="MODEL_DIR")
+    generate.add_argument("prompt", metavar="PROMPT")
+    generate.add_argument("--chat", action="store_true",
+                          help="wrap the prompt as a user message in the tokenizer's chat template")
+    generate.add_argument("--system", help="system message (with --chat)")
+    _add_decoding_arguments(generate)
+    generate.add_argument("--profile", action="store_true", help="print runnx's per-op profile afterwards")
+    generate.set_defaults(func=command_generate)
+
+    chat = subparsers.add_parser("chat", help="interactive multi-turn chat (Ctrl-D to leave)",
+                                 description="Chat with an instruction-tuned decoder; earlier turns stay in the "
+                                             "KV cache, so each turn runs only its new tokens.")
+    chat.add_argument("model_dir", metavar="MODEL_DIR")
+    chat.add_argument("--system", help="system message")
+    _add_decoding_arguments(chat)
+    chat.set_defaults(func=command_chat)
+
+
+def _add_decoding_arguments(parser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
+    parser.add_argument("--temperature", type=float, metavar="T", help="sample with this temperature")
+    parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens")
+    parser.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling")
+    parser.add_argument("--min-p", type=float, metavar="P", help="drop tokens below P times the best one")
+    parser.add_argument("--repetition-penalty", type=float, metavar="R")
+    parser.add_argument("--seed", type=int, metavar="S", help="seed of sampling (reproducible)")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="stop string (repeatable); the output ends right before it")
+
+
+def _settings(args) -> dict:
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
+            "top_p": args.top_p, "min_p": args.min_p, "repetition_penalty": args.repetition_penalty,
+            "seed": args.seed, "stop_strings": tuple(args.stop)}
+
+
+def _load(model_dir, profile=None):
+    # imported here, not at module level: `runnx` imports every plug-in at start-up
+    from runnx.generate.generator import Generator
+    return Generator.from_folder(model_dir, profile=profile)
+
+
+def command_generate(args) -> int:
+    import runnx
+    profile = runnx.Profile() if args.profile else None
+    generator = _load(args.model_dir, profile)
+    if args.chat:
+        from runnx.generate.chat import Chat
+        pieces = Chat(generator, system=args.system).send(args.prompt, **_settings(args))
+    else:
+        pieces = generator.stream(args.prompt, **_settings(args))
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    print(describe_stats(generator.stats), file=sys.stderr)
+    if profile is not None:
+        print(profile.summary(), file=sys.stderr)
+    return 0
+
+
+def describe_stats(stats) -> str:
+    return (f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tokens_per_second:.1f} tokens/s | "
+            f"generation: {stats.new_tokens} tokens, {stats.decode_tokens_per_second:.1f} tokens/s | "
+            f"time to first token: {stats.first_token_seconds:.2f} s")
+
+
+def command_chat(args) -> int:
+    from runnx.generate.chat import Chat
+    chat = Chat(_load(args.model_dir), system=args.system, **_settings(args))
+    print("runnx chat: type a message; Ctrl-D leaves.", file=sys.stderr)
+    while True:
+        try:
+            text = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not text.strip():
+            continue
+        for piece in chat.send(text):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        print(describe_stats(chat.generator.stats), file=sys.stderr)
