@@ -1,6 +1,8 @@
 """Helpers shared by the tensor-manipulation families (shape, indexing, creation, sequence)."""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from runnx.errors import RunnxError
@@ -54,3 +56,18 @@ def broadcast_shape(*shapes) -> tuple[int, ...]:
         return np.broadcast_shapes(*shapes)
     except ValueError:
         raise RunnxError(f"shapes {' and '.join(str(tuple(s)) for s in shapes)} do not broadcast") from None
+
+
+def split_parts(data, axis: int, sizes, count: int) -> tuple:
+    """Views of `data` cut along `axis`: of the given sizes, or `count` equal parts (the last
+    smaller when the dimension does not divide evenly)."""
+    axis = normalize_axis(axis, data.ndim)
+    length = data.shape[axis]
+    if sizes is None:
+        if count < 1:
+            raise RunnxError("Split needs at least one output")
+        chunk = -(-length // count)
+        sizes = [max(0, min(chunk, length - i * chunk)) for i in range(count)]
+    elif sum(sizes) != length or any(s < 0 for s in sizes):
+        raise RunnxError(f"split sizes {list(sizes)} do not add up to the dimension {length}")
+    return tuple(np.split(data, list(itertools.accumulate(sizes))[:-1], axis=axis))

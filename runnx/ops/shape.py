@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from runnx.errors import RunnxError
-from runnx.ops._shape_util import broadcast_shape, int_values, normalize_axes, normalize_axis
+from runnx.ops._shape_util import broadcast_shape, int_values, normalize_axes, normalize_axis, split_parts
 from runnx.ops.registry import register
 
 
@@ -137,41 +137,27 @@ def Tile(data, repeats, *, ctx):
     return _tile(data, int_values(repeats), ctx)
 
 
-def _split(data, axis: int, sizes, count: int) -> tuple:
-    """`count` parts along `axis`: of the given sizes, or equal ones (the last smaller when uneven)."""
-    axis = normalize_axis(axis, data.ndim)
-    length = data.shape[axis]
-    if sizes is None:
-        if count < 1:
-            raise RunnxError("Split needs at least one output")
-        chunk = -(-length // count)
-        sizes = [max(0, min(chunk, length - i * chunk)) for i in range(count)]
-    elif sum(sizes) != length or any(s < 0 for s in sizes):
-        raise RunnxError(f"Split sizes {list(sizes)} do not add up to the dimension {length}")
-    return tuple(np.split(data, list(itertools.accumulate(sizes))[:-1], axis=axis))
-
-
 @register("Split", since=1)
 def Split_1(data, split_input=None, *, axis: int = 0, split: tuple[int, ...] | None = None, output_count):
     sizes = int_values(split_input) if split_input is not None else split
-    return _split(data, axis, sizes, output_count)
+    return split_parts(data, axis, sizes, output_count)
 
 
 @register("Split", since=2)
 def Split_2(data, *, axis: int = 0, split: tuple[int, ...] | None = None, output_count):
-    return _split(data, axis, split, output_count)
+    return split_parts(data, axis, split, output_count)
 
 
 @register("Split", since=13)
 def Split_13(data, split=None, *, axis: int = 0, output_count):
-    return _split(data, axis, int_values(split), output_count)
+    return split_parts(data, axis, int_values(split), output_count)
 
 
 @register("Split", since=18)
 def Split(data, split=None, *, axis: int = 0, num_outputs: int | None = None, output_count):
     if split is not None and num_outputs is not None:
         raise RunnxError("Split takes either the 'split' input or the 'num_outputs' attribute, not both")
-    return _split(data, axis, int_values(split), num_outputs if num_outputs is not None else output_count)
+    return split_parts(data, axis, int_values(split), num_outputs if num_outputs is not None else output_count)
 
 
 def _bounded_slice(start: int, end: int, step: int, dim: int) -> slice:
