@@ -1,6 +1,6 @@
 """Softmax, LogSoftmax and Hardmax. Before opset 13 they treat the input as a 2-D matrix
 [prod(shape[:axis]), prod(shape[axis:])] and normalise each row (default axis 1); from opset 13 on
-they normalise along the one given axis (default -1)."""
+they normalise along the one given axis (default -1). Softmax and LogSoftmax can reuse a dying input."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,23 +15,23 @@ def _coerced_2d(x, axis):
     return x.reshape(rows, -1)
 
 
-def _shifted(x, axis):
-    """x minus its maximum along axis (so exp cannot overflow), as a new array."""
-    return x - np.max(x, axis=axis, keepdims=True)
+def _shifted(x, axis, out):
+    """x minus its maximum along axis (so exp cannot overflow), into `out` (None: a new array)."""
+    return np.subtract(x, np.max(x, axis=axis, keepdims=True), out=out)
 
 
-def _softmax(x, axis):
+def _softmax(x, axis, out=None):
     if x.size == 0:
         return x.copy()
-    exp = np.exp(_shifted(x, axis))
+    exp = np.exp(_shifted(x, axis, out), out=out)
     exp /= np.sum(exp, axis=axis, keepdims=True)
     return exp
 
 
-def _log_softmax(x, axis):
+def _log_softmax(x, axis, out=None):
     if x.size == 0:
         return x.copy()
-    shifted = _shifted(x, axis)
+    shifted = _shifted(x, axis, out)
     shifted -= np.log(np.sum(np.exp(shifted), axis=axis, keepdims=True))
     return shifted
 
@@ -45,24 +45,26 @@ def _hardmax(x, axis):
     return result
 
 
-@register("Softmax", since=1)
-def Softmax(x, *, axis: int = 1):
-    return _softmax(_coerced_2d(x, axis), 1).reshape(x.shape)
+@register("Softmax", since=1, inplace=(0,))
+def Softmax(x, *, axis: int = 1, overwrite=()):
+    rows = _coerced_2d(x, axis)
+    return _softmax(rows, 1, rows if overwrite else None).reshape(x.shape)
 
 
-@register("Softmax", since=13)
-def Softmax_13(x, *, axis: int = -1):
-    return _softmax(x, axis)
+@register("Softmax", since=13, inplace=(0,))
+def Softmax_13(x, *, axis: int = -1, overwrite=()):
+    return _softmax(x, axis, x if overwrite else None)
 
 
-@register("LogSoftmax", since=1)
-def LogSoftmax(x, *, axis: int = 1):
-    return _log_softmax(_coerced_2d(x, axis), 1).reshape(x.shape)
+@register("LogSoftmax", since=1, inplace=(0,))
+def LogSoftmax(x, *, axis: int = 1, overwrite=()):
+    rows = _coerced_2d(x, axis)
+    return _log_softmax(rows, 1, rows if overwrite else None).reshape(x.shape)
 
 
-@register("LogSoftmax", since=13)
-def LogSoftmax_13(x, *, axis: int = -1):
-    return _log_softmax(x, axis)
+@register("LogSoftmax", since=13, inplace=(0,))
+def LogSoftmax_13(x, *, axis: int = -1, overwrite=()):
+    return _log_softmax(x, axis, x if overwrite else None)
 
 
 @register("Hardmax", since=1)

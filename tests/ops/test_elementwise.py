@@ -188,6 +188,8 @@ def test_half_precision_stays_in_its_dtype():
     ("Erf", [np.linspace(-1, 1, 5).astype(F32)], {}),
     ("ThresholdedRelu", [np.linspace(-2, 2, 5).astype(F32)], {}),
     ("Softsign", [np.linspace(-2, 2, 5).astype(F32)], {}),
+    ("Softmax", [np.linspace(-2, 2, 6).astype(F32).reshape(2, 3)], {}),
+    ("LogSoftmax", [np.linspace(-2, 2, 6).astype(F32).reshape(2, 3)], {"axis": 0}),
 ])
 def test_in_place_gives_the_out_of_place_result(op, inputs, attributes):
     borrowed = run_node(op, inputs, opset=18, **attributes)
