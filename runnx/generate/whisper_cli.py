@@ -1,0 +1,115 @@
+"""`runnx whisper MODEL_DIR AUDIO... [--timestamps] [--format txt|srt|vtt|json] [--language L]`.
+
+Prints the transcript of each file on stdout (plain text, timed text, SubRip or WebVTT subtitles,
+or one JSON object per file), and on stderr a progress bar for audio longer than one window and
+the real-time factor split into feature, encoder and decoder time.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from runnx.errors import RunnxError
+from runnx.generate.mel import CHUNK_SECONDS
+
+FORMATS = ("txt", "srt", "vtt", "json")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "whisper", help="transcribe speech with a Whisper export (encoder_model.onnx + decoder_model_merged.onnx)",
+        description="Transcribe audio files (WAV/FLAC/OGG, any rate, mixed down to 16 kHz mono) with a Whisper "
+                    "model exported by Optimum.")
+    parser.add_argument("model_dir", metavar="MODEL_DIR", help="folder with encoder_model.onnx, "
+                        "decoder_model_merged.onnx, config.json, generation_config.json, tokenizer.json")
+    parser.add_argument("audio", metavar="AUDIO", nargs="+", help="audio file(s)")
+    parser.add_argument("--timestamps", action="store_true",
+                        help="decode timestamps and print timed segments (srt/vtt always have them)")
+    parser.add_argument("--format", choices=FORMATS, default="txt",
+                        help="txt (default), srt or vtt subtitles, json (one object per file and line)")
+    parser.add_argument("--language", metavar="L", default=None,
+                        help="language code for multilingual models (default: detected from the first window)")
+    parser.add_argument("--task", choices=("transcribe", "translate"), default="transcribe",
+                        help="multilingual models: transcribe, or translate into English")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from runnx.generate.whisper import Whisper
+
+    try:
+        model = Whisper(args.model_dir)
+        timestamps = True if args.timestamps or args.format in ("srt", "vtt") else None
+        for index, path in enumerate(args.audio):
+            bar = ProgressBar(path)
+            transcript = model.transcribe(path, language=args.language, task=args.task, timestamps=timestamps,
+                                          progress=bar.update)
+            bar.close()
+            if len(args.audio) > 1 and args.format != "json":  # json lines name their file
+                print(f"\n==> {path} <==" if index else f"==> {path} <==")
+            sys.stdout.write(render(transcript, args.format, args.timestamps, path))
+            sys.stdout.flush()
+            print(timing_line(transcript.timings), file=sys.stderr)
+    except RunnxError as error:
+        print(f"runnx whisper: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- output formats -------------------------------------------------------------------------------
+def clock(seconds: float, separator: str = ".", hours: bool = True) -> str:
+    """00:01:02.345 (SubRip uses ',' before the milliseconds; short audio may drop the hours)."""
+    millis = int(round(seconds * 1000))
+    h, rest = divmod(millis, 3_600_000)
+    m, rest = divmod(rest, 60_000)
+    s, ms = divmod(rest, 1000)
+    head = f"{h:02d}:" if hours or h else ""
+    return f"{head}{m:02d}:{s:02d}{separator}{ms:03d}"
+
+
+def render(transcript, fmt: str, timestamps: bool = False, source: str | None = None) -> str:
+    segments = transcript.segments
+    if fmt == "json":
+        return json.dumps({"file": source, "language": transcript.language, "text": transcript.text,
+                           "segments": [{"start": s.start, "end": s.end, "text": s.text} for s in segments]},
+                          ensure_ascii=False) + "\n"
+    if fmt == "srt":
+        return "".join(f"{i}\n{clock(s.start, ',')} --> {clock(s.end, ',')}\n{s.text}\n\n"
+                       for i, s in enumerate(segments, 1))
+    if fmt == "vtt":
+        return "WEBVTT\n\n" + "".join(f"{clock(s.start)} --> {clock(s.end)}\n{s.text}\n\n" for s in segments)
+    if timestamps:
+        return "".join(f"[{clock(s.start, hours=False)} --> {clock(s.end, hours=False)}]  {s.text}\n" for s in segments)
+    return transcript.text + "\n"
+
+
+def timing_line(timings) -> str:
+    audio = timings.audio or 1.0
+    return (f"{timings.audio:.1f} s of audio in {timings.total:.2f} s: real-time factor {timings.real_time_factor:.3f} "
+            f"(features {timings.features / audio:.3f}, encode {timings.encode / audio:.3f}, "
+            f"decode {timings.decode / audio:.3f}; {timings.windows} window(s), {timings.decoded_tokens} decoder steps)")
+
+
+class ProgressBar:
+    """A one-line bar on stderr, shown only for audio longer than one window."""
+
+    WIDTH = 30
+
+    def __init__(self, label: str, stream=None):
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.shown = False
+
+    def update(self, done: float, total: float) -> None:
+        if total <= CHUNK_SECONDS:
+            return
+        filled = int(self.WIDTH * min(done / total, 1.0))
+        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (self.WIDTH - filled)}] "
+                          f"{done:6.1f}/{total:.1f} s")
+        self.stream.flush()
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            self.stream.write("\n")
+            self.stream.flush()

@@ -1,0 +1,310 @@
+"""The Whisper pipeline: special tokens and prompts, Whisper's logits rules, long-audio segmentation,
+output formats; decoded token ids against onnxruntime on the tiny random fixture and the real
+tiny.en; transcripts of espeak-ng clips."""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from runnx.capture import spare_capacity
+from runnx.generate import mel
+from runnx.generate.audio import load_audio
+from runnx.generate.whisper import (
+    SuppressAtBegin, SuppressTokens, TimestampRules, Whisper, WhisperError, WhisperTokens, split_segments,
+    transcribe,
+)
+from runnx.generate.whisper_cli import clock, register, render
+
+# tiny.en's layout: <|endoftext|> 50256, <|startoftranscript|> 50257, <|notimestamps|> 50362, <|0.00|> 50363
+EOT, SOT, NO_TS, TS0 = 50256, 50257, 50362, 50363
+TINY_EN_CONFIG = {"vocab_size": 51864, "decoder_start_token_id": SOT, "eos_token_id": EOT}
+TINY_EN_GENERATION = {"decoder_start_token_id": SOT, "eos_token_id": EOT, "no_timestamps_token_id": NO_TS,
+                      "is_multilingual": False, "suppress_tokens": [1, 2, 50357], "begin_suppress_tokens": [220, EOT],
+                      "max_initial_timestamp_index": 50}
+MULTILINGUAL_SPECIAL = {"<|endoftext|>": 50257, "<|startoftranscript|>": 50258, "<|en|>": 50259, "<|de|>": 50261,
+                        "<|translate|>": 50358, "<|transcribe|>": 50359, "<|notimestamps|>": 50363,
+                        "<|nocaptions|>": 50362}
+
+
+def _rules(max_initial=50, begin=1):
+    return TimestampRules(TS0, EOT, NO_TS, begin_index=begin, max_initial_index=max_initial)
+
+
+def _apply(rule, generated, scores=None, prompt=(SOT,)):
+    ids = np.array([list(prompt) + list(generated)], np.int64)
+    if scores is None:  # every token allowed; timestamps unlikely, so that their sum does not win
+        scores = np.zeros((1, 51864), np.float32)
+        scores[0, TS0:] = -20.0
+    return rule(ids, scores)[0]
+
+
+# -- special tokens and prompts ---------------------------------------------------------------------
+def test_english_only_tokens_and_prompts():
+    tokens = WhisperTokens.from_configs(TINY_EN_CONFIG, TINY_EN_GENERATION, {})
+    assert not tokens.multilingual and tokens.timestamp_begin == TS0
+    assert tokens.prompt(None, "transcribe", timestamps=False) == [SOT, NO_TS]
+    assert tokens.prompt("de", "translate", timestamps=True) == [SOT]  # English-only: no language/task tokens
+    assert tokens.suppress_at_begin == (220, EOT)
+
+
+def test_multilingual_tokens_from_the_tokenizer_and_prompts():
+    config = {"vocab_size": 51865, "decoder_start_token_id": 50258, "eos_token_id": 50257}
+    tokens = WhisperTokens.from_configs(config, {}, MULTILINGUAL_SPECIAL)
+    assert tokens.multilingual  # 51865 tokens: openai-whisper's rule
+    assert tokens.languages == {"en": 50259, "de": 50261}
+    assert tokens.tasks == {"translate": 50358, "transcribe": 50359}
+    assert tokens.prompt("de", "transcribe", timestamps=False) == [50258, 50261, 50359, 50363]
+    assert tokens.prompt("<|en|>", "translate", timestamps=True) == [50258, 50259, 50358]
+    assert tokens.prompt(None, "transcribe", timestamps=True) == [50258]  # language still to detect
+    with pytest.raises(WhisperError, match="unknown language 'xx'.*de, en"):
+        tokens.prompt("xx", "transcribe", False)
+    with pytest.raises(WhisperError, match="unknown task"):
+        tokens.prompt("en", "summarise", False)
+
+
+def test_generation_config_wins_over_the_tokenizer():
+    generation = {"lang_to_id": {"<|fr|>": 7}, "task_to_id": {"transcribe": 8}, "is_multilingual": True,
+                  "decoder_start_token_id": 1, "eos_token_id": 2}
+    tokens = WhisperTokens.from_configs({}, generation, MULTILINGUAL_SPECIAL)
+    assert tokens.languages == {"fr": 7} and tokens.tasks == {"transcribe": 8}
+    assert tokens.prompt("fr", "transcribe", True) == [1, 7, 8]
+
+
+# -- logits rules ---------------------------------------------------------------------------------
+def test_suppress_tokens_and_suppress_at_begin():
+    scores = np.zeros((1, 10), np.float32)
+    assert np.isneginf(SuppressTokens((3, 4))(np.array([[0]]), scores)[0, [3, 4]]).all()
+    assert (scores == 0).all()  # processors do not write their input
+    begin = SuppressAtBegin((5,), begin_index=2)
+    assert np.isneginf(begin(np.array([[0, 1]]), scores)[0, 5])
+    assert begin(np.array([[0, 1, 2]]), scores)[0, 5] == 0  # only the first generated token
+
+
+def test_first_token_is_an_early_timestamp():
+    allowed = np.isfinite(_apply(_rules(max_initial=50), []))
+    assert not allowed[:TS0].any()
+    assert allowed[TS0:TS0 + 51].all() and not allowed[TS0 + 51:].any()
+    assert not allowed[NO_TS]
+
+
+def test_timestamp_grammar():
+    text = 400
+    after_open = np.isfinite(_apply(_rules(), [TS0 + 5]))
+    assert not after_open[TS0:].any() and after_open[text]  # an opening timestamp is followed by text
+    after_text = np.isfinite(_apply(_rules(), [TS0 + 5, text]))
+    assert after_text[text] and after_text[EOT]
+    assert not after_text[TS0:TS0 + 6].any() and after_text[TS0 + 6]  # the closing one comes later
+    after_close = np.isfinite(_apply(_rules(), [TS0 + 5, text, TS0 + 9]))
+    assert not after_close[:EOT].any()  # a text token cannot follow where a timestamp must
+    assert after_close[EOT] and after_close[TS0 + 9] and not after_close[TS0 + 8]  # never decreasing
+    after_pair = np.isfinite(_apply(_rules(), [TS0 + 5, text, TS0 + 9, TS0 + 9]))
+    assert not after_pair[TS0:].any() and after_pair[text]  # no third timestamp in a row
+
+
+def test_timestamps_win_when_together_more_likely_than_any_text_token():
+    scores = np.full((1, 51864), -10.0, np.float32)
+    scores[0, 400] = 2.0  # the best single token is text ...
+    scores[0, TS0 + 10:TS0 + 40] = 0.0  # ... but 30 timestamps together outweigh it
+    allowed = np.isfinite(_apply(_rules(), [TS0, 300], scores))
+    assert not allowed[:TS0].any() and allowed[TS0 + 10]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_choice_under_the_rules_keeps_the_grammar(seed):
+    rng = np.random.default_rng(seed)
+    rule, generated = _rules(), []
+    for _ in range(120):
+        scores = rng.normal(size=(1, 51864)).astype(np.float32)
+        scores[0, TS0:] += rng.normal(2.0, 1.0)  # make timestamps competitive
+        scores[0, EOT + 1:TS0] = -np.inf  # the other special tokens are suppressed by SuppressTokens
+        token = int(_apply(rule, generated, scores).argmax())
+        if token == EOT:
+            break
+        generated.append(token)
+    stamps = [t for t in generated if t >= TS0]
+    assert generated[0] >= TS0 and stamps == sorted(stamps)
+    kinds = "".join("t" if t >= TS0 else "x" for t in generated)
+    assert "ttt" not in kinds and not kinds.startswith("tt")
+    for i in range(2, len(kinds)):  # after text-then-timestamp only a timestamp (or the end) follows
+        if kinds[i - 2:i] == "xt":
+            assert kinds[i] == "t"
+
+
+# -- long audio: segments and seeking -------------------------------------------------------------
+def test_segments_of_complete_pairs_and_seek_to_the_last_closing_timestamp():
+    tokens = [TS0, 10, 11, TS0 + 150, TS0 + 150, 12, TS0 + 400, TS0 + 410, 13]  # the last pair is unfinished
+    segments, seek = split_segments(tokens, TS0, 3000)
+    assert [(start, end) for start, end, _ in segments] == [(0, 300), (300, 800)]
+    assert segments[1][2] == [TS0 + 150, 12, TS0 + 400]
+    assert seek == 800  # the next window re-decodes from the unfinished segment
+
+
+def test_single_timestamp_ending_consumes_the_window():
+    tokens = [TS0, 10, TS0 + 100, TS0 + 100, 11, TS0 + 500]
+    segments, seek = split_segments(tokens, TS0, 2400)
+    assert [(start, end) for start, end, _ in segments] == [(0, 200), (200, 1000)]
+    assert seek == 2400
+
+
+def test_window_without_pairs_is_one_segment():
+    segments, seek = split_segments([TS0, 10, 11, TS0 + 250], TS0, 3000)
+    assert segments == [(0, 500, [TS0, 10, 11, TS0 + 250])] and seek == 3000
+    segments, seek = split_segments([10, 11], None, 1234)  # no-timestamp mode: the whole window
+    assert segments == [(0, 1234, [10, 11])] and seek == 1234
+
+
+# -- output formats -------------------------------------------------------------------------------
+def test_clock_and_subtitle_formats():
+    from runnx.generate.whisper import Segment, Transcript
+    assert clock(3725.5, ",") == "01:02:05,500" and clock(5.25, hours=False) == "00:05.250"
+    transcript = Transcript("Hi there. Bye.", [Segment(0.0, 1.5, "Hi there.", (1,)), Segment(1.5, 3.02, "Bye.", (2,))],
+                            "en")
+    assert render(transcript, "txt") == "Hi there. Bye.\n"
+    assert render(transcript, "txt", timestamps=True).splitlines()[1] == "[00:01.500 --> 00:03.020]  Bye."
+    assert render(transcript, "srt") == ("1\n00:00:00,000 --> 00:00:01,500\nHi there.\n\n"
+                                         "2\n00:00:01,500 --> 00:00:03,020\nBye.\n\n")
+    assert render(transcript, "vtt").startswith("WEBVTT\n\n00:00:00.000 --> 00:00:01.500\nHi there.\n")
+    document = json.loads(render(transcript, "json", source="a.wav"))
+    assert document["file"] == "a.wav" and document["segments"][1] == {"start": 1.5, "end": 3.02, "text": "Bye."}
+
+
+# -- the tiny random fixture against onnxruntime --------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_whisper(fixtures_dir):
+    folder = fixtures_dir / "tiny-whisper"
+    if not (folder / "decoder_model_merged.onnx").is_file():
+        pytest.skip(f"{folder} is missing")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def clip_features(fixtures_dir):
+    return mel.window_features(load_audio(fixtures_dir / "whisper_features" / "clip.wav"))
+
+
+def _variant(tmp_path, folder, generation: dict):
+    """The tiny model's ONNX files with another generation_config.json (special token layout)."""
+    for name in ("encoder_model.onnx", "decoder_model_merged.onnx", "config.json"):
+        shutil.copy(folder / name, tmp_path / name)
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    return tmp_path
+
+
+def test_tiny_token_ids_equal_onnxruntime(tiny_whisper, clip_features):
+    from _ort_whisper import OrtGreedy
+    model = Whisper(tiny_whisper)
+    hidden = model.encode(clip_features)
+    decoded = model.decode(hidden, max_new_tokens=40)
+    expected = OrtGreedy(tiny_whisper)(clip_features, [model.tokens.start_of_transcript],
+                                       eos=model.tokens.end_of_text, max_new_tokens=40)
+    assert decoded.tokens == expected and len(expected) > 0
+    # the self-attention KV grew in place in its 448-row buffers, and the encoder ran once
+    cache = model.decoder.cache
+    assert cache.regrowths == 0
+    assert all(a.shape[2] + spare_capacity(a, 2) == 448 for a in cache.arrays.values())
+
+
+def test_tiny_multilingual_detection_and_timestamps_equal_onnxruntime(tiny_whisper, clip_features, tmp_path):
+    from _ort_whisper import OrtModel
+    # pretend: 998 start, 500 end of text, languages 501-503, tasks 510/511, 600 no-timestamps, 601+ timestamps
+    generation = {"decoder_start_token_id": 998, "eos_token_id": 500, "is_multilingual": True,
+                  "lang_to_id": {"<|en|>": 501, "<|de|>": 502, "<|fr|>": 503},
+                  "task_to_id": {"translate": 510, "transcribe": 511}, "no_timestamps_token_id": 600,
+                  "suppress_tokens": [998, 510, 511], "begin_suppress_tokens": [500],
+                  "max_initial_timestamp_index": 50}
+    folder = _variant(tmp_path, tiny_whisper, generation)
+    ours, reference = Whisper(folder), Whisper(folder, load=OrtModel)
+    hidden = ours.encode(clip_features)
+    np.testing.assert_allclose(hidden, reference.encode(clip_features), atol=1e-4)
+    first = reference.decoder
+    first.reset(fixed_feeds={"encoder_hidden_states": hidden})
+    logits = first.step(np.array([[998]]))[0, -1]
+    expected_language = ["en", "de", "fr"][int(logits[[501, 502, 503]].argmax())]
+    assert ours.detect_language(hidden) == expected_language
+    for timestamps in (False, True):
+        decoded = ours.decode(hidden, timestamps=timestamps, max_new_tokens=60)
+        assert decoded.language == expected_language
+        assert decoded.tokens == reference.decode(hidden, timestamps=timestamps, max_new_tokens=60).tokens
+    assert 500 not in decoded.tokens and 600 not in decoded.tokens  # timestamp mode: <|notimestamps|> suppressed
+    stamps = [t for t in decoded.tokens if t >= 601]
+    assert decoded.tokens[0] >= 601 and stamps == sorted(stamps)
+    assert ours.decode(hidden, language="fr", max_new_tokens=5).language == "fr"
+
+
+def test_tiny_model_needs_a_tokenizer_for_text(tiny_whisper):
+    with pytest.raises(WhisperError, match="tokenizer.json"):
+        transcribe(np.zeros(16000, np.float32), tiny_whisper)
+
+
+def test_folder_without_encoder_is_a_clear_error(tmp_path):
+    with pytest.raises(WhisperError, match="encoder_model.onnx"):
+        Whisper(tmp_path)
+
+
+# -- the real tiny.en ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_en(whisper_dir):
+    return Whisper(whisper_dir)
+
+
+@pytest.fixture(scope="module")
+def ort_tiny_en(whisper_dir):
+    from _ort_whisper import OrtGreedy
+    return OrtGreedy(whisper_dir)
+
+
+def test_john_transcribes_exactly(tiny_en, audio_dir):
+    transcript = tiny_en.transcribe(audio_dir / "john.wav")
+    assert transcript.text == "Hello, my name is John and I live in London."
+    assert transcript.language == "en" and len(transcript.segments) == 1
+    assert transcript.timings.windows == 1 and transcript.timings.real_time_factor > 0
+
+
+@pytest.mark.parametrize("clip", ["john.wav", "fox.wav", "weather.wav"])
+def test_token_ids_equal_onnxruntime(tiny_en, ort_tiny_en, audio_dir, clip):
+    features = mel.window_features(load_audio(audio_dir / clip))
+    tokens = tiny_en.tokens
+    decoded = tiny_en.decode(tiny_en.encode(features))
+    expected = ort_tiny_en(features, tokens.prompt(None, "transcribe", False), eos=tokens.end_of_text,
+                           suppress=tokens.suppress, begin_suppress=tokens.suppress_at_begin)
+    assert decoded.tokens == expected
+    transcripts = json.loads((audio_dir / "transcripts.json").read_text())
+    assert tiny_en.tokenizer.decode(decoded.tokens).strip().lower()[:10] == transcripts[clip].lower()[:10]
+
+
+def test_timestamp_mode_on_a_short_clip(tiny_en, audio_dir):
+    transcript = tiny_en.transcribe(audio_dir / "john.wav", timestamps=True)
+    assert "my name is John" in transcript.text
+    (segment,) = transcript.segments
+    assert segment.tokens[0] >= TS0 and segment.tokens[-1] >= TS0
+    assert 0.0 <= segment.start < segment.end <= transcript.timings.audio
+
+
+def test_long_audio_is_transcribed_across_windows(tiny_en, audio_dir):
+    progress = []
+    transcript = tiny_en.transcribe(audio_dir / "long.wav", progress=lambda done, total: progress.append(done))
+    duration = transcript.timings.audio
+    assert duration > 60 and transcript.timings.windows >= 3
+    starts = [s.start for s in transcript.segments]
+    ends = [s.end for s in transcript.segments]
+    assert all(s < e for s, e in zip(starts, ends))
+    assert all(e <= s for e, s in zip(ends, starts[1:]))  # segments follow each other
+    assert starts[0] < 2.0 and ends[-1] > duration - 3.0 and ends[-1] <= duration  # they cover the audio
+    assert progress == sorted(progress) and progress[-1] == pytest.approx(duration, abs=0.02)
+    words = json.loads((audio_dir / "transcripts.json").read_text())["long.wav"].lower().split()
+    heard = set(transcript.text.lower().replace(",", " ").replace(".", " ").split())
+    assert sum(w.strip(",.") in heard for w in words) / len(words) > 0.8
+
+
+def test_cli_prints_text_and_real_time_factor(whisper_dir, audio_dir, capsys):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["whisper", str(whisper_dir), str(audio_dir / "john.wav"), "--format", "srt"])
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("1\n00:00:00,000 --> ") and "my name is John" in out
+    assert "real-time factor" in err and "encode" in err and "decode" in err
