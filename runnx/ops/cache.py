@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.capture.capacity import append_in_place, concatenate_with_headroom
+from runnx.errors import RunnxError
 from runnx.ops.registry import register
 
 
@@ -31,3 +32,35 @@ def Concat(*inputs, axis: int, overwrite=(), ctx=None):
     if ctx is not None:
         ctx.count("Concat.bytes_copied", result.nbytes)
     return result
+
+
+@register("TensorScatter", since=24, inplace=(0,))
+def TensorScatter(past_cache, update, write_indices=None, *, axis: int = -2, mode: str = "linear",
+                  overwrite=(), ctx=None):
+    """Writes `update` into the cache at per-batch positions; in place when the cache is granted
+    (owned and dead), so a fixed-size KV cache is updated in O(new rows)."""
+    if mode not in ("linear", "circular"):
+        raise RunnxError(f"TensorScatter mode must be 'linear' or 'circular', got '{mode}'")
+    rank = past_cache.ndim
+    axis = axis % rank
+    if axis == 0:
+        raise RunnxError("TensorScatter axis cannot be the batch axis 0")
+    if update.ndim != rank or any(u != c for i, (u, c) in enumerate(zip(update.shape, past_cache.shape))
+                                  if i != axis) or update.shape[axis] > past_cache.shape[axis]:
+        raise RunnxError(f"update shape {list(update.shape)} does not fit cache shape {list(past_cache.shape)} "
+                         f"along axis {axis}")
+    batch, capacity, length = past_cache.shape[0], past_cache.shape[axis], update.shape[axis]
+    starts = np.zeros(batch, dtype=np.int64) if write_indices is None else np.asarray(write_indices).reshape(-1)
+    present = past_cache if 0 in overwrite else past_cache.copy()
+    lead = (slice(None),) * (axis - 1)
+    for row in range(batch):
+        positions = int(starts[row]) + np.arange(length)
+        if mode == "circular":
+            positions %= capacity
+        elif length and (positions[0] < 0 or positions[-1] >= capacity):
+            raise RunnxError(f"TensorScatter writes rows {positions[0]}..{positions[-1]} of batch {row} outside "
+                             f"the cache length {capacity}")
+        present[row][lead + (positions,)] = update[row]
+    if ctx is not None:
+        ctx.count("TensorScatter.bytes_copied", update.nbytes + (0 if 0 in overwrite else past_cache.nbytes))
+    return present
