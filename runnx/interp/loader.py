@@ -115,7 +115,6 @@ class _GraphBuilder:
             raise UnsupportedOpError("unsupported operators:\n" + "\n".join(lines))
 
     def build(self, proto, top=False, owner="the model") -> Graph:
-        _check_text(proto, owner)
         names: list[str] = []
         ids: dict[str, int] = {}
         where: dict[str, str] = {}
@@ -128,6 +127,7 @@ class _GraphBuilder:
                 return ids[name]
             if name in ids:
                 raise InvalidModelError(f"value '{name}' is defined twice in {owner}'s graph: by {where[name]} and by {origin}")
+            _check_text(name, origin)
             ids[name] = len(names)
             names.append(name)
             where[name] = origin
@@ -140,6 +140,7 @@ class _GraphBuilder:
             if name == "":
                 return MISSING
             if name not in ids:
+                _check_text(name, user)
                 ids[name] = len(names)
                 names.append(name)
                 where[name] = "an enclosing graph"
@@ -187,6 +188,8 @@ class _GraphBuilder:
 
     def _node(self, proto, index, define, use, owner) -> Node:
         self.node_count += 1
+        for text in (proto.op_type, proto.domain, proto.name):
+            _check_text(text, f"node {index} of {owner}'s graph")
         name = proto.name or f"{proto.op_type}_{self.node_count}"
         label = f"{proto.op_type} node '{name}'"
         domain = registry._canonical_domain(proto.domain)
@@ -287,17 +290,10 @@ class _GraphBuilder:
         raise InvalidModelError(f"{label}: attribute '{attribute.name}' has an unknown or unset type ({kind})")
 
 
-def _check_text(graph, owner) -> None:
-    """protobuf hands out invalid UTF-8 in string fields as bytes: refuse it before it reaches a name."""
-    for index, node in enumerate(graph.node):
-        fields = [node.op_type, node.domain, node.name, *node.input, *node.output, *(a.name for a in node.attribute)]
-        if any(type(field) is not str for field in fields):
-            raise InvalidModelError(f"node {index} ({node.op_type!r}) of {owner}'s graph has a name that is not "
-                                    f"valid UTF-8")
-    values = [*(v.name for v in graph.input), *(v.name for v in graph.output), *(t.name for t in graph.initializer)]
-    bad = [v for v in values if type(v) is not str]
-    if bad:
-        raise InvalidModelError(f"{owner}'s graph has a value name that is not valid UTF-8: {bad[0]!r}")
+def _check_text(text, where) -> None:
+    """protobuf hands out invalid UTF-8 in string fields as bytes: refuse it before it becomes a name."""
+    if type(text) is not str:
+        raise InvalidModelError(f"{where}: name {text!r} is not valid UTF-8")
 
 
 def _sparse_to_dense(sparse) -> np.ndarray:
