@@ -323,7 +323,8 @@ def _clip(x, low, high, overwrite):
 
 @register("Clip", since=6, inplace=(0,))
 def Clip(x, *, min: float = -3.4028234663852886e38, max: float = 3.4028234663852886e38, overwrite=()):
-    return _clip(x, min, max, overwrite)
+    with np.errstate(over="ignore"):  # the float32 range as float16 bounds is +-inf: still no clipping
+        return _clip(x, min, max, overwrite)
 
 
 @register("Clip", since=11, inplace=(0,))
@@ -333,6 +334,23 @@ def Clip_11(x, min=None, max=None, *, overwrite=()):
 
 
 # --- comparisons ---------------------------------------------------------------------------------------
+# Comparisons and logic ops take the opset < 7 broadcast/axis attributes too (see legacy_broadcast).
+
+
+@register("Equal", since=1)
+def Equal_1(a, b, *, broadcast: int = 0, axis: int | None = None):
+    return Equal(a, legacy_broadcast(a, b, broadcast, axis))
+
+
+@register("Greater", since=1)
+def Greater_1(a, b, *, broadcast: int = 0, axis: int | None = None):
+    return Greater(a, legacy_broadcast(a, b, broadcast, axis))
+
+
+@register("Less", since=1)
+def Less_1(a, b, *, broadcast: int = 0, axis: int | None = None):
+    return Less(a, legacy_broadcast(a, b, broadcast, axis))
+
 
 
 @register("Equal", since=7)
@@ -376,6 +394,21 @@ def Or(a, b, *, overwrite=()):
 @register("Xor", since=7, inplace=(0, 1))
 def Xor(a, b, *, overwrite=()):
     return binary(np.logical_xor, a, b, overwrite)
+
+
+@register("And", since=1, inplace=(0, 1))
+def And_1(a, b, *, broadcast: int = 0, axis: int | None = None, overwrite=()):
+    return And(a, legacy_broadcast(a, b, broadcast, axis), overwrite=overwrite)
+
+
+@register("Or", since=1, inplace=(0, 1))
+def Or_1(a, b, *, broadcast: int = 0, axis: int | None = None, overwrite=()):
+    return Or(a, legacy_broadcast(a, b, broadcast, axis), overwrite=overwrite)
+
+
+@register("Xor", since=1, inplace=(0, 1))
+def Xor_1(a, b, *, broadcast: int = 0, axis: int | None = None, overwrite=()):
+    return Xor(a, legacy_broadcast(a, b, broadcast, axis), overwrite=overwrite)
 
 
 @register("Not", since=1, inplace=(0,))

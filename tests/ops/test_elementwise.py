@@ -98,6 +98,10 @@ def test_opset6_broadcast_aligns_b_from_axis():
     np.testing.assert_array_equal(run_node("Mul", [np.ones((2, 3), F32), b], opset=6, broadcast=1), [b, b])
     with pytest.raises(Exception, match="broadcast=0"):
         run_node("Sub", [a, b], opset=6)
+    rows = np.array([[1, 2], [3, 4]], np.int32)
+    np.testing.assert_array_equal(run_node("Less", [rows, np.array([2, 3], np.int32)], opset=1, broadcast=1, axis=0),
+                                  [[True, False], [False, False]])
+    np.testing.assert_array_equal(run_node("Clip", [np.array([1, 60000], np.float16)], opset=6), [1, 60000])
 
 
 def test_prelu_slope_is_per_channel_before_opset7():
