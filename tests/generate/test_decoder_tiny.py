@@ -1,0 +1,111 @@
+"""The decoding core on the tiny fixtures: greedy ids equal onnxruntime's for every export shape,
+and the KV cache grows in place (profile counters, shared buffers), doubling when it runs out."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import runnx
+from runnx.generate.decoder import DecoderStep, load_decoder
+from runnx.generate.generator import Generator
+from runnx.generate.tokenizer import Tokenizer
+
+from generate_reference import ort_greedy
+
+PROMPTS = ["Once upon a time", "The quick brown fox jumps over the lazy dog.", "a"]
+NEW_TOKENS = 16
+
+# (fixture folder, first-step file, later-steps file)
+EXPORTS = {
+    "llama-single": ("tiny-llama", "model.onnx", "model.onnx"),
+    "llama-merged": ("tiny-llama-merged", "decoder_model_merged.onnx", "decoder_model_merged.onnx"),
+    "llama-split": ("tiny-llama-merged", "decoder_model.onnx", "decoder_with_past_model.onnx"),
+    "gpt2-single": ("tiny-gpt2", "model.onnx", "model.onnx"),
+}
+
+
+def _decoder(folder, first, later, **kwargs) -> DecoderStep:
+    with_past = load_decoder(str(folder / later)) if later != first else None
+    return DecoderStep(load_decoder(str(folder / first)), with_past, **kwargs)
+
+
+def _greedy(decoder: DecoderStep, prompt_ids, new_tokens: int) -> list[int]:
+    decoder.reset(1)
+    ids, out = np.array([prompt_ids], np.int64), []
+    for _ in range(new_tokens):
+        token = int(decoder.step(ids)[0, -1].argmax())
+        out.append(token)
+        ids = np.array([[token]], np.int64)
+    return out
+
+
+@pytest.mark.parametrize("export", EXPORTS)
+def test_greedy_ids_equal_onnxruntime(fixtures_dir, export):
+    name, first, later = EXPORTS[export]
+    folder = fixtures_dir / name
+    tokenizer = Tokenizer.from_folder(fixtures_dir / name)
+    decoder = _decoder(folder, first, later)
+    for prompt in PROMPTS:
+        prompt_ids = tokenizer.encode(prompt)
+        expected = ort_greedy(folder / first, folder / later, prompt_ids, NEW_TOKENS)
+        assert _greedy(decoder, prompt_ids, NEW_TOKENS) == expected, prompt
+
+
+@pytest.mark.parametrize("export", ["llama-single", "llama-merged", "gpt2-single"])
+def test_generator_from_folder_equals_onnxruntime(fixtures_dir, export):
+    name, first, later = EXPORTS[export]
+    generator = Generator.from_folder(fixtures_dir / name)
+    prompt_ids = generator.tokenizer.encode(PROMPTS[0])
+    ids = list(generator.token_stream(prompt_ids, max_new_tokens=NEW_TOKENS, stop_token_ids=()))
+    assert ids == ort_greedy(fixtures_dir / name / first, fixtures_dir / name / later, prompt_ids, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("export", ["llama-single", "llama-merged", "llama-split", "gpt2-single"])
+def test_every_step_appends_the_kv_cache_in_place(fixtures_dir, export):
+    name, first, later = EXPORTS[export]
+    profile = runnx.Profile()
+    decoder = _decoder(fixtures_dir / name, first, later, capacity=64, profile=profile)
+    decoder.reset(1)
+    decoder.step(np.array([[1, 5, 9, 13]]))
+    buffers = {name: array.base for name, array in decoder.cache.arrays.items()}
+    kv_tensors = len(buffers)
+    appends_after_prefill = profile.counters["Concat.appends_in_place"]
+    for token in range(10):
+        decoder.step(np.array([[token + 20]]))
+    # single model.onnx: the prefill appends into the reserved buffers too; merged/split: its
+    # no-past branch returns fresh arrays, copied once into buffers with capacity
+    assert appends_after_prefill == (kv_tensors if first == "model.onnx" else 0)
+    assert profile.counters["Concat.appends_in_place"] - appends_after_prefill == 10 * kv_tensors
+    assert profile.inplace["Concat"] >= profile.counters["Concat.appends_in_place"]
+    assert decoder.cache.regrowths == 0
+    assert decoder.length == 14
+    for name, array in decoder.cache.arrays.items():
+        assert array.shape[2] == 14
+        assert array.base is buffers[name]  # still a prefix view of the buffer reserved at the prefill
+
+
+def test_cache_doubles_when_capacity_runs_out(fixtures_dir):
+    folder = fixtures_dir / "tiny-llama"
+    small = _decoder(folder, "model.onnx", "model.onnx", capacity=4)
+    roomy = _decoder(folder, "model.onnx", "model.onnx", capacity=64)
+    prompt = [1, 5, 9]
+    assert _greedy(small, prompt, 12) == _greedy(roomy, prompt, 12)
+    per_tensor = small.cache.regrowths / len(small.cache.arrays)
+    assert per_tensor == 2  # 4 -> 8 -> 16 rows for 14 tokens
+    assert small.cache.capacity == 16
+    assert roomy.cache.regrowths == 0
+
+
+def test_truncate_keeps_capacity_and_continues_like_a_fresh_run(fixtures_dir):
+    folder = fixtures_dir / "tiny-llama"
+    decoder = _decoder(folder, "model.onnx", "model.onnx", capacity=32)
+    decoder.reset(1)
+    decoder.step(np.array([[1, 5, 9, 13, 17]]))
+    decoder.truncate(3)
+    assert decoder.length == 3 and decoder.cache.capacity == 32
+    continued = decoder.step(np.array([[40]]))
+    fresh = _decoder(folder, "model.onnx", "model.onnx")
+    fresh.reset(1)
+    fresh.step(np.array([[1, 5, 9]]))
+    # the kept rows came from a 5-token prefill, the fresh ones from a 3-token one: BLAS may round differently
+    np.testing.assert_allclose(continued, fresh.step(np.array([[40]])), rtol=1e-4, atol=1e-5)
