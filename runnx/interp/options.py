@@ -24,8 +24,8 @@ class Options:
     compare (RUNNX_CHECK_INPLACE=1). profile: print a profile after each run (RUNNX_PROFILE=1).
     max_tensor_elements / max_loop_iterations: resource limits checked before allocating.
     check_symbolic_dims: inputs sharing a symbolic dimension name must agree on its size
-    (RUNNX_CHECK_SYMBOLIC_DIMS=0 turns it off, as onnxruntime never checks: Optimum's merged
-    decoders name both the input_ids and the attention_mask length 'sequence_length')."""
+    (RUNNX_CHECK_SYMBOLIC_DIMS=1). Off by default, like onnxruntime: Optimum's merged decoders
+    name both the input_ids and the attention_mask length 'sequence_length'."""
 
     inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_INPLACE", True))
     check_inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_CHECK_INPLACE", False))
@@ -33,4 +33,4 @@ class Options:
     trace: bool = field(default_factory=lambda: _env_flag("RUNNX_TRACE", False))
     max_tensor_elements: int = field(default_factory=lambda: _env_int("RUNNX_MAX_TENSOR_ELEMENTS", 2**32))
     max_loop_iterations: int = field(default_factory=lambda: _env_int("RUNNX_MAX_LOOP_ITERATIONS", 10**7))
-    check_symbolic_dims: bool = field(default_factory=lambda: _env_flag("RUNNX_CHECK_SYMBOLIC_DIMS", True))
+    check_symbolic_dims: bool = field(default_factory=lambda: _env_flag("RUNNX_CHECK_SYMBOLIC_DIMS", False))
