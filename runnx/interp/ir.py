@@ -21,6 +21,7 @@ class ValueInfo:
     kind: str
     elem_type: int | None  # ONNX element type of the tensor (or of the sequence/optional's tensor)
     shape: tuple | None  # None: rank unknown; entries are int, str (symbolic) or None (unknown)
+    inner_kind: str = "tensor"  # of an optional: what it holds when present ('tensor' or 'sequence')
 
 
 @dataclass(eq=False, slots=True)

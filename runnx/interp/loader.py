@@ -89,7 +89,7 @@ def _type_info(name, type_proto) -> ValueInfo:
         return ValueInfo(name, "sequence", inner.elem_type, inner.shape)
     if which == "optional_type":
         inner = _type_info(name, type_proto.optional_type.elem_type)
-        return ValueInfo(name, "optional", inner.elem_type, inner.shape)
+        return ValueInfo(name, "optional", inner.elem_type, inner.shape, inner.kind)
     if which == "map_type":
         return ValueInfo(name, "map", None, None)
     return ValueInfo(name, "unknown", None, None)

@@ -43,12 +43,14 @@ def _elem_type(dtype):
 def _as_value(spec: FeedSpec, raw):
     """The array (or sequence / None) runnx will hold for a feed."""
     kind = spec.info.kind if spec.info is not None else "tensor"
+    if kind == "optional":
+        if raw is None:
+            return None
+        kind = spec.info.inner_kind
     if kind == "sequence":
         if not isinstance(raw, (list, tuple)):
             raise InputTypeError(f"input '{spec.name}' is a sequence: pass a list of arrays, got {type(raw).__name__}")
         return [_as_array(spec, item) for item in raw]
-    if kind == "optional" and raw is None:
-        return None
     return _as_array(spec, raw)
 
 

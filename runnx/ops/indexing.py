@@ -204,3 +204,11 @@ def TopK_10(x, k, *, axis: int = -1):
 @register("TopK", since=11)
 def TopK(x, k, *, axis: int = -1, largest: int = 1, sorted: int = 1):
     return _top_k(x, int(scalar_value(k, "TopK k")), axis, largest)
+
+
+@register("ArrayFeatureExtractor", since=1, domain="ai.onnx.ml")
+def ArrayFeatureExtractor(x, indices):
+    """The columns `indices` (flattened) of the last axis; a 1-D input gives one row [1, k]."""
+    columns = checked_indices(indices.reshape(-1), x.shape[-1])
+    selected = np.take(x, columns, axis=-1)
+    return selected.reshape(1, -1) if x.ndim == 1 else selected
