@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import sys
 
-from runnx.errors import RunnxError
 from runnx.generate.mel import CHUNK_SECONDS
 
 FORMATS = ("txt", "srt", "vtt", "json")
@@ -35,24 +34,22 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    """Errors (unreadable audio, a folder that is no Whisper export) are RunnxErrors: the runnx
+    command prints them as one line."""
     from runnx.generate.whisper import Whisper
 
-    try:
-        model = Whisper(args.model_dir)
-        timestamps = True if args.timestamps or args.format in ("srt", "vtt") else None
-        for index, path in enumerate(args.audio):
-            bar = ProgressBar(path)
-            transcript = model.transcribe(path, language=args.language, task=args.task, timestamps=timestamps,
-                                          progress=bar.update)
-            bar.close()
-            if len(args.audio) > 1 and args.format != "json":  # json lines name their file
-                print(f"\n==> {path} <==" if index else f"==> {path} <==")
-            sys.stdout.write(render(transcript, args.format, args.timestamps, path))
-            sys.stdout.flush()
-            print(timing_line(transcript.timings), file=sys.stderr)
-    except RunnxError as error:
-        print(f"runnx whisper: {error}", file=sys.stderr)
-        return 1
+    model = Whisper(args.model_dir)
+    timestamps = True if args.timestamps or args.format in ("srt", "vtt") else None
+    for index, path in enumerate(args.audio):
+        bar = ProgressBar(path)
+        transcript = model.transcribe(path, language=args.language, task=args.task, timestamps=timestamps,
+                                      progress=bar.update)
+        bar.close()
+        if len(args.audio) > 1 and args.format != "json":  # json lines name their file
+            print(f"\n==> {path} <==" if index else f"==> {path} <==")
+        sys.stdout.write(render(transcript, args.format, args.timestamps, path))
+        sys.stdout.flush()
+        print(timing_line(transcript.timings), file=sys.stderr)
     return 0
 
 
