@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runnx.ops._kernels_elementwise import erf_into
-
-# numba and numpy compute these natively; narrower floats go through float32 and are rounded once.
-_NATIVE_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+from runnx.ops._kernels_elementwise import erf_float32_into, erf_float64_into
 
 
 def binary(ufunc, a: np.ndarray, b: np.ndarray, overwrite=()) -> np.ndarray:
@@ -34,29 +31,27 @@ def output_buffer(x: np.ndarray, overwrite=()) -> np.ndarray:
 
 
 def erf(x: np.ndarray, overwrite=()) -> np.ndarray:
-    """Elementwise erf in x's dtype (float16/bfloat16 computed in float32, rounded once)."""
-    work = x if x.dtype in _NATIVE_FLOATS else x.astype(np.float32)
+    """Elementwise erf in x's dtype: float64 through libm; float32 by a rational approximation
+    (within 6 ulp); float16/bfloat16 through that float32 result, rounded once."""
+    kernel = erf_float64_into if x.dtype == np.float64 else erf_float32_into
+    converted = x.dtype not in (np.float32, np.float64)
+    work = x.astype(np.float32) if converted else x
     flat = np.ascontiguousarray(work).reshape(-1)
-    result = np.empty_like(flat)
-    erf_into(flat, result)
+    # flat is a private array unless it is a view of x, and a view of x may be written when granted
+    own = converted or not np.may_share_memory(flat, x) or 0 in overwrite
+    result = flat if own else np.empty_like(flat)
+    kernel(flat, result)
     result = result.reshape(x.shape)
-    if result.dtype != x.dtype:
-        result = result.astype(x.dtype)
-    if overwrite:
-        x[...] = result
-        return x
-    return result
+    return result.astype(x.dtype) if converted else result
 
 
 def sigmoid(x: np.ndarray, overwrite=()) -> np.ndarray:
-    """1 / (1 + exp(-x)) without overflow: exp is only taken of -|x|."""
-    decay = np.exp(-np.abs(x))
-    denominator = 1 + decay
-    out = output_buffer(x, overwrite)
-    positive = x >= 0
-    np.divide(1, denominator, out=out, where=positive)
-    np.divide(decay, denominator, out=out, where=~positive)
-    return out
+    """1 / (1 + exp(-x)); exp overflowing to inf for very negative x correctly gives 0."""
+    out = np.negative(x, out=output_buffer(x, overwrite))
+    with np.errstate(over="ignore"):
+        np.exp(out, out=out)
+    out += out.dtype.type(1)
+    return np.reciprocal(out, out=out)
 
 
 def broadcast_fold(ufunc, inputs, overwrite=()) -> np.ndarray:

@@ -4,10 +4,33 @@ from __future__ import annotations
 import math
 
 import numba
+import numpy as np
+
+# erf(x) ~= x * P(x^2) / Q(x^2) on [-4, 4] (outside, erf is +-1 in float32): the rational minimax
+# fit Eigen and XLA use for float32, within 6 ulp of the exact value; unlike libm's erff it
+# vectorises, which makes it several times faster.
+_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
+_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+          -1.42647390514189e-02)
+P0, P1, P2, P3, P4, P5, P6 = (np.float32(c) for c in _ERF_P)
+Q0, Q1, Q2, Q3, Q4 = (np.float32(c) for c in _ERF_Q)
+FOUR = np.float32(4.0)
+
+
+@numba.njit(cache=True, fastmath=True)
+def erf_float32_into(flat_in, flat_out):
+    """flat_out[i] = erf(flat_in[i]) for 1-D float32 arrays, by the rational approximation above."""
+    for i in range(flat_in.shape[0]):
+        x = min(max(flat_in[i], -FOUR), FOUR)
+        x2 = x * x
+        p = ((((((P0 * x2 + P1) * x2 + P2) * x2 + P3) * x2 + P4) * x2 + P5) * x2 + P6) * x
+        q = (((Q0 * x2 + Q1) * x2 + Q2) * x2 + Q3) * x2 + Q4
+        flat_out[i] = p / q
 
 
 @numba.njit(cache=True)
-def erf_into(flat_in, flat_out):
-    """flat_out[i] = erf(flat_in[i]) for 1-D float32/float64 arrays (same length)."""
+def erf_float64_into(flat_in, flat_out):
+    """flat_out[i] = erf(flat_in[i]) for 1-D float64 arrays (libm, correctly rounded in practice)."""
     for i in range(flat_in.shape[0]):
         flat_out[i] = math.erf(flat_in[i])

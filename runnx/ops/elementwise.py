@@ -105,6 +105,8 @@ def Pow(base, exponent, *, overwrite=()):
         if base.dtype == exponent.dtype:
             if base.dtype.kind in "iu":
                 return np.asarray(_integer_power(base, exponent))
+            if exponent.ndim == 0 and exponent == 2:
+                return unary(np.square, base, overwrite)  # bitwise the same, much faster (RMSNorm's x**2)
             return binary(np.power, base, exponent, overwrite)
         if base.dtype.kind in "iu" and exponent.dtype.kind in "iu":
             return np.asarray(_integer_power(base, exponent.astype(base.dtype)))

@@ -62,8 +62,11 @@ def _sum(data, axis, keepdims):
 
 
 def _mean(data, axis, keepdims):
+    # np.mean's rule without its Python overhead: sum in the input dtype, divide (integers truncate)
+    total = np.asarray(_sum(data, axis, keepdims))
+    count = data.size // max(total.size, 1) if data.size else 0
     with np.errstate(invalid="ignore", divide="ignore"):
-        return np.mean(data, axis=axis, keepdims=keepdims, dtype=data.dtype)
+        return np.true_divide(total, count, out=total, casting="unsafe")
 
 
 def _prod(data, axis, keepdims):
