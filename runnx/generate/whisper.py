@@ -323,8 +323,9 @@ class Whisper:
 
     def decode(self, hidden: np.ndarray, *, language: str | None = None, task: str = "transcribe",
                timestamps: bool = False, max_new_tokens: int | None = None) -> Decoded:
-        """Greedy decoding of one window. Multilingual models detect the language from the first
-        step when `language` is None; English-only models ignore `language`."""
+        """Greedy decoding of one window (at most `max_new_tokens`, default 224). Multilingual models
+        detect the language from the first step when `language` is None; English-only models ignore
+        `language`."""
         tokens = self.tokens
         if timestamps and tokens.no_timestamps is None:
             raise WhisperError(f"{self.folder}: this model has no timestamp tokens (no <|notimestamps|>)")
@@ -339,9 +340,9 @@ class Whisper:
             generator.append_tokens(prompt[1:])
         else:
             generator.append_tokens(prompt)
-        budget = self.max_positions - len(prompt)
-        if max_new_tokens is not None:
-            budget = min(budget, max_new_tokens)
+        # openai-whisper's default: half the text context (224), which also bounds a looping window
+        budget = self.max_positions // 2 if max_new_tokens is None else max_new_tokens
+        budget = min(budget, self.max_positions - len(prompt))
         generator.configure(max_new_tokens=budget, stop_token_ids=(tokens.end_of_text,),
                             processors=tuple(self._rules(len(prompt), timestamps)))
         while not generator.is_done():

@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
+from runnx import Profile
 from runnx.capture import spare_capacity
 from runnx.generate import mel
 from runnx.generate.audio import load_audio
@@ -198,11 +199,15 @@ def test_tiny_token_ids_equal_onnxruntime(tiny_whisper, clip_features):
     from _ort_whisper import OrtGreedy
     model = Whisper(tiny_whisper)
     hidden = model.encode(clip_features)
+    model.decoder.profile = profile = Profile()
     decoded = model.decode(hidden, max_new_tokens=40)
     expected = OrtGreedy(tiny_whisper)(clip_features, [model.tokens.start_of_transcript],
                                        eos=model.tokens.end_of_text, max_new_tokens=40)
     assert decoded.tokens == expected and len(expected) > 0
-    # the self-attention KV grew in place in its 448-row buffers, and the encoder ran once
+    # the self-attention KV grew in place in its 448-row buffers: every step after the first appended
+    # each layer's key and value into spare capacity
+    layers = model.decoder.past_io.num_layers
+    assert profile.runs > 1 and profile.counters["Concat.appends_in_place"] == (profile.runs - 1) * 2 * layers
     cache = model.decoder.cache
     assert cache.regrowths == 0
     assert all(a.shape[2] + spare_capacity(a, 2) == 448 for a in cache.arrays.values())
