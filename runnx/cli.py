@@ -213,7 +213,7 @@ def command_run(args) -> int:
         start = time.perf_counter()
         outputs = model.run(feeds, args.output or None, profile=profile)
         times.append(time.perf_counter() - start)
-    width = max(len(name) for name in outputs)
+    width = max((len(name) for name in outputs), default=0)
     for name, value in outputs.items():
         print(f"  {name:<{width}}  {describe(value):<24} {summary(value)}")
     if len(times) == 1:
