@@ -46,8 +46,17 @@ def erf(x: np.ndarray, overwrite=()) -> np.ndarray:
 
 
 def sigmoid(x: np.ndarray, overwrite=()) -> np.ndarray:
-    """1 / (1 + exp(-x)); exp overflowing to inf for very negative x correctly gives 0."""
-    out = np.negative(x, out=output_buffer(x, overwrite))
+    """1 / (1 + exp(-x)). Where exp(-x) overflows the true value is below the smallest float32/64
+    subnormal, so inf -> 0 is right; float16/bfloat16 overflow much earlier (x < -11 already), so
+    they take exp(-|x|) only and divide by branch."""
+    out = output_buffer(x, overwrite)
+    if x.dtype.itemsize <= 2:
+        decay = np.exp(-np.abs(x))
+        denominator = decay + decay.dtype.type(1)
+        positive = x >= 0
+        np.divide(decay, denominator, out=out)
+        return np.reciprocal(denominator, out=out, where=positive)
+    np.negative(x, out=out)
     with np.errstate(over="ignore"):
         np.exp(out, out=out)
     out += out.dtype.type(1)

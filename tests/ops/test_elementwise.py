@@ -135,6 +135,9 @@ def test_sigmoid_is_stable_and_accurate_at_the_tails():
     np.testing.assert_allclose(run_node("Sigmoid", [x]), 1 / (1 + np.exp(-x)), rtol=1e-12)
     with np.errstate(over="raise"):
         assert run_node("Sigmoid", [np.array([-1e4], F32)])[0] == 0
+    half = np.array([-16, -12, 0, 12], np.float16)
+    np.testing.assert_allclose(run_node("Sigmoid", [half]).astype(np.float64),
+                               1 / (1 + np.exp(-half.astype(np.float64))), rtol=1e-3, atol=1e-7)
 
 
 def test_activations_against_formulas():
