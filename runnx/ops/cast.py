@@ -120,6 +120,16 @@ def _to_e8m0(x, saturate, round_mode):
     return exponent.astype(np.uint8).view(_E8M0)
 
 
+@register("Cast", since=1)
+def Cast_1(x, *, to: str):
+    # opset 1 names the type ("FLOAT", "INT64", ...) instead of giving its code
+    try:
+        code = TensorProto.DataType.Value(to.upper())
+    except ValueError:
+        raise RunnxError(f"Cast to unknown element type {to!r}") from None
+    return cast(x, code)
+
+
 @register("Cast", since=6)
 def Cast(x, *, to: int):
     return cast(x, to)

@@ -110,3 +110,9 @@ def test_castlike_takes_the_type_of_its_second_input():
     assert saturated.astype(F32)[0] == 448
     strings = run_node("CastLike", [np.array([2], np.int32), np.array(["x"], dtype=object)], opset=15)
     np.testing.assert_array_equal(strings, ["2"])
+
+
+def test_opset1_names_the_target_type():
+    got = run_node("Cast", [np.array([1.7, -2.2], F32)], to="INT32", opset=1)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, [1, -2])
