@@ -23,6 +23,8 @@ def LeakyRelu(x, *, alpha: float = 0.01, overwrite=()):
 
 def _scale_negatives(x, factor, overwrite):
     """x where x >= 0, x * factor elsewhere (factor broadcasts to x)."""
+    if np.ndim(factor) and np.broadcast_shapes(x.shape, factor.shape) != x.shape:
+        raise RunnxError(f"slope of shape {factor.shape} does not broadcast to the input's shape {x.shape}")
     out = output_buffer(x, overwrite)
     negative = x < 0
     if out is not x:

@@ -82,6 +82,8 @@ def _sum_square(data, axis, keepdims):
 
 
 def _l2(data, axis, keepdims):
+    if data.dtype.kind in "iu":  # squares of integers overflow their type long before the root does
+        data = data.astype(np.float64)
     return np.sqrt(_sum_square(data, axis, keepdims))
 
 
