@@ -9,6 +9,7 @@ from runnx.errors import UnknownOutputError
 from runnx.interp.context import RunContext
 from runnx.interp.dtypes import type_name
 from runnx.interp.executor import Executor
+from runnx.interp.folding import fold_constants
 from runnx.interp.loader import LoadedModel, load_model
 from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
@@ -21,6 +22,7 @@ class Model:
         self.loaded = loaded
         self.graph = loaded.graph
         self.options = options or Options()
+        self.folded = fold_constants(self.graph, self.options) if self.options.fold_constants else 0
         self.opsets = dict(loaded.opsets)
         self.path = loaded.path
         self._specs = feed_specs(self.graph)

@@ -23,10 +23,12 @@ class Options:
     bitwise identical either way). check_inplace: also compute every in-place step out of place and
     compare (RUNNX_CHECK_INPLACE=1). profile: print a profile after each run (RUNNX_PROFILE=1).
     max_tensor_elements / max_loop_iterations: resource limits checked before allocating.
+    fold_constants: run nodes whose inputs are all constants once, at load (RUNNX_FOLD_CONSTANTS=0).
     check_symbolic_dims: inputs sharing a symbolic dimension name must agree on its size
     (RUNNX_CHECK_SYMBOLIC_DIMS=1). Off by default, like onnxruntime: Optimum's merged decoders
     name both the input_ids and the attention_mask length 'sequence_length'."""
 
+    fold_constants: bool = field(default_factory=lambda: _env_flag("RUNNX_FOLD_CONSTANTS", True))
     inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_INPLACE", True))
     check_inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_CHECK_INPLACE", False))
     profile: bool = field(default_factory=lambda: _env_flag("RUNNX_PROFILE", False))

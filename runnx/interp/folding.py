@@ -1,0 +1,78 @@
+"""Load-time constant folding: a node whose inputs are all constants runs once, at load.
+
+Optimum exports compute things like the transposed tied embedding (lm_head) from initializers on
+every run; folding turns them into contiguous read-only constants. Random ops are never folded,
+and a fold that would blow up memory (e.g. Expand of a scalar to a huge tensor) is left to run.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from runnx.interp.context import RunContext
+from runnx.interp.ir import MISSING, Graph
+
+NONDETERMINISTIC = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
+                              "Bernoulli", "Multinomial", "Dropout"})
+SMALL_RESULT = 1 << 20  # a folded result may always be this large, else no larger than its inputs
+
+
+def _foldable(graph: Graph, node) -> bool:
+    return (node.kernel is not None and not node.subgraphs and not node.captures
+            and node.op_type not in NONDETERMINISTIC
+            and all(v == MISSING or v in graph.constants for v in node.inputs))
+
+
+def _evaluate(graph: Graph, node, ctx) -> list | None:
+    args = [graph.constants[v] if v != MISSING else None for v in node.inputs]
+    extra = {}
+    if node.kernel.inplace or node.kernel.inplace_from is not None:
+        extra["overwrite"] = ()
+    if node.kernel.wants_ctx:
+        extra["ctx"] = ctx
+    try:
+        result = node.kernel.fn(*args, **node.attrs, **extra)
+    except Exception:  # left to fail at run time, with the executor's node context
+        return None
+    outputs = list(result) if type(result) is tuple else [result]
+    if not all(isinstance(o, (np.ndarray, np.generic)) for o in outputs):
+        return None
+    budget = max(SMALL_RESULT, sum(a.nbytes for a in args if isinstance(a, np.ndarray)))
+    if sum(np.asarray(o).nbytes for o in outputs) > budget:
+        return None
+    folded = []
+    for output in outputs:
+        output = np.ascontiguousarray(output)
+        if output.base is not None or output.flags.writeable:
+            output = output.copy() if output.base is not None else output
+        output.flags.writeable = False
+        folded.append(output)
+    return folded
+
+
+def fold_constants(graph: Graph, options) -> int:
+    """Fold every foldable node of `graph` and of its subgraphs; returns how many were folded."""
+    ctx = RunContext(options)
+    folded = 0
+    nodes = list(graph.nodes)
+    changed = True
+    while changed:  # nodes may be out of topological order
+        changed = False
+        kept = []
+        for node in nodes:
+            outputs = _evaluate(graph, node, ctx) if _foldable(graph, node) else None
+            if outputs is None or len(outputs) < sum(v != MISSING for v in node.outputs):
+                kept.append(node)
+                continue
+            for vid, value in zip(node.outputs, outputs):
+                if vid != MISSING:
+                    graph.constants[vid] = value
+            folded += 1
+            changed = True
+        nodes = kept
+    graph.nodes = tuple(nodes)
+    graph.producer = {vid: node for node in nodes for vid in node.outputs if vid != MISSING}
+    for node in nodes:
+        for sub in node.subgraphs.values():
+            for subgraph in (sub if isinstance(sub, list) else [sub]):
+                folded += fold_constants(subgraph, options)
+    return folded
