@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 
 from runnx.errors import InvalidModelError, RunnxError
@@ -48,20 +49,30 @@ def ConstantOfShape(shape, *, value: np.ndarray | None = None, ctx):
     return np.full(dims, value.reshape(-1)[0], dtype=value.dtype)
 
 
-@register("Range", since=11)
-def Range(start, limit, delta, *, ctx):
-    dtype = start.dtype
+def _range(start, limit, delta, compute_dtype, ctx):
+    """start + i * delta for i < ceil((limit - start) / delta), computed in `compute_dtype`."""
     first, last, step = (scalar_value(v, name) for v, name in ((start, "start"), (limit, "limit"), (delta, "delta")))
     if step == 0:
         raise RunnxError("Range delta cannot be 0")
-    if dtype.kind in "iu":
-        count = max(-((first - last) // step), 0)  # ceil((limit - start) / delta), exactly
+    if start.dtype.kind in "iu":
+        count = max(-((first - last) // step), 0)  # the ceiling, exactly
     else:
         count = max(math.ceil((last - first) / step), 0)
     ctx.check_elements([count], "Range output")
-    # start + i * delta, computed wide and rounded once into the input's type
-    wide = np.int64 if dtype.kind in "iu" else np.float64
-    return (first + np.arange(count, dtype=wide) * np.asarray(step, dtype=wide)).astype(dtype)
+    steps = np.arange(count).astype(compute_dtype)
+    return (steps * delta.astype(compute_dtype) + start.astype(compute_dtype)).astype(start.dtype, copy=False)
+
+
+@register("Range", since=11)
+def Range(start, limit, delta, *, ctx):
+    return _range(start, limit, delta, start.dtype, ctx)
+
+
+@register("Range", since=27)
+def Range_27(start, limit, delta, *, stash_type: int = 1, ctx):
+    """float16 and bfloat16 ranges are computed in the stash type (float32 by default)."""
+    narrow = start.dtype in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+    return _range(start, limit, delta, numpy_dtype(stash_type) if narrow else start.dtype, ctx)
 
 
 @register("EyeLike", since=9)

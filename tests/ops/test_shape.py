@@ -166,3 +166,13 @@ def test_tile_and_flatten():
     np.testing.assert_array_equal(run_node("Tile", [x, _ints(2, 2)]), [[1, 2, 1, 2], [1, 2, 1, 2]])
     assert run_node("Flatten", [np.zeros((2, 3, 4), np.float32)], axis=-1).shape == (6, 4)
     assert run_node("Flatten", [np.zeros((2, 3, 4), np.float32)], axis=0).shape == (1, 24)
+
+
+def test_range_counts_exactly_and_computes_narrow_floats_as_the_opset_says():
+    got = run_node("Range", [np.array(10, np.int32), np.array(4, np.int32), np.array(-3, np.int32)])
+    assert got.tolist() == [10, 7] and got.dtype == np.int32
+    start, limit, step = np.array(0.1, np.float16), np.array(2, np.float16), np.array(0.3, np.float16)
+    # element 5: 5 * 0.3 rounds to float16 before adding 0.1 natively (1.6), not in float32 (1.601)
+    native, stashed = (run_node("Range", [start, limit, step], opset=opset) for opset in (26, 27))
+    assert native.dtype == stashed.dtype == np.float16 and len(native) == len(stashed) == 7
+    assert native[5] == np.float16(1.6) and stashed[5] == np.float16(1.601)
