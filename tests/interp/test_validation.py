@@ -16,7 +16,8 @@ def model():
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]),
          helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
         [helper.make_tensor_value_info("n", TensorProto.FLOAT, ["batch", 3])])
-    return runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    # check_symbolic_dims is off by default (as in onnxruntime); on, 'batch' must agree across inputs.
+    return runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), check_symbolic_dims=True)
 
 
 def _ones(*shape, dtype=np.float32):
