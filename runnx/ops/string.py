@@ -1,5 +1,6 @@
-"""Strings (object arrays of Python str): StringNormalizer, StringConcat, StringSplit,
-RegexFullMatch, and the ai.onnx.ml LabelEncoder (a lookup table between strings, ints and floats)."""
+"""Strings and text (object arrays of Python str): StringNormalizer, StringConcat, StringSplit,
+RegexFullMatch, TfIdfVectorizer (n-gram counts), and the ai.onnx.ml LabelEncoder (a lookup table
+between strings, ints and floats)."""
 from __future__ import annotations
 
 import operator
@@ -117,3 +118,55 @@ def LabelEncoder(x, *, keys_floats: tuple[float, ...] | None = None, keys_int64s
     if x.dtype.kind == "f":  # float keys compare as the float32 values the model stores
         keys = np.asarray(keys, dtype=np.float32).tolist()
     return _lookup(x, keys, values, default, dtype)
+
+
+def _ngram_table(pool: list, ngram_counts, ngram_indexes, min_gram: int, max_gram: int) -> dict:
+    """n-gram (a tuple) -> output column, for the pool's n-grams of the lengths asked for.
+
+    The pool holds the 1-grams, then the 2-grams, ...; ngram_counts[n-1] is where the n-grams start.
+    """
+    table, ngram_number = {}, 0
+    for n, start in enumerate(ngram_counts, start=1):
+        end = ngram_counts[n] if n < len(ngram_counts) else len(pool)
+        for first in range(start, end - n + 1, n):
+            if min_gram <= n <= max_gram:
+                table[tuple(pool[first:first + n])] = ngram_indexes[ngram_number]
+            ngram_number += 1
+    return table
+
+
+@register("TfIdfVectorizer", since=9)
+def TfIdfVectorizer(x, *, max_gram_length: int, min_gram_length: int, max_skip_count: int, mode: str,
+                    ngram_counts: tuple[int, ...], ngram_indexes: tuple[int, ...],
+                    pool_int64s: tuple[int, ...] | None = None, pool_strings: tuple[str, ...] | None = None,
+                    weights: tuple[float, ...] | None = None):
+    """Counts the pool's n-grams (items `skip + 1` apart, skip <= max_skip_count) in each row of
+    [C] or [B, C]; TF gives counts, IDF weight-if-present, TFIDF count * weight."""
+    if mode not in ("TF", "IDF", "TFIDF"):
+        raise InvalidModelError(f"TfIdfVectorizer mode '{mode}' is not TF, IDF or TFIDF")
+    if (pool_int64s is None) == (pool_strings is None):
+        raise InvalidModelError("TfIdfVectorizer needs exactly one of pool_int64s and pool_strings")
+    if x.ndim not in (1, 2):
+        raise RunnxError(f"TfIdfVectorizer takes [C] or [B, C], got shape {x.shape}")
+    table = _ngram_table(list(pool_int64s if pool_int64s is not None else pool_strings), ngram_counts,
+                         ngram_indexes, min_gram_length, max_gram_length)
+    width = max(ngram_indexes) + 1
+    rows = x.reshape(-1, x.shape[-1]).tolist()
+    counts = np.zeros((len(rows), width), dtype=np.float32)
+    for r, row in enumerate(rows):
+        for distance in range(1, max_skip_count + 2):
+            for start in range(len(row)):
+                # unigrams do not depend on the distance: count them on the first pass only
+                for n in range(max(min_gram_length, 1 if distance == 1 else 2), max_gram_length + 1):
+                    last = start + (n - 1) * distance
+                    if last >= len(row):
+                        break
+                    column = table.get(tuple(row[start:last + 1:distance]))
+                    if column is not None:
+                        counts[r, column] += 1
+    if mode != "TF":
+        if mode == "IDF":
+            counts = (counts > 0).astype(np.float32)
+        if weights:
+            counts *= np.asarray(weights, dtype=np.float32)
+    return counts.reshape(width) if x.ndim == 1 else counts

@@ -54,3 +54,19 @@ def test_label_encoder_maps_with_defaults_and_tensor_tables():
     assert LabelEncoder_1(np.array([1, 4], np.int64), classes_strings=("b", "a")).tolist() == ["a", "_Unused"]
     with pytest.raises(InvalidModelError):
         LabelEncoder(x, keys_strings=("a",), values_int64s=(1, 2))
+
+
+def test_tfidf_counts_skip_grams_and_unigrams_once():
+    x = np.array([1, 2, 1, 3, 2], np.int64)
+    table = dict(pool_int64s=[1, 2, 3, 1, 2], ngram_counts=[0, 3], ngram_indexes=[0, 1, 2, 3], max_gram_length=2,
+                 max_skip_count=1)
+    # bigram (1, 2): adjacent at 0-1, and two apart at 2-4
+    np.testing.assert_array_equal(run_node("TfIdfVectorizer", [x], mode="TF", min_gram_length=1, **table),
+                                  [2, 2, 1, 2])
+    np.testing.assert_array_equal(run_node("TfIdfVectorizer", [x[None]], mode="TF", min_gram_length=2, **table),
+                                  [[0, 0, 0, 2]])
+    weights = [0.5, 1, 1, 3]
+    np.testing.assert_array_equal(
+        run_node("TfIdfVectorizer", [x], mode="IDF", min_gram_length=1, weights=weights, **table), [0.5, 1, 1, 3])
+    np.testing.assert_array_equal(
+        run_node("TfIdfVectorizer", [x], mode="TFIDF", min_gram_length=1, weights=weights, **table), [1, 2, 1, 6])
