@@ -1,0 +1,46 @@
+"""Write a benchmark's section into docs/benchmarks.md between its own markers, so that several
+scripts can each keep their part of the page current."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+PAGE = DOCS / "benchmarks.md"
+HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun the command to refresh it.\n"
+
+
+def machine() -> str:
+    """One line describing the machine and the thread settings."""
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or "unknown CPU"
+    threads = {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+            + ", ".join(f"{k}={v}" for k, v in threads.items() if v))
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=DOCS.parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def update_section(key: str, markdown: str) -> Path:
+    """Replace (or append) the section delimited by <!-- key --> markers in docs/benchmarks.md."""
+    DOCS.mkdir(exist_ok=True)
+    page = PAGE.read_text() if PAGE.exists() else HEADER
+    start, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    if start in page and end in page:
+        before, rest = page.split(start, 1)
+        page = before + block + rest.split(end, 1)[1]
+    else:
+        page = page.rstrip() + "\n\n" + block + "\n"
+    PAGE.write_text(page)
+    return PAGE
