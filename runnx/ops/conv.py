@@ -1,4 +1,4 @@
-"""Convolutions: Conv, ConvInteger, ConvTranspose, DeformConv.
+"""Convolutions: Conv, ConvInteger, ConvTranspose, DeformConv, CausalConvWithState (opset 27).
 
 Conv is im2col + one batched BLAS matmul (`_nn_util.convolve`); ConvTranspose is the adjoint: one
 matmul to columns, then a scatter-add per kernel offset (a handful of strided slice additions,
@@ -145,3 +145,24 @@ def DeformConv(x, w, offset, b=None, mask=None, *, dilations: Ints = None, group
     m = w.shape[0]
     out = np.matmul(w.reshape(group, m // group, -1), columns).reshape(n, m, out_h, out_w)
     return _add_bias(out, b)
+
+
+@register("CausalConvWithState", since=27)
+def CausalConvWithState(x, w, b=None, past_state=None, *, activation: str = "none"):
+    if activation not in ("none", "silu", "swish"):
+        raise RunnxError(f"CausalConvWithState activation must be 'none', 'silu' or 'swish', got '{activation}'")
+    if x.ndim != 3 or w.ndim != 3 or w.shape[:2] != (x.shape[1], 1):
+        raise RunnxError(f"CausalConvWithState expects input (B, C, L) and weight (C, 1, k), got {x.shape}, {w.shape}")
+    batch, channels, length = x.shape
+    taps = w.shape[2]
+    past = np.zeros((batch, channels, taps - 1), dtype=x.dtype) if past_state is None else past_state
+    padded = np.concatenate([past.astype(x.dtype, copy=False), x], axis=2)
+    # depthwise: one multiply-add of the whole sequence per kernel tap
+    out = np.zeros((batch, channels, length), dtype=np.float32 if x.dtype.itemsize < 4 else x.dtype)
+    for tap in range(taps):
+        out += w[None, :, 0, tap, None] * padded[:, :, tap:tap + length]
+    if b is not None:
+        out += b[None, :, None]
+    if activation != "none":
+        out = out / (1.0 + np.exp(-out))
+    return out.astype(x.dtype, copy=False), padded[:, :, padded.shape[2] - (taps - 1):]
