@@ -36,10 +36,10 @@ def erf(x: np.ndarray, overwrite=()) -> np.ndarray:
     kernel = erf_float64_into if x.dtype == np.float64 else erf_float32_into
     converted = x.dtype not in (np.float32, np.float64)
     work = x.astype(np.float32) if converted else x
+    # flat is a fresh array when converting or gathering a strided x, else a view of x (writable if granted)
+    private = converted or not x.flags.c_contiguous
     flat = np.ascontiguousarray(work).reshape(-1)
-    # flat is a private array unless it is a view of x, and a view of x may be written when granted
-    own = converted or not np.may_share_memory(flat, x) or 0 in overwrite
-    result = flat if own else np.empty_like(flat)
+    result = flat if private or 0 in overwrite else np.empty_like(flat)
     kernel(flat, result)
     result = result.reshape(x.shape)
     return result.astype(x.dtype) if converted else result

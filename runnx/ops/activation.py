@@ -92,8 +92,9 @@ def _unit_clamp(out):
 
 @register("HardSwish", since=14)
 def HardSwish(x):
-    gate = _unit_clamp(x / x.dtype.type(6) + x.dtype.type(0.5))
-    return np.multiply(x, gate, out=gate)
+    gate = np.divide(x, x.dtype.type(6), out=np.empty_like(x))
+    gate += x.dtype.type(0.5)
+    return np.multiply(x, _unit_clamp(gate), out=gate)
 
 
 @register("Softplus", since=1)

@@ -286,7 +286,7 @@ def Mean(*inputs, overwrite=()):
     if len(inputs) == 1:
         return total
     # the fold wrote into a fresh array or into the granted input 0, so dividing in place is safe
-    return np.divide(total, len(inputs), out=total)
+    return np.true_divide(total, len(inputs), out=total, casting="unsafe")  # integers truncate
 
 
 @register("Max", since=6, inplace=(0,))

@@ -17,13 +17,14 @@ def _coerced_2d(x, axis):
 
 def _shifted(x, axis, out):
     """x minus its maximum along axis (so exp cannot overflow), into `out` (None: a new array)."""
-    return np.subtract(x, np.max(x, axis=axis, keepdims=True), out=out)
+    return np.subtract(x, np.max(x, axis=axis, keepdims=True), out=np.empty_like(x) if out is None else out)
 
 
 def _softmax(x, axis, out=None):
     if x.size == 0:
         return x.copy()
-    exp = np.exp(_shifted(x, axis, out), out=out)
+    exp = _shifted(x, axis, out)
+    np.exp(exp, out=exp)
     exp /= np.sum(exp, axis=axis, keepdims=True)
     return exp
 
