@@ -66,7 +66,7 @@ def Flatten(data, *, axis: int = 1):
 
 
 def _squeeze(data, axes):
-    if axes is None:
+    if not axes:  # absent or empty (as exporters write it): every axis of size 1
         return np.squeeze(data)
     axes = normalize_axes(axes, data.ndim)
     if any(data.shape[a] != 1 for a in axes):
@@ -150,14 +150,15 @@ def Split_2(data, *, axis: int = 0, split: tuple[int, ...] | None = None, output
 
 @register("Split", since=13)
 def Split_13(data, split=None, *, axis: int = 0, output_count):
-    return split_parts(data, axis, int_values(split), output_count)
+    return split_parts(data, axis, int_values(split) or None, output_count)  # empty: equal parts
 
 
 @register("Split", since=18)
 def Split(data, split=None, *, axis: int = 0, num_outputs: int | None = None, output_count):
-    if split is not None and num_outputs is not None:
+    sizes = int_values(split) or None  # an empty split input counts as absent
+    if sizes is not None and num_outputs is not None:
         raise RunnxError("Split takes either the 'split' input or the 'num_outputs' attribute, not both")
-    return split_parts(data, axis, int_values(split), num_outputs if num_outputs is not None else output_count)
+    return split_parts(data, axis, sizes, num_outputs if num_outputs is not None else output_count)
 
 
 def _bounded_slice(start: int, end: int, step: int, dim: int) -> slice:

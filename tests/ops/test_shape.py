@@ -176,3 +176,10 @@ def test_range_counts_exactly_and_computes_narrow_floats_as_the_opset_says():
     native, stashed = (run_node("Range", [start, limit, step], opset=opset) for opset in (26, 27))
     assert native.dtype == stashed.dtype == np.float16 and len(native) == len(stashed) == 7
     assert native[5] == np.float16(1.6) and stashed[5] == np.float16(1.601)
+
+
+def test_empty_axes_and_split_inputs_count_as_absent():
+    x = np.zeros((1, 3, 1), dtype=np.float32)
+    assert run_node("Squeeze", [x, np.zeros(0, I64)], opset=13).shape == (3,)
+    parts = run_node("Split", [np.arange(4.0), np.zeros(0, I64)], outputs=2, opset=13)
+    assert [p.tolist() for p in parts] == [[0, 1], [2, 3]]
