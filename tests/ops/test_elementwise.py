@@ -203,3 +203,15 @@ def test_in_place_gives_the_out_of_place_result(op, inputs, attributes):
     owned, profile = run_node(op, inputs, opset=18, owned=True, profile=True, **attributes)
     np.testing.assert_array_equal(owned, borrowed)
     assert profile.inplace[op] == 1, f"{op} did not reuse its input"
+
+
+@pytest.mark.parametrize("op", ["Abs", "Neg", "Sqrt", "Exp", "Erf", "Sigmoid", "Relu", "HardSwish", "HardSigmoid",
+                                "Softsign", "Softplus", "Gelu", "Mish", "LeakyRelu", "ThresholdedRelu", "Softmax",
+                                "LogSoftmax"])
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0, 2)])
+def test_scalars_and_empty_tensors(op, shape):
+    x = np.full(shape, 0.5, F32)
+    borrowed = run_node(op, [x], opset=20)
+    owned = run_node(op, [x], opset=20, owned=True)
+    assert borrowed.shape == shape and borrowed.dtype == F32
+    np.testing.assert_array_equal(owned, borrowed)
