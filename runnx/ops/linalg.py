@@ -17,6 +17,10 @@ def _in_dtype(result, dtype):
 
 @register("MatMul", since=1)
 def MatMul(a, b):
+    if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
+        # one GEMM over all leading rows instead of numpy's GEMM (or GEMV) per batch entry
+        rows = np.matmul(a.reshape(-1, a.shape[-1]), b)
+        return _in_dtype(rows.reshape(a.shape[:-1] + (b.shape[1],)), a.dtype)
     return _in_dtype(np.matmul(a, b), a.dtype)
 
 

@@ -73,3 +73,11 @@ def test_half_precision_products_keep_their_dtype():
     np.testing.assert_allclose(got.astype(F32), A @ B, rtol=0.05, atol=0.05)
     assert run_node("Einsum", [bf, bf], equation="ij,ij->i").dtype == ml_dtypes.bfloat16
     assert run_node("Gemm", [A.astype(np.float16), B.astype(np.float16)], alpha=0.5).dtype == np.float16
+
+
+def test_matmul_batched_by_2d_matches_numpy():
+    a = RNG.standard_normal((2, 3, 1, 4)).astype(F32)
+    np.testing.assert_allclose(run_node("MatMul", [a, B]), np.matmul(a, B), rtol=1e-5)
+    np.testing.assert_allclose(run_node("MatMul", [a[..., ::2, :].transpose(1, 0, 2, 3), B]),
+                               np.matmul(a.transpose(1, 0, 2, 3), B), rtol=1e-5)
+    assert run_node("MatMul", [np.zeros((2, 0, 4), F32), B]).shape == (2, 0, 5)
