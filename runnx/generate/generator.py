@@ -245,6 +245,12 @@ class Generator:
         self.stats.total_seconds = elapsed
         return chosen
 
+    def run_until_done(self) -> list[list[int]]:
+        """generate_next_token() until every row is done; the generated ids per row."""
+        while not self.is_done():
+            self.generate_next_token()
+        return self.generated
+
     def get_next_tokens(self) -> np.ndarray:
         return self._next
 
@@ -345,8 +351,7 @@ class Generator:
         self.reset(len(rows))
         self.configure(**settings)
         self.append_tokens(ids, mask)
-        while not self.is_done():
-            self.generate_next_token()
+        self.run_until_done()
         if self._texts is None:
             raise RunnxError("generate_batch returns text: it needs a tokenizer (use the step API for ids)")
         return [self.text(row, final=True) for row in range(len(rows))]

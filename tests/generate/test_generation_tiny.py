@@ -6,6 +6,9 @@ import argparse
 
 import numpy as np
 import pytest
+import tokenizers
+
+import runnx
 
 from runnx.generate import cli
 from runnx.generate.chat import Chat
@@ -29,6 +32,16 @@ def test_step_api(llama):
     assert llama.token_ids.shape[1] == len(llama.encode("Once upon a time")) + 5
     assert llama.decoder.length == llama.token_ids.shape[1] - 1  # the last token is not run yet
     assert llama.stats.new_tokens == 5 and llama.stats.first_token_seconds > 0
+
+
+def test_from_loaded_model_and_tokenizer(fixtures_dir, llama):
+    folder = fixtures_dir / "tiny-llama-merged"
+    inner = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    generator = Generator.from_model(runnx.load(folder / "decoder_model_merged.onnx", check_symbolic_dims=False),
+                                     inner, generation_config={"eos_token_id": 2})
+    assert generator.stop_token_ids == {2}
+    expected = llama.generate("Once upon a time", max_new_tokens=8, stop_token_ids=())
+    assert generator.generate("Once upon a time", max_new_tokens=8, stop_token_ids=()) == expected
 
 
 def test_stop_token_ends_generation(llama):
@@ -100,8 +113,7 @@ def test_saved_state_continues_exactly(fixtures_dir, llama, tmp_path):
     llama.compute_logits()
     save_state(llama, tmp_path / "system.safetensors")
     llama.append_tokens(question)
-    while not llama.is_done():
-        llama.generate_next_token()
+    llama.run_until_done()
     uninterrupted = list(llama.generated[0])
     # restored in a fresh generator
     fresh = Generator.from_folder(fixtures_dir / "tiny-llama")
@@ -109,25 +121,21 @@ def test_saved_state_continues_exactly(fixtures_dir, llama, tmp_path):
     assert fresh.decoder.length == len(system)
     fresh.configure(**settings)
     fresh.append_tokens(question)
-    while not fresh.is_done():
-        fresh.generate_next_token()
+    fresh.run_until_done()
     assert fresh.generated[0] == uninterrupted
 
 
 def test_state_saved_mid_generation_continues_exactly(fixtures_dir, llama, tmp_path):
     llama.start(max_new_tokens=6, stop_token_ids=())
     llama.append_tokens(llama.encode("The quick brown fox"))
-    while not llama.is_done():
-        llama.generate_next_token()
+    llama.run_until_done()
     save_state(llama, tmp_path / "mid.safetensors")
     llama.configure(max_new_tokens=6, stop_token_ids=())
-    while not llama.is_done():
-        llama.generate_next_token()
+    llama.run_until_done()
     fresh = Generator.from_folder(fixtures_dir / "tiny-llama")
     load_state(fresh, tmp_path / "mid.safetensors")
     fresh.configure(max_new_tokens=6, stop_token_ids=())
-    while not fresh.is_done():
-        fresh.generate_next_token()
+    fresh.run_until_done()
     assert fresh.generated[0] == llama.generated[0]
     np.testing.assert_array_equal(fresh.token_ids, llama.token_ids)
 

@@ -46,16 +46,14 @@ def test_saved_state_continues_exactly(smollm2_dir, smollm2, tmp_path):
     smollm2.compute_logits()
     save_state(smollm2, tmp_path / "system.safetensors")
     smollm2.append_tokens(question)
-    while not smollm2.is_done():
-        smollm2.generate_next_token()
+    smollm2.run_until_done()
     uninterrupted = list(smollm2.generated[0])
 
     restored = Generator.from_folder(smollm2_dir)
     load_state(restored, tmp_path / "system.safetensors")
     restored.configure(**settings)
     restored.append_tokens(question)
-    while not restored.is_done():
-        restored.generate_next_token()
+    restored.run_until_done()
     assert restored.generated[0] == uninterrupted
 
 
