@@ -112,19 +112,31 @@ def Softsign(x, *, overwrite=()):
 
 @register("Gelu", since=20)
 def Gelu(x, *, approximate: str = "none"):
-    half = x.dtype.type(0.5)
+    # the working array is the result too: one allocation instead of one per operator
     if approximate == "tanh":
-        inner = x.dtype.type(math.sqrt(2 / math.pi)) * (x + x.dtype.type(0.044715) * x * x * x)
-        return half * x * (x.dtype.type(1) + np.tanh(inner))
-    if approximate != "none":
+        work = np.multiply(x, x, out=np.empty_like(x))
+        work *= x
+        work *= x.dtype.type(0.044715)
+        work += x
+        work *= x.dtype.type(math.sqrt(2 / math.pi))
+        np.tanh(work, out=work)
+    elif approximate == "none":
+        work = erf(np.divide(x, x.dtype.type(math.sqrt(2)), out=np.empty_like(x)), overwrite=(0,))
+    else:
         raise RunnxError(f"Gelu approximate must be 'none' or 'tanh', got {approximate!r}")
-    return half * x * (x.dtype.type(1) + erf(x / x.dtype.type(math.sqrt(2))))
+    work += x.dtype.type(1)
+    work *= x
+    work *= x.dtype.type(0.5)
+    return work
 
 
 @register("Mish", since=18)
 def Mish(x):
     with np.errstate(over="ignore"):
-        return x * np.tanh(np.logaddexp(x.dtype.type(0), x))
+        work = np.logaddexp(x.dtype.type(0), x, out=np.empty_like(x))
+    np.tanh(work, out=work)
+    work *= x
+    return work
 
 
 @register("Shrink", since=9)
@@ -132,9 +144,16 @@ def Shrink(x, *, bias: float = 0.0, lambd: float = 0.5):
     return np.where(x < -lambd, x + bias, np.where(x > lambd, x - bias, 0)).astype(x.dtype, copy=False)
 
 
+def _swish(x, alpha):
+    """x * sigmoid(alpha * x) in one new array."""
+    work = sigmoid(np.multiply(x, x.dtype.type(alpha), out=np.empty_like(x)), overwrite=(0,))
+    work *= x
+    return work
+
+
 @register("Swish", since=24)
 def Swish(x, *, alpha: float = 1.0):
-    return x * sigmoid(x * x.dtype.type(alpha))
+    return _swish(x, alpha)
 
 
 @register("SwiGLU", since=28, inplace=(1,))
@@ -142,5 +161,5 @@ def SwiGLU(gate, value, *, alpha: float = 1.0, overwrite=()):
     if gate.shape != value.shape or gate.dtype != value.dtype:
         raise RunnxError(f"SwiGLU needs A and B of one shape and dtype (no broadcasting), got "
                          f"{gate.shape} {gate.dtype} and {value.shape} {value.dtype}")
-    swish = gate * sigmoid(gate * gate.dtype.type(alpha))
+    swish = _swish(gate, alpha)
     return np.multiply(swish, value, out=value if 1 in overwrite else swish)
