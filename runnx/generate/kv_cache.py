@@ -4,14 +4,16 @@ Each tensor is a prefix view `buffer[:, :, :length]` of a buffer `[batch, heads,
 `handover(new_tokens)` gives every view to the model as `runnx.Owned`, so the model's Concat writes
 the new rows into the spare capacity; the model's `present.*` outputs are then the longer views of
 the same buffers and become the cache (`accept`). When a buffer has no room for the next step it is
-regrown here to double its capacity (amortised O(1) per token), so every step stays in place.
+regrown here to double its capacity (amortised O(1) per token), so every step stays in place; a
+runtime that returned fresh arrays instead (in-place execution off) is not given copies it would
+not use.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from runnx.capture.capacity import allocate_prefix, spare_capacity
-from runnx.capture.ownership import Owned
+from runnx.capture.ownership import Owned, storage_root
 from runnx.errors import RunnxError
 
 SEQUENCE_AXIS = 2  # [batch, kv_heads, sequence, head_dim], the layout of every Optimum export
@@ -23,6 +25,7 @@ class KVCache:
     def __init__(self, arrays: dict[str, np.ndarray]):
         self.arrays = dict(arrays)
         self.regrowths = 0  # buffers copied to a larger one (0 when everything appended in place)
+        self.appended_in_place = True  # did the last step write into the buffers it was handed?
         self._handed_over = False
 
     @classmethod
@@ -63,7 +66,8 @@ class KVCache:
         `accept` receives its outputs: the cache must not be read in between."""
         if self._handed_over:
             raise RunnxError("KV cache already handed over: accept() the step's outputs first")
-        self.reserve(new_tokens)
+        if self.appended_in_place:
+            self.reserve(new_tokens)
         self._handed_over = True
         return {name: Owned(array) for name, array in self.arrays.items()}
 
@@ -71,6 +75,8 @@ class KVCache:
         """Take the model's present.* outputs (keyed by past input name) as the new cache."""
         if set(arrays) != set(self.arrays):
             raise RunnxError(f"KV cache update names {sorted(set(arrays) ^ set(self.arrays))} do not match")
+        self.appended_in_place = all(storage_root(array) is storage_root(self.arrays[name])
+                                     for name, array in arrays.items())
         self.arrays = dict(arrays)
         self._handed_over = False
 

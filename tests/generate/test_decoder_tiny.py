@@ -96,6 +96,16 @@ def test_cache_doubles_when_capacity_runs_out(fixtures_dir):
     assert roomy.cache.regrowths == 0
 
 
+def test_without_in_place_execution_the_results_are_the_same_and_nothing_is_regrown(fixtures_dir):
+    folder = fixtures_dir / "tiny-llama"
+    profile = runnx.Profile()
+    copying = DecoderStep(runnx.load(folder / "model.onnx", inplace=False), capacity=4, profile=profile)
+    in_place = _decoder(folder, "model.onnx", "model.onnx", capacity=4)
+    assert _greedy(copying, [1, 5, 9], 12) == _greedy(in_place, [1, 5, 9], 12)
+    assert profile.counters["Concat.appends_in_place"] == 0
+    assert not copying.cache.appended_in_place and copying.cache.regrowths == 0  # no copies it would not use
+
+
 def test_truncate_keeps_capacity_and_continues_like_a_fresh_run(fixtures_dir):
     folder = fixtures_dir / "tiny-llama"
     decoder = _decoder(folder, "model.onnx", "model.onnx", capacity=32)
