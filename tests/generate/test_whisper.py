@@ -281,6 +281,13 @@ def test_token_ids_equal_onnxruntime(tiny_en, ort_tiny_en, audio_dir, clip):
     assert tiny_en.tokenizer.decode(decoded.tokens).strip().lower()[:10] == transcripts[clip].lower()[:10]
 
 
+@pytest.mark.parametrize("clip", ["john.wav", "fox.wav", "weather.wav"])
+def test_timestamp_mode_token_ids_equal_transformers(tiny_en, audio_dir, fixtures_dir, clip):
+    expected = json.loads((fixtures_dir / "whisper_features" / "timestamps.json").read_text())[clip]
+    features = mel.window_features(load_audio(audio_dir / clip))
+    assert tiny_en.decode(tiny_en.encode(features), timestamps=True).tokens == expected
+
+
 def test_timestamp_mode_on_a_short_clip(tiny_en, audio_dir):
     transcript = tiny_en.transcribe(audio_dir / "john.wav", timestamps=True)
     assert "my name is John" in transcript.text
