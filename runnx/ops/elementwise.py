@@ -67,10 +67,10 @@ def Mul(a, b, *, overwrite=()):
     return binary(np.multiply, a, b, overwrite)
 
 
-def _truncating_divide(a, b, out=None):
+def _truncating_divide(a, b):
     """Integer division rounding toward zero (C semantics), where numpy floors."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        quotient = np.floor_divide(a, b, out=out)
+        quotient = np.asarray(np.floor_divide(a, b))
     if a.dtype.kind == "i":
         # floor and trunc differ by one exactly when the division is inexact and the signs differ
         inexact = (quotient * b != a) & ((a < 0) != (b < 0)) & (b != 0)
@@ -82,7 +82,7 @@ def _truncating_divide(a, b, out=None):
 def Div(a, b, *, overwrite=()):
     if a.dtype.kind in "iu":
         # the correction reads a and b after the floor division, so never write into either
-        return np.asarray(_truncating_divide(a, b))
+        return _truncating_divide(a, b)
     return binary(np.divide, a, b, overwrite)
 
 
@@ -102,11 +102,12 @@ def Pow_1(base, exponent, *, broadcast: int = 0, axis: int | None = None, overwr
 def Pow(base, exponent, *, overwrite=()):
     # the output has the base's type whatever the exponent's type is (opset 12 allows mixing)
     with np.errstate(all="ignore"):
+        if base.dtype.kind not in "iu" and exponent.ndim == 0 and exponent == 2:
+            # x*x is exact in any wider type, so this is bitwise pow's result, and much faster (RMSNorm)
+            return unary(np.square, base, overwrite)
         if base.dtype == exponent.dtype:
             if base.dtype.kind in "iu":
                 return np.asarray(_integer_power(base, exponent))
-            if exponent.ndim == 0 and exponent == 2:
-                return unary(np.square, base, overwrite)  # bitwise the same, much faster (RMSNorm's x**2)
             return binary(np.power, base, exponent, overwrite)
         if base.dtype.kind in "iu" and exponent.dtype.kind in "iu":
             return np.asarray(_integer_power(base, exponent.astype(base.dtype)))

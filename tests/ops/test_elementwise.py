@@ -45,6 +45,10 @@ def test_pow_keeps_the_base_type():
     got = run_node("Pow", [np.array([2.0, 4.0], F32), np.array([3, -1], np.int64)])
     assert got.dtype == F32
     np.testing.assert_array_equal(got, [8.0, 0.25])
+    x = np.array([1.1, -3.7, 1e20], F32)
+    squared = run_node("Pow", [x, np.array(2.0)])  # float64 exponent: still float32, exactly x*x
+    assert squared.dtype == F32
+    np.testing.assert_array_equal(squared, np.square(x))
 
 
 def test_integer_pow_with_negative_exponent_truncates():
