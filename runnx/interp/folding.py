@@ -29,6 +29,8 @@ def _evaluate(graph: Graph, node, ctx) -> list | None:
         extra["overwrite"] = ()
     if node.kernel.wants_ctx:
         extra["ctx"] = ctx
+    if node.kernel.wants_output_count:
+        extra["output_count"] = len(node.outputs)
     try:
         result = node.kernel.fn(*args, **node.attrs, **extra)
     except Exception:  # left to fail at run time, with the executor's node context
@@ -41,7 +43,9 @@ def _evaluate(graph: Graph, node, ctx) -> list | None:
         return None
     folded = []
     for output in outputs:
-        output = np.ascontiguousarray(output)
+        output = np.asarray(output)
+        if not output.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-D result into 1-D)
+            output = output.copy()
         if output.base is not None or output.flags.writeable:
             output = output.copy() if output.base is not None else output
         output.flags.writeable = False

@@ -183,3 +183,17 @@ def test_empty_axes_and_split_inputs_count_as_absent():
     assert run_node("Squeeze", [x, np.zeros(0, I64)], opset=13).shape == (3,)
     parts = run_node("Split", [np.arange(4.0), np.zeros(0, I64)], outputs=2, opset=13)
     assert [p.tolist() for p in parts] == [[0, 1], [2, 3]]
+
+
+def test_constant_inputs_fold_at_load_keeping_scalars_scalar_and_split_parts():
+    from onnx import TensorProto, helper
+
+    import runnx
+    graph = helper.make_graph(
+        [helper.make_node("Size", ["c"], ["size"]), helper.make_node("Split", ["c"], ["a", "b"], axis=0)], "g", [],
+        [helper.make_value_info(n, helper.TypeProto()) for n in ("size", "a", "b")],
+        [helper.make_tensor("c", TensorProto.FLOAT, [4], [1, 2, 3, 4])])
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]))
+    assert model.folded == 2
+    got = model.run({})
+    assert got["size"].shape == () and got["a"].tolist() == [1, 2] and got["b"].tolist() == [3, 4]
