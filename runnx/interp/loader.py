@@ -25,7 +25,6 @@ class LoadedModel:
     opsets: dict
     ir_version: int
     producer: str
-    proto: onnx.ModelProto  # kept for inspection; initializer bytes are already referenced by arrays
     path: str | None
 
 
@@ -67,7 +66,7 @@ def load_model(source, weights=None) -> LoadedModel:
     unused = set(overrides) - builder.used_overrides
     if unused:
         raise InvalidModelError(f"weights file has tensors the model does not use: {sorted(unused)[:10]}")
-    return LoadedModel(graph, opsets, proto.ir_version, proto.producer_name, proto, path)
+    return LoadedModel(graph, opsets, proto.ir_version, proto.producer_name, path)  # the protobuf is freed
 
 
 def value_info(proto) -> ValueInfo:

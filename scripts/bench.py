@@ -1,0 +1,240 @@
+"""The benchmark suite: runnx against onnxruntime (and onnx's ReferenceEvaluator) on the same
+models, same machine, same thread counts, one run. Writes docs/benchmarks.md with a plot.
+
+    .venv/bin/python scripts/bench.py [--threads 1,2] [--contexts 32,512,2000] [--repeat 3] [--no-write]
+
+Each (runner, thread count) runs in its own process, so load time and peak resident memory are
+its own, and BLAS/numba/onnxruntime thread counts are set before anything starts its pools.
+Sections: SmolLM2-135M decode tokens/s at each context (random past KV of that length, median of
+the steps) and prefill tokens/s for a 512-token prompt, model load time, peak RSS; Whisper
+tiny.en encoder seconds per 30 s window and decoder ms/token (scripts/bench_whisper.py);
+per-node dispatch on a 1000-node chain of tiny ops (scripts/bench_dispatch.py).
+Models come from `make models` (${RUNNX_CACHE:-~/.cache/runnx}/models).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
+SMOLLM2 = CACHE / "models" / "smollm2-135m" / "model.onnx"
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+PREFILL_LENGTH = 512
+DECODE_STEPS = 8
+
+
+# -- workers: one runner, one thread count, one process ---------------------------------------------
+def _decoder_feeds(ids, past_length, past):
+    return {"input_ids": ids, "attention_mask": np.ones((1, past_length + ids.shape[1]), np.int64),
+            "position_ids": np.arange(past_length, past_length + ids.shape[1], dtype=np.int64)[None], **past}
+
+
+class _Runnx:
+    def __init__(self, path, threads):
+        self.model = runnx.load(path)  # BLAS/numba threads come from the environment set by main()
+        self.kv = [(i.name, i.shape) for i in self.model.inputs if i.name.startswith("past_key_values.")]
+
+    def step(self, ids, past_length, past, capacity):
+        """One decoder run; past is a dict of arrays, handed over with room for `capacity` positions."""
+        feeds = {name: runnx.with_capacity(value, 2, capacity) if not isinstance(value, runnx.Owned) else value
+                 for name, value in past.items()}
+        result = self.model.run(_decoder_feeds(ids, past_length, feeds))
+        return {name: runnx.Owned(result[name.replace("past_key_values", "present")]) for name, _ in self.kv}
+
+
+class _OnnxRuntime:
+    def __init__(self, path, threads):
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        self.session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.kv = [(i.name, i.shape) for i in self.session.get_inputs() if i.name.startswith("past_key_values.")]
+        self.names = [o.name for o in self.session.get_outputs()]
+
+    def step(self, ids, past_length, past, capacity):
+        result = dict(zip(self.names, self.session.run(None, _decoder_feeds(ids, past_length, past))))
+        return {name: result[name.replace("past_key_values", "present")] for name, _ in self.kv}
+
+
+class _Reference:
+    def __init__(self, path, threads):
+        from onnx.reference import ReferenceEvaluator
+        self.evaluator = ReferenceEvaluator(str(path))
+        self.kv = [(i.name, [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim])
+                   for i in self.evaluator.proto_.graph.input if i.name.startswith("past_key_values.")]
+        self.names = self.evaluator.output_names
+
+    def step(self, ids, past_length, past, capacity):
+        result = dict(zip(self.names, self.evaluator.run(None, _decoder_feeds(ids, past_length, past))))
+        return {name: result[name.replace("past_key_values", "present")] for name, _ in self.kv}
+
+
+RUNNERS = {"runnx": _Runnx, "onnxruntime": _OnnxRuntime, "reference": _Reference}
+
+
+def _random_past(kv, length, rng):
+    return {name: rng.standard_normal((1, shape[1], length, shape[3])).astype(np.float32) for name, shape in kv}
+
+
+def worker_llm(runner: str, threads: int, contexts: list[int], steps: int, prefill: bool) -> dict:
+    start = time.perf_counter()
+    engine = RUNNERS[runner](SMOLLM2, threads)
+    load_seconds = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    token = np.array([[42]], np.int64)
+    decode = {}
+    for context in contexts:
+        past = _random_past(engine.kv, context, rng)
+        past = engine.step(token, context, past, context + steps + 2)  # warm-up, and the cache in its own form
+        times = []
+        for step in range(steps):
+            begin = time.perf_counter()
+            past = engine.step(token, context + 1 + step, past, 0)
+            times.append(time.perf_counter() - begin)
+        decode[context] = 1.0 / statistics.median(times)
+    prefill_tps = None
+    if prefill:
+        ids = rng.integers(3, 40000, size=(1, PREFILL_LENGTH), dtype=np.int64)
+        empty = _random_past(engine.kv, 0, rng)
+        engine.step(ids[:, :16], 0, empty, 64)  # warm-up
+        begin = time.perf_counter()
+        engine.step(ids, 0, _random_past(engine.kv, 0, rng), PREFILL_LENGTH + 64)
+        prefill_tps = PREFILL_LENGTH / (time.perf_counter() - begin)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"load_s": load_seconds, "decode_tps": decode, "prefill_tps": prefill_tps, "peak_rss_mb": peak}
+
+
+# -- orchestration ---------------------------------------------------------------------------------
+def _run_worker(arguments: list[str], threads: int, timeout: float = 3600) -> dict | None:
+    environment = dict(os.environ, **{v: str(threads) for v in THREAD_VARIABLES}, PYTHONPATH=str(ROOT))
+    completed = subprocess.run([sys.executable, __file__, *arguments, "--threads", str(threads)],
+                               capture_output=True, text=True, env=environment, timeout=timeout)
+    if completed.returncode:
+        print(f"  failed: {' '.join(arguments)}\n{completed.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _plot(results: dict, contexts: list[int]) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6.5, 4))
+    for (runner, threads), result in sorted(results.items()):
+        if result and runner != "reference":
+            points = [(int(c), tps) for c, tps in result["decode_tps"].items()]
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                      linestyle="-" if runner == "runnx" else "--", label=f"{runner}, {threads} thread(s)")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(contexts, [str(c) for c in contexts])
+    axis.set_xlabel("context length (tokens)")
+    axis.set_ylabel("decode tokens/s")
+    axis.set_title("SmolLM2-135M fp32 decode, greedy")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    image = ROOT / "docs" / "decode_tokens_per_second.png"
+    figure.savefig(image, dpi=90)
+    return image
+
+
+def _llm_table(results: dict, contexts: list[int]) -> str:
+    header = ["runner", "threads"] + [f"decode tok/s @{c}" for c in contexts] + \
+             [f"prefill tok/s ({PREFILL_LENGTH})", "load s", "peak RSS MiB"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (runner, threads), result in sorted(results.items()):
+        if not result:
+            lines.append(f"| {runner} | {threads} | " + " | ".join(["failed"] * (len(header) - 2)) + " |")
+            continue
+        decode = [f"{result['decode_tps'][str(c)]:.1f}" if str(c) in result["decode_tps"] else "-" for c in contexts]
+        prefill = f"{result['prefill_tps']:.0f}" if result["prefill_tps"] else "-"
+        lines.append(f"| {runner} | {threads} | " + " | ".join(decode) +
+                     f" | {prefill} | {result['load_s']:.2f} | {result['peak_rss_mb']:.0f} |")
+    return "\n".join(lines)
+
+
+def _ratios(results: dict, contexts: list[int]) -> str:
+    lines = []
+    for threads in sorted({t for _, t in results}):
+        mine, theirs = results.get(("runnx", threads)), results.get(("onnxruntime", threads))
+        if mine and theirs:
+            ratios = ", ".join(f"{c}: {mine['decode_tps'][str(c)] / theirs['decode_tps'][str(c)]:.2f}x"
+                               for c in contexts if str(c) in mine["decode_tps"] and str(c) in theirs["decode_tps"])
+            lines.append(f"- {threads} thread(s): runnx/onnxruntime decode speed {ratios}; load time "
+                         f"{mine['load_s'] / theirs['load_s']:.2f}x; peak memory "
+                         f"{mine['peak_rss_mb'] / theirs['peak_rss_mb']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(args) -> None:
+    contexts = [int(c) for c in args.contexts.split(",")]
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    if not SMOLLM2.exists():
+        sys.exit(f"{SMOLLM2} is missing: run `make models` first")
+    results = {}
+    for threads in thread_counts:
+        for runner in ("runnx", "onnxruntime"):
+            print(f"SmolLM2 decode: {runner}, {threads} thread(s)", flush=True)
+            results[(runner, threads)] = _run_worker(
+                ["--worker", runner, "--contexts", args.contexts, "--steps", str(args.steps), "--prefill"], threads)
+            print(f"  {results[(runner, threads)]}", flush=True)
+    if args.reference:
+        print("SmolLM2 decode: onnx ReferenceEvaluator, 1 thread (context 32 only)", flush=True)
+        results[("reference", 1)] = _run_worker(["--worker", "reference", "--contexts", "32", "--steps", "2"], 1)
+        print(f"  {results[('reference', 1)]}", flush=True)
+    table, ratios = _llm_table(results, contexts), _ratios(results, contexts)
+    print(table + "\n" + ratios)
+    if args.no_write:
+        return
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from report import git_revision, machine, update_section
+
+    image = _plot(results, contexts)
+    command = f".venv/bin/python scripts/bench.py --threads {args.threads} --contexts {args.contexts}"
+    update_section("suite-llm", f"""## SmolLM2-135M decode and prefill (`scripts/bench.py`)
+
+runnx {git_revision()}; {machine()}; each runner in its own process with BLAS/numba/onnxruntime
+threads set to the count shown. Decode: median of {args.steps} greedy steps after random past KV of
+the context length (runnx gets it as `Owned` capacity buffers, onnxruntime as arrays).
+Command: `{command}`.
+
+{table}
+
+{ratios}
+
+![decode tokens/s vs context](decode_tokens_per_second.png)
+""")
+
+
+def _parse():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--contexts", default="32,512,2000")
+    parser.add_argument("--steps", type=int, default=DECODE_STEPS)
+    parser.add_argument("--reference", action="store_true", help="also time onnx's ReferenceEvaluator (slow)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--worker", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
+    parser.add_argument("--prefill", action="store_true", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = _parse()
+    if ARGS.worker:
+        import numpy as np
+        import onnxruntime
+
+        import runnx
+        result = worker_llm(ARGS.worker, int(ARGS.threads), [int(c) for c in ARGS.contexts.split(",")],
+                            ARGS.steps, ARGS.prefill)
+        print(json.dumps(result))
+    else:
+        main(ARGS)
