@@ -60,8 +60,10 @@ def render_chat(template: str, messages: list[dict], *, add_generation_prompt: b
 class Chat:
     """A conversation with a Generator: `send` streams the reply to one user message.
 
-    Each turn renders the whole conversation, and runs only the tokens after the longest prefix
-    already in the KV cache (normally: the end of the last reply plus the new message)."""
+    Each turn renders the whole conversation. When it extends the text the generator's tokens stand
+    for (the previous prompt and reply), only the new text is tokenised and run: the KV cache of
+    earlier turns is kept as it is. Otherwise (a reply cut by a stop string, a template that rewrites
+    history) the tokens after the longest common prefix are recomputed."""
 
     def __init__(self, generator, system: str | None = None, **settings):
         tokenizer = generator.tokenizer
@@ -71,7 +73,8 @@ class Chat:
         self.template = compile_template(tokenizer.chat_template)
         self.settings = settings
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
-        self.reused_tokens = 0  # tokens of the last turn's prompt found in the cache
+        self.reused_tokens = 0  # tokens of the last turn's prompt that were already there
+        self._text = ""  # the text that generator.token_ids stand for
         generator.reset()
 
     def render(self, messages=None, add_generation_prompt: bool = True) -> str:
@@ -81,24 +84,33 @@ class Chat:
 
     def send(self, text: str, **settings):
         """Stream the assistant's reply to `text`; the reply joins the history when it is done."""
-        generator = self.generator
+        generator, tokenizer = self.generator, self.generator.tokenizer
         self.messages.append({"role": "user", "content": text})
-        prompt = generator.tokenizer.encode(self.render(), add_special_tokens=False)
-        known = generator.token_ids[0].tolist()
-        common = 0
-        for a, b in zip(known, prompt[:-1]):  # at least one token must run to get logits
-            if a != b:
-                break
-            common += 1
-        generator.rewind(common)
-        generator.append_tokens(prompt[common:])
-        self.reused_tokens = common
+        rendered = self.render()
+        if self._text and rendered.startswith(self._text):
+            self.reused_tokens = generator.token_ids.shape[1]
+            generator.append_tokens(tokenizer.encode(rendered[len(self._text):], add_special_tokens=False))
+        else:
+            self._rerun_from_common_prefix(tokenizer.encode(rendered, add_special_tokens=False))
+        self._text = rendered
         generator.configure(**{**self.settings, **settings})
         pieces = []
         for piece in generator.continue_stream():
             pieces.append(piece)
             yield piece
+        self._text += tokenizer.decode(generator.generated[0], skip_special_tokens=False)
         self.messages.append({"role": "assistant", "content": "".join(pieces)})
+
+    def _rerun_from_common_prefix(self, prompt: list[int]) -> None:
+        known = self.generator.token_ids[0].tolist()
+        common = 0
+        for a, b in zip(known, prompt[:-1]):  # at least one token must run to get logits
+            if a != b:
+                break
+            common += 1
+        self.generator.rewind(common)
+        self.generator.append_tokens(prompt[common:])
+        self.reused_tokens = common
 
     def ask(self, text: str, **settings) -> str:
         return "".join(self.send(text, **settings))

@@ -144,14 +144,25 @@ def test_chat_reuses_the_cache_of_earlier_turns(llama):
     chat = Chat(llama, max_new_tokens=8)
     first = chat.ask("Tell me about the fox.")
     assert chat.reused_tokens == 0
-    rendered_before = llama.tokenizer.encode(chat.render(add_generation_prompt=False), add_special_tokens=False)
+    tokens_after_first = llama.token_ids.shape[1]
     second = chat.ask("And the dog?")
-    assert chat.reused_tokens >= len(rendered_before) - 3  # all but the re-tokenised end of the reply
+    assert chat.reused_tokens == tokens_after_first  # the whole first turn, reply included
     assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
     assert chat.messages[1]["content"] == first and chat.messages[3]["content"] == second
-    # the same turn computed from scratch gives the same reply
+    # the tokens stand for the rendered conversation, and a run from scratch on them gives the same reply
+    prompt = llama.token_ids[0, :-len(llama.generated[0])]
+    assert llama.tokenizer.decode(prompt, skip_special_tokens=False) == chat.render(chat.messages[:3])
+    assert llama.generate(prompt.tolist(), max_new_tokens=8) == second
+
+
+def test_chat_recomputes_after_a_reply_cut_by_a_stop_string(llama):
+    chat = Chat(llama, max_new_tokens=8)
+    reply = chat.ask("Tell me about the fox.")
+    chat.messages[-1]["content"] = reply[:2]  # history rewritten: the cached reply no longer matches
+    chat.ask("And the dog?")
     prompt = llama.tokenizer.encode(chat.render(chat.messages[:3]), add_special_tokens=False)
-    assert llama.generate(prompt, max_new_tokens=8) == second
+    assert 0 < chat.reused_tokens < len(prompt)
+    assert llama.token_ids[0, :len(prompt)].tolist() == prompt
 
 
 def _parser():
