@@ -198,7 +198,7 @@ def Slice(data, starts, ends, axes=None, steps=None):
     return _slice(data, int_values(starts), int_values(ends), int_values(axes), int_values(steps))
 
 
-_PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "edge", "wrap": "wrap"}
+_PAD_MODES = ("constant", "reflect", "edge", "wrap")  # numpy.pad has the same names
 
 
 def _pad(data, pads, mode: str, value, axes, ctx):
@@ -207,7 +207,7 @@ def _pad(data, pads, mode: str, value, axes, ctx):
     if len(pads) != 2 * len(axes):
         raise RunnxError(f"Pad needs 2 amounts per padded axis ({len(axes)} axes), got {len(pads)}")
     if mode not in _PAD_MODES:
-        raise RunnxError(f"Pad mode '{mode}' is not one of {sorted(_PAD_MODES)}")
+        raise RunnxError(f"Pad mode '{mode}' is not one of {', '.join(_PAD_MODES)}")
     widths = [(0, 0)] * data.ndim
     for i, axis in enumerate(axes):
         widths[axis] = (pads[i], pads[i + len(axes)])
@@ -221,7 +221,7 @@ def _pad(data, pads, mode: str, value, axes, ctx):
         return np.pad(data, widths, mode="constant", constant_values=value)
     if mode != "edge" and any(d == 0 and (b or a) for d, (b, a) in zip(data.shape, widths)):
         raise RunnxError(f"Pad mode '{mode}' cannot pad an empty axis of shape {data.shape}")
-    return np.pad(data, widths, mode=_PAD_MODES[mode])
+    return np.pad(data, widths, mode=mode)
 
 
 @register("Pad", since=1)
