@@ -104,11 +104,27 @@ class WhisperTokens:
     suppress: tuple[int, ...] = ()  # never generated
     suppress_at_begin: tuple[int, ...] = ()  # not as the first generated token (blank, end of text)
     max_initial_timestamp_index: int | None = None  # the first timestamp is at most this many steps in
+    vocab_size: int | None = None
 
     @property
     def timestamp_begin(self) -> int | None:
-        """Id of <|0.00|>: timestamp tokens follow <|notimestamps|>, one per 20 ms."""
-        return None if self.no_timestamps is None else self.no_timestamps + 1
+        """Id of <|0.00|>: timestamp tokens follow <|notimestamps|>, one per 20 ms. None when the
+        vocabulary ends at <|notimestamps|> (a model without timestamp tokens)."""
+        if self.no_timestamps is None or (self.vocab_size is not None and self.no_timestamps + 1 >= self.vocab_size):
+            return None
+        return self.no_timestamps + 1
+
+    @property
+    def text_end(self) -> int:
+        """Text tokens are the ids below the first special token other than <|endoftext|> (which
+        tiny.en puts right after the text, and other vocabularies at 0)."""
+        specials = [self.start_of_transcript, *self.languages.values(), *self.tasks.values()]
+        if self.no_timestamps is not None:
+            specials.append(self.no_timestamps)
+        return min(specials)
+
+    def is_text(self, token: int) -> bool:
+        return token < self.text_end and token != self.end_of_text
 
     @classmethod
     def from_configs(cls, config: dict, generation: dict, special: dict[str, int]) -> "WhisperTokens":
@@ -139,7 +155,8 @@ class WhisperTokens:
                    suppress=tuple(generation.get("suppress_tokens") or config.get("suppress_tokens") or ()),
                    suppress_at_begin=tuple(generation.get("begin_suppress_tokens")
                                            or config.get("begin_suppress_tokens") or ()),
-                   max_initial_timestamp_index=generation.get("max_initial_timestamp_index"))
+                   max_initial_timestamp_index=generation.get("max_initial_timestamp_index"),
+                   vocab_size=config.get("vocab_size"))
 
     def language_id(self, language: str) -> int:
         code = language.strip("<|>").lower()
@@ -205,6 +222,7 @@ class TimestampRules:
 
     timestamp_begin: int
     end_of_text: int
+    text_end: int  # text tokens are below it (WhisperTokens.text_end)
     no_timestamps: int
     begin_index: int
     max_initial_index: int | None = None
@@ -221,7 +239,9 @@ class TimestampRules:
                 if penultimate_was_timestamp:  # a pair just closed, or the start: text comes next
                     scores[row, first:] = -np.inf
                 else:  # after text: a timestamp or the end of text
-                    scores[row, :self.end_of_text] = -np.inf
+                    end_score = scores[row, self.end_of_text]
+                    scores[row, :self.text_end] = -np.inf
+                    scores[row, self.end_of_text] = end_score
             timestamps = generated[generated >= first]
             if timestamps.size:
                 closing = last_was_timestamp and not penultimate_was_timestamp
@@ -327,8 +347,8 @@ class Whisper:
         detect the language from the first step when `language` is None; English-only models ignore
         `language`."""
         tokens = self.tokens
-        if timestamps and tokens.no_timestamps is None:
-            raise WhisperError(f"{self.folder}: this model has no timestamp tokens (no <|notimestamps|>)")
+        if timestamps and tokens.timestamp_begin is None:
+            raise WhisperError(f"{self.folder}: this model has no timestamp tokens (none after <|notimestamps|>)")
         if not tokens.multilingual:
             language = None
         generator = self._start(hidden)
@@ -381,7 +401,7 @@ class Whisper:
         if tokens.suppress:
             rules.append(SuppressTokens(tokens.suppress))
         if timestamps:
-            rules.append(TimestampRules(tokens.timestamp_begin, tokens.end_of_text, tokens.no_timestamps,
+            rules.append(TimestampRules(tokens.timestamp_begin, tokens.end_of_text, tokens.text_end, tokens.no_timestamps,
                                         begin_index, tokens.max_initial_timestamp_index))
         return rules
 
@@ -402,7 +422,7 @@ class Whisper:
         timings.features = time.perf_counter() - started
         content_frames = mel.shape[1] - N_FRAMES
         if timestamps is None:
-            timestamps = content_frames > N_FRAMES and self.tokens.no_timestamps is not None
+            timestamps = content_frames > N_FRAMES and self.tokens.timestamp_begin is not None
         if language is not None and self.tokens.multilingual:
             self.tokens.language_id(language)  # fail before any work
         segments: list[Segment] = []
@@ -437,7 +457,7 @@ class Whisper:
                        self._text(tokens), tuple(tokens))
 
     def _text(self, tokens) -> str:
-        return self.tokenizer.decode([t for t in tokens if t < self.tokens.end_of_text]).strip()
+        return self.tokenizer.decode([t for t in tokens if self.tokens.is_text(t)]).strip()
 
 
 def transcribe(audio, model_dir, **options) -> Transcript:

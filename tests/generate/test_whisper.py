@@ -32,7 +32,7 @@ MULTILINGUAL_SPECIAL = {"<|endoftext|>": 50257, "<|startoftranscript|>": 50258, 
 
 
 def _rules(max_initial=50, begin=1):
-    return TimestampRules(TS0, EOT, NO_TS, begin_index=begin, max_initial_index=max_initial)
+    return TimestampRules(TS0, EOT, SOT, NO_TS, begin_index=begin, max_initial_index=max_initial)
 
 
 def _apply(rule, generated, scores=None, prompt=(SOT,)):
@@ -46,7 +46,8 @@ def _apply(rule, generated, scores=None, prompt=(SOT,)):
 # -- special tokens and prompts ---------------------------------------------------------------------
 def test_english_only_tokens_and_prompts():
     tokens = WhisperTokens.from_configs(TINY_EN_CONFIG, TINY_EN_GENERATION, {})
-    assert not tokens.multilingual and tokens.timestamp_begin == TS0
+    assert not tokens.multilingual and tokens.timestamp_begin == TS0 and tokens.text_end == SOT
+    assert tokens.is_text(EOT - 1) and not tokens.is_text(EOT) and not tokens.is_text(TS0)
     assert tokens.prompt(None, "transcribe", timestamps=False) == [SOT, NO_TS]
     assert tokens.prompt("de", "translate", timestamps=True) == [SOT]  # English-only: no language/task tokens
     assert tokens.suppress_at_begin == (220, EOT)
@@ -201,8 +202,10 @@ def test_tiny_token_ids_equal_onnxruntime(tiny_whisper, clip_features):
     hidden = model.encode(clip_features)
     model.decoder.profile = profile = Profile()
     decoded = model.decode(hidden, max_new_tokens=40)
-    expected = OrtGreedy(tiny_whisper)(clip_features, [model.tokens.start_of_transcript],
-                                       eos=model.tokens.end_of_text, max_new_tokens=40)
+    tokens = model.tokens
+    assert tokens.prompt(None, "transcribe", False) == [992, 999]  # tiny.en's layout, in 1000 tokens
+    expected = OrtGreedy(tiny_whisper)(clip_features, [992, 999], eos=tokens.end_of_text, suppress=tokens.suppress,
+                                       begin_suppress=tokens.suppress_at_begin, max_new_tokens=40)
     assert decoded.tokens == expected and len(expected) > 0
     # the self-attention KV grew in place in its 448-row buffers: every step after the first appended
     # each layer's key and value into spare capacity
@@ -240,9 +243,23 @@ def test_tiny_multilingual_detection_and_timestamps_equal_onnxruntime(tiny_whisp
     assert ours.decode(hidden, language="fr", max_new_tokens=5).language == "fr"
 
 
-def test_tiny_model_needs_a_tokenizer_for_text(tiny_whisper):
+def test_tiny_transcript_end_to_end(tiny_whisper, fixtures_dir):
+    model = Whisper(tiny_whisper)
+    transcript = transcribe(fixtures_dir / "whisper_features" / "clip.wav", model)
+    decoded = model.decode(model.encode(mel.window_features(load_audio(fixtures_dir / "whisper_features" / "clip.wav"))))
+    text_tokens = [t for t in decoded.tokens if 0 < t < 992]  # <|endoftext|> is 0 here
+    assert transcript.text == model.tokenizer.decode(text_tokens).strip()
+    assert transcript.language == "en" and transcript.timings.windows == 1
+    with pytest.raises(WhisperError, match="no timestamp tokens"):  # its vocabulary ends at <|notimestamps|>
+        model.transcribe(np.zeros(16000, np.float32), timestamps=True)
+
+
+def test_a_folder_without_tokenizer_gives_ids_but_no_text(tiny_whisper, tmp_path):
+    folder = _variant(tmp_path, tiny_whisper, json.loads((tiny_whisper / "generation_config.json").read_text()))
+    model = Whisper(folder)
+    assert model.tokenizer is None and model.tokens.start_of_transcript == 992
     with pytest.raises(WhisperError, match="tokenizer.json"):
-        transcribe(np.zeros(16000, np.float32), tiny_whisper)
+        model.transcribe(np.zeros(16000, np.float32))
 
 
 def test_folder_without_encoder_is_a_clear_error(tmp_path):
