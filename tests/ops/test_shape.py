@@ -197,3 +197,56 @@ def test_constant_inputs_fold_at_load_keeping_scalars_scalar_and_split_parts():
     assert model.folded == 2
     got = model.run({})
     assert got["size"].shape == () and got["a"].tolist() == [1, 2] and got["b"].tolist() == [3, 4]
+
+
+def _spec_slice_indices(start, end, step, dim):
+    """The ONNX specification's loop, literally: adjust, clamp, then walk from start towards end."""
+    start, end = start + dim if start < 0 else start, end + dim if end < 0 else end
+    if step > 0:
+        start, end = min(max(start, 0), dim), min(max(end, 0), dim)
+    else:
+        start, end = min(max(start, 0), dim - 1), min(max(end, -1), dim - 1)
+    indices, j = [], start
+    while (j < end) if step > 0 else (j > end):
+        indices.append(j)
+        j += step
+    return indices
+
+
+def test_slice_matches_the_specification_loop_for_many_bounds():
+    rng = np.random.default_rng(0)
+    bounds = [-2**63, -9, -5, -1, 0, 1, 3, 5, 9, 2**63 - 1]
+    for _ in range(400):
+        dim = int(rng.integers(0, 6))
+        start, end = (int(v) for v in rng.choice(bounds, 2))
+        step = int(rng.choice([-3, -2, -1, 1, 2, 3]))
+        x = np.arange(dim, dtype=np.int32)
+        got = ops.Slice(x, _ints(start), _ints(end), _ints(0), _ints(step))
+        assert got.tolist() == _spec_slice_indices(start, end, step, dim), (dim, start, end, step)
+
+
+@pytest.mark.parametrize("view_node", [
+    ("Reshape", ["x", "shape"], {}),
+    ("Transpose", ["x"], {}),
+    ("Squeeze", ["x"], {}),
+    ("Slice", ["x", "zero", "big", "zero", "minus_one"], {}),
+])
+def test_a_view_keeps_its_base_alive_against_in_place_writes(view_node):
+    """x is handed over (owned) and also returned: an in-place Add on a view of x must not write x."""
+    from onnx import TensorProto, helper
+
+    import runnx
+    op, inputs, attributes = view_node
+    nodes = [helper.make_node(op, inputs, ["view"], **attributes), helper.make_node("Add", ["view", "one"], ["y"]),
+             helper.make_node("Identity", ["x"], ["x_out"])]
+    constants = [helper.make_tensor("shape", TensorProto.INT64, [1], [4]),
+                 helper.make_tensor("one", TensorProto.FLOAT, [], [1.0]),
+                 helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
+                 helper.make_tensor("big", TensorProto.INT64, [1], [-2**63]),
+                 helper.make_tensor("minus_one", TensorProto.INT64, [1], [-1])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 1])],
+                              [helper.make_value_info(n, helper.TypeProto()) for n in ("y", "x_out")], constants)
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), check_inplace=False)
+    got = model.run({"x": runnx.Owned(np.zeros((4, 1), np.float32))})
+    np.testing.assert_array_equal(got["x_out"], np.zeros((4, 1)))
+    assert (np.asarray(got["y"]) == 1).all()
