@@ -77,3 +77,24 @@ def roi_align(x, rois, batch_indices, pooled_h, pooled_w, sampling_ratio, scale,
                     for c in range(channels):
                         out[r, c, ph, pw] /= count
     return out
+
+
+@numba.njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})  # vectorised sums, NaN/inf kept
+def layer_norm_rows(x, scale, bias, epsilon, out, mean, inv_std):
+    """Normalise every row of x (rows, cols) in two passes, statistics accumulated in float64;
+    writes out = (x - mean) * inv_std * scale + bias, and the per-row mean and inv_std."""
+    rows, cols = x.shape
+    for r in range(rows):
+        total = 0.0
+        for c in range(cols):
+            total += x[r, c]
+        m = total / cols
+        spread = 0.0
+        for c in range(cols):
+            d = x[r, c] - m
+            spread += d * d
+        inv = 1.0 / math.sqrt(spread / cols + epsilon)
+        for c in range(cols):
+            out[r, c] = (x[r, c] - m) * inv * scale[c] + bias[c]
+        mean[r] = m
+        inv_std[r] = inv

@@ -7,9 +7,12 @@ into one multiply-add per element, in place when the executor grants it.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from runnx.errors import RunnxError
+from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops.registry import register
 
 
@@ -80,9 +83,28 @@ def InstanceNormalization(x, scale, bias, *, epsilon: float = 1e-5, consumed_inp
     return (normalized * _per_channel(scale, x.ndim) + _per_channel(bias, x.ndim)).astype(x.dtype, copy=False)
 
 
+def _fused_layer_norm(x, scale, bias, axis, epsilon):
+    """The two-pass numba kernel for the common case (float32/64, one scale and bias per normalised element)."""
+    cols = math.prod(x.shape[axis:])
+    rows = x.size // cols if cols else 0
+    scale = np.broadcast_to(scale, x.shape[axis:]).reshape(cols).astype(x.dtype, copy=False)
+    bias = (np.zeros(cols, x.dtype) if bias is None
+            else np.broadcast_to(bias, x.shape[axis:]).reshape(cols).astype(x.dtype, copy=False))
+    out = np.empty(x.shape, x.dtype)
+    stats_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
+    mean, inv_std = np.empty(stats_shape, x.dtype), np.empty(stats_shape, x.dtype)
+    layer_norm_rows(np.ascontiguousarray(x).reshape(rows, cols), np.ascontiguousarray(scale),
+                    np.ascontiguousarray(bias), float(epsilon), out.reshape(rows, cols), mean.reshape(rows),
+                    inv_std.reshape(rows))
+    return out, mean, inv_std
+
+
 @register("LayerNormalization", since=17)
 def LayerNormalization(x, scale, bias=None, *, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1):
     axis = axis + x.ndim if axis < 0 else axis
+    if x.dtype in (np.float32, np.float64) and x.size and scale.ndim <= x.ndim - axis and (
+            bias is None or bias.ndim <= x.ndim - axis):
+        return _fused_layer_norm(x, scale, bias, axis, epsilon)
     normalized, mean, inv_std = _normalize(x, tuple(range(axis, x.ndim)), epsilon, _stash_dtype(x.dtype, stash_type))
     normalized *= scale
     if bias is not None:
