@@ -60,11 +60,11 @@ class DecoderStep:
         self.reset()
 
     @classmethod
-    def from_folder(cls, folder, *, capacity: int = 256, profile=None, load=None, prefix: str = "") -> "DecoderStep":
+    def from_folder(cls, folder, *, capacity: int = 256, profile=None, load=None) -> "DecoderStep":
         """Load the decoder file(s) of an Optimum export folder; `load` defaults to runnx.load
         without the symbolic-dimension check (merged exports misname the attention_mask length)."""
         load = load or load_decoder
-        files = find_decoder_files(folder, prefix)
+        files = find_decoder_files(folder)
         first = load(str(files.first))
         with_past = load(str(files.with_past)) if files.with_past != files.first else None
         config_path = Path(folder) / "config.json"
@@ -107,10 +107,14 @@ class DecoderStep:
         """Continue from saved `kv_arrays()` and the attention mask that goes with them."""
         attention_mask = np.asarray(attention_mask, np.int64)
         self.reset(attention_mask.shape[0], fixed_feeds)
-        self_names = {k.past for k in self.past_io.kv if not k.is_cross_attention}
-        missing = self_names - set(arrays)
-        if missing:
-            raise DecoderIOError(f"saved state lacks {sorted(missing)}")
+        for kv in self.past_io.kv:
+            array = arrays.get(kv.past)
+            heads, head_dim, dtype = self._layout[kv.slot]
+            if array is None or array.ndim != 4 or (array.shape[1], array.shape[3], array.dtype) != (heads, head_dim, dtype):
+                found = "missing" if array is None else f"{array.dtype}{list(array.shape)}"
+                raise DecoderIOError(f"saved state does not fit this model: '{kv.past}' is {found}, the model "
+                                     f"takes {dtype}[batch, {heads}, length, {head_dim}]")
+        self_names = [k.past for k in self.past_io.kv if not k.is_cross_attention]
         self.cache = KVCache.with_capacity({n: arrays[n] for n in self_names},
                                            max(self.capacity, 2 * attention_mask.shape[1]))
         self.cross = {k.past: arrays[k.past] for k in self.past_io.kv if k.is_cross_attention}

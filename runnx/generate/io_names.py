@@ -121,14 +121,14 @@ class DecoderFiles:
     with_past: Path
 
 
-def find_decoder_files(folder, prefix: str = "") -> DecoderFiles:
+def find_decoder_files(folder) -> DecoderFiles:
     """The decoder files of an Optimum export folder (also looks in its `onnx/` subfolder).
     Preference: model.onnx, decoder_model_merged.onnx, decoder_model + decoder_with_past_model."""
     folder = Path(folder)
     for root in (folder, folder / "onnx"):
-        single = root / f"{prefix}model.onnx"
-        merged = root / f"{prefix}decoder_model_merged.onnx"
-        first, with_past = root / f"{prefix}decoder_model.onnx", root / f"{prefix}decoder_with_past_model.onnx"
+        single = root / "model.onnx"
+        merged = root / "decoder_model_merged.onnx"
+        first, with_past = root / "decoder_model.onnx", root / "decoder_with_past_model.onnx"
         if single.is_file():
             return DecoderFiles("single", single, single)
         if merged.is_file():

@@ -13,6 +13,7 @@ import runnx
 from runnx.generate import cli
 from runnx.generate.chat import Chat
 from runnx.generate.generator import Generator
+from runnx.generate.io_names import DecoderIOError
 from runnx.generate.state import load_state, save_state
 
 
@@ -138,6 +139,17 @@ def test_state_saved_mid_generation_continues_exactly(fixtures_dir, llama, tmp_p
     fresh.run_until_done()
     assert fresh.generated[0] == llama.generated[0]
     np.testing.assert_array_equal(fresh.token_ids, llama.token_ids)
+
+
+def test_state_of_another_model_is_refused(fixtures_dir, llama, tmp_path):
+    llama.start()
+    llama.append_tokens(llama.encode("Once upon a time"))
+    llama.compute_logits()
+    save_state(llama, tmp_path / "llama.safetensors")
+    gpt2 = Generator.from_folder(fixtures_dir / "tiny-gpt2")
+    with pytest.raises(DecoderIOError, match=r"'past_key_values.0.key' is float32\[1, 2, \d+, 16\], the model takes "
+                                             r"float32\[batch, 4, length, 16\]"):
+        load_state(gpt2, tmp_path / "llama.safetensors")
 
 
 def test_chat_reuses_the_cache_of_earlier_turns(llama):
