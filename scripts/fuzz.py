@@ -2,7 +2,7 @@
 with random feeds, until a case count or a time budget is reached. Any exception other than a
 runnx error is a bug: the case's bytes are saved for replay and counted.
 
-    .venv/bin/python scripts/fuzz.py --cases 200000            # or --seconds 600, --seed N
+    .venv/bin/python scripts/fuzz.py --cases 200000            # or --seconds 600, --seed N, --fixtures
     .venv/bin/python scripts/fuzz.py --replay fuzz-failures/case-123.onnx
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "reliability")]
-from corpus import mutated, run_case, seed_models  # noqa: E402
+from corpus import fixture_models, mutated, run_case, seed_models  # noqa: E402
 
 
 def main() -> int:
@@ -28,6 +28,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=None, help="stop after this long, whatever the count")
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock)")
     parser.add_argument("--out", type=Path, default=Path("fuzz-failures"), help="where failing cases are saved")
+    parser.add_argument("--fixtures", action="store_true", help="also mutate the committed fixture models (slower)")
     parser.add_argument("--replay", type=Path, help="run one saved case and show its traceback")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -36,7 +37,7 @@ def main() -> int:
         return 0
     seed = args.seed if args.seed is not None else time.time_ns() % 2**32
     rng = np.random.default_rng(seed)
-    seeds = seed_models()
+    seeds = {**seed_models(), **(fixture_models() if args.fixtures else {})}
     names = sorted(seeds)
     outcomes, failures = Counter(), 0
     start = time.perf_counter()

@@ -7,9 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import runnx
-from corpus import mutated, random_feeds, run_case, seed_models
+from corpus import fixture_models, mutated, random_feeds, run_case, seed_models
 
 CASES = 5000
+FIXTURE_CASES = 20  # a fixture model takes ~0.1 s to load: scripts/fuzz.py --fixtures runs many more
 PER_EXAMPLE = 5  # cases drawn from one example's random stream: hypothesis' own overhead stays small
 SEEDS = seed_models()
 
@@ -38,6 +39,25 @@ def test_unmutated_seeds_run_on_random_valid_feeds(name, seed):
     rng = np.random.default_rng(seed)
     model = runnx.load(SEEDS[name])
     try:
-        model.run(random_feeds(SEEDS[name], rng, wrong=0.0))
+        model.run(random_feeds(model, rng, wrong=0.0))
     except runnx.RunnxError as error:  # with valid feeds only a kernel may refuse (e.g. Loop on a 0-size input)
         assert getattr(error, "node_context", False), error
+
+
+def test_mutated_fixture_models_raise_only_runnx_errors():
+    fixtures = fixture_models()
+    if not fixtures:
+        return
+    outcomes = Counter()
+    names = sorted(fixtures)
+
+    @settings(max_examples=FIXTURE_CASES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(names), st.integers(1, 3), st.integers(0, 2**32 - 1))
+    def cases(name, mutations, seed):
+        rng = np.random.default_rng(seed)
+        outcomes[run_case(mutated(fixtures[name], rng, mutations), rng)] += 1
+
+    cases()
+    print(f"fixture fuzz: {sum(outcomes.values())} cases: {dict(outcomes.most_common())}")
+    assert sum(outcomes.values()) == FIXTURE_CASES
