@@ -20,17 +20,11 @@ import onnx
 import onnx.backend.test.loader
 import onnx.numpy_helper
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "reliability")]
 import runnx  # noqa: E402
+from corpus import bits  # noqa: E402
 from runnx.interp.executor import InPlaceMismatchError  # noqa: E402
-
-
-def _bits(value):
-    if isinstance(value, list):
-        return [_bits(v) for v in value]
-    if value is None:
-        return None
-    return value.dtype.str, value.shape, value.tobytes() if value.dtype != object else value.tolist()
 
 
 def _owned(value):
@@ -72,7 +66,7 @@ def check_case(case) -> str:
         except runnx.RunnxError:
             return "not runnable"
         slow = copied.run({n: _owned(v) for n, v in feeds.items()})
-        if {n: _bits(v) for n, v in fast.items()} != {n: _bits(v) for n, v in slow.items()}:
+        if {n: bits(v) for n, v in fast.items()} != {n: bits(v) for n, v in slow.items()}:
             return "DIFFERS from copy mode"
         if profile.inplace_total or profile.moves:
             verdict = "in place ok"

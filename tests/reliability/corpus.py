@@ -297,6 +297,15 @@ def mutated(seed: onnx.ModelProto, rng, count: int) -> bytes:
     return damage_bytes(data, rng) if rng.random() < 0.25 else data
 
 
+def bits(value):
+    """A value's exact content (dtype, shape, bytes; strings by value), for bitwise comparisons."""
+    if isinstance(value, list):
+        return [bits(v) for v in value]
+    if value is None:
+        return None
+    return value.dtype.str, value.shape, value.tobytes() if value.dtype != object else value.tolist()
+
+
 def run_case(data: bytes, rng) -> str:
     """Load and run one (possibly broken) model: 'ok' or the name of the RunnxError raised.
     Any other exception propagates: that is a bug."""

@@ -6,7 +6,7 @@ import pytest
 from onnx import helper
 
 import runnx
-from corpus import FIXTURES, F, const, make_model, seed_models
+from corpus import FIXTURES, F, bits, const, make_model, seed_models
 from runnx.cli import generated_input
 
 FIXTURE_MODELS = sorted(p for p in FIXTURES.rglob("*.onnx") if p.stat().st_size < 32 * 2**20) \
@@ -25,14 +25,6 @@ def _fresh(feeds, owned):
     return {n: runnx.Owned(v.copy()) if owned and isinstance(v, np.ndarray) else v for n, v in feeds.items()}
 
 
-def _bits(value):
-    if isinstance(value, list):
-        return [_bits(v) for v in value]
-    if value is None:
-        return None
-    return value.dtype.str, value.shape, value.tobytes() if value.dtype != object else value.tolist()
-
-
 @pytest.mark.parametrize("source", MODELS)
 @pytest.mark.parametrize("owned", [False, True], ids=["borrowed", "owned"])
 def test_checking_mode_finds_no_mismatch_and_copy_mode_agrees(source, owned, monkeypatch):
@@ -42,11 +34,11 @@ def test_checking_mode_finds_no_mismatch_and_copy_mode_agrees(source, owned, mon
     checked = runnx.load(source)
     assert checked.options.check_inplace
     feeds = _feeds(checked)
-    snapshot = {n: _bits(v) for n, v in feeds.items()}
+    snapshot = {n: bits(v) for n, v in feeds.items()}
     result = checked.run(_fresh(feeds, owned))
     copied = runnx.load(source, inplace=False).run(_fresh(feeds, owned))
-    assert {n: _bits(v) for n, v in feeds.items()} == snapshot
-    assert {n: _bits(v) for n, v in result.items()} == {n: _bits(v) for n, v in copied.items()}
+    assert {n: bits(v) for n, v in feeds.items()} == snapshot
+    assert {n: bits(v) for n, v in result.items()} == {n: bits(v) for n, v in copied.items()}
 
 
 @pytest.mark.xfail(strict=True, reason="in-place binary ops keep the non-C layout of the value they overwrite, "
