@@ -30,9 +30,13 @@ from runnx.generate.sampling import Multinomial, apply_processors, argmax, build
 from runnx.generate.tokenizer import TextStream, Tokenizer, as_tokenizer
 
 
+SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p")
+
+
 @dataclass(frozen=True)
 class GenerationOptions:
-    """Decoding settings. do_sample=None samples as soon as a sampling setting is given."""
+    """Decoding settings. do_sample=None samples as soon as a sampling setting is given. Settings
+    left at None take generation_config.json's value (as transformers does), greedy by default."""
 
     max_new_tokens: int | None = 256
     max_length: int | None = None  # prompt + generated tokens
@@ -51,7 +55,7 @@ class GenerationOptions:
     def sampling(self) -> bool:
         if self.do_sample is not None:
             return self.do_sample
-        return any(v is not None for v in (self.temperature, self.top_k, self.top_p, self.min_p))
+        return any(getattr(self, name) is not None for name in SAMPLING_SETTINGS)
 
 
 @dataclass
@@ -163,7 +167,7 @@ class Generator:
 
     def configure(self, options: GenerationOptions | None = None, **settings) -> None:
         """Settings for the tokens generated from now on; the tokens so far (and their cache) stay."""
-        options = replace(options or GenerationOptions(), **settings)
+        options = self._with_config_defaults(replace(options or GenerationOptions(), **settings))
         batch = self.batch_size
         self.options = options
         self.stop_token_ids = set(options.stop_token_ids if options.stop_token_ids is not None
@@ -184,6 +188,15 @@ class Generator:
         self._next = np.zeros(batch, np.int64)
         self._started_at = None
         self.stats = GenerationStats()
+
+    def _with_config_defaults(self, options: GenerationOptions) -> GenerationOptions:
+        config = self.generation_config
+        do_sample = options.do_sample
+        if do_sample is None:  # a sampling setting of the caller's means sampling; else the config decides
+            do_sample = options.sampling or bool(config.get("do_sample", False))
+        defaults = {name: config[name] for name in (*SAMPLING_SETTINGS, "repetition_penalty")
+                    if getattr(options, name) is None and config.get(name) is not None}
+        return replace(options, do_sample=do_sample, **defaults)
 
     @property
     def batch_size(self) -> int:

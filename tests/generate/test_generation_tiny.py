@@ -63,6 +63,21 @@ def test_seeded_sampling_is_reproducible(llama):
     assert first != other and first != greedy
 
 
+def test_generation_config_supplies_default_settings(fixtures_dir, llama):
+    sampling = Generator.from_folder(fixtures_dir / "tiny-llama")
+    sampling.generation_config.update(do_sample=True, temperature=0.7, top_k=5)
+    ids = list(sampling.token_stream("Once upon a time", max_new_tokens=12, seed=3, stop_token_ids=()))
+    explicit = dict(do_sample=True, temperature=0.7, top_k=5, seed=3, max_new_tokens=12, stop_token_ids=())
+    assert ids == list(llama.token_stream("Once upon a time", **explicit))
+    assert sampling.options.top_k == 5 and sampling.options.sampling
+    # a temperature without do_sample stays greedy, as in transformers; the caller's settings win
+    sampling.generation_config.pop("do_sample")
+    greedy = list(llama.token_stream("Once upon a time", max_new_tokens=12, stop_token_ids=()))
+    assert list(sampling.token_stream("Once upon a time", max_new_tokens=12, stop_token_ids=())) == greedy
+    assert list(sampling.token_stream("Once upon a time", max_new_tokens=12, stop_token_ids=(),
+                                      do_sample=False, top_k=9)) == greedy
+
+
 def test_stop_strings_stop_exactly(llama):
     free = llama.generate("The quick brown fox", max_new_tokens=24, stop_token_ids=())
     assert len(free) > 12
