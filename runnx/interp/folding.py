@@ -22,17 +22,23 @@ def _foldable(graph: Graph, node) -> bool:
             and all(v == MISSING or v in graph.constants for v in node.inputs))
 
 
+def call_out_of_place(node, args: list, ctx):
+    """Run one node's kernel outside the executor: no input may be overwritten."""
+    kernel = node.kernel
+    extra = {}
+    if kernel.inplace or kernel.inplace_from is not None:
+        extra["overwrite"] = ()
+    if kernel.wants_ctx:
+        extra["ctx"] = ctx
+    if kernel.wants_output_count:
+        extra["output_count"] = len(node.outputs)
+    return kernel.fn(*args, **node.attrs, **extra)
+
+
 def _evaluate(graph: Graph, node, ctx) -> list | None:
     args = [graph.constants[v] if v != MISSING else None for v in node.inputs]
-    extra = {}
-    if node.kernel.inplace or node.kernel.inplace_from is not None:
-        extra["overwrite"] = ()
-    if node.kernel.wants_ctx:
-        extra["ctx"] = ctx
-    if node.kernel.wants_output_count:
-        extra["output_count"] = len(node.outputs)
     try:
-        result = node.kernel.fn(*args, **node.attrs, **extra)
+        result = call_out_of_place(node, args, ctx)
     except Exception:  # left to fail at run time, with the executor's node context
         return None
     outputs = list(result) if type(result) is tuple else [result]

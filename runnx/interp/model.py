@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import numpy as np
 
@@ -14,6 +15,7 @@ from runnx.interp.loader import LoadedModel, load_model
 from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
 from runnx.interp.profiler import Profile
+from runnx.interp.shape_cache import memoize_shapes
 from runnx.interp.validation import bind_feeds, feed_specs
 
 
@@ -23,6 +25,8 @@ class Model:
         self.graph = loaded.graph
         self.options = options or Options()
         self.folded = fold_constants(self.graph, self.options) if self.options.fold_constants else 0
+        self._unrewritten = replace(self.graph)  # for plans requesting values a rewrite removed
+        self.memoized = memoize_shapes(self.graph) if self.options.shape_cache else 0
         self.opsets = dict(loaded.opsets)
         self.path = loaded.path
         self._specs = feed_specs(self.graph)
@@ -66,7 +70,10 @@ class Model:
         key = (provided, outputs)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = make_plan(self.graph, provided, outputs)
+            graph = self.graph
+            if any(v not in graph.producer and v not in graph.constants and v not in provided for v in outputs):
+                graph = self._unrewritten
+            plan = self._plans[key] = make_plan(graph, provided, outputs)
         return plan
 
     def plan(self, outputs=None, inputs=None) -> list:
@@ -86,7 +93,7 @@ class Model:
             bound.pop(vid, None)
         record = profile if isinstance(profile, Profile) else (Profile() if profile or self.options.profile else None)
         ctx = RunContext(self.options, record)
-        values, _ = self._executor.run(self.graph, plan, bound, ctx)
+        values, _ = self._executor.run(self.graph, plan, bound, ctx)  # both graphs share value ids
         names = [self.graph.names[v] for v in output_vids]
         result = {}
         for name, value in zip(names, values):
@@ -116,5 +123,4 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
 
 
 def _replace(options: Options, values: dict) -> Options:
-    from dataclasses import replace
     return replace(options, **values)

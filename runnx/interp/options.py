@@ -26,7 +26,9 @@ class Options:
     fold_constants: run nodes whose inputs are all constants once, at load (RUNNX_FOLD_CONSTANTS=0).
     check_symbolic_dims: inputs sharing a symbolic dimension name must agree on its size
     (RUNNX_CHECK_SYMBOLIC_DIMS=1). Off by default, like onnxruntime: Optimum's merged decoders
-    name both the input_ids and the attention_mask length 'sequence_length'."""
+    name both the input_ids and the attention_mask length 'sequence_length'.
+    shape_cache: nodes computing values from tensor shapes only run once per shapes seen
+    (RUNNX_SHAPE_CACHE=0 turns it off; results are identical either way)."""
 
     fold_constants: bool = field(default_factory=lambda: _env_flag("RUNNX_FOLD_CONSTANTS", True))
     inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_INPLACE", True))
@@ -36,3 +38,4 @@ class Options:
     max_tensor_elements: int = field(default_factory=lambda: _env_int("RUNNX_MAX_TENSOR_ELEMENTS", 2**32))
     max_loop_iterations: int = field(default_factory=lambda: _env_int("RUNNX_MAX_LOOP_ITERATIONS", 10**7))
     check_symbolic_dims: bool = field(default_factory=lambda: _env_flag("RUNNX_CHECK_SYMBOLIC_DIMS", False))
+    shape_cache: bool = field(default_factory=lambda: _env_flag("RUNNX_SHAPE_CACHE", True))

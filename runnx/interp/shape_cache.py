@@ -1,0 +1,206 @@
+"""Shape-computation caching: bookkeeping that depends only on tensor shapes runs once per shape.
+
+Exporters compute reshape targets, masks and positions with chains of Shape/Gather/Unsqueeze/
+Concat/... nodes: in SmolLM2's decoder most of the nodes of a step. A value is *shape-derived*
+when it is the output of Shape/Size, or of a deterministic node whose inputs are all shape-derived
+or constants: it is then a function of the shapes that its Shape/Size nodes read (its *roots*)
+and never of any tensor's contents.
+
+Shape-derived nodes with the same set of roots become one memo node. Grouping by root set keeps
+each group convex (a path leaving a group and re-entering it would have to read the shape of a
+value computed from the group, which gives that node a larger root set), so the rewritten graph
+has no cycles. The memo node reads the roots (for their shapes) and the shape-derived values of
+other groups (by value), and keeps a few recent results, read-only, keyed by exactly those. A key
+seen before returns the same arrays without running a node; a new key runs the group's nodes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from runnx.errors import NodeError, RunnxError
+from runnx.interp.folding import NONDETERMINISTIC, call_out_of_place
+from runnx.interp.ir import MISSING, Graph, Node
+from runnx.ops.registry import Kernel
+
+SHAPE_READERS = frozenset({"Shape", "Size"})
+KEPT_RESULTS = 16  # per group: decode steps change the past length, so old keys are never seen again
+MEMO_OP = "ShapeMemo"
+MEMO_DOMAIN = "runnx.fused"
+
+
+def topological(graph: Graph) -> list[Node]:
+    """The graph's nodes in a dependency order (they may be stored out of order)."""
+    order, state = [], {}
+    for root in graph.nodes:
+        if root.index in state:
+            continue
+        stack = [(root, iter([v for v in root.inputs if v != MISSING] + list(root.captures)))]
+        state[root.index] = 1
+        while stack:
+            node, reads = stack[-1]
+            for vid in reads:
+                dep = graph.producer.get(vid)
+                if dep is not None and dep.index not in state:
+                    state[dep.index] = 1
+                    stack.append((dep, iter([v for v in dep.inputs if v != MISSING] + list(dep.captures))))
+                    break
+            else:
+                order.append(node)
+                stack.pop()
+    return order
+
+
+def _roots(graph: Graph, order: list[Node]) -> dict[int, frozenset]:
+    """Shape-derived value id -> the value ids whose shapes it depends on."""
+    roots: dict[int, frozenset] = {}
+    for node in order:
+        if (node.kernel is None or node.domain != "" or node.subgraphs or node.captures
+                or node.op_type in NONDETERMINISTIC):
+            continue
+        reads = [v for v in node.inputs if v != MISSING]
+        if node.op_type in SHAPE_READERS and len(reads) == 1:
+            found = roots.get(reads[0], frozenset(reads))
+        elif reads and all(v in roots or v in graph.constants for v in reads):
+            found = frozenset().union(*(roots.get(v, ()) for v in reads))
+        else:
+            continue
+        if found:
+            for vid in node.outputs:
+                if vid != MISSING:
+                    roots[vid] = found
+    return roots
+
+
+def memoize_shapes(graph: Graph) -> int:
+    """Replace the shape-derived nodes of `graph` (top level) by memo nodes; returns how many
+    nodes were replaced."""
+    order = topological(graph)
+    roots = _roots(graph, order)
+    groups: dict[frozenset, list[Node]] = {}
+    for node in order:
+        outputs = [v for v in node.outputs if v != MISSING]
+        if outputs and outputs[0] in roots:
+            groups.setdefault(roots[outputs[0]], []).append(node)
+    readers: dict[int, set] = {}
+    for node in graph.nodes:
+        for vid in list(node.inputs) + list(node.captures):
+            readers.setdefault(vid, set()).add(node.index)
+    replaced, memos, shared = set(), [], {}
+    for root_set, members in groups.items():
+        if len(members) < 2:
+            continue
+        inside = {n.index for n in members}
+        produced = {v for n in members for v in n.outputs if v != MISSING}
+        external = sorted({v for n in members for v in n.inputs
+                           if v != MISSING and v not in produced and v not in graph.constants
+                           and v not in root_set})
+        outputs = tuple(v for n in members for v in n.outputs
+                        if v != MISSING and (v in graph.outputs or readers.get(v, set()) - inside))
+        if not outputs:
+            continue
+        group = ShapeGroup(graph, members, tuple(sorted(root_set)), tuple(external), outputs)
+        group.results = shared.setdefault(_structure(group), group.results)
+        kernel = Kernel(MEMO_OP, MEMO_DOMAIN, 1, group, (), None, {}, (), True, False, (0, None))
+        memo = Node(min(inside), f"{MEMO_OP}({members[0].name}, {len(members)} nodes)", MEMO_OP, MEMO_DOMAIN,
+                    group.roots + group.external, outputs, {}, {}, (), kernel, 1)
+        memos.append(memo)
+        replaced |= inside
+    if not memos:
+        return 0
+    graph.nodes = tuple(n for n in graph.nodes if n.index not in replaced) + tuple(memos)
+    graph.producer = {vid: node for node in graph.nodes for vid in node.outputs if vid != MISSING}
+    return len(replaced)
+
+
+def _structure(group) -> tuple:
+    """What the group computes, independent of value names: groups with equal structure compute
+    the same function of their inputs (e.g. the same bookkeeping in every layer) and share their
+    kept results."""
+    slots = {v: ("in", i) for i, v in enumerate(group.roots + group.external)}
+    parts = []
+    for position, node in enumerate(group.members):
+        reads = tuple(("none",) if v == MISSING else slots[v] if v in slots else _constant_key(group.graph.constants[v])
+                      for v in node.inputs)
+        attrs = tuple(sorted((name, _constant_key(value) if isinstance(value, np.ndarray) else value)
+                             for name, value in node.attrs.items()))
+        parts.append((node.domain, node.op_type, node.since, reads, attrs))
+        for index, vid in enumerate(node.outputs):
+            if vid != MISSING:
+                slots[vid] = ("node", position, index)
+    return tuple(parts), tuple(slots[v] for v in group.outputs)
+
+
+def _constant_key(value: np.ndarray):
+    if value.nbytes <= 4096 and value.dtype.kind != "O":
+        return value.dtype.str, value.shape, value.tobytes()
+    return "object", id(value)  # large constants are only shared by the very same array
+
+
+class ShapeGroup:
+    """The nodes of one memo node and its recent results; called as the memo node's kernel."""
+
+    __slots__ = ("graph", "members", "roots", "external", "outputs", "results", "__name__")
+
+    def __init__(self, graph, members, roots, external, outputs):
+        self.graph = graph
+        self.members = members  # in dependency order
+        self.roots = roots
+        self.external = external
+        self.outputs = outputs
+        self.results: dict[tuple, tuple] = {}
+        self.__name__ = MEMO_OP
+
+    def __call__(self, *args, ctx):
+        count = len(self.roots)
+        key = tuple(getattr(a, "shape", None) for a in args[:count])
+        key += tuple(_value_key(a) for a in args[count:])
+        try:
+            result = self.results.get(key)
+        except TypeError:  # an unhashable external (a sequence): compute, do not keep
+            return self._compute(args, ctx)
+        if result is not None:
+            ctx.count("ShapeMemo.hits")
+            ctx.count("ShapeMemo.nodes_skipped", len(self.members))
+            return result
+        ctx.count("ShapeMemo.misses")
+        result = self._compute(args, ctx)
+        if all(type(v) is np.ndarray for v in result) and None not in key:
+            results = self.results
+            while len(results) >= KEPT_RESULTS:
+                results.pop(next(iter(results)), None)
+            results[key] = result
+        return result
+
+    def _compute(self, args, ctx) -> tuple:
+        graph = self.graph
+        values = dict(zip(self.roots + self.external, args))
+        for node in self.members:
+            inputs = [None if v == MISSING else values[v] if v in values else graph.constants[v] for v in node.inputs]
+            try:
+                result = call_out_of_place(node, inputs, ctx)
+            except RunnxError as error:
+                raise type(error)(f"{node.describe()}: {error}") from error
+            except Exception as error:
+                raise NodeError(f"{node.describe()} failed: {type(error).__name__}: {error}") from error
+            for vid, value in zip(node.outputs, result if type(result) is tuple else (result,)):
+                if vid != MISSING:
+                    values[vid] = value
+        return tuple(_read_only(values[v]) for v in self.outputs)
+
+
+def _value_key(value):
+    """A hashable key equal exactly for equal values (object arrays and sequences: a list, so the
+    result is computed and not kept)."""
+    if type(value) is np.ndarray and value.dtype.kind != "O":
+        return value.dtype.str, value.shape, value.tobytes()
+    return [value]
+
+
+def _read_only(value):
+    """Kept results are handed out again: they must never be writeable."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        value = np.asarray(value)
+        if value.flags.writeable:
+            value = value.view()
+            value.flags.writeable = False
+    return value

@@ -1,0 +1,98 @@
+"""Shape-computation caching: shape-derived nodes run once per shapes seen, results equal the
+uncached run, nothing that reads a tensor's contents is ever cached."""
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+import runnx
+
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+
+
+def _const(name, values):
+    return numpy_helper.from_array(np.array(values, dtype=np.int64), name)
+
+
+def _flatten_model():
+    """out = Reshape(x, [dim0 * dim1, -1]) + Reshape(y, concat(dims of x)), shape = Shape(x)."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Gather", ["shape", "zero"], ["d0"], axis=0),
+        helper.make_node("Gather", ["shape", "one"], ["d1"], axis=0),
+        helper.make_node("Mul", ["d0", "d1"], ["rows"]),
+        helper.make_node("Unsqueeze", ["rows", "axes"], ["rows1"]),
+        helper.make_node("Concat", ["rows1", "minus_one"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["flat"]),
+        helper.make_node("Reshape", ["y", "target"], ["flat_y"]),
+        helper.make_node("Add", ["flat", "flat_y"], ["out"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, None), helper.make_tensor_value_info("y", F, None)],
+        [helper.make_tensor_value_info("out", F, None), helper.make_tensor_value_info("shape", I64, None)],
+        [_const("zero", 0), _const("one", 1), _const("axes", [0]), _const("minus_one", [-1])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_shape_nodes_run_once_per_shape_and_results_match():
+    cached, plain = runnx.load(_flatten_model()), runnx.load(_flatten_model(), shape_cache=False)
+    assert cached.memoized == 6 and plain.memoized == 0
+    assert len(cached.plan()) == 4 and len(plain.plan()) == 9
+    profile = runnx.Profile()
+    for shape in [(2, 3, 4), (2, 3, 4), (5, 1, 2), (2, 3, 4)]:
+        x = np.random.rand(*shape).astype(np.float32)
+        y = np.random.rand(*shape).astype(np.float32)
+        got = cached.run({"x": x, "y": y}, profile=profile)
+        want = plain.run({"x": x, "y": y})
+        np.testing.assert_array_equal(got["out"], want["out"])
+        np.testing.assert_array_equal(got["shape"], shape)
+        got["shape"][0] = 99  # the caller gets its own copy of a kept result
+    assert profile.counters["ShapeMemo.misses"] == 2 and profile.counters["ShapeMemo.hits"] == 2
+
+
+def test_values_read_from_tensor_contents_are_never_cached():
+    """The reshape target comes from an input's values: same shapes, other values, other result."""
+    nodes = [helper.make_node("Add", ["dims", "zero"], ["target"]),
+             helper.make_node("Shape", ["target"], ["rank"]),
+             helper.make_node("Concat", ["rank", "target"], ["both"], axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["out"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, None), helper.make_tensor_value_info("dims", I64, [2])],
+        [helper.make_tensor_value_info("out", F, None), helper.make_tensor_value_info("both", I64, None)],
+        [_const("zero", [0, 0])])
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    x = np.arange(12, dtype=np.float32)
+    for dims in ([3, 4], [4, 3], [2, 6]):
+        result = model.run({"x": x, "dims": np.array(dims)})
+        assert result["out"].shape == tuple(dims)
+        np.testing.assert_array_equal(result["both"], [2] + dims)
+
+
+def test_groups_with_equal_structure_share_results():
+    """Two copies of the same bookkeeping on equally shaped tensors: the second one hits."""
+    model = runnx.load(_two_layers())
+    x = np.random.rand(2, 3, 4).astype(np.float32)
+    _, profile = model.run({"x": x}, profile=True)
+    assert profile.counters["ShapeMemo.misses"] == 1 and profile.counters["ShapeMemo.hits"] == 1
+
+
+def _two_layers():
+    nodes = []
+    for layer, (source, result) in enumerate([("x", "h"), ("h", "out")]):
+        nodes += [helper.make_node("Shape", [source], [f"s{layer}"]),
+                  helper.make_node("Gather", [f"s{layer}", "zero"], [f"d{layer}"], axis=0),
+                  helper.make_node("Unsqueeze", [f"d{layer}", "axes"], [f"u{layer}"]),
+                  helper.make_node("Concat", [f"u{layer}", "minus_one"], [f"t{layer}"], axis=0),
+                  helper.make_node("Reshape", [source, f"t{layer}"], [f"r{layer}"]),
+                  helper.make_node("Reshape", [f"r{layer}", f"s{layer}"], [f"b{layer}"]),
+                  helper.make_node("Neg", [f"b{layer}"], [result])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, None)],
+                              [helper.make_tensor_value_info("out", F, None)],
+                              [_const("zero", 0), _const("axes", [0]), _const("minus_one", [-1])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_a_value_inside_a_group_can_still_be_requested():
+    model = runnx.load(_flatten_model())
+    x = np.zeros((2, 3, 4), np.float32)
+    result = model.run({"x": x, "y": x}, outputs=["rows1", "out"])
+    np.testing.assert_array_equal(result["rows1"], [6])
+    assert result["out"].shape == (6, 4)
