@@ -365,9 +365,7 @@ class Whisper:
         budget = min(budget, self.max_positions - len(prompt))
         generator.configure(max_new_tokens=budget, stop_token_ids=(tokens.end_of_text,),
                             processors=tuple(self._rules(len(prompt), timestamps)))
-        while not generator.is_done():
-            generator.generate_next_token()
-        generated = generator.generated[0]
+        generated = generator.run_until_done()[0]
         if generated and generated[-1] == tokens.end_of_text:
             generated = generated[:-1]
         return Decoded(generated, language if tokens.multilingual else "en")
