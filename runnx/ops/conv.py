@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import ml_dtypes
 import numpy as np
 
 from runnx.errors import RunnxError
@@ -16,6 +17,15 @@ from runnx.ops._nn_util import convolve, resolve_padding, spatial_attrs
 from runnx.ops.registry import register
 
 Ints = tuple[int, ...] | None
+
+
+_NARROW_FLOATS = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def _accumulation_dtype(dtype: np.dtype) -> np.dtype:
+    """float32 for half-precision inputs: BLAS has no float16 GEMM, and numpy's own float16 matmul
+    accumulates in float32 anyway, only much more slowly."""
+    return np.dtype(np.float32) if dtype in _NARROW_FLOATS else dtype
 
 
 def _add_bias(out: np.ndarray, bias) -> np.ndarray:
@@ -35,8 +45,10 @@ def _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides):
 def Conv(x, w, b=None, *, auto_pad: str = "NOTSET", dilations: Ints = None, group: int = 1,
          kernel_shape: Ints = None, pads: Ints = None, strides: Ints = None):
     strides, dilations, begin, end, out_shape = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
-    out = convolve(x, w.astype(x.dtype, copy=False), group, strides, dilations, begin, end, out_shape)
-    return _add_bias(out, b)
+    work = _accumulation_dtype(x.dtype)
+    out = convolve(x.astype(work, copy=False), w.astype(work, copy=False), group, strides, dilations, begin, end,
+                   out_shape)
+    return _add_bias(out, b).astype(x.dtype, copy=False)
 
 
 @register("ConvInteger", since=10)
@@ -85,21 +97,22 @@ def ConvTranspose(x, w, b=None, *, auto_pad: str = "NOTSET", dilations: Ints = N
     begin, out_shape = _transpose_padding(in_shape, kernel, strides, dilations, pads, output_padding,
                                           output_shape, auto_pad)
     # columns[n, g, (m, k...), pixel] = sum_c w[g, c, (m, k...)] * x[n, g, c, pixel]
-    weight = w.astype(x.dtype, copy=False).reshape(group, c_group, m_group * math.prod(kernel))
-    columns = np.matmul(weight.transpose(0, 2, 1), x.reshape(n, group, c_group, math.prod(in_shape)))
+    work = _accumulation_dtype(x.dtype)
+    weight = w.astype(work, copy=False).reshape(group, c_group, m_group * math.prod(kernel))
+    columns = np.matmul(weight.transpose(0, 2, 1), x.astype(work, copy=False).reshape(n, group, c_group, -1))
     columns = columns.reshape((n, m) + tuple(kernel) + tuple(in_shape))
     # scatter-add the columns into the uncropped output, one kernel offset at a time
     full_shape = [max(strides[i] * (in_shape[i] - 1) + (kernel[i] - 1) * dilations[i] + 1,
                       begin[i] + out_shape[i]) for i in range(rank)]
     lead = max(0, -min(begin))  # a negative begin pad means output before the first input position
-    full = np.zeros((n, m) + tuple(s + lead for s in full_shape), dtype=x.dtype)
+    full = np.zeros((n, m) + tuple(s + lead for s in full_shape), dtype=work)
     for offset in itertools.product(*(range(k) for k in kernel)):
         target = tuple(slice(lead + o * d, lead + o * d + (size - 1) * s + 1, s)
                        for o, d, s, size in zip(offset, dilations, strides, in_shape))
         full[(slice(None), slice(None)) + target] += columns[(slice(None), slice(None)) + offset]
     crop = tuple(slice(lead + b, lead + b + size) for b, size in zip(begin, out_shape))
     out = np.ascontiguousarray(full[(slice(None), slice(None)) + crop])
-    return _add_bias(out, b)
+    return _add_bias(out, b).astype(x.dtype, copy=False)
 
 
 def _bilinear_gather(image: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:

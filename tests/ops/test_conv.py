@@ -144,3 +144,13 @@ def test_causal_conv_with_state_carries_the_tail_between_calls():
     np.testing.assert_allclose(np.concatenate([first, second], axis=2), expected, rtol=1e-4, atol=1e-5)
     silu, _ = run_node("CausalConvWithState", [x, w, b], outputs=2, opset=27, activation="silu")
     np.testing.assert_allclose(silu, expected / (1 + np.exp(-expected)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["Conv", "ConvTranspose"])
+def test_half_precision_conv_accumulates_in_float32_and_returns_float16(op):
+    x = RNG.standard_normal((1, 4, 6, 6)).astype(np.float16)
+    w = RNG.standard_normal((4, 4, 3, 3)).astype(np.float16)
+    got = run_node(op, [x, w], pads=(1, 1, 1, 1))
+    exact = run_node(op, [x.astype(np.float32), w.astype(np.float32)], pads=(1, 1, 1, 1))
+    assert got.dtype == np.float16
+    np.testing.assert_array_equal(got, exact.astype(np.float16))
