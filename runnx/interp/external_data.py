@@ -30,6 +30,8 @@ def _map_file(path: str) -> mmap.mmap | bytes:
 
 def confined_path(folder: str, location: str, what: str) -> str:
     """The real path of `location` inside `folder`, or ExternalDataError."""
+    if type(location) is not str or "\0" in location:  # protobuf gives invalid UTF-8 as bytes
+        raise ExternalDataError(f"{what}: external data path {location!r} is not a valid file name")
     if not location or os.path.isabs(location) or location.startswith(("/", "\\")) or ":" in location[:3]:
         raise ExternalDataError(f"{what}: external data path '{location}' must be relative to the model folder")
     parts = location.replace("\\", "/").split("/")
@@ -61,7 +63,10 @@ class ExternalData:
         what = f"tensor '{tensor.name}'"
         path = confined_path(self.folder, entries.get("location", ""), what)
         if path not in self._maps:
-            self._maps[path] = _map_file(path)
+            try:
+                self._maps[path] = _map_file(path)
+            except OSError as error:
+                raise ExternalDataError(f"{what}: cannot read external data file: {error}") from None
         data = self._maps[path]
         try:
             offset = int(entries.get("offset", 0))
@@ -78,7 +83,7 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     """Read-only, zero-copy arrays from a .safetensors file, with its header validated."""
     try:
         data = _map_file(path)
-    except OSError as error:
+    except (OSError, ValueError) as error:  # ValueError: a NUL byte in the path
         raise ExternalDataError(f"cannot open weights file '{path}': {error}") from None
     if len(data) < 8:
         raise ExternalDataError(f"'{path}' is not a safetensors file (too short)")

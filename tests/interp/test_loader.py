@@ -190,3 +190,10 @@ def test_model_files_and_bytes_that_are_not_onnx_are_refused(tmp_path):
         runnx.load(tmp_path / "junk.onnx")
     with pytest.raises(runnx.ModelLoadError, match="not an ONNX model"):
         runnx.load(b"\x0a\xff\xff\xff\xff\x0f")
+
+
+@pytest.mark.parametrize("location", ["w\0.bin", "."])
+def test_external_data_paths_that_are_not_plain_file_names_are_refused(tmp_path, location):
+    with pytest.raises(runnx.ExternalDataError, match="tensor 'w'"):
+        runnx.load(_external(tmp_path, location, payload=None))
+
