@@ -65,29 +65,37 @@ def _hann_window(n_fft: int) -> np.ndarray:
     return window
 
 
-def power_spectrogram(audio: np.ndarray) -> np.ndarray:
-    """|STFT|^2 of centred frames: [n_fft // 2 + 1, 1 + len(audio) // hop], float64."""
+def _centred_frames(audio: np.ndarray) -> np.ndarray:
+    """[1 + len(audio) // hop, n_fft] view of the frames centred on every hop, reflect-padded."""
     half = N_FFT // 2
     if audio.shape[0] <= half:  # reflect padding needs more samples than half a frame
         audio = np.pad(audio, (0, half + 1 - audio.shape[0]))
     padded = np.pad(audio.astype(np.float64), half, mode="reflect")
     n_frames = 1 + (padded.shape[0] - N_FFT) // HOP_LENGTH
-    frames = np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP_LENGTH][:n_frames]
+    return np.lib.stride_tricks.sliding_window_view(padded, N_FFT)[::HOP_LENGTH][:n_frames]
+
+
+def power_spectrogram(frames: np.ndarray) -> np.ndarray:
+    """|FFT|^2 of Hann-windowed frames [n, n_fft]: [n_fft // 2 + 1, n], float64."""
     spectrum = np.fft.rfft(frames * _hann_window(N_FFT), axis=1)
     return (spectrum.real ** 2 + spectrum.imag ** 2).T
 
 
 def log_mel_spectrogram(audio: np.ndarray, n_mels: int = 80, *, padding: int = 0) -> np.ndarray:
     """[n_mels, (len(audio) + padding) // hop] float32 log-mel features of 16 kHz mono audio,
-    after appending `padding` zero samples, normalised by the maximum over the whole result."""
+    after appending `padding` zero samples, normalised by the maximum over the whole result.
+    Computed a window of frames at a time, so an hour of audio needs no gigabytes of spectrum."""
     audio = np.asarray(audio, dtype=np.float32)
     if padding:
         audio = np.pad(audio, (0, padding))
-    power = power_spectrogram(audio)[:, :-1]  # the last centred frame is dropped, as Whisper does
-    mel = mel_filterbank(n_mels) @ power
-    log_mel = np.log10(np.maximum(mel, 1e-10))
-    log_mel = np.maximum(log_mel, log_mel.max() - 8.0)
-    return ((log_mel + 4.0) / 4.0).astype(np.float32)
+    frames = _centred_frames(audio)[:-1]  # the last centred frame is dropped, as Whisper does
+    filters = mel_filterbank(n_mels)
+    log_mel = np.empty((n_mels, frames.shape[0]), np.float32)
+    for start in range(0, frames.shape[0], N_FRAMES):
+        block = filters @ power_spectrogram(frames[start:start + N_FRAMES])
+        log_mel[:, start:start + N_FRAMES] = np.log10(np.maximum(block, 1e-10))
+    log_mel = np.maximum(log_mel, log_mel.max() - np.float32(8.0))
+    return (log_mel + np.float32(4.0)) / np.float32(4.0)
 
 
 def pad_or_trim(array: np.ndarray, length: int, axis: int = -1) -> np.ndarray:
