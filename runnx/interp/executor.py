@@ -40,12 +40,13 @@ def _node_context(graph: Graph, node, args) -> str:
 
 
 def _same(a, b) -> bool:
+    """Bitwise equality (NaNs included, for every dtype incl. ml_dtypes'), elementwise for objects."""
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
         if a.shape != b.shape or a.dtype != b.dtype:
             return False
-        if a.dtype.kind in "fc":
-            return bool(np.array_equal(a, b, equal_nan=True))
-        return bool(np.array_equal(a, b))
+        if a.dtype == object:
+            return bool(np.array_equal(a, b))
+        return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a is b or (a is None and b is None)
