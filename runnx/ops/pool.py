@@ -28,6 +28,11 @@ def _geometry(x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode):
     return kernel, strides, dilations, padding
 
 
+def _summable(x: np.ndarray) -> np.ndarray:
+    """x in a type whose sums do not lose precision: half floats are summed in float32."""
+    return x.astype(np.float32) if x.dtype.itemsize < 4 else x
+
+
 def _reduce_windows(x, kernel, strides, dilations, padding: Padding, fill, combine):
     """combine(acc, window_values) folded over the kernel offsets; returns (N, C, *out)."""
     padded = pad_spatial(x, padding.begin, padding.reach, fill)
@@ -88,7 +93,7 @@ def _window_counts(in_shape, kernel, strides, dilations, padding: Padding, inclu
 def AveragePool(x, *, auto_pad: str = "NOTSET", ceil_mode: int = 0, count_include_pad: int = 0,
                 dilations: Ints = None, kernel_shape: Ints = None, pads: Ints = None, strides: Ints = None):
     kernel, strides, dilations, padding = _geometry(x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
-    total = _reduce_windows(x, kernel, strides, dilations, padding, 0, np.add)
+    total = _reduce_windows(_summable(x), kernel, strides, dilations, padding, 0, np.add)
     counts = _window_counts(x.shape[2:], kernel, strides, dilations, padding, bool(count_include_pad))
     return (total / np.maximum(counts, 1)).astype(x.dtype, copy=False)
 
@@ -97,7 +102,7 @@ def AveragePool(x, *, auto_pad: str = "NOTSET", ceil_mode: int = 0, count_includ
 def LpPool(x, *, auto_pad: str = "NOTSET", ceil_mode: int = 0, dilations: Ints = None, kernel_shape: Ints = None,
            p: int = 2, pads: Ints = None, strides: Ints = None):
     kernel, strides, dilations, padding = _geometry(x, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
-    total = _reduce_windows(np.abs(x) ** p, kernel, strides, dilations, padding, 0, np.add)
+    total = _reduce_windows(np.abs(_summable(x)) ** p, kernel, strides, dilations, padding, 0, np.add)
     return (total ** (1.0 / p)).astype(x.dtype, copy=False)
 
 
@@ -107,7 +112,7 @@ def _spatial_axes(x):
 
 @register("GlobalAveragePool", since=1)
 def GlobalAveragePool(x):
-    return x.mean(axis=_spatial_axes(x), keepdims=True, dtype=x.dtype)
+    return x.mean(axis=_spatial_axes(x), keepdims=True).astype(x.dtype, copy=False)
 
 
 @register("GlobalMaxPool", since=1)
@@ -117,7 +122,7 @@ def GlobalMaxPool(x):
 
 @register("GlobalLpPool", since=2)
 def GlobalLpPool(x, *, p: int = 2):
-    total = (np.abs(x) ** p).sum(axis=_spatial_axes(x), keepdims=True)
+    total = (np.abs(_summable(x)) ** p).sum(axis=_spatial_axes(x), keepdims=True)
     return (total ** (1.0 / p)).astype(x.dtype, copy=False)
 
 

@@ -125,3 +125,10 @@ def test_max_roi_pool():
     rois = np.array([[0, 0, 0, 3, 3]], np.float32)  # batch, x1, y1, x2, y2 (inclusive)
     got = run_node("MaxRoiPool", [x, rois], pooled_shape=(2, 2))
     np.testing.assert_array_equal(got[0, 0], [[7, 9], [19, 21]])
+
+
+def test_half_precision_average_pools_sum_in_float32():
+    x = np.full((1, 1, 64, 64), 1.001, np.float16)
+    got = run_node("AveragePool", [x], kernel_shape=(64, 64))
+    assert got.dtype == np.float16 and got[0, 0, 0, 0] == np.float16(1.001)
+    np.testing.assert_array_equal(run_node("GlobalAveragePool", [x]), got)
