@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -324,9 +324,6 @@ class Generator:
         """Yield generated token ids (stop tokens excluded) for one prompt (text or ids)."""
         self.start(**settings)
         self.append_tokens(self.encode(prompt))
-        yield from self._continue_tokens()
-
-    def _continue_tokens(self):
         while not self.is_done():
             token = int(self.generate_next_token()[0])
             if token not in self.stop_token_ids:
