@@ -1,7 +1,7 @@
-"""Shape and layout: Reshape, Squeeze, Transpose, Slice, Split, Pad, Expand, Tile, ...
+"""Shape and layout: Reshape, Squeeze, Transpose, Slice, Split, Pad, Expand, Tile, BitCast, ...
 
 Everything numpy can express as a view returns a view (Reshape, Flatten, Squeeze, Unsqueeze,
-Transpose, Slice, Split): the executor tracks the shared storage. Broadcast views (Expand, Tile)
+Transpose, Slice, Split, BitCast): the executor tracks the shared storage. Broadcast views (Expand, Tile)
 are materialised instead, since a zero-stride array must never be handed on as an owned buffer
 that a later in-place op could write into. Ops whose output size comes from a tensor's values
 (Expand, Tile, Pad, CenterCropPad, Col2Im) check it against the session's element limit first.
@@ -12,8 +12,10 @@ import itertools
 import math
 
 import numpy as np
+from onnx import TensorProto
 
 from runnx.errors import RunnxError
+from runnx.interp.dtypes import numpy_dtype
 from runnx.ops._shape_util import broadcast_shape, int_values, normalize_axes, normalize_axis, split_parts
 from runnx.ops.registry import register
 
@@ -323,3 +325,20 @@ def Col2Im(data, image_shape, block_shape, *, dilations: tuple[int, ...] | None 
                              strides[i]) for i in range(spatial))
         result[(slice(None), slice(None), *window)] += cols[(slice(None), slice(None), *offset)]
     return result[(slice(None), slice(None), *(slice(pads[i], pads[i] + image[i]) for i in range(spatial)))]
+
+
+# numpy keeps these in a byte each, so their widths cannot be compared by itemsize
+_SUB_BYTE = {numpy_dtype(t) for t in (TensorProto.INT4, TensorProto.UINT4, TensorProto.FLOAT4E2M1,
+                                      TensorProto.INT2, TensorProto.UINT2)}
+
+
+@register("BitCast", since=26)
+def BitCast(x, *, to: int):
+    """The same bytes read as another type of the same width: a view, no conversion."""
+    target = numpy_dtype(to)
+    if x.dtype == object or target == object:
+        raise RunnxError("BitCast does not take strings")
+    if x.dtype.itemsize != target.itemsize or (_SUB_BYTE & {x.dtype, target}):
+        raise RunnxError(f"BitCast from {x.dtype} to {target}: the widths differ or are below a byte")
+    return x.view(target)
+

@@ -250,3 +250,15 @@ def test_a_view_keeps_its_base_alive_against_in_place_writes(view_node):
     got = model.run({"x": runnx.Owned(np.zeros((4, 1), np.float32))})
     np.testing.assert_array_equal(got["x_out"], np.zeros((4, 1)))
     assert (np.asarray(got["y"]) == 1).all()
+
+
+def test_bitcast_reinterprets_bytes_as_a_view():
+    from onnx import TensorProto
+    x = np.array([1.0, -2.0], np.float32)
+    got = ops.BitCast(x, to=TensorProto.INT32)
+    assert got.tolist() == [0x3F800000, -0x40000000] and np.shares_memory(got, x)
+    assert run_node("BitCast", [np.array([-1, 5], np.int8)], to=TensorProto.UINT8, opset=26).tolist() == [255, 5]
+    with pytest.raises(RunnxError, match="widths"):
+        run_node("BitCast", [x], to=TensorProto.INT64, opset=26)
+    with pytest.raises(RunnxError, match="widths"):
+        ops.BitCast(np.zeros(2, np.uint8), to=TensorProto.UINT4)
