@@ -254,6 +254,50 @@ def test_tiny_transcript_end_to_end(tiny_whisper, fixtures_dir):
         model.transcribe(np.zeros(16000, np.float32), timestamps=True)
 
 
+def test_tiny_accepts_arrays_at_other_rates(tiny_whisper, fixtures_dir):
+    import soxr
+    model = Whisper(tiny_whisper)
+    clip = load_audio(fixtures_dir / "whisper_features" / "clip.wav")
+    at_8k = soxr.resample(clip, 16000, 8000)
+    transcript = model.transcribe(at_8k, sample_rate=8000)
+    assert transcript.timings.audio == pytest.approx(clip.size / 16000, abs=1e-3)
+    assert transcript.segments[0].end == pytest.approx(clip.size / 16000, abs=0.01)
+
+
+def test_cli_on_the_tiny_fixture(tiny_whisper, fixtures_dir, tmp_path, capsys):
+    from runnx import cli
+    clip = fixtures_dir / "whisper_features" / "clip.wav"
+    assert cli.main(["whisper", str(tiny_whisper), str(clip), str(clip), "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    documents = [json.loads(line) for line in out.splitlines()]
+    assert [d["file"] for d in documents] == [str(clip), str(clip)] and documents[0] == documents[1]
+    assert documents[0]["language"] == "en" and documents[0]["segments"][0]["start"] == 0.0
+    assert err.count("real-time factor") == 2
+    assert cli.main(["whisper", str(tiny_whisper), str(clip), str(clip)]) == 0
+    out, _ = capsys.readouterr()
+    assert out.startswith(f"==> {clip} <==\n") and f"\n\n==> {clip} <==\n" in out
+    assert cli.main(["whisper", str(tiny_whisper), str(tmp_path / "missing.wav")]) == 2  # one line, exit 2
+    assert "audio file not found" in capsys.readouterr().err
+    assert cli.main(["whisper", str(tiny_whisper), str(clip), "--format", "srt"]) == 2  # srt needs timestamps
+    assert "no timestamp tokens" in capsys.readouterr().err
+
+
+def test_progress_bar_only_for_long_audio():
+    import io
+    from runnx.generate.whisper_cli import ProgressBar
+    stream = io.StringIO()
+    short = ProgressBar("a.wav", stream)
+    short.update(10.0, 20.0)
+    short.close()
+    assert stream.getvalue() == ""
+    bar = ProgressBar("b.wav", stream)
+    bar.update(30.0, 60.0)
+    bar.update(60.0, 60.0)
+    bar.close()
+    assert stream.getvalue().endswith("\rb.wav [" + "#" * 30 + "]   60.0/60.0 s\n")
+    assert "[" + "#" * 15 + "." * 15 + "]" in stream.getvalue()
+
+
 def test_a_folder_without_tokenizer_gives_ids_but_no_text(tiny_whisper, tmp_path):
     folder = _variant(tmp_path, tiny_whisper, json.loads((tiny_whisper / "generation_config.json").read_text()))
     model = Whisper(folder)
