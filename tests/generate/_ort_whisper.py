@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 
 from runnx.capture import Owned
 
-ort = __import__("pytest").importorskip("onnxruntime")
+ort = pytest.importorskip("onnxruntime")
 
 _ELEM_TYPES = {"tensor(float)": 1, "tensor(int64)": 7, "tensor(bool)": 9, "tensor(int32)": 6}
 
