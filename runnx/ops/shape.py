@@ -26,6 +26,11 @@ def Identity(x):
 
 
 @register("Shape", since=1)
+def Shape_1(x):
+    return np.array(x.shape, dtype=np.int64)
+
+
+@register("Shape", since=15)
 def Shape(x, *, start: int = 0, end: int | None = None):
     return np.array(x.shape[start:end], dtype=np.int64)  # Python slicing clamps exactly as ONNX asks
 
@@ -248,8 +253,7 @@ def _blocks(data, blocksize: int, op: str) -> tuple[int, int, int, int]:
     return data.shape
 
 
-@register("SpaceToDepth", since=1)
-def SpaceToDepth(data, *, blocksize: int, mode: str = "DCR"):
+def _space_to_depth(data, blocksize: int, mode: str):
     n, c, h, w = _blocks(data, blocksize, "SpaceToDepth")
     if h % blocksize or w % blocksize:
         raise RunnxError(f"SpaceToDepth blocksize {blocksize} does not divide {h}x{w}")
@@ -261,8 +265,17 @@ def SpaceToDepth(data, *, blocksize: int, mode: str = "DCR"):
     return blocked.transpose(order).reshape(n, c * blocksize * blocksize, h // blocksize, w // blocksize)
 
 
-@register("DepthToSpace", since=1)
-def DepthToSpace(data, *, blocksize: int, mode: str = "DCR"):
+@register("SpaceToDepth", since=1)
+def SpaceToDepth_1(data, *, blocksize: int):
+    return _space_to_depth(data, blocksize, "DCR")
+
+
+@register("SpaceToDepth", since=28)
+def SpaceToDepth(data, *, blocksize: int, mode: str = "DCR"):
+    return _space_to_depth(data, blocksize, mode)
+
+
+def _depth_to_space(data, blocksize: int, mode: str):
     n, c, h, w = _blocks(data, blocksize, "DepthToSpace")
     depth = c // (blocksize * blocksize)
     if depth * blocksize * blocksize != c:
@@ -274,6 +287,16 @@ def DepthToSpace(data, *, blocksize: int, mode: str = "DCR"):
     else:
         raise RunnxError(f"DepthToSpace mode '{mode}' is not DCR or CRD")
     return blocked.reshape(n, depth, h * blocksize, w * blocksize)
+
+
+@register("DepthToSpace", since=1)
+def DepthToSpace_1(data, *, blocksize: int):
+    return _depth_to_space(data, blocksize, "DCR")
+
+
+@register("DepthToSpace", since=11)
+def DepthToSpace(data, *, blocksize: int, mode: str = "DCR"):
+    return _depth_to_space(data, blocksize, mode)
 
 
 @register("CenterCropPad", since=18)

@@ -128,7 +128,7 @@ def test_size_creating_ops_check_the_element_limit_before_allocating(op, inputs)
 @pytest.mark.parametrize("mode", ["DCR", "CRD"])
 def test_depth_to_space_inverts_space_to_depth(mode):
     x = np.arange(2 * 3 * 4 * 6, dtype=np.float32).reshape(2, 3, 4, 6)
-    packed = run_node("SpaceToDepth", [x], blocksize=2, mode=mode, opset=21)
+    packed = run_node("SpaceToDepth", [x], blocksize=2, mode=mode, opset=28)
     assert packed.shape == (2, 12, 2, 3)
     np.testing.assert_array_equal(run_node("DepthToSpace", [packed], blocksize=2, mode=mode), x)
 
@@ -262,3 +262,13 @@ def test_bitcast_reinterprets_bytes_as_a_view():
         run_node("BitCast", [x], to=TensorProto.INT64, opset=26)
     with pytest.raises(RunnxError, match="widths"):
         ops.BitCast(np.zeros(2, np.uint8), to=TensorProto.UINT4)
+
+
+def test_attributes_exist_only_from_the_opset_that_introduced_them():
+    from runnx.errors import InvalidModelError
+    x = np.zeros((1, 4, 2, 2), np.float32)
+    with pytest.raises(InvalidModelError, match="mode"):
+        run_node("SpaceToDepth", [x], blocksize=2, mode="CRD", opset=21)
+    with pytest.raises(InvalidModelError, match="start"):
+        run_node("Shape", [x], start=1, opset=14)
+    assert run_node("Shape", [x], opset=14).tolist() == [1, 4, 2, 2]
