@@ -1,9 +1,11 @@
-"""Vision and transformer helpers: NonMaxSuppression and RotaryEmbedding (opset 23).
+"""Vision and transformer helpers: NonMaxSuppression, RotaryEmbedding (opset 23), ImageDecoder.
 
-ImageDecoder is not implemented: it needs an image codec library (Pillow or OpenCV), and runnx
-depends on neither.
+ImageDecoder delegates to Pillow when it is installed (an optional dependency: runnx writes no image
+codecs of its own); without it the kernel raises a RunnxError that says so.
 """
 from __future__ import annotations
+
+import io
 
 import numpy as np
 
@@ -88,3 +90,21 @@ def RotaryEmbedding(x, cos_cache, sin_cache, position_ids=None, *, interleaved: 
         out[..., :half] = cos * first - sin * second
         out[..., half:rotated_dim] = sin * first + cos * second
     return out.transpose(0, 2, 1, 3) if x.ndim == 4 else out.reshape(x.shape)
+
+
+@register("ImageDecoder", since=20)
+def ImageDecoder(encoded_stream, *, pixel_format: str = "RGB"):
+    if pixel_format not in ("RGB", "BGR", "Grayscale"):
+        raise RunnxError(f"ImageDecoder pixel_format must be RGB, BGR or Grayscale, got '{pixel_format}'")
+    try:
+        from PIL import Image  # optional dependency, imported only when a model decodes images
+    except ImportError as error:
+        raise RunnxError("ImageDecoder needs Pillow, which is not installed (pip install pillow)") from error
+    try:
+        image = Image.open(io.BytesIO(np.asarray(encoded_stream, dtype=np.uint8).tobytes()))
+        pixels = np.asarray(image.convert("L" if pixel_format == "Grayscale" else "RGB"))
+    except (OSError, ValueError) as error:
+        raise RunnxError(f"ImageDecoder cannot decode the stream: {error}") from error
+    if pixel_format == "Grayscale":
+        return np.ascontiguousarray(pixels[:, :, None])
+    return np.ascontiguousarray(pixels[:, :, ::-1] if pixel_format == "BGR" else pixels)

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
+from runnx.errors import RunnxError
 from tests.ops._single_node import run_node
 
 RNG = np.random.default_rng(7)
@@ -55,3 +57,15 @@ def test_rotary_embedding_interleaved_3d_input():
     c, s = cos_cache[:, :, None], sin_cache[:, :, None]
     expected = np.stack([even * c - odd * s, even * s + odd * c], axis=-1).reshape(x.shape)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_image_decoder_without_pillow_says_what_is_missing():
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        with pytest.raises(RunnxError, match="Pillow"):
+            run_node("ImageDecoder", [np.frombuffer(b"P6\n1 1\n255\n\x01\x02\x03", np.uint8)], opset=20)
+        return
+    got = run_node("ImageDecoder", [np.frombuffer(b"P6\n1 1\n255\n\x01\x02\x03", np.uint8)], pixel_format="BGR",
+                   opset=20)
+    np.testing.assert_array_equal(got, [[[3, 2, 1]]])
