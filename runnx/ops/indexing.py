@@ -46,6 +46,11 @@ def _nd_index(indices, shape) -> tuple:
 
 
 @register("GatherND", since=11)
+def GatherND_11(data, indices):
+    return GatherND(data, indices)
+
+
+@register("GatherND", since=12)
 def GatherND(data, indices, *, batch_dims: int = 0):
     if batch_dims == 0:
         return data[_nd_index(indices, data.shape)]
@@ -87,11 +92,21 @@ def Scatter(data, indices, updates, *, axis: int = 0, overwrite=()):
 
 
 @register("ScatterElements", since=11, inplace=(0,))
+def ScatterElements_11(data, indices, updates, *, axis: int = 0, overwrite=()):
+    return _scatter_elements(data, indices, updates, axis, "none", overwrite)
+
+
+@register("ScatterElements", since=16, inplace=(0,))
 def ScatterElements(data, indices, updates, *, axis: int = 0, reduction: str = "none", overwrite=()):
     return _scatter_elements(data, indices, updates, axis, reduction, overwrite)
 
 
 @register("ScatterND", since=11, inplace=(0,))
+def ScatterND_11(data, indices, updates, *, overwrite=()):
+    return ScatterND(data, indices, updates, overwrite=overwrite)
+
+
+@register("ScatterND", since=16, inplace=(0,))
 def ScatterND(data, indices, updates, *, reduction: str = "none", overwrite=()):
     index = _nd_index(indices, data.shape)
     expected = indices.shape[:-1] + data.shape[indices.shape[-1]:]

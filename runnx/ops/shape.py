@@ -60,6 +60,11 @@ def Reshape_1(data, *, shape: tuple[int, ...] = (), consumed_inputs: tuple[int, 
 
 
 @register("Reshape", since=5)
+def Reshape_5(data, shape):
+    return _reshape(data, shape, 0)
+
+
+@register("Reshape", since=14)
 def Reshape(data, shape, *, allowzero: int = 0):
     return _reshape(data, shape, allowzero)
 

@@ -272,3 +272,8 @@ def test_attributes_exist_only_from_the_opset_that_introduced_them():
     with pytest.raises(InvalidModelError, match="start"):
         run_node("Shape", [x], start=1, opset=14)
     assert run_node("Shape", [x], opset=14).tolist() == [1, 4, 2, 2]
+    with pytest.raises(InvalidModelError, match="allowzero"):
+        run_node("Reshape", [x, np.array([4, 4], I64)], allowzero=1, opset=13)
+    with pytest.raises(InvalidModelError, match="reduction"):
+        run_node("ScatterND", [x.reshape(-1), np.array([[0]], I64), np.ones(1, np.float32)], reduction="add",
+                 opset=15)
