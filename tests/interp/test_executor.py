@@ -2,6 +2,7 @@
 intermediates survive, the checking mode, and the onnxruntime-compatible session."""
 import hashlib
 import threading
+from pathlib import Path
 
 import numpy as np
 import onnxruntime
@@ -159,3 +160,15 @@ def test_one_session_used_by_several_threads_returns_each_its_own_result():
     for thread in threads:
         thread.join()
     assert errors == []
+
+
+FIXTURE_MODELS = sorted((Path(__file__).resolve().parents[1] / "fixtures").rglob("*.onnx"))
+
+
+@pytest.mark.parametrize("path", FIXTURE_MODELS, ids=[p.parent.name + "/" + p.name for p in FIXTURE_MODELS])
+def test_session_inputs_and_outputs_match_onnxruntime_on_fixture_models(path):
+    ours, theirs = runnx.InferenceSession(str(path)), onnxruntime.InferenceSession(str(path))
+    assert [(a.name, list(a.shape), a.type) for a in ours.get_inputs()] == \
+           [(b.name, list(b.shape), b.type) for b in theirs.get_inputs()]
+    # output shapes: runnx reports the declared ones, onnxruntime its own inferred ones
+    assert [(a.name, a.type) for a in ours.get_outputs()] == [(b.name, b.type) for b in theirs.get_outputs()]
