@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 import runnx
+from runnx.generate.chat import Chat
 from runnx.generate.generator import Generator
 from runnx.generate.state import load_state, save_state
 
@@ -66,3 +67,12 @@ def test_batch_matches_per_row(smollm2):
         single_ids.append(list(smollm2.generated[0]))
     assert smollm2.generate_batch(prompts, **settings) == singles
     assert smollm2.generated == single_ids
+
+
+def test_chat_two_turns_reuse_the_cache(smollm2):
+    chat = Chat(smollm2, max_new_tokens=12)
+    assert "Paris" in chat.ask("What is the capital of France?")
+    after_first_turn = smollm2.token_ids.shape[1]
+    assert "Berlin" in chat.ask("And of Germany?")
+    assert chat.reused_tokens == after_first_turn
+    assert smollm2.stats.prompt_tokens < 20  # only the new turn ran, not the 40-token history
