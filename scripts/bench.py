@@ -26,6 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
 SMOLLM2 = CACHE / "models" / "smollm2-135m" / "model.onnx"
+# onnxruntime-genai needs transformers 5 for its model builder, so it lives in its own venv:
+#   python3 -m venv $CACHE/genai-venv && $CACHE/genai-venv/bin/pip install torch==2.13.0 transformers onnx_ir onnxruntime-genai
+#   $CACHE/genai-venv/bin/python -m onnxruntime_genai.models.builder -i HF_SMOLLM2_DIR -o $CACHE/genai/smollm2-135m -p fp32 -e cpu
+GENAI_PYTHON = CACHE / "genai-venv" / "bin" / "python"
+GENAI_MODEL = CACHE / "genai" / "smollm2-135m"
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 PREFILL_LENGTH = 512
 DECODE_STEPS = 8
@@ -111,10 +116,37 @@ def worker_llm(runner: str, threads: int, contexts: list[int], steps: int, prefi
     return {"load_s": load_seconds, "decode_tps": decode, "prefill_tps": prefill_tps, "peak_rss_mb": peak}
 
 
+def worker_genai(threads: int, contexts: list[int], steps: int) -> dict:
+    """onnxruntime-genai's own loop on its own model (static KV buffer, GroupQueryAttention)."""
+    import onnxruntime_genai as og
+
+    start = time.perf_counter()
+    config = og.Config(str(GENAI_MODEL))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+    load_seconds = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    decode = {}
+    for context in contexts:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=context + steps + 2, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens(rng.integers(3, 40000, size=context).astype(np.int32))
+        generator.generate_next_token()  # the prefill's token
+        times = []
+        for _ in range(steps):
+            begin = time.perf_counter()
+            generator.generate_next_token()
+            times.append(time.perf_counter() - begin)
+        decode[context] = 1.0 / statistics.median(times)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"load_s": load_seconds, "decode_tps": decode, "prefill_tps": None, "peak_rss_mb": peak}
+
+
 # -- orchestration ---------------------------------------------------------------------------------
-def _run_worker(arguments: list[str], threads: int, timeout: float = 3600) -> dict | None:
+def _run_worker(arguments: list[str], threads: int, python: str = sys.executable, timeout: float = 3600) -> dict | None:
     environment = dict(os.environ, **{v: str(threads) for v in THREAD_VARIABLES}, PYTHONPATH=str(ROOT))
-    completed = subprocess.run([sys.executable, __file__, *arguments, "--threads", str(threads)],
+    completed = subprocess.run([python, __file__, *arguments, "--threads", str(threads)],
                                capture_output=True, text=True, env=environment, timeout=timeout)
     if completed.returncode:
         print(f"  failed: {' '.join(arguments)}\n{completed.stderr[-2000:]}", file=sys.stderr)
@@ -164,11 +196,14 @@ def _llm_table(results: dict, contexts: list[int]) -> str:
 def _ratios(results: dict, contexts: list[int]) -> str:
     lines = []
     for threads in sorted({t for _, t in results}):
-        mine, theirs = results.get(("runnx", threads)), results.get(("onnxruntime", threads))
-        if mine and theirs:
+        mine = results.get(("runnx", threads))
+        for peer in ("onnxruntime", "onnxruntime-genai"):
+            theirs = results.get((peer, threads))
+            if not (mine and theirs):
+                continue
             ratios = ", ".join(f"{c}: {mine['decode_tps'][str(c)] / theirs['decode_tps'][str(c)]:.2f}x"
                                for c in contexts if str(c) in mine["decode_tps"] and str(c) in theirs["decode_tps"])
-            lines.append(f"- {threads} thread(s): runnx/onnxruntime decode speed {ratios}; load time "
+            lines.append(f"- {threads} thread(s), runnx / {peer}: decode speed {ratios}; load time "
                          f"{mine['load_s'] / theirs['load_s']:.2f}x; peak memory "
                          f"{mine['peak_rss_mb'] / theirs['peak_rss_mb']:.2f}x")
     return "\n".join(lines)
@@ -186,6 +221,14 @@ def main(args) -> None:
             results[(runner, threads)] = _run_worker(
                 ["--worker", runner, "--contexts", args.contexts, "--steps", str(args.steps), "--prefill"], threads)
             print(f"  {results[(runner, threads)]}", flush=True)
+        if GENAI_PYTHON.exists() and (GENAI_MODEL / "genai_config.json").exists():
+            print(f"SmolLM2 decode: onnxruntime-genai, {threads} thread(s)", flush=True)
+            results[("onnxruntime-genai", threads)] = _run_worker(
+                ["--worker", "genai", "--contexts", args.contexts, "--steps", str(args.steps)], threads,
+                python=str(GENAI_PYTHON))
+            print(f"  {results[('onnxruntime-genai', threads)]}", flush=True)
+        else:
+            print(f"onnxruntime-genai skipped: {GENAI_PYTHON} or {GENAI_MODEL} missing (see the top of this script)")
     if args.reference:
         print("SmolLM2 decode: onnx ReferenceEvaluator, 1 thread (context 32 only)", flush=True)
         results[("reference", 1)] = _run_worker(["--worker", "reference", "--contexts", "32", "--steps", "2"], 1)
@@ -221,14 +264,17 @@ def _parse():
     parser.add_argument("--steps", type=int, default=DECODE_STEPS)
     parser.add_argument("--reference", action="store_true", help="also time onnx's ReferenceEvaluator (slow)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    parser.add_argument("--worker", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=sorted(RUNNERS) + ["genai"], help=argparse.SUPPRESS)
     parser.add_argument("--prefill", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
 if __name__ == "__main__":
     ARGS = _parse()
-    if ARGS.worker:
+    if ARGS.worker == "genai":  # runs in the genai venv: neither runnx nor its dependencies there
+        import numpy as np
+        print(json.dumps(worker_genai(int(ARGS.threads), [int(c) for c in ARGS.contexts.split(",")], ARGS.steps)))
+    elif ARGS.worker:
         import numpy as np
         import onnxruntime
 
