@@ -35,6 +35,13 @@ def test_step_api(llama):
     assert llama.stats.new_tokens == 5 and llama.stats.first_token_seconds > 0
 
 
+def test_max_length_counts_the_prompt(llama):
+    prompt = llama.encode("Once upon a time")
+    ids = list(llama.token_stream(prompt, max_new_tokens=None, max_length=len(prompt) + 3, stop_token_ids=()))
+    assert len(ids) == 3
+    assert llama.decoder.cache.capacity >= len(prompt) + 3  # reserved for the whole generation at the prefill
+
+
 def test_from_loaded_model_and_tokenizer(fixtures_dir, llama):
     folder = fixtures_dir / "tiny-llama-merged"
     inner = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
