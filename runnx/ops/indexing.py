@@ -150,10 +150,18 @@ def NonZero(x):
     return np.array(np.nonzero(x), dtype=np.int64).reshape(x.ndim, -1)
 
 
-@register("Trilu", since=14)
-def Trilu(x, k=None, *, upper: int = 1):
+@register("Trilu", since=14, inplace=(0,))
+def Trilu(x, k=None, *, upper: int = 1, overwrite=()):
+    """Zeroes below (upper=1) or above the k-th diagonal of the last two axes; in place when granted."""
+    if x.ndim < 2:
+        raise RunnxError(f"Trilu needs at least 2 dimensions, got shape {x.shape}")
     diagonal = 0 if k is None else int(scalar_value(k, "Trilu k"))
-    return np.triu(x, diagonal) if upper else np.tril(x, diagonal)
+    rows, cols = x.shape[-2:]
+    # np.tri(..., d) marks column <= row + d
+    cleared = np.tri(rows, cols, diagonal - 1, dtype=bool) if upper else ~np.tri(rows, cols, diagonal, dtype=bool)
+    result = x if 0 in overwrite and x.flags.writeable else x.copy()
+    result[..., cleared] = 0
+    return result
 
 
 @register("Unique", since=11)

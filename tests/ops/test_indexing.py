@@ -117,3 +117,13 @@ def test_array_feature_extractor_picks_last_axis_columns():
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     np.testing.assert_array_equal(ArrayFeatureExtractor(x, np.array([2, 0], I64)), [[2, 0], [5, 3]])
     np.testing.assert_array_equal(ArrayFeatureExtractor(x[0], np.array([[1]], I64)), [[1]])
+
+
+@pytest.mark.parametrize("upper, k", [(1, 0), (1, 2), (1, -1), (0, 0), (0, -2), (0, 3)])
+def test_trilu_matches_numpy_and_runs_in_place_when_it_may(upper, k):
+    x = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4) + 1
+    expected = np.triu(x, k) if upper else np.tril(x, k)
+    np.testing.assert_array_equal(run_node("Trilu", [x, np.array(k, I64)], upper=upper), expected)
+    got, record = run_node("Trilu", [x, np.array(k, I64)], upper=upper, owned=True, profile=True)
+    np.testing.assert_array_equal(got, expected)
+    assert record.inplace["Trilu"] == 1
