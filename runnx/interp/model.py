@@ -11,6 +11,7 @@ from runnx.interp.context import RunContext
 from runnx.interp.dtypes import type_name
 from runnx.interp.executor import Executor
 from runnx.interp.folding import fold_constants
+from runnx.interp.fusion import fuse
 from runnx.interp.loader import LoadedModel, load_model
 from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
@@ -27,6 +28,7 @@ class Model:
         self.folded = fold_constants(self.graph, self.options) if self.options.fold_constants else 0
         self._unrewritten = replace(self.graph)  # for plans requesting values a rewrite removed
         self.memoized = memoize_shapes(self.graph) if self.options.shape_cache else 0
+        self.fused = fuse(self.graph) if self.options.fuse else {}
         self.opsets = dict(loaded.opsets)
         self.path = loaded.path
         self._specs = feed_specs(self.graph)

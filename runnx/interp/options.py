@@ -28,7 +28,9 @@ class Options:
     (RUNNX_CHECK_SYMBOLIC_DIMS=1). Off by default, like onnxruntime: Optimum's merged decoders
     name both the input_ids and the attention_mask length 'sequence_length'.
     shape_cache: nodes computing values from tensor shapes only run once per shapes seen
-    (RUNNX_SHAPE_CACHE=0 turns it off; results are identical either way)."""
+    (RUNNX_SHAPE_CACHE=0 turns it off; results are identical either way).
+    fuse: replace recurring patterns (RMSNorm, SiLU gate, rotary embedding, grouped-query attention
+    over the KV cache) by fused kernels at load (RUNNX_FUSE=0 turns it off)."""
 
     fold_constants: bool = field(default_factory=lambda: _env_flag("RUNNX_FOLD_CONSTANTS", True))
     inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_INPLACE", True))
@@ -39,3 +41,4 @@ class Options:
     max_loop_iterations: int = field(default_factory=lambda: _env_int("RUNNX_MAX_LOOP_ITERATIONS", 10**7))
     check_symbolic_dims: bool = field(default_factory=lambda: _env_flag("RUNNX_CHECK_SYMBOLIC_DIMS", False))
     shape_cache: bool = field(default_factory=lambda: _env_flag("RUNNX_SHAPE_CACHE", True))
+    fuse: bool = field(default_factory=lambda: _env_flag("RUNNX_FUSE", True))

@@ -1,0 +1,152 @@
+"""Load-time fusion: each pattern, as Optimum exports it, becomes one fused node whose outputs are
+those of the unfused graph; a pattern whose intermediate values are read elsewhere is left alone."""
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import runnx
+
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+
+
+def _model(nodes, inputs, outputs, constants):
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(n, t, None) for n, t in inputs],
+        [helper.make_tensor_value_info(n, t, None) for n, t in outputs],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in constants.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def _both(model, feeds):
+    """(fused outputs, unfused outputs, fused plan's op types)."""
+    fused = runnx.load(model, shape_cache=False)
+    plain = runnx.load(model, shape_cache=False, fuse=False)
+    return fused.run(feeds), plain.run(feeds), [n.op_type for n in fused.plan()]
+
+
+def _rms_norm_model(extra_reader=False):
+    nodes = [helper.make_node("Pow", ["x", "two"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1),
+             helper.make_node("Add", ["mean", "eps"], ["var"]),
+             helper.make_node("Sqrt", ["var"], ["std"]),
+             helper.make_node("Div", ["one", "std"], ["inv"]),
+             helper.make_node("Mul", ["x", "inv"], ["normed"]),
+             helper.make_node("Cast", ["normed"], ["cast"], to=F),
+             helper.make_node("Mul", ["w", "cast"], ["y"])]
+    outputs = [("y", F)] + ([("inv", F)] if extra_reader else [])
+    return _model(nodes, [("x", F)], outputs, {
+        "two": np.float32(2), "axes": np.array([-1]), "eps": np.float32(1e-5), "one": np.float32(1),
+        "w": np.random.default_rng(0).standard_normal(16).astype(np.float32)})
+
+
+def test_rms_norm_is_fused_and_bitwise_equal():
+    x = np.random.default_rng(1).standard_normal((2, 3, 16)).astype(np.float32)
+    fused, plain, ops = _both(_rms_norm_model(), {"x": x})
+    assert ops == ["RMSNorm"]
+    np.testing.assert_array_equal(fused["y"], plain["y"])
+
+
+def test_a_pattern_whose_intermediate_is_read_elsewhere_is_not_fused():
+    x = np.random.default_rng(1).standard_normal((2, 16)).astype(np.float32)
+    fused, plain, ops = _both(_rms_norm_model(extra_reader=True), {"x": x})
+    assert "RMSNorm" not in ops
+    np.testing.assert_array_equal(fused["y"], plain["y"])
+
+
+def test_silu_gate_is_fused_and_bitwise_equal():
+    nodes = [helper.make_node("Sigmoid", ["g"], ["s"]), helper.make_node("Mul", ["g", "s"], ["silu"]),
+             helper.make_node("Mul", ["silu", "up"], ["y"])]
+    model = _model(nodes, [("g", F), ("up", F)], [("y", F)], {})
+    rng = np.random.default_rng(2)
+    feeds = {"g": rng.standard_normal((1, 4, 32)).astype(np.float32) * 8,
+             "up": rng.standard_normal((1, 4, 32)).astype(np.float32)}
+    fused, plain, ops = _both(model, feeds)
+    assert ops == ["SiluMul"]
+    np.testing.assert_array_equal(fused["y"], plain["y"])
+
+
+def _rotary_model():
+    nodes = [helper.make_node("Slice", ["x", "zero", "half", "last"], ["x1"]),
+             helper.make_node("Slice", ["x", "half", "end", "last"], ["x2"]),
+             helper.make_node("Neg", ["x2"], ["neg"]),
+             helper.make_node("Concat", ["neg", "x1"], ["rot"], axis=-1),
+             helper.make_node("Mul", ["x", "cos"], ["a"]),
+             helper.make_node("Mul", ["rot", "sin"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["y"])]
+    return _model(nodes, [("x", F), ("cos", F), ("sin", F)], [("y", F)], {
+        "zero": np.array([0]), "half": np.array([4]), "end": np.array([2**62]), "last": np.array([-1])})
+
+
+def test_rotary_embedding_is_fused_and_bitwise_equal():
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((1, 3, 5, 8)).astype(np.float32),
+             "cos": rng.standard_normal((1, 1, 5, 8)).astype(np.float32),
+             "sin": rng.standard_normal((1, 1, 5, 8)).astype(np.float32)}
+    fused, plain, ops = _both(_rotary_model(), feeds)
+    assert ops == ["RotateHalf"]
+    np.testing.assert_array_equal(fused["y"], plain["y"])
+
+
+def _attention_model(groups, repeat, length, with_shape_reader=False):
+    def repeated(name):
+        return [helper.make_node("Unsqueeze", [name, "axis2"], [f"{name}5"]),
+                helper.make_node("Expand", [f"{name}5", f"{name}_expand"], [f"{name}x"]),
+                helper.make_node("Reshape", [f"{name}x", f"{name}_target"], [f"{name}r"])]
+    nodes = repeated("k") + repeated("v") + [
+        helper.make_node("Transpose", ["kr"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("Mul", ["kt", "scale"], ["ks"]),
+        helper.make_node("Mul", ["q", "scale"], ["qs"]),
+        helper.make_node("MatMul", ["qs", "ks"], ["scores"]),
+        helper.make_node("Add", ["scores", "bias"], ["biased"]),
+        helper.make_node("Softmax", ["biased"], ["p"], axis=-1),
+        helper.make_node("IsNaN", ["p"], ["nan"]),
+        helper.make_node("Where", ["nan", "zero", "p"], ["pz"]),
+        helper.make_node("MatMul", ["pz", "vr"], ["y"])]
+    outputs = [("y", F)]
+    if with_shape_reader:
+        nodes.append(helper.make_node("Shape", ["kr"], ["kshape"]))
+        outputs.append(("kshape", I64))
+    heads = groups * repeat
+    constants = {"axis2": np.array([2]), "scale": np.float32(0.5), "zero": np.float32(0)}
+    for name in "kv":
+        constants[f"{name}_expand"] = np.array([1, groups, repeat, length, 8])
+        constants[f"{name}_target"] = np.array([1, heads, length, 8])
+    return _model(nodes, [("q", F), ("k", F), ("v", F), ("bias", F)], outputs, constants)
+
+
+@pytest.mark.parametrize("groups, repeat", [(2, 3), (3, 1), (1, 4)])
+def test_grouped_query_attention_reads_the_cache_in_place(groups, repeat):
+    length, rng = 7, np.random.default_rng(4)
+    buffer = rng.standard_normal((2, 1, groups, 16, 8)).astype(np.float32)
+    key, value = buffer[0][:, :, :length], buffer[1][:, :, :length]  # prefix views of a capacity buffer
+    bias = np.where(rng.random((1, 1, 2, length)) < 0.3, -np.inf, 0).astype(np.float32)
+    bias[..., 0] = 0
+    feeds = {"q": rng.standard_normal((1, groups * repeat, 2, 8)).astype(np.float32), "k": key, "v": value,
+             "bias": bias}
+    fused, plain, ops = _both(_attention_model(groups, repeat, length, with_shape_reader=True), feeds)
+    assert ops.count("RepeatedKVAttention") == 1 and "Expand" not in ops and "Softmax" not in ops
+    np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(fused["kshape"], [1, groups * repeat, length, 8])
+
+
+def test_fully_masked_attention_rows_give_the_fill_value():
+    feeds = {"q": np.ones((1, 2, 1, 8), np.float32), "k": np.ones((1, 1, 3, 8), np.float32),
+             "v": np.ones((1, 1, 3, 8), np.float32), "bias": np.full((1, 1, 1, 3), -np.inf, np.float32)}
+    fused, plain, _ = _both(_attention_model(1, 2, 3), feeds)
+    np.testing.assert_array_equal(fused["y"], plain["y"])
+    np.testing.assert_array_equal(fused["y"], np.zeros((1, 2, 1, 8), np.float32))
+
+
+def test_greedy_tokens_of_tiny_llama_are_identical_with_fusion_on_and_off(fixtures_dir):
+    import tokenizers
+    from runnx.generate.generator import Generator
+    folder = fixtures_dir / "tiny-llama"
+    tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    produced = []
+    for fuse in (False, True):
+        model = runnx.load(folder / "model.onnx", fuse=fuse, check_symbolic_dims=False)
+        assert bool(model.fused) == fuse
+        generator = Generator.from_model(model, tokenizer, generation_config={"eos_token_id": -1})
+        generator.generate("Once upon a time", max_new_tokens=16, stop_token_ids=())
+        produced.append(generator.generated[0])
+    assert produced[0] == produced[1] and len(produced[0]) == 16
