@@ -27,7 +27,8 @@ def test_string_split_pads_to_the_longest_and_counts():
                              opset=20)
     assert parts.tolist() == [["a", "b-c"], ["", ""], ["d", ""]]
     assert counts.tolist() == [2, 1, 1] and counts.dtype == np.int64
-    parts, counts = run_node("StringSplit", [_strings(" x  y ", "")], outputs=2, opset=20)  # no delimiter: whitespace runs
+    # no delimiter: runs of whitespace separate, as str.split()
+    parts, counts = run_node("StringSplit", [_strings(" x  y ", "")], outputs=2, opset=20)
     assert parts.tolist() == [["x", "y"], ["", ""]] and counts.tolist() == [2, 0]
 
 
