@@ -240,6 +240,8 @@ class _GraphBuilder:
         kept = []
         for node in nodes:
             if node.op_type == "Constant" and node.domain == "" and node.kernel is not None:
+                if len(node.outputs) != 1:
+                    raise InvalidModelError(f"{node.describe()} has {len(node.outputs)} outputs, Constant has one")
                 try:
                     value = node.kernel.fn(**node.attrs)
                 except RunnxError as error:
@@ -248,7 +250,8 @@ class _GraphBuilder:
                     raise InvalidModelError(f"{node.describe()}: cannot build its value: {error}") from None
                 value = np.asarray(value)
                 value.flags.writeable = False
-                graph.constants[node.outputs[0]] = value
+                if node.outputs[0] != MISSING:
+                    graph.constants[node.outputs[0]] = value
             else:
                 kept.append(node)
         graph.nodes = tuple(kept)

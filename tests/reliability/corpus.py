@@ -47,7 +47,9 @@ def _seed_builders():
         node("Add", ["a", "y"], ["b"], name="add"),
         node("Mul", ["b", "x"], ["c"], name="mul"),
         node("Sqrt", ["c"], ["d"], name="sqrt"),
-        node("Sub", ["d", "y"], ["out"], name="sub"),
+        node("Constant", [], ["k"], value=numpy_helper.from_array(np.array(0.5, np.float32)), name="half"),
+        node("Mul", ["d", "k"], ["e"], name="scale"),
+        node("Sub", ["e", "y"], ["out"], name="sub"),
     ], [("x", F, ["n", 4]), ("y", F, ["n", 4])], [("out", F, ["n", 4])])
     yield "views", make_model([
         node("Reshape", ["x", "shape"], ["r"], name="reshape"),
