@@ -405,10 +405,11 @@ class Whisper:
 
     # -- whole audio -------------------------------------------------------------------------------
     def transcribe(self, audio, *, sample_rate: int | None = None, language: str | None = None,
-                   task: str = "transcribe", timestamps: bool | None = None, progress=None) -> Transcript:
+                   task: str = "transcribe", timestamps: bool | None = None, max_new_tokens: int | None = None,
+                   progress=None) -> Transcript:
         """Transcribe a file or array (see audio.load_audio). `timestamps` None: decode timestamps
-        only when the audio is longer than one window (they place the windows). `progress(done_s,
-        total_s)` is called after every window."""
+        only when the audio is longer than one window (they place the windows). `max_new_tokens`
+        bounds each window (default 224). `progress(done_s, total_s)` is called after every window."""
         if self.tokenizer is None:
             raise WhisperError(f"{self.folder} has no tokenizer.json: transcribe() makes text from it "
                                "(decode() gives token ids)")
@@ -432,7 +433,8 @@ class Whisper:
             hidden = self.encode(window)
             encoded = time.perf_counter()
             timings.encode += encoded - clock
-            decoded = self.decode(hidden, language=language, task=task, timestamps=timestamps)
+            decoded = self.decode(hidden, language=language, task=task, timestamps=timestamps,
+                                  max_new_tokens=max_new_tokens)
             timings.decode += time.perf_counter() - encoded
             timings.windows += 1
             timings.decoded_tokens += len(decoded.tokens) + 1
@@ -460,7 +462,8 @@ class Whisper:
 
 def transcribe(audio, model_dir, **options) -> Transcript:
     """Transcribe `audio` (a path or an array) with the Whisper export in `model_dir` (or a loaded
-    `Whisper`). Options: sample_rate, language, task ('transcribe'/'translate'), timestamps, progress."""
+    `Whisper`). Options: sample_rate, language, task ('transcribe'/'translate'), timestamps,
+    max_new_tokens, progress."""
     model = model_dir if isinstance(model_dir, Whisper) else Whisper(model_dir)
     return model.transcribe(audio, **options)
 

@@ -188,12 +188,28 @@ def clip_features(fixtures_dir):
     return mel.window_features(load_audio(fixtures_dir / "whisper_features" / "clip.wav"))
 
 
-def _variant(tmp_path, folder, generation: dict):
+def _variant(tmp_path, folder, generation: dict, files=("encoder_model.onnx", "decoder_model_merged.onnx",
+                                                         "config.json")):
     """The tiny model's ONNX files with another generation_config.json (special token layout)."""
-    for name in ("encoder_model.onnx", "decoder_model_merged.onnx", "config.json"):
+    for name in files:
         shutil.copy(folder / name, tmp_path / name)
     (tmp_path / "generation_config.json").write_text(json.dumps(generation))
     return tmp_path
+
+
+# The tiny model pretending to be multilingual with timestamps: 998 start, 500 end of text, languages
+# 501-503, tasks 510/511, 600 no-timestamps, 601-999 timestamps (0.00 to 7.96 s)
+MULTILINGUAL_TINY = {"decoder_start_token_id": 998, "eos_token_id": 500, "is_multilingual": True,
+                     "lang_to_id": {"<|en|>": 501, "<|de|>": 502, "<|fr|>": 503},
+                     "task_to_id": {"translate": 510, "transcribe": 511}, "no_timestamps_token_id": 600,
+                     "suppress_tokens": [998, 510, 511], "begin_suppress_tokens": [500],
+                     "max_initial_timestamp_index": 50}
+
+
+@pytest.fixture(scope="module")
+def multilingual_tiny(tiny_whisper, tmp_path_factory):
+    return _variant(tmp_path_factory.mktemp("multilingual"), tiny_whisper, MULTILINGUAL_TINY,
+                    ("encoder_model.onnx", "decoder_model_merged.onnx", "config.json", "tokenizer.json"))
 
 
 def test_tiny_token_ids_equal_onnxruntime(tiny_whisper, clip_features):
@@ -216,16 +232,9 @@ def test_tiny_token_ids_equal_onnxruntime(tiny_whisper, clip_features):
     assert all(a.shape[2] + spare_capacity(a, 2) == 448 for a in cache.arrays.values())
 
 
-def test_tiny_multilingual_detection_and_timestamps_equal_onnxruntime(tiny_whisper, clip_features, tmp_path):
+def test_tiny_multilingual_detection_and_timestamps_equal_onnxruntime(multilingual_tiny, clip_features):
     from _ort_whisper import OrtModel
-    # pretend: 998 start, 500 end of text, languages 501-503, tasks 510/511, 600 no-timestamps, 601+ timestamps
-    generation = {"decoder_start_token_id": 998, "eos_token_id": 500, "is_multilingual": True,
-                  "lang_to_id": {"<|en|>": 501, "<|de|>": 502, "<|fr|>": 503},
-                  "task_to_id": {"translate": 510, "transcribe": 511}, "no_timestamps_token_id": 600,
-                  "suppress_tokens": [998, 510, 511], "begin_suppress_tokens": [500],
-                  "max_initial_timestamp_index": 50}
-    folder = _variant(tmp_path, tiny_whisper, generation)
-    ours, reference = Whisper(folder), Whisper(folder, load=OrtModel)
+    ours, reference = Whisper(multilingual_tiny), Whisper(multilingual_tiny, load=OrtModel)
     hidden = ours.encode(clip_features)
     np.testing.assert_allclose(hidden, reference.encode(clip_features), atol=1e-4)
     first = reference.decoder
@@ -241,6 +250,19 @@ def test_tiny_multilingual_detection_and_timestamps_equal_onnxruntime(tiny_whisp
     stamps = [t for t in decoded.tokens if t >= 601]
     assert decoded.tokens[0] >= 601 and stamps == sorted(stamps)
     assert ours.decode(hidden, language="fr", max_new_tokens=5).language == "fr"
+
+
+def test_tiny_multilingual_long_audio_equals_onnxruntime(multilingual_tiny, fixtures_dir):
+    from _ort_whisper import OrtModel
+    clip = load_audio(fixtures_dir / "whisper_features" / "clip.wav")
+    audio = np.tile(clip, 14)  # 39 s: two windows at least; the 8 s of timestamps make it more
+    ours = Whisper(multilingual_tiny).transcribe(audio, task="translate", max_new_tokens=60)
+    reference = Whisper(multilingual_tiny, load=OrtModel).transcribe(audio, task="translate", max_new_tokens=60)
+    assert ours.timings.windows > 2 and ours.language in ("en", "de", "fr")
+    assert [s.tokens for s in ours.segments] == [s.tokens for s in reference.segments]
+    assert (ours.text, ours.language) == (reference.text, reference.language)
+    times = [t for s in ours.segments for t in (s.start, s.end)]
+    assert times == sorted(times) and times[-1] <= ours.timings.audio and len(ours.segments) > 2
 
 
 def test_tiny_transcript_end_to_end(tiny_whisper, fixtures_dir):
