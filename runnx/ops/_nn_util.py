@@ -46,11 +46,9 @@ def resolve_padding(in_shape, kernel, strides, dilations, pads, auto_pad: str, c
             total = max(0, (n - 1) * s + extent - size)
             small, large = total // 2, total - total // 2
             b, e = (small, large) if auto_pad == "SAME_UPPER" else (large, small)
-        elif auto_pad == "VALID":
-            b, e = 0, 0
-            n = (size - extent) // s + 1
-        elif auto_pad == "NOTSET":
-            b, e = pads[i], pads[i + rank]
+        elif auto_pad in ("NOTSET", "VALID"):
+            # VALID is zero padding; ceil_mode still applies to it (as in onnxruntime and ONNX shape inference)
+            b, e = (pads[i], pads[i + rank]) if auto_pad == "NOTSET" else (0, 0)
             span = size + b + e - extent
             if ceil_mode:
                 n = -(-span // s) + 1

@@ -218,8 +218,9 @@ def _grid_sample(x, grid, mode: str, padding_mode: str, align_corners: int):
         coord = (g + 1) / 2 * (size - 1) if align_corners else ((g + 1) * size - 1) / 2
         if mode == "nearest":
             coord = np.rint(coord)
-        if padding_mode == "border":
-            coord = np.clip(coord, 0, size - 1)
+        outside = (coord < low) | (coord > high)
+        if padding_mode == "border":  # only coordinates beyond the border move (cubic sees the difference)
+            coord = np.where(outside, np.clip(coord, 0, size - 1), coord)
         elif padding_mode == "reflection":
             coord = _reflect(coord, low, high)
         base = np.floor(coord)

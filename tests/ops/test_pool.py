@@ -132,3 +132,9 @@ def test_half_precision_average_pools_sum_in_float32():
     got = run_node("AveragePool", [x], kernel_shape=(64, 64))
     assert got.dtype == np.float16 and got[0, 0, 0, 0] == np.float16(1.001)
     np.testing.assert_array_equal(run_node("GlobalAveragePool", [x]), got)
+
+
+def test_valid_auto_pad_still_honours_ceil_mode():
+    x = np.arange(8, dtype=np.float32).reshape(1, 1, 8)
+    got = run_node("MaxPool", [x], kernel_shape=(3,), strides=(2,), auto_pad="VALID", ceil_mode=1)
+    np.testing.assert_array_equal(got[0, 0], [2, 4, 6, 7])  # the last window holds only 6 and 7

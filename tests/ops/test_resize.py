@@ -119,3 +119,19 @@ def test_grid_sample_padding_modes_outside_the_image():
     np.testing.assert_allclose(border[0, 0, 0], [0, 3])
     # -2 maps to -1.5 pixels: reflected at 0 -> 1.5; +2 maps to 4.5: reflected at 3 -> 1.5
     np.testing.assert_allclose(reflection[0, 0, 0], [1.5, 1.5])
+
+
+def test_grid_sample_border_moves_only_coordinates_beyond_the_border():
+    x = np.array([[[[0.0, 1.0, 8.0, 27.0]]]], np.float32)
+    grid = np.array([[[[-0.9, 0.0]]]], np.float32)  # pixel -0.3 (align_corners=0): inside the -0.5 border
+    got = run_node("GridSample", [x, grid], mode="cubic", padding_mode="border", opset=20)
+    taps = np.array([0.0, 0.0, 1.0, 8.0])  # indices -2..1 clamped at the edge, around -0.3
+    frac = 0.7  # -0.3 - floor(-0.3)
+    a = -0.75
+
+    def kernel(d):
+        d = abs(d)
+        return ((a + 2) * d - (a + 3)) * d * d + 1 if d <= 1 else ((a * d - 5 * a) * d + 8 * a) * d - 4 * a
+
+    expected = sum(t * kernel(frac - o) for t, o in zip(taps, (-1, 0, 1, 2)))
+    np.testing.assert_allclose(got[0, 0, 0, 0], expected, rtol=1e-5)
