@@ -125,7 +125,7 @@ def test_grid_sample_border_moves_only_coordinates_beyond_the_border():
     x = np.array([[[[0.0, 1.0, 8.0, 27.0]]]], np.float32)
     grid = np.array([[[[-0.9, 0.0]]]], np.float32)  # pixel -0.3 (align_corners=0): inside the -0.5 border
     got = run_node("GridSample", [x, grid], mode="cubic", padding_mode="border", opset=20)
-    taps = np.array([0.0, 0.0, 1.0, 8.0])  # indices -2..1 clamped at the edge, around -0.3
+    taps = np.array([0.0, 0.0, 0.0, 1.0])  # indices -2..1 around -0.3, clamped at the edge
     frac = 0.7  # -0.3 - floor(-0.3)
     a = -0.75
 
