@@ -101,6 +101,7 @@ LONG_TEXT = (
 SAMPLE_RATE = 16000
 LONG_MIN_SECONDS = 60.0
 GAP_SECONDS = 0.4
+SOX = ("sox", "-R")  # repeatable: sox dithers when it requantizes, -R seeds that noise so clips are identical
 
 
 class BuildError(Exception):
@@ -218,9 +219,10 @@ def ensure_export_venv(cache: Cache) -> None:
         run_step(cache, "export-venv-create", [sys.executable, "-m", "venv", cache.venv])
     else:
         say("  existing venv found: checking its packages against scripts/export/requirements.txt")
-    # Already-satisfied pins make this a quick no-op; a fresh venv downloads ~1.4 GB of wheels (minutes).
+    # Already-satisfied pins make this a quick no-op; a fresh venv installs ~1.4 GB (minutes). --no-compile:
+    # byte-compiling all of torch and transformers up front costs minutes; Python compiles what it imports.
     run_step(cache, "export-venv-install", [cache.python, "-m", "pip", "install", "--disable-pip-version-check",
-                                            "-r", REQUIREMENTS], env=export_env())
+                                            "--no-compile", "-r", REQUIREMENTS], env=export_env())
     marker.write_text(wanted + "\n")
 
 
@@ -352,7 +354,7 @@ def build_tiny(cache: Cache, force: bool) -> None:
 
 def build_audio(cache: Cache, force: bool) -> None:
     final = cache.audio
-    recipe = recipe_digest(CLIPS, LONG_TEXT, SAMPLE_RATE, GAP_SECONDS)
+    recipe = recipe_digest(CLIPS, LONG_TEXT, SAMPLE_RATE, GAP_SECONDS, SOX)
     if not force and is_current(final, recipe):
         say(f"audio: up to date ({final})")
         return
@@ -369,12 +371,12 @@ def build_audio(cache: Cache, force: bool) -> None:
         transcripts[file_name] = text
     # long.wav: the sentences one by one, joined with short pauses (several Whisper 30 s windows)
     pause = raw / "pause.wav"
-    checked_run(["sox", "-n", "-r", SAMPLE_RATE, "-c", 1, "-b", 16, pause, "trim", 0, GAP_SECONDS])
+    checked_run([*SOX, "-n", "-r", SAMPLE_RATE, "-c", 1, "-b", 16, pause, "trim", 0, GAP_SECONDS])
     parts = []
     for index, sentence in enumerate(LONG_TEXT):
         speak(sentence, raw / f"raw{index}.wav", raw / f"part{index}.wav")
         parts += [raw / f"part{index}.wav", pause]
-    checked_run(["sox", *parts[:-1], staging / "long.wav"])
+    checked_run([*SOX, *parts[:-1], staging / "long.wav"])
     transcripts["long.wav"] = " ".join(LONG_TEXT)
     seconds = {name: wav_seconds(staging / name) for name in transcripts}
     if seconds["long.wav"] <= LONG_MIN_SECONDS:
@@ -391,7 +393,7 @@ def build_audio(cache: Cache, force: bool) -> None:
 def speak(text: str, raw: Path, out: Path) -> None:
     """espeak-ng's voice (22.05 kHz) resampled to 16 kHz mono 16-bit, Whisper's input format."""
     checked_run(["espeak-ng", "-w", raw, text])
-    checked_run(["sox", raw, "-r", SAMPLE_RATE, "-c", 1, "-b", 16, out])
+    checked_run([*SOX, raw, "-r", SAMPLE_RATE, "-c", 1, "-b", 16, out])
 
 
 def wav_seconds(path: Path) -> float:
