@@ -11,8 +11,10 @@ from runnx.ops.registry import register
 
 @register("Concat", since=4, inplace=(0,))
 def Concat(*inputs, axis: int, overwrite=(), ctx=None):
-    """Appends into the first input's spare capacity when it is granted (owned, dead, unaliased);
-    a granted input without room is regrown with doubling so that later appends are in place."""
+    """Appends into the first input's spare capacity when it is granted (owned, dead, unaliased).
+    A granted input without room that is longer than what is appended (an accumulator growing: a
+    KV cache, a loop-carried value) is regrown with doubling so that later appends are in place;
+    other concatenations (e.g. rotary halves) allocate exactly."""
     first = inputs[0]
     axis = axis % first.ndim if first.ndim else 0
     parts = [p for p in inputs if p.shape[axis] or p is first] if first.ndim else list(inputs)
@@ -24,10 +26,11 @@ def Concat(*inputs, axis: int, overwrite=(), ctx=None):
                 ctx.count("Concat.appends_in_place")
                 ctx.count("Concat.bytes_copied", sum(p.nbytes for p in rest))
             return grown
-        if ctx is not None:
-            ctx.count("Concat.regrown")
-            ctx.count("Concat.bytes_copied", sum(p.nbytes for p in parts))
-        return concatenate_with_headroom(parts, axis)
+        if first.shape[axis] > sum(p.shape[axis] for p in rest):
+            if ctx is not None:
+                ctx.count("Concat.regrown")
+                ctx.count("Concat.bytes_copied", sum(p.nbytes for p in parts))
+            return concatenate_with_headroom(parts, axis)
     result = np.concatenate(inputs, axis=axis)
     if ctx is not None:
         ctx.count("Concat.bytes_copied", result.nbytes)
