@@ -83,7 +83,7 @@ def _transpose_padding(in_shape, kernel, strides, dilations, pads, output_paddin
 @register("ConvTranspose", since=1)
 def ConvTranspose(x, w, b=None, *, auto_pad: str = "NOTSET", dilations: Ints = None, group: int = 1,
                   kernel_shape: Ints = None, output_padding: Ints = None, output_shape: Ints = None,
-                  pads: Ints = None, strides: Ints = None):
+                  pads: Ints = None, strides: Ints = None, ctx):
     n, channels = x.shape[:2]
     in_shape = x.shape[2:]
     rank = len(in_shape)
@@ -105,6 +105,7 @@ def ConvTranspose(x, w, b=None, *, auto_pad: str = "NOTSET", dilations: Ints = N
     full_shape = [max(strides[i] * (in_shape[i] - 1) + (kernel[i] - 1) * dilations[i] + 1,
                       begin[i] + out_shape[i]) for i in range(rank)]
     lead = max(0, -min(begin))  # a negative begin pad means output before the first input position
+    ctx.check_elements((n, m) + tuple(s + lead for s in full_shape), "ConvTranspose output")
     full = np.zeros((n, m) + tuple(s + lead for s in full_shape), dtype=work)
     for offset in itertools.product(*(range(k) for k in kernel)):
         target = tuple(slice(lead + o * d, lead + o * d + (size - 1) * s + 1, s)

@@ -127,12 +127,14 @@ def GlobalLpPool(x, *, p: int = 2):
 
 
 @register("MaxUnpool", since=9)
-def MaxUnpool(x, indices, output_shape=None, *, kernel_shape: Ints = None, pads: Ints = None, strides: Ints = None):
+def MaxUnpool(x, indices, output_shape=None, *, kernel_shape: Ints = None, pads: Ints = None, strides: Ints = None,
+              ctx):
     kernel = tuple(kernel_shape or ())
     strides, _, pads = spatial_attrs(x.ndim - 2, kernel, strides, None, pads)
     rank = len(kernel)
     shape = x.shape[:2] + tuple((x.shape[2 + i] - 1) * strides[i] + kernel[i] - pads[i] - pads[i + rank]
                                 for i in range(rank))
+    ctx.check_elements(shape, "MaxUnpool output")
     out = np.zeros(math.prod(shape), dtype=x.dtype)
     out[indices.reshape(-1)] = x.reshape(-1)
     out = out.reshape(shape)
@@ -140,6 +142,7 @@ def MaxUnpool(x, indices, output_shape=None, *, kernel_shape: Ints = None, pads:
         return out
     # the indices address the default shape; a given output_shape extends (or trims) it at the end
     wanted = tuple(int(v) for v in output_shape)
+    ctx.check_elements(wanted, "MaxUnpool output")
     result = np.zeros(wanted, dtype=x.dtype)
     common = tuple(slice(0, min(a, b)) for a, b in zip(shape, wanted))
     result[common] = out[common]

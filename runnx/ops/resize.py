@@ -91,7 +91,7 @@ def _resample_axis(data: np.ndarray, axis: int, index: np.ndarray, weight) -> np
 
 def _resize(x, scales, sizes, roi, *, mode, coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75,
             exclude_outside=0, extrapolation_value=0.0, nearest_mode="round_prefer_floor", antialias=0,
-            axes=None, keep_aspect_ratio_policy="stretch"):
+            axes=None, keep_aspect_ratio_policy="stretch", ctx):
     rank = x.ndim
     axes = [a + rank if a < 0 else a for a in axes] if axes else list(range(rank))
     if mode not in ("nearest", "linear", "cubic"):
@@ -99,7 +99,9 @@ def _resize(x, scales, sizes, roi, *, mode, coordinate_transformation_mode="half
     roi_values = np.asarray(roi, dtype=np.float64).reshape(-1) if roi is not None and np.size(roi) else None
     if sizes is not None and np.size(sizes):
         sizes = [int(v) for v in np.asarray(sizes).reshape(-1)]
-        scale_list = [sizes[i] / x.shape[a] for i, a in enumerate(axes)]
+        if len(sizes) != len(axes):
+            raise RunnxError(f"Resize got {len(sizes)} sizes for {len(axes)} axes")
+        scale_list = [sizes[i] / x.shape[a] if x.shape[a] else 1.0 for i, a in enumerate(axes)]
         if keep_aspect_ratio_policy != "stretch":
             if keep_aspect_ratio_policy not in ("not_larger", "not_smaller"):
                 raise RunnxError(f"unknown keep_aspect_ratio_policy '{keep_aspect_ratio_policy}'")
@@ -108,13 +110,23 @@ def _resize(x, scales, sizes, roi, *, mode, coordinate_transformation_mode="half
             sizes = [int(common * x.shape[a] + 0.5) for a in axes]
     elif scales is not None and np.size(scales):
         scale_list = [float(s) for s in np.asarray(scales).reshape(-1)]
+        if not all(0 < s < math.inf for s in scale_list):
+            raise RunnxError(f"Resize scales must be positive, got {scale_list}")
         if len(scale_list) == rank and len(axes) != rank:
             scale_list = [scale_list[a] for a in axes]
+        if len(scale_list) != len(axes):
+            raise RunnxError(f"Resize got {len(scale_list)} scales for {len(axes)} axes")
         sizes = [int(math.floor(s * x.shape[a])) for s, a in zip(scale_list, axes)]
     else:
         raise RunnxError("Resize needs either scales or sizes")
-    if len(scale_list) != len(axes):
-        raise RunnxError(f"Resize got {len(scale_list)} scales/sizes for {len(axes)} axes")
+    if any(size < 0 for size in sizes):
+        raise RunnxError(f"Resize output sizes must not be negative, got {sizes}")
+    out_shape = list(x.shape)
+    for axis, size in zip(axes, sizes):
+        out_shape[axis] = size
+    ctx.check_elements(out_shape, "Resize output")
+    if 0 in out_shape or x.size == 0:
+        return np.zeros(out_shape, x.dtype)
     work_dtype = x.dtype if x.dtype in (np.float32, np.float64) else np.dtype(np.float32)
     result = x if mode == "nearest" else x.astype(work_dtype, copy=False)
     for i, axis in enumerate(axes):
@@ -143,47 +155,47 @@ def _resize(x, scales, sizes, roi, *, mode, coordinate_transformation_mode="half
 
 
 @register("Resize", since=10)
-def Resize_10(x, scales, *, mode: str = "nearest"):
+def Resize_10(x, scales, *, mode: str = "nearest", ctx):
     # opset 10 resized like Upsample: asymmetric coordinates, nearest rounds down
     return _resize(x, scales, None, None, mode=mode, coordinate_transformation_mode="asymmetric",
-                   nearest_mode="floor")
+                   nearest_mode="floor", ctx=ctx)
 
 
 @register("Resize", since=11)
 def Resize_11(x, roi=None, scales=None, sizes=None, *, coordinate_transformation_mode: str = "half_pixel",
               cubic_coeff_a: float = -0.75, exclude_outside: int = 0, extrapolation_value: float = 0.0,
-              mode: str = "nearest", nearest_mode: str = "round_prefer_floor"):
+              mode: str = "nearest", nearest_mode: str = "round_prefer_floor", ctx):
     return _resize(x, scales, sizes, roi, mode=mode, coordinate_transformation_mode=coordinate_transformation_mode,
                    cubic_coeff_a=cubic_coeff_a, exclude_outside=exclude_outside,
-                   extrapolation_value=extrapolation_value, nearest_mode=nearest_mode)
+                   extrapolation_value=extrapolation_value, nearest_mode=nearest_mode, ctx=ctx)
 
 
 @register("Resize", since=18)
 def Resize(x, roi=None, scales=None, sizes=None, *, antialias: int = 0, axes: Ints = None,
            coordinate_transformation_mode: str = "half_pixel", cubic_coeff_a: float = -0.75,
            exclude_outside: int = 0, extrapolation_value: float = 0.0, keep_aspect_ratio_policy: str = "stretch",
-           mode: str = "nearest", nearest_mode: str = "round_prefer_floor"):
+           mode: str = "nearest", nearest_mode: str = "round_prefer_floor", ctx):
     return _resize(x, scales, sizes, roi, mode=mode, coordinate_transformation_mode=coordinate_transformation_mode,
                    cubic_coeff_a=cubic_coeff_a, exclude_outside=exclude_outside,
                    extrapolation_value=extrapolation_value, nearest_mode=nearest_mode, antialias=antialias,
-                   axes=axes, keep_aspect_ratio_policy=keep_aspect_ratio_policy)
+                   axes=axes, keep_aspect_ratio_policy=keep_aspect_ratio_policy, ctx=ctx)
 
 
-def _upsample(x, scales, mode):
+def _upsample(x, scales, mode, ctx):
     if mode == "bilinear":
         mode = "linear"
     return _resize(x, scales, None, None, mode=mode, coordinate_transformation_mode="asymmetric",
-                   nearest_mode="floor")
+                   nearest_mode="floor", ctx=ctx)
 
 
 @register("Upsample", since=7)
-def Upsample_7(x, *, mode: str = "nearest", scales: tuple[float, ...]):
-    return _upsample(x, np.asarray(scales), mode)
+def Upsample_7(x, *, mode: str = "nearest", scales: tuple[float, ...], ctx):
+    return _upsample(x, np.asarray(scales), mode, ctx)
 
 
 @register("Upsample", since=9)
-def Upsample(x, scales, *, mode: str = "nearest"):
-    return _upsample(x, scales, mode)
+def Upsample(x, scales, *, mode: str = "nearest", ctx):
+    return _upsample(x, scales, mode, ctx)
 
 
 def _reflect(v: np.ndarray, low: float, high: float) -> np.ndarray:
@@ -268,11 +280,12 @@ def GridSample(x, grid, *, align_corners: int = 0, mode: str = "linear", padding
 
 
 @register("AffineGrid", since=20)
-def AffineGrid(theta, size, *, align_corners: int = 0):
+def AffineGrid(theta, size, *, align_corners: int = 0, ctx):
     shape = [int(v) for v in size]
     spatial = shape[2:]
     if len(spatial) not in (2, 3) or theta.shape[1:] != (len(spatial), len(spatial) + 1):
         raise RunnxError(f"AffineGrid: theta {theta.shape} does not fit size {shape}")
+    ctx.check_elements([theta.shape[0]] + spatial + [len(spatial)], "AffineGrid output")
     lines = []
     for length in spatial:
         steps = np.arange(length, dtype=np.float64)

@@ -135,3 +135,13 @@ def test_grid_sample_border_moves_only_coordinates_beyond_the_border():
 
     expected = sum(t * kernel(frac - o) for t, o in zip(taps, (-1, 0, 1, 2)))
     np.testing.assert_allclose(got[0, 0, 0, 0], expected, rtol=1e-5)
+
+
+def test_resize_checks_the_output_size_before_allocating():
+    from runnx.errors import RunnxError
+    x = np.zeros((1, 1, 2, 2), np.float32)
+    with pytest.raises(RunnxError, match="limit"):
+        run_node("Resize", [x, EMPTY, np.array([1, 1, 1e5, 1e5], np.float32)], opset=13)
+    with pytest.raises(RunnxError, match="positive"):
+        run_node("Resize", [x, EMPTY, np.array([1, 1, -1, 1], np.float32)], opset=13)
+    assert run_node("Resize", [x, EMPTY, EMPTY, np.array([1, 1, 0, 3])], opset=13).shape == (1, 1, 0, 3)
