@@ -84,7 +84,7 @@ def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace:
             if param.kind is not inspect.Parameter.KEYWORD_ONLY or name in RESERVED:
                 continue
             annotation = hints.get(name, REQUIRED)
-            if annotation is Subgraph:
+            if annotation is Subgraph or Subgraph in typing.get_args(annotation):  # `Subgraph | None`: optional
                 subgraphs.append(name)
             attrs[name] = (_allowed_types(annotation), param.default)
         if (inplace or inplace_from is not None) and "overwrite" not in params:
