@@ -19,7 +19,7 @@ SMALL_RESULT = 1 << 20  # a folded result may always be this large, else no larg
 def _foldable(graph: Graph, node) -> bool:
     return (node.kernel is not None and not node.subgraphs and not node.captures
             and node.op_type not in NONDETERMINISTIC
-            and all(v == MISSING or v in graph.constants for v in node.inputs))
+            and all(v == MISSING or (v in graph.constants and v not in graph.optional_inputs) for v in node.inputs))
 
 
 def call_out_of_place(node, args: list, ctx):
@@ -82,7 +82,30 @@ def fold_constants(graph: Graph, options) -> int:
     graph.nodes = tuple(nodes)
     graph.producer = {vid: node for node in nodes for vid in node.outputs if vid != MISSING}
     for node in nodes:
-        for sub in node.subgraphs.values():
-            for subgraph in (sub if isinstance(sub, list) else [sub]):
-                folded += fold_constants(subgraph, options)
+        if not node.subgraphs:
+            continue
+        subgraphs = [g for sub in node.subgraphs.values() for g in (sub if isinstance(sub, list) else [sub])]
+        for subgraph in subgraphs:
+            _inline_constant_captures(graph, subgraph)
+        names = []
+        for subgraph in subgraphs:
+            names += [name for name in subgraph.captures if name not in names]
+        node.captures = tuple(graph.ids[name] for name in names)
+        for subgraph in subgraphs:
+            folded += fold_constants(subgraph, options)
     return folded
+
+
+def _inline_constant_captures(parent: Graph, subgraph: Graph) -> None:
+    """A subgraph reading a constant of its parent (e.g. the weights an Optimum merged decoder's
+    If branches read) gets it as its own constant: nothing to pass through the CaptureEnv each
+    run, and nodes of the subgraph that read only constants (a transposed tied embedding) fold."""
+    kept = []
+    for name, local in zip(subgraph.captures, subgraph.capture_ids):
+        outer = parent.ids[name]
+        if outer in parent.constants and outer not in parent.optional_inputs:
+            subgraph.constants[local] = parent.constants[outer]
+        else:
+            kept.append((name, local))
+    subgraph.captures = tuple(name for name, _ in kept)
+    subgraph.capture_ids = tuple(local for _, local in kept)

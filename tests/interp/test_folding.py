@@ -1,0 +1,65 @@
+"""Load-time constant folding: constant-only nodes run once at load, results identical."""
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto as T
+from onnx import helper
+
+import runnx
+
+OPSET = [helper.make_opsetid("", 18)]
+
+
+def _weight():
+    return helper.make_tensor("w", T.FLOAT, [3, 4], np.arange(12, dtype=np.float32).tolist())
+
+
+def _lm_head_model():
+    """y = x @ Transpose(w), the way Optimum exports a tied embedding's output projection."""
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["w"], ["w_t"]), helper.make_node("MatMul", ["x", "w_t"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", T.FLOAT, [2, 4])], [helper.make_tensor_value_info("y", T.FLOAT, None)],
+        [_weight()])
+    return helper.make_model(graph, opset_imports=OPSET)
+
+
+def test_constant_only_nodes_are_folded_into_contiguous_constants():
+    model = runnx.load(_lm_head_model())
+    assert [n.op_type for n in model.plan()] == ["MatMul"]
+    folded = model.graph.constants[model.graph.ids["w_t"]]
+    assert folded.flags.c_contiguous and not folded.flags.writeable
+    x = np.ones((2, 4), np.float32)
+    unfolded = runnx.load(_lm_head_model(), fold_constants=False)
+    assert [n.op_type for n in unfolded.plan()] == ["Transpose", "MatMul"]
+    assert model.run({"x": x})["y"].tobytes() == unfolded.run({"x": x})["y"].tobytes()
+
+
+def test_an_initializer_a_feed_may_override_is_not_folded():
+    graph = helper.make_graph([helper.make_node("Neg", ["w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("w", T.FLOAT, [3, 4])],
+                              [helper.make_tensor_value_info("y", T.FLOAT, None)], [_weight()])
+    model = runnx.load(helper.make_model(graph, opset_imports=OPSET))
+    override = np.full((3, 4), 2, np.float32)
+    np.testing.assert_array_equal(model.run({"w": override})["y"], -override)
+    np.testing.assert_array_equal(model.run({})["y"], -np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+def test_a_branch_reading_a_parent_constant_owns_it_and_folds_with_it():
+    then_branch = helper.make_graph(
+        [helper.make_node("Transpose", ["w"], ["w_t"]), helper.make_node("MatMul", ["x", "w_t"], ["then_y"])],
+        "then", [], [helper.make_tensor_value_info("then_y", T.FLOAT, None)])
+    else_branch = helper.make_graph([helper.make_node("MatMul", ["x", "w_t_outer"], ["else_y"])], "else", [],
+                                    [helper.make_tensor_value_info("else_y", T.FLOAT, None)])
+    graph = helper.make_graph(
+        [helper.make_node("Transpose", ["w"], ["w_t_outer"]),
+         helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch)], "g",
+        [helper.make_tensor_value_info("cond", T.BOOL, []), helper.make_tensor_value_info("x", T.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", T.FLOAT, None)], [_weight()])
+    model = runnx.load(helper.make_model(graph, opset_imports=OPSET))
+    (if_node,) = model.plan()
+    assert if_node.captures == (model.graph.ids["x"],)  # w and w_t_outer are the branches' own constants now
+    assert [n.op_type for n in if_node.subgraphs["then_branch"].nodes] == ["MatMul"]
+    x = np.ones((2, 4), np.float32)
+    expected = x @ np.arange(12, dtype=np.float32).reshape(3, 4).T
+    for cond in (True, False):
+        np.testing.assert_array_equal(model.run({"cond": np.array(cond), "x": x})["y"], expected)
