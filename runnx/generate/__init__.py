@@ -7,7 +7,8 @@
 Modules: `decoder` (DecoderStep: one step, in-place KV cache; reused by the Whisper pipeline),
 `io_names` (input/output roles of the export shapes), `kv_cache`, `sampling` (logits processors,
 samplers), `tokenizer` (text stream), `generator` (step API, iterators, batches), `chat`, `state`
-(.safetensors save/restore), `cli` (`runnx generate`, `runnx chat`).
+(.safetensors save/restore), `cli` (`runnx generate`, `runnx chat`); Whisper: `audio`, `mel`,
+`whisper` (`transcribe`, `Whisper`, `Transcript`), `whisper_cli` (`runnx whisper`).
 """
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ _EXPORTS = {
     "Generator": "runnx.generate.generator",
     "KVCache": "runnx.generate.kv_cache",
     "Tokenizer": "runnx.generate.tokenizer",
+    "Transcript": "runnx.generate.whisper",
+    "Whisper": "runnx.generate.whisper",
     "load_state": "runnx.generate.state",
     "save_state": "runnx.generate.state",
+    "transcribe": "runnx.generate.whisper",
 }
 
 __all__ = sorted(_EXPORTS)
