@@ -67,6 +67,19 @@ def test_a_read_only_owned_input_is_treated_as_borrowed():
     np.testing.assert_array_equal(x, np.arange(8).reshape(2, 4))
 
 
+@pytest.mark.parametrize("order", ["owned first", "borrowed first"])
+def test_an_owned_input_sharing_storage_with_a_borrowed_one_is_not_written(order):
+    model = runnx.load(_chain())
+    buffer = np.arange(16, dtype=np.float32)
+    x, y = buffer[:8].reshape(2, 4), buffer[8:].reshape(2, 4)  # two views of one caller buffer
+    before = buffer.copy()
+    feeds = {"x": runnx.Owned(x), "y": y} if order == "owned first" else {"y": y, "x": runnx.Owned(x)}
+    out, profile = model.run(feeds, profile=True)
+    np.testing.assert_array_equal(buffer, before)
+    assert profile.inplace["Neg"] == 0
+    np.testing.assert_array_equal(out["out"], (before[8:] - before[:8]).reshape(2, 4) * y - y)
+
+
 def test_requested_intermediate_outputs_are_never_overwritten():
     model = runnx.load(_chain())
     x, y = np.arange(8, dtype=np.float32).reshape(2, 4), np.ones((2, 4), np.float32)
