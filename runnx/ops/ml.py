@@ -75,6 +75,18 @@ def _leaves(x, roots, nodes, members) -> np.ndarray:
     return reached
 
 
+def _check_branches(nodes, roots, leaf_count) -> None:
+    """Every root names a node, every branch a node or a leaf that exists (else the walk would index out)."""
+    _, _, _, true_ids, false_ids, true_leafs, false_leafs, _ = nodes
+    node_count = len(true_ids)
+    for ids, to_leaf in ((true_ids, true_leafs), (false_ids, false_leafs)):
+        limits = np.where(to_leaf, leaf_count, node_count)
+        if np.any((ids < 0) | (ids >= limits)):
+            raise InvalidModelError("TreeEnsemble: a branch names a node or leaf that does not exist")
+    if any(not 0 <= root < node_count for root in roots):
+        raise InvalidModelError(f"TreeEnsemble: a tree root lies outside the {node_count} nodes")
+
+
 def _post_transform(scores, transform):
     if transform == _NONE:
         return scores
@@ -115,6 +127,7 @@ def TreeEnsemble(x, *, tree_roots: tuple[int, ...], nodes_modes: np.ndarray, nod
     nodes = (modes, features, nodes_splits.reshape(-1).astype(x.dtype), np.asarray(nodes_truenodeids),
              np.asarray(nodes_falsenodeids), np.asarray(nodes_trueleafs, dtype=bool),
              np.asarray(nodes_falseleafs, dtype=bool), np.asarray(tracks, dtype=bool))
+    _check_branches(nodes, tree_roots, len(leaf_targetids))
     reached = _leaves(x, tree_roots, nodes, _member_sets(modes, membership_values))
 
     targets = np.asarray(leaf_targetids, dtype=np.int64)[reached]

@@ -38,3 +38,8 @@ def test_tree_ensemble_max_keeps_lowest_for_targets_no_leaf_reached():
 def test_tree_ensemble_membership_sets_must_match_member_nodes():
     with pytest.raises(InvalidModelError, match="membership"):
         TreeEnsemble(ROWS, **{**TREES, "membership_values": np.array([2, 3], np.float32)})
+
+
+def test_tree_ensemble_refuses_branches_to_missing_leaves():
+    with pytest.raises(InvalidModelError, match="does not exist"):
+        TreeEnsemble(ROWS, **{**TREES, "nodes_falsenodeids": (1, 7, 3)})
