@@ -38,7 +38,7 @@ def storage_root(array):
 def storage_keys(value) -> tuple:
     """ids of the storages a value holds: one for an array, one per element for a sequence."""
     if type(value) is np.ndarray:
-        return (id(storage_root(value)),)
+        return (id(value if value.base is None else storage_root(value)),)
     if type(value) is list:
         return tuple(id(storage_root(v)) for v in value if isinstance(v, np.ndarray))
     return ()

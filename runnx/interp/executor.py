@@ -85,45 +85,42 @@ class Executor:
     def run(self, graph: Graph, plan: Plan, bound: dict, ctx) -> tuple[list, list]:
         """Execute `plan`; `bound` maps value id -> (value, owned). Returns outputs and owned flags."""
         size = len(graph.names)
-        values = [None] * size
-        keys = [()] * size
+        values = [None] * (size + 1)  # values[MISSING], the last slot, stays None: an omitted input
+        keys = [()] * (size + 1)
         profile = ctx.profile
         table = StorageTable(track_bytes=profile is not None)
+        hold, drop, exclusive = table.hold, table.drop, table.exclusive
         for vid, (value, owned) in bound.items():
             values[vid] = value
             keys[vid] = k = storage_keys(value)
-            table.hold(k, bool(owned) and getattr(getattr(value, "flags", None), "writeable", True), value)
+            hold(k, bool(owned) and getattr(getattr(value, "flags", None), "writeable", True), value)
         for vid in plan.constants:
             values[vid] = value = graph.constants[vid]
             keys[vid] = k = storage_keys(value)
-            table.hold(k, False, value)
+            hold(k, False, value)
         options = ctx.options
         inplace_on = options.inplace
         checking = options.check_inplace
         trace = options.trace
         for step in plan.steps:
             node = step.node
-            kernel = node.kernel
-            args = [values[v] if v != MISSING else None for v in step.inputs]
-            attrs = node.attrs
+            args = [values[v] for v in step.inputs]
+            kwargs = step.kwargs
             granted = ()
             if step.candidates and inplace_on:
-                granted = tuple(pos for pos, vid in step.candidates if table.exclusive(keys[vid]))
+                granted = tuple([pos for pos, vid in step.candidates if exclusive(keys[vid])])
+                if granted:
+                    kwargs = {**kwargs, "overwrite": granted}
             if node.subgraphs:
-                attrs = self._bind_subgraphs(graph, node, step, attrs, values, keys, table, inplace_on, ctx)
-            extra = {}
-            if kernel.inplace or kernel.inplace_from is not None:
-                extra["overwrite"] = granted
-            if kernel.wants_ctx:
-                extra["ctx"] = ctx
-            if kernel.wants_output_count:
-                extra["output_count"] = len(node.outputs)
+                kwargs = self._bind_subgraphs(graph, node, step, kwargs, values, keys, table, inplace_on, ctx)
+            if step.wants_ctx:
+                kwargs = {**kwargs, "ctx": ctx}
             start = time.perf_counter() if profile is not None else 0.0
             try:
                 reference = None
                 if checking and granted and not node.subgraphs:
-                    reference = _out_of_place(kernel, args, attrs, extra)
-                result = kernel.fn(*args, **attrs, **extra)
+                    reference = _out_of_place(step.fn, args, kwargs)
+                result = step.fn(*args, **kwargs)
                 if reference is not None:
                     _compare(node, reference, result)
             except RunnxError as error:
@@ -147,7 +144,7 @@ class Executor:
                     value = np.asarray(value)
                 values[vid] = value
                 keys[vid] = k = storage_keys(value)
-                table.hold(k, None, value)
+                hold(k, None, value)
             if profile is not None:
                 op = node.op_type
                 profile.op_time[op] += time.perf_counter() - start
@@ -160,7 +157,7 @@ class Executor:
                 print(f"runnx trace: {node.describe()} -> {', '.join(shapes)}"
                       f"{' (in place)' if granted else ''}", file=sys.stderr)
             for vid in step.releases:
-                table.drop(keys[vid])
+                drop(keys[vid])
                 values[vid] = None
                 keys[vid] = ()
         if profile is not None and table.peak_bytes > profile.peak_live_bytes:
@@ -193,9 +190,9 @@ class Executor:
                 bound[attr_name] = Subgraph(sub, env, runner)
         return bound
 
-def _out_of_place(kernel, args, attrs, extra) -> list:
+def _out_of_place(fn, args, kwargs) -> list:
     """Checking mode: the node's outputs computed without reusing any input, snapshotted."""
-    reference = kernel.fn(*args, **attrs, **{**extra, "overwrite": ()})
+    reference = fn(*args, **{**kwargs, "overwrite": ()})
     return [_snapshot(v) for v in (reference if type(reference) is tuple else (reference,))]
 
 

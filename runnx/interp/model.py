@@ -17,6 +17,7 @@ from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
 from runnx.interp.profiler import Profile
 from runnx.interp.shape_cache import memoize_shapes
+from runnx.interp.threads import apply_threads, thread_counts
 from runnx.interp.validation import bind_feeds, feed_specs
 
 
@@ -29,6 +30,8 @@ class Model:
         self._unrewritten = replace(self.graph)  # for plans requesting values a rewrite removed
         self.memoized = memoize_shapes(self.graph) if self.options.shape_cache else 0
         self.fused = fuse(self.graph) if self.options.fuse else {}
+        apply_threads(self.options.threads)
+        self._threads = None  # counts in effect, looked up when first profiled
         self.opsets = dict(loaded.opsets)
         self.path = loaded.path
         self._specs = feed_specs(self.graph)
@@ -94,6 +97,9 @@ class Model:
         for vid in plan.unused_inputs:
             bound.pop(vid, None)
         record = profile if isinstance(profile, Profile) else (Profile() if profile or self.options.profile else None)
+        if record is not None:
+            self._threads = self._threads or thread_counts()
+            record.threads = self._threads
         ctx = RunContext(self.options, record)
         values, _ = self._executor.run(self.graph, plan, bound, ctx)  # both graphs share value ids
         names = [self.graph.names[v] for v in output_vids]

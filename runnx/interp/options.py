@@ -30,7 +30,8 @@ class Options:
     shape_cache: nodes computing values from tensor shapes only run once per shapes seen
     (RUNNX_SHAPE_CACHE=0 turns it off; results are identical either way).
     fuse: replace recurring patterns (RMSNorm, SiLU gate, rotary embedding, grouped-query attention
-    over the KV cache) by fused kernels at load (RUNNX_FUSE=0 turns it off)."""
+    over the KV cache) by fused kernels at load (RUNNX_FUSE=0 turns it off).
+    threads: BLAS and numba threads, set for the process at load (RUNNX_THREADS; 0 leaves them)."""
 
     fold_constants: bool = field(default_factory=lambda: _env_flag("RUNNX_FOLD_CONSTANTS", True))
     inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_INPLACE", True))
@@ -42,3 +43,4 @@ class Options:
     check_symbolic_dims: bool = field(default_factory=lambda: _env_flag("RUNNX_CHECK_SYMBOLIC_DIMS", False))
     shape_cache: bool = field(default_factory=lambda: _env_flag("RUNNX_SHAPE_CACHE", True))
     fuse: bool = field(default_factory=lambda: _env_flag("RUNNX_FUSE", True))
+    threads: int = field(default_factory=lambda: _env_int("RUNNX_THREADS", 0))

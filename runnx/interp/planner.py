@@ -22,6 +22,9 @@ class Step:
     candidates: tuple[tuple[int, int], ...]  # (input position, value id) that die here, may be overwritten
     movable: frozenset  # captured value ids that die here and may be moved into the subgraph
     releases: tuple[int, ...]  # value ids dead after this step (dying inputs, unused outputs)
+    fn: object = None  # the kernel function
+    kwargs: dict = None  # attributes plus the reserved keywords known when planning (read-only)
+    wants_ctx: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +146,13 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> 
         movable = frozenset(vid for vid in node.captures if vid in once)
         unused = tuple(vid for vid in node.outputs
                        if vid != MISSING and vid not in last_use and vid not in requested)
+        kwargs = dict(node.attrs)
+        if kernel.inplace or kernel.inplace_from is not None:
+            kwargs["overwrite"] = ()  # the executor grants positions per run
+        if kernel.wants_output_count:
+            kwargs["output_count"] = len(node.outputs)
         steps.append(Step(node, node.inputs, node.outputs, candidates, movable,
-                          tuple(sorted(dying)) + unused))
+                          tuple(sorted(dying)) + unused, kernel.fn, kwargs, kernel.wants_ctx))
     read = set(last_use) | requested
     return Plan(
         steps=tuple(steps),

@@ -1,0 +1,127 @@
+"""Decode step speed at a given context: runnx (optimisations on, and all off) vs onnxruntime on the
+same Optimum `model.onnx`, the same thread count, interleaved rounds so both see the same machine load.
+
+    python scripts/bench_decode.py [MODEL_DIR] [--threads 1] [--contexts 32 512 2000] [--steps 16] [--rounds 3]
+
+The past is random (shape-correct) KV of `context` tokens; each step feeds one token and its own
+outputs back, as greedy decoding does (runnx: KV in capacity buffers handed over as runnx.Owned;
+onnxruntime: the present outputs). Reports median tokens/s, runnx node executions per step, and
+whether the greedy ids of runnx and onnxruntime agree.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args():
+    cache = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", nargs="?", type=Path, default=cache / "models" / "smollm2-135m")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32, 512, 2000])
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-baseline", action="store_true", help="skip runnx with shape_cache and fuse off")
+    return parser.parse_args()
+
+
+ARGS = parse_args()
+for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ[variable] = str(ARGS.threads)
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import runnx  # noqa: E402
+
+
+def _past_names(model):
+    return [n for n in model.input_names if n.startswith("past_key_values.")]
+
+
+def runnx_decoder(model, context: int, steps: int, past: dict):
+    names = _past_names(model)
+
+    def run():
+        cache = {n: runnx.with_capacity(past[n], 2, context + steps + 1) for n in names}
+        token, ids, times, profile = 1, [], [], runnx.Profile()
+        for step in range(steps):
+            length = context + step
+            feeds = {"input_ids": np.array([[token]]), "attention_mask": np.ones((1, length + 1), np.int64),
+                     "position_ids": np.array([[length]]), **cache}
+            start = time.perf_counter()
+            outputs = model.run(feeds, profile=profile if step == steps - 1 else False)
+            times.append(time.perf_counter() - start)
+            token = int(outputs["logits"][0, -1].argmax())
+            ids.append(token)
+            cache = {n: runnx.Owned(outputs[n.replace("past_key_values.", "present.")]) for n in names}
+        return ids, times, sum(profile.op_calls.values())
+
+    return run
+
+
+def ort_decoder(session, context: int, steps: int, past: dict):
+    output_names = [o.name for o in session.get_outputs()]
+
+    def run():
+        cache = dict(past)
+        token, ids, times = 1, [], []
+        for step in range(steps):
+            length = context + step
+            feeds = {"input_ids": np.array([[token]]), "attention_mask": np.ones((1, length + 1), np.int64),
+                     "position_ids": np.array([[length]]), **cache}
+            start = time.perf_counter()
+            outputs = dict(zip(output_names, session.run(None, feeds)))
+            times.append(time.perf_counter() - start)
+            token = int(outputs["logits"][0, -1].argmax())
+            ids.append(token)
+            cache = {n: outputs[n.replace("past_key_values.", "present.")] for n in cache}
+        return ids, times, None
+
+    return run
+
+
+def main():
+    import onnxruntime
+
+    path = ARGS.model_dir / "model.onnx"
+    runners = {"runnx": runnx.load(path, threads=ARGS.threads)}
+    if not ARGS.no_baseline:
+        runners["runnx (no cache/fusion)"] = runnx.load(path, threads=ARGS.threads, shape_cache=False, fuse=False)
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = ARGS.threads
+    options.inter_op_num_threads = 1
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    model = runners["runnx"]
+    spec = {i.name: i for i in session.get_inputs()}
+    print(f"{path}, {ARGS.threads} thread(s), {ARGS.steps} decode steps x {ARGS.rounds} rounds, median tokens/s")
+    print(f"{'context':>8}" + "".join(f"{name:>26}" for name in [*runners, "onnxruntime"]) + f"{'nodes/step':>12}"
+          f"{'same ids':>10}")
+    rng = np.random.default_rng(0)
+    for context in ARGS.contexts:
+        past = {n: rng.standard_normal((1, spec[n].shape[1], context, spec[n].shape[3])).astype(np.float32)
+                for n in _past_names(model)}
+        runs = {name: runnx_decoder(m, context, ARGS.steps, past) for name, m in runners.items()}
+        runs["onnxruntime"] = ort_decoder(session, context, ARGS.steps, past)
+        times = {name: [] for name in runs}
+        ids, nodes = {}, None
+        for name, run in runs.items():
+            run()  # warm-up
+        for _ in range(ARGS.rounds):
+            for name, run in runs.items():
+                ids[name], step_times, counted = run()
+                times[name] += step_times
+                if name == "runnx":
+                    nodes = counted
+        same = ids["runnx"] == ids["onnxruntime"]
+        print(f"{context:>8}" + "".join(f"{1 / statistics.median(times[name]):>26.1f}" for name in runs)
+              + f"{nodes:>12}{str(same):>10}")
+
+
+if __name__ == "__main__":
+    main()

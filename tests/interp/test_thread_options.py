@@ -1,0 +1,26 @@
+"""Options.threads: BLAS and numba thread pools set at load and reported in the profile."""
+import numpy as np
+import threadpoolctl
+from onnx import TensorProto, helper
+
+import runnx
+
+
+def _matmul_model():
+    graph = helper.make_graph([helper.make_node("MatMul", ["a", "a"], ["b"])], "g",
+                              [helper.make_tensor_value_info("a", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("b", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_threads_are_applied_and_reported(monkeypatch):
+    with threadpoolctl.threadpool_limits(limits=None):  # restores the process's pools afterwards
+        for count in (1, 2):
+            model = runnx.load(_matmul_model(), threads=count)
+            _, profile = model.run({"a": np.eye(3, dtype=np.float32)}, profile=True)
+            assert profile.threads == {"blas": count, "numba": count}
+            assert f"threads: BLAS {count}, numba {count}" in profile.summary()
+        monkeypatch.setenv("RUNNX_THREADS", "1")
+        assert runnx.Options().threads == 1
+        monkeypatch.delenv("RUNNX_THREADS")
+        assert runnx.Options().threads == 0  # leaves the libraries' settings alone
