@@ -76,7 +76,8 @@ class StorageTable:
             else:
                 count[key] = 1
                 if owned is None:
-                    owned = bool(getattr(value, "flags", None) is not None and value.flags.writeable)
+                    flags = getattr(value, "flags", None)
+                    owned = flags is not None and bool(flags.writeable)
                 self.owned[key] = owned
                 if self.track_bytes:
                     size = _storage_nbytes(value)

@@ -104,11 +104,13 @@ class Executor:
         trace = options.trace
         for step in plan.steps:
             node = step.node
-            args = [values[v] for v in step.inputs]
+            args = list(map(values.__getitem__, step.inputs))
             kwargs = step.kwargs
             granted = ()
             if step.candidates and inplace_on:
-                granted = tuple([pos for pos, vid in step.candidates if exclusive(keys[vid])])
+                for position, vid in step.candidates:
+                    if exclusive(keys[vid]):
+                        granted += (position,)
                 if granted:
                     kwargs = {**kwargs, "overwrite": granted}
             if node.subgraphs:
@@ -133,18 +135,13 @@ class Executor:
                 wrapped = NodeError(f"{_node_context(graph, node, args)} failed: {type(error).__name__}: {error}")
                 wrapped.node_context = True
                 raise wrapped from error
-            outputs = result if type(result) is tuple else (result,)
-            if len(outputs) < len(step.outputs) and any(v != MISSING for v in step.outputs[len(outputs):]):
-                raise NodeError(f"{node.describe()} produced {len(outputs)} outputs, the node declares "
-                                f"{len(step.outputs)}")
-            for vid, value in zip(step.outputs, outputs):
-                if vid == MISSING:
-                    continue
-                if type(value) is not np.ndarray and isinstance(value, (np.generic, np.ndarray)):
-                    value = np.asarray(value)
-                values[vid] = value
-                keys[vid] = k = storage_keys(value)
-                hold(k, None, value)
+            if type(result) is np.ndarray and step.single:  # the common case, without the general loop
+                vid = step.outputs[0]
+                values[vid] = result
+                keys[vid] = k = (id(result),) if result.base is None else storage_keys(result)
+                hold(k, None, result)
+            else:
+                self._bind_outputs(node, step, result, values, keys, hold)
             if profile is not None:
                 op = node.op_type
                 profile.op_time[op] += time.perf_counter() - start
@@ -163,6 +160,21 @@ class Executor:
         if profile is not None and table.peak_bytes > profile.peak_live_bytes:
             profile.peak_live_bytes = table.peak_bytes
         return [values[v] for v in plan.outputs], [table.is_owned(keys[v]) for v in plan.outputs]
+
+    @staticmethod
+    def _bind_outputs(node, step, result, values, keys, hold) -> None:
+        outputs = result if type(result) is tuple else (result,)
+        if len(outputs) < len(step.outputs) and any(v != MISSING for v in step.outputs[len(outputs):]):
+            raise NodeError(f"{node.describe()} produced {len(outputs)} outputs, the node declares "
+                            f"{len(step.outputs)}")
+        for vid, value in zip(step.outputs, outputs):
+            if vid == MISSING:
+                continue
+            if type(value) is not np.ndarray and isinstance(value, (np.generic, np.ndarray)):
+                value = np.asarray(value)
+            values[vid] = value
+            keys[vid] = k = storage_keys(value)
+            hold(k, None, value)
 
     def _bind_subgraphs(self, graph, node, step, attrs, values, keys, table, inplace_on, ctx) -> dict:
         """Build the node's CaptureEnv (moving dying owned captures) and bind each subgraph to it."""

@@ -25,6 +25,7 @@ class Step:
     fn: object = None  # the kernel function
     kwargs: dict = None  # attributes plus the reserved keywords known when planning (read-only)
     wants_ctx: bool = False
+    single: bool = False  # exactly one output, and it is used
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,7 +153,8 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> 
         if kernel.wants_output_count:
             kwargs["output_count"] = len(node.outputs)
         steps.append(Step(node, node.inputs, node.outputs, candidates, movable,
-                          tuple(sorted(dying)) + unused, kernel.fn, kwargs, kernel.wants_ctx))
+                          tuple(sorted(dying)) + unused, kernel.fn, kwargs, kernel.wants_ctx,
+                          len(node.outputs) == 1 and node.outputs[0] != MISSING))
     read = set(last_use) | requested
     return Plan(
         steps=tuple(steps),
