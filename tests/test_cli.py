@@ -199,3 +199,12 @@ def test_plugins_add_subcommands_and_absent_ones_are_skipped(capsys, monkeypatch
     monkeypatch.setattr(cli, "PLUGINS", ("runnx.no_such_module.cli", "fake_runnx_plugin"))
     code, out, _ = run_cli(capsys, "hello", "world")
     assert (code, out) == (3, "hello world\n")
+
+
+def test_inspect_real_smollm2(capsys, smollm2_dir):
+    code, out, err = run_cli(capsys, "inspect", smollm2_dir / "model.onnx")
+    assert code == 0, err
+    assert "parameters: 134,515,008 in 272 initializers" in out  # SmolLM2-135M, tied embeddings
+    assert "  logits: float[batch_size, sequence_length, 49152]" in out
+    assert "  past_key_values.29.value: float[batch_size, 3, past_sequence_length, 64]" in out
+    assert "unsupported ops: none" in out
