@@ -84,20 +84,20 @@ class Executor:
 
     def run(self, graph: Graph, plan: Plan, bound: dict, ctx) -> tuple[list, list]:
         """Execute `plan`; `bound` maps value id -> (value, owned). Returns outputs and owned flags."""
-        size = len(graph.names)
-        values = [None] * (size + 1)  # values[MISSING], the last slot, stays None: an omitted input
-        keys = [()] * (size + 1)
+        values = list(plan.values_template)  # constants in place; values[MISSING], the last slot, stays None
+        keys = list(plan.keys_template)
         profile = ctx.profile
         table = StorageTable(track_bytes=profile is not None)
         hold, drop, exclusive = table.hold, table.drop, table.exclusive
+        if profile is None:
+            table.hold_constants(plan.constant_storages)
+        else:  # one by one, counting bytes
+            for vid in plan.constants:
+                hold(keys[vid], False, values[vid])
         for vid, (value, owned) in bound.items():
             values[vid] = value
             keys[vid] = k = storage_keys(value)
             hold(k, bool(owned) and getattr(getattr(value, "flags", None), "writeable", True), value)
-        for vid in plan.constants:
-            values[vid] = value = graph.constants[vid]
-            keys[vid] = k = storage_keys(value)
-            hold(k, False, value)
         options = ctx.options
         inplace_on = options.inplace
         checking = options.check_inplace

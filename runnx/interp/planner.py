@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from runnx.capture.ownership import storage_keys
 from runnx.errors import CycleError, MissingInputError, MissingValueError
 from runnx.interp.ir import MISSING, Graph, Node
 
@@ -35,6 +36,11 @@ class Plan:
     constants: tuple[int, ...]  # constant ids the plan reads
     outputs: tuple[int, ...]
     unused_inputs: tuple[int, ...]
+    # per-run starting state, built once: value and storage-key slots with the constants in place
+    # (one extra slot, values[MISSING], stays None) and how many constants hold each storage
+    values_template: tuple = ()
+    keys_template: tuple = ()
+    constant_storages: dict = None
 
     @property
     def nodes(self) -> list[Node]:
@@ -156,10 +162,20 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> 
                           tuple(sorted(dying)) + unused, kernel.fn, kwargs, kernel.wants_ctx,
                           len(node.outputs) == 1 and node.outputs[0] != MISSING))
     read = set(last_use) | requested
+    constants = tuple(sorted(v for v in graph.constants if v in read and v not in provided))
+    values, keys, storages = [None] * (len(graph.names) + 1), [()] * (len(graph.names) + 1), {}
+    for vid in constants:
+        values[vid] = graph.constants[vid]
+        keys[vid] = storage_keys(values[vid])
+        for key in keys[vid]:
+            storages[key] = storages.get(key, 0) + 1
     return Plan(
         steps=tuple(steps),
         inputs=tuple(sorted(v for v in provided if v in read)),
-        constants=tuple(sorted(v for v in graph.constants if v in read and v not in provided)),
+        constants=constants,
         outputs=tuple(outputs),
         unused_inputs=tuple(sorted(v for v in provided if v not in read)),
+        values_template=tuple(values),
+        keys_template=tuple(keys),
+        constant_storages=storages,
     )
