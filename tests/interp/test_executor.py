@@ -1,5 +1,6 @@
 """Executor: caller arrays are never written, Owned inputs are consumed in place, requested
 intermediates survive, the checking mode, and the onnxruntime-compatible session."""
+import dataclasses
 import hashlib
 import threading
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import runnx
+from runnx.interp.executor import InPlaceMismatchError
 
 F = TensorProto.FLOAT
 
@@ -185,3 +187,26 @@ def test_session_inputs_and_outputs_match_onnxruntime_on_fixture_models(path):
            [(b.name, list(b.shape), b.type) for b in theirs.get_inputs()]
     # output shapes: runnx reports the declared ones, onnxruntime its own inferred ones
     assert [(a.name, a.type) for a in ours.get_outputs()] == [(b.name, b.type) for b in theirs.get_outputs()]
+
+
+
+def _wrong_in_place_neg(x, *, overwrite=()):
+    """A deliberately broken kernel: right out of place, wrong when it may write into x."""
+    if overwrite:
+        x *= -2
+        return x
+    return -x
+
+
+def test_checking_mode_catches_a_kernel_whose_in_place_result_differs():
+    def load(**options):
+        model = runnx.load(_model([helper.make_node("Neg", ["x"], ["y"], name="broken")], ["x"], ["y"]), **options)
+        node = model.graph.nodes[0]
+        node.kernel = dataclasses.replace(node.kernel, fn=_wrong_in_place_neg)
+        return model
+
+    x = np.ones(3, np.float32)
+    np.testing.assert_array_equal(load().run({"x": x})["y"], -x)  # borrowed: out of place, right
+    np.testing.assert_array_equal(load().run({"x": runnx.Owned(x.copy())})["y"], -2 * x)  # the bug
+    with pytest.raises(InPlaceMismatchError, match="Neg node 'broken': output 0 differs when computed in place"):
+        load(check_inplace=True).run({"x": runnx.Owned(x.copy())})
