@@ -166,8 +166,11 @@ class ShapeGroup:
         result = self._compute(args, ctx)
         if all(type(v) is np.ndarray for v in result) and None not in key:
             results = self.results
-            while len(results) >= KEPT_RESULTS:
-                results.pop(next(iter(results)), None)
+            try:
+                while len(results) >= KEPT_RESULTS:
+                    results.pop(next(iter(results)), None)
+            except (RuntimeError, StopIteration):  # another thread changed it meanwhile: keep going
+                pass
             results[key] = result
         return result
 

@@ -137,16 +137,17 @@ def test_fully_masked_attention_rows_give_the_fill_value():
     np.testing.assert_array_equal(fused["y"], np.zeros((1, 2, 1, 8), np.float32))
 
 
-def test_greedy_tokens_of_tiny_llama_are_identical_with_fusion_on_and_off(fixtures_dir):
+@pytest.mark.parametrize("folder", ["tiny-llama", "tiny-gpt2"])
+def test_greedy_tokens_are_identical_with_each_optimisation_on_and_off(fixtures_dir, folder):
     import tokenizers
     from runnx.generate.generator import Generator
-    folder = fixtures_dir / "tiny-llama"
-    tokenizer = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-    produced = []
-    for fuse in (False, True):
-        model = runnx.load(folder / "model.onnx", fuse=fuse, check_symbolic_dims=False)
-        assert bool(model.fused) == fuse
+    tokenizer = tokenizers.Tokenizer.from_file(str(fixtures_dir / folder / "tokenizer.json"))
+    produced = {}
+    for shape_cache, fuse in [(False, False), (True, False), (False, True), (True, True)]:
+        model = runnx.load(fixtures_dir / folder / "model.onnx", fuse=fuse, shape_cache=shape_cache,
+                           check_symbolic_dims=False)
+        assert bool(model.memoized) == shape_cache and bool(model.fused) == (fuse and folder == "tiny-llama")
         generator = Generator.from_model(model, tokenizer, generation_config={"eos_token_id": -1})
         generator.generate("Once upon a time", max_new_tokens=16, stop_token_ids=())
-        produced.append(generator.generated[0])
-    assert produced[0] == produced[1] and len(produced[0]) == 16
+        produced[shape_cache, fuse] = generator.generated[0]
+    assert len(set(map(tuple, produced.values()))) == 1 and len(produced[True, True]) == 16
