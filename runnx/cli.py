@@ -234,9 +234,9 @@ def command_run(args) -> int:
 
 def shape_text(value_info) -> str:
     import onnx
-    tensor = value_info.type.tensor_type
-    if not value_info.type.HasField("tensor_type"):
+    if not value_info.type.HasField("tensor_type"):  # sequence, optional, map: name the kind
         return value_info.type.WhichOneof("value") or "unknown"
+    tensor = value_info.type.tensor_type
     element = onnx.TensorProto.DataType.Name(tensor.elem_type).lower()
     if not tensor.HasField("shape"):
         return f"{element}[?]"
