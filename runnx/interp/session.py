@@ -36,11 +36,19 @@ class SessionOptions:
         self.enable_profiling = False
 
 
+def _threads(count) -> dict:
+    """intra_op_num_threads, like onnxruntime's: 0 keeps the default (Options.threads / RUNNX_THREADS)."""
+    return {"threads": int(count)} if count else {}
+
+
 class InferenceSession:
     def __init__(self, path_or_bytes, sess_options=None, providers=None, provider_options=None, *,
                  weights=None, options: Options | None = None, **kwargs):
         if options is None:
-            options = Options(profile=True) if getattr(sess_options, "enable_profiling", False) else Options()
+            chosen = _threads(getattr(sess_options, "intra_op_num_threads", 0))
+            if getattr(sess_options, "enable_profiling", False):
+                chosen["profile"] = True
+            options = Options(**chosen)
         self._model: Model = load(path_or_bytes, weights=weights, options=options)
 
     @property

@@ -24,3 +24,12 @@ def test_threads_are_applied_and_reported(monkeypatch):
         assert runnx.Options().threads == 1
         monkeypatch.delenv("RUNNX_THREADS")
         assert runnx.Options().threads == 0  # leaves the libraries' settings alone
+
+
+def test_session_intra_op_threads_become_options_threads():
+    with threadpoolctl.threadpool_limits(limits=None):
+        settings = runnx.SessionOptions()
+        settings.intra_op_num_threads = 1
+        session = runnx.InferenceSession(_matmul_model().SerializeToString(), settings)
+        assert session.model.options.threads == 1
+        assert runnx.InferenceSession(_matmul_model().SerializeToString()).model.options.threads == runnx.Options().threads
