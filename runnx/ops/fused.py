@@ -20,16 +20,32 @@ from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops._elementwise_util import sigmoid
 from runnx.ops.registry import register
 from runnx.ops.shape import Slice
-from runnx.ops.softmax import Softmax_13
 
 DOMAIN = "runnx.fused"
+
+
+def _fits(operand, result) -> bool:
+    """Whether `result op= operand` is `result op operand` (same dtype, operand broadcasts into it)."""
+    return (operand.dtype == result.dtype and operand.ndim <= result.ndim
+            and all(o == 1 or o == r for o, r in zip(operand.shape[::-1], result.shape[::-1])))
+
+
+def _softmax_in_place(scores, axis: int):
+    """Softmax-13 of a fresh array, in it: the same operations as the Softmax kernel (max-shifted
+    exp, divided by its sum), without numpy's Python-level reduction wrappers."""
+    if scores.size == 0:
+        return scores
+    np.subtract(scores, np.maximum.reduce(scores, axis=axis, keepdims=True), out=scores)
+    np.exp(scores, out=scores)
+    scores /= np.add.reduce(scores, axis=axis, keepdims=True)
+    return scores
 
 
 @register("RMSNorm", since=1, domain=DOMAIN)
 def RMSNorm(x, epsilon, one, weight, *, axis: int = -1, to: int = 0):
     """weight * Cast(x * (one / sqrt(ReduceMean(x * x, axis) + epsilon)), to) (to=0: no Cast)."""
     squares = np.square(x)
-    mean = np.sum(squares, axis=axis, keepdims=True, dtype=squares.dtype)
+    mean = np.add.reduce(squares, axis=axis, keepdims=True, dtype=squares.dtype)  # np.sum without its wrapper
     mean = np.true_divide(mean, x.shape[axis], out=mean, casting="unsafe")
     np.add(mean, epsilon, out=mean, casting="unsafe")
     np.sqrt(mean, out=mean)
@@ -44,7 +60,7 @@ def SiluMul(gate, up):
     """gate * Sigmoid(gate) * up: the SiLU-gated MLP's activation."""
     activated = sigmoid(gate)
     np.multiply(gate, activated, out=activated)
-    if np.broadcast_shapes(activated.shape, up.shape) == activated.shape and up.dtype == activated.dtype:
+    if _fits(up, activated):
         return np.multiply(activated, up, out=activated)
     return np.multiply(activated, up)
 
@@ -161,11 +177,11 @@ def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fil
         np.multiply(scaled, key_scale, out=scaled, casting="unsafe")
         grouped = scaled.reshape(batch, groups, key_repeat * length, query.shape[3])
         scores = np.matmul(grouped, np.swapaxes(key, -1, -2)).reshape(batch, heads, length, key.shape[2])
-    if np.broadcast_shapes(scores.shape, bias.shape) == scores.shape and bias.dtype == scores.dtype:
+    if _fits(bias, scores):
         np.add(scores, bias, out=scores)
     else:
         scores = np.add(scores, bias)
-    probabilities = Softmax_13(scores, axis=axis, overwrite=(0,))
+    probabilities = _softmax_in_place(scores, axis)
     missing = np.isnan(probabilities)
     if missing.any():
         probabilities = np.where(missing, nan_fill, probabilities)
