@@ -7,27 +7,32 @@ import numpy as np
 from runnx.ops._kernels_elementwise import erf_float32_into, erf_float64_into
 
 
+# In-place results must be bitwise what copy mode computes, down to the memory layout (a later
+# reduction's summation order follows it): only a C-contiguous input is written into.
+
+
 def binary(ufunc, a: np.ndarray, b: np.ndarray, overwrite=()) -> np.ndarray:
-    """ufunc(a, b), written into a (or b) when granted and its shape and dtype already fit."""
+    """ufunc(a, b), written into a (or b) when granted, C-contiguous, and its shape and dtype fit."""
     if overwrite:
         shape = a.shape if a.shape == b.shape else np.broadcast_shapes(a.shape, b.shape)
-        if 0 in overwrite and a.shape == shape and a.dtype == b.dtype:
+        if 0 in overwrite and a.shape == shape and a.dtype == b.dtype and a.flags.c_contiguous:
             return ufunc(a, b, out=a)
-        if 1 in overwrite and b.shape == shape and a.dtype == b.dtype:
+        if 1 in overwrite and b.shape == shape and a.dtype == b.dtype and b.flags.c_contiguous:
             return ufunc(a, b, out=b)
     return np.asarray(ufunc(a, b))
 
 
 def unary(ufunc, x: np.ndarray, overwrite=()) -> np.ndarray:
-    """ufunc(x), written into x when granted."""
-    if overwrite:
+    """ufunc(x), written into x when granted and C-contiguous."""
+    if overwrite and x.flags.c_contiguous:
         return ufunc(x, out=x)
     return np.asarray(ufunc(x))
 
 
 def output_buffer(x: np.ndarray, overwrite=()) -> np.ndarray:
-    """Where a same-shape, same-dtype result of x may go: x itself when granted, else a new array."""
-    return x if 0 in overwrite else np.empty_like(x)
+    """Where a same-shape, same-dtype result of x may go: x itself when granted and C-contiguous,
+    else a new C-ordered array."""
+    return x if 0 in overwrite and x.flags.c_contiguous else np.empty(x.shape, x.dtype)
 
 
 def erf(x: np.ndarray, overwrite=()) -> np.ndarray:

@@ -16,6 +16,8 @@ def Concat(*inputs, axis: int, overwrite=(), ctx=None):
     KV cache, a loop-carried value) is regrown with doubling so that later appends are in place;
     other concatenations (e.g. rotary halves) allocate exactly."""
     first = inputs[0]
+    if not -first.ndim <= axis < max(first.ndim, 1):
+        raise RunnxError(f"Concat axis {axis} is out of range for inputs of rank {first.ndim}")
     axis = axis % first.ndim if first.ndim else 0
     parts = [p for p in inputs if p.shape[axis] or p is first] if first.ndim else list(inputs)
     if 0 in overwrite and first.ndim and len(parts) > 1 and all(p.dtype == first.dtype for p in parts):

@@ -38,10 +38,9 @@ def _empty_scan_output(info) -> np.ndarray:
 
 @register("Loop", since=1, inplace_from=2)
 def Loop(max_trip_count, cond, *initial, body: Subgraph, overwrite=(), ctx=None):
-    trips = None
+    trips = None  # M may be INT64_MAX for a while-loop (PyTorch exports): the limit is checked per iteration
     if max_trip_count is not None and np.asarray(max_trip_count).size:
         trips = int(np.asarray(max_trip_count).reshape(-1)[0])
-        ctx.check_iterations(trips, "Loop")
     running = True if cond is None or not np.asarray(cond).size else _scalar_bool(cond, "Loop condition")
     state = list(initial)
     owned = [position + 2 in overwrite for position in range(len(initial))]

@@ -316,12 +316,12 @@ def Where(condition, x, y, *, overwrite=()):
 def _clip(x, low, high, overwrite):
     # minimum/maximum rather than np.clip: they work for every dtype (bfloat16 too), and apply max
     # last so that min > max gives max everywhere, as the spec says
-    out = x if overwrite else None
+    out = x if overwrite and x.flags.c_contiguous else np.array(x, order="C")  # written below either way
     if low is not None:
-        out = np.maximum(x, low, out=out)
+        np.maximum(out, low, out=out)
     if high is not None:
-        out = np.minimum(x if out is None else out, high, out=out)
-    return x if out is None else out
+        np.minimum(out, high, out=out)
+    return out
 
 
 @register("Clip", since=6, inplace=(0,))

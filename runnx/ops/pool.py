@@ -150,9 +150,10 @@ def MaxUnpool(x, indices, output_shape=None, *, kernel_shape: Ints = None, pads:
 
 
 @register("MaxRoiPool", since=1)
-def MaxRoiPool(x, rois, *, pooled_shape: tuple[int, ...], spatial_scale: float = 1.0):
+def MaxRoiPool(x, rois, *, pooled_shape: tuple[int, ...], spatial_scale: float = 1.0, ctx=None):
     pooled_h, pooled_w = pooled_shape
     height, width = x.shape[2:]
+    ctx.check_elements((rois.shape[0], x.shape[1], pooled_h, pooled_w), "MaxRoiPool output")
     out = np.zeros((rois.shape[0], x.shape[1], pooled_h, pooled_w), dtype=x.dtype)
     for r, (batch, x1, y1, x2, y2) in enumerate(rois):
         start_w, start_h = round(float(x1) * spatial_scale), round(float(y1) * spatial_scale)
@@ -171,7 +172,8 @@ def MaxRoiPool(x, rois, *, pooled_shape: tuple[int, ...], spatial_scale: float =
 
 
 def _roi_align(x, rois, batch_indices, mode, output_height, output_width, sampling_ratio, spatial_scale,
-               half_pixel: bool):
+               half_pixel: bool, ctx):
+    ctx.check_elements((rois.shape[0], x.shape[1], output_height, output_width), "RoiAlign output")
     if mode not in ("avg", "max"):
         raise RunnxError(f"RoiAlign mode must be 'avg' or 'max', got '{mode}'")
     out = roi_align(np.ascontiguousarray(x, dtype=np.float64), np.ascontiguousarray(rois, dtype=np.float64),
@@ -182,16 +184,17 @@ def _roi_align(x, rois, batch_indices, mode, output_height, output_width, sampli
 
 @register("RoiAlign", since=10)
 def RoiAlign_10(x, rois, batch_indices, *, mode: str = "avg", output_height: int = 1, output_width: int = 1,
-                sampling_ratio: int = 0, spatial_scale: float = 1.0):
+                sampling_ratio: int = 0, spatial_scale: float = 1.0, ctx=None):
     # opset 10 had no coordinate_transformation_mode; it behaved like 'output_half_pixel'
     return _roi_align(x, rois, batch_indices, mode, output_height, output_width, sampling_ratio, spatial_scale,
-                      False)
+                      False, ctx)
 
 
 @register("RoiAlign", since=16)
 def RoiAlign(x, rois, batch_indices, *, coordinate_transformation_mode: str = "half_pixel", mode: str = "avg",
-             output_height: int = 1, output_width: int = 1, sampling_ratio: int = 0, spatial_scale: float = 1.0):
+             output_height: int = 1, output_width: int = 1, sampling_ratio: int = 0, spatial_scale: float = 1.0,
+             ctx=None):
     if coordinate_transformation_mode not in ("half_pixel", "output_half_pixel"):
         raise RunnxError(f"unknown coordinate_transformation_mode '{coordinate_transformation_mode}'")
     return _roi_align(x, rois, batch_indices, mode, output_height, output_width, sampling_ratio, spatial_scale,
-                      coordinate_transformation_mode == "half_pixel")
+                      coordinate_transformation_mode == "half_pixel", ctx)

@@ -41,8 +41,6 @@ def test_checking_mode_finds_no_mismatch_and_copy_mode_agrees(source, owned, mon
     assert {n: bits(v) for n, v in result.items()} == {n: bits(v) for n, v in copied.items()}
 
 
-@pytest.mark.xfail(strict=True, reason="in-place binary ops keep the non-C layout of the value they overwrite, "
-                                       "out of place numpy allocates C order (ops/_elementwise_util.binary); reported")
 def test_in_place_writes_keep_the_layout_copy_mode_would_produce():
     """Add into a transposed owned value: a layout-sensitive reduction after it must not see a
     different memory order in place than in copy mode (float32 sums would round differently)."""
@@ -54,5 +52,5 @@ def test_in_place_writes_keep_the_layout_copy_mode_would_produce():
     feeds = {"x": rng.standard_normal((4, 1000, 8)).astype(np.float32),
              "b": rng.standard_normal((4, 8, 1000)).astype(np.float32)}
     fast, profile = runnx.load(model).run(feeds, profile=True)
-    assert profile.inplace["Add"] == 1
+    assert profile.inplace["Neg"] == 1 and profile.inplace["Add"] == 0  # t is a transposed view: not written
     assert fast["y"].tobytes() == runnx.load(model, inplace=False).run(feeds)["y"].tobytes()

@@ -84,7 +84,7 @@ OPS = ["ConstantOfShape", "Expand", "Tile", "Range", "Pad", "CenterCropPad", "On
        "RandomNormal", "RandomUniform", "Multinomial", "HannWindow", "HammingWindow", "BlackmanWindow",
        "MelWeightMatrix", "DFT", "AffineGrid", "MaxUnpool", "ConvTranspose", "RoiAlign", "MaxRoiPool"]
 # Kernels that do not call ctx.check_elements yet (reported to their owners); strict: remove when fixed.
-UNCHECKED = {"RoiAlign", "MaxRoiPool"}
+UNCHECKED = set()
 
 
 @pytest.mark.parametrize("op", [pytest.param(op, marks=pytest.mark.xfail(
@@ -130,8 +130,6 @@ def test_a_loop_without_a_trip_count_is_bounded_by_max_loop_iterations():
     np.testing.assert_array_equal(runnx.load(_loop(50, True)[0], max_loop_iterations=50).run(feeds)["y"], 50)
 
 
-@pytest.mark.xfail(strict=True, reason="Loop checks max_trip_count itself against the limit, before running: "
-                                       "a while loop exported with M = INT64_MAX fails (reported to the lead)")
 def test_a_while_loop_with_an_unbounded_trip_count_stops_on_its_condition():
     model, feeds = _loop(np.iinfo(np.int64).max, True, body_cond="Not")  # cond: True, then False
     np.testing.assert_array_equal(runnx.load(model).run(feeds)["y"], 1)
