@@ -52,5 +52,5 @@ def test_in_place_writes_keep_the_layout_copy_mode_would_produce():
     feeds = {"x": rng.standard_normal((4, 1000, 8)).astype(np.float32),
              "b": rng.standard_normal((4, 8, 1000)).astype(np.float32)}
     fast, profile = runnx.load(model).run(feeds, profile=True)
-    assert profile.inplace["Neg"] == 1 and profile.inplace["Add"] == 0  # t is a transposed view: not written
+    assert profile.inplace["Add"] == 0  # t is a transposed view of an owned value: not written into
     assert fast["y"].tobytes() == runnx.load(model, inplace=False).run(feeds)["y"].tobytes()
