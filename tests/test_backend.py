@@ -83,6 +83,7 @@ for _case in _cases.values():
     for _name in dir(_case):
         if _name in _failures:
             setattr(_case, _name, _expect_failure(getattr(_case, _name), _failures[_name]))
+del _case, _name  # or pytest would collect the last case class a second time under this name
 globals().update(_cases)
 
 
