@@ -8,7 +8,7 @@ computed once per plan, so the executor only checks storage ownership at run tim
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from runnx.capture.ownership import storage_keys
 from runnx.errors import CycleError, MissingInputError, MissingValueError
@@ -24,7 +24,7 @@ class Step:
     movable: frozenset  # captured value ids that die here and may be moved into the subgraph
     releases: tuple[int, ...]  # value ids dead after this step (dying inputs, unused outputs)
     fn: object = None  # the kernel function
-    kwargs: dict = None  # attributes plus the reserved keywords known when planning (read-only)
+    kwargs: dict = field(default=None, compare=False)  # attributes plus the reserved keywords known when planning (read-only)
     wants_ctx: bool = False
     single: bool = False  # exactly one output, and it is used
 
@@ -38,9 +38,9 @@ class Plan:
     unused_inputs: tuple[int, ...]
     # per-run starting state, built once: value and storage-key slots with the constants in place
     # (one extra slot, values[MISSING], stays None) and how many constants hold each storage
-    values_template: tuple = ()
-    keys_template: tuple = ()
-    constant_storages: dict = None
+    values_template: tuple = field(default=(), compare=False)
+    keys_template: tuple = field(default=(), compare=False)
+    constant_storages: dict = field(default=None, compare=False)
 
     @property
     def nodes(self) -> list[Node]:

@@ -152,8 +152,9 @@ class ShapeGroup:
 
     def __call__(self, *args, ctx):
         count = len(self.roots)
-        key = tuple(getattr(a, "shape", None) for a in args[:count])
-        key += tuple(_value_key(a) for a in args[count:])
+        key = tuple([getattr(a, "shape", None) for a in args[:count]])
+        if len(args) > count:
+            key += tuple([_value_key(a) for a in args[count:]])
         try:
             result = self.results.get(key)
         except TypeError:  # an unhashable external (a sequence): compute, do not keep
