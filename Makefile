@@ -4,12 +4,15 @@
 #   make test      the whole test suite, 2 workers (extra pytest arguments: make test ARGS='-k cli')
 #   make models    real models + speech clips into ${RUNNX_CACHE:-~/.cache/runnx} (idempotent)
 #   make fixtures  rebuild the committed tiny models in tests/fixtures (deterministic)
-#   make demo      run the tiny Llama fixture with a profile
+#   make demo      generate text with SmolLM2-135M, transcribe speech with Whisper tiny.en, profile a run
 PYTHON ?= python3
 ARGS ?=
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.runnx-installed
+CACHE := $(or $(RUNNX_CACHE),$(HOME)/.cache/runnx)
+SMOLLM2 := $(CACHE)/models/smollm2-135m
+WHISPER := $(CACHE)/models/whisper-tiny.en
 
 .PHONY: install test models fixtures demo
 
@@ -30,4 +33,13 @@ fixtures:
 	$(PYTHON) scripts/build_models.py tiny
 
 demo: install models
+	@echo "== runnx generate: SmolLM2-135M-Instruct, greedy"
+	$(BIN)/runnx generate $(SMOLLM2) "The capital of France is" --max-new-tokens 24
+	@echo "== runnx generate --chat: sampled, seeded"
+	$(BIN)/runnx generate $(SMOLLM2) "Give me three tips for staying healthy." --chat --max-new-tokens 96 \
+		--temperature 0.7 --top-p 0.9 --seed 1
+	@echo "== runnx whisper: Whisper tiny.en on espeak-ng speech"
+	$(BIN)/runnx whisper $(WHISPER) $(CACHE)/audio/john.wav
+	$(BIN)/runnx whisper $(WHISPER) $(CACHE)/audio/long.wav --timestamps
+	@echo "== runnx run --profile: where the time goes in one decoder step (tiny Llama fixture)"
 	$(BIN)/runnx run tests/fixtures/tiny-llama/model.onnx --profile
