@@ -209,6 +209,16 @@ def _ratios(results: dict, contexts: list[int]) -> str:
     return "\n".join(lines)
 
 
+def _script_output(script: str, arguments: list[str], threads: int) -> str:
+    """Run one of the focused benchmark scripts with the thread count set; its printed table."""
+    environment = dict(os.environ, **{v: str(threads) for v in THREAD_VARIABLES}, PYTHONPATH=str(ROOT))
+    completed = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *arguments], capture_output=True,
+                               text=True, env=environment, timeout=3600)
+    output = completed.stdout.strip() if completed.returncode == 0 else f"failed:\n{completed.stderr[-1500:]}"
+    print(output, flush=True)
+    return output
+
+
 def main(args) -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     thread_counts = [int(t) for t in args.threads.split(",")]
@@ -235,6 +245,8 @@ def main(args) -> None:
         print(f"  {results[('reference', 1)]}", flush=True)
     table, ratios = _llm_table(results, contexts), _ratios(results, contexts)
     print(table + "\n" + ratios)
+    whisper = {t: _script_output("bench_whisper.py", ["--threads", str(t)], t) for t in thread_counts}
+    dispatch = _script_output("bench_dispatch.py", [], 1)
     if args.no_write:
         return
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -254,6 +266,23 @@ Command: `{command}`.
 {ratios}
 
 ![decode tokens/s vs context](decode_tokens_per_second.png)
+""")
+    whisper_blocks = "\n\n".join(f"```\n{text}\n```" for text in whisper.values())
+    update_section("suite-whisper", f"""## Whisper tiny.en (`scripts/bench_whisper.py`, run by `scripts/bench.py`)
+
+Encoder seconds per 30 s window, decoder ms/token, and the real-time factor of the 68.8 s clip
+(`long.wav`, 15 espeak-ng sentences), runnx vs onnxruntime behind the same pipeline code, at each
+thread count. runnx {git_revision()}; {machine()}.
+
+{whisper_blocks}
+""")
+    update_section("suite-dispatch", f"""## Per-node dispatch (`scripts/bench_dispatch.py`, run by `scripts/bench.py`)
+
+A chain of 1000 tiny elementwise ops on 4 floats: microseconds per node. runnx {git_revision()}.
+
+```
+{dispatch}
+```
 """)
 
 
