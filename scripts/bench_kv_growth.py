@@ -129,7 +129,7 @@ def _write(rows):
     for length, mine, off, ort in rows:
         table.append(f"| {length} | {mine[0] * 1e3:.1f} | {mine[1] / 1024:.1f} | {off[0] * 1e3:.1f} | "
                      f"{off[1] / 1024:.1f} | {ort[0] * 1e3:.1f} | {ort[1] / 1024:.1f} |")
-    model = ARGS.model.relative_to(ROOT) if ARGS.model.is_relative_to(ROOT) else ARGS.model.name
+    model = ARGS.model.relative_to(ROOT) if ARGS.model.is_relative_to(ROOT) else Path(*ARGS.model.parts[-2:])
     update_section("kv-growth", f"""## KV-cache growth per decode step (`scripts/bench_kv_growth.py`)
 
 Model `{model}`, {ARGS.threads} thread(s) for runnx's BLAS and onnxruntime, median of {ARGS.steps} steps,

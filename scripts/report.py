@@ -18,9 +18,10 @@ def machine() -> str:
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
     except (OSError, StopIteration):
         cpu = platform.processor() or "unknown CPU"
-    threads = {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS")}
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-            + ", ".join(f"{k}={v}" for k, v in threads.items() if v))
+    parts = [cpu, f"{os.cpu_count()} cores", f"Python {platform.python_version()}"]
+    parts += [f"{k}={os.environ[k]}" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
+              if os.environ.get(k)]
+    return ", ".join(parts)
 
 
 def git_revision() -> str:
