@@ -8,7 +8,7 @@
 from runnx import ops as _ops  # registers every kernel
 from runnx.capture import Owned, with_capacity
 from runnx.errors import (
-    CycleError, ExternalDataError, InputError, InputShapeError, InputTypeError, InvalidModelError,
+    CycleError, ExternalDataError, InPlaceMismatchError, InputError, InputShapeError, InputTypeError, InvalidModelError,
     MissingInputError, MissingValueError, ModelLoadError, NodeError, PlanError, ResourceLimitError,
     RunnxError, UnknownInputError, UnknownOutputError, UnsupportedOpError,
 )
@@ -20,7 +20,7 @@ from runnx.interp.session import InferenceSession, NodeArg, SessionOptions
 __version__ = "0.1.0"
 
 __all__ = [
-    "CycleError", "ExternalDataError", "InferenceSession", "InputError", "InputShapeError", "InputTypeError",
+    "CycleError", "ExternalDataError", "InPlaceMismatchError", "InferenceSession", "InputError", "InputShapeError", "InputTypeError",
     "InvalidModelError", "MissingInputError", "MissingValueError", "Model", "ModelLoadError", "NodeArg",
     "NodeError", "Options", "Owned", "PlanError", "Profile", "ResourceLimitError", "RunnxError",
     "SessionOptions", "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "load", "with_capacity",

@@ -79,3 +79,8 @@ class NodeError(RunnxError):
 
 class ResourceLimitError(RunnxError):
     """A tensor or loop would exceed the session's configured limits."""
+
+
+class InPlaceMismatchError(RunnxError):
+    """Checking mode (check_inplace) found an in-place execution whose result differs from the
+    out-of-place one: a bug in a kernel's in-place path."""

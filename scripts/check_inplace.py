@@ -25,7 +25,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "reliability")]
 import runnx  # noqa: E402
 from corpus import bits  # noqa: E402
 from runnx.interp.folding import NONDETERMINISTIC  # noqa: E402
-from runnx.interp.executor import InPlaceMismatchError  # noqa: E402
+from runnx.errors import InPlaceMismatchError  # noqa: E402
 
 
 def _owned(value):

@@ -14,13 +14,9 @@ import numpy as np
 
 from runnx.capture.env import CaptureEnv, Subgraph
 from runnx.capture.ownership import StorageTable, storage_keys
-from runnx.errors import NodeError, RunnxError
+from runnx.errors import InPlaceMismatchError, NodeError, RunnxError
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.planner import Plan, make_plan
-
-
-class InPlaceMismatchError(RunnxError):
-    """Checking mode found an in-place execution whose result differs from the out-of-place one."""
 
 
 def _describe_value(name, value) -> str:

@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import runnx
-from runnx.interp.executor import InPlaceMismatchError
+from runnx.errors import InPlaceMismatchError
 
 F = TensorProto.FLOAT
 
