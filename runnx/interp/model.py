@@ -28,8 +28,14 @@ class Model:
         self.options = options or Options()
         self.folded = fold_constants(self.graph, self.options) if self.options.fold_constants else 0
         self._unrewritten = replace(self.graph)  # for plans requesting values a rewrite removed
+        # The shape cache stays at the top level: a memo node reads whole tensors for their shapes,
+        # which in a merged decoder's branch can order it after the KV Concat and cost the in-place
+        # append. Fusion applies to subgraphs too (an Optimum merged decoder's branches).
         self.memoized = memoize_shapes(self.graph) if self.options.shape_cache else 0
-        self.fused = fuse(self.graph) if self.options.fuse else {}
+        self.fused = {}
+        for graph in _graphs(self.graph) if self.options.fuse else ():
+            for op, count in fuse(graph).items():
+                self.fused[op] = self.fused.get(op, 0) + count
         apply_threads(self.options.threads)
         self._threads = None  # counts in effect, looked up when first profiled
         self.opsets = dict(loaded.opsets)
@@ -119,6 +125,15 @@ class Model:
     def describe_io(self):
         return ([(i.name, type_name(i.elem_type or 0), i.shape) for i in self.inputs],
                 [(o.name, type_name(o.elem_type or 0), o.shape) for o in self.outputs])
+
+
+def _graphs(graph):
+    """The graph and every subgraph nested in it."""
+    yield graph
+    for node in graph.nodes:
+        for sub in node.subgraphs.values():
+            for subgraph in (sub if isinstance(sub, list) else [sub]):
+                yield from _graphs(subgraph)
 
 
 def load(source, *, weights=None, options: Options | None = None, **option_values) -> Model:
