@@ -16,6 +16,8 @@ from runnx.generate.generator import Generator
 from runnx.generate.io_names import DecoderIOError
 from runnx.generate.state import load_state, save_state
 
+from _checks import assert_batch_matches_per_row
+
 
 @pytest.fixture(scope="module")
 def llama(fixtures_dir) -> Generator:
@@ -107,13 +109,7 @@ def test_stream_pieces_join_to_generate(llama):
 
 def test_batch_matches_per_row(llama):
     prompts = ["Once upon a time", "a", "The quick brown fox jumps over the lazy dog."]
-    settings = dict(max_new_tokens=10, stop_token_ids=())
-    singles, single_ids = [], []
-    for prompt in prompts:
-        singles.append(llama.generate(prompt, **settings))
-        single_ids.append(list(llama.generated[0]))
-    assert llama.generate_batch(prompts, **settings) == singles
-    assert llama.generated == single_ids
+    assert_batch_matches_per_row(llama, prompts, max_new_tokens=10)
 
 
 def test_batch_rows_stop_on_their_own(llama):

@@ -8,6 +8,7 @@ from runnx.generate.chat import Chat
 from runnx.generate.generator import Generator
 from runnx.generate.state import load_state, save_state
 
+from _checks import assert_batch_matches_per_row
 from generate_reference import ort_greedy
 
 PROMPT = "The capital of France is"
@@ -60,13 +61,7 @@ def test_saved_state_continues_exactly(smollm2_dir, smollm2, tmp_path):
 
 def test_batch_matches_per_row(smollm2):
     prompts = [PROMPT, "Water boils at a temperature of"]
-    settings = dict(max_new_tokens=8, stop_token_ids=())
-    singles, single_ids = [], []
-    for prompt in prompts:
-        singles.append(smollm2.generate(prompt, **settings))
-        single_ids.append(list(smollm2.generated[0]))
-    assert smollm2.generate_batch(prompts, **settings) == singles
-    assert smollm2.generated == single_ids
+    assert_batch_matches_per_row(smollm2, prompts, max_new_tokens=8)
 
 
 def test_chat_two_turns_reuse_the_cache(smollm2):
