@@ -1,84 +1,14 @@
-"""Load-time fusion: recurring node patterns of exported decoders become one fused node.
-
-Each matcher starts from an anchor node, walks its producers and checks ops, attributes and
-constants; every value computed inside the pattern must be read only inside it (or, for the
-repeated KV cache, only for its shape), so removing the pattern's nodes changes nothing else. The
-fused kernels (`runnx/ops/fused.py`) compute what the nodes computed. Patterns: RMSNorm, the
-SiLU-gated MLP activation, rotary embedding (rotate-half) and attention over a grouped-query
-KV cache (the head repeat by Unsqueeze/Expand/Reshape is what it removes).
+"""Fusion patterns of exported decoder LMs (Llama-style): RMSNorm, the SiLU-gated MLP activation,
+rotary embedding (rotate-half) and attention over a grouped-query KV cache (the head repeat by
+Unsqueeze/Expand/Reshape is what it removes). Kernels: `runnx/ops/fused.py`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
-
-from runnx.interp.ir import MISSING, Graph, Node
-from runnx.ops import registry
-from runnx.ops.fused import DOMAIN
-
-SHAPE_READERS = ("Shape", "Size")
+from runnx.interp.fusion.matcher import Fused, Matcher
+from runnx.interp.ir import MISSING, Node
 
 
-@dataclass
-class Fused:
-    op_type: str
-    members: list  # nodes replaced
-    inputs: tuple  # value ids (MISSING for an absent optional input)
-    outputs: tuple
-    attrs: dict
-
-
-class _Matcher:
-    def __init__(self, graph: Graph):
-        self.graph = graph
-        self.readers: dict[int, list[Node]] = {}
-        for node in graph.nodes:
-            for vid in list(node.inputs) + list(node.captures):
-                self.readers.setdefault(vid, []).append(node)
-        self.requested = set(graph.outputs)
-        self.taken: set[int] = set()
-
-    def node(self, vid: int, op_type: str) -> Node | None:
-        """The producer of `vid` if it is a standard `op_type` node not yet fused."""
-        node = self.graph.producer.get(vid)
-        if node is None or node.op_type != op_type or node.domain != "" or node.index in self.taken:
-            return None
-        return node
-
-    def scalar(self, vid: int):
-        value = self.graph.constants.get(vid)
-        return value if value is not None and value.size == 1 else None
-
-    def private(self, members: list[Node], result: int, shape_read: tuple = ()) -> bool:
-        """Values made inside `members` (but `result`) are read only inside them; those in
-        `shape_read` may also be read by nodes reading only their shape."""
-        inside = {n.index for n in members}
-        for node in members:
-            for vid in node.outputs:
-                if vid == MISSING or vid == result:
-                    continue
-                if vid in self.requested:
-                    return False
-                for reader in self.readers.get(vid, ()):
-                    if reader.index not in inside and not (vid in shape_read and _reads_shape_only(reader, vid)):
-                        return False
-        return True
-
-    def other(self, node: Node, vid: int) -> int:
-        """The other input of a binary node, given one."""
-        a, b = node.inputs[:2]
-        return b if a == vid else a
-
-
-def _reads_shape_only(node: Node, vid: int) -> bool:
-    if node.op_type in SHAPE_READERS and node.domain == "":
-        return True
-    roots = getattr(node.kernel.fn, "roots", ())  # a shape memo node reads its roots' shapes only
-    return vid in roots and vid not in getattr(node.kernel.fn, "external", ())
-
-
-def _single_axis(m: _Matcher, node: Node) -> int | None:
+def _single_axis(m: Matcher, node: Node) -> int | None:
     """The one reduction axis of a ReduceMean (attribute before opset 18, input after)."""
     axes = node.attrs.get("axes")
     if len(node.inputs) > 1 and node.inputs[1] != MISSING:
@@ -89,7 +19,7 @@ def _single_axis(m: _Matcher, node: Node) -> int | None:
     return axes[0]
 
 
-def _rms_norm(m: _Matcher, power: Node) -> Fused | None:
+def _rms_norm(m: Matcher, power: Node) -> Fused | None:
     """Pow(x, 2) -> ReduceMean -> Add(eps) -> Sqrt -> Div(1, .) -> Mul(x, .) [-> Cast] -> Mul(w, .)"""
     x, two = power.inputs
     exponent = m.scalar(two)
@@ -129,7 +59,7 @@ def _rms_norm(m: _Matcher, power: Node) -> Fused | None:
     return Fused("RMSNorm", chain, (x, epsilon, one, weight), weight_mul.outputs, {"axis": axis, "to": to})
 
 
-def _silu_mul(m: _Matcher, sigmoid: Node) -> Fused | None:
+def _silu_mul(m: Matcher, sigmoid: Node) -> Fused | None:
     """Mul(Mul(g, Sigmoid(g)), up)"""
     gate = sigmoid.inputs[0]
     readers = m.readers.get(sigmoid.outputs[0], ())
@@ -150,7 +80,7 @@ def _slice_inputs(node: Node) -> tuple:
     return tuple(node.inputs[1:]) + (MISSING,) * (5 - len(node.inputs))
 
 
-def _rotate_half(m: _Matcher, concat: Node) -> Fused | None:
+def _rotate_half(m: Matcher, concat: Node) -> Fused | None:
     """Add(Mul(x, cos), Mul(Concat(Neg(Slice(x)), Slice(x)), sin))"""
     if len(concat.inputs) != 2 or concat.since < 4:
         return None
@@ -182,7 +112,7 @@ def _rotate_half(m: _Matcher, concat: Node) -> Fused | None:
     return Fused("RotateHalf", chain, inputs, add.outputs, {"axis": concat.attrs["axis"]})
 
 
-def _repeat(m: _Matcher, vid: int):
+def _repeat(m: Matcher, vid: int):
     """(Unsqueeze, Expand, Reshape) nodes repeating a KV cache's heads, ending in `vid`."""
     reshape = m.node(vid, "Reshape")
     expand = m.node(reshape.inputs[0], "Expand") if reshape is not None else None
@@ -192,7 +122,7 @@ def _repeat(m: _Matcher, vid: int):
     return unsqueeze, expand, reshape
 
 
-def _attention(m: _Matcher, softmax: Node) -> Fused | None:
+def _attention(m: Matcher, softmax: Node) -> Fused | None:
     """Where(IsNaN(p), fill, p) @ repeat(V) with p = Softmax((q * a) @ (Transpose(repeat(K)) * b) + bias)"""
     axis = softmax.attrs.get("axis", -1 if softmax.since >= 13 else 1)
     if softmax.since < 13 and axis not in (-1, 3):
@@ -245,7 +175,7 @@ def _attention(m: _Matcher, softmax: Node) -> Fused | None:
     return Fused("RepeatedKVAttention", chain, inputs, output.outputs, {"axis": axis})
 
 
-def _shape_stand_ins(m: _Matcher, fused: Fused) -> list[Fused]:
+def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     """Nodes giving the removed repeated caches to readers of their shape (a zero-stride view)."""
     stand_ins = []
     if fused.op_type != "RepeatedKVAttention":
@@ -259,36 +189,3 @@ def _shape_stand_ins(m: _Matcher, fused: Fused) -> list[Fused]:
 
 
 PATTERNS = (("Pow", _rms_norm), ("Sigmoid", _silu_mul), ("Concat", _rotate_half), ("Softmax", _attention))
-
-
-def fuse(graph: Graph) -> dict[str, int]:
-    """Rewrite the top-level graph's patterns into fused nodes; returns {fused op: count}."""
-    counts: dict[str, int] = {}
-    for anchor_op, matcher in PATTERNS:
-        m = _Matcher(graph)
-        found = []
-        for node in graph.nodes:
-            if node.op_type != anchor_op or node.domain != "" or node.index in m.taken:
-                continue
-            fused = matcher(m, node)
-            if fused is None or any(n.index in m.taken for n in fused.members):
-                continue
-            m.taken.update(n.index for n in fused.members)
-            found.append(fused)
-            found += _shape_stand_ins(m, fused)
-        if not found:
-            continue
-        next_index = max(n.index for n in graph.nodes) + 1
-        new_nodes = []
-        for fused in found:
-            kernel = registry.resolve(DOMAIN, fused.op_type, 1)
-            index = max((n.index for n in fused.members), default=next_index)
-            if not fused.members:
-                next_index += 1
-            name = fused.members[-1].name if fused.members else graph.names[fused.outputs[0]]
-            new_nodes.append(Node(index, f"{fused.op_type}({name})", fused.op_type, DOMAIN, tuple(fused.inputs),
-                                  tuple(fused.outputs), fused.attrs, {}, (), kernel, kernel.since))
-            counts[fused.op_type] = counts.get(fused.op_type, 0) + (1 if fused.members else 0)
-        graph.nodes = tuple(n for n in graph.nodes if n.index not in m.taken) + tuple(new_nodes)
-        graph.producer = {vid: node for node in graph.nodes for vid in node.outputs if vid != MISSING}
-    return {op: count for op, count in counts.items() if count}

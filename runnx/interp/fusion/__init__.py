@@ -1,0 +1,50 @@
+"""Load-time fusion: recurring node patterns of exported models become one fused node.
+
+Pattern modules each give PATTERNS, (anchor op, matcher) pairs; a matcher returns a `Fused` whose
+kernel (domain `runnx.fused`, `runnx/ops/fused*.py`) computes what the replaced nodes computed.
+Patterns run in order, each over the graph the previous ones left.
+"""
+from __future__ import annotations
+
+from runnx.interp.fusion import decoder
+from runnx.interp.fusion.matcher import Matcher
+from runnx.interp.ir import MISSING, Graph, Node
+from runnx.ops import registry
+from runnx.ops.fused import DOMAIN
+
+PATTERNS = decoder.PATTERNS
+STAND_INS = (decoder.shape_stand_ins,)
+
+
+def fuse(graph: Graph) -> dict[str, int]:
+    """Rewrite the top-level graph's patterns into fused nodes; returns {fused op: count}."""
+    counts: dict[str, int] = {}
+    for anchor_op, matcher in PATTERNS:
+        m = Matcher(graph)
+        found = []
+        for node in graph.nodes:
+            if node.op_type != anchor_op or node.domain != "" or node.index in m.taken:
+                continue
+            fused = matcher(m, node)
+            if fused is None or any(n.index in m.taken for n in fused.members):
+                continue
+            m.taken.update(n.index for n in fused.members)
+            found.append(fused)
+            for stand_ins in STAND_INS:
+                found += stand_ins(m, fused)
+        if not found:
+            continue
+        next_index = max(n.index for n in graph.nodes) + 1
+        new_nodes = []
+        for fused in found:
+            kernel = registry.resolve(DOMAIN, fused.op_type, 1)
+            index = max((n.index for n in fused.members), default=next_index)
+            if not fused.members:
+                next_index += 1
+            name = fused.members[-1].name if fused.members else graph.names[fused.outputs[0]]
+            new_nodes.append(Node(index, f"{fused.op_type}({name})", fused.op_type, DOMAIN, tuple(fused.inputs),
+                                  tuple(fused.outputs), fused.attrs, {}, (), kernel, kernel.since))
+            counts[fused.op_type] = counts.get(fused.op_type, 0) + (1 if fused.members else 0)
+        graph.nodes = tuple(n for n in graph.nodes if n.index not in m.taken) + tuple(new_nodes)
+        graph.producer = {vid: node for node in graph.nodes for vid in node.outputs if vid != MISSING}
+    return {op: count for op, count in counts.items() if count}

@@ -1,0 +1,73 @@
+"""The pattern matcher's vocabulary: a fused node to be, and a view of the graph with each value's
+readers, for matchers walking producers from an anchor node.
+
+Each matcher starts from an anchor node, walks its producers and checks ops, attributes and
+constants; every value computed inside the pattern must be read only inside it (or, for
+values whose stand-ins keep their shape, only for their shape), so removing the pattern's nodes
+changes nothing else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runnx.interp.ir import MISSING, Graph, Node
+
+SHAPE_READERS = ("Shape", "Size")
+@dataclass
+class Fused:
+    op_type: str
+    members: list  # nodes replaced
+    inputs: tuple  # value ids (MISSING for an absent optional input)
+    outputs: tuple
+    attrs: dict
+
+
+class Matcher:
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.readers: dict[int, list[Node]] = {}
+        for node in graph.nodes:
+            for vid in list(node.inputs) + list(node.captures):
+                self.readers.setdefault(vid, []).append(node)
+        self.requested = set(graph.outputs)
+        self.taken: set[int] = set()
+
+    def node(self, vid: int, op_type: str) -> Node | None:
+        """The producer of `vid` if it is a standard `op_type` node not yet fused."""
+        node = self.graph.producer.get(vid)
+        if node is None or node.op_type != op_type or node.domain != "" or node.index in self.taken:
+            return None
+        return node
+
+    def scalar(self, vid: int):
+        value = self.graph.constants.get(vid)
+        return value if value is not None and value.size == 1 else None
+
+    def private(self, members: list[Node], result: int, shape_read: tuple = ()) -> bool:
+        """Values made inside `members` (but `result`) are read only inside them; those in
+        `shape_read` may also be read by nodes reading only their shape."""
+        inside = {n.index for n in members}
+        for node in members:
+            for vid in node.outputs:
+                if vid == MISSING or vid == result:
+                    continue
+                if vid in self.requested:
+                    return False
+                for reader in self.readers.get(vid, ()):
+                    if reader.index not in inside and not (vid in shape_read and reads_shape_only(reader, vid)):
+                        return False
+        return True
+
+    def other(self, node: Node, vid: int) -> int:
+        """The other input of a binary node, given one."""
+        a, b = node.inputs[:2]
+        return b if a == vid else a
+
+
+def reads_shape_only(node: Node, vid: int) -> bool:
+    if node.op_type in SHAPE_READERS and node.domain == "":
+        return True
+    roots = getattr(node.kernel.fn, "roots", ())  # a shape memo node reads its roots' shapes only
+    return vid in roots and vid not in getattr(node.kernel.fn, "external", ())
+
+
