@@ -1,23 +1,34 @@
 """Fused kernels for patterns that `runnx.interp.fusion` finds in exported decoders (private
-domain `runnx.fused`; never in a model file).
+domain `runnx.fused`; never in a model file), and `attend`, the attention kernel other fusions
+call.
 
-Each kernel does the arithmetic of the nodes it replaces with the same numpy operations in the
-same order, so its results are those of the unfused graph; the one exception is attention, which
-scales the (small) query by both scale factors instead of scaling the (long) key cache. The win is
-fewer dispatches, fewer temporaries and, for attention, no copy of the KV cache per step: the
-exporters' grouped-query head repeat (Unsqueeze/Expand/Reshape of the whole cache) becomes a
-reshape of the queries.
+`attend(query, key, value, bias, scale, fill=nan) -> np.ndarray` (stable signature):
+softmax((query * scale) @ key^T + bias) @ value for query (batch, heads, q_len, depth) and key,
+value (batch, kv_heads, kv_len, depth / width) with heads a multiple of kv_heads (query head h
+reads KV head h // (heads // kv_heads); plain multi-head attention when they are equal). key and
+value are read in place whatever their strides (a KV cache is a view into its capacity buffer),
+each cache row once for all the query heads of its group. bias is additive, broadcastable to
+(batch, heads, q_len, kv_len), or None. A row whose softmax is NaN (every key masked) gives
+fill * sum(value rows): NaN like the plain Softmax graph, 0 where the exporter replaced NaN by 0.
+float32/float64 in one dtype go to the numba kernels (`_kernels_fused.py`), serially or split
+over cache-row blocks in parallel for long caches; anything else computes the same with numpy.
+
+Results are those of the unfused graph up to float rounding (rtol ~1e-5 in float32; greedy token
+ids are unchanged): attention sums in a different order, scales the query once by both factors
+and uses a 1-ulp float32 exp; the rest do the unfused arithmetic in the same order.
 """
 from __future__ import annotations
 
 import functools
 import math
 
+import numba
 import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops._elementwise_util import sigmoid
+from runnx.ops._kernels_fused import attention_parallel, attention_serial
 from runnx.ops.registry import register
 from runnx.ops.shape import Slice
 
@@ -162,32 +173,107 @@ def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fil
     per KV head instead, so the cache (a view into its capacity buffer) is read in place."""
     key_shapes = _repeat(key, key_axes, key_expand, key_target)
     value_shapes = _repeat(value, value_axes, value_expand, value_target)
-    key_repeat = key_shapes[3]
-    scaled = np.multiply(query, query_scale)
-    plain = (key_repeat is None or key_repeat != value_shapes[3] or query.ndim != 4
-             or query.shape[1] != key.shape[1] * key_repeat or query.shape[0] != key.shape[0]
-             or axis % 4 != 3)
-    if plain:
+    repeat = key_shapes[3]
+    if repeat is None or repeat != value_shapes[3] or axis % 4 != 3 or not _grouped(query, key, value):
         keys = _materialised(key, key_shapes)
         values = _materialised(value, value_shapes)
-        scores = np.matmul(scaled, np.multiply(np.swapaxes(keys, -1, -2), key_scale))
-    else:
-        batch, heads, length, _ = query.shape
-        groups = key.shape[1]
-        np.multiply(scaled, key_scale, out=scaled, casting="unsafe")
-        grouped = scaled.reshape(batch, groups, key_repeat * length, query.shape[3])
-        scores = np.matmul(grouped, np.swapaxes(key, -1, -2)).reshape(batch, heads, length, key.shape[2])
-    if _fits(bias, scores):
-        np.add(scores, bias, out=scores)
-    else:
-        scores = np.add(scores, bias)
+        scores = np.matmul(np.multiply(query, query_scale), np.multiply(np.swapaxes(keys, -1, -2), key_scale))
+        return np.matmul(_probabilities(scores, bias, nan_fill, axis), values)
+    dtype = query.dtype
+    if (query_scale.dtype == dtype and key_scale.dtype == dtype and nan_fill.dtype == dtype and bias.dtype == dtype
+            and query_scale.size == 1 and key_scale.size == 1 and nan_fill.size == 1 and nan_fill.ndim <= 4):
+        result = _attend_kernel(query, key, value, bias, query_scale.item() * key_scale.item(), nan_fill.item())
+        if result is not None:
+            return result
+    scaled = np.multiply(query, query_scale)
+    np.multiply(scaled, key_scale, out=scaled, casting="unsafe")
+    return _attend_numpy(scaled, key, value, bias, nan_fill)
+
+
+def attend(query, key, value, bias, scale, fill: float = math.nan) -> np.ndarray:
+    """softmax((query * scale) @ key^T + bias) @ value with grouped-query heads: see the module
+    docstring. RunnxError when the shapes are not those of (grouped-query) attention."""
+    if not _grouped(query, key, value):
+        raise RunnxError(f"attention needs query (batch, heads, q_len, depth) and key/value (batch, kv_heads, "
+                         f"kv_len, depth/width) with heads a multiple of kv_heads; got {list(query.shape)}, "
+                         f"{list(key.shape)}, {list(value.shape)}")
+    result = _attend_kernel(query, key, value, bias, float(scale), float(fill))
+    if result is not None:
+        return result
+    probabilities_shape = query.shape[:3] + key.shape[2:3]
+    if bias is not None and np.broadcast_shapes(bias.shape, probabilities_shape) != probabilities_shape:
+        raise RunnxError(f"attention bias of shape {list(bias.shape)} does not broadcast to the scores' "
+                         f"{list(probabilities_shape)}")
+    return _attend_numpy(np.multiply(query, scale), key, value, bias, query.dtype.type(fill))
+
+
+def _grouped(query, key, value) -> bool:
+    """Whether query (B, H, Q, D), key (B, G, K, D) and value (B, G, K, W) make grouped-query
+    attention (H a multiple of G)."""
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        return False
+    batch, heads, _, depth = query.shape
+    groups = key.shape[1]
+    return (key.shape[0] == batch and key.shape[3] == depth and value.shape[:3] == key.shape[:3] and groups > 0
+            and heads % groups == 0)
+
+
+_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_PARALLEL_WORK = 1 << 20  # multiply-adds from which splitting the cache over threads beats the launch cost
+_BLOCK_ROWS = 256  # fewest cache rows per parallel block
+_KERNEL_ROWS = 64  # query rows per KV head up to which the kernel beats numpy's BLAS products (decode, short prefill)
+
+
+def _attend_kernel(query, key, value, bias, scale: float, fill: float):
+    """The numba attention for float32/float64 in one dtype, or None (then numpy computes it):
+    another dtype, a bias that does not broadcast into the scores, or a long query (prefill:
+    BLAS matrix products win)."""
+    dtype = query.dtype
+    if dtype not in _KERNEL_DTYPES or key.dtype != dtype or value.dtype != dtype:
+        return None
+    batch, heads, length, depth = query.shape
+    groups, size = key.shape[1], key.shape[2]
+    rows = heads // groups * length
+    if rows > _KERNEL_ROWS:
+        return None
+    if bias is not None:
+        if bias.dtype != dtype or bias.ndim > 4:
+            return None
+        if bias.ndim < 4:
+            bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+        shape = bias.shape
+        if not ((shape[0] == 1 or shape[0] == batch) and (shape[1] == 1 or shape[1] == heads)
+                and (shape[2] == 1 or shape[2] == length) and (shape[3] == 1 or shape[3] == size)):
+            return None
+    work = batch * groups * size * rows * (depth + value.shape[3])
+    if work >= _PARALLEL_WORK and (threads := numba.get_num_threads()) > 1:
+        blocks = min(threads // math.gcd(batch * groups, threads), max(1, size // _BLOCK_ROWS))
+        if blocks * batch * groups > 1:
+            return attention_parallel(query, key, value, bias, scale, fill, blocks)
+    return attention_serial(query, key, value, bias, scale, fill)
+
+
+def _attend_numpy(scaled, key, value, bias, fill):
+    """The grouped attention with numpy's matrix products: each KV head's query rows as one
+    matrix, so the cache is not repeated."""
+    batch, heads, length, depth = scaled.shape
+    groups, size = key.shape[1], key.shape[2]
+    grouped = scaled.reshape(batch, groups, heads // groups * length, depth)
+    scores = np.matmul(grouped, np.swapaxes(key, -1, -2)).reshape(batch, heads, length, size)
+    probabilities = _probabilities(scores, bias, fill, -1)
+    grouped = probabilities.reshape(batch, groups, heads // groups * length, size)
+    return np.matmul(grouped, value).reshape(batch, heads, length, value.shape[3])
+
+
+def _probabilities(scores, bias, fill, axis: int):
+    """Where(IsNaN(Softmax(scores + bias, axis)), fill, .), in scores when the shapes allow."""
+    if bias is not None:
+        if _fits(bias, scores):
+            np.add(scores, bias, out=scores)
+        else:
+            scores = np.add(scores, bias)
     probabilities = _softmax_in_place(scores, axis)
     missing = np.isnan(probabilities)
     if missing.any():
-        probabilities = np.where(missing, nan_fill, probabilities)
-    else:
-        probabilities = probabilities.astype(np.result_type(nan_fill, probabilities), copy=False)
-    if plain:
-        return np.matmul(probabilities, values)
-    grouped = probabilities.reshape(batch, groups, key_repeat * length, key.shape[2])
-    return np.matmul(grouped, value).reshape(batch, heads, length, value.shape[3])
+        return np.where(missing, fill, probabilities)
+    return probabilities.astype(np.result_type(fill, probabilities), copy=False)

@@ -80,3 +80,42 @@ def test_repeated_kv_shape_is_a_read_only_stand_in():
     assert stand_in.shape == (1, 9, 10, 8) and not stand_in.flags.writeable and stand_in.strides == (0,) * 4
     with pytest.raises(RunnxError):
         RepeatedKVShape(k, _ints(2), _ints(1, 3, 3, 10, 8), _ints(1, 7, 10, 8))
+
+
+def _grouped_reference(q, k, v, bias, scale, fill):
+    """The unfused computation in float64: heads repeated, softmax, NaN -> fill."""
+    repeat = q.shape[1] // k.shape[1]
+    keys, values = np.repeat(k, repeat, axis=1).astype(np.float64), np.repeat(v, repeat, axis=1).astype(np.float64)
+    scores = (q.astype(np.float64) * scale) @ np.swapaxes(keys, -1, -2)
+    if bias is not None:
+        scores = scores + bias
+    with np.errstate(invalid="ignore"):
+        exp = np.exp(scores - scores.max(-1, keepdims=True))
+        p = exp / exp.sum(-1, keepdims=True)
+    return np.where(np.isnan(p), fill, p) @ values
+
+
+def _cache(shape, capacity, dtype):
+    """Key and value as prefix views of capacity buffers (heads strided by the capacity)."""
+    batch, groups, length, depth = shape
+    buffer = RNG.standard_normal((2, batch, groups, capacity, depth)).astype(dtype)
+    return buffer[0][:, :, :length], buffer[1][:, :, :length]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("batch, heads, groups, length, size", [
+    (1, 9, 3, 1, 40),  # grouped-query decode
+    (2, 4, 4, 1, 33),  # multi-head, batch 2
+    (1, 6, 2, 5, 23),  # prefill rows with a causal mask
+    (1, 2, 1, 3, 1),  # a single cache row
+])
+def test_attend_matches_the_unfused_computation(dtype, batch, heads, groups, length, size):
+    from runnx.ops.fused import attend
+    k, v = _cache((batch, groups, size, 16), size + 7, dtype)
+    q = RNG.standard_normal((batch, heads, length, 16)).astype(dtype)
+    causal = np.triu(np.full((length, size), -np.inf, dtype), size - length + 1)
+    for bias in (None, causal, causal[None, None] + RNG.standard_normal((batch, heads, 1, size)).astype(dtype)):
+        got = attend(q, k, v, bias, 0.25)
+        assert got.dtype == dtype and got.shape == (batch, heads, length, 16) and got.flags.c_contiguous
+        rtol = 1e-5 if dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(got, _grouped_reference(q, k, v, bias, 0.25, np.nan), rtol=rtol, atol=rtol)
