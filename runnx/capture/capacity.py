@@ -5,9 +5,16 @@ rows: this is how a KV cache is extended in O(new tokens) instead of re-copied e
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from runnx.capture.ownership import Owned
+
+
+@numba.njit(cache=True)
+def _same_start(view, buffer) -> bool:
+    """Whether two arrays start at the same address (numpy's own `.ctypes.data` costs ~2 us)."""
+    return view.ctypes.data == buffer.ctypes.data
 
 
 def _axis(array: np.ndarray, axis: int) -> int:
@@ -40,17 +47,12 @@ def spare_capacity(view: np.ndarray, axis: int) -> int:
     buffer = view.base
     if type(buffer) is not np.ndarray or buffer.ndim != view.ndim or buffer.dtype != view.dtype:
         return 0
-    if view.strides != buffer.strides or view.ctypes.data != buffer.ctypes.data:
-        return 0
     vshape, bshape = view.shape, buffer.shape
-    for dim in range(view.ndim):
-        if dim != axis and vshape[dim] != bshape[dim]:
-            return 0
+    if view.strides != buffer.strides or vshape[:axis] != bshape[:axis] or vshape[axis + 1:] != bshape[axis + 1:]:
+        return 0
+    if not _same_start(view, buffer):
+        return 0
     return bshape[axis] - vshape[axis]
-
-
-def _prefix(buffer: np.ndarray, axis: int, length: int) -> np.ndarray:
-    return buffer[(slice(None),) * axis + (slice(0, length),)]
 
 
 def write_rows(buffer: np.ndarray, axis: int, start: int, rows: np.ndarray) -> None:
@@ -62,15 +64,17 @@ def write_rows(buffer: np.ndarray, axis: int, start: int, rows: np.ndarray) -> N
 def append_in_place(view: np.ndarray, parts, axis: int) -> np.ndarray | None:
     """Write `parts` after `view` inside its buffer and return the longer prefix view, or None
     when the buffer has no room (the caller then allocates)."""
-    added = sum(p.shape[axis] for p in parts)
-    if spare_capacity(view, axis) < added:
+    start = view.shape[axis]
+    stop = start + sum([p.shape[axis] for p in parts])
+    if spare_capacity(view, axis) < stop - start:
         return None
     buffer = view.base
-    start = view.shape[axis]
+    lead = (slice(None),) * axis
     for part in parts:
-        write_rows(buffer, axis, start, part)
-        start += part.shape[axis]
-    return _prefix(buffer, axis, start)
+        end = start + part.shape[axis]
+        buffer[lead + (slice(start, end),)] = part
+        start = end
+    return buffer[lead + (slice(0, stop),)]
 
 
 def concatenate_with_headroom(parts, axis: int) -> np.ndarray:

@@ -86,12 +86,6 @@ class StorageTable:
                     if self.live_bytes > self.peak_bytes:
                         self.peak_bytes = self.live_bytes
 
-    def hold_constants(self, storages: dict) -> None:
-        """Register read-only storages held by `storages[key]` values each, on an empty table
-        (bytes not tracked): a plan's constants, counted once when it is made."""
-        self.count.update(storages)
-        self.owned.update(dict.fromkeys(storages, False))
-
     def drop(self, keys: tuple) -> None:
         count = self.count
         for key in keys:

@@ -13,26 +13,12 @@ import time
 import numpy as np
 
 from runnx.capture.env import CaptureEnv, Subgraph
-from runnx.capture.ownership import StorageTable, storage_keys
-from runnx.errors import InPlaceMismatchError, NodeError, RunnxError
+from runnx.capture.ownership import StorageTable, storage_keys, storage_root
+from runnx.errors import InPlaceMismatchError
+from runnx.interp.compiled import bound_outputs, compile_plan
+from runnx.interp.node_context import describe_value, node_error
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.planner import Plan, make_plan
-
-
-def _describe_value(name, value) -> str:
-    if isinstance(value, np.ndarray):
-        return f"{name}: {value.dtype}{list(value.shape)}"
-    if value is None:
-        return f"{name}: <none>"
-    if isinstance(value, list):
-        return f"{name}: sequence of {len(value)}"
-    return f"{name}: {type(value).__name__}"
-
-
-def _node_context(graph: Graph, node, args) -> str:
-    names = [graph.names[v] if v != MISSING else "" for v in node.inputs]
-    described = ", ".join(_describe_value(n, a) for n, a in zip(names, args))
-    return f"{node.describe()} (inputs {described})"
 
 
 def _same(a, b) -> bool:
@@ -80,35 +66,41 @@ class Executor:
 
     def run(self, graph: Graph, plan: Plan, bound: dict, ctx) -> tuple[list, list]:
         """Execute `plan`; `bound` maps value id -> (value, owned). Returns outputs and owned flags."""
-        values = list(plan.values_template)  # constants in place; values[MISSING], the last slot, stays None
-        keys = list(plan.keys_template)
         profile = ctx.profile
-        table = StorageTable(track_bytes=profile is not None)
-        hold, drop, exclusive = table.hold, table.drop, table.exclusive
-        if profile is None:
-            table.hold_constants(plan.constant_storages)
-        else:  # one by one, counting bytes
-            for vid in plan.constants:
-                hold(keys[vid], False, values[vid])
-        for vid, (value, owned) in bound.items():
-            values[vid] = value
-            keys[vid] = k = storage_keys(value)
-            hold(k, bool(owned) and getattr(getattr(value, "flags", None), "writeable", True), value)
         options = ctx.options
         inplace_on = options.inplace
         checking = options.check_inplace
         trace = options.trace
+        instrumented = profile is not None or checking or trace
+        table = StorageTable(track_bytes=profile is not None)
+        hold, drop, exclusive = table.hold, table.drop, table.exclusive
+        if not instrumented and inplace_on and (compiled := self._compiled(graph, plan, options)) is not None:
+            values, keys = {}, {}
+            self._hold_bound(bound, values, keys, hold)
+            outputs, output_keys = compiled(values, keys, table, ctx)
+            return outputs, [table.is_owned(k) for k in output_keys]
+        values = list(plan.values_template)  # constants in place; values[MISSING], the last slot, stays None
+        keys = list(plan.keys_template)
+        if profile is not None:  # constants are read-only (never owned, nor their views): held only to count bytes
+            for vid in plan.constants:
+                hold(keys[vid], False, values[vid])
+        self._hold_bound(bound, values, keys, hold)
+        # the hot loop inlines StorageTable's single-storage cases (a dict lookup instead of a method
+        # call per value); when profiling it goes through the table's methods, which count bytes
+        count, owned = table.count, table.owned
+        ndarray = np.ndarray
         for step in plan.steps:
-            node = step.node
-            args = list(map(values.__getitem__, step.inputs))
-            kwargs = step.kwargs
+            fn, inputs, kwargs, candidates, single, releases = step.call
+            args = [values[v] for v in inputs]
             granted = ()
-            if step.candidates and inplace_on:
-                for position, vid in step.candidates:
-                    if exclusive(keys[vid]):
+            if candidates and inplace_on:
+                for position, vid in candidates:
+                    k = keys[vid]
+                    if len(k) == 1 and count.get(k[0]) == 1 and owned.get(k[0]) or len(k) > 1 and exclusive(k):
                         granted += (position,)
                 if granted:
                     kwargs = {**kwargs, "overwrite": granted}
+            node = step.node
             if node.subgraphs:
                 kwargs = self._bind_subgraphs(graph, node, step, kwargs, values, keys, table, inplace_on, ctx)
             if step.wants_ctx:
@@ -117,40 +109,45 @@ class Executor:
             try:
                 reference = None
                 if checking and granted and not node.subgraphs:
-                    reference = _out_of_place(step.fn, args, kwargs)
-                result = step.fn(*args, **kwargs)
+                    reference = _out_of_place(fn, args, kwargs)
+                result = fn(*args, **kwargs)
                 if reference is not None:
                     _compare(node, reference, result)
-            except RunnxError as error:
-                if getattr(error, "node_context", False):
-                    raise
-                wrapped = type(error)(f"{_node_context(graph, node, args)}: {error}")
-                wrapped.node_context = True
-                raise wrapped from error
             except Exception as error:
-                wrapped = NodeError(f"{_node_context(graph, node, args)} failed: {type(error).__name__}: {error}")
-                wrapped.node_context = True
+                wrapped = node_error(graph, node, args, error)
+                if wrapped is error:
+                    raise
                 raise wrapped from error
-            if type(result) is np.ndarray and step.single:  # the common case, without the general loop
-                vid = step.outputs[0]
-                values[vid] = result
-                keys[vid] = k = (id(result),) if result.base is None else storage_keys(result)
-                hold(k, None, result)
+            if type(result) is ndarray and single >= 0 and not instrumented:  # the common case, inlined
+                values[single] = result
+                key = id(result) if result.base is None else id(storage_root(result))
+                keys[single] = (key,)
+                held = count.get(key)
+                if held is None:
+                    count[key] = 1
+                    owned[key] = result.flags.writeable
+                else:
+                    count[key] = held + 1
             else:
                 self._bind_outputs(node, step, result, values, keys, hold)
-            if profile is not None:
-                op = node.op_type
-                profile.op_time[op] += time.perf_counter() - start
-                profile.op_calls[op] += 1
-                if granted and any(keys[node.inputs[p]][0] in keys[v] for p in granted
-                                   for v in step.outputs if v != MISSING and keys[node.inputs[p]] and keys[v]):
-                    profile.inplace[op] += 1
-            if trace:
-                shapes = [_describe_value(graph.names[v], values[v]) for v in step.outputs if v != MISSING]
-                print(f"runnx trace: {node.describe()} -> {', '.join(shapes)}"
-                      f"{' (in place)' if granted else ''}", file=sys.stderr)
-            for vid in step.releases:
-                drop(keys[vid])
+            if instrumented:
+                self._instrument(graph, node, step, granted, start, values, keys, profile, trace)
+                for vid in releases:
+                    drop(keys[vid])
+                    values[vid] = None
+                    keys[vid] = ()
+                continue
+            for vid in releases:
+                k = keys[vid]
+                if len(k) == 1:
+                    key = k[0]
+                    held = count[key] - 1
+                    if held:
+                        count[key] = held
+                    else:
+                        del count[key], owned[key]
+                else:
+                    drop(k)
                 values[vid] = None
                 keys[vid] = ()
         if profile is not None and table.peak_bytes > profile.peak_live_bytes:
@@ -158,19 +155,49 @@ class Executor:
         return [values[v] for v in plan.outputs], [table.is_owned(keys[v]) for v in plan.outputs]
 
     @staticmethod
-    def _bind_outputs(node, step, result, values, keys, hold) -> None:
-        outputs = result if type(result) is tuple else (result,)
-        if len(outputs) < len(step.outputs) and any(v != MISSING for v in step.outputs[len(outputs):]):
-            raise NodeError(f"{node.describe()} produced {len(outputs)} outputs, the node declares "
-                            f"{len(step.outputs)}")
-        for vid, value in zip(step.outputs, outputs):
-            if vid == MISSING:
-                continue
-            if type(value) is not np.ndarray and isinstance(value, (np.generic, np.ndarray)):
-                value = np.asarray(value)
+    def _hold_bound(bound: dict, values, keys, hold) -> None:
+        """Place the provided values; a caller's array is owned only when handed over (and writeable)."""
+        for vid, (value, is_owned) in bound.items():
             values[vid] = value
             keys[vid] = k = storage_keys(value)
-            hold(k, None, value)
+            hold(k, bool(is_owned) and getattr(getattr(value, "flags", None), "writeable", True), value)
+
+    @staticmethod
+    def _compiled(graph: Graph, plan: Plan, options):
+        """The plan's compiled function once it has run `options.compile_after` times, else None."""
+        state = plan.state
+        compiled = state.get("compiled")
+        if compiled is None:
+            if not options.compile_after:
+                return None
+            runs = state["runs"] = state.get("runs", 0) + 1
+            if runs < options.compile_after:
+                return None
+            compiled = state["compiled"] = compile_plan(graph, plan) or False
+        return compiled or None
+
+    @staticmethod
+    def _instrument(graph, node, step, granted, start, values, keys, profile, trace) -> None:
+        """Profile counters and the trace line of one step."""
+        if profile is not None:
+            op = node.op_type
+            profile.op_time[op] += time.perf_counter() - start
+            profile.op_calls[op] += 1
+            if granted and any(keys[node.inputs[p]][0] in keys[v] for p in granted
+                               for v in step.outputs if v != MISSING and keys[node.inputs[p]] and keys[v]):
+                profile.inplace[op] += 1
+        if trace:
+            shapes = [describe_value(graph.names[v], values[v]) for v in step.outputs if v != MISSING]
+            print(f"runnx trace: {node.describe()} -> {', '.join(shapes)}"
+                  f"{' (in place)' if granted else ''}", file=sys.stderr)
+
+    @staticmethod
+    def _bind_outputs(node, step, result, values, keys, hold) -> None:
+        for vid, (value, k) in zip(step.outputs, bound_outputs(node, len(step.outputs), result)):
+            if vid != MISSING:
+                values[vid] = value
+                keys[vid] = k
+                hold(k, None, value)
 
     def _bind_subgraphs(self, graph, node, step, attrs, values, keys, table, inplace_on, ctx) -> dict:
         """Build the node's CaptureEnv (moving dying owned captures) and bind each subgraph to it."""

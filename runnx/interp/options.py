@@ -31,7 +31,9 @@ class Options:
     (RUNNX_SHAPE_CACHE=0 turns it off; results are identical either way).
     fuse: replace recurring patterns (RMSNorm, SiLU gate, rotary embedding, grouped-query attention
     over the KV cache) by fused kernels at load (RUNNX_FUSE=0 turns it off).
-    threads: BLAS and numba threads, set for the process at load (RUNNX_THREADS; 0 leaves them)."""
+    threads: BLAS and numba threads, set for the process at load (RUNNX_THREADS; 0 leaves them).
+    compile_after: from its n-th run on, a plan runs compiled to straight-line Python
+    (interp/compiled.py; RUNNX_COMPILE_AFTER, default 2; 0 never compiles)."""
 
     fold_constants: bool = field(default_factory=lambda: _env_flag("RUNNX_FOLD_CONSTANTS", True))
     inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_INPLACE", True))
@@ -44,3 +46,4 @@ class Options:
     shape_cache: bool = field(default_factory=lambda: _env_flag("RUNNX_SHAPE_CACHE", True))
     fuse: bool = field(default_factory=lambda: _env_flag("RUNNX_FUSE", True))
     threads: int = field(default_factory=lambda: _env_int("RUNNX_THREADS", 0))
+    compile_after: int = field(default_factory=lambda: _env_int("RUNNX_COMPILE_AFTER", 2))

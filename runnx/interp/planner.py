@@ -27,6 +27,7 @@ class Step:
     kwargs: dict = field(default=None, compare=False)  # attributes plus the reserved keywords known when planning (read-only)
     wants_ctx: bool = False
     single: bool = False  # exactly one output, and it is used
+    call: tuple = field(default=(), compare=False)  # (fn, inputs, kwargs, candidates, single output or -1, releases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +38,10 @@ class Plan:
     outputs: tuple[int, ...]
     unused_inputs: tuple[int, ...]
     # per-run starting state, built once: value and storage-key slots with the constants in place
-    # (one extra slot, values[MISSING], stays None) and how many constants hold each storage
+    # (one extra slot, values[MISSING], stays None)
     values_template: tuple = field(default=(), compare=False)
     keys_template: tuple = field(default=(), compare=False)
-    constant_storages: dict = field(default=None, compare=False)
+    state: dict = field(default_factory=dict, compare=False)  # run count and compiled function (compiled.py)
 
     @property
     def nodes(self) -> list[Node]:
@@ -146,6 +147,8 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> 
     for position, node in enumerate(order):
         reads = list(_reads(node))
         dying = {vid for vid in reads if last_use[vid] == position and vid not in requested}
+        # constants are never owned, so never released: holding them the whole run costs nothing
+        released = tuple(sorted(v for v in dying if v not in graph.constants or v in provided))
         once = {vid for vid in dying if reads.count(vid) == 1}
         kernel = node.kernel
         candidates = tuple((pos, vid) for pos, vid in enumerate(node.inputs)
@@ -158,17 +161,17 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> 
             kwargs["overwrite"] = ()  # the executor grants positions per run
         if kernel.wants_output_count:
             kwargs["output_count"] = len(node.outputs)
-        steps.append(Step(node, node.inputs, node.outputs, candidates, movable,
-                          tuple(sorted(dying)) + unused, kernel.fn, kwargs, kernel.wants_ctx,
-                          len(node.outputs) == 1 and node.outputs[0] != MISSING))
+        single = len(node.outputs) == 1 and node.outputs[0] != MISSING
+        releases = released + unused
+        call = (kernel.fn, node.inputs, kwargs, candidates, node.outputs[0] if single else -1, releases)
+        steps.append(Step(node, node.inputs, node.outputs, candidates, movable, releases, kernel.fn, kwargs,
+                          kernel.wants_ctx, single, call))
     read = set(last_use) | requested
     constants = tuple(sorted(v for v in graph.constants if v in read and v not in provided))
-    values, keys, storages = [None] * (len(graph.names) + 1), [()] * (len(graph.names) + 1), {}
+    values, keys = [None] * (len(graph.names) + 1), [()] * (len(graph.names) + 1)
     for vid in constants:
         values[vid] = graph.constants[vid]
         keys[vid] = storage_keys(values[vid])
-        for key in keys[vid]:
-            storages[key] = storages.get(key, 0) + 1
     return Plan(
         steps=tuple(steps),
         inputs=tuple(sorted(v for v in provided if v in read)),
@@ -177,5 +180,4 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> 
         unused_inputs=tuple(sorted(v for v in provided if v not in read)),
         values_template=tuple(values),
         keys_template=tuple(keys),
-        constant_storages=storages,
     )

@@ -160,8 +160,9 @@ class ShapeGroup:
         except TypeError:  # an unhashable external (a sequence): compute, do not keep
             return self._compute(args, ctx)
         if result is not None:
-            ctx.count("ShapeMemo.hits")
-            ctx.count("ShapeMemo.nodes_skipped", len(self.members))
+            if ctx.profile is not None:
+                ctx.count("ShapeMemo.hits")
+                ctx.count("ShapeMemo.nodes_skipped", len(self.members))
             return result
         ctx.count("ShapeMemo.misses")
         result = self._compute(args, ctx)

@@ -28,7 +28,9 @@ def int_values(tensor) -> list[int] | None:
     """A 0-D or 1-D integer tensor input (shape, axes, pads, ...) as Python ints; None stays None."""
     if tensor is None:
         return None
-    return [int(v) for v in np.asarray(tensor).reshape(-1)]
+    array = np.asarray(tensor)
+    values = array.reshape(-1).tolist()  # Python ints for integer tensors, in one C call
+    return values if array.dtype.kind in "iu" else [int(v) for v in values]
 
 
 def scalar_value(tensor, what: str):

@@ -24,17 +24,17 @@ def Concat(*inputs, axis: int, overwrite=(), ctx=None):
         rest = parts[1:]
         grown = append_in_place(first, rest, axis)
         if grown is not None:
-            if ctx is not None:
+            if ctx is not None and ctx.profile is not None:
                 ctx.count("Concat.appends_in_place")
                 ctx.count("Concat.bytes_copied", sum(p.nbytes for p in rest))
             return grown
         if first.shape[axis] > sum(p.shape[axis] for p in rest):
-            if ctx is not None:
+            if ctx is not None and ctx.profile is not None:
                 ctx.count("Concat.regrown")
                 ctx.count("Concat.bytes_copied", sum(p.nbytes for p in parts))
             return concatenate_with_headroom(parts, axis)
     result = np.concatenate(inputs, axis=axis)
-    if ctx is not None:
+    if ctx is not None and ctx.profile is not None:
         ctx.count("Concat.bytes_copied", result.nbytes)
     return result
 

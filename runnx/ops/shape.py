@@ -41,7 +41,7 @@ def Size(x):
 
 
 def _reshape(data, shape, allowzero: int):
-    target = [int(d) for d in shape]
+    target = int_values(shape)
     if not allowzero:  # 0 copies the input's dimension
         if len(target) > data.ndim and any(d == 0 for d in target[data.ndim:]):
             raise RunnxError(f"Reshape target {target} copies a dimension the rank-{data.ndim} input lacks")
@@ -118,7 +118,7 @@ def Unsqueeze(data, axes):
 def Transpose(data, *, perm: tuple[int, ...] | None = None):
     if perm is not None and sorted(perm) != list(range(data.ndim)):
         raise RunnxError(f"Transpose perm {list(perm)} is not a permutation of {data.ndim} axes")
-    return np.transpose(data, perm)
+    return data.transpose(perm)  # the method: np.transpose's Python wrapper costs more than the view
 
 
 @register("Expand", since=8)

@@ -8,29 +8,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
 import runnx
+from _graphs import chain, float_model
 from runnx.errors import InPlaceMismatchError
 
-F = TensorProto.FLOAT
-
-
-def _model(nodes, inputs, outputs, shape=None):
-    graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info(n, F, shape) for n in inputs],
-        [helper.make_tensor_value_info(n, F, shape) for n in outputs])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
-
-
-def _chain():
-    """out = (y - x) * y - y in four steps, each of which may run in place."""
-    return _model([
-        helper.make_node("Neg", ["x"], ["a"], name="neg"),
-        helper.make_node("Add", ["a", "y"], ["b"], name="add"),
-        helper.make_node("Mul", ["b", "y"], ["c"], name="mul"),
-        helper.make_node("Sub", ["c", "y"], ["out"], name="sub"),
-    ], ["x", "y"], ["out"], ["n", 4])
 
 
 def _checksum(array) -> str:
@@ -38,7 +21,7 @@ def _checksum(array) -> str:
 
 
 def test_caller_arrays_are_unchanged_after_every_run():
-    model = runnx.load(_chain())
+    model = runnx.load(chain())
     x, y = np.arange(8, dtype=np.float32).reshape(2, 4), np.full((2, 4), 3, np.float32)
     before = [_checksum(x), _checksum(y)]
     for _ in range(3):
@@ -50,7 +33,7 @@ def test_caller_arrays_are_unchanged_after_every_run():
 
 
 def test_an_owned_input_is_consumed_in_place():
-    model = runnx.load(_chain())
+    model = runnx.load(chain())
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     expected = (3 - x) * 3 - 3
     out, profile = model.run({"x": runnx.Owned(x), "y": np.full((2, 4), 3, np.float32)}, profile=True)
@@ -60,7 +43,7 @@ def test_an_owned_input_is_consumed_in_place():
 
 
 def test_a_read_only_owned_input_is_treated_as_borrowed():
-    model = runnx.load(_chain())
+    model = runnx.load(chain())
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     x.flags.writeable = False
     out, profile = model.run({"x": runnx.Owned(x), "y": np.full((2, 4), 2, np.float32)}, profile=True)
@@ -71,7 +54,7 @@ def test_a_read_only_owned_input_is_treated_as_borrowed():
 
 @pytest.mark.parametrize("order", ["owned first", "borrowed first"])
 def test_an_owned_input_sharing_storage_with_a_borrowed_one_is_not_written(order):
-    model = runnx.load(_chain())
+    model = runnx.load(chain())
     buffer = np.arange(16, dtype=np.float32)
     x, y = buffer[:8].reshape(2, 4), buffer[8:].reshape(2, 4)  # two views of one caller buffer
     before = buffer.copy()
@@ -83,7 +66,7 @@ def test_an_owned_input_sharing_storage_with_a_borrowed_one_is_not_written(order
 
 
 def test_requested_intermediate_outputs_are_never_overwritten():
-    model = runnx.load(_chain())
+    model = runnx.load(chain())
     x, y = np.arange(8, dtype=np.float32).reshape(2, 4), np.ones((2, 4), np.float32)
     out = model.run({"x": runnx.Owned(x.copy()), "y": y}, ["a", "b", "out"])
     np.testing.assert_array_equal(out["a"], -x)
@@ -93,14 +76,14 @@ def test_requested_intermediate_outputs_are_never_overwritten():
 
 
 def test_outputs_never_alias_constants_or_caller_arrays():
-    model = runnx.load(_model([helper.make_node("Identity", ["x"], ["y"], name="id")], ["x"], ["y"]))
+    model = runnx.load(float_model([helper.make_node("Identity", ["x"], ["y"], name="id")], ["x"], ["y"]))
     x = np.ones(3, np.float32)
     y = model.run({"x": x})["y"]
     assert not np.shares_memory(x, y) and y.flags.writeable
 
 
 def test_concat_appends_into_the_capacity_of_an_owned_input():
-    model = runnx.load(_model([helper.make_node("Concat", ["past", "new"], ["present"], axis=1, name="cat")],
+    model = runnx.load(float_model([helper.make_node("Concat", ["past", "new"], ["present"], axis=1, name="cat")],
                               ["past", "new"], ["present"]))
     past, new = np.arange(6, dtype=np.float32).reshape(2, 3), np.full((2, 1), -1, np.float32)
     cache = runnx.with_capacity(past, axis=1, capacity=8)
@@ -120,9 +103,9 @@ def test_concat_appends_into_the_capacity_of_an_owned_input():
 def test_checking_mode_compares_every_in_place_step(monkeypatch, enable):
     if enable == "environment":
         monkeypatch.setenv("RUNNX_CHECK_INPLACE", "1")
-        model = runnx.load(_chain())
+        model = runnx.load(chain())
     else:
-        model = runnx.load(_chain(), check_inplace=True)
+        model = runnx.load(chain(), check_inplace=True)
     assert model.options.check_inplace
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     out, profile = model.run({"x": runnx.Owned(x.copy()), "y": np.ones((2, 4), np.float32)}, profile=True)
@@ -132,14 +115,14 @@ def test_checking_mode_compares_every_in_place_step(monkeypatch, enable):
 
 def test_copy_mode_runs_nothing_in_place_and_gives_the_same_bits():
     x, y = np.linspace(-3, 3, 8, dtype=np.float32).reshape(2, 4), np.full((2, 4), 0.1, np.float32)
-    fast, fast_profile = runnx.load(_chain()).run({"x": runnx.Owned(x.copy()), "y": y}, profile=True)
-    slow, slow_profile = runnx.load(_chain(), inplace=False).run({"x": runnx.Owned(x.copy()), "y": y}, profile=True)
+    fast, fast_profile = runnx.load(chain()).run({"x": runnx.Owned(x.copy()), "y": y}, profile=True)
+    slow, slow_profile = runnx.load(chain(), inplace=False).run({"x": runnx.Owned(x.copy()), "y": y}, profile=True)
     assert fast_profile.inplace_total == 4 and slow_profile.inplace_total == 0
     assert fast["out"].tobytes() == slow["out"].tobytes()
 
 
 def test_inference_session_matches_onnxruntime():
-    data = _chain().SerializeToString()
+    data = chain().SerializeToString()
     ours, theirs = runnx.InferenceSession(data), onnxruntime.InferenceSession(data)
     for mine, reference in [(ours.get_inputs(), theirs.get_inputs()), (ours.get_outputs(), theirs.get_outputs())]:
         assert [(a.name, list(a.shape), a.type) for a in mine] == \
@@ -155,7 +138,7 @@ def test_inference_session_matches_onnxruntime():
 
 
 def test_one_session_used_by_several_threads_returns_each_its_own_result():
-    session = runnx.InferenceSession(_chain().SerializeToString())
+    session = runnx.InferenceSession(chain().SerializeToString())
     errors, barrier = [], threading.Barrier(6)
 
     def work(seed):
@@ -200,7 +183,7 @@ def _wrong_in_place_neg(x, *, overwrite=()):
 
 def test_checking_mode_catches_a_kernel_whose_in_place_result_differs():
     def load(**options):
-        model = runnx.load(_model([helper.make_node("Neg", ["x"], ["y"], name="broken")], ["x"], ["y"]), **options)
+        model = runnx.load(float_model([helper.make_node("Neg", ["x"], ["y"], name="broken")], ["x"], ["y"]), **options)
         node = model.graph.nodes[0]
         node.kernel = dataclasses.replace(node.kernel, fn=_wrong_in_place_neg)
         return model

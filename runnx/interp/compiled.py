@@ -1,0 +1,138 @@
+"""Plans compiled to straight-line Python: the executor's hot loop without the loop.
+
+A plan that runs again (Options.compile_after: one-shot runs never pay for code generation) is
+turned into one generated function: every value is a local variable,
+every kernel, attribute dict and constant a global of that function, and each step is the few
+lines the interpreted loop would execute for it — gather the inputs, grant in-place reuse of
+dying inputs whose storage is owned and held once, call the kernel, count the output's storage,
+release dead values. Nothing is decided differently from `Executor.run`'s loop: the ownership
+rules are the same, only the per-step indexing, attribute lookups and tuple unpacking go away.
+
+Plans with subgraph nodes (If/Loop/Scan bind a CaptureEnv per call) and instrumented runs
+(profile, trace, in-place checking) keep the interpreted loop; a subgraph's own plan compiles.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from runnx.capture.ownership import storage_keys, storage_root
+from runnx.errors import NodeError
+from runnx.interp.ir import MISSING, Graph
+from runnx.interp.node_context import node_error
+
+def bound_outputs(node, output_count: int, result) -> list:
+    """(value, storage keys) for each declared output of `node` from its kernel's `result`."""
+    outputs = result if type(result) is tuple else (result,)
+    if len(outputs) < output_count:
+        declared = node.outputs
+        if any(v != MISSING for v in declared[len(outputs):]):
+            raise NodeError(f"{node.describe()} produced {len(outputs)} outputs, the node declares {output_count}")
+        outputs = outputs + (None,) * (output_count - len(outputs))
+    return [bound_output(value) for value in outputs[:output_count]]
+
+
+def bound_output(value) -> tuple:
+    """(value, storage keys) of one kernel output that is not a plain ndarray."""
+    if type(value) is not np.ndarray and isinstance(value, (np.generic, np.ndarray)):
+        value = np.asarray(value)
+    return value, storage_keys(value)
+
+
+def _bind_lines(vid: int, source: str, indent: str, fallback: str) -> list[str]:
+    """Register output `source` as value `vid`: an ndarray inline (its storage counted once more,
+    owned when fresh and writeable); anything else as the (value, keys) pair `fallback` gives."""
+    return [f"{indent}if type({source}) is nd:",
+            f"{indent}    v{vid} = {source}",
+            f"{indent}    key = id({source}) if {source}.base is None else id(root({source}))",
+            f"{indent}    k{vid} = (key,)",
+            f"{indent}    h = cnt_get(key)",
+            f"{indent}    if h is None:",
+            f"{indent}        cnt[key] = 1",
+            f"{indent}        own[key] = {source}.flags.writeable",
+            f"{indent}    else:",
+            f"{indent}        cnt[key] = h + 1",
+            f"{indent}else:",
+            f"{indent}    v{vid}, k{vid} = {fallback}",
+            f"{indent}    hold(k{vid}, None, v{vid})"]
+
+
+def compile_plan(graph: Graph, plan):
+    """A function (values, keys, table, ctx) -> (output values, output keys) running `plan` like
+    the interpreted loop, or None for a plan with subgraph nodes."""
+    if any(step.node.subgraphs for step in plan.steps):
+        return None
+    constants = set(plan.constants)
+    namespace = {"nd": np.ndarray, "root": storage_root, "bind": bound_outputs, "bind_one": bound_output}
+    lines = ["def run(V, K, table, ctx):",
+             "    cnt, own = table.count, table.owned",
+             "    cnt_get, own_get, excl, drop, hold = cnt.get, own.get, table.exclusive, table.drop, table.hold"]
+    for vid in plan.inputs:
+        lines.append(f"    v{vid} = V[{vid}]; k{vid} = K[{vid}]")
+    for vid in plan.constants:  # globals: never assigned in the function
+        namespace[f"v{vid}"] = plan.values_template[vid]
+        namespace[f"k{vid}"] = plan.keys_template[vid]
+    lines += ["    at = -1", "    try:", "        pass"]
+    for index, step in enumerate(plan.steps):
+        lines += _step_lines(index, step, constants, namespace)
+    outputs = ", ".join(f"v{v}" for v in plan.outputs)
+    output_keys = ", ".join(f"k{v}" for v in plan.outputs)
+    lines += ["    except Exception as error:",
+              "        scope = locals()",
+              "        step = STEPS[at]",
+              "        args = [None if v == -1 else scope.get(f'v{v}', globals().get(f'v{v}')) for v in step.inputs]",
+              "        wrapped = node_error(GRAPH, step.node, args, error)",
+              "        if wrapped is error:",
+              "            raise",
+              "        raise wrapped from error",
+              f"    return [{outputs}], [{output_keys}]"]
+    namespace.update(STEPS=plan.steps, GRAPH=graph, node_error=node_error)
+    exec(compile("\n".join(lines), f"<runnx plan of {graph.name or 'graph'}>", "exec"), namespace)
+    return namespace["run"]
+
+
+def _step_lines(index: int, step, constants: set, namespace: dict) -> list[str]:
+    node = step.node
+    namespace[f"f{index}"] = step.fn
+    arguments = ["None" if v == MISSING else f"v{v}" for v in step.inputs]
+    attrs = {k: v for k, v in step.kwargs.items() if k != "overwrite"}
+    if attrs:
+        namespace[f"a{index}"] = attrs
+        arguments.append(f"**a{index}")
+    if step.wants_ctx:
+        arguments.append("ctx=ctx")
+    lines = [f"        # {node.describe()}", f"        at = {index}"]
+    candidates = [(position, vid) for position, vid in step.candidates if vid not in constants]
+    if candidates:
+        lines.append("        g = ()")
+        for position, vid in candidates:
+            lines += [f"        k = k{vid}",
+                      "        if len(k) == 1 and cnt_get(k[0]) == 1 and own_get(k[0]) or len(k) > 1 and excl(k):",
+                      f"            g += ({position},)"]
+        arguments.append("overwrite=g")
+    elif "overwrite" in step.kwargs:
+        arguments.append("overwrite=()")
+    lines.append(f"        r = f{index}({', '.join(arguments)})")
+    outputs = [(j, v) for j, v in enumerate(step.outputs) if v != MISSING]
+    if step.single:
+        lines += _bind_lines(step.outputs[0], "r", "        ", f"bind(STEPS[{index}].node, 1, r)[0]")
+    elif outputs:
+        count = len(step.outputs)
+        lines += [f"        if type(r) is tuple and len(r) == {count}:"]
+        for j, vid in outputs:
+            lines += [f"            o = r[{j}]"] + _bind_lines(vid, "o", "            ", "bind_one(o)")
+        names = ", ".join("(_, _)" if v == MISSING else f"(v{v}, k{v})" for v in step.outputs)
+        lines += ["        else:", f"            {names}, = bind(STEPS[{index}].node, {count}, r)"]
+        lines += [f"            hold(k{v}, None, v{v})" for _, v in outputs]
+    for vid in step.releases:
+        lines += [f"        k = k{vid}",
+                  "        if len(k) == 1:",
+                  "            key = k[0]",
+                  "            h = cnt[key] - 1",
+                  "            if h:",
+                  "                cnt[key] = h",
+                  "            else:",
+                  "                del cnt[key], own[key]",
+                  "        else:",
+                  "            drop(k)",
+                  f"        v{vid} = None"]
+    return lines

@@ -1,0 +1,136 @@
+"""Compiled plans (interp/compiled.py) keep every rule of the interpreted loop: in-place reuse only
+of owned, dying, unaliased storage, caller arrays untouched, KV appends into capacity, errors that
+name the node, and bitwise the interpreted results. Observed without profiling (a profiled run is
+interpreted): through shared memory and the outputs themselves."""
+import hashlib
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import runnx
+from _graphs import F, chain, float_model
+from runnx.errors import RunnxError
+
+
+def _compiled(graph) -> list:
+    return [plan.state.get("compiled") for plan in graph.__dict__.get("_plans", {}).values()]
+
+
+def test_the_first_run_compiles_with_compile_after_1_and_never_with_0():
+    x, y = np.arange(8, dtype=np.float32).reshape(2, 4), np.full((2, 4), 3, np.float32)
+    eager = runnx.load(chain(), compile_after=1)
+    eager.run({"x": x, "y": y})
+    assert all(callable(plan.state.get("compiled")) for plan in eager._plans.values())
+    never = runnx.load(chain(), compile_after=0)
+    for _ in range(3):
+        never.run({"x": x, "y": y})
+    assert not any(plan.state.get("compiled") for plan in never._plans.values())
+
+
+def test_an_owned_input_is_consumed_in_place_and_a_borrowed_one_never_written():
+    model = runnx.load(chain(), compile_after=1)
+    y = np.full((2, 4), 3, np.float32)
+    for _ in range(3):
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        expected = (3 - x) * 3 - 3
+        out = model.run({"x": runnx.Owned(x), "y": y})["out"]
+        assert np.shares_memory(out, x)  # the whole chain ran in the caller's buffer
+        np.testing.assert_array_equal(out, expected)
+        borrowed = np.arange(8, dtype=np.float32).reshape(2, 4)
+        digest = hashlib.sha256(borrowed.tobytes()).hexdigest()
+        out = model.run({"x": borrowed, "y": y})["out"]
+        assert not np.shares_memory(out, borrowed)
+        assert hashlib.sha256(borrowed.tobytes()).hexdigest() == digest
+        np.testing.assert_array_equal(out, expected)
+        np.testing.assert_array_equal(y, 3)
+
+
+def test_a_live_view_blocks_the_in_place_write():
+    """a = Neg(x); v = Reshape(a) is requested; Add may not write a's storage while v lives."""
+    shape = helper.make_tensor("shape", TensorProto.INT64, [1], [8])
+    model = runnx.load(float_model([
+        helper.make_node("Neg", ["x"], ["a"]),
+        helper.make_node("Reshape", ["a", "shape"], ["v"]),
+        helper.make_node("Add", ["a", "y"], ["out"]),
+    ], ["x", "y"], ["out"], None, [shape]), compile_after=1)
+    for _ in range(2):
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        out = model.run({"x": runnx.Owned(x), "y": np.ones((2, 4), np.float32)}, ["v", "out"])
+        np.testing.assert_array_equal(out["v"], -np.arange(8, dtype=np.float32))
+        np.testing.assert_array_equal(out["out"], 1 - np.arange(8, dtype=np.float32).reshape(2, 4))
+        assert not np.shares_memory(out["v"], out["out"])
+
+
+def test_concat_appends_into_capacity_step_after_step():
+    model = runnx.load(float_model([helper.make_node("Concat", ["past", "new"], ["present"], axis=1)],
+                              ["past", "new"], ["present"]), compile_after=1)
+    past = np.arange(6, dtype=np.float32).reshape(2, 3)
+    cache = runnx.with_capacity(past, axis=1, capacity=8)
+    buffer = cache.array.base
+    expected = past
+    for step in range(4):
+        new = np.full((2, 1), -step, np.float32)
+        present = model.run({"past": cache, "new": new})["present"]
+        expected = np.concatenate([expected, new], axis=1)
+        np.testing.assert_array_equal(present, expected)
+        assert present.base is buffer  # O(new rows): the same buffer every step
+        cache = runnx.Owned(present)
+
+
+def test_a_failing_node_is_named_with_its_inputs():
+    shape = helper.make_tensor("shape", TensorProto.INT64, [2], [3, -1])
+    model = runnx.load(float_model([helper.make_node("Relu", ["x"], ["a"], name="relu"),
+                               helper.make_node("Reshape", ["a", "shape"], ["out"], name="bad_reshape")],
+                              ["x"], ["out"], None, [shape]), compile_after=1)
+    np.testing.assert_array_equal(model.run({"x": np.ones(6, np.float32)})["out"], np.ones((3, 2)))
+    with pytest.raises(RunnxError, match=r"Reshape node .bad_reshape. \(inputs a: float32\[4\].*cannot reshape"):
+        model.run({"x": np.ones(4, np.float32)})
+
+
+def test_a_subgraph_plan_compiles_and_gives_the_interpreted_result():
+    body_nodes = [helper.make_node("Add", ["x", "one"], ["a"]), helper.make_node("Mul", ["a", "a"], ["y_then"])]
+    one = helper.make_tensor("one", F, [], [1.0])
+    then_branch = helper.make_graph(body_nodes, "then", [], [helper.make_tensor_value_info("y_then", F, None)], [one])
+    else_branch = helper.make_graph([helper.make_node("Neg", ["x"], ["y_else"])], "else", [],
+                                    [helper.make_tensor_value_info("y_else", F, None)])
+    graph = helper.make_graph([helper.make_node("If", ["cond"], ["y"], then_branch=then_branch,
+                                                else_branch=else_branch)], "if",
+                              [helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+                               helper.make_tensor_value_info("x", F, [4])],
+                              [helper.make_tensor_value_info("y", F, None)])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    compiled, interpreted = runnx.load(proto, compile_after=1), runnx.load(proto, compile_after=0)
+    x = np.linspace(-1, 1, 4, dtype=np.float32)
+    for cond in (True, False, True):
+        feeds = {"cond": np.array(cond), "x": x}
+        assert compiled.run(feeds)["y"].tobytes() == interpreted.run(feeds)["y"].tobytes()
+    branch = compiled.graph.nodes[0].subgraphs["then_branch"]
+    assert any(callable(c) for c in _compiled(branch))
+    np.testing.assert_array_equal(x, np.linspace(-1, 1, 4, dtype=np.float32))
+
+
+@pytest.mark.parametrize("fixture", ["tiny-llama/model.onnx", "tiny-llama-merged/decoder_model_merged.onnx"])
+def test_decode_steps_of_a_tiny_llama_are_bitwise_the_interpreted_ones(fixtures_dir, fixture):
+    path = fixtures_dir / fixture
+    models = {"compiled": runnx.load(path, compile_after=1), "interpreted": runnx.load(path, compile_after=0)}
+    names = models["compiled"].input_names
+    empty = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+             for i in models["compiled"].inputs if i.name.startswith("past_key_values.")}
+    caches = {name: {n: runnx.with_capacity(v, 2, 16) for n, v in empty.items()} for name in models}
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 100, size=(1, 3))
+    length = 0
+    for _ in range(5):
+        feeds = {"input_ids": ids, "attention_mask": np.ones((1, length + ids.shape[1]), np.int64)}
+        if "position_ids" in names:
+            feeds["position_ids"] = np.arange(length, length + ids.shape[1])[None]
+        if "use_cache_branch" in names:
+            feeds["use_cache_branch"] = np.array([length > 0])
+        outputs = {name: model.run({**feeds, **caches[name]}) for name, model in models.items()}
+        for key, value in outputs["interpreted"].items():
+            assert outputs["compiled"][key].tobytes() == value.tobytes(), key
+        caches = {name: {n.replace("present", "past_key_values"): runnx.Owned(v)
+                         for n, v in result.items() if n.startswith("present")} for name, result in outputs.items()}
+        length += ids.shape[1]
+        ids = np.array([[int(outputs["compiled"]["logits"][0, -1].argmax())]])
