@@ -20,6 +20,12 @@ _REORDER = {"reassoc", "contract", "nsz", "arcp"}
 _UNROLL = 4  # cache rows per pass: fewer loads and stores of the accumulators
 
 
+def _kernel(**options):
+    """numba.njit as every kernel here uses it: cached, with numpy's float semantics (x / 0 is inf;
+    Python's ZeroDivisionError check would also keep loops from vectorising)."""
+    return numba.njit(cache=True, error_model="numpy", **options)
+
+
 @intrinsic
 def _typed_contiguous(typingctx, array):
     """The same array typed C-contiguous, so that loops over it vectorise (numba's 'A' layout
@@ -50,7 +56,7 @@ _EXP_POLY = (_F(1.9875691500e-4), _F(1.3981999507e-3), _F(8.3334519073e-3), _F(4
 _EXP_LOWEST = _F(-87.33654)  # below it exp is subnormal, < 1.2e-38: 0 here
 
 
-@numba.njit(cache=True, fastmath={"contract"})  # no reassociation: the ln 2 split must stay exact
+@_kernel(fastmath={"contract"})  # no reassociation: the ln 2 split must stay exact
 def _exp32(x):
     """exp(x) for float32 x <= 0 (Cephes' expf: 2^n * polynomial of the remainder), inlined and
     vectorised by LLVM where libm's expf is a call per element."""
@@ -63,7 +69,7 @@ def _exp32(x):
     return p * scale if x >= _EXP_LOWEST else _F(0)
 
 
-@numba.njit(cache=True)
+@_kernel()
 def _rows(cache, batch, group):
     """cache[batch, group] (rows x depth) as a C-contiguous array: in place when its rows are
     contiguous and adjacent (a KV cache, even as a view of a larger capacity buffer), else a copy."""
@@ -74,7 +80,7 @@ def _rows(cache, batch, group):
     return np.ascontiguousarray(block)
 
 
-@numba.njit(cache=True, fastmath=_REORDER)
+@_kernel(fastmath=_REORDER)
 def _scores(scaled, keys, start, scores):
     """scores[r, j] = scaled[r] . keys[start + j], `_UNROLL` key rows per pass."""
     rows, depth, count = scaled.shape[0], scaled.shape[1], scores.shape[1]
@@ -101,7 +107,7 @@ def _scores(scaled, keys, start, scores):
             scores[r, j] = a0
 
 
-@numba.njit(cache=True, fastmath=_REORDER)
+@_kernel(fastmath=_REORDER)
 def _weighted_sum(weights, values, start, partial):
     """partial[r] = sum_j weights[r, j] * values[start + j], `_UNROLL` value rows per pass."""
     rows, width, count = partial.shape[0], partial.shape[1], weights.shape[1]
@@ -123,7 +129,7 @@ def _weighted_sum(weights, values, start, partial):
                 partial[r, d] += w0 * v0[d]
 
 
-@numba.njit(cache=True, fastmath=_REORDER)
+@_kernel(fastmath=_REORDER)
 def _exponentiate(scores, largest):
     """scores[j] = exp(scores[j] - largest) in place; returns their sum."""
     total = scores.dtype.type(0)
@@ -140,7 +146,7 @@ def _exponentiate(scores, largest):
     return total
 
 
-@numba.njit(cache=True, fastmath=_REORDER)
+@_kernel(fastmath=_REORDER)
 def _attend_block(query, key, value, bias, scale, batch, group, start, stop, peak, total, partial):
     """One block of key rows [start, stop) of KV head `group` of `batch`, for all the query rows
     of that group (its query heads x query length, in that order): each row's largest score goes
@@ -185,7 +191,7 @@ def _attend_block(query, key, value, bias, scale, batch, group, start, stop, pea
     _weighted_sum(scores, _rows(value, batch, group), start, partial)
 
 
-@numba.njit(cache=True, fastmath=_REORDER)
+@_kernel(fastmath=_REORDER)
 def _combine(query, value, fill, batch, group, peak, total, partial, out):
     """out rows of one KV group from its blocks' (peak, total, partial): the softmax-weighted sum;
     a row whose softmax is NaN (every score masked, or a NaN/+inf score) gets fill * sum(values),
@@ -218,7 +224,7 @@ def _combine(query, value, fill, batch, group, peak, total, partial, out):
             target[d] /= norm
 
 
-@numba.njit(cache=True, fastmath=_REORDER)
+@_kernel(fastmath=_REORDER)
 def attention_serial(query, key, value, bias, scale, fill):
     """Softmax((query * scale) @ key^T + bias) @ value per KV group, one thread: see attention."""
     batch, heads, length = query.shape[0], query.shape[1], query.shape[2]
@@ -234,7 +240,7 @@ def attention_serial(query, key, value, bias, scale, fill):
     return out
 
 
-@numba.njit(cache=True, fastmath=_REORDER, parallel=True)
+@_kernel(fastmath=_REORDER, parallel=True)
 def attention_parallel(query, key, value, bias, scale, fill, blocks):
     """attention_serial with each KV group's rows split into `blocks` blocks, in parallel."""
     batch, heads, length = query.shape[0], query.shape[1], query.shape[2]
@@ -252,4 +258,121 @@ def attention_parallel(query, key, value, bias, scale, fill, blocks):
                       peak[unit, block], total[unit, block], partial[unit, block])
     for unit in range(units):
         _combine(query, value, fill, unit // groups, unit % groups, peak[unit], total[unit], partial[unit], out)
+    return out
+
+
+@_kernel()
+def _block_squares(row, start, count):
+    """sum(row[start:start+count] ** 2) for count <= 128 in numpy's order: 8 running sums."""
+    total = row.dtype.type(0)
+    if count < 8:
+        for i in range(start, start + count):
+            total += row[i] * row[i]
+        return total
+    r0, r1, r2, r3 = row[start] * row[start], row[start + 1] * row[start + 1], \
+        row[start + 2] * row[start + 2], row[start + 3] * row[start + 3]
+    r4, r5, r6, r7 = row[start + 4] * row[start + 4], row[start + 5] * row[start + 5], \
+        row[start + 6] * row[start + 6], row[start + 7] * row[start + 7]
+    end = start + count - count % 8
+    for i in range(start + 8, end, 8):
+        r0 += row[i] * row[i]
+        r1 += row[i + 1] * row[i + 1]
+        r2 += row[i + 2] * row[i + 2]
+        r3 += row[i + 3] * row[i + 3]
+        r4 += row[i + 4] * row[i + 4]
+        r5 += row[i + 5] * row[i + 5]
+        r6 += row[i + 6] * row[i + 6]
+        r7 += row[i + 7] * row[i + 7]
+    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    for i in range(end, start + count):
+        total += row[i] * row[i]
+    return total
+
+
+@_kernel()
+def _pairwise_squares(row):
+    """sum(row ** 2) in numpy's pairwise order (blocks of <= 128, halves above, split at multiples
+    of 8), so that RMSNorm's mean is bitwise np.add.reduce(np.square(x)). The recursion runs on an
+    explicit stack: numba's cache cannot reload recursive functions."""
+    if row.shape[0] <= 128:
+        return _block_squares(row, 0, row.shape[0])
+    starts, counts = np.empty(128, np.int64), np.empty(128, np.int64)  # count -1: add the last two sums
+    sums = np.empty(64, row.dtype)
+    starts[0], counts[0], pending, done = 0, row.shape[0], 1, 0
+    while pending:
+        pending -= 1
+        start, count = starts[pending], counts[pending]
+        if count < 0:
+            done -= 1
+            sums[done - 1] += sums[done]
+        elif count <= 128:
+            sums[done] = _block_squares(row, start, count)
+            done += 1
+        else:
+            half = count // 2
+            half -= half % 8
+            starts[pending], counts[pending] = 0, -1
+            starts[pending + 1], counts[pending + 1] = start + half, count - half
+            starts[pending + 2], counts[pending + 2] = start, half
+            pending += 3
+    return sums[0]
+
+
+@_kernel()
+def rms_norm(x, epsilon, one, weight):
+    """weight * (x * (one / sqrt(mean(x * x) + epsilon))) over the last axis of a C-contiguous x,
+    the unfused graph's operations in its order (bitwise equal to it)."""
+    width = x.shape[-1]
+    rows = x.reshape(x.size // width, width)
+    out = np.empty_like(x)
+    result = out.reshape(rows.shape)
+    count, epsilon, unit = x.dtype.type(width), x.dtype.type(epsilon), x.dtype.type(one)
+    for r in range(rows.shape[0]):
+        row = rows[r]
+        mean = _pairwise_squares(row) / count + epsilon
+        scale = unit / np.sqrt(mean)
+        for i in range(width):
+            result[r, i] = weight[i] * (row[i] * scale)
+    return out
+
+
+@_kernel()
+def silu_mul_into(gate, decay, up):
+    """decay = gate * (1 / (1 + decay)) * up for decay = exp(-gate) (numpy's, so that the result
+    is bitwise the unfused Sigmoid and Muls): C-contiguous arrays of one shape."""
+    flat_gate, flat_decay, flat_up = gate.reshape(gate.size), decay.reshape(decay.size), up.reshape(up.size)
+    one = gate.dtype.type(1)
+    for i in range(flat_decay.size):
+        flat_decay[i] = flat_gate[i] * (one / (one + flat_decay[i])) * flat_up[i]
+    return decay
+
+
+@_kernel()
+def _broadcasts_into(operand, result):
+    for axis in range(result.ndim):
+        if operand.shape[axis] != 1 and operand.shape[axis] != result.shape[axis]:
+            return False
+    return True
+
+
+@_kernel()
+def rotate_half(x, cos, sin, half):
+    """x * cos + concat(-x[..., half:], x[..., :half]) * sin over the last axis of 4-D arrays,
+    cos and sin broadcasting into x (ValueError otherwise); bitwise the unfused arithmetic."""
+    batch, heads, length, width = x.shape
+    if not (_broadcasts_into(cos, x) and _broadcasts_into(sin, x)):
+        raise ValueError("cos/sin do not broadcast into x")
+    out = np.empty(x.shape, x.dtype)
+    tail = width - half
+    for b in range(batch):
+        for h in range(heads):
+            for q in range(length):
+                row = x[b, h, q]
+                c = cos[b if cos.shape[0] != 1 else 0, h if cos.shape[1] != 1 else 0, q if cos.shape[2] != 1 else 0]
+                s = sin[b if sin.shape[0] != 1 else 0, h if sin.shape[1] != 1 else 0, q if sin.shape[2] != 1 else 0]
+                target = out[b, h, q]
+                for i in range(tail):
+                    target[i] = row[i] * c[i if c.shape[0] != 1 else 0] + -row[half + i] * s[i if s.shape[0] != 1 else 0]
+                for i in range(tail, width):
+                    target[i] = row[i] * c[i if c.shape[0] != 1 else 0] + row[i - tail] * s[i if s.shape[0] != 1 else 0]
     return out

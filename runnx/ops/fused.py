@@ -28,11 +28,13 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops._elementwise_util import sigmoid
-from runnx.ops._kernels_fused import attention_parallel, attention_serial
+from runnx.ops._kernels_fused import (attention_parallel, attention_serial, rms_norm, rotate_half,
+                                      silu_mul_into)
 from runnx.ops.registry import register
 from runnx.ops.shape import Slice
 
 DOMAIN = "runnx.fused"
+_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the numba kernels' (others: numpy)
 
 
 def _fits(operand, result) -> bool:
@@ -55,6 +57,12 @@ def _softmax_in_place(scores, axis: int):
 @register("RMSNorm", since=1, domain=DOMAIN)
 def RMSNorm(x, epsilon, one, weight, *, axis: int = -1, to: int = 0):
     """weight * Cast(x * (one / sqrt(ReduceMean(x * x, axis) + epsilon)), to) (to=0: no Cast)."""
+    dtype = x.dtype
+    if (dtype in _KERNEL_DTYPES and x.ndim and axis in (-1, x.ndim - 1) and x.flags.c_contiguous
+            and epsilon.dtype == dtype and one.dtype == dtype and weight.dtype == dtype
+            and weight.shape == x.shape[-1:] and epsilon.size == 1 and one.size == 1
+            and epsilon.ndim <= x.ndim and one.ndim <= x.ndim and (to == 0 or ONNX_TO_NUMPY.get(to) == dtype)):
+        return rms_norm(x, epsilon.item(), one.item(), weight)
     squares = np.square(x)
     mean = np.add.reduce(squares, axis=axis, keepdims=True, dtype=squares.dtype)  # np.sum without its wrapper
     mean = np.true_divide(mean, x.shape[axis], out=mean, casting="unsafe")
@@ -69,6 +77,12 @@ def RMSNorm(x, epsilon, one, weight, *, axis: int = -1, to: int = 0):
 @register("SiluMul", since=1, domain=DOMAIN)
 def SiluMul(gate, up):
     """gate * Sigmoid(gate) * up: the SiLU-gated MLP's activation."""
+    if (gate.dtype in _KERNEL_DTYPES and up.dtype == gate.dtype and up.shape == gate.shape
+            and gate.flags.c_contiguous and up.flags.c_contiguous):
+        decay = np.negative(gate)
+        with np.errstate(over="ignore"):  # exp(-gate) = inf: the sigmoid is 0
+            np.exp(decay, out=decay)
+        return silu_mul_into(gate, decay, up)
     activated = sigmoid(gate)
     np.multiply(gate, activated, out=activated)
     if _fits(up, activated):
@@ -80,9 +94,32 @@ def SiluMul(gate, up):
 def RotateHalf(x, cos, sin, negated_starts, negated_ends, negated_axes, negated_steps, kept_starts, kept_ends,
                kept_axes, kept_steps, *, axis: int = -1):
     """x * cos + Concat(-Slice(x, negated...), Slice(x, kept...)) * sin: rotary embedding."""
+    if (x.ndim == 4 and cos.ndim == 4 and sin.ndim == 4 and x.dtype in _KERNEL_DTYPES and cos.dtype == x.dtype
+            and sin.dtype == x.dtype and axis in (-1, 3)):
+        half = _half_split(x.shape[3], negated_starts, negated_ends, negated_axes, negated_steps, kept_starts,
+                           kept_ends, kept_axes, kept_steps)
+        if half is not None:
+            try:
+                return rotate_half(x, cos, sin, half)
+            except ValueError:  # cos or sin broadcast beyond x: numpy's broadcasting below
+                pass
     rotated = np.concatenate([np.negative(_slice(x, negated_starts, negated_ends, negated_axes, negated_steps)),
                               _slice(x, kept_starts, kept_ends, kept_axes, kept_steps)], axis=axis)
     return np.add(np.multiply(x, cos), np.multiply(rotated, sin))
+
+
+def _half_split(width: int, negated_starts, negated_ends, negated_axes, negated_steps, kept_starts, kept_ends,
+                kept_axes, kept_steps) -> int | None:
+    """h when the two slices of a last axis of `width` are x[h:] (negated) and x[:h] (kept), else None."""
+    for axes, steps in ((negated_axes, negated_steps), (kept_axes, kept_steps)):
+        if axes is None or axes.size != 1 or axes.item() not in (-1, 3) or (
+                steps is not None and (steps.size != 1 or steps.item() != 1)):
+            return None
+    if negated_starts.size != 1 or negated_ends.size != 1 or kept_starts.size != 1 or kept_ends.size != 1:
+        return None
+    half, end, _ = slice(negated_starts.item(), negated_ends.item()).indices(width)
+    start, stop, _ = slice(kept_starts.item(), kept_ends.item()).indices(width)
+    return half if end == width and start == 0 and stop == half else None
 
 
 def _slice(x, starts, ends, axes, steps):
@@ -218,7 +255,6 @@ def _grouped(query, key, value) -> bool:
             and heads % groups == 0)
 
 
-_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _PARALLEL_WORK = 1 << 20  # multiply-adds from which splitting the cache over threads beats the launch cost
 _BLOCK_ROWS = 256  # fewest cache rows per parallel block
 _KERNEL_ROWS = 64  # query rows per KV head up to which the kernel beats numpy's BLAS products (decode, short prefill)

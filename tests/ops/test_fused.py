@@ -1,9 +1,13 @@
-"""Fused kernels against numpy written the unfused way (runnx/ops/fused.py)."""
+"""Fused kernels (runnx/ops/fused.py, runnx/ops/_kernels_fused.py) against numpy written the
+unfused way: RMSNorm, SiluMul and RotateHalf bitwise, attention within float rounding, and a
+fused model's logits against the unfused model's."""
 import numpy as np
 import pytest
 
+import runnx
 from runnx.errors import RunnxError
-from runnx.ops.fused import RepeatedKVAttention, RepeatedKVShape, RMSNorm, RotateHalf, SiluMul
+from runnx.ops import _kernels_fused, fused
+from runnx.ops.fused import RepeatedKVAttention, RepeatedKVShape, RMSNorm, RotateHalf, SiluMul, attend
 from runnx.ops.shape import Slice
 
 RNG = np.random.default_rng(0)
@@ -16,70 +20,81 @@ def _ints(*values):
 def test_rms_norm_matches_the_formula_and_casts():
     x = RNG.standard_normal((2, 5, 32)).astype(np.float32)
     w = RNG.standard_normal(32).astype(np.float16)
-    got = RMSNorm(x, np.float32(1e-6), np.float32(1), w, axis=-1, to=10)  # to float16
+    got = RMSNorm(x, np.float32(1e-6), np.float32(1), w, axis=-1, to=10)  # to float16: the numpy path
     want = (w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(1e-6))).astype(np.float16))
     assert got.dtype == np.float16
     np.testing.assert_allclose(got, want, rtol=1e-3)
 
 
-def test_silu_mul_matches_and_broadcasts():
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("width", [5, 8, 100, 128, 129, 576, 1000, 4097])  # numpy's pairwise sum: blocks of 128
+def test_rms_norm_is_bitwise_the_unfused_operations(dtype, width):
+    x = (RNG.standard_normal((3, 2, width)) * 4).astype(dtype)
+    w = RNG.standard_normal(width).astype(dtype)
+    epsilon, one = np.array(1e-6, dtype), np.array(1, dtype)
+    mean = np.add.reduce(np.square(x), axis=-1, keepdims=True) / dtype(width)
+    want = w * (x * (one / np.sqrt(mean + epsilon)))
+    for to in (0, 1 if dtype == np.float32 else 11):  # no Cast, a Cast to its own type
+        got = RMSNorm(x, epsilon, one, w, axis=-1, to=to)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(RMSNorm(x[:, :1], epsilon, one, w, axis=2), want[:, :1])
+
+
+def test_rms_norm_of_zeros_without_epsilon_is_nan_not_an_error():
+    with np.errstate(divide="ignore", invalid="ignore"):
+        got = RMSNorm(np.zeros((1, 8), np.float32), np.float32(0), np.float32(1), np.ones(8, np.float32), axis=-1)
+    assert np.isnan(got).all()
+
+
+def _unfused_silu(gate, up):
+    with np.errstate(over="ignore"):
+        return gate * (1 / (1 + np.exp(-gate))) * up
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_silu_mul_is_bitwise_the_unfused_operations(dtype):
+    gate = (RNG.standard_normal((1, 3, 1536)) * 8).astype(dtype)
+    gate[0, 0, :4] = [1000, -1000, 0, -0.0]  # exp(-gate) overflows to inf: 0
+    up = RNG.standard_normal((1, 3, 1536)).astype(dtype)
+    got = SiluMul(gate, up)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, _unfused_silu(gate, up))
+
+
+def test_silu_mul_broadcasts_through_numpy():
     gate = RNG.standard_normal((3, 8)).astype(np.float32)
     up = RNG.standard_normal((8,)).astype(np.float32)
     np.testing.assert_allclose(SiluMul(gate, up), gate / (1 + np.exp(-gate)) * up, rtol=1e-6)
     np.testing.assert_allclose(SiluMul(gate[:1], up.reshape(2, 1, 4).repeat(2, 2)).shape, (2, 1, 8))
+    np.testing.assert_array_equal(SiluMul(gate.T, gate.T), _unfused_silu(gate.T, gate.T))  # not contiguous
 
 
 @pytest.mark.parametrize("negated, kept", [
-    ((_ints(4), _ints(2**62), _ints(-1), None), (_ints(0), _ints(4), _ints(-1), None)),
-    ((_ints(-4), _ints(99), _ints(3), _ints(1)), (_ints(0), _ints(-4), _ints(3), _ints(1))),
+    ((_ints(4), _ints(2**62), _ints(-1), None), (_ints(0), _ints(4), _ints(-1), None)),  # the kernel
+    ((_ints(-4), _ints(99), _ints(3), _ints(1)), (_ints(0), _ints(-4), _ints(3), _ints(1))),  # the kernel
+    ((_ints(3), _ints(99), _ints(3), _ints(1)), (_ints(0), _ints(3), _ints(3), _ints(1))),  # uneven halves
     ((_ints(7), _ints(3), _ints(3), _ints(-1)), (_ints(0), _ints(4), _ints(3), _ints(1))),  # general Slice path
+    ((_ints(4), _ints(8), _ints(2), None), (_ints(0), _ints(4), _ints(2), None)),  # another axis: numpy
 ])
-def test_rotate_half_matches_slice_neg_concat(negated, kept):
-    x = RNG.standard_normal((1, 2, 3, 8)).astype(np.float32)
-    cos, sin = RNG.standard_normal((2, 1, 3, 8)).astype(np.float32), RNG.standard_normal((1, 3, 8)).astype(np.float32)
-    rotated = np.concatenate([-Slice(x, *negated), Slice(x, *kept)], axis=-1)
-    np.testing.assert_array_equal(RotateHalf(x, cos, sin, *negated, *kept, axis=-1), x * cos + rotated * sin)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rotate_half_is_bitwise_slice_neg_concat(negated, kept, dtype):
+    x = RNG.standard_normal((1, 2, 8, 3)).astype(dtype).transpose(0, 1, 3, 2)  # strided, as after a Transpose
+    cos = RNG.standard_normal((2, 1, 8, 3)).astype(dtype).transpose(0, 1, 3, 2)
+    sin = RNG.standard_normal((1, 3, 8)).astype(dtype)
+    axis = -1 if negated[2].item() in (-1, 3) else 2
+    rotated = np.concatenate([-Slice(x, *negated), Slice(x, *kept)], axis=axis)
+    got = RotateHalf(x, cos, sin, *negated, *kept, axis=axis)
+    np.testing.assert_array_equal(got, x * cos + rotated * sin)
 
 
-def _reference_attention(q, keys, values, bias, scale):
-    scores = (q * scale) @ (np.swapaxes(keys, -1, -2) * scale) + bias
-    exp = np.exp(scores - scores.max(-1, keepdims=True))
-    p = exp / exp.sum(-1, keepdims=True)
-    return np.where(np.isnan(p), 0, p) @ values
-
-
-def _repeat_inputs(groups, repeat, length, expand=None, target=None):
-    expand = _ints(1, groups, repeat, length, 8) if expand is None else expand
-    target = _ints(1, groups * repeat, length, 8) if target is None else target
-    return _ints(2), expand, target
-
-
-@pytest.mark.parametrize("expand, target, repeated", [
-    (None, None, (1, 6, 5, 8)),  # the grouped path
-    (_ints(1, 1, 3, 1, 1), _ints(0, -1, 5, 8), (1, 6, 5, 8)),  # broadcast and 0/-1 targets: still a head repeat
-    (_ints(1, 2, 3, 5, 8), _ints(1, 5, 6, 8), (1, 5, 6, 8)),  # not a head repeat: the materialised path
-])
-def test_repeated_kv_attention_matches_the_unfused_computation(expand, target, repeated):
-    groups, repeat, length = 2, 3, 5
-    buffer = RNG.standard_normal((2, 1, groups, 9, 8)).astype(np.float32)
-    k, v = buffer[0][:, :, :length], buffer[1][:, :, :length]  # prefix views of a capacity buffer
-    heads, kv_length = repeated[1], repeated[2]
-    q = RNG.standard_normal((1, heads, 2, 8)).astype(np.float32)
-    bias = np.where(RNG.random((1, 1, 2, kv_length)) < 0.3, -np.inf, 0).astype(np.float32)
-    scale, zero = np.float32(0.5), np.float32(0)
-    shape_inputs = _repeat_inputs(groups, repeat, length, expand, target)
-    got = RepeatedKVAttention(q, k, v, bias, scale, scale, zero, *shape_inputs, *shape_inputs, axis=-1)
-    keys = np.broadcast_to(k[:, :, None], (1, groups, repeat, length, 8)).reshape(repeated)
-    values = np.broadcast_to(v[:, :, None], (1, groups, repeat, length, 8)).reshape(repeated)
-    np.testing.assert_allclose(got, _reference_attention(q, keys, values, bias, scale), rtol=1e-5, atol=1e-6)
-
-
-def test_repeated_kv_shape_is_a_read_only_stand_in():
-    k = np.zeros((1, 3, 10, 8), np.float32)
-    stand_in = RepeatedKVShape(k, *_repeat_inputs(3, 3, 10))
-    assert stand_in.shape == (1, 9, 10, 8) and not stand_in.flags.writeable and stand_in.strides == (0,) * 4
-    with pytest.raises(RunnxError):
-        RepeatedKVShape(k, _ints(2), _ints(1, 3, 3, 10, 8), _ints(1, 7, 10, 8))
+def test_rotate_half_broadcasting_beyond_x_takes_numpy():
+    x = RNG.standard_normal((1, 1, 3, 8)).astype(np.float32)
+    cos, sin = RNG.standard_normal((2, 4, 3, 8)).astype(np.float32), np.ones((1, 1, 1, 8), np.float32)
+    halves = (_ints(4), _ints(8), _ints(-1), None, _ints(0), _ints(4), _ints(-1), None)
+    got = RotateHalf(x, cos, sin, *halves, axis=-1)
+    assert got.shape == (2, 4, 3, 8)
+    np.testing.assert_array_equal(got, x * cos + np.concatenate([-x[..., 4:], x[..., :4]], axis=-1) * sin)
 
 
 def _grouped_reference(q, k, v, bias, scale, fill):
@@ -95,11 +110,56 @@ def _grouped_reference(q, k, v, bias, scale, fill):
     return np.where(np.isnan(p), fill, p) @ values
 
 
-def _cache(shape, capacity, dtype):
+def _cache(batch, groups, length, depth, dtype, capacity=None):
     """Key and value as prefix views of capacity buffers (heads strided by the capacity)."""
-    batch, groups, length, depth = shape
-    buffer = RNG.standard_normal((2, batch, groups, capacity, depth)).astype(dtype)
+    buffer = RNG.standard_normal((2, batch, groups, capacity or length + 7, depth)).astype(dtype)
     return buffer[0][:, :, :length], buffer[1][:, :, :length]
+
+
+def _tolerance(dtype):
+    return {"rtol": 1e-5, "atol": 1e-6} if dtype == np.float32 else {"rtol": 1e-12, "atol": 1e-12}
+
+
+def _repeat_inputs(groups, repeat, length, expand=None, target=None):
+    expand = _ints(1, groups, repeat, length, 8) if expand is None else expand
+    target = _ints(1, groups * repeat, length, 8) if target is None else target
+    return _ints(2), expand, target
+
+
+@pytest.mark.parametrize("expand, target, repeated", [
+    (None, None, (1, 6, 5, 8)),  # the grouped path
+    (_ints(1, 1, 3, 1, 1), _ints(0, -1, 5, 8), (1, 6, 5, 8)),  # broadcast and 0/-1 targets: still a head repeat
+    (_ints(1, 2, 3, 5, 8), _ints(1, 5, 6, 8), (1, 5, 6, 8)),  # not a head repeat: the materialised path
+])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_repeated_kv_attention_matches_the_unfused_computation(expand, target, repeated, dtype):
+    groups, repeat, length = 2, 3, 5
+    k, v = _cache(1, groups, length, 8, dtype, capacity=9)
+    heads, kv_length = repeated[1], repeated[2]
+    q = RNG.standard_normal((1, heads, 2, 8)).astype(dtype)
+    bias = np.where(RNG.random((1, 1, 2, kv_length)) < 0.3, -np.inf, 0).astype(dtype)
+    scale, zero = dtype(0.5), np.zeros(1, dtype)
+    shape_inputs = _repeat_inputs(groups, repeat, length, expand, target)
+    got = RepeatedKVAttention(q, k, v, bias, scale, scale, zero, *shape_inputs, *shape_inputs, axis=-1)
+    keys = np.broadcast_to(k[:, :, None], (1, groups, repeat, length, 8)).reshape(repeated)
+    values = np.broadcast_to(v[:, :, None], (1, groups, repeat, length, 8)).reshape(repeated)
+    assert got.dtype == dtype
+    np.testing.assert_allclose(got, _grouped_reference(q, keys, values, bias, scale * scale, 0), **_tolerance(dtype))
+
+
+def test_repeated_kv_attention_fills_fully_masked_rows():
+    k, v = _cache(1, 2, 6, 8, np.float32)
+    q = RNG.standard_normal((1, 4, 3, 8)).astype(np.float32)
+    bias = np.zeros((1, 1, 3, 6), np.float32)
+    bias[..., 1, :] = -np.inf  # query row 1 sees nothing
+    bias[..., 2, 3] = np.nan  # query row 2 has a NaN score: its softmax is NaN too
+    for fill in (0, 2):
+        got = RepeatedKVAttention(q, k, v, bias, np.float32(1), np.float32(0.25), np.full(1, fill, np.float32),
+                                  *_repeat_inputs(2, 2, 6), *_repeat_inputs(2, 2, 6), axis=-1)
+        want = _grouped_reference(q, k, v, bias, 0.25, fill)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got[:, :, 1:], fill * np.repeat(v.sum(axis=2, keepdims=True), 2, axis=1)
+                                   .repeat(2, axis=2), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -108,14 +168,95 @@ def _cache(shape, capacity, dtype):
     (2, 4, 4, 1, 33),  # multi-head, batch 2
     (1, 6, 2, 5, 23),  # prefill rows with a causal mask
     (1, 2, 1, 3, 1),  # a single cache row
+    (1, 4, 2, 40, 45),  # a long prefill: numpy's matrix products
 ])
 def test_attend_matches_the_unfused_computation(dtype, batch, heads, groups, length, size):
-    from runnx.ops.fused import attend
-    k, v = _cache((batch, groups, size, 16), size + 7, dtype)
+    k, v = _cache(batch, groups, size, 16, dtype)
     q = RNG.standard_normal((batch, heads, length, 16)).astype(dtype)
     causal = np.triu(np.full((length, size), -np.inf, dtype), size - length + 1)
     for bias in (None, causal, causal[None, None] + RNG.standard_normal((batch, heads, 1, size)).astype(dtype)):
         got = attend(q, k, v, bias, 0.25)
         assert got.dtype == dtype and got.shape == (batch, heads, length, 16) and got.flags.c_contiguous
-        rtol = 1e-5 if dtype == np.float32 else 1e-12
-        np.testing.assert_allclose(got, _grouped_reference(q, k, v, bias, 0.25, np.nan), rtol=rtol, atol=rtol)
+        np.testing.assert_allclose(got, _grouped_reference(q, k, v, bias, 0.25, np.nan), **_tolerance(dtype))
+
+
+def test_attend_of_a_fully_masked_row_is_nan_unless_filled():
+    k, v = _cache(1, 1, 4, 8, np.float32)
+    q = RNG.standard_normal((1, 2, 2, 8)).astype(np.float32)
+    bias = np.array([[0, 0, -np.inf, 0], [-np.inf] * 4], np.float32)
+    got = attend(q, k, v, bias, 1.0)
+    assert np.isfinite(got[:, :, 0]).all() and np.isnan(got[:, :, 1]).all()
+    np.testing.assert_array_equal(attend(q, k, v, bias, 1.0, fill=0.0)[:, :, 1], 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("blocks", [2, 3, 7])
+def test_parallel_blocks_combine_to_the_serial_result(dtype, blocks):
+    k, v = _cache(2, 3, 50, 16, dtype, capacity=64)
+    q = RNG.standard_normal((2, 6, 2, 16)).astype(dtype)
+    bias = np.zeros((2, 1, 2, 50), dtype)
+    bias[0, :, 0, :30] = -np.inf  # the first blocks of this row are fully masked
+    bias[1, :, 1] = -np.inf  # and this row entirely
+    want = _kernels_fused.attention_serial(q, k, v, bias, 0.3, 0.0)
+    got = _kernels_fused.attention_parallel(q, k, v, bias, 0.3, 0.0, blocks)
+    np.testing.assert_allclose(got, want, **_tolerance(dtype))
+    np.testing.assert_allclose(got, _grouped_reference(q, k, v, bias, 0.3, 0.0), **_tolerance(dtype))
+
+
+def test_attend_takes_the_parallel_kernel_for_long_caches(monkeypatch):
+    calls = []
+    monkeypatch.setattr(fused, "attention_parallel", lambda *args: calls.append(args[-1]) or
+                        _kernels_fused.attention_parallel(*args))
+    monkeypatch.setattr(fused.numba, "get_num_threads", lambda: 2)
+    k, v = _cache(1, 3, 2000, 64, np.float32)
+    q = RNG.standard_normal((1, 9, 1, 64)).astype(np.float32)
+    got = attend(q, k, v, None, 0.125)
+    assert calls == [2]  # 3 KV heads on 2 threads: each split in 2 blocks, 3 blocks per thread
+    np.testing.assert_allclose(got, _grouped_reference(q, k, v, None, 0.125, np.nan), rtol=1e-5, atol=1e-6)
+    attend(q, k[:, :, :32], v[:, :, :32], None, 0.125)
+    assert calls == [2]  # a short cache: serial
+
+
+def test_attend_computes_other_dtypes_with_numpy_and_rejects_bad_shapes():
+    k, v = _cache(1, 2, 5, 8, np.float16)
+    q = RNG.standard_normal((1, 4, 1, 8)).astype(np.float16)
+    got = attend(q, k, v, None, 0.5)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got, _grouped_reference(q, k, v, None, 0.5, np.nan), rtol=2e-3, atol=2e-3)
+    with pytest.raises(RunnxError, match="multiple of kv_heads"):
+        attend(q[:, :3], k, v, None, 0.5)
+    with pytest.raises(RunnxError, match="does not broadcast"):
+        attend(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), np.zeros((1, 1, 2, 5), np.float32), 1.0)
+
+
+def test_repeated_kv_shape_is_a_read_only_stand_in():
+    k = np.zeros((1, 3, 10, 8), np.float32)
+    stand_in = RepeatedKVShape(k, *_repeat_inputs(3, 3, 10))
+    assert stand_in.shape == (1, 9, 10, 8) and not stand_in.flags.writeable and stand_in.strides == (0,) * 4
+    with pytest.raises(RunnxError):
+        RepeatedKVShape(k, _ints(2), _ints(1, 3, 3, 10, 8), _ints(1, 7, 10, 8))
+
+
+def test_fused_tiny_llama_logits_match_the_unfused_model(fixtures_dir):
+    """Prefill then decode steps over capacity-buffer caches (strided views): logits within float
+    rounding of the unfused graph's, greedy tokens identical."""
+    path = fixtures_dir / "tiny-llama" / "model.onnx"
+    models = {fuse: runnx.load(path, fuse=fuse) for fuse in (True, False)}
+    assert [n.op_type for n in models[True].plan()].count("RepeatedKVAttention") == 2
+    ids = np.array([[1, 17, 400, 9, 33, 250]])
+    caches = {fuse: {f"past_key_values.{layer}.{kind}": runnx.with_capacity(np.zeros((1, 2, 0, 16), np.float32), 2, 32)
+                     for layer in (0, 1) for kind in ("key", "value")} for fuse in models}
+    past = 0
+    for _ in range(5):
+        logits = {}
+        for fuse, model in models.items():
+            feeds = {"input_ids": ids, "attention_mask": np.ones((1, past + ids.shape[1]), np.int64),
+                     "position_ids": np.arange(past, past + ids.shape[1])[None], **caches[fuse]}
+            out = model.run(feeds)
+            logits[fuse] = out["logits"]
+            caches[fuse] = {name.replace("present", "past_key_values"): runnx.Owned(value)
+                            for name, value in out.items() if name.startswith("present")}
+        np.testing.assert_allclose(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(logits[True].argmax(-1), logits[False].argmax(-1))
+        past += ids.shape[1]
+        ids = logits[True][:, -1:].argmax(-1)
