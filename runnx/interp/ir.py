@@ -42,6 +42,14 @@ class Node:
         domain = f"{self.domain}." if self.domain not in ("", "ai.onnx") else ""
         return f"{domain}{self.op_type} node '{self.name}'"
 
+    def reads_shape_only(self, vid: int) -> bool:
+        """Whether the node reads value `vid` only for its shape and dtype (Shape, Size, a shape
+        memo's roots: the kernel's `shape_only` positions): an earlier in-place write of its data
+        cannot change what such a node computes."""
+        shape_only = getattr(self.kernel, "shape_only", ())
+        return bool(shape_only) and vid in self.inputs and all(
+            position in shape_only for position, v in enumerate(self.inputs) if v == vid)
+
 
 @dataclass(eq=False)
 class Graph:

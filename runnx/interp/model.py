@@ -28,10 +28,9 @@ class Model:
         self.options = options or Options()
         self.folded = fold_constants(self.graph, self.options) if self.options.fold_constants else 0
         self._unrewritten = replace(self.graph)  # for plans requesting values a rewrite removed
-        # The shape cache stays at the top level: a memo node reads whole tensors for their shapes,
-        # which in a merged decoder's branch can order it after the KV Concat and cost the in-place
-        # append. Fusion applies to subgraphs too (an Optimum merged decoder's branches).
-        self.memoized = memoize_shapes(self.graph) if self.options.shape_cache else 0
+        # Both rewrites apply to subgraphs too (an Optimum merged decoder's branches). A memo node
+        # reads its roots for their shapes only, so it never holds back an in-place KV append.
+        self.memoized = sum(memoize_shapes(graph) for graph in _graphs(self.graph)) if self.options.shape_cache else 0
         self.fused = {}
         for graph in _graphs(self.graph) if self.options.fuse else ():
             for op, count in fuse(graph).items():

@@ -139,10 +139,13 @@ def _forward_order(graph: Graph, needed: list[Node], provided: frozenset) -> lis
 
 def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> Plan:
     requested = set(outputs)
-    last_use: dict[int, int] = {}
+    last_use: dict[int, int] = {}  # released after this step
+    last_data_use: dict[int, int] = {}  # later steps read its shape only: its data may be overwritten here
     for position, node in enumerate(order):
         for vid in _reads(node):
             last_use[vid] = position
+            if not node.reads_shape_only(vid):
+                last_data_use[vid] = position
     steps = []
     for position, node in enumerate(order):
         reads = list(_reads(node))
@@ -152,7 +155,8 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> 
         once = {vid for vid in dying if reads.count(vid) == 1}
         kernel = node.kernel
         candidates = tuple((pos, vid) for pos, vid in enumerate(node.inputs)
-                           if vid in once and kernel.can_overwrite(pos))
+                           if vid != MISSING and last_data_use.get(vid) == position and vid not in requested
+                           and reads.count(vid) == 1 and kernel.can_overwrite(pos))
         movable = frozenset(vid for vid in node.captures if vid in once)
         unused = tuple(vid for vid in node.outputs
                        if vid != MISSING and vid not in last_use and vid not in requested)

@@ -100,7 +100,8 @@ def memoize_shapes(graph: Graph) -> int:
             continue
         group = ShapeGroup(graph, members, tuple(sorted(root_set)), tuple(external), outputs)
         group.results = shared.setdefault(_structure(group), group.results)
-        kernel = Kernel(MEMO_OP, MEMO_DOMAIN, 1, group, (), None, {}, (), True, False, (0, None))
+        kernel = Kernel(MEMO_OP, MEMO_DOMAIN, 1, group, (), None, {}, (), True, False, (0, None),
+                        shape_only=tuple(range(len(group.roots))))
         memo = Node(min(inside), f"{MEMO_OP}({members[0].name}, {len(members)} nodes)", MEMO_OP, MEMO_DOMAIN,
                     group.roots + group.external, outputs, {}, {}, (), kernel, 1)
         memos.append(memo)

@@ -10,6 +10,9 @@ signature. Three keyword names are reserved:
 - ``ctx``: the RunContext (options, profile counters, subgraph execution),
 - ``output_count``: how many outputs the node declares (Split into equal parts needs it).
 
+``shape_only=`` declares input positions read only for their shape and dtype (Shape, Size): the
+planner lets an earlier node overwrite such an input's data in place.
+
 A kernel returns one value, or a tuple for several outputs (a list is a sequence value). It must
 never return a writeable array that it keeps a reference to (module caches must be read-only).
 Resolution picks the newest registration whose since-version is <= the model's opset.
@@ -43,6 +46,7 @@ class Kernel:
     wants_ctx: bool
     wants_output_count: bool
     arity: tuple[int, int | None] = (0, None)  # (positional inputs without default, max or None: variadic)
+    shape_only: tuple[int, ...] = ()  # input positions read only for their shape and dtype, never their data
 
     def can_overwrite(self, position: int) -> bool:
         return position in self.inplace or (self.inplace_from is not None and position >= self.inplace_from)
@@ -73,7 +77,7 @@ def _allowed_types(annotation) -> tuple:
 
 
 def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace: tuple[int, ...] = (),
-             inplace_from: int | None = None):
+             inplace_from: int | None = None, shape_only: tuple[int, ...] = ()):
     """Register a kernel for `op_type` from opset `since` on; see the module docstring."""
 
     def decorate(fn):
@@ -94,7 +98,7 @@ def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace:
         variadic = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
         arity = (sum(p.default is REQUIRED for p in positional), None if variadic else len(positional))
         kernel = Kernel(op_type, _canonical_domain(domain), since, fn, tuple(inplace), inplace_from, attrs,
-                        tuple(subgraphs), "ctx" in params, "output_count" in params, arity)
+                        tuple(subgraphs), "ctx" in params, "output_count" in params, arity, tuple(shape_only))
         versions = _REGISTRY.setdefault((kernel.domain, op_type), [])
         if any(k.since == since for k in versions):
             raise ValueError(f"{op_type} since {since} registered twice")

@@ -25,17 +25,17 @@ def Identity(x):
     return x  # tensors, sequences and optionals alike
 
 
-@register("Shape", since=1)
+@register("Shape", since=1, shape_only=(0,))
 def Shape_1(x):
     return np.array(x.shape, dtype=np.int64)
 
 
-@register("Shape", since=15)
+@register("Shape", since=15, shape_only=(0,))
 def Shape(x, *, start: int = 0, end: int | None = None):
     return np.array(x.shape[start:end], dtype=np.int64)  # Python slicing clamps exactly as ONNX asks
 
 
-@register("Size", since=1)
+@register("Size", since=1, shape_only=(0,))
 def Size(x):
     return np.array(x.size, dtype=np.int64)
 

@@ -97,3 +97,25 @@ def test_nodes_out_of_topological_order_are_planned():
     ], ["x"], ["z"]))
     assert [n.name for n in model.plan()] == ["early", "late"]
     np.testing.assert_array_equal(model.run({"x": np.ones(2, np.float32)})["z"], [0, 0])
+
+
+def test_a_shape_read_after_the_in_place_consumer_does_not_hold_it_back():
+    """x is read for its shape by a memo node that also needs z's shape, so it runs after the Add
+    consuming x: reading only shapes, it must not keep x's data alive (Add still runs in place)."""
+    two = helper.make_tensor("two", TensorProto.INT64, [], [2])
+    model = runnx.load(_model([
+        helper.make_node("Neg", ["a"], ["x"], name="neg"),
+        helper.make_node("Add", ["x", "b"], ["z"], name="add"),
+        helper.make_node("Shape", ["x"], ["sx"], name="shape_x"),
+        helper.make_node("Shape", ["z"], ["sz"], name="shape_z"),
+        helper.make_node("Add", ["sx", "sz"], ["sum"], name="sum"),
+        helper.make_node("Mul", ["sum", "two"], ["s"], name="scaled"),
+    ], ["a", "b"], ["z", "s"], [two]))
+    assert model.memoized == 2  # Add and Mul of the shapes: one memo node reading x and z for their shapes
+    order = [n.op_type for n in model.plan()]
+    assert order.index("ShapeMemo") > order.index("Add")  # the memo reads z, made by the Add
+    a, b = np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((2, 3), np.float32)
+    out, profile = model.run({"a": a, "b": b}, profile=True)
+    assert profile.inplace["Add"] == 1
+    np.testing.assert_array_equal(out["z"], 1 - a)
+    np.testing.assert_array_equal(out["s"], [8, 12])

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from runnx.interp.ir import MISSING, Graph, Node
 
-SHAPE_READERS = ("Shape", "Size")
 @dataclass
 class Fused:
     op_type: str
@@ -54,7 +53,7 @@ class Matcher:
                 if vid in self.requested:
                     return False
                 for reader in self.readers.get(vid, ()):
-                    if reader.index not in inside and not (vid in shape_read and reads_shape_only(reader, vid)):
+                    if reader.index not in inside and not (vid in shape_read and reader.reads_shape_only(vid)):
                         return False
         return True
 
@@ -62,12 +61,4 @@ class Matcher:
         """The other input of a binary node, given one."""
         a, b = node.inputs[:2]
         return b if a == vid else a
-
-
-def reads_shape_only(node: Node, vid: int) -> bool:
-    if node.op_type in SHAPE_READERS and node.domain == "":
-        return True
-    roots = getattr(node.kernel.fn, "roots", ())  # a shape memo node reads its roots' shapes only
-    return vid in roots and vid not in getattr(node.kernel.fn, "external", ())
-
 
