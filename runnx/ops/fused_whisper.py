@@ -1,0 +1,146 @@
+"""Fused kernels for the patterns `runnx.interp.fusion.whisper` finds in Whisper exports (private
+domain `runnx.fused`; never in a model file).
+
+- HeadsAttention: attention whose heads are split from (batch, length, hidden) by Reshape and
+  Transpose, and merged back the same way, the Reshape targets built from other values' shapes.
+  The target dimensions are read from those values here, so the Shape/Gather/Unsqueeze/Concat
+  nodes that built them no longer run. Long queries (the encoder, a prefill) go a block of query
+  rows at a time: scores by BLAS into a cache-sized buffer, the softmax in place (numba), the
+  block's output by BLAS straight into the merged-heads layout.
+- ErfGelu: x * (erf(x / sqrt 2) + 1) * 0.5 in one pass, with the bias of the linear layer before it.
+
+Scale factors other than the query's own are applied to the (small) query instead of the keys,
+as in fused.py; Whisper's are 1.0, which changes nothing. Anything the fast paths do not cover
+(other dtypes, broadcasting between query and keys) takes the unfused nodes' operations.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from runnx.errors import RunnxError
+from runnx.ops._elementwise_util import erf
+from runnx.ops._kernels_whisper import gelu_rows_float32, softmax_rows_float32
+from runnx.ops.fused import DOMAIN, attend
+from runnx.ops.registry import register
+from runnx.ops.shape import Reshape
+from runnx.ops.softmax import Softmax_13
+
+_ATTEND_ROWS = 16  # query rows up to which `attend` (numba, decoding) beats BLAS products a block at a time
+_BLOCK_SCORES = 1 << 17  # scores per block of query rows: 512 KiB of float32, about an L2 cache
+
+
+def _target(given, source, dims: tuple, axes: tuple) -> np.ndarray:
+    """A Reshape target: `given`, else dims[i], or dimension axes[i] of `source` where axes[i] >= 0."""
+    if given is not None:
+        return given
+    return np.array([source.shape[a] if a >= 0 else d for d, a in zip(dims, axes)], dtype=np.int64)
+
+
+@register("HeadsAttention", since=1, domain=DOMAIN)
+def HeadsAttention(query, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target,
+                   query_source, output_target, output_source, *, query_dims: tuple[int, ...] = (),
+                   query_axes: tuple[int, ...] = (), output_dims: tuple[int, ...] = (),
+                   output_axes: tuple[int, ...] = (), key_perm: tuple[int, ...], value_perm: tuple[int, ...]):
+    """Reshape(merged @ ..., output target) of the heads attention:
+    heads = Transpose(Reshape(query * query_scale, query target), (0, 2, 1, 3)) * head_scale,
+    probabilities = Softmax(heads @ (Transpose(key, key_perm) * key_scale) + bias) (NaN -> nan_fill
+    when given), merged = Transpose(probabilities @ Transpose(value, value_perm), (0, 2, 1, 3)).
+    Targets: query_target/output_target when given, else query_dims/output_dims with dimension a
+    of query_source/output_source where the matching *_axes entry a >= 0; absent scales are 1."""
+    scaled = query if query_scale is None else np.multiply(query, query_scale)
+    split = Reshape(scaled, _target(query_target, query_source, query_dims, query_axes))
+    if split.ndim != 4 or key.ndim != 4 or value.ndim != 4:
+        raise RunnxError(f"heads attention needs 4-d heads, keys and values, got shapes {list(split.shape)}, "
+                         f"{list(key.shape)}, {list(value.shape)}")
+    heads = split.transpose(0, 2, 1, 3)
+    for factor in (head_scale, key_scale):  # Whisper's are 1: skipping them is exact
+        if factor is not None and not (factor.size == 1 and factor.reshape(-1)[0] == 1):
+            heads = np.multiply(heads, factor)
+    keys = key.transpose(key_perm)  # (batch, heads, depth, kv length)
+    values = value.transpose(value_perm)
+    fill = np.nan if nan_fill is None else float(nan_fill.reshape(-1)[0])
+    if not _plain(heads, keys, values, bias, nan_fill):
+        merged = _unfused(heads, keys, values, bias, nan_fill).transpose(0, 2, 1, 3)
+    elif heads.shape[2] > _ATTEND_ROWS and heads.dtype == np.float32:
+        merged = _blocked(heads, keys, values, bias, fill)
+    else:
+        merged = attend(heads, keys.swapaxes(2, 3), values, bias, 1.0, fill).transpose(0, 2, 1, 3)
+    return Reshape(merged, _target(output_target, output_source, output_dims, output_axes))
+
+
+def _plain(heads, keys, values, bias, nan_fill) -> bool:
+    """Whether attention without broadcasting computes what the unfused nodes do: heads, keys and
+    values of one dtype and matching batch and head counts, a bias broadcasting into the scores."""
+    batch, count, length, depth = heads.shape
+    scores = (batch, count, length, keys.shape[3])
+    if not heads.dtype == keys.dtype == values.dtype or heads.dtype.kind != "f":
+        return False
+    if keys.shape[:3] != (batch, count, depth) or values.shape[:3] != (batch, count, keys.shape[3]):
+        return False
+    if nan_fill is not None and (nan_fill.dtype != heads.dtype or nan_fill.size != 1):
+        return False
+    if bias is None:
+        return True
+    return bias.dtype == heads.dtype and bias.ndim <= 4 and all(
+        b == 1 or b == s for b, s in zip(bias.shape[::-1], scores[::-1]))
+
+
+def _blocked(heads, keys, values, bias, fill: float):
+    """(batch, length, heads, width) attention output, a block of query rows of one head at a time."""
+    batch, count, length, _ = heads.shape
+    size, width = keys.shape[3], values.shape[3]
+    merged = np.empty((batch, length, count, width), np.float32)
+    rows = max(1, min(length, _BLOCK_SCORES // max(size, 1)))
+    buffer = np.empty((rows, size), np.float32)
+    if bias is not None:
+        bias = np.broadcast_to(bias, (batch, count, length, size))
+    for b in range(batch):
+        for h in range(count):
+            for start in range(0, length, rows):
+                stop = min(start + rows, length)
+                scores = buffer[:stop - start]
+                np.matmul(heads[b, h, start:stop], keys[b, h], out=scores)
+                if bias is not None:
+                    np.add(scores, bias[b, h, start:stop], out=scores)
+                softmax_rows_float32(scores, fill)
+                np.matmul(scores, values[b, h], out=merged[b, start:stop, h])
+    return merged
+
+
+def _unfused(heads, keys, values, bias, nan_fill):
+    """The unfused nodes' operations: (batch, heads, length, width) (heads and batch may broadcast)."""
+    scores = np.matmul(heads, keys)
+    if bias is not None:
+        scores = np.add(scores, bias)
+    probabilities = Softmax_13(scores, axis=-1, overwrite=(0,))
+    if nan_fill is not None:
+        probabilities = np.where(np.isnan(probabilities), nan_fill, probabilities)
+    return np.matmul(probabilities, values)
+
+
+@register("SplitHeads", since=1, domain=DOMAIN)
+def SplitHeads(x, target, source, *, dims: tuple[int, ...] = (), axes: tuple[int, ...] = ()):
+    """Transpose(Reshape(x, target), (0, 2, 1, 3)) as a C-contiguous array; the target as in
+    HeadsAttention."""
+    split = Reshape(x, _target(target, source, dims, axes))
+    if split.ndim != 4:
+        raise RunnxError(f"splitting heads needs a 4-d target, got shape {list(split.shape)}")
+    return np.ascontiguousarray(split.transpose(0, 2, 1, 3))
+
+
+@register("ErfGelu", since=1, domain=DOMAIN)
+def ErfGelu(x, bias, divisor, one, half):
+    """((v * (Erf(v / divisor) + one)) * half with v = x + bias (bias absent: v = x): the erf GELU
+    and the bias add of the linear layer before it."""
+    fast = (x.dtype == np.float32 and x.ndim >= 1 and x.size
+            and all(c.dtype == np.float32 and c.size == 1 for c in (divisor, one, half))
+            and (bias is None or (bias.dtype == np.float32 and bias.shape in ((x.shape[-1],), (1, x.shape[-1])))))
+    if not fast:
+        v = x if bias is None else np.add(x, bias)
+        return np.multiply(np.multiply(v, np.add(erf(np.divide(v, divisor)), one)), half)
+    columns = x.shape[-1]
+    rows = np.ascontiguousarray(x).reshape(-1, columns)
+    out = np.empty(rows.shape, np.float32)
+    row_bias = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias).reshape(columns)
+    gelu_rows_float32(rows, row_bias, divisor.reshape(-1)[0], one.reshape(-1)[0], half.reshape(-1)[0], out)
+    return out.reshape(x.shape)

@@ -1,0 +1,223 @@
+"""Whisper's fusion patterns (runnx/interp/fusion/whisper.py): attention with heads split and merged
+by Reshape targets built from shapes, and the erf GELU, as Optimum exports them; fused outputs
+against the unfused graph, on small graphs, the tiny fixture and (when built) whisper tiny.en."""
+import math
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import runnx
+
+F = TensorProto.FLOAT
+HEADS, DEPTH = 2, 4
+SHAPE_OPS = {"Shape", "Gather", "Unsqueeze", "Concat"}
+
+
+def _model(nodes, inputs, outputs, constants):
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(n, F, None) for n in inputs],
+        [helper.make_tensor_value_info(n, F, None) for n in outputs],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in constants.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def _dims(prefix, source):
+    """Unsqueeze(Gather(Shape(source), i), [0]) for i = 0, 1 as the exporter writes them: values prefix0, prefix1."""
+    nodes = []
+    for i in (0, 1):
+        nodes += [helper.make_node("Shape", [source], [f"{prefix}shape{i}"]),
+                  helper.make_node("Gather", [f"{prefix}shape{i}", f"index{i}"], [f"{prefix}dim{i}"], axis=0),
+                  helper.make_node("Unsqueeze", [f"{prefix}dim{i}", "axis0"], [f"{prefix}{i}"])]
+    return nodes
+
+
+def _attention_nodes(key_layout, value_split, mask):
+    """x (batch, length, hidden) -> attention -> y; key/value as (batch, heads, kv, depth) inputs, or
+    (batch, kv, hidden) inputs split the encoder's way; mask: Add(bias) and IsNaN/Where after the softmax."""
+    nodes = _dims("q", "x") + _dims("o", "x") + [
+        helper.make_node("Mul", ["x", "query_scale"], ["qs"]),
+        helper.make_node("Concat", ["q0", "q1", "minus_one", "depth"], ["q_target"], axis=0),
+        helper.make_node("Reshape", ["qs", "q_target"], ["q4"]),
+        helper.make_node("Transpose", ["q4"], ["qt"], perm=[0, 2, 1, 3]),
+        helper.make_node("Mul", ["qt", "one"], ["qh"])]
+    if key_layout == "split":
+        nodes += [helper.make_node("Reshape", ["k", "kv_target"], ["k4"]),
+                  helper.make_node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1])]
+    else:
+        nodes.append(helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]))
+    if value_split:
+        nodes += [helper.make_node("Reshape", ["v", "kv_target"], ["v4"]),
+                  helper.make_node("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3])]
+    nodes += [helper.make_node("Mul", ["kt", "one"], ["kh"]),
+              helper.make_node("MatMul", ["qh", "kh"], ["scores"])]
+    probabilities = "p"
+    if mask:
+        nodes += [helper.make_node("Add", ["scores", "bias"], ["biased"]),
+                  helper.make_node("Softmax", ["biased"], ["p"], axis=-1),
+                  helper.make_node("IsNaN", ["p"], ["nan"]),
+                  helper.make_node("Where", ["nan", "zero", "p"], ["pz"])]
+        probabilities = "pz"
+    else:
+        nodes.append(helper.make_node("Softmax", ["scores"], ["p"], axis=-1))
+    nodes += [helper.make_node("MatMul", [probabilities, "vh" if value_split else "v"], ["heads_out"]),
+              helper.make_node("Transpose", ["heads_out"], ["merged"], perm=[0, 2, 1, 3]),
+              helper.make_node("Concat", ["o0", "o1", "minus_one"], ["o_target"], axis=0),
+              helper.make_node("Reshape", ["merged", "o_target"], ["y"])]
+    return nodes
+
+
+CONSTANTS = {"index0": np.array(0), "index1": np.array(1), "axis0": np.array([0]), "minus_one": np.array([-1]),
+             "depth": np.array([DEPTH]), "kv_target": np.array([1, -1, HEADS, DEPTH]),
+             "query_scale": np.float32(DEPTH ** -0.5), "one": np.float32(1), "zero": np.float32(0)}
+
+
+def _both(model, feeds):
+    """(fused outputs, unfused outputs, the fused plan's op types)."""
+    fused = runnx.load(model, shape_cache=False)
+    plain = runnx.load(model, shape_cache=False, fuse=False)
+    return fused.run(feeds), plain.run(feeds), [n.op_type for n in fused.plan()]
+
+
+def _feeds(length, size, key_layout, value_split, mask, rng):
+    x = rng.standard_normal((1, length, HEADS * DEPTH)).astype(np.float32)
+    split = (1, size, HEADS * DEPTH)
+    heads = (1, HEADS, size, DEPTH)
+    feeds = {"x": x, "k": rng.standard_normal(split if key_layout == "split" else heads).astype(np.float32),
+             "v": rng.standard_normal(split if value_split else heads).astype(np.float32)}
+    if mask:
+        bias = np.where(np.tril(np.ones((length, size)), size - length) > 0, 0, -np.inf).astype(np.float32)
+        bias[-1] = -np.inf  # a fully masked row: NaN -> 0
+        feeds["bias"] = bias.reshape(1, 1, length, size)
+    return feeds
+
+
+@pytest.mark.parametrize("key_layout, value_split, mask", [
+    ("heads", False, True),  # a decoder's self-attention over its cache
+    ("heads", False, False),  # a decoder's cross-attention over the encoder's keys and values
+    ("split", True, False),  # the encoder
+])
+def test_attention_and_its_shape_chains_become_one_node(key_layout, value_split, mask):
+    inputs = ["x", "k", "v"] + (["bias"] if mask else [])
+    model = _model(_attention_nodes(key_layout, value_split, mask), inputs, ["y"], CONSTANTS)
+    feeds = _feeds(3, 5, key_layout, value_split, mask, np.random.default_rng(1))
+    fused, plain, ops = _both(model, feeds)
+    assert ops == (["Reshape", "Reshape"] if key_layout == "split" else []) + ["HeadsAttention"]
+    np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
+    if mask:
+        np.testing.assert_array_equal(fused["y"][0, -1], 0)
+
+
+def test_attention_whose_probabilities_are_read_elsewhere_is_not_fused():
+    model = _model(_attention_nodes("heads", False, False), ["x", "k", "v"], ["y", "p"], CONSTANTS)
+    feeds = _feeds(2, 4, "heads", False, False, np.random.default_rng(2))
+    fused, plain, ops = _both(model, feeds)
+    assert "HeadsAttention" not in ops and "Softmax" in ops
+    np.testing.assert_array_equal(fused["y"], plain["y"])
+
+
+def test_a_query_target_from_an_unrecognised_chain_is_kept_as_an_input():
+    nodes = [n if n.output[0] != "q_target" else helper.make_node("Concat", ["q0", "q1", "heads", "minus_one"],
+                                                                     ["q_target"], axis=0)
+             for n in _attention_nodes("heads", False, False)]
+    nodes.append(helper.make_node("Add", ["heads_x", "zero_int"], ["heads"]))  # not a shape dimension
+    model = _model(nodes, ["x", "k", "v"], ["y"], {**CONSTANTS, "heads_x": np.array([HEADS]),
+                                                   "zero_int": np.array([0])})
+    feeds = _feeds(2, 4, "heads", False, False, np.random.default_rng(3))
+    fused = runnx.load(model, shape_cache=False, fold_constants=False)
+    plain = runnx.load(model, shape_cache=False, fold_constants=False, fuse=False)
+    ops = [n.op_type for n in fused.plan()]
+    assert "HeadsAttention" in ops and "Concat" in ops  # the query's target still runs, the output's does not
+    np.testing.assert_allclose(fused.run(feeds)["y"], plain.run(feeds)["y"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_first_step_reads_its_keys_from_the_present_output_whose_heads_are_split_once():
+    """The decoder's first step splits the projected keys twice, (0, 2, 1, 3) for the present output
+    and (0, 2, 3, 1) for the scores: attention reads the present one, split as one contiguous array."""
+    nodes = _attention_nodes("split", False, False)
+    nodes += [helper.make_node("Reshape", ["v", "kv_target"], ["v4"]),
+              helper.make_node("Transpose", ["v4"], ["v_present"], perm=[0, 2, 1, 3]),
+              helper.make_node("Transpose", ["k4"], ["k_present"], perm=[0, 2, 1, 3])]
+    nodes = [helper.make_node("MatMul", n.input[:1] + ["v_present"], n.output) if n.output[0] == "heads_out" else n
+             for n in nodes]
+    model = _model(nodes, ["x", "k", "v"], ["y", "k_present", "v_present"], CONSTANTS)
+    feeds = _feeds(3, 6, "split", True, False, np.random.default_rng(6))
+    fused, plain, ops = _both(model, feeds)
+    assert sorted(ops) == ["HeadsAttention", "SplitHeads", "SplitHeads"]
+    for name in ("k_present", "v_present"):
+        assert fused[name].flags.c_contiguous
+        np.testing.assert_array_equal(fused[name], plain[name])
+    np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
+
+
+def _gelu_model(extra_reader=False):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["xw"]),
+             helper.make_node("Add", ["b", "xw"], ["h"]),
+             helper.make_node("Div", ["h", "sqrt2"], ["scaled"]),
+             helper.make_node("Erf", ["scaled"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["e1"]),
+             helper.make_node("Mul", ["h", "e1"], ["he"]),
+             helper.make_node("Mul", ["he", "half"], ["y"])]
+    rng = np.random.default_rng(4)
+    return _model(nodes, ["x"], ["y"] + (["h"] if extra_reader else []), {
+        "w": rng.standard_normal((8, 16)).astype(np.float32), "b": rng.standard_normal(16).astype(np.float32),
+        "sqrt2": np.float32(math.sqrt(2)), "one": np.float32(1), "half": np.float32(0.5)})
+
+
+@pytest.mark.parametrize("extra_reader", [False, True])
+def test_erf_gelu_takes_the_bias_add_unless_it_is_read_elsewhere(extra_reader):
+    x = np.random.default_rng(5).standard_normal((2, 3, 8)).astype(np.float32)
+    fused, plain, ops = _both(_gelu_model(extra_reader), {"x": x})
+    assert ops == (["MatMul", "Add", "ErfGelu"] if extra_reader else ["MatMul", "ErfGelu"])
+    for name in fused:
+        np.testing.assert_allclose(fused[name], plain[name], rtol=1e-6, atol=1e-6)
+
+
+# -- whole models --------------------------------------------------------------------------------
+def _features(seed=0):
+    return np.random.default_rng(seed).standard_normal((1, 80, 3000)).astype(np.float32)
+
+
+def _encoders(folder):
+    return runnx.load(folder / "encoder_model.onnx"), runnx.load(folder / "encoder_model.onnx", fuse=False)
+
+
+def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
+    folder = fixtures_dir / "tiny-whisper"
+    fused, plain = _encoders(folder)
+    assert fused.fused == {"HeadsAttention": 2, "ErfGelu": 4}
+    assert not SHAPE_OPS & {n.op_type for n in fused.plan()}
+    features = {"input_features": _features()}
+    want = plain.run(features)["last_hidden_state"]
+    np.testing.assert_allclose(fused.run(features)["last_hidden_state"], want, rtol=1e-4, atol=1e-5)
+    decoder = runnx.load(folder / "decoder_model_merged.onnx", check_symbolic_dims=False)
+    # both branches: 2 layers x (self + cross) attention and 2 GELUs each; heads split for the
+    # self-attention cache (both branches) and the cross-attention keys and values (first step)
+    assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4}
+
+
+def _greedy(folder, monkeypatch, fuse, features):
+    from runnx.generate.whisper import Whisper
+    monkeypatch.setenv("RUNNX_FUSE", "1" if fuse else "0")
+    model = Whisper(folder)
+    assert bool(model.encoder.fused) == fuse
+    return [model.decode(model.encode(window)).tokens for window in features]
+
+
+def test_tiny_whisper_greedy_tokens_are_identical_fused_and_not(fixtures_dir, monkeypatch):
+    features = [_features(seed)[None, 0] for seed in range(3)]
+    folder = fixtures_dir / "tiny-whisper"
+    assert _greedy(folder, monkeypatch, True, features) == _greedy(folder, monkeypatch, False, features)
+
+
+def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whisper_dir, audio_dir, monkeypatch):
+    from runnx.generate.audio import load_audio
+    from runnx.generate.mel import window_features
+    features = [window_features(load_audio(audio_dir / clip), 80) for clip in ("john.wav", "long.wav")]
+    fused, plain = _encoders(whisper_dir)
+    assert fused.fused == {"HeadsAttention": 4, "ErfGelu": 6}
+    want = plain.run({"input_features": features[1]})["last_hidden_state"]
+    got = fused.run({"input_features": features[1]})["last_hidden_state"]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)
+    tokens = _greedy(whisper_dir, monkeypatch, True, features)
+    assert tokens == _greedy(whisper_dir, monkeypatch, False, features) and all(len(t) > 5 for t in tokens)

@@ -1,0 +1,136 @@
+"""Fused Whisper kernels against numpy written the unfused way (runnx/ops/fused_whisper.py)."""
+import math
+
+import numpy as np
+import pytest
+
+from runnx.ops import fused_whisper
+from runnx.ops._kernels_whisper import softmax_rows_float32
+from runnx.ops.fused_whisper import ErfGelu, HeadsAttention
+
+RNG = np.random.default_rng(0)
+SPLIT = (0, 2, 1, 3)
+
+
+def _softmax(scores):
+    shifted = np.exp(scores - scores.max(axis=-1, keepdims=True, initial=-np.inf))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
+
+
+def _reference(query, key, value, bias, query_scale, nan_fill, heads, key_perm, value_perm):
+    """The unfused nodes in float64: split heads, scaled scores (+ bias), softmax, NaN -> fill, merge."""
+    batch, length, hidden = query.shape
+    q = (query.astype(np.float64) * query_scale).reshape(batch, length, heads, -1).transpose(SPLIT)
+    scores = q @ key.astype(np.float64).transpose(key_perm)
+    if bias is not None:
+        scores = scores + bias
+    with np.errstate(invalid="ignore"):
+        probabilities = _softmax(scores)
+    if nan_fill is not None:
+        probabilities = np.where(np.isnan(probabilities), nan_fill, probabilities)
+    merged = probabilities @ value.astype(np.float64).transpose(value_perm)
+    return merged.transpose(SPLIT).reshape(batch, length, -1)
+
+
+def _attend(query, key, value, bias=None, nan_fill=None, heads=4, key_perm=(0, 1, 3, 2), value_perm=(0, 1, 2, 3)):
+    """HeadsAttention with targets read from shapes, as the fused node of a Whisper decoder has them:
+    (source dims 0 and 1, -1, depth) for the split and (source dims 0 and 1, -1) for the merge."""
+    depth = query.shape[-1] // heads
+    scale = np.array(1 / math.sqrt(depth), query.dtype)
+    fill = None if nan_fill is None else np.array(nan_fill, query.dtype)
+    got = HeadsAttention(query, key, value, bias, scale, None, None, fill, None, query, None, query,
+                         query_dims=(0, 0, -1, depth), query_axes=(0, 1, -1, -1), output_dims=(0, 0, -1),
+                         output_axes=(0, 1, -1), key_perm=key_perm, value_perm=value_perm)
+    return got, _reference(query, key, value, bias, scale, fill, heads, key_perm, value_perm)
+
+
+@pytest.mark.parametrize("length, size", [(1, 9), (5, 300), (37, 37), (2, 1), (3, 0)])
+def test_heads_attention_over_a_cache_with_a_mask(length, size):
+    query = RNG.standard_normal((2, length, 32)).astype(np.float32)
+    key, value = RNG.standard_normal((2, 2, 4, size, 8)).astype(np.float32)
+    bias = np.where(RNG.random((2, 1, length, size)) < 0.3, -np.inf, 0).astype(np.float32)
+    got, want = _attend(query, key, value, bias, nan_fill=0.0)
+    assert got.shape == (2, length, 32) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_heads_attention_in_the_encoder_layout_a_block_of_rows_at_a_time(monkeypatch):
+    """Keys (batch, kv, heads, depth) transposed (0, 2, 3, 1), values transposed (0, 2, 1, 3); blocks
+    of 7 query rows (the last one short)."""
+    monkeypatch.setattr(fused_whisper, "_BLOCK_SCORES", 7 * 50)
+    query = RNG.standard_normal((1, 50, 24)).astype(np.float32) * 4
+    key, value = RNG.standard_normal((2, 1, 50, 3, 8)).astype(np.float32)
+    got, want = _attend(query, key, value, heads=3, key_perm=(0, 2, 3, 1), value_perm=SPLIT)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_fully_masked_rows_give_fill_times_the_value_sum_or_nan_without_a_fill():
+    query = RNG.standard_normal((1, 2, 8)).astype(np.float32)
+    key, value = RNG.standard_normal((2, 1, 2, 3, 4)).astype(np.float32)
+    bias = np.zeros((1, 1, 2, 3), np.float32)
+    bias[0, 0, 1] = -np.inf  # the second query row sees nothing
+    filled, want = _attend(query, key, value, bias, nan_fill=0.5, heads=2)
+    np.testing.assert_allclose(filled, want, rtol=1e-5)
+    np.testing.assert_allclose(filled[0, 1].reshape(2, 4), 0.5 * value[0].sum(axis=1), rtol=1e-5)
+    unfilled, _ = _attend(query, key, value, bias, heads=2)
+    assert np.isnan(unfilled[0, 1]).all() and not np.isnan(unfilled[0, 0]).any()
+
+
+def test_heads_attention_takes_the_unfused_path_for_float64_and_broadcast_keys():
+    query = RNG.standard_normal((1, 3, 16))
+    key, value = RNG.standard_normal((2, 1, 2, 5, 8))
+    got, want = _attend(query, key, value, heads=2)
+    assert got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    shared = RNG.standard_normal((2, 1, 1, 5, 8)).astype(np.float32)  # one KV head broadcast to both query heads
+    got, want = _attend(query.astype(np.float32), shared[0], shared[1], heads=2)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_heads_attention_uses_given_targets_and_extra_scales():
+    query = RNG.standard_normal((1, 4, 16)).astype(np.float32)
+    key, value = RNG.standard_normal((2, 1, 2, 6, 8)).astype(np.float32)
+    half = np.array(0.5, np.float32)
+    got = HeadsAttention(query, key, value, None, None, half, half, None, np.array([1, 4, 2, 8]), None,
+                         np.array([4, 16]), None, key_perm=(0, 1, 3, 2), value_perm=(0, 1, 2, 3))
+    want = _reference(query, key, value, None, 0.25, None, 2, (0, 1, 3, 2), (0, 1, 2, 3)).reshape(4, 16)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_softmax_rows_match_numpy_and_fill_rows_whose_softmax_is_nan():
+    scores = (RNG.standard_normal((6, 200)) * 30).astype(np.float32)
+    scores[1, ::3] = -np.inf
+    scores[2, :] = -np.inf
+    scores[3, 5] = np.nan
+    scores[4, 7] = np.inf
+    scores[5, :] = -200  # exp underflows everywhere but at the peak: the shift keeps it exact
+    want = _softmax(scores.astype(np.float64))
+    got = scores.copy()
+    softmax_rows_float32(got, -1.0)
+    fine = [0, 1, 5]
+    np.testing.assert_allclose(got[fine], want[fine], rtol=2e-6, atol=1e-12)
+    np.testing.assert_array_equal(got[[2, 3, 4]], -1.0)
+
+
+def _gelu(x, bias):
+    v = x.astype(np.float64) + (0 if bias is None else bias)
+    return v * (np.vectorize(math.erf)(v / math.sqrt(2)) + 1) * 0.5
+
+
+@pytest.mark.parametrize("shape, with_bias", [((1, 1, 24), True), ((3, 70, 24), False), ((24,), False)])
+def test_erf_gelu_matches_the_formula(shape, with_bias):
+    x = (RNG.standard_normal(shape) * 3).astype(np.float32)
+    bias = RNG.standard_normal(24).astype(np.float32) if with_bias else None
+    constants = [np.array(v, np.float32) for v in (math.sqrt(2), 1, 0.5)]
+    got = ErfGelu(x, bias, *constants)
+    assert got.shape == shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, _gelu(x, bias), rtol=1e-5, atol=1e-6)
+
+
+def test_erf_gelu_of_float64_and_of_a_broadcasting_bias_takes_the_unfused_operations():
+    x = RNG.standard_normal((2, 3, 4))
+    constants = [np.array(v) for v in (math.sqrt(2), 1.0, 0.5)]
+    np.testing.assert_allclose(ErfGelu(x, None, *constants), _gelu(x, None), rtol=1e-12)
+    column = RNG.standard_normal((3, 1)).astype(np.float32)
+    got = ErfGelu(x.astype(np.float32), column, *(c.astype(np.float32) for c in constants))
+    np.testing.assert_allclose(got, _gelu(x.astype(np.float32), column), rtol=1e-5, atol=1e-6)
