@@ -1,5 +1,5 @@
 """numba kernels of the fused decoder ops (`runnx/ops/fused.py`): attention over a KV cache read
-in place (any strides, grouped-query heads), split over blocks of cache rows when threads help.
+in place (any strides, grouped-query heads), RMSNorm, the SiLU gate and rotate-half.
 
 Dot products and sums are vectorised in any order (`_REORDER`: float rounding only); NaN and inf
 keep their meaning, since masked scores are -inf and fully masked rows are found by their NaN.
@@ -71,23 +71,28 @@ def _exp32(x):
 
 @_kernel()
 def _rows(cache, batch, group):
-    """cache[batch, group] (rows x depth) as a C-contiguous array: in place when its rows are
-    contiguous and adjacent (a KV cache, even as a view of a larger capacity buffer), else a copy."""
+    """cache[batch, group] (rows x depth), read in place when each row is contiguous (a KV cache,
+    also as a view of a larger capacity buffer or with heads interleaved), else copied; `_row`
+    then types each row C-contiguous."""
     block = cache[batch, group]
-    itemsize = block.itemsize
-    if block.strides[1] == itemsize and (block.shape[0] <= 1 or block.strides[0] == block.shape[1] * itemsize):
-        return _typed_contiguous(block)
+    if block.strides[1] == block.itemsize or block.shape[1] <= 1:
+        return block
     return np.ascontiguousarray(block)
 
 
+@_kernel()
+def _row(rows, j):
+    return _typed_contiguous(rows[j])
+
+
 @_kernel(fastmath=_REORDER)
-def _scores(scaled, keys, start, scores):
-    """scores[r, j] = scaled[r] . keys[start + j], `_UNROLL` key rows per pass."""
+def _scores(scaled, keys, scores):
+    """scores[r, j] = scaled[r] . keys[j], `_UNROLL` key rows per pass."""
     rows, depth, count = scaled.shape[0], scaled.shape[1], scores.shape[1]
     zero = scores.dtype.type(0)
     j = 0
     while j + _UNROLL <= count:
-        k0, k1, k2, k3 = keys[start + j], keys[start + j + 1], keys[start + j + 2], keys[start + j + 3]
+        k0, k1, k2, k3 = _row(keys, j), _row(keys, j + 1), _row(keys, j + 2), _row(keys, j + 3)
         for r in range(rows):
             q = scaled[r]
             a0 = a1 = a2 = a3 = zero
@@ -99,7 +104,7 @@ def _scores(scaled, keys, start, scores):
             scores[r, j], scores[r, j + 1], scores[r, j + 2], scores[r, j + 3] = a0, a1, a2, a3
         j += _UNROLL
     for j in range(j, count):
-        k0 = keys[start + j]
+        k0 = _row(keys, j)
         for r in range(rows):
             a0 = zero
             for d in range(depth):
@@ -108,13 +113,13 @@ def _scores(scaled, keys, start, scores):
 
 
 @_kernel(fastmath=_REORDER)
-def _weighted_sum(weights, values, start, partial):
-    """partial[r] = sum_j weights[r, j] * values[start + j], `_UNROLL` value rows per pass."""
+def _weighted_sum(weights, values, partial):
+    """partial[r] = sum_j weights[r, j] * values[j], `_UNROLL` value rows per pass."""
     rows, width, count = partial.shape[0], partial.shape[1], weights.shape[1]
     partial[:] = 0
     j = 0
     while j + _UNROLL <= count:
-        v0, v1, v2, v3 = values[start + j], values[start + j + 1], values[start + j + 2], values[start + j + 3]
+        v0, v1, v2, v3 = _row(values, j), _row(values, j + 1), _row(values, j + 2), _row(values, j + 3)
         for r in range(rows):
             w0, w1, w2, w3 = weights[r, j], weights[r, j + 1], weights[r, j + 2], weights[r, j + 3]
             target = partial[r]
@@ -122,7 +127,7 @@ def _weighted_sum(weights, values, start, partial):
                 target[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
         j += _UNROLL
     for j in range(j, count):
-        v0 = values[start + j]
+        v0 = _row(values, j)
         for r in range(rows):
             w0 = weights[r, j]
             for d in range(width):
@@ -130,9 +135,20 @@ def _weighted_sum(weights, values, start, partial):
 
 
 @_kernel(fastmath=_REORDER)
-def _exponentiate(scores, largest):
-    """scores[j] = exp(scores[j] - largest) in place; returns their sum."""
+def _softmax_numerators(scores, fill):
+    """scores = exp(scores - max(scores)) in place, returning their sum; when the softmax is NaN
+    (every score -inf, a NaN or a +inf score) scores = fill and 1, so that the weighted sum
+    gives fill * sum(values): what Where(IsNaN(p), fill, p) @ V gives."""
+    largest, unordered = scores.dtype.type(-np.inf), False
+    for j in range(scores.shape[0]):
+        s = scores[j]
+        unordered |= s != s
+        if s > largest:
+            largest = s
     total = scores.dtype.type(0)
+    if unordered or largest == np.inf or largest == -np.inf:
+        scores[:] = fill
+        return scores.dtype.type(1)
     if scores.itemsize == 4:
         for j in range(scores.shape[0]):
             e = _exp32(scores[j] - largest)
@@ -147,117 +163,40 @@ def _exponentiate(scores, largest):
 
 
 @_kernel(fastmath=_REORDER)
-def _attend_block(query, key, value, bias, scale, batch, group, start, stop, peak, total, partial):
-    """One block of key rows [start, stop) of KV head `group` of `batch`, for all the query rows
-    of that group (its query heads x query length, in that order): each row's largest score goes
-    to peak, sum(exp(score - peak)) to total (0 when the block is masked for the row, NaN when
-    the row's softmax is NaN: a NaN or +inf score), and sum(exp(score - peak) * value row) to
-    partial."""
-    heads, length, depth = query.shape[1], query.shape[2], query.shape[3]
-    repeat = heads // key.shape[1]
-    rows, count = repeat * length, stop - start
-    zero, lowest = query.dtype.type(0), query.dtype.type(-np.inf)
+def attention(query, key, value, bias, scale, fill):
+    """softmax((query * scale) @ key^T + bias) @ value, NaN softmax rows -> fill, for query
+    (B, H, Q, D), key (B, G, K, D), value (B, G, K, W) with H a multiple of G, bias broadcastable
+    to (B, H, Q, K) in 4 dimensions or None (the caller checks the shapes). Each KV head's cache
+    rows are read once, for the query rows of all its heads together."""
+    batch, heads, length, depth = query.shape
+    groups, count, width = key.shape[1], key.shape[2], value.shape[3]
+    repeat = heads // groups
+    rows = repeat * length
+    out = np.empty((batch, heads, length, width), query.dtype)
     scaled = np.empty((rows, depth), query.dtype)
-    for r in range(rows):
-        for d in range(depth):
-            scaled[r, d] = query[batch, group * repeat + r // length, r % length, d] * scale
     scores = np.empty((rows, count), query.dtype)
-    _scores(scaled, _rows(key, batch, group), start, scores)
-    if bias is not None:
-        bias_batch = batch if bias.shape[0] != 1 else 0
-        for r in range(rows):
-            head, position = group * repeat + r // length, r % length
-            bias_row = bias[bias_batch, head if bias.shape[1] != 1 else 0, position if bias.shape[2] != 1 else 0]
-            if bias.shape[3] == 1:
-                for j in range(count):
-                    scores[r, j] += bias_row[0]
-            else:
-                for j in range(count):
-                    scores[r, j] += bias_row[start + j]
-    for r in range(rows):
-        row = scores[r]
-        largest, unordered = lowest, False
-        for j in range(count):
-            s = row[j]
-            unordered |= s != s
-            if s > largest:
-                largest = s
-        peak[r] = largest
-        if unordered or largest == np.inf or largest == lowest:
-            total[r] = np.nan if largest != lowest or unordered else zero
-            row[:] = zero  # left out by _combine
-        else:
-            total[r] = _exponentiate(row, largest)
-    _weighted_sum(scores, _rows(value, batch, group), start, partial)
-
-
-@_kernel(fastmath=_REORDER)
-def _combine(query, value, fill, batch, group, peak, total, partial, out):
-    """out rows of one KV group from its blocks' (peak, total, partial): the softmax-weighted sum;
-    a row whose softmax is NaN (every score masked, or a NaN/+inf score) gets fill * sum(values),
-    which is what Where(IsNaN(p), fill, p) @ V gives."""
-    heads, length = query.shape[1], query.shape[2]
-    repeat = heads // value.shape[1]
-    blocks, rows, width = partial.shape[0], partial.shape[1], partial.shape[2]
-    for r in range(rows):
-        target = out[batch, group * repeat + r // length, r % length]
-        largest, missing = -np.inf, False
-        for k in range(blocks):
-            missing |= total[k, r] != total[k, r]
-            if total[k, r] > 0 and peak[k, r] > largest:
-                largest = peak[k, r]
-        target[:] = 0
-        if missing or largest == -np.inf:
-            for j in range(value.shape[2]):
-                row = value[batch, group, j]
-                for d in range(width):
-                    target[d] += fill * row[d]
-            continue
-        norm = 0.0
-        for k in range(blocks):
-            if total[k, r] > 0:
-                weight = math.exp(peak[k, r] - largest)
-                norm += weight * total[k, r]
-                for d in range(width):
-                    target[d] += weight * partial[k, r, d]
-        for d in range(width):
-            target[d] /= norm
-
-
-@_kernel(fastmath=_REORDER)
-def attention_serial(query, key, value, bias, scale, fill):
-    """Softmax((query * scale) @ key^T + bias) @ value per KV group, one thread: see attention."""
-    batch, heads, length = query.shape[0], query.shape[1], query.shape[2]
-    groups, rows = key.shape[1], (heads // key.shape[1]) * length
-    out = np.empty((batch, heads, length, value.shape[3]), query.dtype)
-    peak = np.empty((1, rows), query.dtype)
-    total = np.empty((1, rows), query.dtype)
-    partial = np.empty((1, rows, value.shape[3]), query.dtype)
+    partial = np.empty((rows, width), query.dtype)
+    totals = np.empty(rows, query.dtype)
     for b in range(batch):
         for g in range(groups):
-            _attend_block(query, key, value, bias, scale, b, g, 0, key.shape[2], peak[0], total[0], partial[0])
-            _combine(query, value, fill, b, g, peak, total, partial, out)
-    return out
-
-
-@_kernel(fastmath=_REORDER, parallel=True)
-def attention_parallel(query, key, value, bias, scale, fill, blocks):
-    """attention_serial with each KV group's rows split into `blocks` blocks, in parallel."""
-    batch, heads, length = query.shape[0], query.shape[1], query.shape[2]
-    groups, rows, size = key.shape[1], (heads // key.shape[1]) * length, key.shape[2]
-    out = np.empty((batch, heads, length, value.shape[3]), query.dtype)
-    units = batch * groups
-    peak = np.empty((units, blocks, rows), query.dtype)
-    total = np.empty((units, blocks, rows), query.dtype)
-    partial = np.empty((units, blocks, rows, value.shape[3]), query.dtype)
-    step = (size + blocks - 1) // blocks
-    for task in numba.prange(units * blocks):
-        unit, block = task // blocks, task % blocks
-        start = min(block * step, size)
-        _attend_block(query, key, value, bias, scale, unit // groups, unit % groups, start, min(start + step, size),
-                      peak[unit, block], total[unit, block], partial[unit, block])
-    for unit in range(units):
-        _combine(query, value, fill, unit // groups, unit % groups, peak[unit], total[unit], partial[unit], out)
+            for r in range(rows):  # query rows of the group: its heads x query positions
+                for d in range(depth):
+                    scaled[r, d] = query[b, g * repeat + r // length, r % length, d] * scale
+            _scores(scaled, _rows(key, b, g), scores)
+            if bias is not None:
+                for r in range(rows):
+                    head, position = g * repeat + r // length, r % length
+                    offsets = bias[b if bias.shape[0] != 1 else 0, head if bias.shape[1] != 1 else 0,
+                                   position if bias.shape[2] != 1 else 0]
+                    for j in range(count):
+                        scores[r, j] += offsets[j if offsets.shape[0] != 1 else 0]
+            for r in range(rows):
+                totals[r] = _softmax_numerators(scores[r], fill)
+            _weighted_sum(scores, _rows(value, b, g), partial)
+            for r in range(rows):
+                target = out[b, g * repeat + r // length, r % length]
+                for d in range(width):
+                    target[d] = partial[r, d] / totals[r]
     return out
 
 

@@ -10,8 +10,10 @@ value are read in place whatever their strides (a KV cache is a view into its ca
 each cache row once for all the query heads of its group. bias is additive, broadcastable to
 (batch, heads, q_len, kv_len), or None. A row whose softmax is NaN (every key masked) gives
 fill * sum(value rows): NaN like the plain Softmax graph, 0 where the exporter replaced NaN by 0.
-float32/float64 in one dtype go to the numba kernels (`_kernels_fused.py`), serially or split
-over cache-row blocks in parallel for long caches; anything else computes the same with numpy.
+float32/float64 in one dtype and up to `_KERNEL_ROWS` query rows per KV head go to the numba
+kernel (`_kernels_fused.py`, one thread: with BLAS threads spinning between the MatMuls a parallel
+region gains nothing on 2 cores, and OpenMP's own spinning can stall it for milliseconds);
+anything else (a long prefill: BLAS products win) computes the same with numpy.
 
 Results are those of the unfused graph up to float rounding (rtol ~1e-5 in float32; greedy token
 ids are unchanged): attention sums in a different order, scales the query once by both factors
@@ -22,14 +24,12 @@ from __future__ import annotations
 import functools
 import math
 
-import numba
 import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops._elementwise_util import sigmoid
-from runnx.ops._kernels_fused import (attention_parallel, attention_serial, rms_norm, rotate_half,
-                                      silu_mul_into)
+from runnx.ops._kernels_fused import attention, rms_norm, rotate_half, silu_mul_into
 from runnx.ops.registry import register
 from runnx.ops.shape import Slice
 
@@ -149,7 +149,7 @@ def _resolve_reshape(shape: tuple, target: tuple) -> tuple | None:
 
 
 def _ints(array) -> tuple:
-    return tuple(np.asarray(array).reshape(-1).tolist())
+    return tuple(array.tolist() if array.ndim == 1 else array.reshape(-1).tolist())
 
 
 def _unsqueezed_shape(shape: tuple, axes: tuple) -> tuple:
@@ -255,15 +255,12 @@ def _grouped(query, key, value) -> bool:
             and heads % groups == 0)
 
 
-_PARALLEL_WORK = 1 << 20  # multiply-adds from which splitting the cache over threads beats the launch cost
-_BLOCK_ROWS = 256  # fewest cache rows per parallel block
-_KERNEL_ROWS = 64  # query rows per KV head up to which the kernel beats numpy's BLAS products (decode, short prefill)
+_KERNEL_ROWS = 48  # query rows per KV head up to which the kernel beats numpy's BLAS products (decode, short prefill)
 
 
 def _attend_kernel(query, key, value, bias, scale: float, fill: float):
     """The numba attention for float32/float64 in one dtype, or None (then numpy computes it):
-    another dtype, a bias that does not broadcast into the scores, or a long query (prefill:
-    BLAS matrix products win)."""
+    another dtype, a bias that does not broadcast into the scores, or a long query."""
     dtype = query.dtype
     if dtype not in _KERNEL_DTYPES or key.dtype != dtype or value.dtype != dtype:
         return None
@@ -281,12 +278,7 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float):
         if not ((shape[0] == 1 or shape[0] == batch) and (shape[1] == 1 or shape[1] == heads)
                 and (shape[2] == 1 or shape[2] == length) and (shape[3] == 1 or shape[3] == size)):
             return None
-    work = batch * groups * size * rows * (depth + value.shape[3])
-    if work >= _PARALLEL_WORK and (threads := numba.get_num_threads()) > 1:
-        blocks = min(threads // math.gcd(batch * groups, threads), max(1, size // _BLOCK_ROWS))
-        if blocks * batch * groups > 1:
-            return attention_parallel(query, key, value, bias, scale, fill, blocks)
-    return attention_serial(query, key, value, bias, scale, fill)
+    return attention(query, key, value, bias, scale, fill)
 
 
 def _attend_numpy(scaled, key, value, bias, fill):

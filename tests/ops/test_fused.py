@@ -6,7 +6,6 @@ import pytest
 
 import runnx
 from runnx.errors import RunnxError
-from runnx.ops import _kernels_fused, fused
 from runnx.ops.fused import RepeatedKVAttention, RepeatedKVShape, RMSNorm, RotateHalf, SiluMul, attend
 from runnx.ops.shape import Slice
 
@@ -174,10 +173,24 @@ def test_attend_matches_the_unfused_computation(dtype, batch, heads, groups, len
     k, v = _cache(batch, groups, size, 16, dtype)
     q = RNG.standard_normal((batch, heads, length, 16)).astype(dtype)
     causal = np.triu(np.full((length, size), -np.inf, dtype), size - length + 1)
-    for bias in (None, causal, causal[None, None] + RNG.standard_normal((batch, heads, 1, size)).astype(dtype)):
+    per_head = RNG.standard_normal((heads, length, 1)).astype(dtype)  # one offset per row: broadcast over keys
+    for bias in (None, causal, causal[None, None] + RNG.standard_normal((batch, heads, 1, size)).astype(dtype),
+                 per_head):
         got = attend(q, k, v, bias, 0.25)
         assert got.dtype == dtype and got.shape == (batch, heads, length, 16) and got.flags.c_contiguous
         np.testing.assert_allclose(got, _grouped_reference(q, k, v, bias, 0.25, np.nan), **_tolerance(dtype))
+
+
+def test_attend_reads_keys_and_values_in_any_layout():
+    q = RNG.standard_normal((2, 6, 2, 16)).astype(np.float32)
+    keys, values = (RNG.standard_normal((2, 30, 3, 16)).astype(np.float32) for _ in range(2))
+    bias = np.where(RNG.random((2, 1, 2, 30)) < 0.2, -np.inf, 0).astype(np.float32)
+    interleaved = keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)  # heads between rows
+    layouts = [interleaved, (interleaved[0][:, :, ::-1], interleaved[1][:, :, ::-1]),  # rows reversed
+               (np.ascontiguousarray(keys.transpose(0, 2, 3, 1)).swapaxes(2, 3), interleaved[1])]  # depth-major: copied
+    for k, v in layouts:
+        np.testing.assert_allclose(attend(q, k, v, bias, 0.25), _grouped_reference(q, k, v, bias, 0.25, np.nan),
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_attend_of_a_fully_masked_row_is_nan_unless_filled():
@@ -187,34 +200,6 @@ def test_attend_of_a_fully_masked_row_is_nan_unless_filled():
     got = attend(q, k, v, bias, 1.0)
     assert np.isfinite(got[:, :, 0]).all() and np.isnan(got[:, :, 1]).all()
     np.testing.assert_array_equal(attend(q, k, v, bias, 1.0, fill=0.0)[:, :, 1], 0)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("blocks", [2, 3, 7])
-def test_parallel_blocks_combine_to_the_serial_result(dtype, blocks):
-    k, v = _cache(2, 3, 50, 16, dtype, capacity=64)
-    q = RNG.standard_normal((2, 6, 2, 16)).astype(dtype)
-    bias = np.zeros((2, 1, 2, 50), dtype)
-    bias[0, :, 0, :30] = -np.inf  # the first blocks of this row are fully masked
-    bias[1, :, 1] = -np.inf  # and this row entirely
-    want = _kernels_fused.attention_serial(q, k, v, bias, 0.3, 0.0)
-    got = _kernels_fused.attention_parallel(q, k, v, bias, 0.3, 0.0, blocks)
-    np.testing.assert_allclose(got, want, **_tolerance(dtype))
-    np.testing.assert_allclose(got, _grouped_reference(q, k, v, bias, 0.3, 0.0), **_tolerance(dtype))
-
-
-def test_attend_takes_the_parallel_kernel_for_long_caches(monkeypatch):
-    calls = []
-    monkeypatch.setattr(fused, "attention_parallel", lambda *args: calls.append(args[-1]) or
-                        _kernels_fused.attention_parallel(*args))
-    monkeypatch.setattr(fused.numba, "get_num_threads", lambda: 2)
-    k, v = _cache(1, 3, 2000, 64, np.float32)
-    q = RNG.standard_normal((1, 9, 1, 64)).astype(np.float32)
-    got = attend(q, k, v, None, 0.125)
-    assert calls == [2]  # 3 KV heads on 2 threads: each split in 2 blocks, 3 blocks per thread
-    np.testing.assert_allclose(got, _grouped_reference(q, k, v, None, 0.125, np.nan), rtol=1e-5, atol=1e-6)
-    attend(q, k[:, :, :32], v[:, :, :32], None, 0.125)
-    assert calls == [2]  # a short cache: serial
 
 
 def test_attend_computes_other_dtypes_with_numpy_and_rejects_bad_shapes():
