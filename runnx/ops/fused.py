@@ -15,9 +15,10 @@ kernel (`_kernels_fused.py`, one thread: with BLAS threads spinning between the 
 region gains nothing on 2 cores, and OpenMP's own spinning can stall it for milliseconds);
 anything else (a long prefill: BLAS products win) computes the same with numpy.
 
-Results are those of the unfused graph up to float rounding (rtol ~1e-5 in float32; greedy token
-ids are unchanged): attention sums in a different order, scales the query once by both factors
-and uses a 1-ulp float32 exp; the rest do the unfused arithmetic in the same order.
+RMSNorm, the SiLU gate and rotate-half do the unfused arithmetic in its order (numpy's pairwise
+summation order, numpy's exp), so their results are bitwise the unfused graph's. Attention is
+within float rounding of it (rtol ~1e-5 in float32; greedy token ids unchanged): it sums in
+another order, scales the query once by both factors and uses a 1-ulp float32 exp.
 """
 from __future__ import annotations
 
@@ -228,8 +229,8 @@ def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fil
 
 
 def attend(query, key, value, bias, scale, fill: float = math.nan) -> np.ndarray:
-    """softmax((query * scale) @ key^T + bias) @ value with grouped-query heads: see the module
-    docstring. RunnxError when the shapes are not those of (grouped-query) attention."""
+    """softmax((query * scale) @ key^T + bias) @ value with grouped-query heads (scale and fill:
+    numbers): see the module docstring. RunnxError when the shapes are not those of attention."""
     if not _grouped(query, key, value):
         raise RunnxError(f"attention needs query (batch, heads, q_len, depth) and key/value (batch, kv_heads, "
                          f"kv_len, depth/width) with heads a multiple of kv_heads; got {list(query.shape)}, "
@@ -237,10 +238,11 @@ def attend(query, key, value, bias, scale, fill: float = math.nan) -> np.ndarray
     result = _attend_kernel(query, key, value, bias, float(scale), float(fill))
     if result is not None:
         return result
-    probabilities_shape = query.shape[:3] + key.shape[2:3]
-    if bias is not None and np.broadcast_shapes(bias.shape, probabilities_shape) != probabilities_shape:
+    scores_shape = query.shape[:3] + key.shape[2:3]
+    if bias is not None and not (bias.ndim <= 4 and all(b == 1 or b == s for b, s in zip(bias.shape[::-1],
+                                                                                        scores_shape[::-1]))):
         raise RunnxError(f"attention bias of shape {list(bias.shape)} does not broadcast to the scores' "
-                         f"{list(probabilities_shape)}")
+                         f"{list(scores_shape)}")
     return _attend_numpy(np.multiply(query, scale), key, value, bias, query.dtype.type(fill))
 
 

@@ -210,8 +210,10 @@ def test_attend_computes_other_dtypes_with_numpy_and_rejects_bad_shapes():
     np.testing.assert_allclose(got, _grouped_reference(q, k, v, None, 0.5, np.nan), rtol=2e-3, atol=2e-3)
     with pytest.raises(RunnxError, match="multiple of kv_heads"):
         attend(q[:, :3], k, v, None, 0.5)
-    with pytest.raises(RunnxError, match="does not broadcast"):
-        attend(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), np.zeros((1, 1, 2, 5), np.float32), 1.0)
+    q, k, v = q.astype(np.float32), k.astype(np.float32), v.astype(np.float32)
+    for bias in (np.zeros((1, 1, 2, 5), np.float32), np.zeros(3, np.float32)):
+        with pytest.raises(RunnxError, match="does not broadcast"):
+            attend(q, k, v, bias, 1.0)
 
 
 def test_repeated_kv_shape_is_a_read_only_stand_in():
