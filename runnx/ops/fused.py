@@ -29,7 +29,7 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
-from runnx.ops._elementwise_util import sigmoid
+from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._kernels_fused import attention, rms_norm, rotate_half, silu_mul_into
 from runnx.ops.registry import register
 from runnx.ops.shape import Slice
@@ -73,6 +73,16 @@ def RMSNorm(x, epsilon, one, weight, *, axis: int = -1, to: int = 0):
     if to:
         normed = normed.astype(ONNX_TO_NUMPY[to], copy=False)
     return np.multiply(weight, normed)
+
+
+@register("AddRMSNorm", since=1, domain=DOMAIN, inplace=(0, 1))
+def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0, overwrite=()):
+    """(s, RMSNorm(s)) with s = Cast(a + b, cast) (cast=0: no Cast): a residual add, kept for the
+    next one, and the norm reading it (onnxruntime's SkipSimplifiedLayerNormalization)."""
+    residual = binary(np.add, a, b, overwrite)
+    if cast:
+        residual = residual.astype(ONNX_TO_NUMPY[cast], copy=False)
+    return residual, RMSNorm(residual, epsilon, one, weight, axis=axis, to=to)
 
 
 @register("SiluMul", since=1, domain=DOMAIN)

@@ -53,6 +53,26 @@ def test_a_pattern_whose_intermediate_is_read_elsewhere_is_not_fused():
     np.testing.assert_array_equal(fused["y"], plain["y"])
 
 
+def test_the_residual_add_feeding_an_rms_norm_joins_it_and_stays_an_output():
+    """h = Cast(a + b) is normed and read again by the next residual add, as in every Llama layer."""
+    norm = _rms_norm_model().graph
+    rename = {"x": "h", "y": "normed_h"}
+    nodes = [helper.make_node("Add", ["a", "b"], ["sum"]), helper.make_node("Cast", ["sum"], ["h"], to=F)]
+    for node in norm.node:
+        nodes.append(helper.make_node(node.op_type, [rename.get(i, i) for i in node.input],
+                                      [rename.get(o, o) for o in node.output], **{
+                                          a.name: helper.get_attribute_value(a) for a in node.attribute}))
+    nodes.append(helper.make_node("Add", ["h", "normed_h"], ["next"]))
+    constants = {t.name: numpy_helper.to_array(t) for t in norm.initializer}
+    model = _model(nodes, [("a", F), ("b", F)], [("next", F)], constants)
+    rng = np.random.default_rng(5)
+    feeds = {"a": rng.standard_normal((1, 2, 16)).astype(np.float32),
+             "b": rng.standard_normal((1, 2, 16)).astype(np.float32)}
+    fused, plain, ops = _both(model, feeds)
+    assert sorted(ops) == ["Add", "AddRMSNorm"]
+    np.testing.assert_array_equal(fused["next"], plain["next"])
+
+
 def test_silu_gate_is_fused_and_bitwise_equal():
     nodes = [helper.make_node("Sigmoid", ["g"], ["s"]), helper.make_node("Mul", ["g", "s"], ["silu"]),
              helper.make_node("Mul", ["silu", "up"], ["y"])]

@@ -1,11 +1,13 @@
 """Fusion patterns of exported decoder LMs (Llama-style): RMSNorm, the SiLU-gated MLP activation,
-rotary embedding (rotate-half) and attention over a grouped-query KV cache (the head repeat by
-Unsqueeze/Expand/Reshape is what it removes). Kernels: `runnx/ops/fused.py`.
+rotary embedding (rotate-half), attention over a grouped-query KV cache (the head repeat by
+Unsqueeze/Expand/Reshape is what it removes) and the residual add feeding an RMSNorm.
+Kernels: `runnx/ops/fused.py`.
 """
 from __future__ import annotations
 
 from runnx.interp.fusion.matcher import Fused, Matcher
 from runnx.interp.ir import MISSING, Node
+from runnx.ops.fused import DOMAIN
 
 
 def _single_axis(m: Matcher, node: Node) -> int | None:
@@ -188,4 +190,30 @@ def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     return stand_ins
 
 
-PATTERNS = (("Pow", _rms_norm), ("Sigmoid", _silu_mul), ("Concat", _rotate_half), ("Softmax", _attention))
+def _add_rms_norm(m: Matcher, add: Node) -> Fused | None:
+    """Add(a, b) [-> Cast] -> RMSNorm: the residual add and the (already fused) norm reading it;
+    the sum stays an output (the next residual add reads it)."""
+    if len(add.inputs) != 2 or MISSING in add.inputs:
+        return None
+    last, cast = add, 0
+    readers = m.readers.get(add.outputs[0], ())
+    if len(readers) == 1 and readers[0].op_type == "Cast" and readers[0].domain == "":
+        last, cast = readers[0], readers[0].attrs.get("to")
+        if not isinstance(cast, int) or cast == 0:
+            return None
+        readers = m.readers.get(last.outputs[0], ())
+    residual = last.outputs[0]
+    norm = next((r for r in readers if r.op_type == "RMSNorm" and r.domain == DOMAIN and r.index not in m.taken
+                 and r.inputs[0] == residual and residual not in r.inputs[1:]), None)
+    if norm is None:
+        return None
+    chain = [add, last, norm] if cast else [add, norm]
+    if not m.private(chain, (residual, norm.outputs[0])):
+        return None
+    return Fused("AddRMSNorm", chain, (*add.inputs, *norm.inputs[1:]), (residual, norm.outputs[0]),
+                 {**norm.attrs, "cast": cast})
+
+
+# AddRMSNorm matches the RMSNorm nodes the first pattern made
+PATTERNS = (("Pow", _rms_norm), ("Sigmoid", _silu_mul), ("Concat", _rotate_half), ("Softmax", _attention),
+            ("Add", _add_rms_norm))

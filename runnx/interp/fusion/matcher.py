@@ -42,13 +42,14 @@ class Matcher:
         value = self.graph.constants.get(vid)
         return value if value is not None and value.size == 1 else None
 
-    def private(self, members: list[Node], result: int, shape_read: tuple = ()) -> bool:
-        """Values made inside `members` (but `result`) are read only inside them; those in
-        `shape_read` may also be read by nodes reading only their shape."""
+    def private(self, members: list[Node], result: int | tuple, shape_read: tuple = ()) -> bool:
+        """Values made inside `members` (but `result`, one value id or several) are read only
+        inside them; those in `shape_read` may also be read by nodes reading only their shape."""
         inside = {n.index for n in members}
+        results = result if isinstance(result, tuple) else (result,)
         for node in members:
             for vid in node.outputs:
-                if vid == MISSING or vid == result:
+                if vid == MISSING or vid in results:
                     continue
                 if vid in self.requested:
                     return False
