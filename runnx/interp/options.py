@@ -29,7 +29,7 @@ class Options:
     name both the input_ids and the attention_mask length 'sequence_length'.
     shape_cache: nodes computing values from tensor shapes only run once per shapes seen
     (RUNNX_SHAPE_CACHE=0 turns it off; results are identical either way).
-    fuse: replace recurring patterns (RMSNorm, SiLU gate, rotary embedding, grouped-query attention
+    fuse: replace recurring patterns (residual add + RMSNorm, SiLU gate, rotary embedding, attention
     over the KV cache) by fused kernels at load (RUNNX_FUSE=0 turns it off).
     threads: BLAS and numba threads, set for the process at load (RUNNX_THREADS; 0 leaves them).
     compile_after: from its n-th run on, a plan runs compiled to straight-line Python
