@@ -13,20 +13,26 @@ from runnx.ops._kernels_elementwise import erf_float32_into, erf_float64_into
 
 def binary(ufunc, a: np.ndarray, b: np.ndarray, overwrite=()) -> np.ndarray:
     """ufunc(a, b), written into a (or b) when granted, C-contiguous, and its shape and dtype fit."""
-    if overwrite:
-        shape = a.shape if a.shape == b.shape else np.broadcast_shapes(a.shape, b.shape)
-        if 0 in overwrite and a.shape == shape and a.dtype == b.dtype and a.flags.c_contiguous:
+    if overwrite and a.dtype == b.dtype:
+        if a.shape == b.shape:
+            fits_a = fits_b = True
+        else:
+            shape = np.broadcast_shapes(a.shape, b.shape)
+            fits_a, fits_b = a.shape == shape, b.shape == shape
+        if fits_a and 0 in overwrite and a.flags.c_contiguous:
             return ufunc(a, b, out=a)
-        if 1 in overwrite and b.shape == shape and a.dtype == b.dtype and b.flags.c_contiguous:
+        if fits_b and 1 in overwrite and b.flags.c_contiguous:
             return ufunc(a, b, out=b)
-    return np.asarray(ufunc(a, b))
+    result = ufunc(a, b)
+    return result if type(result) is np.ndarray else np.asarray(result)
 
 
 def unary(ufunc, x: np.ndarray, overwrite=()) -> np.ndarray:
     """ufunc(x), written into x when granted and C-contiguous."""
     if overwrite and x.flags.c_contiguous:
         return ufunc(x, out=x)
-    return np.asarray(ufunc(x))
+    result = ufunc(x)
+    return result if type(result) is np.ndarray else np.asarray(result)
 
 
 def output_buffer(x: np.ndarray, overwrite=()) -> np.ndarray:
