@@ -4,10 +4,14 @@ domain `runnx.fused`; never in a model file).
 - HeadsAttention: attention whose heads are split from (batch, length, hidden) by Reshape and
   Transpose, and merged back the same way, the Reshape targets built from other values' shapes.
   The target dimensions are read from those values here, so the Shape/Gather/Unsqueeze/Concat
-  nodes that built them no longer run. Long queries (the encoder, a prefill) go a block of query
-  rows at a time: scores by BLAS into a cache-sized buffer, the softmax in place (numba), the
-  block's output by BLAS straight into the merged-heads layout.
-- ErfGelu: x * (erf(x / sqrt 2) + 1) * 0.5 in one pass, with the bias of the linear layer before it.
+  nodes that built them no longer run; the query projection's bias is added here too. Decoding
+  (a few query rows) goes to `attend` (fused.py); long queries (the encoder) a block of query rows
+  of one head at a time: scores by BLAS into a cache-sized buffer, the softmax in place (numba,
+  vectorised exp), the block's output by BLAS straight into the merged-heads layout.
+- SplitHeads: Transpose(Reshape(x + bias)) as one contiguous array: a KV cache entry, and the first
+  decoder step's cross-attention keys and values, which every later step then reads in place.
+- ErfGelu: x * (erf(x / sqrt 2) + 1) * 0.5 in one pass over cache-sized rows, with the bias of the
+  linear layer before it.
 
 Scale factors other than the query's own are applied to the (small) query instead of the keys,
 as in fused.py; Whisper's are 1.0, which changes nothing. Anything the fast paths do not cover
@@ -15,6 +19,7 @@ as in fused.py; Whisper's are 1.0, which changes nothing. Anything the fast path
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 from runnx.errors import RunnxError
@@ -26,7 +31,7 @@ from runnx.ops.shape import Reshape
 from runnx.ops.softmax import Softmax_13
 
 _ATTEND_ROWS = 16  # query rows up to which `attend` (numba, decoding) beats BLAS products a block at a time
-_BLOCK_SCORES = 1 << 17  # scores per block of query rows: 512 KiB of float32, about an L2 cache
+_BLOCK_SCORES = 1 << 18  # scores per block of query rows: 1 MiB of float32, an L2 cache
 
 
 def _target(given, source, dims: tuple, axes: tuple) -> np.ndarray:
@@ -37,17 +42,20 @@ def _target(given, source, dims: tuple, axes: tuple) -> np.ndarray:
 
 
 @register("HeadsAttention", since=1, domain=DOMAIN)
-def HeadsAttention(query, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target,
+def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target,
                    query_source, output_target, output_source, *, query_dims: tuple[int, ...] = (),
                    query_axes: tuple[int, ...] = (), output_dims: tuple[int, ...] = (),
                    output_axes: tuple[int, ...] = (), key_perm: tuple[int, ...], value_perm: tuple[int, ...]):
     """Reshape(merged @ ..., output target) of the heads attention:
-    heads = Transpose(Reshape(query * query_scale, query target), (0, 2, 1, 3)) * head_scale,
+    heads = Transpose(Reshape((query + query_bias) * query_scale, query target), (0, 2, 1, 3)) * head_scale,
     probabilities = Softmax(heads @ (Transpose(key, key_perm) * key_scale) + bias) (NaN -> nan_fill
     when given), merged = Transpose(probabilities @ Transpose(value, value_perm), (0, 2, 1, 3)).
     Targets: query_target/output_target when given, else query_dims/output_dims with dimension a
-    of query_source/output_source where the matching *_axes entry a >= 0; absent scales are 1."""
-    scaled = query if query_scale is None else np.multiply(query, query_scale)
+    of query_source/output_source where the matching *_axes entry a >= 0; absent biases are 0,
+    absent scales 1."""
+    scaled = _biased(query, query_bias)
+    if query_scale is not None:
+        scaled = np.multiply(scaled, query_scale, out=scaled if scaled is not query else None)
     split = Reshape(scaled, _target(query_target, query_source, query_dims, query_axes))
     if split.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise RunnxError(f"heads attention needs 4-d heads, keys and values, got shapes {list(split.shape)}, "
@@ -90,8 +98,11 @@ def _blocked(heads, keys, values, bias, fill: float):
     batch, count, length, _ = heads.shape
     size, width = keys.shape[3], values.shape[3]
     merged = np.empty((batch, length, count, width), np.float32)
-    rows = max(1, min(length, _BLOCK_SCORES // max(size, 1)))
+    # one thread: blocks of rows whose scores stay in L2. More threads: whole heads, since every
+    # BLAS product wakes BLAS's threads and many short ones between softmaxes thrash (measured 5-20x)
+    rows = length if numba.get_num_threads() > 1 else max(1, min(length, _BLOCK_SCORES // max(size, 1)))
     buffer = np.empty((rows, size), np.float32)
+    peaks = np.empty(rows, np.float32)
     if bias is not None:
         bias = np.broadcast_to(bias, (batch, count, length, size))
     for b in range(batch):
@@ -102,7 +113,7 @@ def _blocked(heads, keys, values, bias, fill: float):
                 np.matmul(heads[b, h, start:stop], keys[b, h], out=scores)
                 if bias is not None:
                     np.add(scores, bias[b, h, start:stop], out=scores)
-                softmax_rows_float32(scores, fill)
+                softmax_rows_float32(scores, np.maximum.reduce(scores, axis=1, out=peaks[:stop - start]), fill)
                 np.matmul(scores, values[b, h], out=merged[b, start:stop, h])
     return merged
 
@@ -118,11 +129,16 @@ def _unfused(heads, keys, values, bias, nan_fill):
     return np.matmul(probabilities, values)
 
 
+def _biased(x, bias):
+    """x + bias (a fresh array), or x itself without a bias."""
+    return x if bias is None else np.add(bias, x)
+
+
 @register("SplitHeads", since=1, domain=DOMAIN)
-def SplitHeads(x, target, source, *, dims: tuple[int, ...] = (), axes: tuple[int, ...] = ()):
-    """Transpose(Reshape(x, target), (0, 2, 1, 3)) as a C-contiguous array; the target as in
-    HeadsAttention."""
-    split = Reshape(x, _target(target, source, dims, axes))
+def SplitHeads(x, bias, target, source, *, dims: tuple[int, ...] = (), axes: tuple[int, ...] = ()):
+    """Transpose(Reshape(x + bias, target), (0, 2, 1, 3)) as a C-contiguous array (absent bias: 0);
+    the target as in HeadsAttention."""
+    split = Reshape(_biased(x, bias), _target(target, source, dims, axes))
     if split.ndim != 4:
         raise RunnxError(f"splitting heads needs a 4-d target, got shape {list(split.shape)}")
     return np.ascontiguousarray(split.transpose(0, 2, 1, 3))

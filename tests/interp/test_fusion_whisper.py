@@ -36,7 +36,8 @@ def _attention_nodes(key_layout, value_split, mask):
     """x (batch, length, hidden) -> attention -> y; key/value as (batch, heads, kv, depth) inputs, or
     (batch, kv, hidden) inputs split the encoder's way; mask: Add(bias) and IsNaN/Where after the softmax."""
     nodes = _dims("q", "x") + _dims("o", "x") + [
-        helper.make_node("Mul", ["x", "query_scale"], ["qs"]),
+        helper.make_node("Add", ["query_bias", "x"], ["xb"]),
+        helper.make_node("Mul", ["xb", "query_scale"], ["qs"]),
         helper.make_node("Concat", ["q0", "q1", "minus_one", "depth"], ["q_target"], axis=0),
         helper.make_node("Reshape", ["qs", "q_target"], ["q4"]),
         helper.make_node("Transpose", ["q4"], ["qt"], perm=[0, 2, 1, 3]),
@@ -69,7 +70,8 @@ def _attention_nodes(key_layout, value_split, mask):
 
 CONSTANTS = {"index0": np.array(0), "index1": np.array(1), "axis0": np.array([0]), "minus_one": np.array([-1]),
              "depth": np.array([DEPTH]), "kv_target": np.array([1, -1, HEADS, DEPTH]),
-             "query_scale": np.float32(DEPTH ** -0.5), "one": np.float32(1), "zero": np.float32(0)}
+             "query_scale": np.float32(DEPTH ** -0.5), "one": np.float32(1), "zero": np.float32(0),
+             "query_bias": np.linspace(-1, 1, HEADS * DEPTH, dtype=np.float32)}
 
 
 def _both(model, feeds):

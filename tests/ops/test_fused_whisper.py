@@ -6,7 +6,7 @@ import pytest
 
 from runnx.ops import fused_whisper
 from runnx.ops._kernels_whisper import softmax_rows_float32
-from runnx.ops.fused_whisper import ErfGelu, HeadsAttention
+from runnx.ops.fused_whisper import ErfGelu, HeadsAttention, SplitHeads
 
 RNG = np.random.default_rng(0)
 SPLIT = (0, 2, 1, 3)
@@ -17,10 +17,10 @@ def _softmax(scores):
     return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
-def _reference(query, key, value, bias, query_scale, nan_fill, heads, key_perm, value_perm):
+def _reference(query, key, value, bias, query_scale, nan_fill, heads, key_perm, value_perm, query_bias=0):
     """The unfused nodes in float64: split heads, scaled scores (+ bias), softmax, NaN -> fill, merge."""
     batch, length, hidden = query.shape
-    q = (query.astype(np.float64) * query_scale).reshape(batch, length, heads, -1).transpose(SPLIT)
+    q = ((query.astype(np.float64) + query_bias) * query_scale).reshape(batch, length, heads, -1).transpose(SPLIT)
     scores = q @ key.astype(np.float64).transpose(key_perm)
     if bias is not None:
         scores = scores + bias
@@ -32,16 +32,19 @@ def _reference(query, key, value, bias, query_scale, nan_fill, heads, key_perm, 
     return merged.transpose(SPLIT).reshape(batch, length, -1)
 
 
-def _attend(query, key, value, bias=None, nan_fill=None, heads=4, key_perm=(0, 1, 3, 2), value_perm=(0, 1, 2, 3)):
+def _attend(query, key, value, bias=None, nan_fill=None, heads=4, key_perm=(0, 1, 3, 2), value_perm=(0, 1, 2, 3),
+            query_bias=None):
     """HeadsAttention with targets read from shapes, as the fused node of a Whisper decoder has them:
     (source dims 0 and 1, -1, depth) for the split and (source dims 0 and 1, -1) for the merge."""
     depth = query.shape[-1] // heads
     scale = np.array(1 / math.sqrt(depth), query.dtype)
     fill = None if nan_fill is None else np.array(nan_fill, query.dtype)
-    got = HeadsAttention(query, key, value, bias, scale, None, None, fill, None, query, None, query,
+    got = HeadsAttention(query, query_bias, key, value, bias, scale, None, None, fill, None, query, None, query,
                          query_dims=(0, 0, -1, depth), query_axes=(0, 1, -1, -1), output_dims=(0, 0, -1),
                          output_axes=(0, 1, -1), key_perm=key_perm, value_perm=value_perm)
-    return got, _reference(query, key, value, bias, scale, fill, heads, key_perm, value_perm)
+    want = _reference(query, key, value, bias, scale, fill, heads, key_perm, value_perm,
+                      0 if query_bias is None else query_bias)
+    return got, want
 
 
 @pytest.mark.parametrize("length, size", [(1, 9), (5, 300), (37, 37), (2, 1), (3, 0)])
@@ -60,7 +63,8 @@ def test_heads_attention_in_the_encoder_layout_a_block_of_rows_at_a_time(monkeyp
     monkeypatch.setattr(fused_whisper, "_BLOCK_SCORES", 7 * 50)
     query = RNG.standard_normal((1, 50, 24)).astype(np.float32) * 4
     key, value = RNG.standard_normal((2, 1, 50, 3, 8)).astype(np.float32)
-    got, want = _attend(query, key, value, heads=3, key_perm=(0, 2, 3, 1), value_perm=SPLIT)
+    query_bias = RNG.standard_normal(24).astype(np.float32)
+    got, want = _attend(query, key, value, heads=3, key_perm=(0, 2, 3, 1), value_perm=SPLIT, query_bias=query_bias)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
@@ -91,10 +95,22 @@ def test_heads_attention_uses_given_targets_and_extra_scales():
     query = RNG.standard_normal((1, 4, 16)).astype(np.float32)
     key, value = RNG.standard_normal((2, 1, 2, 6, 8)).astype(np.float32)
     half = np.array(0.5, np.float32)
-    got = HeadsAttention(query, key, value, None, None, half, half, None, np.array([1, 4, 2, 8]), None,
+    got = HeadsAttention(query, None, key, value, None, None, half, half, None, np.array([1, 4, 2, 8]), None,
                          np.array([4, 16]), None, key_perm=(0, 1, 3, 2), value_perm=(0, 1, 2, 3))
     want = _reference(query, key, value, None, 0.25, None, 2, (0, 1, 3, 2), (0, 1, 2, 3)).reshape(4, 16)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_split_heads_is_a_contiguous_transpose_of_the_reshape(with_bias):
+    x = RNG.standard_normal((2, 5, 12)).astype(np.float32)
+    bias = RNG.standard_normal(12).astype(np.float32) if with_bias else None
+    got = SplitHeads(x, bias, None, x, dims=(0, 0, 3, -1), axes=(0, 1, -1, -1))
+    want = (x + (0 if bias is None else bias)).reshape(2, 5, 3, 4).transpose(SPLIT)
+    assert got.flags.c_contiguous
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(SplitHeads(x[:, :1], None, np.array([2, 1, 3, 4]), None), want[:, :, :1] if bias
+                                  is None else x[:, :1].reshape(2, 1, 3, 4).transpose(SPLIT))
 
 
 def test_softmax_rows_match_numpy_and_fill_rows_whose_softmax_is_nan():
@@ -106,7 +122,7 @@ def test_softmax_rows_match_numpy_and_fill_rows_whose_softmax_is_nan():
     scores[5, :] = -200  # exp underflows everywhere but at the peak: the shift keeps it exact
     want = _softmax(scores.astype(np.float64))
     got = scores.copy()
-    softmax_rows_float32(got, -1.0)
+    softmax_rows_float32(got, np.maximum.reduce(got, axis=1), -1.0)
     fine = [0, 1, 5]
     np.testing.assert_allclose(got[fine], want[fine], rtol=2e-6, atol=1e-12)
     np.testing.assert_array_equal(got[[2, 3, 4]], -1.0)

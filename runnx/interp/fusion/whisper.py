@@ -86,6 +86,18 @@ def _scaled(m: Matcher, vid: int) -> tuple[int, int, Node | None]:
     return vid, MISSING, None
 
 
+def _absorb_bias(m: Matcher, vid: int, chain: list, result: int) -> tuple[int, int]:
+    """(x, bias) when `vid` = Add(x, constant vector) (a linear layer's bias) whose output is read
+    only inside `chain` (then the Add joins it), else (vid, MISSING)."""
+    add = m.node(vid, "Add")
+    for position in (0, 1) if add is not None else ():
+        constant = m.graph.constants.get(add.inputs[position])
+        if constant is not None and constant.ndim == 1 and m.private(chain + [add], result):
+            chain.append(add)
+            return add.inputs[1 - position], add.inputs[position]
+    return vid, MISSING
+
+
 def _transpose(m: Matcher, vid: int, perms) -> Node | None:
     node = m.node(vid, "Transpose")
     return node if node is not None and node.attrs.get("perm") in perms else None
@@ -100,8 +112,8 @@ def _only_reader(m: Matcher, node: Node, op_type: str) -> Node | None:
 
 def _attention(m: Matcher, softmax: Node) -> Fused | None:
     """Reshape(Transpose(P @ V, SPLIT), target) with P = Softmax(q @ k [+ bias]) [NaN -> fill],
-    q = Transpose(Reshape(query [* s], target), SPLIT) [* s], k = Transpose(key, KEY_LAYOUTS) [* s],
-    V = value or a private Transpose(value, SPLIT)."""
+    q = Transpose(Reshape(query [+ query bias] [* s], target), SPLIT) [* s], k = Transpose(key,
+    KEY_LAYOUTS) [* s], V = value or a private Transpose(value, SPLIT)."""
     if softmax.since < 13 or softmax.attrs.get("axis", -1) not in (-1, 3):
         return None
     scores, bias, add = m.node(softmax.inputs[0], "MatMul"), MISSING, None
@@ -158,7 +170,8 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
                          softmax, *nan_nodes, *value_nodes, output, merge, output_reshape) if n is not None]
     if not m.private(chain, output_reshape.outputs[0]):
         return None
-    inputs = (query, key, value, bias, query_scale, head_scale, key_scale, nan_fill, *query_target[:2],
+    query, query_bias = _absorb_bias(m, query, chain, output_reshape.outputs[0])
+    inputs = (query, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, *query_target[:2],
               *output_target[:2])
     attrs = {"query_dims": query_target[2], "query_axes": query_target[3], "output_dims": output_target[2],
              "output_axes": output_target[3], "key_perm": key_perm, "value_perm": value_perm}
@@ -166,16 +179,18 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
 
 
 def _split_heads(m: Matcher, transpose: Node) -> Fused | None:
-    """Transpose(Reshape(x, target), SPLIT) with a private Reshape: heads split from (batch, length,
-    hidden), as a contiguous array (a KV cache entry, a first step's cross-attention keys)."""
+    """Transpose(Reshape(x [+ bias], target), SPLIT) with a private Reshape: heads split from (batch,
+    length, hidden), as a contiguous array (a KV cache entry, a first step's cross-attention keys)."""
     if transpose.attrs.get("perm") != SPLIT:
         return None
     reshape = m.node(transpose.inputs[0], "Reshape")
     target = _reshape_target(m, reshape) if reshape is not None else None
-    if target is None or not m.private([reshape, transpose], transpose.outputs[0]):
+    chain = [reshape, transpose]
+    if target is None or not m.private(chain, transpose.outputs[0]):
         return None
+    x, bias = _absorb_bias(m, reshape.inputs[0], chain, transpose.outputs[0])
     attrs = {"dims": target[2], "axes": target[3]}
-    return Fused("SplitHeads", [reshape, transpose], (reshape.inputs[0], *target[:2]), transpose.outputs, attrs)
+    return Fused("SplitHeads", chain, (x, bias, *target[:2]), transpose.outputs, attrs)
 
 
 def _gelu(m: Matcher, erf: Node) -> Fused | None:
@@ -194,17 +209,9 @@ def _gelu(m: Matcher, erf: Node) -> Fused | None:
     if outer is None or m.scalar(half := m.other(outer, product.outputs[0])) is None:
         return None
     chain = [divide, erf, add, product, outer]
-    x, bias = v, MISSING
-    bias_add = m.node(v, "Add")
-    if bias_add is not None:
-        for position in (0, 1):
-            constant = m.graph.constants.get(bias_add.inputs[position])
-            if constant is not None and constant.ndim == 1 and m.private(chain + [bias_add], outer.outputs[0]):
-                x, bias = bias_add.inputs[1 - position], bias_add.inputs[position]
-                chain.append(bias_add)
-                break
     if not m.private(chain, outer.outputs[0]):
         return None
+    x, bias = _absorb_bias(m, v, chain, outer.outputs[0])
     return Fused("ErfGelu", chain, (x, bias, divide.inputs[1], one, half), outer.outputs, {})
 
 
