@@ -2,20 +2,28 @@
 window, decoder milliseconds per token, and the real-time factor of a whole long clip; with
 --profile, runnx's time per op type for the encoder and the decoder steps.
 
-    python scripts/bench_whisper.py [--model DIR] [--audio FILE] [--threads N] [--repeat N] [--profile]
+    python scripts/bench_whisper.py [--model DIR] [--audio FILE] [--threads N] [--rounds N] [--repeat N] [--profile]
 
-Defaults: ${RUNNX_CACHE:-~/.cache/runnx}/models/whisper-tiny.en and .../audio/long.wav (built by
-`make models`). onnxruntime is a test dependency; it runs behind the same pipeline code
-(tests/generate/_ort_whisper.py), so the two columns differ only in the engine.
+Each engine runs in its own process (two thread pools in one process, onnxruntime's and
+OpenBLAS's, busy-wait against each other at 2 threads), --rounds times alternating, and the
+figures are medians over the rounds. Defaults: ${RUNNX_CACHE:-~/.cache/runnx}/models/whisper-tiny.en
+and .../audio/long.wav (built by `make models`). onnxruntime is a test dependency; it runs behind
+the same pipeline code (tests/generate/_ort_whisper.py), so the two columns differ only in the
+engine. RUNNX_FUSE=0 in the environment gives runnx without fusion, for A/B runs.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+ENGINES = ("runnx", "onnxruntime")
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def parse_args():
@@ -24,28 +32,83 @@ def parse_args():
     parser.add_argument("--model", type=Path, default=cache / "models" / "whisper-tiny.en")
     parser.add_argument("--audio", type=Path, default=cache / "audio" / "long.wav")
     parser.add_argument("--threads", type=int, default=1, help="BLAS/numba threads and onnxruntime intra-op threads")
-    parser.add_argument("--repeat", type=int, default=3, help="timed encoder runs (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=3, help="processes per engine, alternating; medians over them")
+    parser.add_argument("--repeat", type=int, default=3, help="timed encoder runs per process (after one warm-up)")
     parser.add_argument("--profile", action="store_true", help="print runnx's time per op type")
+    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)  # one engine's measurements, as JSON
     return parser.parse_args()
 
 
 ARGS = parse_args()
-for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+for variable in THREAD_VARIABLES:
     os.environ[variable] = str(ARGS.threads)  # before numpy and numba start their pools
 
-import numpy as np  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "tests" / "generate")]
-from _ort_whisper import OrtModel  # noqa: E402
-
-from runnx import Profile  # noqa: E402
-from runnx.generate.audio import load_audio  # noqa: E402
-from runnx.generate.mel import window_features  # noqa: E402
-from runnx.generate.whisper import Whisper  # noqa: E402
 
 
-def encoder_seconds(model: Whisper, features, repeat: int) -> float:
+def main() -> None:
+    samples_seconds = None
+    runs = {engine: [] for engine in ENGINES}
+    for _ in range(ARGS.rounds):
+        for engine in ENGINES:
+            result = _worker(engine)
+            runs[engine].append(result)
+            samples_seconds = result["audio"]
+    print(f"Whisper tiny.en, {ARGS.audio.name} ({samples_seconds:.1f} s), {ARGS.threads} thread(s), "
+          f"medians of {ARGS.rounds} process(es) per engine")
+    print(f"{'':<14}{'encoder s/window':>18}{'decoder ms/token':>18}{'real-time factor':>18}"
+          f"{'(features/encode/decode s)':>30}")
+    for engine, results in runs.items():
+        m = {key: statistics.median(r[key] for r in results)
+             for key in ("encode_window", "ms_per_token", "rtf", "features", "encode", "decode")}
+        phases = f"{m['features']:.2f}/{m['encode']:.2f}/{m['decode']:.2f}"
+        print(f"{engine:<14}{m['encode_window']:>18.3f}{m['ms_per_token']:>18.1f}{m['rtf']:>18.3f}{phases:>30}"
+              f"   ({results[0]['steps']} steps, {results[0]['windows']} windows)")
+    tokens = {engine: {json.dumps(r["tokens"]) for r in results} for engine, results in runs.items()}
+    print(f"same segments and token ids: {len(tokens['runnx'] | tokens['onnxruntime']) == 1}")
+    if ARGS.profile:
+        _in_process("runnx", profile=True)
+
+
+def _worker(engine: str) -> dict:
+    """One engine's measurements in a fresh process."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--model", str(ARGS.model),
+               "--audio", str(ARGS.audio), "--threads", str(ARGS.threads), "--repeat", str(ARGS.repeat)]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if completed.returncode:
+        sys.exit(f"{engine} worker failed:\n{completed.stderr[-2000:]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _in_process(engine: str, profile: bool = False) -> dict:
+    import numpy as np  # noqa: F401  (after the thread variables are set)
+
+    sys.path[:0] = [str(REPO), str(REPO / "tests" / "generate")]
+    from runnx.generate.audio import load_audio
+    from runnx.generate.mel import window_features
+    from runnx.generate.whisper import Whisper
+
+    samples = load_audio(ARGS.audio)
+    features = window_features(samples, 80)
+    if engine == "onnxruntime":
+        from _ort_whisper import OrtModel
+        model = Whisper(ARGS.model, load=lambda path: OrtModel(path, ARGS.threads))
+    else:
+        model = Whisper(ARGS.model)
+    if profile:
+        profile_runnx(model, features)
+        return {}
+    encode = encoder_seconds(model, features, ARGS.repeat)
+    per_token, steps = decoder_ms_per_token(model, model.encode(features))
+    model.transcribe(samples)  # warm-up: the timestamp rules' path, plans for every prompt length
+    transcript = model.transcribe(samples)
+    t = transcript.timings
+    return {"audio": t.audio, "encode_window": encode, "ms_per_token": per_token, "steps": steps,
+            "rtf": t.real_time_factor, "features": t.features, "encode": t.encode, "decode": t.decode,
+            "windows": t.windows, "tokens": [list(s.tokens) for s in transcript.segments]}
+
+
+def encoder_seconds(model, features, repeat: int) -> float:
     model.encode(features)  # warm-up: numba compiles, caches fill
     times = []
     for _ in range(repeat):
@@ -55,7 +118,7 @@ def encoder_seconds(model: Whisper, features, repeat: int) -> float:
     return statistics.median(times)
 
 
-def decoder_ms_per_token(model: Whisper, hidden) -> tuple[float, int]:
+def decoder_ms_per_token(model, hidden) -> tuple[float, int]:
     """Greedy decoding of one window, no timestamps: milliseconds per decoder step (prefill included)."""
     model.decode(hidden, max_new_tokens=4)  # warm-up
     start = time.perf_counter()
@@ -64,31 +127,11 @@ def decoder_ms_per_token(model: Whisper, hidden) -> tuple[float, int]:
     return 1000 * (time.perf_counter() - start) / steps, steps
 
 
-def main() -> None:
-    samples = load_audio(ARGS.audio)
-    features = window_features(samples, 80)
-    engines = {"runnx": Whisper(ARGS.model),
-               "onnxruntime": Whisper(ARGS.model, load=lambda path: OrtModel(path, ARGS.threads))}
-    print(f"Whisper tiny.en, {ARGS.audio.name} ({samples.size / 16000:.1f} s), {ARGS.threads} thread(s)")
-    print(f"{'':<14}{'encoder s/window':>18}{'decoder ms/token':>18}{'real-time factor':>18}"
-          f"{'(features/encode/decode s)':>30}")
-    results = {}
-    for name, model in engines.items():
-        encode = encoder_seconds(model, features, ARGS.repeat)
-        per_token, steps = decoder_ms_per_token(model, model.encode(features))
-        transcript = model.transcribe(samples)
-        t = transcript.timings
-        results[name] = transcript
-        print(f"{name:<14}{encode:>18.3f}{per_token:>18.1f}{t.real_time_factor:>18.3f}"
-              f"{f'{t.features:.2f}/{t.encode:.2f}/{t.decode:.2f}':>30}   ({steps} steps, {t.windows} windows)")
-    same = [s.tokens for s in results["runnx"].segments] == [s.tokens for s in results["onnxruntime"].segments]
-    print(f"same segments and token ids: {same}")
-    if ARGS.profile:
-        profile_runnx(engines["runnx"], features)
+def profile_runnx(model, features) -> None:
+    from runnx import Profile
 
-
-def profile_runnx(model: Whisper, features) -> None:
     encoder_profile = Profile()
+    model.encode(features)
     hidden = model.encoder.run({model.encoder_input: features}, profile=encoder_profile)
     print("\n-- encoder, one window --\n" + encoder_profile.summary(top=12))
     model.decoder.profile = Profile()
@@ -98,4 +141,7 @@ def profile_runnx(model: Whisper, features) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if ARGS.worker:
+        print(json.dumps(_in_process(ARGS.worker)))
+    else:
+        main()
