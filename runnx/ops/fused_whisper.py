@@ -14,10 +14,12 @@ domain `runnx.fused`; never in a model file).
   linear layer before it.
 
 Scale factors other than the query's own are applied to the (small) query instead of the keys,
-as in fused.py; Whisper's are 1.0, which changes nothing. Anything the fast paths do not cover
+as in fused.py (the matcher leaves out factors of exactly 1, as Whisper's are). Anything the fast paths do not cover
 (other dtypes, broadcasting between query and keys) takes the unfused nodes' operations.
 """
 from __future__ import annotations
+
+import functools
 
 import numba
 import numpy as np
@@ -34,11 +36,25 @@ _ATTEND_ROWS = 16  # query rows up to which `attend` (numba, decoding) beats BLA
 _BLOCK_SCORES = 1 << 18  # scores per block of query rows: 1 MiB of float32, an L2 cache
 
 
-def _target(given, source, dims: tuple, axes: tuple) -> np.ndarray:
-    """A Reshape target: `given`, else dims[i], or dimension axes[i] of `source` where axes[i] >= 0."""
+def _reshaped(x, given, source, dims: tuple, axes: tuple):
+    """Reshape (allowzero 0) of x to `given`, else to dims[i], or dimension axes[i] of `source`
+    where axes[i] >= 0."""
     if given is not None:
-        return given
-    return np.array([source.shape[a] if a >= 0 else d for d, a in zip(dims, axes)], dtype=np.int64)
+        return Reshape(x, given)
+    target = _target(x.shape, source.shape, dims, axes)
+    try:
+        return x.reshape(target)
+    except ValueError:
+        raise RunnxError(f"cannot reshape {x.shape} to {list(target)}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _target(shape: tuple, source: tuple, dims: tuple, axes: tuple) -> tuple:
+    """The Reshape target for an input of `shape`, its 0 entries resolved (see _reshaped)."""
+    target = [source[a] if a >= 0 else d for d, a in zip(dims, axes)]
+    if 0 in target[len(shape):]:
+        raise RunnxError(f"Reshape target {target} copies a dimension the rank-{len(shape)} input lacks")
+    return tuple(shape[i] if d == 0 else d for i, d in enumerate(target))
 
 
 @register("HeadsAttention", since=1, domain=DOMAIN)
@@ -56,13 +72,13 @@ def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale,
     scaled = _biased(query, query_bias)
     if query_scale is not None:
         scaled = np.multiply(scaled, query_scale, out=scaled if scaled is not query else None)
-    split = Reshape(scaled, _target(query_target, query_source, query_dims, query_axes))
+    split = _reshaped(scaled, query_target, query_source, query_dims, query_axes)
     if split.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise RunnxError(f"heads attention needs 4-d heads, keys and values, got shapes {list(split.shape)}, "
                          f"{list(key.shape)}, {list(value.shape)}")
     heads = split.transpose(0, 2, 1, 3)
-    for factor in (head_scale, key_scale):  # Whisper's are 1: skipping them is exact
-        if factor is not None and not (factor.size == 1 and factor.reshape(-1)[0] == 1):
+    for factor in (head_scale, key_scale):
+        if factor is not None:
             heads = np.multiply(heads, factor)
     keys = key.transpose(key_perm)  # (batch, heads, depth, kv length)
     values = value.transpose(value_perm)
@@ -73,24 +89,26 @@ def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale,
         merged = _blocked(heads, keys, values, bias, fill)
     else:
         merged = attend(heads, keys.swapaxes(2, 3), values, bias, 1.0, fill).transpose(0, 2, 1, 3)
-    return Reshape(merged, _target(output_target, output_source, output_dims, output_axes))
+    return _reshaped(merged, output_target, output_source, output_dims, output_axes)
 
 
 def _plain(heads, keys, values, bias, nan_fill) -> bool:
     """Whether attention without broadcasting computes what the unfused nodes do: heads, keys and
     values of one dtype and matching batch and head counts, a bias broadcasting into the scores."""
     batch, count, length, depth = heads.shape
-    scores = (batch, count, length, keys.shape[3])
-    if not heads.dtype == keys.dtype == values.dtype or heads.dtype.kind != "f":
+    dtype, size = heads.dtype, keys.shape[3]
+    if keys.dtype != dtype or values.dtype != dtype or dtype.kind != "f":
         return False
-    if keys.shape[:3] != (batch, count, depth) or values.shape[:3] != (batch, count, keys.shape[3]):
+    if keys.shape[:3] != (batch, count, depth) or values.shape[:3] != (batch, count, size):
         return False
-    if nan_fill is not None and (nan_fill.dtype != heads.dtype or nan_fill.size != 1):
+    if nan_fill is not None and (nan_fill.dtype != dtype or nan_fill.size != 1):
         return False
     if bias is None:
         return True
-    return bias.dtype == heads.dtype and bias.ndim <= 4 and all(
-        b == 1 or b == s for b, s in zip(bias.shape[::-1], scores[::-1]))
+    if bias.dtype != dtype or bias.ndim > 4:
+        return False
+    b0, b1, b2, b3 = (1,) * (4 - bias.ndim) + bias.shape
+    return b0 in (1, batch) and b1 in (1, count) and b2 in (1, length) and b3 in (1, size)
 
 
 def _blocked(heads, keys, values, bias, fill: float):
@@ -138,7 +156,7 @@ def _biased(x, bias):
 def SplitHeads(x, bias, target, source, *, dims: tuple[int, ...] = (), axes: tuple[int, ...] = ()):
     """Transpose(Reshape(x + bias, target), (0, 2, 1, 3)) as a C-contiguous array (absent bias: 0);
     the target as in HeadsAttention."""
-    split = Reshape(_biased(x, bias), _target(target, source, dims, axes))
+    split = _reshaped(_biased(x, bias), target, source, dims, axes)
     if split.ndim != 4:
         raise RunnxError(f"splitting heads needs a 4-d target, got shape {list(split.shape)}")
     return np.ascontiguousarray(split.transpose(0, 2, 1, 3))

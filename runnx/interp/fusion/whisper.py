@@ -77,12 +77,14 @@ def _reshape_target(m: Matcher, reshape: Node) -> tuple[int, int, tuple, tuple] 
 
 
 def _scaled(m: Matcher, vid: int) -> tuple[int, int, Node | None]:
-    """(value, scalar factor or MISSING, the Mul) for `vid` = Mul(value, constant scalar), else (vid, MISSING, None)."""
+    """(value, scalar factor, the Mul) for `vid` = Mul(value, constant scalar), else (vid, MISSING,
+    None); the factor is MISSING when it is exactly 1 (multiplying by it changes nothing)."""
     mul = m.node(vid, "Mul")
     if mul is not None:
         for position in (0, 1):
-            if m.scalar(mul.inputs[position]) is not None:
-                return mul.inputs[1 - position], mul.inputs[position], mul
+            factor = m.scalar(mul.inputs[position])
+            if factor is not None:
+                return mul.inputs[1 - position], MISSING if factor.reshape(-1)[0] == 1 else mul.inputs[position], mul
     return vid, MISSING, None
 
 
