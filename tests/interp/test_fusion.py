@@ -166,7 +166,7 @@ def test_greedy_tokens_are_identical_with_each_optimisation_on_and_off(fixtures_
     for shape_cache, fuse in [(False, False), (True, False), (False, True), (True, True)]:
         model = runnx.load(fixtures_dir / folder / "model.onnx", fuse=fuse, shape_cache=shape_cache,
                            check_symbolic_dims=False)
-        assert bool(model.memoized) == shape_cache and bool(model.fused) == (fuse and folder == "tiny-llama")
+        assert bool(model.memoized) == shape_cache and bool(model.fused) == fuse  # gpt2: split heads
         generator = Generator.from_model(model, tokenizer, generation_config={"eos_token_id": -1})
         generator.generate("Once upon a time", max_new_tokens=16, stop_token_ids=())
         produced[shape_cache, fuse] = generator.generated[0]
