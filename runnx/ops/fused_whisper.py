@@ -12,6 +12,7 @@ domain `runnx.fused`; never in a model file).
   decoder step's cross-attention keys and values, which every later step then reads in place.
 - ErfGelu: x * (erf(x / sqrt 2) + 1) * 0.5 in one pass over cache-sized rows, with the bias of the
   linear layer before it.
+- AddLayerNorm: the residual add and the LayerNormalization reading it, the sum kept as an output.
 
 Scale factors other than the query's own are applied to the (small) query instead of the keys,
 as in fused.py (the matcher leaves out factors of exactly 1, as Whisper's are). Anything the fast paths do not cover
@@ -25,13 +26,16 @@ import numba
 import numpy as np
 
 from runnx.errors import RunnxError
-from runnx.ops._elementwise_util import erf
+from runnx.ops._elementwise_util import binary, erf
+from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops._kernels_whisper import gelu_rows_float32, softmax_rows_float32
 from runnx.ops.fused import DOMAIN, attend
+from runnx.ops.normalization import LayerNormalization
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape
 from runnx.ops.softmax import Softmax_13
 
+_ROW_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the LayerNormalization kernel's numba loop
 _ATTEND_ROWS = 16  # query rows up to which `attend` (numba, decoding) beats BLAS products a block at a time
 _BLOCK_SCORES = 1 << 18  # scores per block of query rows: 1 MiB of float32, an L2 cache
 
@@ -160,6 +164,26 @@ def SplitHeads(x, bias, target, source, *, dims: tuple[int, ...] = (), axes: tup
     if split.ndim != 4:
         raise RunnxError(f"splitting heads needs a 4-d target, got shape {list(split.shape)}")
     return np.ascontiguousarray(split.transpose(0, 2, 1, 3))
+
+
+@register("AddLayerNorm", since=1, domain=DOMAIN, inplace=(0, 1))
+def AddLayerNorm(a, b, scale, bias, *, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1, overwrite=()):
+    """(s, LayerNormalization(s, scale, bias)) with s = a + b: a residual add, kept for the next one,
+    and the norm reading it (onnxruntime's SkipLayerNormalization). float32/float64 rows with a
+    vector scale and bias over the last axis call the LayerNormalization kernel's numba loop
+    directly (the same arithmetic, without its broadcasting and copies); anything else calls it."""
+    residual = binary(np.add, a, b, overwrite)
+    columns = residual.shape[-1] if residual.ndim else 0
+    if (axis in (-1, residual.ndim - 1) and residual.dtype in _ROW_DTYPES and residual.size
+            and residual.flags.c_contiguous and scale.shape == (columns,) and scale.dtype == residual.dtype
+            and bias is not None and bias.shape == (columns,) and bias.dtype == residual.dtype):
+        rows = residual.size // columns
+        out = np.empty(residual.shape, residual.dtype)
+        statistics = np.empty((2, rows), residual.dtype)  # mean and 1/std, unused
+        layer_norm_rows(residual.reshape(rows, columns), scale, bias, float(epsilon), out.reshape(rows, columns),
+                        statistics[0], statistics[1])
+        return residual, out
+    return residual, LayerNormalization(residual, scale, bias, axis=axis, epsilon=epsilon, stash_type=stash_type)[0]
 
 
 @register("ErfGelu", since=1, domain=DOMAIN)

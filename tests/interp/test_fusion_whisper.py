@@ -175,6 +175,22 @@ def test_erf_gelu_takes_the_bias_add_unless_it_is_read_elsewhere(extra_reader):
         np.testing.assert_allclose(fused[name], plain[name], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("stats_read", [False, True])
+def test_the_residual_add_joins_the_layer_norm_reading_it_and_stays_an_output(stats_read):
+    rng = np.random.default_rng(7)
+    norm_outputs = ["y", "mean"] if stats_read else ["y"]
+    nodes = [helper.make_node("Add", ["x", "r"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "w", "b"], norm_outputs, axis=-1, epsilon=1e-5),
+             helper.make_node("Add", ["s", "y"], ["next"])]
+    model = _model(nodes, ["x", "r"], ["next"] + (["mean"] if stats_read else []),
+                   {"w": rng.standard_normal(16).astype(np.float32), "b": rng.standard_normal(16).astype(np.float32)})
+    feeds = {n: rng.standard_normal((2, 3, 16)).astype(np.float32) for n in "xr"}
+    fused, plain, ops = _both(model, feeds)
+    assert ops == (["Add", "LayerNormalization", "Add"] if stats_read else ["AddLayerNorm", "Add"])
+    for name in plain:
+        np.testing.assert_array_equal(fused[name], plain[name])  # the LayerNormalization kernel's own loop
+
+
 # -- whole models --------------------------------------------------------------------------------
 def _features(seed=0):
     return np.random.default_rng(seed).standard_normal((1, 80, 3000)).astype(np.float32)
@@ -187,7 +203,7 @@ def _encoders(folder):
 def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     folder = fixtures_dir / "tiny-whisper"
     fused, plain = _encoders(folder)
-    assert fused.fused == {"HeadsAttention": 2, "ErfGelu": 4}
+    assert fused.fused == {"HeadsAttention": 2, "ErfGelu": 4, "AddLayerNorm": 5}
     assert not SHAPE_OPS & {n.op_type for n in fused.plan()}
     features = {"input_features": _features()}
     want = plain.run(features)["last_hidden_state"]
@@ -195,7 +211,7 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     decoder = runnx.load(folder / "decoder_model_merged.onnx", check_symbolic_dims=False)
     # both branches: 2 layers x (self + cross) attention and 2 GELUs each; heads split for the
     # self-attention cache (both branches) and the cross-attention keys and values (first step)
-    assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4}
+    assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14}
 
 
 def _greedy(folder, monkeypatch, fuse, features):
@@ -217,7 +233,7 @@ def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whispe
     from runnx.generate.mel import window_features
     features = [window_features(load_audio(audio_dir / clip), 80) for clip in ("john.wav", "long.wav")]
     fused, plain = _encoders(whisper_dir)
-    assert fused.fused == {"HeadsAttention": 4, "ErfGelu": 6}
+    assert fused.fused == {"HeadsAttention": 4, "ErfGelu": 6, "AddLayerNorm": 9}
     want = plain.run({"input_features": features[1]})["last_hidden_state"]
     got = fused.run({"input_features": features[1]})["last_hidden_state"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)

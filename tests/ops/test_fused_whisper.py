@@ -6,7 +6,8 @@ import pytest
 
 from runnx.ops import fused_whisper
 from runnx.ops._kernels_whisper import softmax_rows_float32
-from runnx.ops.fused_whisper import ErfGelu, HeadsAttention, SplitHeads
+from runnx.ops.fused_whisper import AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads
+from runnx.ops.normalization import LayerNormalization
 
 RNG = np.random.default_rng(0)
 SPLIT = (0, 2, 1, 3)
@@ -126,6 +127,19 @@ def test_softmax_rows_match_numpy_and_fill_rows_whose_softmax_is_nan():
     fine = [0, 1, 5]
     np.testing.assert_allclose(got[fine], want[fine], rtol=2e-6, atol=1e-12)
     np.testing.assert_array_equal(got[[2, 3, 4]], -1.0)
+
+
+@pytest.mark.parametrize("dtype, shape, vector", [(np.float32, (2, 3, 16), True), (np.float64, (5, 16), True),
+                                                  (np.float32, (2, 3, 16), False), (np.float16, (4, 16), True)])
+def test_add_layer_norm_is_the_sum_and_the_layer_normalization_of_it(dtype, shape, vector):
+    a, b = RNG.standard_normal((2, *shape)).astype(dtype)
+    scale, bias = RNG.standard_normal((2, 16)).astype(dtype)
+    if not vector:  # a scale over the last axis but not a vector: LayerNormalization's own handling
+        scale, bias = scale.reshape(1, 16), bias.reshape(1, 1, 16)
+    total, normalized = AddLayerNorm(a, b, scale, bias, epsilon=1e-5)
+    np.testing.assert_array_equal(total, a + b)
+    np.testing.assert_array_equal(normalized, LayerNormalization(a + b, scale, bias, epsilon=1e-5)[0])
+    assert normalized.dtype == dtype
 
 
 def _gelu(x, bias):

@@ -1,7 +1,8 @@
 """Fusion patterns of Whisper exports (Optimum; transformers' eager attention), encoder and
 decoder alike: attention whose heads are split from (batch, length, hidden) by Reshape/Transpose
 and merged back, with the Reshape targets that Shape/Gather/Unsqueeze/Concat chains build from
-other values' shapes (those chains stop running), and the erf GELU with the bias add before it.
+other values' shapes (those chains stop running), the erf GELU with the bias add before it, and
+the residual add with the LayerNormalization reading it.
 Kernels: `runnx/ops/fused_whisper.py`.
 """
 from __future__ import annotations
@@ -217,4 +218,20 @@ def _gelu(m: Matcher, erf: Node) -> Fused | None:
     return Fused("ErfGelu", chain, (x, bias, divide.inputs[1], one, half), outer.outputs, {})
 
 
-PATTERNS = (("Softmax", _attention), ("Transpose", _split_heads), ("Erf", _gelu))
+def _add_layer_norm(m: Matcher, norm: Node) -> Fused | None:
+    """LayerNormalization(Add(a, b), scale, bias) with only its first output read: the residual add
+    and the norm (pre-norm transformer layers); the sum stays an output (the next residual add)."""
+    if norm.since < 17 or len(norm.inputs) < 3 or norm.inputs[2] == MISSING:
+        return None
+    add = m.node(norm.inputs[0], "Add")
+    if add is None or len(add.inputs) != 2 or MISSING in add.inputs or add.since < 7:
+        return None
+    if not m.private([add, norm], (add.outputs[0], norm.outputs[0])):
+        return None
+    attrs = {name: norm.attrs[name] for name in ("axis", "epsilon", "stash_type") if name in norm.attrs}
+    return Fused("AddLayerNorm", [add, norm], (*add.inputs, *norm.inputs[1:3]), (add.outputs[0], norm.outputs[0]),
+                 attrs)
+
+
+PATTERNS = (("Softmax", _attention), ("Transpose", _split_heads), ("Erf", _gelu),
+            ("LayerNormalization", _add_layer_norm))
