@@ -61,7 +61,7 @@ def _target(shape: tuple, source: tuple, dims: tuple, axes: tuple) -> tuple:
     return tuple(shape[i] if d == 0 else d for i, d in enumerate(target))
 
 
-@register("HeadsAttention", since=1, domain=DOMAIN)
+@register("HeadsAttention", since=1, domain=DOMAIN, shape_only=(10, 12))
 def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target,
                    query_source, output_target, output_source, *, query_dims: tuple[int, ...] = (),
                    query_axes: tuple[int, ...] = (), output_dims: tuple[int, ...] = (),
@@ -156,7 +156,7 @@ def _biased(x, bias):
     return x if bias is None else np.add(bias, x)
 
 
-@register("SplitHeads", since=1, domain=DOMAIN)
+@register("SplitHeads", since=1, domain=DOMAIN, shape_only=(3,))
 def SplitHeads(x, bias, target, source, *, dims: tuple[int, ...] = (), axes: tuple[int, ...] = ()):
     """Transpose(Reshape(x + bias, target), (0, 2, 1, 3)) as a C-contiguous array (absent bias: 0);
     the target as in HeadsAttention."""
