@@ -23,9 +23,8 @@ $(INSTALLED): pyproject.toml
 	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
 	touch $@
 
-# two test workers on two cores: one BLAS thread each, or their thread pools fight over the cores
 test: install
-	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 -p no:cacheprovider $(ARGS)
+	$(BIN)/python -m pytest -q -n 2 -p no:cacheprovider $(ARGS)
 
 models:
 	$(PYTHON) scripts/build_models.py all
