@@ -20,6 +20,7 @@ from runnx.errors import NodeError
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.node_context import node_error
 
+
 def bound_outputs(node, output_count: int, result) -> list:
     """(value, storage keys) for each declared output of `node` from its kernel's `result`."""
     outputs = result if type(result) is tuple else (result,)
@@ -61,7 +62,6 @@ def compile_plan(graph: Graph, plan):
     the interpreted loop, or None for a plan with subgraph nodes."""
     if any(step.node.subgraphs for step in plan.steps):
         return None
-    constants = set(plan.constants)
     namespace = {"nd": np.ndarray, "root": storage_root, "bind": bound_outputs, "bind_one": bound_output}
     lines = ["def run(V, K, table, ctx):",
              "    cnt, own = table.count, table.owned",
@@ -73,7 +73,7 @@ def compile_plan(graph: Graph, plan):
         namespace[f"k{vid}"] = plan.keys_template[vid]
     lines += ["    at = -1", "    try:", "        pass"]
     for index, step in enumerate(plan.steps):
-        lines += _step_lines(index, step, constants, namespace)
+        lines += _step_lines(index, step, namespace)
     outputs = ", ".join(f"v{v}" for v in plan.outputs)
     output_keys = ", ".join(f"k{v}" for v in plan.outputs)
     lines += ["    except Exception as error:",
@@ -90,7 +90,7 @@ def compile_plan(graph: Graph, plan):
     return namespace["run"]
 
 
-def _step_lines(index: int, step, constants: set, namespace: dict) -> list[str]:
+def _step_lines(index: int, step, namespace: dict) -> list[str]:
     node = step.node
     namespace[f"f{index}"] = step.fn
     arguments = ["None" if v == MISSING else f"v{v}" for v in step.inputs]
@@ -101,10 +101,9 @@ def _step_lines(index: int, step, constants: set, namespace: dict) -> list[str]:
     if step.wants_ctx:
         arguments.append("ctx=ctx")
     lines = [f"        # {node.describe()}", f"        at = {index}"]
-    candidates = [(position, vid) for position, vid in step.candidates if vid not in constants]
-    if candidates:
+    if step.candidates:
         lines.append("        g = ()")
-        for position, vid in candidates:
+        for position, vid in step.candidates:
             lines += [f"        k = k{vid}",
                       "        if len(k) == 1 and cnt_get(k[0]) == 1 and own_get(k[0]) or len(k) > 1 and excl(k):",
                       f"            g += ({position},)"]

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from runnx.capture.env import CaptureEnv, Subgraph
-from runnx.capture.ownership import StorageTable, storage_keys, storage_root
+from runnx.capture.ownership import StorageTable, storage_keys
 from runnx.errors import InPlaceMismatchError
 from runnx.interp.compiled import bound_outputs, compile_plan
 from runnx.interp.node_context import describe_value, node_error
@@ -74,6 +74,8 @@ class Executor:
         instrumented = profile is not None or checking or trace
         table = StorageTable(track_bytes=profile is not None)
         hold, drop, exclusive = table.hold, table.drop, table.exclusive
+        # the common case runs compiled (interp/compiled.py); the loop below serves first runs,
+        # instrumented runs and plans holding subgraph nodes
         if not instrumented and inplace_on and (compiled := self._compiled(graph, plan, options)) is not None:
             values, keys = {}, {}
             self._hold_bound(bound, values, keys, hold)
@@ -85,22 +87,15 @@ class Executor:
             for vid in plan.constants:
                 hold(keys[vid], False, values[vid])
         self._hold_bound(bound, values, keys, hold)
-        # the hot loop inlines StorageTable's single-storage cases (a dict lookup instead of a method
-        # call per value); when profiling it goes through the table's methods, which count bytes
-        count, owned = table.count, table.owned
-        ndarray = np.ndarray
         for step in plan.steps:
-            fn, inputs, kwargs, candidates, single, releases = step.call
-            args = [values[v] for v in inputs]
+            node = step.node
+            args = [values[v] for v in step.inputs]
+            kwargs = step.kwargs
             granted = ()
-            if candidates and inplace_on:
-                for position, vid in candidates:
-                    k = keys[vid]
-                    if len(k) == 1 and count.get(k[0]) == 1 and owned.get(k[0]) or len(k) > 1 and exclusive(k):
-                        granted += (position,)
+            if step.candidates and inplace_on:
+                granted = tuple(position for position, vid in step.candidates if exclusive(keys[vid]))
                 if granted:
                     kwargs = {**kwargs, "overwrite": granted}
-            node = step.node
             if node.subgraphs:
                 kwargs = self._bind_subgraphs(graph, node, step, kwargs, values, keys, table, inplace_on, ctx)
             if step.wants_ctx:
@@ -109,8 +104,8 @@ class Executor:
             try:
                 reference = None
                 if checking and granted and not node.subgraphs:
-                    reference = _out_of_place(fn, args, kwargs)
-                result = fn(*args, **kwargs)
+                    reference = _out_of_place(step.fn, args, kwargs)
+                result = step.fn(*args, **kwargs)
                 if reference is not None:
                     _compare(node, reference, result)
             except Exception as error:
@@ -118,36 +113,11 @@ class Executor:
                 if wrapped is error:
                     raise
                 raise wrapped from error
-            if type(result) is ndarray and single >= 0 and not instrumented:  # the common case, inlined
-                values[single] = result
-                key = id(result) if result.base is None else id(storage_root(result))
-                keys[single] = (key,)
-                held = count.get(key)
-                if held is None:
-                    count[key] = 1
-                    owned[key] = result.flags.writeable
-                else:
-                    count[key] = held + 1
-            else:
-                self._bind_outputs(node, step, result, values, keys, hold)
+            self._bind_outputs(node, step, result, values, keys, hold)
             if instrumented:
                 self._instrument(graph, node, step, granted, start, values, keys, profile, trace)
-                for vid in releases:
-                    drop(keys[vid])
-                    values[vid] = None
-                    keys[vid] = ()
-                continue
-            for vid in releases:
-                k = keys[vid]
-                if len(k) == 1:
-                    key = k[0]
-                    held = count[key] - 1
-                    if held:
-                        count[key] = held
-                    else:
-                        del count[key], owned[key]
-                else:
-                    drop(k)
+            for vid in step.releases:
+                drop(keys[vid])
                 values[vid] = None
                 keys[vid] = ()
         if profile is not None and table.peak_bytes > profile.peak_live_bytes:

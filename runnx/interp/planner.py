@@ -27,7 +27,6 @@ class Step:
     kwargs: dict = field(default=None, compare=False)  # attributes plus the reserved keywords known when planning (read-only)
     wants_ctx: bool = False
     single: bool = False  # exactly one output, and it is used
-    call: tuple = field(default=(), compare=False)  # (fn, inputs, kwargs, candidates, single output or -1, releases)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,17 +145,18 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> 
             last_use[vid] = position
             if not node.reads_shape_only(vid):
                 last_data_use[vid] = position
+    # constants are read-only, never owned: never candidates, never released (held all run for free)
+    read_only = graph.constants.keys() - provided
     steps = []
     for position, node in enumerate(order):
         reads = list(_reads(node))
         dying = {vid for vid in reads if last_use[vid] == position and vid not in requested}
-        # constants are never owned, so never released: holding them the whole run costs nothing
-        released = tuple(sorted(v for v in dying if v not in graph.constants or v in provided))
+        released = tuple(sorted(dying - read_only))
         once = {vid for vid in dying if reads.count(vid) == 1}
         kernel = node.kernel
         candidates = tuple((pos, vid) for pos, vid in enumerate(node.inputs)
                            if vid != MISSING and last_data_use.get(vid) == position and vid not in requested
-                           and reads.count(vid) == 1 and kernel.can_overwrite(pos))
+                           and vid not in read_only and reads.count(vid) == 1 and kernel.can_overwrite(pos))
         movable = frozenset(vid for vid in node.captures if vid in once)
         unused = tuple(vid for vid in node.outputs
                        if vid != MISSING and vid not in last_use and vid not in requested)
@@ -165,11 +165,8 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> 
             kwargs["overwrite"] = ()  # the executor grants positions per run
         if kernel.wants_output_count:
             kwargs["output_count"] = len(node.outputs)
-        single = len(node.outputs) == 1 and node.outputs[0] != MISSING
-        releases = released + unused
-        call = (kernel.fn, node.inputs, kwargs, candidates, node.outputs[0] if single else -1, releases)
-        steps.append(Step(node, node.inputs, node.outputs, candidates, movable, releases, kernel.fn, kwargs,
-                          kernel.wants_ctx, single, call))
+        steps.append(Step(node, node.inputs, node.outputs, candidates, movable, released + unused, kernel.fn,
+                          kwargs, kernel.wants_ctx, len(node.outputs) == 1 and node.outputs[0] != MISSING))
     read = set(last_use) | requested
     constants = tuple(sorted(v for v in graph.constants if v in read and v not in provided))
     values, keys = [None] * (len(graph.names) + 1), [()] * (len(graph.names) + 1)

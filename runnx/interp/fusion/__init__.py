@@ -17,7 +17,7 @@ STAND_INS = (decoder.shape_stand_ins,)
 
 
 def fuse(graph: Graph) -> dict[str, int]:
-    """Rewrite the top-level graph's patterns into fused nodes; returns {fused op: count}."""
+    """Rewrite the patterns of `graph` (not of its subgraphs) into fused nodes; returns {fused op: count}."""
     counts: dict[str, int] = {}
     for anchor_op, matcher in PATTERNS:
         m = Matcher(graph)
