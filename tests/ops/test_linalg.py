@@ -81,3 +81,28 @@ def test_matmul_batched_by_2d_matches_numpy():
     np.testing.assert_allclose(run_node("MatMul", [a[..., ::2, :].transpose(1, 0, 2, 3), B]),
                                np.matmul(a.transpose(1, 0, 2, 3), B), rtol=1e-5)
     assert run_node("MatMul", [np.zeros((2, 0, 4), F32), B]).shape == (2, 0, 5)
+
+
+@pytest.mark.parametrize("row_shape", [(6,), (1, 6), (1, 1, 6)])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matmul_one_row_loop_sums_each_column_in_order(row_shape, dtype):
+    # decoding's one-row products of small matrices take the numba loop: each output is the sum of
+    # its products in order of k, whatever the machine's vector width; numpy's shapes and dtype
+    row = RNG.standard_normal(row_shape).astype(dtype)
+    matrix = RNG.standard_normal((6, 7)).astype(dtype)
+    got = run_node("MatMul", [row, matrix])
+    assert got.shape == np.matmul(row, matrix).shape and got.dtype == dtype
+    expected = np.zeros(7, dtype)
+    for k in range(6):
+        expected = expected + row.reshape(-1)[k] * matrix[k]
+    np.testing.assert_array_equal(got.reshape(-1), expected)
+
+
+def test_matmul_wide_or_batched_products_stay_with_blas():
+    from runnx.ops import linalg
+
+    wide = RNG.standard_normal((4, linalg._ROW_KERNEL_COLUMNS + 1)).astype(F32)
+    row = RNG.standard_normal((1, 4)).astype(F32)
+    np.testing.assert_array_equal(run_node("MatMul", [row, wide]), np.matmul(row, wide))
+    rows = RNG.standard_normal((2, 1, 4)).astype(F32)
+    np.testing.assert_array_equal(run_node("MatMul", [rows, B]), np.matmul(rows.reshape(2, 4), B).reshape(2, 1, 5))
