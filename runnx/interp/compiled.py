@@ -19,6 +19,7 @@ from runnx.capture.ownership import storage_keys, storage_root
 from runnx.errors import NodeError
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.node_context import node_error
+from runnx.interp.shape_cache import ShapeGroup
 
 
 def bound_outputs(node, output_count: int, result) -> list:
@@ -55,6 +56,22 @@ def _bind_lines(vid: int, source: str, indent: str, fallback: str) -> list[str]:
             f"{indent}else:",
             f"{indent}    v{vid}, k{vid} = {fallback}",
             f"{indent}    hold(k{vid}, None, v{vid})"]
+
+
+def _memo_lines(outputs: list) -> list[str]:
+    """Bind a memo node's outputs (always a tuple): its kept arrays are read-only and never share
+    storage with a graph value (shape_cache.py copies those that would), so neither they nor views
+    of them are ever written in place, and their storage is not counted (no keys)."""
+    lines = []
+    for j, vid in outputs:
+        lines += [f"        o = r[{j}]",
+                  "        if type(o) is nd:",
+                  f"            v{vid} = o",
+                  f"            k{vid} = ()",
+                  "        else:",
+                  f"            v{vid}, k{vid} = bind_one(o)",
+                  f"            hold(k{vid}, None, v{vid})"]
+    return lines
 
 
 def compile_plan(graph: Graph, plan):
@@ -112,7 +129,9 @@ def _step_lines(index: int, step, namespace: dict) -> list[str]:
         arguments.append("overwrite=()")
     lines.append(f"        r = f{index}({', '.join(arguments)})")
     outputs = [(j, v) for j, v in enumerate(step.outputs) if v != MISSING]
-    if step.single:
+    if isinstance(step.fn, ShapeGroup):
+        lines += _memo_lines(outputs)
+    elif step.single:
         lines += _bind_lines(step.outputs[0], "r", "        ", f"bind(STEPS[{index}].node, 1, r)[0]")
     elif outputs:
         count = len(step.outputs)

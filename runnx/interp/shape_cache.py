@@ -191,7 +191,8 @@ class ShapeGroup:
             for vid, value in zip(node.outputs, result if type(result) is tuple else (result,)):
                 if vid != MISSING:
                     values[vid] = value
-        return tuple(_read_only(values[v]) for v in self.outputs)
+        arrays = [a for a in args if isinstance(a, np.ndarray)]
+        return tuple(_read_only(_unshared(values[v], arrays)) for v in self.outputs)
 
 
 def _value_key(value):
@@ -200,6 +201,15 @@ def _value_key(value):
     if type(value) is np.ndarray and value.dtype.kind != "O":
         return value.dtype.str, value.shape, value.tobytes()
     return [value]
+
+
+def _unshared(value, args: list):
+    """`value`, copied if it shares memory with an argument (an Identity or Reshape of an
+    external): kept results then never alias a graph value, so a compiled plan need not count
+    their storage (compiled.py)."""
+    if isinstance(value, np.ndarray) and any(np.may_share_memory(value, a) for a in args):
+        return value.copy()
+    return value
 
 
 def _read_only(value):

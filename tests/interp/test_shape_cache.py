@@ -96,3 +96,28 @@ def test_a_value_inside_a_group_can_still_be_requested():
     result = model.run({"x": x, "y": x}, outputs=["rows1", "out"])
     np.testing.assert_array_equal(result["rows1"], [6])
     assert result["out"].shape == (6, 4)
+
+
+def test_a_kept_result_never_aliases_a_value_that_is_later_overwritten():
+    # kept = Identity(Reshape(a, [Size(y) / 2])) is a memo group whose result would be a view of
+    # a = Shape(x), a plain node's output that Add (reading k's contents) then overwrites in place:
+    # the group keeps a copy instead
+    nodes = [
+        helper.make_node("Shape", ["x"], ["a"]),
+        helper.make_node("Size", ["y"], ["n"]),
+        helper.make_node("Div", ["n", "two"], ["h"]),
+        helper.make_node("Unsqueeze", ["h", "axes"], ["target"]),
+        helper.make_node("Reshape", ["a", "target"], ["r"]),
+        helper.make_node("Identity", ["r"], ["kept"]),
+        helper.make_node("Add", ["a", "k"], ["bumped"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(n, t, None) for n, t in (("x", F), ("y", F), ("k", I64))],
+        [helper.make_tensor_value_info("kept", I64, None), helper.make_tensor_value_info("bumped", I64, None)],
+        [_const("two", 2), _const("axes", [0])])
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    assert model.memoized == 5
+    for shape in [(2, 3), (2, 3), (4, 5), (4, 5), (6, 7)]:  # interpreted, then compiled (new shapes: misses)
+        got = model.run({"x": np.zeros(shape, np.float32), "y": np.zeros(4, np.float32), "k": np.array([1])})
+        np.testing.assert_array_equal(got["kept"], shape)
+        np.testing.assert_array_equal(got["bumped"], np.add(shape, 1))
