@@ -132,7 +132,14 @@ def _step_lines(index: int, step, namespace: dict) -> list[str]:
     if isinstance(step.fn, ShapeGroup):
         lines += _memo_lines(outputs)
     elif step.single:
-        lines += _bind_lines(step.outputs[0], "r", "        ", f"bind(STEPS[{index}].node, 1, r)[0]")
+        bind_lines = _bind_lines(step.outputs[0], "r", "        ", f"bind(STEPS[{index}].node, 1, r)[0]")
+        if step.candidates:  # a kernel that returns a dying input itself (overwritten, or unchanged):
+            out = step.outputs[0]  # the output takes over its storage count, the release is a no-op
+            for n, (_, vid) in enumerate(step.candidates):
+                lines += [f"        {'elif' if n else 'if'} r is v{vid}:",
+                          f"            v{out} = r", f"            k{out} = k{vid}", f"            k{vid} = ()"]
+            bind_lines = ["        else:"] + ["    " + line for line in bind_lines]
+        lines += bind_lines
     elif outputs:
         count = len(step.outputs)
         lines += [f"        if type(r) is tuple and len(r) == {count}:"]
@@ -150,7 +157,7 @@ def _step_lines(index: int, step, namespace: dict) -> list[str]:
                   "                cnt[key] = h",
                   "            else:",
                   "                del cnt[key], own[key]",
-                  "        else:",
+                  "        elif k:",
                   "            drop(k)",
                   f"        v{vid} = None"]
     return lines
