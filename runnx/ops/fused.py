@@ -31,6 +31,7 @@ from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._kernels_fused import attention, rms_norm, rotate_half, silu_mul_into
+from runnx.ops.cache import Concat
 from runnx.ops.registry import register
 from runnx.ops.shape import Slice
 
@@ -117,6 +118,21 @@ def RotateHalf(x, cos, sin, negated_starts, negated_ends, negated_axes, negated_
     rotated = np.concatenate([np.negative(_slice(x, negated_starts, negated_ends, negated_axes, negated_steps)),
                               _slice(x, kept_starts, kept_ends, kept_axes, kept_steps)], axis=axis)
     return np.add(np.multiply(x, cos), np.multiply(rotated, sin))
+
+
+@register("RopeAppend", since=1, domain=DOMAIN, inplace=(3, 4))
+def RopeAppend(query, key, value, past_key, past_value, query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst,
+               key_cos, key_sin, kns, kne, kna, knst, kks, kke, kka, kkst, *, query_axis: int = -1,
+               key_axis: int = -1, key_cache_axis: int, value_cache_axis: int, overwrite=(), ctx=None):
+    """(RotateHalf(query), Concat(past_key, RotateHalf(key)), Concat(past_value, value)): a decoder
+    layer's rotary embedding and KV cache growth as one node; the cache grows as Concat grows it
+    (in place into spare capacity when granted, counted under Concat's names)."""
+    rotated_query = RotateHalf(query, query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst, axis=query_axis)
+    rotated_key = RotateHalf(key, key_cos, key_sin, kns, kne, kna, knst, kks, kke, kka, kkst, axis=key_axis)
+    present_key = Concat(past_key, rotated_key, axis=key_cache_axis, overwrite=(0,) if 3 in overwrite else (), ctx=ctx)
+    present_value = Concat(past_value, value, axis=value_cache_axis, overwrite=(0,) if 4 in overwrite else (),
+                           ctx=ctx)
+    return rotated_query, present_key, present_value
 
 
 def _half_split(width: int, negated_starts, negated_ends, negated_axes, negated_steps, kept_starts, kept_ends,

@@ -171,3 +171,28 @@ def test_greedy_tokens_are_identical_with_each_optimisation_on_and_off(fixtures_
         generator.generate("Once upon a time", max_new_tokens=16, stop_token_ids=())
         produced[shape_cache, fuse] = generator.generated[0]
     assert len(set(map(tuple, produced.values()))) == 1 and len(produced[True, True]) == 16
+
+
+def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in_place(fixtures_dir):
+    path = fixtures_dir / "tiny-llama" / "model.onnx"
+    fused, plain = runnx.load(path), runnx.load(path, fuse=False)
+    assert fused.fused["RopeAppend"] == 2  # one per layer
+    ops = [n.op_type for n in fused.plan()]
+    assert ops.count("RopeAppend") == 2 and "RotateHalf" not in ops
+    rng = np.random.default_rng(5)
+    past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in fused.input_names if "past" in n}
+    feeds = {"input_ids": np.array([[7]]), "attention_mask": np.ones((1, 7), np.int64), "position_ids": np.array([[6]])}
+    owned = {n: runnx.with_capacity(v, 2, 16) for n, v in past.items()}
+    buffers = {n: o.array.base for n, o in owned.items()}
+    got = fused.run({**feeds, **owned})
+    want = plain.run({**feeds, **past})
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)  # fused attention: rounding
+    for name, value in want.items():
+        if name.startswith("present."):
+            np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(got[name][:, :, :6], past[name.replace("present.", "past_key_values.")])
+            if name.startswith("present.0."):  # the first layer's rotated key and value: bitwise
+                np.testing.assert_array_equal(got[name], value)
+    for name, buffer in buffers.items():  # each present is the caller's buffer, one row longer
+        present = got[name.replace("past_key_values.", "present.")]
+        assert present.shape[2] == 7 and np.shares_memory(present, buffer)

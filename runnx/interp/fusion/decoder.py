@@ -214,6 +214,41 @@ def _add_rms_norm(m: Matcher, add: Node) -> Fused | None:
                  {**norm.attrs, "cast": cast})
 
 
+def _fused(m: Matcher, vid: int, op_type: str) -> Node | None:
+    """The producer of `vid` if it is a fused `op_type` node not yet taken by another pattern."""
+    node = m.graph.producer.get(vid)
+    if node is None or node.op_type != op_type or node.domain != DOMAIN or node.index in m.taken:
+        return None
+    return node
+
+
+def _rope_append(m: Matcher, key_concat: Node) -> Fused | None:
+    """RotateHalf(query), Concat(past_key, RotateHalf(key)), Concat(past_value, value) around one
+    RepeatedKVAttention: a layer's rotary embedding and KV cache growth."""
+    if len(key_concat.inputs) != 2 or MISSING in key_concat.inputs:
+        return None
+    rotated_key = _fused(m, key_concat.inputs[1], "RotateHalf")
+    present_key = key_concat.outputs[0]
+    attention = next((r for r in m.readers.get(present_key, ()) if r.op_type == "RepeatedKVAttention"
+                      and r.domain == DOMAIN and r.inputs[1] == present_key), None)
+    if rotated_key is None or attention is None:
+        return None
+    value_concat = m.node(attention.inputs[2], "Concat")
+    rotated_query = _fused(m, attention.inputs[0], "RotateHalf")
+    if value_concat is None or rotated_query is None or len(value_concat.inputs) != 2 or MISSING in value_concat.inputs:
+        return None
+    chain = [rotated_query, rotated_key, key_concat, value_concat]
+    outputs = (rotated_query.outputs[0], present_key, value_concat.outputs[0])
+    if not m.private(chain, outputs):
+        return None
+    query, *query_rest = rotated_query.inputs
+    key, *key_rest = rotated_key.inputs
+    inputs = (query, key, value_concat.inputs[1], key_concat.inputs[0], value_concat.inputs[0], *query_rest, *key_rest)
+    return Fused("RopeAppend", chain, inputs, outputs,
+                 {"query_axis": rotated_query.attrs["axis"], "key_axis": rotated_key.attrs["axis"],
+                  "key_cache_axis": key_concat.attrs["axis"], "value_cache_axis": value_concat.attrs["axis"]})
+
+
 # AddRMSNorm matches the RMSNorm nodes the first pattern made
 PATTERNS = (("Pow", _rms_norm), ("Sigmoid", _silu_mul), ("Concat", _rotate_half), ("Softmax", _attention),
-            ("Add", _add_rms_norm))
+            ("Add", _add_rms_norm), ("Concat", _rope_append))
