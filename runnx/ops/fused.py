@@ -33,7 +33,7 @@ from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._kernels_fused import attention, rms_norm, rotate_half, silu_mul_into
 from runnx.ops.cache import Concat
 from runnx.ops.registry import register
-from runnx.ops.shape import Slice
+from runnx.ops.shape import Reshape, Slice
 
 DOMAIN = "runnx.fused"
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the numba kernels' (others: numpy)
@@ -231,10 +231,20 @@ def _stand_in(dtype, shape: tuple) -> np.ndarray:
 
 @register("RepeatedKVAttention", since=1, domain=DOMAIN)
 def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
-                        value_axes, value_expand, value_target, *, axis: int = -1):
+                        value_axes, value_expand, value_target, merged_target=None, *, axis: int = -1):
     """Softmax((query * qs) @ (repeat(key)^T * ks) + bias) with NaN -> nan_fill, @ repeat(value),
     where repeat is the exporter's Unsqueeze/Expand/Reshape head repeat. Query heads are grouped
-    per KV head instead, so the cache (a view into its capacity buffer) is read in place."""
+    per KV head instead, so the cache (a view into its capacity buffer) is read in place. With
+    merged_target: Reshape(Transpose(that, (0, 2, 1, 3)), merged_target), the heads merged back."""
+    heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
+                                   key_target, value_axes, value_expand, value_target, axis)
+    if merged_target is None:
+        return heads
+    return Reshape(heads.transpose(0, 2, 1, 3), merged_target)
+
+
+def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
+                           key_target, value_axes, value_expand, value_target, axis):
     key_shapes = _repeat(key, key_axes, key_expand, key_target)
     value_shapes = _repeat(value, value_axes, value_expand, value_target)
     repeat = key_shapes[3]

@@ -107,7 +107,7 @@ def test_rotary_embedding_is_fused_and_bitwise_equal():
     np.testing.assert_array_equal(fused["y"], plain["y"])
 
 
-def _attention_model(groups, repeat, length, with_shape_reader=False):
+def _attention_model(groups, repeat, length, with_shape_reader=False, merge_heads=False):
     def repeated(name):
         return [helper.make_node("Unsqueeze", [name, "axis2"], [f"{name}5"]),
                 helper.make_node("Expand", [f"{name}5", f"{name}_expand"], [f"{name}x"]),
@@ -121,13 +121,16 @@ def _attention_model(groups, repeat, length, with_shape_reader=False):
         helper.make_node("Softmax", ["biased"], ["p"], axis=-1),
         helper.make_node("IsNaN", ["p"], ["nan"]),
         helper.make_node("Where", ["nan", "zero", "p"], ["pz"]),
-        helper.make_node("MatMul", ["pz", "vr"], ["y"])]
+        helper.make_node("MatMul", ["pz", "vr"], ["heads" if merge_heads else "y"])]
+    if merge_heads:
+        nodes += [helper.make_node("Transpose", ["heads"], ["th"], perm=[0, 2, 1, 3]),
+                  helper.make_node("Reshape", ["th", "merged"], ["y"])]
     outputs = [("y", F)]
     if with_shape_reader:
         nodes.append(helper.make_node("Shape", ["kr"], ["kshape"]))
         outputs.append(("kshape", I64))
     heads = groups * repeat
-    constants = {"axis2": np.array([2]), "scale": np.float32(0.5), "zero": np.float32(0)}
+    constants = {"axis2": np.array([2]), "scale": np.float32(0.5), "zero": np.float32(0), "merged": np.array([0, 0, -1])}
     for name in "kv":
         constants[f"{name}_expand"] = np.array([1, groups, repeat, length, 8])
         constants[f"{name}_target"] = np.array([1, heads, length, 8])
@@ -147,6 +150,17 @@ def test_grouped_query_attention_reads_the_cache_in_place(groups, repeat):
     assert ops.count("RepeatedKVAttention") == 1 and "Expand" not in ops and "Softmax" not in ops
     np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(fused["kshape"], [1, groups * repeat, length, 8])
+
+
+def test_the_heads_merged_after_attention_join_the_attention_node():
+    rng = np.random.default_rng(6)
+    feeds = {"q": rng.standard_normal((1, 4, 3, 8)).astype(np.float32),
+             "k": rng.standard_normal((1, 2, 5, 8)).astype(np.float32),
+             "v": rng.standard_normal((1, 2, 5, 8)).astype(np.float32), "bias": np.zeros((1, 1, 3, 5), np.float32)}
+    fused, plain, ops = _both(_attention_model(2, 2, 5, merge_heads=True), feeds)
+    assert ops == ["RepeatedKVAttention"]
+    assert fused["y"].shape == plain["y"].shape == (1, 3, 32)
+    np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
 
 
 def test_fully_masked_attention_rows_give_the_fill_value():
@@ -179,6 +193,7 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
     assert fused.fused["RopeAppend"] == 2  # one per layer
     ops = [n.op_type for n in fused.plan()]
     assert ops.count("RopeAppend") == 2 and "RotateHalf" not in ops
+    assert [len(n.inputs) for n in fused.plan() if n.op_type == "RepeatedKVAttention"] == [14, 14]  # heads merged
     rng = np.random.default_rng(5)
     past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in fused.input_names if "past" in n}
     feeds = {"input_ids": np.array([[7]]), "attention_mask": np.ones((1, 7), np.int64), "position_ids": np.array([[6]])}

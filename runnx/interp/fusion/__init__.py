@@ -44,7 +44,8 @@ def fuse(graph: Graph) -> dict[str, int]:
             name = fused.members[-1].name if fused.members else graph.names[fused.outputs[0]]
             new_nodes.append(Node(index, f"{fused.op_type}({name})", fused.op_type, DOMAIN, tuple(fused.inputs),
                                   tuple(fused.outputs), fused.attrs, {}, (), kernel, kernel.since))
-            counts[fused.op_type] = counts.get(fused.op_type, 0) + (1 if fused.members else 0)
+            grown = any(n.op_type == fused.op_type and n.domain == DOMAIN for n in fused.members)  # counted once
+            counts[fused.op_type] = counts.get(fused.op_type, 0) + (1 if fused.members and not grown else 0)
         graph.nodes = tuple(n for n in graph.nodes if n.index not in m.taken) + tuple(new_nodes)
         graph.producer = {vid: node for node in graph.nodes for vid in node.outputs if vid != MISSING}
     return {op: count for op, count in counts.items() if count}

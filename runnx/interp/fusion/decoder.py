@@ -180,7 +180,7 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     """Nodes giving the removed repeated caches to readers of their shape (a zero-stride view)."""
     stand_ins = []
-    if fused.op_type != "RepeatedKVAttention":
+    if fused.op_type != "RepeatedKVAttention" or fused.members[0].domain == DOMAIN:  # not when merging heads
         return stand_ins
     inside = {n.index for n in fused.members}
     for kv, axes, expand, target, reshape in ((*fused.inputs[1:2], *fused.inputs[7:10], fused.members[2]),
@@ -249,6 +249,22 @@ def _rope_append(m: Matcher, key_concat: Node) -> Fused | None:
                   "key_cache_axis": key_concat.attrs["axis"], "value_cache_axis": value_concat.attrs["axis"]})
 
 
+def _merged_heads(m: Matcher, transpose: Node) -> Fused | None:
+    """Reshape(Transpose(RepeatedKVAttention(...), (0, 2, 1, 3)), target): the attention's heads
+    merged back into (batch, length, hidden), by the attention node itself."""
+    attention = _fused(m, transpose.inputs[0], "RepeatedKVAttention")
+    readers = m.readers.get(transpose.outputs[0], ())
+    if (attention is None or len(attention.inputs) != 13 or transpose.attrs.get("perm") != (0, 2, 1, 3)
+            or len(readers) != 1 or readers[0].op_type != "Reshape" or readers[0].domain != ""
+            or readers[0].attrs.get("allowzero", 0)):
+        return None
+    reshape = readers[0]
+    chain = [attention, transpose, reshape]
+    if not m.private(chain, reshape.outputs[0]):
+        return None
+    return Fused("RepeatedKVAttention", chain, (*attention.inputs, reshape.inputs[1]), reshape.outputs, attention.attrs)
+
+
 # AddRMSNorm matches the RMSNorm nodes the first pattern made
 PATTERNS = (("Pow", _rms_norm), ("Sigmoid", _silu_mul), ("Concat", _rotate_half), ("Softmax", _attention),
-            ("Add", _add_rms_norm), ("Concat", _rope_append))
+            ("Add", _add_rms_norm), ("Concat", _rope_append), ("Transpose", _merged_heads))
