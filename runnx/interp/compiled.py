@@ -127,7 +127,14 @@ def _step_lines(index: int, step, namespace: dict) -> list[str]:
         arguments.append("overwrite=g")
     elif "overwrite" in step.kwargs:
         arguments.append("overwrite=()")
-    lines.append(f"        r = f{index}({', '.join(arguments)})")
+    call = f"f{index}({', '.join(arguments)})"
+    if isinstance(step.fn, ShapeGroup) and not step.fn.external:  # a kept result by its roots' shapes, inline
+        namespace[f"m{index}"] = step.fn.results.get
+        shapes = "".join(f"v{v}.shape, " for v in step.inputs)
+        lines += ["        try:", f"            r = m{index}(({shapes}))", "        except AttributeError:",
+                  "            r = None", "        if r is None:", f"            r = {call}"]
+    else:
+        lines.append(f"        r = {call}")
     outputs = [(j, v) for j, v in enumerate(step.outputs) if v != MISSING]
     if isinstance(step.fn, ShapeGroup):
         lines += _memo_lines(outputs)
