@@ -1,7 +1,7 @@
 """The benchmark suite: runnx against onnxruntime (and onnx's ReferenceEvaluator) on the same
 models, same machine, same thread counts, one run. Writes docs/benchmarks.md with a plot.
 
-    .venv/bin/python scripts/bench.py [--threads 1,2] [--contexts 32,512,2000] [--repeat 3] [--no-write]
+    .venv/bin/python scripts/bench.py [--threads 1,2] [--contexts 32,512,2000] [--rounds 3] [--no-write]
 
 Each (runner, thread count) runs in its own process, so load time and peak resident memory are
 its own, and BLAS/numba/onnxruntime thread counts are set before anything starts its pools.
@@ -209,6 +209,22 @@ def _ratios(results: dict, contexts: list[int]) -> str:
     return "\n".join(lines)
 
 
+def _median_result(results: list) -> dict | None:
+    """Each figure's median over the rounds of one runner and thread count (None if every run failed)."""
+    results = [r for r in results if r]
+    if not results:
+        return None
+
+    def median(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+    first = results[0]
+    return {"load_s": median([r["load_s"] for r in results]),
+            "decode_tps": {c: median([r["decode_tps"][c] for r in results]) for c in first["decode_tps"]},
+            "prefill_tps": median([r["prefill_tps"] for r in results]),
+            "peak_rss_mb": median([r["peak_rss_mb"] for r in results])}
+
+
 def _script_output(script: str, arguments: list[str], threads: int) -> str:
     """Run one of the focused benchmark scripts with the thread count set; its printed table."""
     environment = dict(os.environ, **{v: str(threads) for v in THREAD_VARIABLES}, PYTHONPATH=str(ROOT))
@@ -224,21 +240,23 @@ def main(args) -> None:
     thread_counts = [int(t) for t in args.threads.split(",")]
     if not SMOLLM2.exists():
         sys.exit(f"{SMOLLM2} is missing: run `make models` first")
-    results = {}
-    for threads in thread_counts:
-        for runner in ("runnx", "onnxruntime"):
-            print(f"SmolLM2 decode: {runner}, {threads} thread(s)", flush=True)
-            results[(runner, threads)] = _run_worker(
-                ["--worker", runner, "--contexts", args.contexts, "--steps", str(args.steps), "--prefill"], threads)
-            print(f"  {results[(runner, threads)]}", flush=True)
-        if GENAI_PYTHON.exists() and (GENAI_MODEL / "genai_config.json").exists():
-            print(f"SmolLM2 decode: onnxruntime-genai, {threads} thread(s)", flush=True)
-            results[("onnxruntime-genai", threads)] = _run_worker(
-                ["--worker", "genai", "--contexts", args.contexts, "--steps", str(args.steps)], threads,
-                python=str(GENAI_PYTHON))
-            print(f"  {results[('onnxruntime-genai', threads)]}", flush=True)
-        else:
-            print(f"onnxruntime-genai skipped: {GENAI_PYTHON} or {GENAI_MODEL} missing (see the top of this script)")
+    genai = GENAI_PYTHON.exists() and (GENAI_MODEL / "genai_config.json").exists()
+    if not genai:
+        print(f"onnxruntime-genai skipped: {GENAI_PYTHON} or {GENAI_MODEL} missing (see the top of this script)")
+    runs = {}
+    for round_index in range(args.rounds):  # the runners alternate, so each sees the machine's slow spells
+        for threads in thread_counts:
+            for runner in ("runnx", "onnxruntime") + (("onnxruntime-genai",) if genai else ()):
+                print(f"SmolLM2 decode: {runner}, {threads} thread(s), round {round_index + 1}", flush=True)
+                if runner == "onnxruntime-genai":
+                    result = _run_worker(["--worker", "genai", "--contexts", args.contexts, "--steps",
+                                          str(args.steps)], threads, python=str(GENAI_PYTHON))
+                else:
+                    result = _run_worker(["--worker", runner, "--contexts", args.contexts, "--steps",
+                                          str(args.steps), "--prefill"], threads)
+                runs.setdefault((runner, threads), []).append(result)
+                print(f"  {result}", flush=True)
+    results = {key: _median_result(values) for key, values in runs.items()}
     if args.reference:
         print("SmolLM2 decode: onnx ReferenceEvaluator, 1 thread (context 32 only)", flush=True)
         results[("reference", 1)] = _run_worker(["--worker", "reference", "--contexts", "32", "--steps", "2"], 1)
@@ -253,12 +271,14 @@ def main(args) -> None:
     from report import git_revision, machine, update_section
 
     image = _plot(results, contexts)
-    command = f".venv/bin/python scripts/bench.py --threads {args.threads} --contexts {args.contexts}"
+    command = (f".venv/bin/python scripts/bench.py --threads {args.threads} --contexts {args.contexts} "
+               f"--rounds {args.rounds}")
     update_section("suite-llm", f"""## SmolLM2-135M decode and prefill (`scripts/bench.py`)
 
 runnx {git_revision()}; {machine()}; each runner in its own process with BLAS/numba/onnxruntime
 threads set to the count shown. Decode: median of {args.steps} greedy steps after random past KV of
-the context length (runnx gets it as `Owned` capacity buffers, onnxruntime as arrays).
+the context length (runnx gets it as `Owned` capacity buffers, onnxruntime as arrays); every figure
+is the median of {args.rounds} processes, the runners alternating round by round.
 Command: `{command}`.
 
 {table}
@@ -291,6 +311,7 @@ def _parse():
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--contexts", default="32,512,2000")
     parser.add_argument("--steps", type=int, default=DECODE_STEPS)
+    parser.add_argument("--rounds", type=int, default=3, help="processes per runner and thread count, alternating")
     parser.add_argument("--reference", action="store_true", help="also time onnx's ReferenceEvaluator (slow)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--worker", choices=sorted(RUNNERS) + ["genai"], help=argparse.SUPPRESS)
