@@ -1,12 +1,14 @@
 """One row times a weight matrix, as a decode step does it: OpenBLAS (numpy.matmul) against runnx's
-numba loop (`runnx.ops._kernels_linalg.row_times_matrix`), for the weight shapes of SmolLM2-135M
-and Whisper tiny.en. Weights are read from memory, not cache: each timing runs through more copies
-of the matrix than the L3 cache holds.
+numba loop on one thread (`runnx.ops._kernels_linalg.row_times_matrix`) and shared with the
+row-pool's workers (`runnx.ops._row_pool`, threads - 1 of them), for the weight shapes of
+SmolLM2-135M and Whisper tiny.en. Weights are read from memory, not cache: each timing runs
+through more copies of the matrix than the L3 cache holds.
 
     python scripts/bench_gemv.py [--threads 1] [--rounds 3]
 
-Prints microseconds per product (best of rounds) and the ratio; MatMul sends one-row products to
-the loop for matrices of at most 768 columns and 640 Ki elements (runnx/ops/linalg.py).
+Prints microseconds per product (best of rounds) and OpenBLAS's time over runnx's (MatMul sends
+every one-row float product to the loop, runnx/ops/linalg.py). OpenBLAS runs last: once its
+threads have run they spin between calls and take the core the row-pool's worker needs.
 """
 from __future__ import annotations
 
@@ -26,11 +28,12 @@ for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from runnx.ops import _row_pool  # noqa: E402
 from runnx.ops._kernels_linalg import row_times_matrix  # noqa: E402
 
 SHAPES = {"SmolLM2 q/o": (576, 576), "SmolLM2 k/v": (576, 192), "SmolLM2 gate/up": (576, 1536),
           "SmolLM2 down": (1536, 576), "Whisper attention": (384, 384), "Whisper fc1": (384, 1536),
-          "Whisper fc2": (1536, 384)}
+          "Whisper fc2": (1536, 384), "SmolLM2 head": (576, 49152), "Whisper head": (384, 51864)}
 STREAM_BYTES = 96 << 20  # > the L3 cache
 
 
@@ -45,28 +48,33 @@ def best_of(function, rounds: int) -> float:
 
 def main() -> None:
     rng = np.random.default_rng(0)
+    _row_pool.set_workers(ARGS.threads - 1)
+    pool = _row_pool.pool()
+    runners = {"numba loop": row_times_matrix}
+    if pool is not None:
+        runners["row pool"] = pool.product
     print(f"{ARGS.threads} thread(s); microseconds per one-row product, best of {ARGS.rounds} rounds")
-    print(f"{'weights':<20}{'shape':>14}{'OpenBLAS':>12}{'numba loop':>12}{'speed-up':>10}")
+    cases = []
     for name, (depth, width) in SHAPES.items():
-        copies = max(1, STREAM_BYTES // (depth * width * 4))
+        copies = max(2, STREAM_BYTES // (depth * width * 4))
         matrices = [rng.standard_normal((depth, width), dtype=np.float32) for _ in range(copies)]
-        row = rng.standard_normal((1, depth), dtype=np.float32)
-        vector = row[0]
-        row_times_matrix(vector, matrices[0])  # compile
-
-        def blas():
-            for matrix in matrices:
-                np.matmul(row, matrix)
-
-        def loop():
-            for matrix in matrices:
-                row_times_matrix(vector, matrix)
-
-        blas_us = loop_us = float("inf")
-        for _ in range(ARGS.rounds):  # alternate, so both see the same machine load
-            blas_us = min(blas_us, best_of(blas, 1) / copies * 1e6)
-            loop_us = min(loop_us, best_of(loop, 1) / copies * 1e6)
-        print(f"{name:<20}{f'{depth}x{width}':>14}{blas_us:>12.0f}{loop_us:>12.0f}{blas_us / loop_us:>9.2f}x")
+        cases.append((name, matrices, rng.standard_normal(depth, dtype=np.float32)))
+    times = {}
+    for name, matrices, row in cases:
+        for runner, product in runners.items():
+            product(row, matrices[0])  # compile
+            times[name, runner] = min(best_of(lambda: [product(row, m) for m in matrices], 1) / len(matrices) * 1e6
+                                      for _ in range(ARGS.rounds))
+    for name, matrices, row in cases:
+        times[name, "OpenBLAS"] = min(best_of(lambda: [np.matmul(row[None], m) for m in matrices], 1) / len(matrices)
+                                      * 1e6 for _ in range(ARGS.rounds))
+    columns = ["OpenBLAS", *runners]
+    print(f"{'weights':<20}{'shape':>14}" + "".join(f"{c:>12}" for c in columns)
+          + "".join(f"{'vs ' + r:>16}" for r in runners))
+    for name, matrices, _ in cases:
+        depth, width = matrices[0].shape
+        print(f"{name:<20}{f'{depth}x{width}':>14}" + "".join(f"{times[name, c]:>12.0f}" for c in columns)
+              + "".join(f"{times[name, 'OpenBLAS'] / times[name, r]:>15.2f}x" for r in runners))
 
 
 if __name__ == "__main__":

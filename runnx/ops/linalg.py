@@ -8,27 +8,39 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.errors import RunnxError
+from runnx.ops import _row_pool
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops.registry import register
 
-# one row times a matrix of at most this many columns and elements goes to the numba loop
-# (scripts/bench_gemv.py: it beats OpenBLAS's one-row kernel there, at 1 and 2 threads; wider or
-# larger matrices stay with BLAS, whose threads then pay off)
+# one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
+# row-pool's workers when there are any (float32, this many elements on: smaller products are done
+# before a worker could help); else to the loop on this thread when the matrix is narrow and small
+# enough; else to BLAS (scripts/bench_gemv.py, with 1 and 2 threads)
+_ROW_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_POOLED_ELEMENTS = 1 << 16
 _ROW_KERNEL_COLUMNS = 768
 _ROW_KERNEL_ELEMENTS = 640 * 1024
-_ROW_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _in_dtype(result, dtype):
     return np.asarray(result).astype(dtype, copy=False)
 
 
+def _row_product(row, matrix):
+    """row (K,) @ matrix (K, N), or None for BLAS."""
+    if matrix.dtype == np.float32 and matrix.size >= _POOLED_ELEMENTS and (workers := _row_pool.pool()) is not None:
+        return workers.product(row, matrix)
+    if matrix.shape[1] <= _ROW_KERNEL_COLUMNS and matrix.size <= _ROW_KERNEL_ELEMENTS:
+        return row_times_matrix(row, matrix)
+    return None
+
+
 @register("MatMul", since=1)
 def MatMul(a, b):
-    if (b.ndim == 2 and a.ndim and a.size == b.shape[0] == a.shape[-1] and b.shape[1] <= _ROW_KERNEL_COLUMNS
-            and b.size <= _ROW_KERNEL_ELEMENTS and a.dtype == b.dtype and a.dtype in _ROW_KERNEL_DTYPES
-            and b.flags.c_contiguous):  # one row (decoding): see _kernels_linalg.py
-        return row_times_matrix(a.reshape(-1), b).reshape(a.shape[:-1] + b.shape[1:])
+    if (b.ndim == 2 and a.ndim and a.size == b.shape[0] == a.shape[-1] and a.dtype == b.dtype
+            and a.dtype in _ROW_KERNEL_DTYPES and b.flags.c_contiguous  # one row (decoding)
+            and (product := _row_product(a.reshape(-1), b)) is not None):
+        return product.reshape(a.shape[:-1] + b.shape[1:])
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # one GEMM over all leading rows instead of numpy's GEMM (or GEMV) per batch entry
         rows = np.matmul(a.reshape(-1, a.shape[-1]), b)

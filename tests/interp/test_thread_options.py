@@ -1,9 +1,10 @@
-"""Options.threads: BLAS and numba thread pools set at load and reported in the profile."""
+"""Options.threads: BLAS, numba and row-pool threads set at load and reported in the profile."""
 import numpy as np
 import threadpoolctl
 from onnx import TensorProto, helper
 
 import runnx
+from runnx.ops import _row_pool
 
 
 def _matmul_model():
@@ -15,11 +16,15 @@ def _matmul_model():
 
 def test_threads_are_applied_and_reported(monkeypatch):
     with threadpoolctl.threadpool_limits(limits=None):  # restores the process's pools afterwards
-        for count in (1, 2):
-            model = runnx.load(_matmul_model(), threads=count)
-            _, profile = model.run({"a": np.eye(3, dtype=np.float32)}, profile=True)
-            assert profile.threads == {"blas": count, "numba": count}
-            assert f"threads: BLAS {count}, numba {count}" in profile.summary()
+        try:
+            for count in (1, 2):
+                model = runnx.load(_matmul_model(), threads=count)
+                _, profile = model.run({"a": np.eye(3, dtype=np.float32)}, profile=True)
+                assert profile.threads == {"blas": count, "numba": count, "rows": count}
+                assert f"threads: BLAS {count}, numba {count}, one-row products {count}" in profile.summary()
+                assert _row_pool.worker_count() == count - 1
+        finally:
+            _row_pool.set_workers(None)
         monkeypatch.setenv("RUNNX_THREADS", "1")
         assert runnx.Options().threads == 1
         monkeypatch.delenv("RUNNX_THREADS")

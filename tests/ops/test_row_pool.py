@@ -1,0 +1,119 @@
+"""The row pool: one-row products shared with spinning worker threads (runnx/ops/_row_pool.py),
+bitwise the one-thread loop's, safe when the pool is busy or asleep."""
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from _single_node import run_node
+
+from runnx.ops import _row_pool
+from runnx.ops._kernels_linalg import ROW_CHUNKS, row_times_matrix
+
+RNG = np.random.default_rng(0)
+# (depth, width): fewer rows than chunks, rows not a multiple of four, wide rows (four per pass)
+SHAPES = [(3, 5), (13, 7), (576, 192), (1537, 96), (64, 1100)]
+
+
+@pytest.fixture
+def pool():
+    _row_pool.set_workers(2)
+    yield _row_pool.pool()
+    _row_pool.set_workers(None)
+
+
+def _chunked_sum(row, matrix):
+    """The documented order: each chunk of rows summed in order of k, chunk results added in order."""
+    depth = matrix.shape[0]
+    chunks = max(1, min(ROW_CHUNKS, depth))
+    partials = []
+    for index in range(chunks):
+        partial = np.zeros(matrix.shape[1], matrix.dtype)
+        for k in range(depth * index // chunks, depth * (index + 1) // chunks):
+            partial = partial + row[k] * matrix[k]
+        partials.append(partial)
+    total = partials[0]
+    for partial in partials[1:]:
+        total = total + partial
+    return total
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_loop_sums_chunks_of_rows_in_order(shape, dtype):
+    row = RNG.standard_normal(shape[0]).astype(dtype)
+    matrix = RNG.standard_normal(shape).astype(dtype)
+    np.testing.assert_array_equal(row_times_matrix(row, matrix), _chunked_sum(row, matrix))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pool_is_bitwise_the_loop(pool, shape):
+    matrix = RNG.standard_normal(shape).astype(np.float32)
+    row = RNG.standard_normal(shape[0]).astype(np.float32)
+    expected = row_times_matrix(row, matrix)
+    for _ in range(20):  # the workers awake or asleep, taking some chunks or none
+        np.testing.assert_array_equal(pool.product(row, matrix), expected)
+    strided = np.repeat(row, 2)[::2]  # a row view the workers must not read by address as it is
+    np.testing.assert_array_equal(pool.product(strided, matrix), expected)
+
+
+def test_workers_take_chunks_and_sleep_when_idle(pool):
+    matrix = RNG.standard_normal((1024, 512)).astype(np.float32)
+    row = RNG.standard_normal(1024).astype(np.float32)
+    expected = row_times_matrix(row, matrix)
+    deadline = time.monotonic() + 10
+    while pool.shared_chunks == 0 and time.monotonic() < deadline:
+        np.testing.assert_array_equal(pool.product(row, matrix), expected)
+    assert pool.shared_chunks > 0  # the workers computed part of some product
+    deadline = time.monotonic() + 10
+    while pool.box[_row_pool._IDLE] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.box[_row_pool._IDLE] == 1  # asleep after its patience ran out, not spinning
+    np.testing.assert_array_equal(pool.product(row, matrix), expected)  # woken, or done alone
+
+
+def test_callers_on_many_threads_get_their_own_products(pool):
+    matrices = [RNG.standard_normal((384, 256)).astype(np.float32) for _ in range(4)]
+    rows = [RNG.standard_normal(384).astype(np.float32) for _ in range(4)]
+    failures = []
+
+    def call(index):
+        expected = row_times_matrix(rows[index], matrices[index])
+        for _ in range(200):
+            if not np.array_equal(pool.product(rows[index], matrices[index]), expected):
+                failures.append(index)
+
+    with ThreadPoolExecutor(4) as callers:
+        list(callers.map(call, range(4)))
+    assert failures == []
+
+
+def test_worker_count_follows_the_setting():
+    try:
+        _row_pool.set_workers(0)
+        assert _row_pool.pool() is None and _row_pool.worker_count() == 0
+        _row_pool.set_workers(100)
+        assert _row_pool.worker_count() == ROW_CHUNKS - 1  # more would find no chunk to take
+        first = _row_pool.pool()
+        assert len(first._threads) == ROW_CHUNKS - 1 and _row_pool.pool() is first
+        _row_pool.set_workers(1)
+        assert all(not thread.is_alive() for thread in first._threads)  # the old pool's workers stopped
+        assert len(_row_pool.pool()._threads) == 1
+    finally:
+        _row_pool.set_workers(None)
+
+
+def test_matmul_one_row_result_does_not_depend_on_workers():
+    row = RNG.standard_normal((1, 1, 512)).astype(np.float32)
+    matrix = RNG.standard_normal((512, 320)).astype(np.float32)  # pooled: >= 64 Ki elements
+    try:
+        results = []
+        for workers in (0, 1, 3):
+            _row_pool.set_workers(workers)
+            results.append(run_node("MatMul", [row, matrix]))
+    finally:
+        _row_pool.set_workers(None)
+    assert results[0].shape == (1, 1, 320)
+    np.testing.assert_array_equal(results[1], results[0])
+    np.testing.assert_array_equal(results[2], results[0])
+    np.testing.assert_allclose(results[0], np.matmul(row, matrix), rtol=1e-4, atol=1e-4)
