@@ -52,7 +52,7 @@ def main() -> None:
     pool = _row_pool.pool()
     runners = {"numba loop": row_times_matrix}
     if pool is not None:
-        runners["row pool"] = pool.product
+        runners["row pool"] = lambda row, matrix: pool.products(row, (matrix,))[0]
     print(f"{ARGS.threads} thread(s); microseconds per one-row product, best of {ARGS.rounds} rounds")
     cases = []
     for name, (depth, width) in SHAPES.items():

@@ -51,14 +51,13 @@ def rows_into(row, matrix, partial, start, stop):
 
 
 @_kernel
-def add_partials(partials):
-    """partials[0] + partials[1] + ... in that order."""
-    out = partials[0].copy()
+def add_partials_into(partials, out):
+    """out = partials[0] + partials[1] + ... in that order."""
+    out[:] = partials[0]
     for index in range(1, partials.shape[0]):
         chunk = partials[index]
         for n in range(out.size):
             out[n] += chunk[n]
-    return out
 
 
 @_kernel
@@ -75,4 +74,6 @@ def row_times_matrix(row, matrix):
     for index in range(chunks):
         start, stop = chunk_bounds(depth, chunks, index)
         rows_into(row, matrix, partials[index], start, stop)
-    return add_partials(partials)
+    out = np.empty(width, matrix.dtype)
+    add_partials_into(partials, out)
+    return out

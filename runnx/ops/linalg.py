@@ -10,6 +10,7 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.ops import _row_pool
 from runnx.ops._kernels_linalg import row_times_matrix
+from runnx.ops.fused import DOMAIN as FUSED_DOMAIN
 from runnx.ops.registry import register
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
@@ -26,26 +27,40 @@ def _in_dtype(result, dtype):
     return np.asarray(result).astype(dtype, copy=False)
 
 
-def _row_product(row, matrix):
-    """row (K,) @ matrix (K, N), or None for BLAS."""
-    if matrix.dtype == np.float32 and matrix.size >= _POOLED_ELEMENTS and (workers := _row_pool.pool()) is not None:
-        return workers.product(row, matrix)
-    if matrix.shape[1] <= _ROW_KERNEL_COLUMNS and matrix.size <= _ROW_KERNEL_ELEMENTS:
-        return row_times_matrix(row, matrix)
-    return None
+def _one_row(a, b) -> bool:
+    """Whether a @ b is one row times a float, C-contiguous matrix (decoding)."""
+    return (b.ndim == 2 and a.ndim and a.size == b.shape[0] == a.shape[-1] and a.dtype == b.dtype
+            and a.dtype in _ROW_KERNEL_DTYPES and b.flags.c_contiguous)
+
+
+def _pooled(a, b) -> bool:
+    """Whether a @ b goes to the row pool (given a pool)."""
+    return _one_row(a, b) and b.dtype == np.float32 and b.size >= _POOLED_ELEMENTS
 
 
 @register("MatMul", since=1)
 def MatMul(a, b):
-    if (b.ndim == 2 and a.ndim and a.size == b.shape[0] == a.shape[-1] and a.dtype == b.dtype
-            and a.dtype in _ROW_KERNEL_DTYPES and b.flags.c_contiguous  # one row (decoding)
-            and (product := _row_product(a.reshape(-1), b)) is not None):
-        return product.reshape(a.shape[:-1] + b.shape[1:])
+    if _one_row(a, b):
+        if _pooled(a, b) and (workers := _row_pool.pool()) is not None:
+            return workers.products(a.reshape(-1), (b,))[0].reshape(a.shape[:-1] + b.shape[1:])
+        if b.shape[1] <= _ROW_KERNEL_COLUMNS and b.size <= _ROW_KERNEL_ELEMENTS:
+            return row_times_matrix(a.reshape(-1), b).reshape(a.shape[:-1] + b.shape[1:])
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # one GEMM over all leading rows instead of numpy's GEMM (or GEMV) per batch entry
         rows = np.matmul(a.reshape(-1, a.shape[-1]), b)
         return _in_dtype(rows.reshape(a.shape[:-1] + (b.shape[1],)), a.dtype)
     return _in_dtype(np.matmul(a, b), a.dtype)
+
+
+@register("SharedInputMatMul", since=1, domain=FUSED_DOMAIN)
+def SharedInputMatMul(x, *weights):
+    """(MatMul(x, w) for w in weights): the products of one input (a layer's query, key and value
+    projections; its gate and up projections), matched by `runnx/interp/fusion/products.py`. A
+    decode step's one-row products go to the row pool as one job (one hand-off, not three)."""
+    if all(_pooled(x, w) for w in weights) and (workers := _row_pool.pool()) is not None:
+        return tuple(product.reshape(x.shape[:-1] + (w.shape[1],))
+                     for product, w in zip(workers.products(x.reshape(-1), weights), weights))
+    return tuple(MatMul(x, w) for w in weights)
 
 
 @register("Gemm", since=1)

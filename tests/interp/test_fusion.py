@@ -171,6 +171,30 @@ def test_fully_masked_attention_rows_give_the_fill_value():
     np.testing.assert_array_equal(fused["y"], np.zeros((1, 2, 1, 8), np.float32))
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_products_of_one_input_become_one_node(rows, workers):
+    from runnx.ops import _row_pool
+
+    rng = np.random.default_rng(0)
+    weights = {name: rng.standard_normal((256, width)).astype(np.float32)
+               for name, width in (("wq", 256), ("wk", 64), ("wv", 300), ("wo", 256))}
+    nodes = [helper.make_node("MatMul", ["x", w], [w.replace("w", "y")]) for w in ("wq", "wk", "wv")]
+    nodes += [helper.make_node("MatMul", ["x", "m"], ["ym"]),  # not a constant matrix: stays alone
+              helper.make_node("MatMul", ["yq", "wo"], ["yo"])]  # another input: stays alone
+    model = _model(nodes, [("x", F), ("m", F)], [(n, F) for n in ("yq", "yk", "yv", "ym", "yo")], weights)
+    feeds = {"x": rng.standard_normal((1, rows, 256)).astype(np.float32),
+             "m": rng.standard_normal((256, 8)).astype(np.float32)}
+    try:
+        _row_pool.set_workers(workers)
+        fused, plain, ops = _both(model, feeds)
+    finally:
+        _row_pool.set_workers(None)
+    assert sorted(ops) == ["MatMul", "MatMul", "SharedInputMatMul"]
+    for name in plain:  # the same products, the pool's included (one job for the three)
+        np.testing.assert_array_equal(fused[name], plain[name])
+
+
 @pytest.mark.parametrize("folder", ["tiny-llama", "tiny-gpt2"])
 def test_greedy_tokens_are_identical_with_each_optimisation_on_and_off(fixtures_dir, folder):
     import tokenizers

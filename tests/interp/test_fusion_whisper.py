@@ -203,15 +203,18 @@ def _encoders(folder):
 def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     folder = fixtures_dir / "tiny-whisper"
     fused, plain = _encoders(folder)
-    assert fused.fused == {"HeadsAttention": 2, "ErfGelu": 4, "AddLayerNorm": 5}
+    assert fused.fused == {"HeadsAttention": 2, "ErfGelu": 4, "AddLayerNorm": 5, "SharedInputMatMul": 2}
     assert not SHAPE_OPS & {n.op_type for n in fused.plan()}
     features = {"input_features": _features()}
     want = plain.run(features)["last_hidden_state"]
     np.testing.assert_allclose(fused.run(features)["last_hidden_state"], want, rtol=1e-4, atol=1e-5)
     decoder = runnx.load(folder / "decoder_model_merged.onnx", check_symbolic_dims=False)
     # both branches: 2 layers x (self + cross) attention and 2 GELUs each; heads split for the
-    # self-attention cache (both branches) and the cross-attention keys and values (first step)
-    assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14}
+    # self-attention cache (both branches) and the cross-attention keys and values (first step);
+    # each layer's q/k/v projections as one node, and the first step's cross-attention keys and
+    # values of both layers (they all read the encoder's output) as one more
+    assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14,
+                             "SharedInputMatMul": 5}
 
 
 def _greedy(folder, monkeypatch, fuse, features):
@@ -233,7 +236,7 @@ def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whispe
     from runnx.generate.mel import window_features
     features = [window_features(load_audio(audio_dir / clip), 80) for clip in ("john.wav", "long.wav")]
     fused, plain = _encoders(whisper_dir)
-    assert fused.fused == {"HeadsAttention": 4, "ErfGelu": 6, "AddLayerNorm": 9}
+    assert fused.fused == {"HeadsAttention": 4, "ErfGelu": 6, "AddLayerNorm": 9, "SharedInputMatMul": 4}
     want = plain.run({"input_features": features[1]})["last_hidden_state"]
     got = fused.run({"input_features": features[1]})["last_hidden_state"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)

@@ -1,5 +1,6 @@
 """The row pool: one-row products shared with spinning worker threads (runnx/ops/_row_pool.py),
 bitwise the one-thread loop's, safe when the pool is busy or asleep."""
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -52,9 +53,18 @@ def test_pool_is_bitwise_the_loop(pool, shape):
     row = RNG.standard_normal(shape[0]).astype(np.float32)
     expected = row_times_matrix(row, matrix)
     for _ in range(20):  # the workers awake or asleep, taking some chunks or none
-        np.testing.assert_array_equal(pool.product(row, matrix), expected)
+        np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)
     strided = np.repeat(row, 2)[::2]  # a row view the workers must not read by address as it is
-    np.testing.assert_array_equal(pool.product(strided, matrix), expected)
+    np.testing.assert_array_equal(pool.products(strided, (matrix,))[0], expected)
+
+
+def test_one_job_takes_several_matrices_of_one_depth(pool):
+    row = RNG.standard_normal(384).astype(np.float32)
+    matrices = tuple(RNG.standard_normal((384, width)).astype(np.float32) for width in (384, 64, 1100, 7, 384, 96))
+    got = pool.products(row, matrices)  # more than MAX_MATRICES: two jobs
+    assert len(got) == len(matrices) > _row_pool.MAX_MATRICES
+    for product, matrix in zip(got, matrices):
+        np.testing.assert_array_equal(product, row_times_matrix(row, matrix))
 
 
 def test_workers_take_chunks_and_sleep_when_idle(pool):
@@ -63,13 +73,28 @@ def test_workers_take_chunks_and_sleep_when_idle(pool):
     expected = row_times_matrix(row, matrix)
     deadline = time.monotonic() + 10
     while pool.shared_chunks == 0 and time.monotonic() < deadline:
-        np.testing.assert_array_equal(pool.product(row, matrix), expected)
+        np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)
     assert pool.shared_chunks > 0  # the workers computed part of some product
     deadline = time.monotonic() + 10
-    while pool.box[_row_pool._IDLE] == 0 and time.monotonic() < deadline:
+    while not all(pool.box[_row_pool._IDLE:_row_pool._IDLE + 2]) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert pool.box[_row_pool._IDLE] == 1  # asleep after its patience ran out, not spinning
-    np.testing.assert_array_equal(pool.product(row, matrix), expected)  # woken, or done alone
+    assert all(pool.box[_row_pool._IDLE:_row_pool._IDLE + 2])  # asleep after their patience ran out
+    np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)  # woken, or done alone
+
+
+def test_a_pool_of_sleeping_workers_closes():
+    # close() wakes every sleeping worker (each sleeps on its own Event: a shared one, cleared by
+    # the first worker woken, once left another asleep and close() waiting for it forever)
+    pool = _row_pool.RowPool(3)
+    matrix = RNG.standard_normal((512, 256)).astype(np.float32)
+    pool.products(RNG.standard_normal(512).astype(np.float32), (matrix,))
+    deadline = time.monotonic() + 10
+    while not all(pool.box[_row_pool._IDLE:_row_pool._IDLE + 3]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    closing = threading.Thread(target=pool.close, daemon=True)
+    closing.start()
+    closing.join(timeout=10)
+    assert not closing.is_alive() and not any(thread.is_alive() for thread in pool._threads)
 
 
 def test_callers_on_many_threads_get_their_own_products(pool):
@@ -80,7 +105,7 @@ def test_callers_on_many_threads_get_their_own_products(pool):
     def call(index):
         expected = row_times_matrix(rows[index], matrices[index])
         for _ in range(200):
-            if not np.array_equal(pool.product(rows[index], matrices[index]), expected):
+            if not np.array_equal(pool.products(rows[index], (matrices[index],))[0], expected):
                 failures.append(index)
 
     with ThreadPoolExecutor(4) as callers:

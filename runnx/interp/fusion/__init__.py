@@ -6,13 +6,13 @@ Patterns run in order, each over the graph the previous ones left.
 """
 from __future__ import annotations
 
-from runnx.interp.fusion import decoder, whisper
+from runnx.interp.fusion import decoder, products, whisper
 from runnx.interp.fusion.matcher import Matcher
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.ops import registry
 from runnx.ops.fused import DOMAIN
 
-PATTERNS = decoder.PATTERNS + whisper.PATTERNS
+PATTERNS = decoder.PATTERNS + whisper.PATTERNS + products.PATTERNS  # products last: see products.py
 STAND_INS = (decoder.shape_stand_ins,)
 
 
