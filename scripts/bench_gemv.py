@@ -1,6 +1,6 @@
 """One row times a weight matrix, as a decode step does it: OpenBLAS (numpy.matmul) against runnx's
 numba loop on one thread (`runnx.ops._kernels_linalg.row_times_matrix`) and shared with the
-row-pool's workers (`runnx.ops._row_pool`, threads - 1 of them), for the weight shapes of
+decode-pool's workers (`runnx.ops._decode_pool`, threads - 1 of them), for the weight shapes of
 SmolLM2-135M and Whisper tiny.en. Weights are read from memory, not cache: each timing runs
 through more copies of the matrix than the L3 cache holds.
 
@@ -8,7 +8,7 @@ through more copies of the matrix than the L3 cache holds.
 
 Prints microseconds per product (best of rounds) and OpenBLAS's time over runnx's (MatMul sends
 every one-row float product to the loop, runnx/ops/linalg.py). OpenBLAS runs last: once its
-threads have run they spin between calls and take the core the row-pool's worker needs.
+threads have run they spin between calls and take the core the decode-pool's worker needs.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runnx.ops import _row_pool  # noqa: E402
+from runnx.ops import _decode_pool  # noqa: E402
 from runnx.ops._kernels_linalg import row_times_matrix  # noqa: E402
 
 SHAPES = {"SmolLM2 q/o": (576, 576), "SmolLM2 k/v": (576, 192), "SmolLM2 gate/up": (576, 1536),
@@ -48,11 +48,11 @@ def best_of(function, rounds: int) -> float:
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    _row_pool.set_workers(ARGS.threads - 1)
-    pool = _row_pool.pool()
+    _decode_pool.set_workers(ARGS.threads - 1)
+    pool = _decode_pool.pool()
     runners = {"numba loop": row_times_matrix}
     if pool is not None:
-        runners["row pool"] = lambda row, matrix: pool.products(row, (matrix,))[0]
+        runners["decode pool"] = lambda row, matrix: pool.products(row, (matrix,))[0]
     print(f"{ARGS.threads} thread(s); microseconds per one-row product, best of {ARGS.rounds} rounds")
     cases = []
     for name, (depth, width) in SHAPES.items():

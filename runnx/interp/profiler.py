@@ -27,8 +27,8 @@ class Profile:
         lines = [f"runnx profile: {self.runs} run(s), {sum(self.op_calls.values())} node executions, "
                  f"{self.inplace_total} in place, {self.moves} captures moved, "
                  f"peak live {self.peak_live_bytes / 2**20:.1f} MiB"
-                 + (f", threads: BLAS {self.threads['blas']}, numba {self.threads['numba']}, one-row products "
-                    f"{self.threads['rows']}" if self.threads else ""),
+                 + (f", threads: BLAS {self.threads['blas']}, numba {self.threads['numba']}, decode pool "
+                    f"{self.threads['decode']}" if self.threads else ""),
                  f"{'op':<24}{'calls':>8}{'in place':>10}{'ms':>10}{'%':>7}"]
         for op, seconds in sorted(self.op_time.items(), key=lambda kv: -kv[1])[:top]:
             lines.append(f"{op:<24}{self.op_calls[op]:>8}{self.inplace[op]:>10}{seconds * 1e3:>10.2f}"

@@ -163,40 +163,47 @@ def _softmax_numerators(scores, fill):
 
 
 @_kernel(fastmath=_REORDER)
+def attention_group(query, key, value, bias, scale, fill, out, b, g):
+    """`attention` for the query rows of KV head g of batch entry b (its heads x query positions),
+    into out: the unit `_decode_pool.py` shares between threads."""
+    heads, length, depth = query.shape[1], query.shape[2], query.shape[3]
+    count, width = key.shape[2], value.shape[3]
+    repeat = heads // key.shape[1]
+    rows = repeat * length
+    scaled = np.empty((rows, depth), out.dtype)
+    scores = np.empty((rows, count), out.dtype)
+    partial = np.empty((rows, width), out.dtype)
+    totals = np.empty(rows, out.dtype)
+    for r in range(rows):  # query rows of the group: its heads x query positions
+        for d in range(depth):
+            scaled[r, d] = query[b, g * repeat + r // length, r % length, d] * scale
+    _scores(scaled, _rows(key, b, g), scores)
+    if bias is not None:
+        for r in range(rows):
+            head, position = g * repeat + r // length, r % length
+            offsets = bias[b if bias.shape[0] != 1 else 0, head if bias.shape[1] != 1 else 0,
+                           position if bias.shape[2] != 1 else 0]
+            for j in range(count):
+                scores[r, j] += offsets[j if offsets.shape[0] != 1 else 0]
+    for r in range(rows):
+        totals[r] = _softmax_numerators(scores[r], fill)
+    _weighted_sum(scores, _rows(value, b, g), partial)
+    for r in range(rows):
+        target = out[b, g * repeat + r // length, r % length]
+        for d in range(width):
+            target[d] = partial[r, d] / totals[r]
+
+
+@_kernel(fastmath=_REORDER)
 def attention(query, key, value, bias, scale, fill):
     """softmax((query * scale) @ key^T + bias) @ value, NaN softmax rows -> fill, for query
     (B, H, Q, D), key (B, G, K, D), value (B, G, K, W) with H a multiple of G, bias broadcastable
     to (B, H, Q, K) in 4 dimensions or None (the caller checks the shapes). Each KV head's cache
     rows are read once, for the query rows of all its heads together."""
-    batch, heads, length, depth = query.shape
-    groups, count, width = key.shape[1], key.shape[2], value.shape[3]
-    repeat = heads // groups
-    rows = repeat * length
-    out = np.empty((batch, heads, length, width), query.dtype)
-    scaled = np.empty((rows, depth), query.dtype)
-    scores = np.empty((rows, count), query.dtype)
-    partial = np.empty((rows, width), query.dtype)
-    totals = np.empty(rows, query.dtype)
-    for b in range(batch):
-        for g in range(groups):
-            for r in range(rows):  # query rows of the group: its heads x query positions
-                for d in range(depth):
-                    scaled[r, d] = query[b, g * repeat + r // length, r % length, d] * scale
-            _scores(scaled, _rows(key, b, g), scores)
-            if bias is not None:
-                for r in range(rows):
-                    head, position = g * repeat + r // length, r % length
-                    offsets = bias[b if bias.shape[0] != 1 else 0, head if bias.shape[1] != 1 else 0,
-                                   position if bias.shape[2] != 1 else 0]
-                    for j in range(count):
-                        scores[r, j] += offsets[j if offsets.shape[0] != 1 else 0]
-            for r in range(rows):
-                totals[r] = _softmax_numerators(scores[r], fill)
-            _weighted_sum(scores, _rows(value, b, g), partial)
-            for r in range(rows):
-                target = out[b, g * repeat + r // length, r % length]
-                for d in range(width):
-                    target[d] = partial[r, d] / totals[r]
+    out = np.empty(query.shape[:3] + value.shape[3:], query.dtype)
+    for b in range(query.shape[0]):
+        for g in range(key.shape[1]):
+            attention_group(query, key, value, bias, scale, fill, out, b, g)
     return out
 
 

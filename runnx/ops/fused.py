@@ -30,6 +30,8 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops._elementwise_util import binary, sigmoid
+from runnx.ops import _decode_pool
+from runnx.ops._decode_pool import attention_job
 from runnx.ops._kernels_fused import attention, rms_norm, rotate_half, silu_mul_into
 from runnx.ops.cache import Concat
 from runnx.ops.registry import register
@@ -316,6 +318,10 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float):
         if not ((shape[0] == 1 or shape[0] == batch) and (shape[1] == 1 or shape[1] == heads)
                 and (shape[2] == 1 or shape[2] == length) and (shape[3] == 1 or shape[3] == size)):
             return None
+    if dtype == np.float32:  # the decode pool's workers take KV heads: same results with or without them
+        workers = _decode_pool.pool()
+        return (workers.attention if workers is not None and batch * groups > 1 else attention_job)(
+            query, key, value, bias, scale, fill)
     return attention(query, key, value, bias, scale, fill)
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.errors import RunnxError
-from runnx.ops import _row_pool
+from runnx.ops import _decode_pool
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN
 from runnx.ops.registry import register
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
-# row-pool's workers when there are any (float32, this many elements on: smaller products are done
+# decode-pool's workers when there are any (float32, this many elements on: smaller products are done
 # before a worker could help); else to the loop on this thread when the matrix is narrow and small
 # enough; else to BLAS (scripts/bench_gemv.py, with 1 and 2 threads)
 _ROW_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -34,14 +34,14 @@ def _one_row(a, b) -> bool:
 
 
 def _pooled(a, b) -> bool:
-    """Whether a @ b goes to the row pool (given a pool)."""
+    """Whether a @ b goes to the decode pool (given a pool)."""
     return _one_row(a, b) and b.dtype == np.float32 and b.size >= _POOLED_ELEMENTS
 
 
 @register("MatMul", since=1)
 def MatMul(a, b):
     if _one_row(a, b):
-        if _pooled(a, b) and (workers := _row_pool.pool()) is not None:
+        if _pooled(a, b) and (workers := _decode_pool.pool()) is not None:
             return workers.products(a.reshape(-1), (b,))[0].reshape(a.shape[:-1] + b.shape[1:])
         if b.shape[1] <= _ROW_KERNEL_COLUMNS and b.size <= _ROW_KERNEL_ELEMENTS:
             return row_times_matrix(a.reshape(-1), b).reshape(a.shape[:-1] + b.shape[1:])
@@ -56,8 +56,8 @@ def MatMul(a, b):
 def SharedInputMatMul(x, *weights):
     """(MatMul(x, w) for w in weights): the products of one input (a layer's query, key and value
     projections; its gate and up projections), matched by `runnx/interp/fusion/products.py`. A
-    decode step's one-row products go to the row pool as one job (one hand-off, not three)."""
-    if all(_pooled(x, w) for w in weights) and (workers := _row_pool.pool()) is not None:
+    decode step's one-row products go to the decode pool as one job (one hand-off, not three)."""
+    if all(_pooled(x, w) for w in weights) and (workers := _decode_pool.pool()) is not None:
         return tuple(product.reshape(x.shape[:-1] + (w.shape[1],))
                      for product, w in zip(workers.products(x.reshape(-1), weights), weights))
     return tuple(MatMul(x, w) for w in weights)

@@ -174,7 +174,7 @@ def test_fully_masked_attention_rows_give_the_fill_value():
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("workers", [0, 1])
 def test_products_of_one_input_become_one_node(rows, workers):
-    from runnx.ops import _row_pool
+    from runnx.ops import _decode_pool
 
     rng = np.random.default_rng(0)
     weights = {name: rng.standard_normal((256, width)).astype(np.float32)
@@ -186,10 +186,10 @@ def test_products_of_one_input_become_one_node(rows, workers):
     feeds = {"x": rng.standard_normal((1, rows, 256)).astype(np.float32),
              "m": rng.standard_normal((256, 8)).astype(np.float32)}
     try:
-        _row_pool.set_workers(workers)
+        _decode_pool.set_workers(workers)
         fused, plain, ops = _both(model, feeds)
     finally:
-        _row_pool.set_workers(None)
+        _decode_pool.set_workers(None)
     assert sorted(ops) == ["MatMul", "MatMul", "SharedInputMatMul"]
     for name in plain:  # the same products, the pool's included (one job for the three)
         np.testing.assert_array_equal(fused[name], plain[name])

@@ -1,10 +1,10 @@
-"""Options.threads: BLAS, numba and row-pool threads set at load and reported in the profile."""
+"""Options.threads: BLAS, numba and decode-pool threads set at load and reported in the profile."""
 import numpy as np
 import threadpoolctl
 from onnx import TensorProto, helper
 
 import runnx
-from runnx.ops import _row_pool
+from runnx.ops import _decode_pool
 
 
 def _matmul_model():
@@ -20,11 +20,11 @@ def test_threads_are_applied_and_reported(monkeypatch):
             for count in (1, 2):
                 model = runnx.load(_matmul_model(), threads=count)
                 _, profile = model.run({"a": np.eye(3, dtype=np.float32)}, profile=True)
-                assert profile.threads == {"blas": count, "numba": count, "rows": count}
-                assert f"threads: BLAS {count}, numba {count}, one-row products {count}" in profile.summary()
-                assert _row_pool.worker_count() == count - 1
+                assert profile.threads == {"blas": count, "numba": count, "decode": count}
+                assert f"threads: BLAS {count}, numba {count}, decode pool {count}" in profile.summary()
+                assert _decode_pool.worker_count() == count - 1
         finally:
-            _row_pool.set_workers(None)
+            _decode_pool.set_workers(None)
         monkeypatch.setenv("RUNNX_THREADS", "1")
         assert runnx.Options().threads == 1
         monkeypatch.delenv("RUNNX_THREADS")

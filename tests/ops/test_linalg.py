@@ -87,7 +87,7 @@ def test_matmul_batched_by_2d_matches_numpy():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_matmul_one_row_takes_the_loop_with_numpys_shapes(row_shape, dtype):
     # decoding's one-row products of small matrices take runnx's loop (its summation order is
-    # tested in test_row_pool.py); numpy's shapes and dtype
+    # tested in test_decode_pool.py); numpy's shapes and dtype
     from runnx.ops._kernels_linalg import row_times_matrix
 
     row = RNG.standard_normal(row_shape).astype(dtype)

@@ -1,5 +1,5 @@
-"""The row pool: one-row products shared with spinning worker threads (runnx/ops/_row_pool.py),
-bitwise the one-thread loop's, safe when the pool is busy or asleep."""
+"""The decode pool (runnx/ops/_decode_pool.py): one-row products and attention shared with
+spinning worker threads, bitwise what one thread computes, safe when the pool is busy or asleep."""
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from _single_node import run_node
 
-from runnx.ops import _row_pool
+from runnx.ops import _decode_pool
 from runnx.ops._kernels_linalg import ROW_CHUNKS, row_times_matrix
 
 RNG = np.random.default_rng(0)
@@ -18,9 +18,9 @@ SHAPES = [(3, 5), (13, 7), (576, 192), (1537, 96), (64, 1100)]
 
 @pytest.fixture
 def pool():
-    _row_pool.set_workers(2)
-    yield _row_pool.pool()
-    _row_pool.set_workers(None)
+    _decode_pool.set_workers(2)
+    yield _decode_pool.pool()
+    _decode_pool.set_workers(None)
 
 
 def _chunked_sum(row, matrix):
@@ -62,9 +62,31 @@ def test_one_job_takes_several_matrices_of_one_depth(pool):
     row = RNG.standard_normal(384).astype(np.float32)
     matrices = tuple(RNG.standard_normal((384, width)).astype(np.float32) for width in (384, 64, 1100, 7, 384, 96))
     got = pool.products(row, matrices)  # more than MAX_MATRICES: two jobs
-    assert len(got) == len(matrices) > _row_pool.MAX_MATRICES
+    assert len(got) == len(matrices) > _decode_pool.MAX_MATRICES
     for product, matrix in zip(got, matrices):
         np.testing.assert_array_equal(product, row_times_matrix(row, matrix))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_attention_by_kv_heads_is_bitwise_the_one_thread_job(pool, bias):
+    # grouped-query heads over a KV cache viewed in a larger buffer (strided), as decoding has it
+    query = RNG.standard_normal((2, 6, 1, 16)).astype(np.float32)
+    key = RNG.standard_normal((2, 3, 90, 16)).astype(np.float32)[:, :, :70]
+    value = RNG.standard_normal((2, 3, 90, 8)).astype(np.float32)[:, :, :70]
+    mask = np.where(RNG.random((2, 1, 1, 70)) < 0.2, -np.inf, 0).astype(np.float32) if bias else None
+    expected = _attention_alone(query, key, value, mask)
+    for _ in range(20):
+        np.testing.assert_array_equal(pool.attention(query, key, value, mask, 0.25, np.nan), expected)
+    scores = np.einsum("bhqd,bhkd->bhqk", query * 0.25, np.repeat(key, 2, axis=1))
+    if bias:
+        scores = scores + mask
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    np.testing.assert_allclose(expected, weights @ np.repeat(value, 2, axis=1), rtol=1e-5, atol=1e-6)
+
+
+def _attention_alone(query, key, value, bias):
+    return _decode_pool.attention_job(query, key, value, bias, 0.25, np.nan)
 
 
 def test_workers_take_chunks_and_sleep_when_idle(pool):
@@ -72,24 +94,24 @@ def test_workers_take_chunks_and_sleep_when_idle(pool):
     row = RNG.standard_normal(1024).astype(np.float32)
     expected = row_times_matrix(row, matrix)
     deadline = time.monotonic() + 10
-    while pool.shared_chunks == 0 and time.monotonic() < deadline:
+    while pool.shared_units == 0 and time.monotonic() < deadline:
         np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)
-    assert pool.shared_chunks > 0  # the workers computed part of some product
+    assert pool.shared_units > 0  # the workers computed part of some product
     deadline = time.monotonic() + 10
-    while not all(pool.box[_row_pool._IDLE:_row_pool._IDLE + 2]) and time.monotonic() < deadline:
+    while not all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2]) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert all(pool.box[_row_pool._IDLE:_row_pool._IDLE + 2])  # asleep after their patience ran out
+    assert all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2])  # asleep after their patience ran out
     np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)  # woken, or done alone
 
 
 def test_a_pool_of_sleeping_workers_closes():
     # close() wakes every sleeping worker (each sleeps on its own Event: a shared one, cleared by
     # the first worker woken, once left another asleep and close() waiting for it forever)
-    pool = _row_pool.RowPool(3)
+    pool = _decode_pool.DecodePool(3)
     matrix = RNG.standard_normal((512, 256)).astype(np.float32)
     pool.products(RNG.standard_normal(512).astype(np.float32), (matrix,))
     deadline = time.monotonic() + 10
-    while not all(pool.box[_row_pool._IDLE:_row_pool._IDLE + 3]) and time.monotonic() < deadline:
+    while not all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 3]) and time.monotonic() < deadline:
         time.sleep(0.01)
     closing = threading.Thread(target=pool.close, daemon=True)
     closing.start()
@@ -115,17 +137,17 @@ def test_callers_on_many_threads_get_their_own_products(pool):
 
 def test_worker_count_follows_the_setting():
     try:
-        _row_pool.set_workers(0)
-        assert _row_pool.pool() is None and _row_pool.worker_count() == 0
-        _row_pool.set_workers(100)
-        assert _row_pool.worker_count() == ROW_CHUNKS - 1  # more would find no chunk to take
-        first = _row_pool.pool()
-        assert len(first._threads) == ROW_CHUNKS - 1 and _row_pool.pool() is first
-        _row_pool.set_workers(1)
+        _decode_pool.set_workers(0)
+        assert _decode_pool.pool() is None and _decode_pool.worker_count() == 0
+        _decode_pool.set_workers(100)
+        assert _decode_pool.worker_count() == ROW_CHUNKS - 1  # more would find no chunk to take
+        first = _decode_pool.pool()
+        assert len(first._threads) == ROW_CHUNKS - 1 and _decode_pool.pool() is first
+        _decode_pool.set_workers(1)
         assert all(not thread.is_alive() for thread in first._threads)  # the old pool's workers stopped
-        assert len(_row_pool.pool()._threads) == 1
+        assert len(_decode_pool.pool()._threads) == 1
     finally:
-        _row_pool.set_workers(None)
+        _decode_pool.set_workers(None)
 
 
 def test_matmul_one_row_result_does_not_depend_on_workers():
@@ -134,10 +156,10 @@ def test_matmul_one_row_result_does_not_depend_on_workers():
     try:
         results = []
         for workers in (0, 1, 3):
-            _row_pool.set_workers(workers)
+            _decode_pool.set_workers(workers)
             results.append(run_node("MatMul", [row, matrix]))
     finally:
-        _row_pool.set_workers(None)
+        _decode_pool.set_workers(None)
     assert results[0].shape == (1, 1, 320)
     np.testing.assert_array_equal(results[1], results[0])
     np.testing.assert_array_equal(results[2], results[0])

@@ -1,0 +1,113 @@
+"""numba intrinsics for threads sharing memory without locks (`_decode_pool.py`): atomic loads,
+stores, compare-and-swap and add on an int64 array, the spin-wait hint, and arrays viewed from an
+address posted as an integer."""
+from __future__ import annotations
+
+import platform
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+from numba.np.arrayobj import populate_array
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def _slot_pointer(context, builder, signature, args):
+    array = context.make_array(signature.args[0])(context, builder, args[0])
+    return cgutils.get_item_pointer(context, builder, signature.args[0], array, [args[1]])
+
+
+@intrinsic
+def load(typingctx, box, index):
+    """box[index], a sequentially consistent atomic load."""
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_slot_pointer(context, builder, signature, args), "seq_cst", 8)
+
+    return types.int64(box, index), codegen
+
+
+@intrinsic
+def store(typingctx, box, index, value):
+    """box[index] = value, a sequentially consistent atomic store."""
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[2], _slot_pointer(context, builder, signature, args), "seq_cst", 8)
+        return context.get_dummy_value()
+
+    return types.void(box, index, types.int64), codegen
+
+
+@intrinsic
+def compare_and_swap(typingctx, box, index, expected, new):
+    """Whether box[index] was `expected` and is now `new` (atomically)."""
+    def codegen(context, builder, signature, args):
+        pair = builder.cmpxchg(_slot_pointer(context, builder, signature, args), args[2], args[3],
+                               "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 1)
+
+    return types.boolean(box, index, types.int64, types.int64), codegen
+
+
+@intrinsic
+def add(typingctx, box, index, value):
+    """box[index] += value (atomically)."""
+    def codegen(context, builder, signature, args):
+        builder.atomic_rmw("add", _slot_pointer(context, builder, signature, args), args[2], "seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(box, index, types.int64), codegen
+
+
+@intrinsic
+def pause(typingctx):
+    """The spin-wait hint: frees the core's shared resources while polling."""
+    def codegen(context, builder, signature, args):
+        if _X86:
+            hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                  "llvm.x86.sse2.pause")
+            builder.call(hint, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def float32_view(typingctx, address, shape, strides):
+    """The float32 array at `address` with `shape` and byte `strides` (int64 tuples of one length):
+    a caller's buffer, kept alive by the caller while the view is in use."""
+    result = types.Array(types.float32, len(shape), "A")
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(result)(context, builder)
+        data = builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
+        populate_array(array, data=data, shape=args[1], strides=args[2],
+                       itemsize=context.get_constant(types.intp, 4), meminfo=None)
+        return array._getvalue()
+
+    return result(types.int64, shape, strides), codegen
+
+
+@intrinsic
+def float64_from_bits(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return types.float64(types.int64), codegen
+
+
+@intrinsic
+def bits_of_float64(typingctx, value):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(64))
+
+    return types.int64(types.float64), codegen
+
+
+@intrinsic
+def float32_pointer(typingctx, address):
+    """`address` as a float32 pointer, for numba.carray (a C-contiguous view: unit strides that
+    loops vectorise over)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
+
+    return types.CPointer(types.float32)(types.int64), codegen

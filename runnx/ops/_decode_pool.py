@@ -1,0 +1,318 @@
+"""The decode pool: worker threads that take part of a decode step's heavy kernels, one-row
+products and attention over a KV cache, when runnx has more than one thread.
+
+A decode step is some two hundred one-row products (`row @ matrix`), each a few to a few hundred
+microseconds of streaming weights from memory, and one attention per layer streaming the KV cache.
+One core does not saturate this machine's memory (scripts/bench_gemv.py: 18 GB/s from one thread,
+29 from two), but handing each kernel to a thread pool costs more than it gains: numba's parallel
+regions and a Python-level hand-off take 30-50 us each. So the workers here never leave native
+code while a decode is running: each spins on a shared mailbox (an int64 array read and written
+with the atomic instructions of `_atomics.py`) for a few milliseconds after its last job, then
+sleeps on its own Event (a shared one, cleared by whichever worker wakes first, could leave another
+asleep through a wake-up meant for it).
+
+A job is cut into units that give the same result whoever computes them:
+- products: one row times up to four matrices (a layer's projections of one input); each product
+  in the row chunks of `row_times_matrix` (`_kernels_linalg.py`), each summed into its own partial
+  row, the partial rows added in chunk order: bitwise the one-thread loop's;
+- attention: one unit per (batch entry, KV head), `attention_group` of `_kernels_fused.py` as the
+  one-thread `attention` runs it.
+Threads claim units with compare-and-swap on a counter tagged with the job's sequence number, so
+the caller never waits for a worker that has not started (it takes the units itself) and a late
+worker cannot claim a later job's unit with an earlier job's fields (the caller retags the counter
+before it rewrites them). The caller waits only for units a worker has claimed, then returns.
+Workers found asleep are woken for the next job; the current one runs on the caller's thread.
+"""
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+
+from runnx.ops._atomics import (add, bits_of_float64, compare_and_swap, float32_pointer, float32_view,
+                                float64_from_bits, load, pause, store)
+from runnx.ops._kernels_fused import attention_group
+from runnx.ops._kernels_linalg import (ROW_CHUNKS, add_partials_into, chunk_bounds, chunk_count, row_times_matrix,
+                                      rows_into)
+
+# mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
+# caller's writes; _IDLE + w is worker w's
+_POSTED, _CLAIM, _COMPLETED, _IDLE, _STOP, _SHARED, _FIELDS = 0, 8, 16, 24, 32, 40, 48
+# a job's fields: its kind and unit count, then the kind's own
+_KIND, _UNITS, _OWN = _FIELDS, _FIELDS + 1, _FIELDS + 2
+_PRODUCTS, _ATTENTION = 0, 1
+# products: the row, then (matrix, width, partial rows) for each matrix
+_ROW, _DEPTH, _CHUNKS, _MATRICES = range(_OWN, _OWN + 4)
+MAX_MATRICES = 4  # one job: one row times up to this many matrices (a layer's q, k, v projections)
+_MATRIX, _WIDTH, _PARTIALS, _PER_MATRIX = 0, 1, 2, 3  # matrix m's slots start at _MATRICES + 3 m
+# attention: scale, fill, groups, whether there is a bias, then query, key, value, bias, out as
+# (address, 4 dimensions, 4 byte strides)
+_SCALE, _FILL, _GROUPS, _HAS_BIAS, _ARRAYS = range(_OWN, _OWN + 5)
+_QUERY, _KEY, _VALUE, _BIAS, _OUT = (_ARRAYS + 9 * i for i in range(5))
+_MAILBOX_SIZE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _OUT + 9)
+_INDEX_BITS = 32
+_NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
+_SEQUENCES = (1 << 31) - 1  # job numbers wrap here, so that the tagged counter stays positive
+_PATIENCE = 1 << 16  # polls (each a `pause`) before a worker sleeps: about 2.5 ms here
+
+_jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+
+
+@_jit
+def _product_chunk(box, index):
+    """Unit `index` of a products job: one row chunk of one product into its partial row."""
+    depth, chunks = load(box, _DEPTH), load(box, _CHUNKS)
+    slots = _MATRICES + _PER_MATRIX * (index // chunks)
+    width = load(box, slots + _WIDTH)
+    row = numba.carray(float32_pointer(load(box, _ROW)), (depth,))
+    matrix = numba.carray(float32_pointer(load(box, slots + _MATRIX)), (depth, width))
+    partials = numba.carray(float32_pointer(load(box, slots + _PARTIALS)), (chunks, width))
+    chunk = index % chunks
+    start, stop = chunk_bounds(depth, chunks, chunk)
+    rows_into(row, matrix, partials[chunk], start, stop)
+
+
+@_jit
+def _posted_array(box, slot):
+    shape = (load(box, slot + 1), load(box, slot + 2), load(box, slot + 3), load(box, slot + 4))
+    strides = (load(box, slot + 5), load(box, slot + 6), load(box, slot + 7), load(box, slot + 8))
+    return float32_view(load(box, slot), shape, strides)
+
+
+@_jit
+def _post_array(box, slot, array):
+    store(box, slot, array.ctypes.data)
+    for axis in range(4):
+        store(box, slot + 1 + axis, array.shape[axis])
+        store(box, slot + 5 + axis, array.strides[axis])
+
+
+@_jit
+def _attention_group(box, index):
+    """Unit `index` of an attention job: the query rows of one (batch entry, KV head)."""
+    groups = load(box, _GROUPS)
+    query, key, value, out = (_posted_array(box, _QUERY), _posted_array(box, _KEY), _posted_array(box, _VALUE),
+                              _posted_array(box, _OUT))
+    scale, fill = float64_from_bits(load(box, _SCALE)), float64_from_bits(load(box, _FILL))
+    if load(box, _HAS_BIAS):
+        attention_group(query, key, value, _posted_array(box, _BIAS), scale, fill, out, index // groups, index % groups)
+    else:
+        attention_group(query, key, value, None, scale, fill, out, index // groups, index % groups)
+
+
+@_jit
+def _work(box, sequence):
+    """Claim and compute units of job `sequence` until none are left (or a later job is posted);
+    returns how many it computed."""
+    computed = 0
+    while True:
+        claim = load(box, _CLAIM)
+        if claim >> _INDEX_BITS != sequence or (claim & _NOTHING_TO_CLAIM) >= load(box, _UNITS):
+            return computed  # (a later job's unit count read here: its retag fails the swap below)
+        if compare_and_swap(box, _CLAIM, claim, claim + 1):  # the fields stay this job's until it is done
+            if load(box, _KIND) == _PRODUCTS:
+                _product_chunk(box, claim & _NOTHING_TO_CLAIM)
+            else:
+                _attention_group(box, claim & _NOTHING_TO_CLAIM)
+            add(box, _COMPLETED, 1)
+            computed += 1
+
+
+@_jit
+def _serve(box, worker, patience):
+    """Worker `worker`'s loop: returns True when told to stop, False when idle for `patience` polls."""
+    store(box, _IDLE + worker, 0)
+    handled, polls = -1, 0
+    while not load(box, _STOP):
+        posted = load(box, _POSTED)
+        if posted != handled:
+            computed = _work(box, posted)
+            if computed:
+                add(box, _SHARED, computed)
+            handled, polls = posted, 0
+        elif polls < patience:
+            polls += 1
+            pause()
+        else:
+            store(box, _IDLE + worker, 1)
+            if load(box, _POSTED) == handled:  # nothing posted in between: the caller will wake us
+                return False
+            store(box, _IDLE + worker, 0)
+    return True
+
+
+@_jit
+def _begin(box):
+    """The next job's sequence number, its counter retagged so that no unit of it can be claimed
+    (nor one of an earlier job) while the caller writes its fields."""
+    sequence = (load(box, _POSTED) + 1) & _SEQUENCES
+    store(box, _CLAIM, (sequence << _INDEX_BITS) | _NOTHING_TO_CLAIM)
+    return sequence
+
+
+@_jit
+def _run(box, workers, sequence, units):
+    """Open job `sequence` of `units` units, take units of it, wait for those workers claimed;
+    returns whether a worker was idle (asleep or falling asleep) when the job was posted."""
+    store(box, _UNITS, units)
+    store(box, _COMPLETED, 0)
+    store(box, _CLAIM, sequence << _INDEX_BITS)
+    store(box, _POSTED, sequence)
+    idle = False
+    for worker in range(workers):
+        idle |= load(box, _IDLE + worker) != 0
+    _work(box, sequence)
+    while load(box, _COMPLETED) < units:
+        pause()
+    return idle
+
+
+@_jit
+def _products(box, workers, row, matrices, outs):
+    """row @ matrices[m] into outs[m] for each m, as one job; whether a worker was idle."""
+    depth = row.size
+    chunks = chunk_count(depth)
+    partials = [np.empty((chunks, out.size), np.float32) for out in outs]
+    sequence = _begin(box)
+    store(box, _KIND, _PRODUCTS)
+    store(box, _ROW, row.ctypes.data)
+    store(box, _DEPTH, depth)
+    store(box, _CHUNKS, chunks)
+    for m in range(len(matrices)):
+        slots = _MATRICES + _PER_MATRIX * m
+        store(box, slots + _MATRIX, matrices[m].ctypes.data)
+        store(box, slots + _WIDTH, matrices[m].shape[1])
+        store(box, slots + _PARTIALS, partials[m].ctypes.data)
+    idle = _run(box, workers, sequence, chunks * len(matrices))
+    for m in range(len(matrices)):
+        add_partials_into(partials[m], outs[m])
+    return idle
+
+
+@_jit
+def _attention(box, workers, query, key, value, bias, scale, fill, out):
+    """`attention` of _kernels_fused.py into out, one unit per (batch entry, KV head), as one
+    job; whether a worker was idle."""
+    sequence = _begin(box)
+    store(box, _KIND, _ATTENTION)
+    store(box, _SCALE, bits_of_float64(scale))
+    store(box, _FILL, bits_of_float64(fill))
+    store(box, _GROUPS, key.shape[1])
+    _post_array(box, _QUERY, query)
+    _post_array(box, _KEY, key)
+    _post_array(box, _VALUE, value)
+    _post_array(box, _OUT, out)
+    if bias is None:
+        store(box, _HAS_BIAS, 0)
+    else:
+        store(box, _HAS_BIAS, 1)
+        _post_array(box, _BIAS, bias)
+    return _run(box, workers, sequence, query.shape[0] * key.shape[1])
+
+
+@_jit
+def _stop(box):
+    store(box, _STOP, 1)
+
+
+class DecodePool:
+    """Worker threads for a decode step's one-row float32 products and attention; safe to call from
+    any thread (a caller that finds the pool busy computes alone)."""
+
+    def __init__(self, workers: int):
+        self.box = np.zeros(_MAILBOX_SIZE, np.int64)
+        self._lock = threading.Lock()
+        self._wakes = [threading.Event() for _ in range(workers)]  # one each: only its worker clears it
+        self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"runnx-decode-{i}", daemon=True)
+                         for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def _serve(self, worker: int):
+        while not _serve(self.box, worker, _PATIENCE):
+            self._wakes[worker].wait()
+            self._wakes[worker].clear()
+
+    def _wake(self):
+        for wake in self._wakes:
+            wake.set()
+
+    def products(self, row, matrices: tuple) -> tuple:
+        """(row @ matrix for matrix in matrices) for a float32 vector row (K,) and
+        C-contiguous float32 matrices (K, N_m), as one job per `MAX_MATRICES`."""
+        if len(matrices) > MAX_MATRICES:
+            return self.products(row, matrices[:MAX_MATRICES]) + self.products(row, matrices[MAX_MATRICES:])
+        row = np.ascontiguousarray(row)  # the workers read it by address
+        outs = tuple(np.empty(matrix.shape[1], np.float32) for matrix in matrices)
+        if not self._lock.acquire(blocking=False):
+            return tuple(row_times_matrix(row, matrix) for matrix in matrices)
+        try:
+            idle = _products(self.box, len(self._threads), row, matrices, outs)
+        finally:
+            self._lock.release()
+        if idle:
+            self._wake()
+        return outs
+
+    def attention(self, query, key, value, bias, scale: float, fill: float):
+        """`attention_job` with this pool's workers (alone when the pool is busy)."""
+        if not self._lock.acquire(blocking=False):
+            return attention_job(query, key, value, bias, scale, fill)
+        try:
+            out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
+            idle = _attention(self.box, len(self._threads), query, key, value, bias, scale, fill, out)
+        finally:
+            self._lock.release()
+        if idle:
+            self._wake()
+        return out
+
+    @property
+    def shared_units(self) -> int:
+        """Units the workers have computed so far (the rest ran on callers' threads)."""
+        return int(self.box[_SHARED])
+
+    def close(self):
+        _stop(self.box)
+        self._wake()
+        for thread in self._threads:
+            thread.join()
+
+
+def attention_job(query, key, value, bias, scale: float, fill: float):
+    """`attention(query, key, value, bias, scale, fill)` of _kernels_fused.py for float32 arrays of
+    4 dimensions (bias too, or None), computed as the pool computes it (the same compiled code:
+    with its reassociating float flags, `attention` compiled for other array layouts may round
+    differently), on this thread; `pool().attention` shares it with the workers."""
+    out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
+    _attention(np.zeros(_MAILBOX_SIZE, np.int64), 0, query, key, value, bias, scale, fill, out)
+    return out
+
+
+_pool: DecodePool | None = None
+_workers: int | None = None  # None: the core count's worth, set on first use
+
+
+def set_workers(count: int | None) -> None:
+    """Worker threads from now on (0: none; None: one per core beyond the first). More than
+    `ROW_CHUNKS - 1` would find no product chunk to take."""
+    global _pool, _workers
+    if _pool is not None and count != _workers:
+        _pool.close()
+        _pool = None
+    _workers = count
+
+
+def pool() -> DecodePool | None:
+    """The process's pool, started on first use; None when it has no workers."""
+    global _pool
+    if _pool is None and worker_count() > 0:
+        _pool = DecodePool(worker_count())
+    return _pool
+
+
+def worker_count() -> int:
+    """The workers `pool()` has or will have."""
+    count = max(0, numba.config.NUMBA_NUM_THREADS - 1) if _workers is None else _workers
+    return min(count, ROW_CHUNKS - 1)
