@@ -243,11 +243,11 @@ class DecodePool:
         C-contiguous float32 matrices (K, N_m), as one job per `MAX_MATRICES`."""
         if len(matrices) > MAX_MATRICES:
             return self.products(row, matrices[:MAX_MATRICES]) + self.products(row, matrices[MAX_MATRICES:])
-        row = np.ascontiguousarray(row)  # the workers read it by address
-        outs = tuple(np.empty(matrix.shape[1], np.float32) for matrix in matrices)
         if not self._lock.acquire(blocking=False):
             return tuple(row_times_matrix(row, matrix) for matrix in matrices)
         try:
+            row = np.ascontiguousarray(row)  # the workers read it by address
+            outs = tuple(np.empty(matrix.shape[1], np.float32) for matrix in matrices)
             idle = _products(self.box, len(self._threads), row, matrices, outs)
         finally:
             self._lock.release()

@@ -2,10 +2,11 @@
 
 A decode step multiplies one row by each weight matrix. OpenBLAS's one-row kernel spends a good
 part of its time outside the memory stream (measured in scripts/bench_gemv.py); a plain loop that
-streams the matrix row by row, the output row held in L1, keeps up with memory instead. The rows are cut into `ROW_CHUNKS` chunks whose partial sums are added in chunk order:
-the chunks are what `_decode_pool.py` shares between threads, and since they depend on the matrix's
-shape only, the pool's result is bitwise this loop's (and the same on every machine: no
-reassociation, so no dependence on the vector width).
+streams the matrix row by row, the output row held in L1, keeps up with memory instead. The rows
+are cut into `ROW_CHUNKS` chunks whose partial sums are added in chunk order: the chunks are what
+`_decode_pool.py` shares between threads, and since they depend on the matrix's shape only, the
+pool's result is bitwise this loop's (and the same on every machine: no reassociation, so no
+dependence on the vector width).
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def add_partials_into(partials, out):
 
 @_kernel
 def chunk_count(depth):
+    """Row chunks of a product of `depth` rows (fewer rows than ROW_CHUNKS: one chunk each)."""
     return max(1, min(ROW_CHUNKS, depth))
 
 

@@ -29,9 +29,8 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
-from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops import _decode_pool
-from runnx.ops._decode_pool import attention_job
+from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._kernels_fused import attention, rms_norm, rotate_half, silu_mul_into
 from runnx.ops.cache import Concat
 from runnx.ops.registry import register
@@ -320,8 +319,8 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float):
             return None
     if dtype == np.float32:  # the decode pool's workers take KV heads: same results with or without them
         workers = _decode_pool.pool()
-        return (workers.attention if workers is not None and batch * groups > 1 else attention_job)(
-            query, key, value, bias, scale, fill)
+        run = workers.attention if workers is not None and batch * groups > 1 else _decode_pool.attention_job
+        return run(query, key, value, bias, scale, fill)
     return attention(query, key, value, bias, scale, fill)
 
 

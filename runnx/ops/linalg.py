@@ -33,15 +33,15 @@ def _one_row(a, b) -> bool:
             and a.dtype in _ROW_KERNEL_DTYPES and b.flags.c_contiguous)
 
 
-def _pooled(a, b) -> bool:
-    """Whether a @ b goes to the decode pool (given a pool)."""
-    return _one_row(a, b) and b.dtype == np.float32 and b.size >= _POOLED_ELEMENTS
+def _pooled(b) -> bool:
+    """Whether a one-row product by matrix b goes to the decode pool (given a pool)."""
+    return b.dtype == np.float32 and b.size >= _POOLED_ELEMENTS
 
 
 @register("MatMul", since=1)
 def MatMul(a, b):
     if _one_row(a, b):
-        if _pooled(a, b) and (workers := _decode_pool.pool()) is not None:
+        if _pooled(b) and (workers := _decode_pool.pool()) is not None:
             return workers.products(a.reshape(-1), (b,))[0].reshape(a.shape[:-1] + b.shape[1:])
         if b.shape[1] <= _ROW_KERNEL_COLUMNS and b.size <= _ROW_KERNEL_ELEMENTS:
             return row_times_matrix(a.reshape(-1), b).reshape(a.shape[:-1] + b.shape[1:])
@@ -57,7 +57,7 @@ def SharedInputMatMul(x, *weights):
     """(MatMul(x, w) for w in weights): the products of one input (a layer's query, key and value
     projections; its gate and up projections), matched by `runnx/interp/fusion/products.py`. A
     decode step's one-row products go to the decode pool as one job (one hand-off, not three)."""
-    if all(_pooled(x, w) for w in weights) and (workers := _decode_pool.pool()) is not None:
+    if all(_one_row(x, w) and _pooled(w) for w in weights) and (workers := _decode_pool.pool()) is not None:
         return tuple(product.reshape(x.shape[:-1] + (w.shape[1],))
                      for product, w in zip(workers.products(x.reshape(-1), weights), weights))
     return tuple(MatMul(x, w) for w in weights)

@@ -1,6 +1,6 @@
 """Products of one input: MatMuls reading the same value by constant 2-D matrices of one depth (a
 decoder layer's query, key and value projections; its gate and up projections) become one
-SharedInputMatMul node (kernel in `runnx/ops/linalg.py`), so that a decode step hands the row
+SharedInputMatMul node (kernel in `runnx/ops/linalg.py`), so that a decode step hands the decode
 pool one job for them, and runs one node, not three. Runs after the other patterns: a MatMul they
 take stays theirs.
 """
