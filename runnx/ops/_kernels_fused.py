@@ -305,10 +305,17 @@ def _broadcasts_into(operand, result):
 def rotate_half(x, cos, sin, half):
     """x * cos + concat(-x[..., half:], x[..., :half]) * sin over the last axis of 4-D arrays,
     cos and sin broadcasting into x (ValueError otherwise); bitwise the unfused arithmetic."""
-    batch, heads, length, width = x.shape
     if not (_broadcasts_into(cos, x) and _broadcasts_into(sin, x)):
         raise ValueError("cos/sin do not broadcast into x")
     out = np.empty(x.shape, x.dtype)
+    _rotate_rows(x, cos, sin, half, out, 0)
+    return out
+
+
+@_kernel()
+def _rotate_rows(x, cos, sin, half, out, start):
+    """out[b, h, start + q] = rotate_half's row (b, h, q) of x."""
+    batch, heads, length, width = x.shape
     tail = width - half
     for b in range(batch):
         for h in range(heads):
@@ -316,9 +323,47 @@ def rotate_half(x, cos, sin, half):
                 row = x[b, h, q]
                 c = cos[b if cos.shape[0] != 1 else 0, h if cos.shape[1] != 1 else 0, q if cos.shape[2] != 1 else 0]
                 s = sin[b if sin.shape[0] != 1 else 0, h if sin.shape[1] != 1 else 0, q if sin.shape[2] != 1 else 0]
-                target = out[b, h, q]
+                target = out[b, h, start + q]
                 for i in range(tail):
                     target[i] = row[i] * c[i if c.shape[0] != 1 else 0] + -row[half + i] * s[i if s.shape[0] != 1 else 0]
                 for i in range(tail, width):
                     target[i] = row[i] * c[i if c.shape[0] != 1 else 0] + row[i - tail] * s[i if s.shape[0] != 1 else 0]
-    return out
+
+
+@_kernel()
+def _has_room(past, buffer, rows):
+    """Whether 4-D `past` is a prefix of `buffer` along axis 2 (same start, strides and other
+    dimensions) with room for `rows` more rows after it."""
+    if past.ctypes.data != buffer.ctypes.data:
+        return False
+    for axis in range(4):
+        if past.strides[axis] != buffer.strides[axis] or (axis != 2 and past.shape[axis] != buffer.shape[axis]):
+            return False
+    return buffer.shape[2] - past.shape[2] >= rows
+
+
+@_kernel()
+def rope_append_into(query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin,
+                     key_cos, key_sin, query_half, key_half):
+    """A decoder layer's rotary embedding and cache growth in one call: (True, rotate_half(query))
+    with rotate_half(key) written after past_key inside key_buffer and value after past_value inside
+    value_buffer, or (False, an empty array) having written nothing when the caches are not prefix
+    views with room, the new rows do not match them or cos/sin do not broadcast."""
+    nothing = np.empty((0, 0, 0, 0), query.dtype)
+    for cos, sin, x in ((query_cos, query_sin, query), (key_cos, key_sin, key)):
+        if not (_broadcasts_into(cos, x) and _broadcasts_into(sin, x)):
+            return False, nothing
+    for new, past, buffer in ((key, past_key, key_buffer), (value, past_value, value_buffer)):
+        if new.shape[0] != past.shape[0] or new.shape[1] != past.shape[1] or new.shape[3] != past.shape[3]:
+            return False, nothing
+        if not _has_room(past, buffer, new.shape[2]):
+            return False, nothing
+    rotated = np.empty(query.shape, query.dtype)
+    _rotate_rows(query, query_cos, query_sin, query_half, rotated, 0)
+    _rotate_rows(key, key_cos, key_sin, key_half, key_buffer, past_key.shape[2])
+    start = past_value.shape[2]
+    for b in range(value.shape[0]):
+        for h in range(value.shape[1]):
+            for q in range(value.shape[2]):
+                value_buffer[b, h, start + q] = value[b, h, q]
+    return True, rotated

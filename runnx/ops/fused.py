@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops import _decode_pool
 from runnx.ops._elementwise_util import binary, sigmoid
-from runnx.ops._kernels_fused import attention, rms_norm, rotate_half, silu_mul_into
+from runnx.ops._kernels_fused import attention, rms_norm, rope_append_into, rotate_half, silu_mul_into
 from runnx.ops.cache import Concat
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape, Slice
@@ -128,12 +129,70 @@ def RopeAppend(query, key, value, past_key, past_value, query_cos, query_sin, qn
     """(RotateHalf(query), Concat(past_key, RotateHalf(key)), Concat(past_value, value)): a decoder
     layer's rotary embedding and KV cache growth as one node; the cache grows as Concat grows it
     (in place into spare capacity when granted, counted under Concat's names)."""
+    if 3 in overwrite and 4 in overwrite:
+        appended = _rope_append_in_place(query, key, value, past_key, past_value, query_cos, query_sin, key_cos,
+                                         key_sin, (qns, qne, qna, qnst, qks, qke, qka, qkst, kns, kne, kna, knst,
+                                                   kks, kke, kka, kkst), query_axis, key_axis, key_cache_axis,
+                                         value_cache_axis)
+        if appended is not None:
+            if ctx is not None and ctx.profile is not None:
+                ctx.count("Concat.appends_in_place", 2)
+                ctx.count("Concat.bytes_copied", key.nbytes + value.nbytes)
+            return appended
     rotated_query = RotateHalf(query, query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst, axis=query_axis)
     rotated_key = RotateHalf(key, key_cos, key_sin, kns, kne, kna, knst, kks, kke, kka, kkst, axis=key_axis)
     present_key = Concat(past_key, rotated_key, axis=key_cache_axis, overwrite=(0,) if 3 in overwrite else (), ctx=ctx)
     present_value = Concat(past_value, value, axis=value_cache_axis, overwrite=(0,) if 4 in overwrite else (),
                            ctx=ctx)
     return rotated_query, present_key, present_value
+
+
+def _rope_append_in_place(query, key, value, past_key, past_value, query_cos, query_sin, key_cos, key_sin, slices,
+                          query_axis, key_axis, key_cache_axis, value_cache_axis):
+    """RopeAppend's decode case as one numba call (`rope_append_into`): both caches granted, prefix
+    views of their buffers with room, every array 4-D of one float dtype, rotation over the last
+    axis and growth along axis 2. None when any of that does not hold (nothing is written)."""
+    dtype = query.dtype
+    key_buffer, value_buffer = past_key.base, past_value.base
+    if not (dtype in _KERNEL_DTYPES and query_axis in (-1, 3) and key_axis in (-1, 3) and key_cache_axis in (-2, 2)
+            and value_cache_axis in (-2, 2) and type(key_buffer) is np.ndarray and type(value_buffer) is np.ndarray
+            and key_buffer is not value_buffer and key.dtype == dtype and value.dtype == dtype
+            and key_buffer.dtype == dtype and value_buffer.dtype == dtype and past_key.dtype == dtype
+            and past_value.dtype == dtype and query_cos.dtype == dtype and query_sin.dtype == dtype
+            and key_cos.dtype == dtype and key_sin.dtype == dtype and query.ndim == 4 and key.ndim == 4
+            and value.ndim == 4 and key_buffer.ndim == 4 and value_buffer.ndim == 4 and past_key.ndim == 4
+            and past_value.ndim == 4 and query_cos.ndim == 4 and query_sin.ndim == 4 and key_cos.ndim == 4
+            and key_sin.ndim == 4):
+        return None
+    halves = _remembered_halves(query.shape[3], key.shape[3], slices)
+    if halves is None:
+        return None
+    done, rotated = rope_append_into(query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos,
+                                     query_sin, key_cos, key_sin, *halves)
+    if not done:
+        return None
+    return (rotated, key_buffer[:, :, :past_key.shape[2] + key.shape[2]],
+            value_buffer[:, :, :past_value.shape[2] + value.shape[2]])
+
+
+_halves: dict[tuple, tuple] = {}  # (widths, ids of the slice inputs) -> (those inputs, halves)
+
+
+def _remembered_halves(query_width: int, key_width: int, slices: tuple) -> tuple | None:
+    """(query half, key half) by `_half_split` of the first and last 8 of `slices`, or None;
+    remembered for slice inputs that cannot change (read-only arrays: constants, shape memos'
+    results), which are held here so that their ids stay theirs."""
+    key = (query_width, key_width, *map(id, slices))
+    known = _halves.get(key)
+    if known is not None and all(map(operator.is_, known[0], slices)):
+        return known[1]
+    halves = (_half_split(query_width, *slices[:8]), _half_split(key_width, *slices[8:]))
+    halves = None if None in halves else halves
+    if all(s is None or not s.flags.writeable for s in slices):
+        if len(_halves) >= 1024:
+            _halves.clear()
+        _halves[key] = (slices, halves)
+    return halves
 
 
 def _half_split(width: int, negated_starts, negated_ends, negated_axes, negated_steps, kept_starts, kept_ends,

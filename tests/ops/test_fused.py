@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 import runnx
+import runnx.ops.fused as fused_ops
 from runnx.errors import RunnxError
-from runnx.ops.fused import RepeatedKVAttention, RepeatedKVShape, RMSNorm, RotateHalf, SiluMul, attend
+from runnx.ops.fused import RepeatedKVAttention, RepeatedKVShape, RMSNorm, RopeAppend, RotateHalf, SiluMul, attend
 from runnx.ops.shape import Slice
 
 RNG = np.random.default_rng(0)
@@ -94,6 +95,72 @@ def test_rotate_half_broadcasting_beyond_x_takes_numpy():
     got = RotateHalf(x, cos, sin, *halves, axis=-1)
     assert got.shape == (2, 4, 3, 8)
     np.testing.assert_array_equal(got, x * cos + np.concatenate([-x[..., 4:], x[..., :4]], axis=-1) * sin)
+
+
+def _read_only(array):
+    array.flags.writeable = False  # as constants and shape memos' results are
+    return array
+
+
+def _rope_inputs(dtype, past_length: int, capacity: int):
+    """RopeAppend's inputs for one decode step of 4 query heads over 2 KV heads of width 8, the
+    caches prefix views of buffers with `capacity` rows, as runnx.with_capacity makes them."""
+    query = RNG.standard_normal((1, 1, 4, 8)).astype(dtype).transpose(0, 2, 1, 3)  # split heads: a view
+    key = RNG.standard_normal((1, 2, 1, 8)).astype(dtype)
+    value = RNG.standard_normal((1, 2, 1, 8)).astype(dtype)
+    caches = [runnx.with_capacity(RNG.standard_normal((1, 2, past_length, 8)).astype(dtype), 2, capacity).array
+              for _ in range(2)]
+    cos, sin = (RNG.standard_normal((1, 1, 1, 8)).astype(dtype) for _ in range(2))
+    halves = tuple(_read_only(a) if a is not None else None
+                   for a in (_ints(4), _ints(2**62), _ints(-1), None, _ints(0), _ints(4), _ints(-1), None))
+    return (query, key, value, *caches, cos, sin, *halves, cos, sin, *halves)
+
+
+def _rope_reference(inputs):
+    query, key, value, past_key, past_value, cos, sin = (np.array(a) for a in inputs[:7])
+    rotate = lambda x: x * cos + np.concatenate([-x[..., 4:], x[..., :4]], axis=-1) * sin  # noqa: E731
+    return rotate(query), np.concatenate([past_key, rotate(key)], 2), np.concatenate([past_value, value], 2)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rope_append_grows_granted_caches_in_their_buffers_bitwise(dtype, monkeypatch):
+    inputs = _rope_inputs(dtype, past_length=5, capacity=8)
+    calls = []
+    kernel = fused_ops.rope_append_into
+
+    def counted(*args):
+        result = kernel(*args)
+        calls.append(result[0])
+        return result
+
+    monkeypatch.setattr(fused_ops, "rope_append_into", counted)
+    want = _rope_reference(inputs)
+    buffers = (inputs[3].base, inputs[4].base)
+    for step in range(2):  # the second call finds its answers for the slice inputs remembered
+        got = RopeAppend(*inputs, key_cache_axis=2, value_cache_axis=-2, overwrite=(3, 4))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+        assert got[1].base is buffers[0] and got[2].base is buffers[1]  # appended in place
+    assert got[1].shape[2] == 6 and got[0].flags.c_contiguous
+    assert calls == [True, True]  # in one numba call each time
+
+
+def test_rope_append_without_room_or_grant_computes_what_concat_does():
+    full = _rope_inputs(np.float32, past_length=4, capacity=4)  # no room: regrown with headroom
+    got = RopeAppend(*full, key_cache_axis=2, value_cache_axis=2, overwrite=(3, 4))
+    for g, w in zip(got, _rope_reference(full)):
+        np.testing.assert_array_equal(g, w)
+    assert got[1].base is not full[3].base and got[1].base.shape[2] == 10  # twice the rows
+    kept = _rope_inputs(np.float32, past_length=4, capacity=8)  # not granted: the caches are not written
+    rows = kept[3].base[:, :, 4:].copy()
+    got = RopeAppend(*kept, key_cache_axis=2, value_cache_axis=2, overwrite=())
+    np.testing.assert_array_equal(kept[3].base[:, :, 4:], rows)
+    for g, w in zip(got, _rope_reference(kept)):
+        np.testing.assert_array_equal(g, w)
+    wide = list(_rope_inputs(np.float32, past_length=4, capacity=8))
+    wide[2] = RNG.standard_normal((1, 2, 1, 6)).astype(np.float32)  # a value row of another width: as Concat
+    with pytest.raises(ValueError, match="broadcast"):
+        RopeAppend(*wide, key_cache_axis=2, value_cache_axis=2, overwrite=(3, 4))
 
 
 def _grouped_reference(q, k, v, bias, scale, fill):
