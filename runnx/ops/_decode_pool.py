@@ -221,6 +221,11 @@ class DecodePool:
     any thread (a caller that finds the pool busy computes alone)."""
 
     def __init__(self, workers: int):
+        # compile the workers' loop on this thread first: a process that ends while a worker is
+        # still compiling aborts inside LLVM, and never writes numba's cache for the next one
+        stopped = np.zeros(_MAILBOX_SIZE, np.int64)
+        _stop(stopped)
+        _serve(stopped, 0, 0)
         self.box = np.zeros(_MAILBOX_SIZE, np.int64)
         self._lock = threading.Lock()
         self._wakes = [threading.Event() for _ in range(workers)]  # one each: only its worker clears it

@@ -1,5 +1,7 @@
 """The decode pool (runnx/ops/_decode_pool.py): one-row products and attention shared with
 spinning worker threads, bitwise what one thread computes, safe when the pool is busy or asleep."""
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -164,3 +166,13 @@ def test_matmul_one_row_result_does_not_depend_on_workers():
     np.testing.assert_array_equal(results[1], results[0])
     np.testing.assert_array_equal(results[2], results[0])
     np.testing.assert_allclose(results[0], np.matmul(row, matrix), rtol=1e-4, atol=1e-4)
+
+
+def test_the_workers_loop_is_compiled_before_any_worker_starts():
+    """A process that ended while a worker compiled its loop aborted inside LLVM and never wrote
+    numba's cache; now the pool compiles (or loads) it on the thread that starts the pool."""
+    code = ("from runnx.ops import _decode_pool as d; d.set_workers(1); d.pool(); "
+            "print(len(d._serve.signatures))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1"]
