@@ -35,6 +35,8 @@ class Model:
         for graph in _graphs(self.graph) if self.options.fuse else ():
             for op, count in fuse(graph).items():
                 self.fused[op] = self.fused.get(op, 0) + count
+        if self.fused and self.options.shape_cache:  # fused shape stand-ins join the memos around them
+            self.memoized += sum(memoize_shapes(graph) for graph in _graphs(self.graph))
         apply_threads(self.options.threads)
         self._threads = None  # counts in effect, looked up when first profiled
         self.opsets = dict(loaded.opsets)

@@ -6,6 +6,10 @@ when it is the output of Shape/Size, or of a deterministic node whose inputs are
 or constants: it is then a function of the shapes that its Shape/Size nodes read (its *roots*)
 and never of any tensor's contents.
 
+Fused nodes count when their kernel declares the inputs it reads only for their shape (a memo node
+itself, a shape stand-in such as RepeatedKVShape) and their other inputs are shape-derived: the
+model memoizes again after fusion, so that a stand-in and the memos around it become one.
+
 Shape-derived nodes with the same set of roots become one memo node. Grouping by root set keeps
 each group convex (a path leaving a group and re-entering it would have to read the shape of a
 value computed from the group, which gives that node a larger root set), so the rewritten graph
@@ -18,12 +22,15 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.errors import NodeError, RunnxError
-from runnx.interp.folding import NONDETERMINISTIC, call_out_of_place
+from runnx.interp.folding import NONDETERMINISTIC
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.ops.registry import Kernel
 
 SHAPE_READERS = frozenset({"Shape", "Size"})
-KEPT_RESULTS = 16  # per group: decode steps change the past length, so old keys are never seen again
+# per group (shared by groups computing the same): a decode step's past length is a new key, seen
+# again by the next generation or window from the same prompt length on; oldest dropped first
+KEPT_RESULTS = 1024
+KEPT_BYTES = 1 << 20  # of kept arrays and of the external values in their keys
 MEMO_OP = "ShapeMemo"
 MEMO_DOMAIN = "runnx.fused"
 
@@ -54,12 +61,20 @@ def _roots(graph: Graph, order: list[Node]) -> dict[int, frozenset]:
     """Shape-derived value id -> the value ids whose shapes it depends on."""
     roots: dict[int, frozenset] = {}
     for node in order:
-        if (node.kernel is None or node.domain != "" or node.subgraphs or node.captures
-                or node.op_type in NONDETERMINISTIC):
+        kernel = node.kernel
+        if (kernel is None or node.subgraphs or node.captures or node.op_type in NONDETERMINISTIC
+                or (node.domain != "" and not kernel.shape_only)):  # fused: memos, shape stand-ins
             continue
         reads = [v for v in node.inputs if v != MISSING]
         if node.op_type in SHAPE_READERS and len(reads) == 1:
             found = roots.get(reads[0], frozenset(reads))
+        elif kernel.shape_only and node.domain != "":  # the shapes of some inputs, the values of the others
+            shaped = {node.inputs[p] for p in kernel.shape_only if p < len(node.inputs)} - {MISSING}
+            others = [v for v in reads if v not in shaped]
+            if not shaped or not all(v in roots or v in graph.constants for v in others):
+                continue
+            found = frozenset().union(*(roots.get(v, frozenset((v,))) for v in shaped),
+                                      *(roots.get(v, ()) for v in others))
         elif reads and all(v in roots or v in graph.constants for v in reads):
             found = frozenset().union(*(roots.get(v, ()) for v in reads))
         else:
@@ -124,6 +139,8 @@ def _structure(group) -> tuple:
                       for v in node.inputs)
         attrs = tuple(sorted((name, _constant_key(value) if isinstance(value, np.ndarray) else value)
                              for name, value in node.attrs.items()))
+        if isinstance(node.kernel.fn, ShapeGroup):  # a memo of the first pass: what it computes
+            attrs += (("memo", _structure(node.kernel.fn)),)
         parts.append((node.domain, node.op_type, node.since, reads, attrs))
         for index, vid in enumerate(node.outputs):
             if vid != MISSING:
@@ -137,10 +154,36 @@ def _constant_key(value: np.ndarray):
     return "object", id(value)  # large constants are only shared by the very same array
 
 
+class KeptResults(dict):
+    """A memo's results by key, at most KEPT_RESULTS of them and KEPT_BYTES in all."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def keep(self, key: tuple, result: tuple) -> None:
+        size = _nbytes(key, result)
+        if size > KEPT_BYTES:
+            return
+        try:
+            while self and (len(self) >= KEPT_RESULTS or self.nbytes + size > KEPT_BYTES):
+                oldest = next(iter(self))
+                self.nbytes -= _nbytes(oldest, self.pop(oldest))
+        except (RuntimeError, StopIteration, KeyError):  # another thread changed it meanwhile: keep going
+            pass
+        self[key] = result
+        self.nbytes += size
+
+
+def _nbytes(key: tuple, result: tuple) -> int:
+    return sum(v.nbytes for v in result) + sum(len(k[2]) for k in key if type(k) is tuple and len(k) == 3
+                                                 and type(k[2]) is bytes)
+
+
 class ShapeGroup:
     """The nodes of one memo node and its recent results; called as the memo node's kernel."""
 
-    __slots__ = ("graph", "members", "roots", "external", "outputs", "results", "__name__")
+    __slots__ = ("graph", "members", "roots", "external", "outputs", "results", "_program", "__name__")
 
     def __init__(self, graph, members, roots, external, outputs):
         self.graph = graph
@@ -148,7 +191,8 @@ class ShapeGroup:
         self.roots = roots
         self.external = external
         self.outputs = outputs
-        self.results: dict[tuple, tuple] = {}
+        self.results = KeptResults()
+        self._program = None
         self.__name__ = MEMO_OP
 
     def __call__(self, *args, ctx):
@@ -168,31 +212,71 @@ class ShapeGroup:
         ctx.count("ShapeMemo.misses")
         result = self._compute(args, ctx)
         if all(type(v) is np.ndarray for v in result) and None not in key:
-            results = self.results
-            try:
-                while len(results) >= KEPT_RESULTS:
-                    results.pop(next(iter(results)), None)
-            except (RuntimeError, StopIteration):  # another thread changed it meanwhile: keep going
-                pass
-            results[key] = result
+            self.results.keep(key, result)
         return result
 
     def _compute(self, args, ctx) -> tuple:
-        graph = self.graph
-        values = dict(zip(self.roots + self.external, args))
-        for node in self.members:
-            inputs = [None if v == MISSING else values[v] if v in values else graph.constants[v] for v in node.inputs]
+        """Run the members (a new key): as `call_out_of_place` would, from a program made once."""
+        program = self._program
+        if program is None:
+            program = self._program = _GroupProgram(self)
+        values = program.values + list(args)
+        for fn, reads, kwargs, writes, wants_ctx, node in program.steps:
+            inputs = [values[i] for i in reads]
             try:
-                result = call_out_of_place(node, inputs, ctx)
+                result = fn(*inputs, **kwargs, ctx=ctx) if wants_ctx else fn(*inputs, **kwargs)
             except RunnxError as error:
                 raise type(error)(f"{node.describe()}: {error}") from error
             except Exception as error:
                 raise NodeError(f"{node.describe()} failed: {type(error).__name__}: {error}") from error
-            for vid, value in zip(node.outputs, result if type(result) is tuple else (result,)):
-                if vid != MISSING:
-                    values[vid] = value
+            if type(result) is tuple:
+                for slot, value in zip(writes, result):
+                    values[slot] = value
+            else:
+                values[writes[0]] = result
         arrays = [a for a in args if isinstance(a, np.ndarray)]
-        return tuple(_read_only(_unshared(values[v], arrays)) for v in self.outputs)
+        return tuple(_read_only(_unshared(values[slot], arrays)) for slot in program.results)
+
+
+class _GroupProgram:
+    """A ShapeGroup's members as steps over a flat list of values: slot 0 is None (a missing
+    input), then the constants read, then each member's outputs, then the group's arguments (roots,
+    then externals); each step is (kernel, input slots, keyword arguments, output slots, whether
+    it takes ctx, node)."""
+
+    __slots__ = ("values", "steps", "results")
+
+    def __init__(self, group: ShapeGroup):
+        graph = group.graph
+        slots: dict[int, int] = {MISSING: 0}
+        values: list = [None]
+        for node in group.members:
+            for vid in node.inputs:
+                if vid not in slots and vid in graph.constants:
+                    slots[vid] = len(values)
+                    values.append(graph.constants[vid])
+        writes = []
+        for node in group.members:
+            writes.append(tuple(len(values) + j for j in range(len(node.outputs))))
+            for j, vid in enumerate(node.outputs):
+                if vid != MISSING:  # an omitted output still gets a slot, never read
+                    slots[vid] = len(values) + j
+            values += [None] * len(node.outputs)
+        for position, vid in enumerate(group.roots + group.external):  # appended to `values` per call
+            slots[vid] = len(values) + position
+        self.values = values
+        steps = []
+        for node, outputs in zip(group.members, writes):
+            kernel = node.kernel
+            kwargs = dict(node.attrs)
+            if kernel.inplace or kernel.inplace_from is not None:
+                kwargs["overwrite"] = ()
+            if kernel.wants_output_count:
+                kwargs["output_count"] = len(node.outputs)
+            steps.append((kernel.fn, tuple(slots[v] for v in node.inputs), kwargs,
+                          outputs, kernel.wants_ctx, node))
+        self.steps = tuple(steps)
+        self.results = tuple(slots[v] for v in group.outputs)
 
 
 def _value_key(value):
@@ -206,8 +290,10 @@ def _value_key(value):
 def _unshared(value, args: list):
     """`value`, copied if it shares memory with an argument (an Identity or Reshape of an
     external): kept results then never alias a graph value, so a compiled plan need not count
-    their storage (compiled.py)."""
-    if isinstance(value, np.ndarray) and any(np.may_share_memory(value, a) for a in args):
+    their storage (compiled.py). An array owning its memory shares it with none but itself."""
+    if not isinstance(value, np.ndarray) or (value.base is None and not any(value is a for a in args)):
+        return value
+    if any(np.may_share_memory(value, a) for a in args):
         return value.copy()
     return value
 

@@ -283,6 +283,16 @@ def rms_norm(x, epsilon, one, weight):
 
 
 @_kernel()
+def add_rms_norm(a, b, residual, epsilon, one, weight):
+    """rms_norm(residual) after residual = a + b (residual may be a or b): C-contiguous arrays of
+    one shape and dtype; the sum is numpy's, elementwise."""
+    flat_a, flat_b, flat_sum = a.reshape(a.size), b.reshape(b.size), residual.reshape(residual.size)
+    for i in range(flat_sum.size):
+        flat_sum[i] = flat_a[i] + flat_b[i]
+    return rms_norm(residual, epsilon, one, weight)
+
+
+@_kernel()
 def silu_mul_into(gate, decay, up):
     """decay = gate * (1 / (1 + decay)) * up for decay = exp(-gate) (numpy's, so that the result
     is bitwise the unfused Sigmoid and Muls): C-contiguous arrays of one shape."""

@@ -35,6 +35,8 @@ def int_values(tensor) -> list[int] | None:
 
 def scalar_value(tensor, what: str):
     """The single element of a scalar-like input (0-D or one element), as a Python number."""
+    if type(tensor) is np.ndarray and tensor.size == 1:
+        return tensor.item()
     array = np.asarray(tensor)
     if array.size != 1:
         raise RunnxError(f"{what} must hold exactly one element, got shape {array.shape}")

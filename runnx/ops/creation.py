@@ -59,6 +59,8 @@ def _range(start, limit, delta, compute_dtype, ctx):
     else:
         count = max(math.ceil((last - first) / step), 0)
     ctx.check_elements([count], "Range output")
+    if start.dtype.kind in "iu" and compute_dtype == start.dtype and max(abs(first), abs(last), abs(step)) < 2**52:
+        return np.arange(first, first + count * step, step, dtype=start.dtype)  # exact: the same integers
     steps = np.arange(count).astype(compute_dtype)
     return (steps * delta.astype(compute_dtype) + start.astype(compute_dtype)).astype(start.dtype, copy=False)
 

@@ -32,7 +32,8 @@ from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops import _decode_pool
 from runnx.ops._elementwise_util import binary, sigmoid
-from runnx.ops._kernels_fused import attention, rms_norm, rope_append_into, rotate_half, silu_mul_into
+from runnx.ops._kernels_fused import (add_rms_norm, attention, rms_norm, rope_append_into, rotate_half,
+                                      silu_mul_into)
 from runnx.ops.cache import Concat
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape, Slice
@@ -61,11 +62,7 @@ def _softmax_in_place(scores, axis: int):
 @register("RMSNorm", since=1, domain=DOMAIN)
 def RMSNorm(x, epsilon, one, weight, *, axis: int = -1, to: int = 0):
     """weight * Cast(x * (one / sqrt(ReduceMean(x * x, axis) + epsilon)), to) (to=0: no Cast)."""
-    dtype = x.dtype
-    if (dtype in _KERNEL_DTYPES and x.ndim and axis in (-1, x.ndim - 1) and x.flags.c_contiguous
-            and epsilon.dtype == dtype and one.dtype == dtype and weight.dtype == dtype
-            and weight.shape == x.shape[-1:] and epsilon.size == 1 and one.size == 1
-            and epsilon.ndim <= x.ndim and one.ndim <= x.ndim and (to == 0 or ONNX_TO_NUMPY.get(to) == dtype)):
+    if _norm_kernel_applies(x, epsilon, one, weight, axis, to):
         return rms_norm(x, epsilon.item(), one.item(), weight)
     squares = np.square(x)
     mean = np.add.reduce(squares, axis=axis, keepdims=True, dtype=squares.dtype)  # np.sum without its wrapper
@@ -78,10 +75,25 @@ def RMSNorm(x, epsilon, one, weight, *, axis: int = -1, to: int = 0):
     return np.multiply(weight, normed)
 
 
+def _norm_kernel_applies(x, epsilon, one, weight, axis: int, to: int) -> bool:
+    """Whether RMSNorm of x is the numba kernel's: a C-contiguous float32/64 x normed over its last
+    axis by scalars and a vector weight of its dtype (and no Cast to another)."""
+    dtype = x.dtype
+    return (dtype in _KERNEL_DTYPES and x.ndim and axis in (-1, x.ndim - 1) and x.flags.c_contiguous
+            and epsilon.dtype == dtype and one.dtype == dtype and weight.dtype == dtype
+            and weight.shape == x.shape[-1:] and epsilon.size == 1 and one.size == 1
+            and epsilon.ndim <= x.ndim and one.ndim <= x.ndim and (to == 0 or ONNX_TO_NUMPY.get(to) == dtype))
+
+
 @register("AddRMSNorm", since=1, domain=DOMAIN, inplace=(0, 1))
 def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0, overwrite=()):
     """(s, RMSNorm(s)) with s = Cast(a + b, cast) (cast=0: no Cast): a residual add, kept for the
-    next one, and the norm reading it (onnxruntime's SkipSimplifiedLayerNormalization)."""
+    next one, and the norm reading it (onnxruntime's SkipSimplifiedLayerNormalization). Equal
+    shapes and dtypes, both C-contiguous: one numba call (the sum into a or b when granted)."""
+    if (not cast and a.shape == b.shape and a.dtype == b.dtype and b.flags.c_contiguous
+            and _norm_kernel_applies(a, epsilon, one, weight, axis, to)):
+        residual = a if 0 in overwrite else b if 1 in overwrite else np.empty_like(a)
+        return residual, add_rms_norm(a, b, residual, epsilon.item(), one.item(), weight)
     residual = binary(np.add, a, b, overwrite)
     if cast:
         residual = residual.astype(ONNX_TO_NUMPY[cast], copy=False)
@@ -278,7 +290,7 @@ def _materialised(kv, shapes):
     return np.broadcast_to(kv.reshape(unsqueezed), expanded).reshape(reshaped)
 
 
-@register("RepeatedKVShape", since=1, domain=DOMAIN)
+@register("RepeatedKVShape", since=1, domain=DOMAIN, shape_only=(0,))
 def RepeatedKVShape(kv, axes, expand, target):
     """A stand-in with the shape of the repeated cache, for nodes that only read its shape."""
     return _stand_in(kv.dtype, _repeat(kv, axes, expand, target)[2])

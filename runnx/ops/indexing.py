@@ -16,10 +16,19 @@ from runnx.ops.registry import register
 @register("Gather", since=1)
 def Gather(data, indices, *, axis: int = 0):
     axis = normalize_axis(axis, data.ndim)
+    if type(indices) is np.ndarray and indices.ndim == 0 and indices.dtype.kind in "iu":  # shape bookkeeping
+        return data[(slice(None),) * axis + (_scalar_index(int(indices), data.shape[axis]),)]
     positions = checked_indices(indices, data.shape[axis])
     if positions.ndim == 0:  # one index: a view, like numpy basic indexing
         return data[(slice(None),) * axis + (int(positions),)]
     return np.take(data, positions, axis=axis)
+
+
+def _scalar_index(index: int, size: int) -> int:
+    """One index made non-negative, as checked_indices does for arrays."""
+    if not -size <= index < size:
+        raise RunnxError(f"index {index} is out of range for a dimension of size {size}")
+    return index + size if index < 0 else index
 
 
 def _element_index(indices, axis: int, shape) -> tuple:

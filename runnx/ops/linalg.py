@@ -19,6 +19,7 @@ from runnx.ops.registry import register
 # enough; else to BLAS (scripts/bench_gemv.py, with 1 and 2 threads)
 _ROW_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _POOLED_ELEMENTS = 1 << 16
+_FLOAT32 = np.dtype(np.float32)
 _ROW_KERNEL_COLUMNS = 768
 _ROW_KERNEL_ELEMENTS = 640 * 1024
 
@@ -33,16 +34,24 @@ def _one_row(a, b) -> bool:
             and a.dtype in _ROW_KERNEL_DTYPES and b.flags.c_contiguous)
 
 
-def _pooled(b) -> bool:
-    """Whether a one-row product by matrix b goes to the decode pool (given a pool)."""
-    return b.dtype == np.float32 and b.size >= _POOLED_ELEMENTS
+def _pooled_row(x, weights) -> bool:
+    """Whether every x @ w is one float32 row times a C-contiguous float32 matrix of at least
+    _POOLED_ELEMENTS (`_one_row` and the pool's checks, in one pass over the weights)."""
+    depth = x.shape[-1] if x.ndim else -1
+    if x.dtype != _FLOAT32 or x.size != depth:
+        return False
+    for w in weights:
+        if not (w.dtype == _FLOAT32 and w.ndim == 2 and w.shape[0] == depth and w.size >= _POOLED_ELEMENTS
+                and w.flags.c_contiguous):
+            return False
+    return True
 
 
 @register("MatMul", since=1)
 def MatMul(a, b):
+    if (workers := _decode_pool.pool()) is not None and _pooled_row(a, (b,)):
+        return workers.products(a.reshape(-1), (b,))[0].reshape(a.shape[:-1] + b.shape[1:])
     if _one_row(a, b):
-        if _pooled(b) and (workers := _decode_pool.pool()) is not None:
-            return workers.products(a.reshape(-1), (b,))[0].reshape(a.shape[:-1] + b.shape[1:])
         if b.shape[1] <= _ROW_KERNEL_COLUMNS and b.size <= _ROW_KERNEL_ELEMENTS:
             return row_times_matrix(a.reshape(-1), b).reshape(a.shape[:-1] + b.shape[1:])
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
@@ -57,9 +66,9 @@ def SharedInputMatMul(x, *weights):
     """(MatMul(x, w) for w in weights): the products of one input (a layer's query, key and value
     projections; its gate and up projections), matched by `runnx/interp/fusion/products.py`. A
     decode step's one-row products go to the decode pool as one job (one hand-off, not three)."""
-    if all(_one_row(x, w) and _pooled(w) for w in weights) and (workers := _decode_pool.pool()) is not None:
-        return tuple(product.reshape(x.shape[:-1] + (w.shape[1],))
-                     for product, w in zip(workers.products(x.reshape(-1), weights), weights))
+    if (workers := _decode_pool.pool()) is not None and _pooled_row(x, weights):
+        lead = x.shape[:-1]
+        return tuple([product.reshape(lead + product.shape) for product in workers.products(x.reshape(-1), weights)])
     return tuple(MatMul(x, w) for w in weights)
 
 

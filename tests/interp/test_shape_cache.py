@@ -4,6 +4,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 import runnx
+from runnx.interp import shape_cache
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 
@@ -121,3 +122,42 @@ def test_a_kept_result_never_aliases_a_value_that_is_later_overwritten():
         got = model.run({"x": np.zeros(shape, np.float32), "y": np.zeros(4, np.float32), "k": np.array([1])})
         np.testing.assert_array_equal(got["kept"], shape)
         np.testing.assert_array_equal(got["bumped"], np.add(shape, 1))
+
+
+def test_kept_results_are_bounded_by_count_and_bytes(monkeypatch):
+    """Every shape seen is kept (a decode step's length comes back with the next generation),
+    oldest dropped first once the count or the bytes reach their bounds."""
+    monkeypatch.setattr(shape_cache, "KEPT_RESULTS", 3)
+    model = runnx.load(_flatten_model())
+    results = next(n.kernel.fn.results for n in model.graph.nodes if n.op_type == "ShapeMemo")
+    profile = runnx.Profile()
+    lengths = [1, 2, 3, 1, 4, 5, 1]  # 1 hits while kept, is dropped as the oldest by 4, then missed
+    for length in lengths:
+        x = np.ones((2, length), np.float32)
+        model.run({"x": x, "y": x}, profile=profile)
+    assert [key[0][1] for key in results] == [4, 5, 1]
+    assert profile.counters["ShapeMemo.hits"] == 1 and profile.counters["ShapeMemo.misses"] == 6
+    assert results.nbytes == sum(v.nbytes for result in results.values() for v in result)
+    monkeypatch.setattr(shape_cache, "KEPT_BYTES", results.nbytes)  # full: the next one drops the oldest
+    model.run({"x": np.ones((2, 6), np.float32), "y": np.ones((2, 6), np.float32)})
+    assert [key[0][1] for key in results] == [5, 1, 6] and results.nbytes <= shape_cache.KEPT_BYTES
+
+
+def test_fused_shape_stand_ins_join_the_memos_around_them(fixtures_dir):
+    """After fusion the model memoizes again: the repeated caches' shape stand-in, the memo giving
+    its target and the memo reading its shape (the mask's length) become one memo node."""
+    path = fixtures_dir / "tiny-llama" / "model.onnx"
+    memoized, unmemoized = runnx.load(path), runnx.load(path, shape_cache=False)
+    assert "RepeatedKVShape" in [n.op_type for n in unmemoized.plan()]
+    assert "RepeatedKVShape" not in [n.op_type for n in memoized.plan()]
+    rng = np.random.default_rng(3)
+    past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in memoized.input_names if "past" in n}
+    profile = runnx.Profile()
+    for length in (6, 6, 7):
+        feeds = {"input_ids": np.array([[5]]), "attention_mask": np.ones((1, length + 1), np.int64),
+                 "position_ids": np.array([[length]]), **{n: v[:, :, :length] if length <= 6 else
+                                                          np.concatenate([v, v[:, :, :1]], 2) for n, v in past.items()}}
+        got, want = memoized.run(feeds, profile=profile), unmemoized.run(feeds)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
+    assert profile.counters["ShapeMemo.hits"] > 0
