@@ -35,6 +35,7 @@ from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._kernels_fused import (add_rms_norm, attention, rms_norm, rope_append_into, rotate_half,
                                       silu_mul_into)
 from runnx.ops.cache import Concat
+from runnx.ops.elementwise import Where
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape, Slice
 
@@ -303,11 +304,16 @@ def _stand_in(dtype, shape: tuple) -> np.ndarray:
 
 @register("RepeatedKVAttention", since=1, domain=DOMAIN)
 def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
-                        value_axes, value_expand, value_target, merged_target=None, *, axis: int = -1):
+                        value_axes, value_expand, value_target, merged_target=None, mask=None, mask_starts=None,
+                        mask_ends=None, mask_axes=None, mask_steps=None, masked_then=None, masked_else=None, *,
+                        axis: int = -1):
     """Softmax((query * qs) @ (repeat(key)^T * ks) + bias) with NaN -> nan_fill, @ repeat(value),
     where repeat is the exporter's Unsqueeze/Expand/Reshape head repeat. Query heads are grouped
     per KV head instead, so the cache (a view into its capacity buffer) is read in place. With
-    merged_target: Reshape(Transpose(that, (0, 2, 1, 3)), merged_target), the heads merged back."""
+    merged_target: Reshape(Transpose(that, (0, 2, 1, 3)), merged_target), the heads merged back.
+    With mask (bias absent): bias = Where(Slice(mask, starts, ends, axes, steps), then, else)."""
+    if mask is not None:
+        bias = Where(_slice(mask, mask_starts, mask_ends, mask_axes, mask_steps), masked_then, masked_else)
     heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
                                    key_target, value_axes, value_expand, value_target, axis)
     if merged_target is None:

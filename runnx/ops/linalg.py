@@ -11,6 +11,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN
+from runnx.ops.fused_whisper import SplitHeads
 from runnx.ops.registry import register
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
@@ -62,14 +63,23 @@ def MatMul(a, b):
 
 
 @register("SharedInputMatMul", since=1, domain=FUSED_DOMAIN)
-def SharedInputMatMul(x, *weights):
+def SharedInputMatMul(x, *inputs, splits: tuple = ()):
     """(MatMul(x, w) for w in weights): the products of one input (a layer's query, key and value
     projections; its gate and up projections), matched by `runnx/interp/fusion/products.py`. A
-    decode step's one-row products go to the decode pool as one job (one hand-off, not three)."""
+    decode step's one-row products go to the decode pool as one job (one hand-off, not three).
+    inputs: the weights, then (bias, target, source) of SplitHeads for each (position, dims, axes)
+    of `splits`: product `position` comes out with its heads split."""
+    count = len(inputs) - 3 * len(splits)
+    weights = inputs[:count]
     if (workers := _decode_pool.pool()) is not None and _pooled_row(x, weights):
         lead = x.shape[:-1]
-        return tuple([product.reshape(lead + product.shape) for product in workers.products(x.reshape(-1), weights)])
-    return tuple(MatMul(x, w) for w in weights)
+        products = [product.reshape(lead + product.shape) for product in workers.products(x.reshape(-1), weights)]
+    else:
+        products = [MatMul(x, w) for w in weights]
+    for n, (position, dims, axes) in enumerate(splits):
+        bias, target, source = inputs[count + 3 * n:count + 3 * n + 3]
+        products[position] = SplitHeads(products[position], bias, target, source, dims=dims, axes=axes)
+    return tuple(products)
 
 
 @register("Gemm", since=1)

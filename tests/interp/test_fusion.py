@@ -217,7 +217,9 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
     assert fused.fused["RopeAppend"] == 2  # one per layer
     ops = [n.op_type for n in fused.plan()]
     assert ops.count("RopeAppend") == 2 and "RotateHalf" not in ops
-    assert [len(n.inputs) for n in fused.plan() if n.op_type == "RepeatedKVAttention"] == [14, 14]  # heads merged
+    # heads merged (14 inputs), and the mask, Where(Slice(mask), 0, -inf), made by the node itself
+    assert [len(n.inputs) for n in fused.plan() if n.op_type == "RepeatedKVAttention"] == [21, 21]
+    assert "Where" not in ops and "Slice" not in ops and "Where" in [n.op_type for n in plain.plan()]
     rng = np.random.default_rng(5)
     past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in fused.input_names if "past" in n}
     feeds = {"input_ids": np.array([[7]]), "attention_mask": np.ones((1, 7), np.int64), "position_ids": np.array([[6]])}
@@ -235,3 +237,30 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
     for name, buffer in buffers.items():  # each present is the caller's buffer, one row longer
         present = got[name.replace("past_key_values.", "present.")]
         assert present.shape[2] == 7 and np.shares_memory(present, buffer)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_products_whose_heads_are_split_give_the_split_heads_themselves(workers):
+    """q, k and v of one input, each reshaped to heads and transposed (SplitHeads): one node gives
+    the split heads; a product read elsewhere too keeps its own output."""
+    from runnx.ops import _decode_pool
+
+    rng = np.random.default_rng(1)
+    weights = {w: rng.standard_normal((256, 256)).astype(np.float32) for w in ("wq", "wk", "wv")}
+    nodes = []
+    for name in ("q", "k", "v"):
+        nodes += [helper.make_node("MatMul", ["x", f"w{name}"], [f"y{name}"]),
+                  helper.make_node("Reshape", [f"y{name}", "heads"], [f"r{name}"]),
+                  helper.make_node("Transpose", [f"r{name}"], [f"t{name}"], perm=(0, 2, 1, 3))]
+    outputs = [("tq", F), ("tk", F), ("tv", F), ("yv", F)]  # yv is also an output: v keeps its product
+    model = _model(nodes, [("x", F)], outputs, {**weights, "heads": np.array([1, -1, 4, 64])})
+    feeds = {"x": rng.standard_normal((1, 1, 256)).astype(np.float32)}
+    try:
+        _decode_pool.set_workers(workers)
+        fused, plain, ops = _both(model, feeds)
+    finally:
+        _decode_pool.set_workers(None)
+    assert sorted(ops) == ["SharedInputMatMul", "SplitHeads"]  # q and k split inside, v by its own node
+    for name in plain:
+        np.testing.assert_array_equal(fused[name], plain[name])
+    assert fused["tq"].shape == (1, 4, 1, 64)

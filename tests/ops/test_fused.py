@@ -213,6 +213,22 @@ def test_repeated_kv_attention_matches_the_unfused_computation(expand, target, r
     np.testing.assert_allclose(got, _grouped_reference(q, keys, values, bias, scale * scale, 0), **_tolerance(dtype))
 
 
+def test_repeated_kv_attention_makes_its_bias_from_a_mask_as_slice_and_where_do():
+    k, v = _cache(1, 2, 5, 8, np.float32, capacity=9)
+    q = RNG.standard_normal((1, 6, 1, 8)).astype(np.float32)
+    mask = RNG.random((1, 1, 1, 7)) < 0.7  # longer than the keys: sliced to them
+    mask[..., 0] = True
+    cut = (_ints(0), _ints(5), _ints(3), _ints(1))
+    then, otherwise = np.float32(0), np.float32(-np.inf)
+    scale, zero = np.float32(0.5), np.zeros(1, np.float32)
+    shape_inputs = _repeat_inputs(2, 3, 5)
+    want = RepeatedKVAttention(q, k, v, np.where(Slice(mask, *cut), then, otherwise), scale, scale, zero,
+                               *shape_inputs, *shape_inputs)
+    got = RepeatedKVAttention(q, k, v, None, scale, scale, zero, *shape_inputs, *shape_inputs, None, mask, *cut, then,
+                              otherwise)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_repeated_kv_attention_fills_fully_masked_rows():
     k, v = _cache(1, 2, 6, 8, np.float32)
     q = RNG.standard_normal((1, 4, 3, 8)).astype(np.float32)

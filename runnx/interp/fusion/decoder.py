@@ -180,8 +180,8 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     """Nodes giving the removed repeated caches to readers of their shape (a zero-stride view)."""
     stand_ins = []
-    if fused.op_type != "RepeatedKVAttention" or fused.members[0].domain == DOMAIN:  # not when merging heads
-        return stand_ins
+    if fused.op_type != "RepeatedKVAttention" or any(n.domain == DOMAIN for n in fused.members):
+        return stand_ins  # only for the attention's own match, not when it grows (merged heads, mask)
     inside = {n.index for n in fused.members}
     for kv, axes, expand, target, reshape in ((*fused.inputs[1:2], *fused.inputs[7:10], fused.members[2]),
                                                (*fused.inputs[2:3], *fused.inputs[10:13], fused.members[-2])):
@@ -265,6 +265,28 @@ def _merged_heads(m: Matcher, transpose: Node) -> Fused | None:
     return Fused("RepeatedKVAttention", chain, (*attention.inputs, reshape.inputs[1]), reshape.outputs, attention.attrs)
 
 
+def _masked_attention(m: Matcher, where: Node) -> Fused | None:
+    """Where(Slice(mask, ...), then, else) with scalar constants then/else, read only as the bias of
+    a RepeatedKVAttention: the layer's additive mask, computed by the attention node itself."""
+    if len(where.inputs) != 3 or m.scalar(where.inputs[1]) is None or m.scalar(where.inputs[2]) is None:
+        return None
+    cut = m.node(where.inputs[0], "Slice")
+    readers = m.readers.get(where.outputs[0], ())
+    if cut is None or cut.since < 10 or len(readers) != 1:
+        return None
+    attention = readers[0]
+    if (attention.op_type != "RepeatedKVAttention" or attention.domain != DOMAIN or attention.index in m.taken
+            or attention.inputs[3] != where.outputs[0] or where.outputs[0] in attention.inputs[4:]):
+        return None
+    chain = [cut, where, attention]
+    if not m.private(chain, attention.outputs[0]):
+        return None
+    merged = attention.inputs[13:14] or (MISSING,)
+    inputs = (*attention.inputs[:3], MISSING, *attention.inputs[4:13], *merged, cut.inputs[0], *_slice_inputs(cut),
+              *where.inputs[1:])
+    return Fused("RepeatedKVAttention", chain, inputs, attention.outputs, attention.attrs)
+
+
 # AddRMSNorm matches the RMSNorm nodes the first pattern made
 PATTERNS = (("Pow", _rms_norm), ("Sigmoid", _silu_mul), ("Concat", _rotate_half), ("Softmax", _attention),
-            ("Add", _add_rms_norm), ("Concat", _rope_append), ("Transpose", _merged_heads))
+            ("Add", _add_rms_norm), ("Concat", _rope_append), ("Transpose", _merged_heads), ("Where", _masked_attention))

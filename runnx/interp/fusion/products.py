@@ -1,13 +1,15 @@
 """Products of one input: MatMuls reading the same value by constant 2-D matrices of one depth (a
 decoder layer's query, key and value projections; its gate and up projections) become one
 SharedInputMatMul node (kernel in `runnx/ops/linalg.py`), so that a decode step hands the decode
-pool one job for them, and runs one node, not three. Runs after the other patterns: a MatMul they
-take stays theirs.
+pool one job for them, and runs one node, not three. A product whose only reader splits its heads
+(SplitHeads, whisper.py's pattern) gives the split heads itself. Runs after the other patterns: a
+MatMul they take stays theirs.
 """
 from __future__ import annotations
 
 from runnx.interp.fusion.matcher import Fused, Matcher
-from runnx.interp.ir import Node
+from runnx.interp.ir import MISSING, Node
+from runnx.ops.fused import DOMAIN
 
 
 def _weight(m: Matcher, node: Node):
@@ -16,6 +18,28 @@ def _weight(m: Matcher, node: Node):
         return None
     weight = m.graph.constants.get(node.inputs[1])
     return weight if weight is not None and weight.ndim == 2 else None
+
+
+def _split_reader(m: Matcher, vid: int, x: int) -> Node | None:
+    """The fused SplitHeads node reading `vid` (its x), when it is the value's only reader and its
+    other inputs come from x and constants alone (a memo of x's shape): the fused node then needs
+    nothing computed after the products (a target built from a later layer's shapes would make a
+    cycle)."""
+    readers = m.readers.get(vid, ())
+    if len(readers) != 1 or vid in m.requested:
+        return None
+    split = readers[0]
+    if split.op_type != "SplitHeads" or split.domain != DOMAIN or split.index in m.taken or split.inputs[0] != vid:
+        return None
+    return split if all(_from(m, v, x) for v in split.inputs[1:]) else None
+
+
+def _from(m: Matcher, vid: int, x: int) -> bool:
+    """Whether `vid` is absent, a constant, x, or made by one node from those."""
+    if vid in (MISSING, x) or vid in m.graph.constants:
+        return True
+    producer = m.graph.producer.get(vid)
+    return producer is not None and all(v in (MISSING, x) or v in m.graph.constants for v in producer.inputs)
 
 
 def _shared_input(m: Matcher, matmul: Node) -> Fused | None:
@@ -27,8 +51,18 @@ def _shared_input(m: Matcher, matmul: Node) -> Fused | None:
              and w.shape[0] == first.shape[0] and w.dtype == first.dtype]
     if len(group) < 2 or group[0] is not matmul:  # each group from its first MatMul
         return None
-    return Fused("SharedInputMatMul", group, (x, *(n.inputs[1] for n in group)), tuple(n.outputs[0] for n in group),
-                 {})
+    members, outputs, split_inputs, splits = list(group), [], [], []
+    for position, node in enumerate(group):
+        split = _split_reader(m, node.outputs[0], x)
+        if split is None:
+            outputs.append(node.outputs[0])
+            continue
+        members.append(split)
+        outputs.append(split.outputs[0])
+        split_inputs += split.inputs[1:4]  # bias, target, source
+        splits.append((position, split.attrs.get("dims", ()), split.attrs.get("axes", ())))
+    return Fused("SharedInputMatMul", members, (x, *(n.inputs[1] for n in group), *split_inputs), tuple(outputs),
+                 {"splits": tuple(splits)} if splits else {})
 
 
 PATTERNS = (("MatMul", _shared_input),)
