@@ -227,6 +227,7 @@ class DecodePool:
         _stop(stopped)
         _serve(stopped, 0, 0)
         self.box = np.zeros(_MAILBOX_SIZE, np.int64)
+        self._workers = workers
         self._lock = threading.Lock()
         self._wakes = [threading.Event() for _ in range(workers)]  # one each: only its worker clears it
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"runnx-decode-{i}", daemon=True)
@@ -252,8 +253,8 @@ class DecodePool:
             return tuple(row_times_matrix(row, matrix) for matrix in matrices)
         try:
             row = np.ascontiguousarray(row)  # the workers read it by address
-            outs = tuple(np.empty(matrix.shape[1], np.float32) for matrix in matrices)
-            idle = _products(self.box, len(self._threads), row, matrices, outs)
+            outs = tuple([np.empty(matrix.shape[1], np.float32) for matrix in matrices])
+            idle = _products(self.box, self._workers, row, matrices, outs)
         finally:
             self._lock.release()
         if idle:
@@ -266,7 +267,7 @@ class DecodePool:
             return attention_job(query, key, value, bias, scale, fill)
         try:
             out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
-            idle = _attention(self.box, len(self._threads), query, key, value, bias, scale, fill, out)
+            idle = _attention(self.box, self._workers, query, key, value, bias, scale, fill, out)
         finally:
             self._lock.release()
         if idle:

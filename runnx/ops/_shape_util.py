@@ -24,13 +24,27 @@ def normalize_axes(axes, rank: int, what: str = "axes") -> list[int]:
     return result
 
 
+_REMEMBERED_SIZE = 64  # elements: shape-like inputs
+_remembered: dict[int, tuple] = {}  # id -> (array, values) of small read-only arrays
+
+
 def int_values(tensor) -> list[int] | None:
-    """A 0-D or 1-D integer tensor input (shape, axes, pads, ...) as Python ints; None stays None."""
+    """A 0-D or 1-D integer tensor input (shape, axes, pads, ...) as Python ints; None stays None.
+    The values of small read-only arrays (constants, shape memos' results: the same arrays step
+    after step) are remembered by identity, holding the array so that its id stays its own."""
     if tensor is None:
         return None
+    known = _remembered.get(id(tensor))
+    if known is not None and known[0] is tensor:
+        return list(known[1])
     array = np.asarray(tensor)
     values = array.reshape(-1).tolist()  # Python ints for integer tensors, in one C call
-    return values if array.dtype.kind in "iu" else [int(v) for v in values]
+    values = values if array.dtype.kind in "iu" else [int(v) for v in values]
+    if array is tensor and not array.flags.writeable and array.size <= _REMEMBERED_SIZE:
+        if len(_remembered) >= 4096:
+            _remembered.clear()
+        _remembered[id(tensor)] = (tensor, tuple(values))
+    return values
 
 
 def scalar_value(tensor, what: str):

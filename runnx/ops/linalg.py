@@ -51,7 +51,8 @@ def _pooled_row(x, weights) -> bool:
 @register("MatMul", since=1)
 def MatMul(a, b):
     if (workers := _decode_pool.pool()) is not None and _pooled_row(a, (b,)):
-        return workers.products(a.reshape(-1), (b,))[0].reshape(a.shape[:-1] + b.shape[1:])
+        (product,) = workers.products(a.reshape(-1), (b,))
+        return product.reshape(a.shape[:-1] + product.shape)
     if _one_row(a, b):
         if b.shape[1] <= _ROW_KERNEL_COLUMNS and b.size <= _ROW_KERNEL_ELEMENTS:
             return row_times_matrix(a.reshape(-1), b).reshape(a.shape[:-1] + b.shape[1:])

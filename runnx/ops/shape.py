@@ -42,7 +42,7 @@ def Size(x):
 
 def _reshape(data, shape, allowzero: int):
     target = int_values(shape)
-    if not allowzero:  # 0 copies the input's dimension
+    if not allowzero and 0 in target:  # 0 copies the input's dimension
         if len(target) > data.ndim and any(d == 0 for d in target[data.ndim:]):
             raise RunnxError(f"Reshape target {target} copies a dimension the rank-{data.ndim} input lacks")
         target = [data.shape[i] if d == 0 else d for i, d in enumerate(target)]

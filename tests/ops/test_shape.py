@@ -277,3 +277,16 @@ def test_attributes_exist_only_from_the_opset_that_introduced_them():
     with pytest.raises(InvalidModelError, match="reduction"):
         run_node("ScatterND", [x.reshape(-1), np.array([[0]], I64), np.ones(1, np.float32)], reduction="add",
                  opset=15)
+
+
+def test_int_values_remember_read_only_arrays_only():
+    from runnx.ops._shape_util import int_values
+    frozen = np.array([2, 0, -1])
+    frozen.flags.writeable = False
+    first = int_values(frozen)
+    first.append(7)  # the caller's own list
+    assert int_values(frozen) == [2, 0, -1]
+    changing = np.array([3, 4])  # writeable: read each time
+    assert int_values(changing) == [3, 4]
+    changing[0] = 5
+    assert int_values(changing) == [5, 4]
