@@ -14,12 +14,15 @@ from runnx.interp.ir import Graph, ValueInfo
 class FeedSpec:
     """What one model input accepts, precomputed once per model."""
 
-    __slots__ = ("name", "vid", "info", "dtype", "shape")
+    __slots__ = ("name", "vid", "info", "dtype", "shape", "fixed", "symbolic")
 
     def __init__(self, name: str, vid: int, info: ValueInfo | None):
         self.name, self.vid, self.info = name, vid, info
         self.dtype = ONNX_TO_NUMPY.get(info.elem_type) if info is not None and info.elem_type else None
         self.shape = info.shape if info is not None and info.kind == "tensor" else None
+        dims = tuple(enumerate(self.shape or ()))
+        self.fixed = tuple((axis, d) for axis, d in dims if isinstance(d, int) and d > 0)  # (axis, size)
+        self.symbolic = tuple((axis, d) for axis, d in dims if isinstance(d, str))  # (axis, name)
 
 
 def feed_specs(graph: Graph) -> dict[str, FeedSpec]:
@@ -79,15 +82,17 @@ def check_shape(spec: FeedSpec, array: np.ndarray, symbols: dict | None) -> None
     if array.ndim != len(declared):
         raise InputShapeError(f"input '{spec.name}' expects rank {len(declared)} (shape {_show(declared)}), "
                               f"got shape {list(array.shape)}")
-    for axis, (want, got) in enumerate(zip(declared, array.shape)):
-        if isinstance(want, int) and want > 0 and want != got:
+    shape = array.shape
+    for axis, want in spec.fixed:
+        if shape[axis] != want:
             raise InputShapeError(f"input '{spec.name}' expects dimension {axis} to be {want} (shape "
-                                  f"{_show(declared)}), got shape {list(array.shape)}")
-        if symbols is not None and isinstance(want, str):
-            seen = symbols.setdefault(want, (got, spec.name))
-            if seen[0] != got:
-                raise InputShapeError(f"input '{spec.name}' has {want}={got} at dimension {axis}, but input "
-                                      f"'{seen[1]}' has {want}={seen[0]}")
+                                  f"{_show(declared)}), got shape {list(shape)}")
+    for axis, want in spec.symbolic if symbols is not None else ():
+        got = shape[axis]
+        seen = symbols.setdefault(want, (got, spec.name))
+        if seen[0] != got:
+            raise InputShapeError(f"input '{spec.name}' has {want}={got} at dimension {axis}, but input "
+                                  f"'{seen[1]}' has {want}={seen[0]}")
 
 
 def _show(shape) -> str:
