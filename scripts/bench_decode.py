@@ -34,10 +34,10 @@ ARGS = parse_args()
 for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
     os.environ[variable] = str(ARGS.threads)
 
-import numpy as np  # noqa: E402
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import runnx  # noqa: E402
+import runnx  # noqa: E402  (before numpy: it sets OpenBLAS's thread timeout)
+
+import numpy as np  # noqa: E402
 
 
 def _past_names(model):

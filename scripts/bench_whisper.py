@@ -81,9 +81,8 @@ def _worker(engine: str) -> dict:
 
 
 def _in_process(engine: str, profile: bool = False) -> dict:
-    import numpy as np  # noqa: F401  (after the thread variables are set)
-
     sys.path[:0] = [str(REPO), str(REPO / "tests" / "generate")]
+    import runnx  # noqa: F401  (first, after the thread variables: it sets OpenBLAS's thread timeout)
     from runnx.generate.audio import load_audio
     from runnx.generate.mel import window_features
     from runnx.generate.whisper import Whisper

@@ -1,4 +1,6 @@
 """Options.threads: BLAS, numba and decode-pool threads set at load and reported in the profile."""
+import os
+
 import numpy as np
 import threadpoolctl
 from onnx import TensorProto, helper
@@ -38,3 +40,16 @@ def test_session_intra_op_threads_become_options_threads():
         session = runnx.InferenceSession(_matmul_model().SerializeToString(), settings)
         assert session.model.options.threads == 1
         assert runnx.InferenceSession(_matmul_model().SerializeToString()).model.options.threads == runnx.Options().threads
+
+
+def test_importing_runnx_first_makes_openblas_threads_sleep_after_each_call():
+    """OpenBLAS reads its spin timeout when numpy loads it: runnx sets a short one unless told."""
+    import subprocess
+    import sys
+    code = "import runnx, os; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    for given, expected in ((None, "4"), ("12", "12")):
+        if given is not None:
+            env["OPENBLAS_THREAD_TIMEOUT"] = given
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert done.stdout.split() == [expected], done.stderr
