@@ -60,12 +60,17 @@ def scalar_value(tensor, what: str):
 def checked_indices(indices: np.ndarray, size: int, what: str = "index") -> np.ndarray:
     """Integer indices in [-size, size) made non-negative (int64); RunnxError for any outside."""
     indices = np.asarray(indices).astype(np.int64, copy=False)
-    if indices.size:
+    if not indices.size:
+        return indices
+    if indices.size <= 64:  # a few indices (positions of a decode step): Python's min and max are cheaper
+        flat = indices.ravel().tolist()
+        low, high = min(flat), max(flat)
+    else:
         low, high = int(indices.min()), int(indices.max())
-        if low < -size or high >= size:
-            bad = low if low < -size else high
-            raise RunnxError(f"{what} {bad} is out of range for a dimension of size {size}")
-    return np.where(indices < 0, indices + size, indices)
+    if low < -size or high >= size:
+        bad = low if low < -size else high
+        raise RunnxError(f"{what} {bad} is out of range for a dimension of size {size}")
+    return indices if low >= 0 else np.where(indices < 0, indices + size, indices)
 
 
 def broadcast_shape(*shapes) -> tuple[int, ...]:

@@ -97,6 +97,9 @@ def Squeeze(data, axes=None):
 
 
 def _unsqueeze(data, axes):
+    if len(axes) == 1:  # the common case (shape bookkeeping), without sorting and duplicate checks
+        axis = normalize_axis(axes[0], data.ndim + 1, "axes")
+        return data.reshape(data.shape[:axis] + (1,) + data.shape[axis:])
     rank = data.ndim + len(axes)
     shape = list(data.shape)
     for axis in sorted(normalize_axes(axes, rank)):  # axes index the output
