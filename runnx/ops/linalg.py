@@ -83,6 +83,16 @@ def SharedInputMatMul(x, *inputs, splits: tuple = ()):
     return tuple(products)
 
 
+@register("BiasedMatMul", since=1, domain=FUSED_DOMAIN)
+def BiasedMatMul(x, weight, bias):
+    """Add(MatMul(x, weight), bias) for a constant 1-D bias (`runnx/interp/fusion/products.py`): the
+    sum written into the fresh product (the same additions as the Add node's)."""
+    product = MatMul(x, weight)
+    if bias.dtype == product.dtype and product.ndim and bias.shape[0] in (1, product.shape[-1]):
+        return np.add(product, bias, out=product)
+    return np.add(product, bias)
+
+
 @register("Gemm", since=1)
 def Gemm_1(a, b, c, *, alpha: float = 1.0, beta: float = 1.0, transA: int = 0, transB: int = 0,
            broadcast: int = 0):

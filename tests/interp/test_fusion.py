@@ -264,3 +264,23 @@ def test_products_whose_heads_are_split_give_the_split_heads_themselves(workers)
     for name in plain:
         np.testing.assert_array_equal(fused[name], plain[name])
     assert fused["tq"].shape == (1, 4, 1, 64)
+
+
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_a_product_and_its_bias_add_become_one_node(bias_first):
+    rng = np.random.default_rng(2)
+    constants = {"w": rng.standard_normal((256, 384)).astype(np.float32),
+                 "b": rng.standard_normal(384).astype(np.float32),
+                 "wide": rng.standard_normal((1, 384)).astype(np.float32)}  # not a 1-D bias: stays an Add
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["xw"]),
+             helper.make_node("Add", ["b", "xw"] if bias_first else ["xw", "b"], ["y"]),
+             helper.make_node("MatMul", ["x2", "w"], ["xw2"]),
+             helper.make_node("Add", ["xw2", "wide"], ["z"])]
+    model = _model(nodes, [("x", F), ("x2", F)], [("y", F), ("z", F)], constants)
+    for rows in (1, 3):  # a decode step's one row (the decode pool's product), and a few
+        feeds = {"x": rng.standard_normal((1, rows, 256)).astype(np.float32),
+                 "x2": rng.standard_normal((1, rows, 256)).astype(np.float32)}
+        fused, plain, ops = _both(model, feeds)
+        assert sorted(ops) == ["Add", "BiasedMatMul", "MatMul"]
+        for name in plain:
+            np.testing.assert_array_equal(fused[name], plain[name])

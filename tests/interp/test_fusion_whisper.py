@@ -170,7 +170,8 @@ def _gelu_model(extra_reader=False):
 def test_erf_gelu_takes_the_bias_add_unless_it_is_read_elsewhere(extra_reader):
     x = np.random.default_rng(5).standard_normal((2, 3, 8)).astype(np.float32)
     fused, plain, ops = _both(_gelu_model(extra_reader), {"x": x})
-    assert ops == (["MatMul", "Add", "ErfGelu"] if extra_reader else ["MatMul", "ErfGelu"])
+    # read elsewhere, the bias add stays the product's (a BiasedMatMul node)
+    assert ops == (["BiasedMatMul", "ErfGelu"] if extra_reader else ["MatMul", "ErfGelu"])
     for name in fused:
         np.testing.assert_allclose(fused[name], plain[name], rtol=1e-6, atol=1e-6)
 
@@ -203,7 +204,8 @@ def _encoders(folder):
 def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     folder = fixtures_dir / "tiny-whisper"
     fused, plain = _encoders(folder)
-    assert fused.fused == {"HeadsAttention": 2, "ErfGelu": 4, "AddLayerNorm": 5, "SharedInputMatMul": 2}
+    assert fused.fused == {"HeadsAttention": 2, "ErfGelu": 4, "AddLayerNorm": 5, "SharedInputMatMul": 2,
+                           "BiasedMatMul": 4}
     assert not SHAPE_OPS & {n.op_type for n in fused.plan()}
     features = {"input_features": _features()}
     want = plain.run(features)["last_hidden_state"]
@@ -212,9 +214,10 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     # both branches: 2 layers x (self + cross) attention and 2 GELUs each; heads split for the
     # self-attention cache (both branches) and the cross-attention keys and values (first step);
     # each layer's q/k/v projections as one node, and the first step's cross-attention keys and
-    # values of both layers (they all read the encoder's output) as one more
+    # values of both layers (they all read the encoder's output) as one more; the out-projections
+    # and the second MLP product with their bias adds (3 a layer, both branches)
     assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14,
-                             "SharedInputMatMul": 5}
+                             "SharedInputMatMul": 5, "BiasedMatMul": 12}
 
 
 def _greedy(folder, monkeypatch, fuse, features):
@@ -236,7 +239,8 @@ def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whispe
     from runnx.generate.mel import window_features
     features = [window_features(load_audio(audio_dir / clip), 80) for clip in ("john.wav", "long.wav")]
     fused, plain = _encoders(whisper_dir)
-    assert fused.fused == {"HeadsAttention": 4, "ErfGelu": 6, "AddLayerNorm": 9, "SharedInputMatMul": 4}
+    assert fused.fused == {"HeadsAttention": 4, "ErfGelu": 6, "AddLayerNorm": 9, "SharedInputMatMul": 4,
+                           "BiasedMatMul": 8}
     want = plain.run({"input_features": features[1]})["last_hidden_state"]
     got = fused.run({"input_features": features[1]})["last_hidden_state"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)

@@ -2,8 +2,9 @@
 decoder layer's query, key and value projections; its gate and up projections) become one
 SharedInputMatMul node (kernel in `runnx/ops/linalg.py`), so that a decode step hands the decode
 pool one job for them, and runs one node, not three. A product whose only reader splits its heads
-(SplitHeads, whisper.py's pattern) gives the split heads itself. Runs after the other patterns: a
-MatMul they take stays theirs.
+(SplitHeads, whisper.py's pattern) gives the split heads itself. A product whose only reader adds
+a constant bias becomes a BiasedMatMul node. Runs after the other patterns: a MatMul they take
+stays theirs.
 """
 from __future__ import annotations
 
@@ -65,4 +66,21 @@ def _shared_input(m: Matcher, matmul: Node) -> Fused | None:
                  {"splits": tuple(splits)} if splits else {})
 
 
-PATTERNS = (("MatMul", _shared_input),)
+def _biased(m: Matcher, add: Node) -> Fused | None:
+    """Add(MatMul(x, W), b) with constant W and a constant bias b broadcasting into the product's
+    last axis, the product read only there: a linear layer with its bias, one node."""
+    if len(add.inputs) != 2 or add.since < 7:
+        return None
+    for position in (0, 1):
+        matmul = m.graph.producer.get(add.inputs[position])
+        bias = m.graph.constants.get(add.inputs[1 - position])
+        if matmul is None or bias is None or (weight := _weight(m, matmul)) is None:
+            continue
+        if bias.ndim == 1 and bias.shape[0] in (1, weight.shape[1]) and bias.dtype == weight.dtype and m.private(
+                [matmul, add], add.outputs[0]):
+            return Fused("BiasedMatMul", [matmul, add], (matmul.inputs[0], matmul.inputs[1], add.inputs[1 - position]),
+                         add.outputs, {})
+    return None
+
+
+PATTERNS = (("MatMul", _shared_input), ("Add", _biased))
