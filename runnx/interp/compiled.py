@@ -1,8 +1,8 @@
 """Plans compiled to straight-line Python: the executor's hot loop without the loop.
 
 A plan that runs again (Options.compile_after: one-shot runs never pay for code generation) is
-turned into one generated function: every value is a local variable,
-every kernel, attribute dict and constant a global of that function, and each step is the few
+turned into one generated function: values are local variables (values whose lifetimes do not
+overlap share one), every kernel, attribute dict and constant a global, and each step is the few
 lines the interpreted loop would execute for it — gather the inputs, grant in-place reuse of
 dying inputs whose storage is owned and held once, call the kernel, count the output's storage,
 release dead values. Nothing is decided differently from `Executor.run`'s loop: the ownership
@@ -40,13 +40,13 @@ def bound_output(value) -> tuple:
     return value, storage_keys(value)
 
 
-def _bind_lines(vid: int, source: str, indent: str, fallback: str) -> list[str]:
-    """Register output `source` as value `vid`: an ndarray inline (its storage counted once more,
+def _bind_lines(name: str, source: str, indent: str, fallback: str) -> list[str]:
+    """Register output `source` as the value in v<name>, k<name>: an ndarray inline (its storage counted once more,
     owned when fresh and writeable); anything else as the (value, keys) pair `fallback` gives."""
     return [f"{indent}if type({source}) is nd:",
-            f"{indent}    v{vid} = {source}",
+            f"{indent}    v{name} = {source}",
             f"{indent}    key = id({source}) if {source}.base is None else id(root({source}))",
-            f"{indent}    k{vid} = (key,)",
+            f"{indent}    k{name} = (key,)",
             f"{indent}    h = cnt_get(key)",
             f"{indent}    if h is None:",
             f"{indent}        cnt[key] = 1",
@@ -54,24 +54,56 @@ def _bind_lines(vid: int, source: str, indent: str, fallback: str) -> list[str]:
             f"{indent}    else:",
             f"{indent}        cnt[key] = h + 1",
             f"{indent}else:",
-            f"{indent}    v{vid}, k{vid} = {fallback}",
-            f"{indent}    hold(k{vid}, None, v{vid})"]
+            f"{indent}    v{name}, k{name} = {fallback}",
+            f"{indent}    hold(k{name}, None, v{name})"]
 
 
 def _memo_lines(outputs: list) -> list[str]:
-    """Bind a memo node's outputs (always a tuple): its kept arrays are read-only and never share
+    """Bind a memo node's outputs ((position, name) pairs; its result is always a tuple): its kept arrays are read-only and never share
     storage with a graph value (shape_cache.py copies those that would), so neither they nor views
     of them are ever written in place, and their storage is not counted (no keys)."""
     lines = []
-    for j, vid in outputs:
+    for j, name in outputs:
         lines += [f"        o = r[{j}]",
                   "        if type(o) is nd:",
-                  f"            v{vid} = o",
-                  f"            k{vid} = ()",
+                  f"            v{name} = o",
+                  f"            k{name} = ()",
                   "        else:",
-                  f"            v{vid}, k{vid} = bind_one(o)",
-                  f"            hold(k{vid}, None, v{vid})"]
+                  f"            v{name}, k{name} = bind_one(o)",
+                  f"            hold(k{name}, None, v{name})"]
     return lines
+
+
+def _names(plan) -> dict[int, str]:
+    """The suffix of each value's local variables (v<suffix>, k<suffix>): constants keep their id
+    (they are globals); other values share a slot with values whose lifetimes end before theirs
+    begin. A plan then has tens of locals, not thousands: Python 3.11 allocates frames in 16 KiB
+    chunks, and a frame nearly filling one made every call from it map and unmap a fresh chunk
+    (~900 a SmolLM2 step, 12 ms)."""
+    names = {vid: f"c{vid}" for vid in plan.constants}
+    free: list[int] = []
+    slots = 0
+
+    def take(vid: int) -> None:
+        nonlocal slots
+        if vid in names:
+            return
+        if free:
+            slot = free.pop()
+        else:
+            slot, slots = slots, slots + 1
+        names[vid] = f"s{slot}"
+
+    for vid in plan.inputs:
+        take(vid)
+    for step in plan.steps:
+        for vid in step.outputs:
+            if vid != MISSING:
+                take(vid)
+        for vid in step.releases:  # after the outputs: a step binds its outputs before it releases
+            if not names[vid].startswith("c"):
+                free.append(int(names[vid][1:]))
+    return names
 
 
 def compile_plan(graph: Graph, plan):
@@ -79,38 +111,40 @@ def compile_plan(graph: Graph, plan):
     the interpreted loop, or None for a plan with subgraph nodes."""
     if any(step.node.subgraphs for step in plan.steps):
         return None
+    names = _names(plan)
     namespace = {"nd": np.ndarray, "root": storage_root, "bind": bound_outputs, "bind_one": bound_output}
     lines = ["def run(V, K, table, ctx):",
              "    cnt, own = table.count, table.owned",
              "    cnt_get, own_get, excl, drop, hold = cnt.get, own.get, table.exclusive, table.drop, table.hold"]
     for vid in plan.inputs:
-        lines.append(f"    v{vid} = V[{vid}]; k{vid} = K[{vid}]")
+        lines.append(f"    v{names[vid]} = V[{vid}]; k{names[vid]} = K[{vid}]")
     for vid in plan.constants:  # globals: never assigned in the function
-        namespace[f"v{vid}"] = plan.values_template[vid]
-        namespace[f"k{vid}"] = plan.keys_template[vid]
+        namespace[f"v{names[vid]}"] = plan.values_template[vid]
+        namespace[f"k{names[vid]}"] = plan.keys_template[vid]
     lines += ["    at = -1", "    try:", "        pass"]
     for index, step in enumerate(plan.steps):
-        lines += _step_lines(index, step, namespace)
-    outputs = ", ".join(f"v{v}" for v in plan.outputs)
-    output_keys = ", ".join(f"k{v}" for v in plan.outputs)
+        lines += _step_lines(index, step, namespace, names)
+    outputs = ", ".join(f"v{names[v]}" for v in plan.outputs)
+    output_keys = ", ".join(f"k{names[v]}" for v in plan.outputs)
     lines += ["    except Exception as error:",
               "        scope = locals()",
               "        step = STEPS[at]",
-              "        args = [None if v == -1 else scope.get(f'v{v}', globals().get(f'v{v}')) for v in step.inputs]",
+              "        args = [None if v == -1 else scope.get(f'v{NAMES[v]}', globals().get(f'v{NAMES[v]}'))",
+              "                for v in step.inputs]",
               "        wrapped = node_error(GRAPH, step.node, args, error)",
               "        if wrapped is error:",
               "            raise",
               "        raise wrapped from error",
               f"    return [{outputs}], [{output_keys}]"]
-    namespace.update(STEPS=plan.steps, GRAPH=graph, node_error=node_error)
+    namespace.update(STEPS=plan.steps, GRAPH=graph, NAMES=names, node_error=node_error)
     exec(compile("\n".join(lines), f"<runnx plan of {graph.name or 'graph'}>", "exec"), namespace)
     return namespace["run"]
 
 
-def _step_lines(index: int, step, namespace: dict) -> list[str]:
+def _step_lines(index: int, step, namespace: dict, names: dict[int, str]) -> list[str]:
     node = step.node
     namespace[f"f{index}"] = step.fn
-    arguments = ["None" if v == MISSING else f"v{v}" for v in step.inputs]
+    arguments = ["None" if v == MISSING else f"v{names[v]}" for v in step.inputs]
     attrs = {k: v for k, v in step.kwargs.items() if k != "overwrite"}
     if attrs:
         namespace[f"a{index}"] = attrs
@@ -121,7 +155,7 @@ def _step_lines(index: int, step, namespace: dict) -> list[str]:
     if step.candidates:
         lines.append("        g = ()")
         for position, vid in step.candidates:
-            lines += [f"        k = k{vid}",
+            lines += [f"        k = k{names[vid]}",
                       "        if len(k) == 1 and cnt_get(k[0]) == 1 and own_get(k[0]) or len(k) > 1 and excl(k):",
                       f"            g += ({position},)"]
         arguments.append("overwrite=g")
@@ -130,19 +164,20 @@ def _step_lines(index: int, step, namespace: dict) -> list[str]:
     call = f"f{index}({', '.join(arguments)})"
     if isinstance(step.fn, ShapeGroup) and not step.fn.external:  # a kept result by its roots' shapes, inline
         namespace[f"m{index}"] = step.fn.results.get
-        shapes = "".join(f"v{v}.shape, " for v in step.inputs)
+        shapes = "".join(f"v{names[v]}.shape, " for v in step.inputs)
         lines += ["        try:", f"            r = m{index}(({shapes}))", "        except AttributeError:",
                   "            r = None", "        if r is None:", f"            r = {call}"]
     else:
         lines.append(f"        r = {call}")
-    outputs = [(j, v) for j, v in enumerate(step.outputs) if v != MISSING]
+    outputs = [(j, names[v]) for j, v in enumerate(step.outputs) if v != MISSING]
     if isinstance(step.fn, ShapeGroup):
         lines += _memo_lines(outputs)
     elif step.single:
-        bind_lines = _bind_lines(step.outputs[0], "r", "        ", f"bind(STEPS[{index}].node, 1, r)[0]")
+        bind_lines = _bind_lines(names[step.outputs[0]], "r", "        ", f"bind(STEPS[{index}].node, 1, r)[0]")
         if step.candidates:  # a kernel that returns a dying input itself (overwritten, or unchanged):
-            out = step.outputs[0]  # the output takes over its storage count, the release is a no-op
+            out = names[step.outputs[0]]  # the output takes over its storage count, the release is a no-op
             for n, (_, vid) in enumerate(step.candidates):
+                vid = names[vid]
                 lines += [f"        {'elif' if n else 'if'} r is v{vid}:",
                           f"            v{out} = r", f"            k{out} = k{vid}", f"            k{vid} = ()"]
             bind_lines = ["        else:"] + ["    " + line for line in bind_lines]
@@ -152,10 +187,10 @@ def _step_lines(index: int, step, namespace: dict) -> list[str]:
         lines += [f"        if type(r) is tuple and len(r) == {count}:"]
         for j, vid in outputs:
             lines += [f"            o = r[{j}]"] + _bind_lines(vid, "o", "            ", "bind_one(o)")
-        names = ", ".join("(_, _)" if v == MISSING else f"(v{v}, k{v})" for v in step.outputs)
-        lines += ["        else:", f"            {names}, = bind(STEPS[{index}].node, {count}, r)"]
+        targets = ", ".join("(_, _)" if v == MISSING else f"(v{names[v]}, k{names[v]})" for v in step.outputs)
+        lines += ["        else:", f"            {targets}, = bind(STEPS[{index}].node, {count}, r)"]
         lines += [f"            hold(k{v}, None, v{v})" for _, v in outputs]
-    for vid in step.releases:
+    for vid in map(names.get, step.releases):
         lines += [f"        k = k{vid}",
                   "        if len(k) == 1:",
                   "            key = k[0]",

@@ -169,11 +169,16 @@ def _run(box, workers, sequence, units):
 
 
 @_jit
-def _products(box, workers, row, matrices, outs):
-    """row @ matrices[m] into outs[m] for each m, as one job; whether a worker was idle."""
+def _products(box, workers, row, matrices, outs, scratch):
+    """row @ matrices[m] into outs[m] for each m, as one job, the partial rows in `scratch` (room
+    for chunk_count(row.size) rows of every product); whether a worker was idle."""
     depth = row.size
     chunks = chunk_count(depth)
-    partials = [np.empty((chunks, out.size), np.float32) for out in outs]
+    partials = []
+    start = 0
+    for out in outs:
+        partials.append(scratch[start:start + chunks * out.size].reshape((chunks, out.size)))
+        start += chunks * out.size
     sequence = _begin(box)
     store(box, _KIND, _PRODUCTS)
     store(box, _ROW, row.ctypes.data)
@@ -228,6 +233,7 @@ class DecodePool:
         _serve(stopped, 0, 0)
         self.box = np.zeros(_MAILBOX_SIZE, np.int64)
         self._workers = workers
+        self._partials = np.empty(0, np.float32)
         self._lock = threading.Lock()
         self._wakes = [threading.Event() for _ in range(workers)]  # one each: only its worker clears it
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"runnx-decode-{i}", daemon=True)
@@ -254,12 +260,21 @@ class DecodePool:
         try:
             row = np.ascontiguousarray(row)  # the workers read it by address
             outs = tuple([np.empty(matrix.shape[1], np.float32) for matrix in matrices])
-            idle = _products(self.box, self._workers, row, matrices, outs)
+            idle = _products(self.box, self._workers, row, matrices, outs,
+                             self._scratch(chunk_count(row.size) * sum([out.size for out in outs])))
         finally:
             self._lock.release()
         if idle:
             self._wake()
         return outs
+
+    def _scratch(self, size: int) -> np.ndarray:
+        """The partial rows' buffer, kept between jobs (under the lock): an LM head's are 1.5 MB, and
+        freeing and allocating them every step sent glibc's heap into trim-and-fault cycles (800
+        page faults a SmolLM2 step)."""
+        if self._partials.size < size:
+            self._partials = np.empty(size, np.float32)
+        return self._partials
 
     def attention(self, query, key, value, bias, scale: float, fill: float):
         """`attention_job` with this pool's workers (alone when the pool is busy)."""

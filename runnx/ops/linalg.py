@@ -11,6 +11,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN
+from runnx.ops.fused import AddRMSNorm
 from runnx.ops.fused_whisper import SplitHeads
 from runnx.ops.registry import register
 
@@ -91,6 +92,14 @@ def BiasedMatMul(x, weight, bias):
     if bias.dtype == product.dtype and product.ndim and bias.shape[0] in (1, product.shape[-1]):
         return np.add(product, bias, out=product)
     return np.add(product, bias)
+
+
+@register("MatMulAddRMSNorm", since=1, domain=FUSED_DOMAIN)
+def MatMulAddRMSNorm(x, weight, residual, epsilon, one, norm_weight, *, axis: int = -1, to: int = 0, cast: int = 0):
+    """AddRMSNorm(residual, MatMul(x, weight)) (`runnx/interp/fusion/products.py`): the sum written
+    into the fresh product (addition commutes: the same sums as the unfused nodes')."""
+    return AddRMSNorm(residual, MatMul(x, weight), epsilon, one, norm_weight, axis=axis, to=to, cast=cast,
+                      overwrite=(1,))
 
 
 @register("Gemm", since=1)

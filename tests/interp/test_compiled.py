@@ -134,3 +134,17 @@ def test_decode_steps_of_a_tiny_llama_are_bitwise_the_interpreted_ones(fixtures_
                          for n, v in result.items() if n.startswith("present")} for name, result in outputs.items()}
         length += ids.shape[1]
         ids = np.array([[int(outputs["compiled"]["logits"][0, -1].argmax())]])
+
+
+def test_a_long_plan_compiles_to_a_function_with_few_locals():
+    """Values whose lifetimes do not overlap share a local: a frame of thousands of locals filled
+    Python 3.11's 16 KiB frame chunks, and every call made from it mapped and unmapped one."""
+    nodes = [helper.make_node("Neg", [f"x{i}"], [f"x{i + 1}"]) for i in range(600)]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("x600", TensorProto.FLOAT, None)])
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    x = np.arange(4, dtype=np.float32)
+    for _ in range(3):
+        np.testing.assert_array_equal(model.run({"x0": x})["x600"], x)
+    plan = next(iter(model._plans.values()))
+    assert plan.state["compiled"].__code__.co_nlocals < 50  # 1,200 with a local per value

@@ -284,3 +284,26 @@ def test_a_product_and_its_bias_add_become_one_node(bias_first):
         assert sorted(ops) == ["Add", "BiasedMatMul", "MatMul"]
         for name in plain:
             np.testing.assert_array_equal(fused[name], plain[name])
+
+
+def test_a_product_read_only_by_a_residual_add_and_rms_norm_joins_them():
+    rng = np.random.default_rng(6)
+    nodes = [helper.make_node("MatMul", ["h", "w"], ["p"]),
+             helper.make_node("Add", ["r", "p"], ["s"]),
+             helper.make_node("Pow", ["s", "two"], ["sq"]),
+             helper.make_node("ReduceMean", ["sq", "axes"], ["mean"], keepdims=1),
+             helper.make_node("Add", ["mean", "eps"], ["var"]),
+             helper.make_node("Sqrt", ["var"], ["std"]),
+             helper.make_node("Div", ["one", "std"], ["inv"]),
+             helper.make_node("Mul", ["s", "inv"], ["normed"]),
+             helper.make_node("Mul", ["g", "normed"], ["y"])]
+    model = _model(nodes, [("h", F), ("r", F)], [("s", F), ("y", F)], {
+        "w": rng.standard_normal((256, 384)).astype(np.float32), "two": np.float32(2), "axes": np.array([-1]),
+        "eps": np.float32(1e-5), "one": np.float32(1), "g": rng.standard_normal(384).astype(np.float32)})
+    for rows in (1, 4):
+        feeds = {"h": rng.standard_normal((1, rows, 256)).astype(np.float32),
+                 "r": rng.standard_normal((1, rows, 384)).astype(np.float32)}
+        fused, plain, ops = _both(model, feeds)
+        assert ops == ["MatMulAddRMSNorm"]
+        for name in plain:  # the residual sum and the norm, bitwise
+            np.testing.assert_array_equal(fused[name], plain[name])

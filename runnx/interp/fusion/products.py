@@ -3,8 +3,9 @@ decoder layer's query, key and value projections; its gate and up projections) b
 SharedInputMatMul node (kernel in `runnx/ops/linalg.py`), so that a decode step hands the decode
 pool one job for them, and runs one node, not three. A product whose only reader splits its heads
 (SplitHeads, whisper.py's pattern) gives the split heads itself. A product whose only reader adds
-a constant bias becomes a BiasedMatMul node. Runs after the other patterns: a MatMul they take
-stays theirs.
+a constant bias becomes a BiasedMatMul node, one read only by a residual add and RMSNorm
+(AddRMSNorm) a MatMulAddRMSNorm node. Runs after the other patterns: a MatMul they take stays
+theirs.
 """
 from __future__ import annotations
 
@@ -83,4 +84,22 @@ def _biased(m: Matcher, add: Node) -> Fused | None:
     return None
 
 
-PATTERNS = (("MatMul", _shared_input), ("Add", _biased))
+def _normed(m: Matcher, matmul: Node) -> Fused | None:
+    """AddRMSNorm(residual, MatMul(x, W)) (decoder.py's node) with constant W, the product read only
+    there: a layer's output projection, the residual add and the next norm as one node."""
+    if _weight(m, matmul) is None:
+        return None
+    product = matmul.outputs[0]
+    readers = m.readers.get(product, ())
+    if len(readers) != 1 or product in m.requested:
+        return None
+    norm = readers[0]
+    if (norm.op_type != "AddRMSNorm" or norm.domain != DOMAIN or norm.index in m.taken
+            or list(norm.inputs).count(product) != 1 or product not in norm.inputs[:2]):
+        return None
+    residual = norm.inputs[1] if norm.inputs[0] == product else norm.inputs[0]
+    return Fused("MatMulAddRMSNorm", [matmul, norm], (*matmul.inputs, residual, *norm.inputs[2:]), norm.outputs,
+                 norm.attrs)
+
+
+PATTERNS = (("MatMul", _shared_input), ("Add", _biased), ("MatMul", _normed))
