@@ -167,6 +167,7 @@ def _rope_append_in_place(query, key, value, past_key, past_value, query_cos, qu
     axis and growth along axis 2. None when any of that does not hold (nothing is written)."""
     dtype = query.dtype
     key_buffer, value_buffer = past_key.base, past_value.base
+    # spelled out: a generator over the arrays costs ~2 us a call, a fifth of the whole fast path
     if not (dtype in _KERNEL_DTYPES and query_axis in (-1, 3) and key_axis in (-1, 3) and key_cache_axis in (-2, 2)
             and value_cache_axis in (-2, 2) and type(key_buffer) is np.ndarray and type(value_buffer) is np.ndarray
             and key_buffer is not value_buffer and key.dtype == dtype and value.dtype == dtype

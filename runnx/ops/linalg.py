@@ -10,8 +10,7 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
 from runnx.ops._kernels_linalg import row_times_matrix
-from runnx.ops.fused import DOMAIN as FUSED_DOMAIN
-from runnx.ops.fused import AddRMSNorm
+from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm
 from runnx.ops.fused_whisper import SplitHeads
 from runnx.ops.registry import register
 
