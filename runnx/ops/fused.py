@@ -34,6 +34,7 @@ from runnx.ops import _decode_pool
 from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._kernels_fused import (add_rms_norm, attention, rms_norm, rope_append_into, rotate_half,
                                       silu_mul_into)
+from runnx.ops._shape_util import int_values
 from runnx.ops.cache import Concat
 from runnx.ops.elementwise import Where
 from runnx.ops.registry import register
@@ -250,7 +251,7 @@ def _resolve_reshape(shape: tuple, target: tuple) -> tuple | None:
 
 
 def _ints(array) -> tuple:
-    return tuple(array.tolist() if array.ndim == 1 else array.reshape(-1).tolist())
+    return tuple(int_values(array))  # remembered for the read-only shape arrays a step passes again
 
 
 def _unsqueezed_shape(shape: tuple, axes: tuple) -> tuple:
