@@ -10,7 +10,7 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
 from runnx.ops._kernels_linalg import row_times_matrix
-from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm
+from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul
 from runnx.ops.fused_whisper import SplitHeads
 from runnx.ops.registry import register
 
@@ -64,12 +64,13 @@ def MatMul(a, b):
 
 
 @register("SharedInputMatMul", since=1, domain=FUSED_DOMAIN)
-def SharedInputMatMul(x, *inputs, splits: tuple = ()):
+def SharedInputMatMul(x, *inputs, splits: tuple = (), gated: tuple = ()):
     """(MatMul(x, w) for w in weights): the products of one input (a layer's query, key and value
     projections; its gate and up projections), matched by `runnx/interp/fusion/products.py`. A
     decode step's one-row products go to the decode pool as one job (one hand-off, not three).
     inputs: the weights, then (bias, target, source) of SplitHeads for each (position, dims, axes)
-    of `splits`: product `position` comes out with its heads split."""
+    of `splits`: product `position` comes out with its heads split. gated (gate, up): those two
+    products come out as one, SiluMul(gate, up), after the others."""
     count = len(inputs) - 3 * len(splits)
     weights = inputs[:count]
     if (workers := _decode_pool.pool()) is not None and _pooled_row(x, weights):
@@ -80,6 +81,9 @@ def SharedInputMatMul(x, *inputs, splits: tuple = ()):
     for n, (position, dims, axes) in enumerate(splits):
         bias, target, source = inputs[count + 3 * n:count + 3 * n + 3]
         products[position] = SplitHeads(products[position], bias, target, source, dims=dims, axes=axes)
+    if gated:
+        gate, up = gated
+        return (*(p for i, p in enumerate(products) if i not in gated), SiluMul(products[gate], products[up]))
     return tuple(products)
 
 

@@ -307,3 +307,25 @@ def test_a_product_read_only_by_a_residual_add_and_rms_norm_joins_them():
         assert ops == ["MatMulAddRMSNorm"]
         for name in plain:  # the residual sum and the norm, bitwise
             np.testing.assert_array_equal(fused[name], plain[name])
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_gate_and_up_products_give_their_silu_gate_as_one_node(workers):
+    from runnx.ops import _decode_pool
+
+    rng = np.random.default_rng(7)
+    nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]),
+             helper.make_node("MatMul", ["x", "wu"], ["u"]),
+             helper.make_node("Sigmoid", ["g"], ["s"]),
+             helper.make_node("Mul", ["g", "s"], ["silu"]),
+             helper.make_node("Mul", ["silu", "u"], ["y"])]
+    model = _model(nodes, [("x", F)], [("y", F)], {w: rng.standard_normal((256, 512)).astype(np.float32)
+                                                   for w in ("wg", "wu")})
+    try:
+        _decode_pool.set_workers(workers)
+        for rows in (1, 3):
+            fused, plain, ops = _both(model, {"x": rng.standard_normal((1, rows, 256)).astype(np.float32)})
+            assert ops == ["SharedInputMatMul"]
+            np.testing.assert_array_equal(fused["y"], plain["y"])
+    finally:
+        _decode_pool.set_workers(None)

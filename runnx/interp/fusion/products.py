@@ -2,7 +2,8 @@
 decoder layer's query, key and value projections; its gate and up projections) become one
 SharedInputMatMul node (kernel in `runnx/ops/linalg.py`), so that a decode step hands the decode
 pool one job for them, and runs one node, not three. A product whose only reader splits its heads
-(SplitHeads, whisper.py's pattern) gives the split heads itself. A product whose only reader adds
+(SplitHeads, whisper.py's pattern) gives the split heads itself, and a SiluMul of two of them
+(the gate and up products) gives its gated product instead of the two. A product whose only reader adds
 a constant bias becomes a BiasedMatMul node, one read only by a residual add and RMSNorm
 (AddRMSNorm) a MatMulAddRMSNorm node. Runs after the other patterns: a MatMul they take stays
 theirs.
@@ -63,8 +64,30 @@ def _shared_input(m: Matcher, matmul: Node) -> Fused | None:
         outputs.append(split.outputs[0])
         split_inputs += split.inputs[1:4]  # bias, target, source
         splits.append((position, split.attrs.get("dims", ()), split.attrs.get("axes", ())))
+    attrs = {"splits": tuple(splits)} if splits else {}
+    gate = _gate(m, outputs)
+    if gate is not None:  # the products' SiLU gate: its output replaces the two products'
+        silu, positions = gate
+        members.append(silu)
+        outputs = [v for i, v in enumerate(outputs) if i not in positions] + [silu.outputs[0]]
+        attrs["gated"] = positions
     return Fused("SharedInputMatMul", members, (x, *(n.inputs[1] for n in group), *split_inputs), tuple(outputs),
-                 {"splits": tuple(splits)} if splits else {})
+                 attrs)
+
+
+def _gate(m: Matcher, outputs: list) -> tuple[Node, tuple[int, int]] | None:
+    """(SiluMul node, (gate position, up position)) when a fused SiluMul is the only reader of two
+    of `outputs` (a layer's gate and up products)."""
+    for gate_position, gate in enumerate(outputs):
+        readers = m.readers.get(gate, ())
+        silu = readers[0] if len(readers) == 1 else None
+        if (silu is None or silu.op_type != "SiluMul" or silu.domain != DOMAIN or silu.index in m.taken
+                or silu.inputs[0] != gate or silu.inputs[1] not in outputs or silu.inputs[1] == gate):
+            continue
+        up = silu.inputs[1]
+        if len(m.readers.get(up, ())) == 1 and gate not in m.requested and up not in m.requested:
+            return silu, (gate_position, outputs.index(up))
+    return None
 
 
 def _biased(m: Matcher, add: Node) -> Fused | None:
