@@ -11,7 +11,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul
-from runnx.ops.fused_whisper import SplitHeads
+from runnx.ops.fused_whisper import AddLayerNorm, SplitHeads
 from runnx.ops.registry import register
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
@@ -98,11 +98,24 @@ def BiasedMatMul(x, weight, bias):
 
 
 @register("MatMulAddRMSNorm", since=1, domain=FUSED_DOMAIN)
-def MatMulAddRMSNorm(x, weight, residual, epsilon, one, norm_weight, *, axis: int = -1, to: int = 0, cast: int = 0):
-    """AddRMSNorm(residual, MatMul(x, weight)) (`runnx/interp/fusion/products.py`): the sum written
-    into the fresh product (addition commutes: the same sums as the unfused nodes')."""
-    return AddRMSNorm(residual, MatMul(x, weight), epsilon, one, norm_weight, axis=axis, to=to, cast=cast,
+def MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, *, axis: int = -1, to: int = 0,
+                     cast: int = 0):
+    """AddRMSNorm(residual, MatMul(x, weight) [+ bias]) (`runnx/interp/fusion/products.py`): the sum
+    written into the fresh product (addition commutes: the same sums as the unfused nodes')."""
+    return AddRMSNorm(residual, _product(x, weight, bias), epsilon, one, norm_weight, axis=axis, to=to, cast=cast,
                       overwrite=(1,))
+
+
+@register("MatMulAddLayerNorm", since=1, domain=FUSED_DOMAIN)
+def MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, *, axis: int = -1, epsilon: float = 1e-5,
+                       stash_type: int = 1):
+    """AddLayerNorm(residual, MatMul(x, weight) [+ bias]), as MatMulAddRMSNorm."""
+    return AddLayerNorm(residual, _product(x, weight, bias), scale, norm_bias, axis=axis, epsilon=epsilon,
+                        stash_type=stash_type, overwrite=(1,))
+
+
+def _product(x, weight, bias):
+    return MatMul(x, weight) if bias is None else BiasedMatMul(x, weight, bias)
 
 
 @register("Gemm", since=1)

@@ -329,3 +329,21 @@ def test_gate_and_up_products_give_their_silu_gate_as_one_node(workers):
             np.testing.assert_array_equal(fused["y"], plain["y"])
     finally:
         _decode_pool.set_workers(None)
+
+
+def test_a_biased_product_read_only_by_a_residual_add_and_layer_norm_joins_them():
+    rng = np.random.default_rng(8)
+    nodes = [helper.make_node("MatMul", ["h", "w"], ["p"]),
+             helper.make_node("Add", ["p", "b"], ["pb"]),
+             helper.make_node("Add", ["r", "pb"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "scale", "shift"], ["y"], axis=-1, epsilon=1e-5)]
+    model = _model(nodes, [("h", F), ("r", F)], [("s", F), ("y", F)], {
+        "w": rng.standard_normal((256, 384)).astype(np.float32), "b": rng.standard_normal(384).astype(np.float32),
+        "scale": rng.standard_normal(384).astype(np.float32), "shift": rng.standard_normal(384).astype(np.float32)})
+    for rows in (1, 4):
+        feeds = {"h": rng.standard_normal((1, rows, 256)).astype(np.float32),
+                 "r": rng.standard_normal((1, rows, 384)).astype(np.float32)}
+        fused, plain, ops = _both(model, feeds)
+        assert ops == ["MatMulAddLayerNorm"]
+        for name in plain:
+            np.testing.assert_array_equal(fused[name], plain[name])

@@ -205,7 +205,7 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     folder = fixtures_dir / "tiny-whisper"
     fused, plain = _encoders(folder)
     assert fused.fused == {"HeadsAttention": 2, "ErfGelu": 4, "AddLayerNorm": 5, "SharedInputMatMul": 2,
-                           "BiasedMatMul": 4}
+                           "MatMulAddLayerNorm": 4}
     assert not SHAPE_OPS & {n.op_type for n in fused.plan()}
     features = {"input_features": _features()}
     want = plain.run(features)["last_hidden_state"]
@@ -215,9 +215,10 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     # self-attention cache (both branches) and the cross-attention keys and values (first step);
     # each layer's q/k/v projections as one node, and the first step's cross-attention keys and
     # values of both layers (they all read the encoder's output) as one more; the out-projections
-    # and the second MLP product with their bias adds (3 a layer, both branches)
+    # and the second MLP product with their bias adds and the residual add + norm after them (3 a
+    # layer, both branches)
     assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14,
-                             "SharedInputMatMul": 5, "BiasedMatMul": 12}
+                             "SharedInputMatMul": 5, "MatMulAddLayerNorm": 12}
 
 
 def _greedy(folder, monkeypatch, fuse, features):
@@ -240,7 +241,7 @@ def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whispe
     features = [window_features(load_audio(audio_dir / clip), 80) for clip in ("john.wav", "long.wav")]
     fused, plain = _encoders(whisper_dir)
     assert fused.fused == {"HeadsAttention": 4, "ErfGelu": 6, "AddLayerNorm": 9, "SharedInputMatMul": 4,
-                           "BiasedMatMul": 8}
+                           "MatMulAddLayerNorm": 8}
     want = plain.run({"input_features": features[1]})["last_hidden_state"]
     got = fused.run({"input_features": features[1]})["last_hidden_state"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)

@@ -4,8 +4,8 @@ SharedInputMatMul node (kernel in `runnx/ops/linalg.py`), so that a decode step 
 pool one job for them, and runs one node, not three. A product whose only reader splits its heads
 (SplitHeads, whisper.py's pattern) gives the split heads itself, and a SiluMul of two of them
 (the gate and up products) gives its gated product instead of the two. A product whose only reader adds
-a constant bias becomes a BiasedMatMul node, one read only by a residual add and RMSNorm
-(AddRMSNorm) a MatMulAddRMSNorm node. Runs after the other patterns: a MatMul they take stays
+a constant bias becomes a BiasedMatMul node; one read (with or without its bias) only by a
+residual add and norm, a MatMulAddRMSNorm or MatMulAddLayerNorm node. Runs after the other patterns: a MatMul they take stays
 theirs.
 """
 from __future__ import annotations
@@ -107,22 +107,39 @@ def _biased(m: Matcher, add: Node) -> Fused | None:
     return None
 
 
+_NORMED = {"AddRMSNorm": "MatMulAddRMSNorm", "AddLayerNorm": "MatMulAddLayerNorm"}  # norm node -> fused op
+
+
 def _normed(m: Matcher, matmul: Node) -> Fused | None:
-    """AddRMSNorm(residual, MatMul(x, W)) (decoder.py's node) with constant W, the product read only
-    there: a layer's output projection, the residual add and the next norm as one node."""
-    if _weight(m, matmul) is None:
+    """AddRMSNorm / AddLayerNorm (residual, MatMul(x, W) [+ b]) with constant W and an optional
+    constant 1-D bias b, the product read only there: a layer's output projection (or second MLP
+    product), the residual add and the next norm as one node."""
+    weight = _weight(m, matmul)
+    if weight is None:
         return None
-    product = matmul.outputs[0]
-    readers = m.readers.get(product, ())
-    if len(readers) != 1 or product in m.requested:
+    chain, value, bias = [matmul], matmul.outputs[0], MISSING
+    readers = m.readers.get(value, ())
+    if len(readers) == 1 and readers[0].op_type == "Add" and readers[0].domain == "" and readers[0].since >= 7:
+        add = readers[0]
+        other = m.other(add, value)
+        constant = m.graph.constants.get(other)
+        if (len(add.inputs) == 2 and constant is not None and constant.ndim == 1
+                and constant.shape[0] in (1, weight.shape[1]) and constant.dtype == weight.dtype):
+            chain.append(add)
+            value, bias = add.outputs[0], other
+            readers = m.readers.get(value, ())
+    if len(readers) != 1:
         return None
     norm = readers[0]
-    if (norm.op_type != "AddRMSNorm" or norm.domain != DOMAIN or norm.index in m.taken
-            or list(norm.inputs).count(product) != 1 or product not in norm.inputs[:2]):
+    if (norm.op_type not in _NORMED or norm.domain != DOMAIN or norm.index in m.taken
+            or list(norm.inputs).count(value) != 1 or value not in norm.inputs[:2]):
         return None
-    residual = norm.inputs[1] if norm.inputs[0] == product else norm.inputs[0]
-    return Fused("MatMulAddRMSNorm", [matmul, norm], (*matmul.inputs, residual, *norm.inputs[2:]), norm.outputs,
+    chain.append(norm)
+    if not m.private(chain, tuple(norm.outputs)):
+        return None
+    residual = norm.inputs[1] if norm.inputs[0] == value else norm.inputs[0]
+    return Fused(_NORMED[norm.op_type], chain, (*matmul.inputs, bias, residual, *norm.inputs[2:]), norm.outputs,
                  norm.attrs)
 
 
-PATTERNS = (("MatMul", _shared_input), ("Add", _biased), ("MatMul", _normed))
+PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased))
