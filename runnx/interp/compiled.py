@@ -59,9 +59,10 @@ def _bind_lines(name: str, source: str, indent: str, fallback: str) -> list[str]
 
 
 def _memo_lines(outputs: list) -> list[str]:
-    """Bind a memo node's outputs ((position, name) pairs; its result is always a tuple): its kept arrays are read-only and never share
-    storage with a graph value (shape_cache.py copies those that would), so neither they nor views
-    of them are ever written in place, and their storage is not counted (no keys)."""
+    """Bind a memo node's outputs ((position, name) pairs; its result is always a tuple): its kept
+    arrays are read-only and never share storage with a graph value (shape_cache.py copies those
+    that would), so neither they nor views of them are ever written in place, and their storage is
+    not counted (no keys)."""
     lines = []
     for j, name in outputs:
         lines += [f"        o = r[{j}]",

@@ -289,4 +289,5 @@ def _masked_attention(m: Matcher, where: Node) -> Fused | None:
 
 # AddRMSNorm matches the RMSNorm nodes the first pattern made
 PATTERNS = (("Pow", _rms_norm), ("Sigmoid", _silu_mul), ("Concat", _rotate_half), ("Softmax", _attention),
-            ("Add", _add_rms_norm), ("Concat", _rope_append), ("Transpose", _merged_heads), ("Where", _masked_attention))
+            ("Add", _add_rms_norm), ("Concat", _rope_append), ("Transpose", _merged_heads),
+            ("Where", _masked_attention))
