@@ -12,9 +12,16 @@ from runnx.capture.ownership import Owned
 
 
 @numba.njit(cache=True)
-def _same_start(view, buffer) -> bool:
-    """Whether two arrays start at the same address (numpy's own `.ctypes.data` costs ~2 us)."""
-    return view.ctypes.data == buffer.ctypes.data
+def prefix_room(view, buffer, axis):
+    """Rows `view` can grow by along `axis` inside `buffer` when it is a prefix view of it (same
+    start, strides and other dimensions), else -1; arrays of one rank and dtype. numba: numpy's own
+    `.ctypes.data` costs ~2 us, and fused kernels appending to a cache call this directly."""
+    if view.ctypes.data != buffer.ctypes.data:
+        return -1
+    for a in range(view.ndim):
+        if view.strides[a] != buffer.strides[a] or (a != axis and view.shape[a] != buffer.shape[a]):
+            return -1
+    return buffer.shape[axis] - view.shape[axis]
 
 
 def _axis(array: np.ndarray, axis: int) -> int:
@@ -47,12 +54,7 @@ def spare_capacity(view: np.ndarray, axis: int) -> int:
     buffer = view.base
     if type(buffer) is not np.ndarray or buffer.ndim != view.ndim or buffer.dtype != view.dtype:
         return 0
-    vshape, bshape = view.shape, buffer.shape
-    if view.strides != buffer.strides or vshape[:axis] != bshape[:axis] or vshape[axis + 1:] != bshape[axis + 1:]:
-        return 0
-    if not _same_start(view, buffer):
-        return 0
-    return bshape[axis] - vshape[axis]
+    return max(prefix_room(view, buffer, axis), 0)
 
 
 def write_rows(buffer: np.ndarray, axis: int, start: int, rows: np.ndarray) -> None:

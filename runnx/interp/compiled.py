@@ -41,8 +41,9 @@ def bound_output(value) -> tuple:
 
 
 def _bind_lines(name: str, source: str, indent: str, fallback: str) -> list[str]:
-    """Register output `source` as the value in v<name>, k<name>: an ndarray inline (its storage counted once more,
-    owned when fresh and writeable); anything else as the (value, keys) pair `fallback` gives."""
+    """Register output `source` as the value of locals v<name>, k<name>: an ndarray inline (its
+    storage counted once more, owned when fresh and writeable); anything else as the (value, keys)
+    pair `fallback` gives."""
     return [f"{indent}if type({source}) is nd:",
             f"{indent}    v{name} = {source}",
             f"{indent}    key = id({source}) if {source}.base is None else id(root({source}))",
@@ -81,30 +82,20 @@ def _names(plan) -> dict[int, str]:
     begin. A plan then has tens of locals, not thousands: Python 3.11 allocates frames in 16 KiB
     chunks, and a frame nearly filling one made every call from it map and unmap a fresh chunk
     (~900 a SmolLM2 step, 12 ms)."""
-    names = {vid: f"c{vid}" for vid in plan.constants}
+    slot_of: dict[int, int] = {}
     free: list[int] = []
-    slots = 0
-
-    def take(vid: int) -> None:
-        nonlocal slots
-        if vid in names:
-            return
-        if free:
-            slot = free.pop()
-        else:
-            slot, slots = slots, slots + 1
-        names[vid] = f"s{slot}"
-
-    for vid in plan.inputs:
-        take(vid)
-    for step in plan.steps:
-        for vid in step.outputs:
-            if vid != MISSING:
-                take(vid)
-        for vid in step.releases:  # after the outputs: a step binds its outputs before it releases
-            if not names[vid].startswith("c"):
-                free.append(int(names[vid][1:]))
-    return names
+    used = 0
+    for produced, released in ((plan.inputs, ()), *((step.outputs, step.releases) for step in plan.steps)):
+        for vid in produced:
+            if vid != MISSING and vid not in slot_of:
+                if free:
+                    slot_of[vid] = free.pop()
+                else:
+                    slot_of[vid], used = used, used + 1
+        for vid in released:  # after the outputs: a step binds its outputs before it releases
+            if vid in slot_of:
+                free.append(slot_of[vid])
+    return {**{vid: f"s{slot}" for vid, slot in slot_of.items()}, **{vid: f"c{vid}" for vid in plan.constants}}
 
 
 def compile_plan(graph: Graph, plan):

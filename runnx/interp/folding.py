@@ -22,17 +22,24 @@ def _foldable(graph: Graph, node) -> bool:
             and all(v == MISSING or (v in graph.constants and v not in graph.optional_inputs) for v in node.inputs))
 
 
+def out_of_place_kwargs(node) -> dict:
+    """The node's attributes and the reserved keywords that run its kernel outside the executor
+    (no input overwritten; `ctx`, when the kernel takes it, is the caller's to add)."""
+    kernel = node.kernel
+    kwargs = dict(node.attrs)
+    if kernel.inplace or kernel.inplace_from is not None:
+        kwargs["overwrite"] = ()
+    if kernel.wants_output_count:
+        kwargs["output_count"] = len(node.outputs)
+    return kwargs
+
+
 def call_out_of_place(node, args: list, ctx):
     """Run one node's kernel outside the executor: no input may be overwritten."""
-    kernel = node.kernel
-    extra = {}
-    if kernel.inplace or kernel.inplace_from is not None:
-        extra["overwrite"] = ()
-    if kernel.wants_ctx:
-        extra["ctx"] = ctx
-    if kernel.wants_output_count:
-        extra["output_count"] = len(node.outputs)
-    return kernel.fn(*args, **node.attrs, **extra)
+    kwargs = out_of_place_kwargs(node)
+    if node.kernel.wants_ctx:
+        kwargs["ctx"] = ctx
+    return node.kernel.fn(*args, **kwargs)
 
 
 def _evaluate(graph: Graph, node, ctx) -> list | None:

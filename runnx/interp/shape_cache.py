@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.errors import NodeError, RunnxError
-from runnx.interp.folding import NONDETERMINISTIC
+from runnx.interp.folding import NONDETERMINISTIC, out_of_place_kwargs
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.ops.registry import Kernel
 
@@ -216,7 +216,7 @@ class ShapeGroup:
         return result
 
     def _compute(self, args, ctx) -> tuple:
-        """Run the members (a new key): as `call_out_of_place` would, from a program made once."""
+        """Run the members (a new key) out of place, from a program made once."""
         program = self._program
         if program is None:
             program = self._program = _GroupProgram(self)
@@ -267,14 +267,8 @@ class _GroupProgram:
         self.values = values
         steps = []
         for node, outputs in zip(group.members, writes):
-            kernel = node.kernel
-            kwargs = dict(node.attrs)
-            if kernel.inplace or kernel.inplace_from is not None:
-                kwargs["overwrite"] = ()
-            if kernel.wants_output_count:
-                kwargs["output_count"] = len(node.outputs)
-            steps.append((kernel.fn, tuple(slots[v] for v in node.inputs), kwargs,
-                          outputs, kernel.wants_ctx, node))
+            steps.append((node.kernel.fn, tuple(slots[v] for v in node.inputs), out_of_place_kwargs(node), outputs,
+                          node.kernel.wants_ctx, node))
         self.steps = tuple(steps)
         self.results = tuple(slots[v] for v in group.outputs)
 

@@ -16,6 +16,8 @@ from numba.core import types
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
+from runnx.capture.capacity import prefix_room
+
 _REORDER = {"reassoc", "contract", "nsz", "arcp"}
 _UNROLL = 4  # cache rows per pass: fewer loads and stores of the accumulators
 
@@ -341,18 +343,6 @@ def _rotate_rows(x, cos, sin, half, out, start):
 
 
 @_kernel()
-def _has_room(past, buffer, rows):
-    """Whether 4-D `past` is a prefix of `buffer` along axis 2 (same start, strides and other
-    dimensions) with room for `rows` more rows after it."""
-    if past.ctypes.data != buffer.ctypes.data:
-        return False
-    for axis in range(4):
-        if past.strides[axis] != buffer.strides[axis] or (axis != 2 and past.shape[axis] != buffer.shape[axis]):
-            return False
-    return buffer.shape[2] - past.shape[2] >= rows
-
-
-@_kernel()
 def rope_append_into(query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin,
                      key_cos, key_sin, query_half, key_half):
     """A decoder layer's rotary embedding and cache growth in one call: (True, rotate_half(query))
@@ -366,7 +356,7 @@ def rope_append_into(query, key, value, past_key, key_buffer, past_value, value_
     for new, past, buffer in ((key, past_key, key_buffer), (value, past_value, value_buffer)):
         if new.shape[0] != past.shape[0] or new.shape[1] != past.shape[1] or new.shape[3] != past.shape[3]:
             return False, nothing
-        if not _has_room(past, buffer, new.shape[2]):
+        if prefix_room(past, buffer, 2) < new.shape[2]:
             return False, nothing
     rotated = np.empty(query.shape, query.dtype)
     _rotate_rows(query, query_cos, query_sin, query_half, rotated, 0)

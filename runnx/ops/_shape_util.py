@@ -57,6 +57,13 @@ def scalar_value(tensor, what: str):
     return array.reshape(-1)[0].item()
 
 
+def checked_index(index: int, size: int, what: str = "index") -> int:
+    """One integer index in [-size, size) made non-negative; RunnxError outside."""
+    if not -size <= index < size:
+        raise RunnxError(f"{what} {index} is out of range for a dimension of size {size}")
+    return index + size if index < 0 else index
+
+
 def checked_indices(indices: np.ndarray, size: int, what: str = "index") -> np.ndarray:
     """Integer indices in [-size, size) made non-negative (int64); RunnxError for any outside."""
     indices = np.asarray(indices).astype(np.int64, copy=False)
@@ -67,9 +74,8 @@ def checked_indices(indices: np.ndarray, size: int, what: str = "index") -> np.n
         low, high = min(flat), max(flat)
     else:
         low, high = int(indices.min()), int(indices.max())
-    if low < -size or high >= size:
-        bad = low if low < -size else high
-        raise RunnxError(f"{what} {bad} is out of range for a dimension of size {size}")
+    checked_index(low, size, what)
+    checked_index(high, size, what)
     return indices if low >= 0 else np.where(indices < 0, indices + size, indices)
 
 

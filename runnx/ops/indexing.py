@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.errors import RunnxError
-from runnx.ops._shape_util import checked_indices, int_values, normalize_axis, scalar_value
+from runnx.ops._shape_util import checked_index, checked_indices, int_values, normalize_axis, scalar_value
 from runnx.ops.registry import register
 
 
@@ -17,18 +17,11 @@ from runnx.ops.registry import register
 def Gather(data, indices, *, axis: int = 0):
     axis = normalize_axis(axis, data.ndim)
     if type(indices) is np.ndarray and indices.ndim == 0 and indices.dtype.kind in "iu":  # shape bookkeeping
-        return data[(slice(None),) * axis + (_scalar_index(int(indices), data.shape[axis]),)]
+        return data[(slice(None),) * axis + (checked_index(int(indices), data.shape[axis]),)]
     positions = checked_indices(indices, data.shape[axis])
     if positions.ndim == 0:  # one index: a view, like numpy basic indexing
         return data[(slice(None),) * axis + (int(positions),)]
     return np.take(data, positions, axis=axis)
-
-
-def _scalar_index(index: int, size: int) -> int:
-    """One index made non-negative, as checked_indices does for arrays."""
-    if not -size <= index < size:
-        raise RunnxError(f"index {index} is out of range for a dimension of size {size}")
-    return index + size if index < 0 else index
 
 
 def _element_index(indices, axis: int, shape) -> tuple:

@@ -90,20 +90,27 @@ def _gate(m: Matcher, outputs: list) -> tuple[Node, tuple[int, int]] | None:
     return None
 
 
-def _biased(m: Matcher, add: Node) -> Fused | None:
-    """Add(MatMul(x, W), b) with constant W and a constant bias b broadcasting into the product's
-    last axis, the product read only there: a linear layer with its bias, one node."""
-    if len(add.inputs) != 2 or add.since < 7:
+def _bias(m: Matcher, add: Node, product: int, weight) -> int | None:
+    """The constant 1-D bias that `add` adds to `product` (a MatMul by `weight`), else None."""
+    if add.op_type != "Add" or add.domain != "" or add.since < 7 or len(add.inputs) != 2:
         return None
-    for position in (0, 1):
-        matmul = m.graph.producer.get(add.inputs[position])
-        bias = m.graph.constants.get(add.inputs[1 - position])
-        if matmul is None or bias is None or (weight := _weight(m, matmul)) is None:
+    bias = m.other(add, product)
+    value = m.graph.constants.get(bias)
+    if value is None or value.ndim != 1 or value.shape[0] not in (1, weight.shape[1]) or value.dtype != weight.dtype:
+        return None
+    return bias
+
+
+def _biased(m: Matcher, add: Node) -> Fused | None:
+    """Add(MatMul(x, W), b) with constant W and a constant 1-D bias b, the product read only there:
+    a linear layer with its bias, one node."""
+    for product in add.inputs:
+        matmul = m.graph.producer.get(product)
+        weight = _weight(m, matmul) if matmul is not None else None
+        if weight is None or (bias := _bias(m, add, product, weight)) is None:
             continue
-        if bias.ndim == 1 and bias.shape[0] in (1, weight.shape[1]) and bias.dtype == weight.dtype and m.private(
-                [matmul, add], add.outputs[0]):
-            return Fused("BiasedMatMul", [matmul, add], (matmul.inputs[0], matmul.inputs[1], add.inputs[1 - position]),
-                         add.outputs, {})
+        if m.private([matmul, add], add.outputs[0]):
+            return Fused("BiasedMatMul", [matmul, add], (*matmul.inputs, bias), add.outputs, {})
     return None
 
 
@@ -119,15 +126,10 @@ def _normed(m: Matcher, matmul: Node) -> Fused | None:
         return None
     chain, value, bias = [matmul], matmul.outputs[0], MISSING
     readers = m.readers.get(value, ())
-    if len(readers) == 1 and readers[0].op_type == "Add" and readers[0].domain == "" and readers[0].since >= 7:
-        add = readers[0]
-        other = m.other(add, value)
-        constant = m.graph.constants.get(other)
-        if (len(add.inputs) == 2 and constant is not None and constant.ndim == 1
-                and constant.shape[0] in (1, weight.shape[1]) and constant.dtype == weight.dtype):
-            chain.append(add)
-            value, bias = add.outputs[0], other
-            readers = m.readers.get(value, ())
+    if len(readers) == 1 and (found := _bias(m, readers[0], value, weight)) is not None:
+        chain.append(readers[0])
+        value, bias = readers[0].outputs[0], found
+        readers = m.readers.get(value, ())
     if len(readers) != 1:
         return None
     norm = readers[0]
