@@ -2,7 +2,9 @@
 
 A decode step multiplies one row by each weight matrix. OpenBLAS's one-row kernel spends a good
 part of its time outside the memory stream (measured in scripts/bench_gemv.py); a plain loop that
-streams the matrix row by row, the output row held in L1, keeps up with memory instead. The rows
+streams the matrix four rows per pass, the output row held in L1, keeps up with memory instead
+(four rows: a quarter of the output's loads and stores, and four streams in flight; on a Zen 5
+1.4-1.8x one row per pass, see docs/benchmarks.md). The rows
 are cut into `ROW_CHUNKS` chunks whose partial sums are added in chunk order: the chunks are what
 `_decode_pool.py` shares between threads, and since they depend on the matrix's shape only, the
 pool's result is bitwise this loop's (and the same on every machine: no reassociation, so no
@@ -14,9 +16,6 @@ import numba
 import numpy as np
 
 ROW_CHUNKS = 8
-# from this output width on, a row pass reloads more output than L1 keeps close: take four rows per
-# pass (the same sums in the same order; narrower, one row per pass streams faster)
-_WIDE = 1024
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -31,19 +30,17 @@ def chunk_bounds(depth, chunks, index):
 def rows_into(row, matrix, partial, start, stop):
     """partial = row[start:stop] @ matrix[start:stop], each column summed in order of k."""
     partial[:] = 0
-    whole = start
-    if partial.size >= _WIDE:  # four rows per pass: a quarter of the loads and stores of partial
-        whole += (stop - start) // 4 * 4
-        for k in range(start, whole, 4):
-            f0, f1, f2, f3 = row[k], row[k + 1], row[k + 2], row[k + 3]
-            w0, w1, w2, w3 = matrix[k], matrix[k + 1], matrix[k + 2], matrix[k + 3]
-            for n in range(partial.size):
-                total = partial[n]
-                total += f0 * w0[n]
-                total += f1 * w1[n]
-                total += f2 * w2[n]
-                total += f3 * w3[n]
-                partial[n] = total
+    whole = start + (stop - start) // 4 * 4
+    for k in range(start, whole, 4):  # four rows per pass, then the rest one by one
+        f0, f1, f2, f3 = row[k], row[k + 1], row[k + 2], row[k + 3]
+        w0, w1, w2, w3 = matrix[k], matrix[k + 1], matrix[k + 2], matrix[k + 3]
+        for n in range(partial.size):
+            total = partial[n]
+            total += f0 * w0[n]
+            total += f1 * w1[n]
+            total += f2 * w2[n]
+            total += f3 * w3[n]
+            partial[n] = total
     for k in range(whole, stop):
         factor = row[k]
         weights = matrix[k]
