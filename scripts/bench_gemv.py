@@ -7,8 +7,8 @@ through more copies of the matrix than the L3 cache holds.
     python scripts/bench_gemv.py [--threads 1] [--rounds 3]
 
 Prints microseconds per product (best of rounds) and OpenBLAS's time over runnx's (MatMul's
-choice, runnx/ops/linalg.py: the pool with more than one thread, else the loop for matrices of at
-most 768 columns and 640 Ki elements, else OpenBLAS). OpenBLAS runs last: once its
+choice, runnx/ops/linalg.py: the pool with more than one thread, else the loop). OpenBLAS runs
+last: once its
 threads have run they spin between calls and take the core the decode-pool's worker needs.
 """
 from __future__ import annotations

@@ -16,13 +16,11 @@ from runnx.ops.registry import register
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
 # decode-pool's workers when there are any (float32, this many elements on: smaller products are done
-# before a worker could help); else to the loop on this thread when the matrix is narrow and small
-# enough; else to BLAS (scripts/bench_gemv.py, with 1 and 2 threads)
+# before a worker could help); else to the loop on this thread, which keeps up with OpenBLAS's one-row
+# kernel or beats it (scripts/bench_gemv.py, with 1 and 2 threads)
 _ROW_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _POOLED_ELEMENTS = 1 << 16
 _FLOAT32 = np.dtype(np.float32)
-_ROW_KERNEL_COLUMNS = 768
-_ROW_KERNEL_ELEMENTS = 640 * 1024
 
 
 def _in_dtype(result, dtype):
@@ -54,8 +52,7 @@ def MatMul(a, b):
         (product,) = workers.products(a.reshape(-1), (b,))
         return product.reshape(a.shape[:-1] + product.shape)
     if _one_row(a, b):
-        if b.shape[1] <= _ROW_KERNEL_COLUMNS and b.size <= _ROW_KERNEL_ELEMENTS:
-            return row_times_matrix(a.reshape(-1), b).reshape(a.shape[:-1] + b.shape[1:])
+        return row_times_matrix(a.reshape(-1), b).reshape(a.shape[:-1] + b.shape[1:])
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # one GEMM over all leading rows instead of numpy's GEMM (or GEMV) per batch entry
         rows = np.matmul(a.reshape(-1, a.shape[-1]), b)

@@ -85,23 +85,19 @@ def test_matmul_batched_by_2d_matches_numpy():
 
 @pytest.mark.parametrize("row_shape", [(6,), (1, 6), (1, 1, 6)])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_matmul_one_row_takes_the_loop_with_numpys_shapes(row_shape, dtype):
-    # decoding's one-row products of small matrices take runnx's loop (its summation order is
-    # tested in test_decode_pool.py); numpy's shapes and dtype
+@pytest.mark.parametrize("columns", [7, 5000])
+def test_matmul_one_row_takes_the_loop_with_numpys_shapes(row_shape, dtype, columns):
+    # decoding's one-row products, narrow or as wide as an LM head, take runnx's loop (its
+    # summation order is tested in test_decode_pool.py); numpy's shapes and dtype
     from runnx.ops._kernels_linalg import row_times_matrix
 
     row = RNG.standard_normal(row_shape).astype(dtype)
-    matrix = RNG.standard_normal((6, 7)).astype(dtype)
+    matrix = RNG.standard_normal((6, columns)).astype(dtype)
     got = run_node("MatMul", [row, matrix])
     assert got.shape == np.matmul(row, matrix).shape and got.dtype == dtype
     np.testing.assert_array_equal(got.reshape(-1), row_times_matrix(row.reshape(-1), matrix))
 
 
-def test_matmul_wide_or_batched_products_stay_with_blas():
-    from runnx.ops import linalg
-
-    wide = RNG.standard_normal((4, linalg._ROW_KERNEL_COLUMNS + 1)).astype(F32)
-    row = RNG.standard_normal((1, 4)).astype(F32)
-    np.testing.assert_array_equal(run_node("MatMul", [row, wide]), np.matmul(row, wide))
+def test_matmul_batched_products_stay_with_blas():
     rows = RNG.standard_normal((2, 1, 4)).astype(F32)
     np.testing.assert_array_equal(run_node("MatMul", [rows, B]), np.matmul(rows.reshape(2, 4), B).reshape(2, 1, 5))
