@@ -19,9 +19,20 @@ def machine() -> str:
     except (OSError, StopIteration):
         cpu = platform.processor() or "unknown CPU"
     parts = [cpu, f"{os.cpu_count()} cores", f"Python {platform.python_version()}"]
-    parts += [f"{k}={os.environ[k]}" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
-              if os.environ.get(k)]
-    return ", ".join(parts)
+    parts += [f"{k}={os.environ[k]}" for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "NUMBA_NUM_THREADS",
+                                               "OPENBLAS_CORETYPE") if os.environ.get(k)]
+    return ", ".join(parts + _openblas_kernels())
+
+
+def _openblas_kernels() -> list[str]:
+    """OpenBLAS's kernel family as loaded here (it picks AVX2 'Haswell' or AVX-512 'SkylakeX' ones by
+    CPU or by OPENBLAS_CORETYPE): prefill and the encoder's GEMMs run at its speed."""
+    import numpy  # noqa: F401  (loads OpenBLAS, so that threadpoolctl finds it)
+    import threadpoolctl
+
+    kernels = sorted({pool.get("architecture") or "?" for pool in threadpoolctl.threadpool_info()
+                      if pool.get("internal_api") == "openblas"})
+    return [f"OpenBLAS {'/'.join(kernels)} kernels"] if kernels else []
 
 
 def git_revision() -> str:
