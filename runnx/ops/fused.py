@@ -91,9 +91,10 @@ def _norm_kernel_applies(x, epsilon, one, weight, axis: int, to: int) -> bool:
 def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0, overwrite=()):
     """(s, RMSNorm(s)) with s = Cast(a + b, cast) (cast=0: no Cast): a residual add, kept for the
     next one, and the norm reading it (onnxruntime's SkipSimplifiedLayerNormalization). Equal
-    shapes and dtypes, both C-contiguous: one numba call (the sum into a or b when granted)."""
-    if (not cast and a.shape == b.shape and a.dtype == b.dtype and b.flags.c_contiguous
-            and _norm_kernel_applies(a, epsilon, one, weight, axis, to)):
+    shapes and dtypes, both C-contiguous, no Cast to another dtype (Llama exports cast float32 to
+    float32): one numba call (the sum into a or b when granted)."""
+    if ((not cast or ONNX_TO_NUMPY.get(cast) == a.dtype) and a.shape == b.shape and a.dtype == b.dtype
+            and b.flags.c_contiguous and _norm_kernel_applies(a, epsilon, one, weight, axis, to)):
         residual = a if 0 in overwrite else b if 1 in overwrite else np.empty_like(a)
         return residual, add_rms_norm(a, b, residual, epsilon.item(), one.item(), weight)
     residual = binary(np.add, a, b, overwrite)

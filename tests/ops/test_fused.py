@@ -7,7 +7,7 @@ import pytest
 import runnx
 import runnx.ops.fused as fused_ops
 from runnx.errors import RunnxError
-from runnx.ops.fused import RepeatedKVAttention, RepeatedKVShape, RMSNorm, RopeAppend, RotateHalf, SiluMul, attend
+from runnx.ops.fused import AddRMSNorm, RepeatedKVAttention, RepeatedKVShape, RMSNorm, RopeAppend, RotateHalf, SiluMul, attend
 from runnx.ops.shape import Slice
 
 RNG = np.random.default_rng(0)
@@ -39,6 +39,22 @@ def test_rms_norm_is_bitwise_the_unfused_operations(dtype, width):
         assert got.dtype == dtype
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(RMSNorm(x[:, :1], epsilon, one, w, axis=2), want[:, :1])
+
+
+@pytest.mark.parametrize("cast", [0, 1, 11])
+def test_add_rms_norm_is_bitwise_the_unfused_add_cast_and_norm(cast, monkeypatch):
+    # a Cast to the sum's own dtype (float32 Llama exports: cast=1) takes the one-call kernel too;
+    # a Cast to float64 goes the unfused way
+    kernel, calls = fused_ops.add_rms_norm, []
+    monkeypatch.setattr(fused_ops, "add_rms_norm", lambda *args: calls.append(1) or kernel(*args))
+    a, b = (RNG.standard_normal((1, 3, 40)).astype(np.float32) for _ in range(2))
+    total = np.add(a, b).astype(np.float64 if cast == 11 else np.float32)
+    epsilon, one = np.array(1e-5, total.dtype), np.array(1, total.dtype)
+    weight = RNG.standard_normal(40).astype(total.dtype)
+    residual, normed = AddRMSNorm(a, b, epsilon, one, weight, cast=cast)
+    np.testing.assert_array_equal(residual, total)
+    np.testing.assert_array_equal(normed, RMSNorm(total, epsilon, one, weight))
+    assert len(calls) == (cast != 11)
 
 
 def test_rms_norm_of_zeros_without_epsilon_is_nan_not_an_error():
