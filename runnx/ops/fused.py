@@ -84,17 +84,23 @@ def _norm_kernel_applies(x, epsilon, one, weight, axis: int, to: int) -> bool:
     return (dtype in _KERNEL_DTYPES and x.ndim and axis in (-1, x.ndim - 1) and x.flags.c_contiguous
             and epsilon.dtype == dtype and one.dtype == dtype and weight.dtype == dtype
             and weight.shape == x.shape[-1:] and epsilon.size == 1 and one.size == 1
-            and epsilon.ndim <= x.ndim and one.ndim <= x.ndim and (to == 0 or ONNX_TO_NUMPY.get(to) == dtype))
+            and epsilon.ndim <= x.ndim and one.ndim <= x.ndim and _casts_to_itself(to, dtype))
+
+
+def _casts_to_itself(to: int, dtype) -> bool:
+    """Whether Cast(to) (0: no Cast) leaves a `dtype` value as it is (float32 Llama exports cast
+    float32 to float32)."""
+    return to == 0 or ONNX_TO_NUMPY.get(to) == dtype
 
 
 @register("AddRMSNorm", since=1, domain=DOMAIN, inplace=(0, 1))
 def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0, overwrite=()):
     """(s, RMSNorm(s)) with s = Cast(a + b, cast) (cast=0: no Cast): a residual add, kept for the
     next one, and the norm reading it (onnxruntime's SkipSimplifiedLayerNormalization). Equal
-    shapes and dtypes, both C-contiguous, no Cast to another dtype (Llama exports cast float32 to
-    float32): one numba call (the sum into a or b when granted)."""
-    if ((not cast or ONNX_TO_NUMPY.get(cast) == a.dtype) and a.shape == b.shape and a.dtype == b.dtype
-            and b.flags.c_contiguous and _norm_kernel_applies(a, epsilon, one, weight, axis, to)):
+    shapes and dtypes, both C-contiguous, no Cast to another dtype: one numba call (the sum into a
+    or b when granted)."""
+    if (_casts_to_itself(cast, a.dtype) and a.shape == b.shape and a.dtype == b.dtype and b.flags.c_contiguous
+            and _norm_kernel_applies(a, epsilon, one, weight, axis, to)):
         residual = a if 0 in overwrite else b if 1 in overwrite else np.empty_like(a)
         return residual, add_rms_norm(a, b, residual, epsilon.item(), one.item(), weight)
     residual = binary(np.add, a, b, overwrite)

@@ -7,7 +7,8 @@ import pytest
 import runnx
 import runnx.ops.fused as fused_ops
 from runnx.errors import RunnxError
-from runnx.ops.fused import AddRMSNorm, RepeatedKVAttention, RepeatedKVShape, RMSNorm, RopeAppend, RotateHalf, SiluMul, attend
+from runnx.ops.fused import (AddRMSNorm, RepeatedKVAttention, RepeatedKVShape, RMSNorm, RopeAppend, RotateHalf, SiluMul,
+                             attend)
 from runnx.ops.shape import Slice
 
 RNG = np.random.default_rng(0)
