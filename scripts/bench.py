@@ -8,7 +8,8 @@ its own, and BLAS/numba/onnxruntime thread counts are set before anything starts
 Sections: SmolLM2-135M decode tokens/s at each context (random past KV of that length, median of
 the steps) and prefill tokens/s for a 512-token prompt, model load time, peak RSS; Whisper
 tiny.en encoder seconds per 30 s window and decoder ms/token (scripts/bench_whisper.py);
-per-node dispatch on a 1000-node chain of tiny ops (scripts/bench_dispatch.py).
+per-node dispatch on a 1000-node chain of tiny ops (scripts/bench_dispatch.py); SmolLM2 decode
+with runnx and onnxruntime in one process, in alternating blocks of steps (scripts/bench_pairs.py).
 Models come from `make models` (${RUNNX_CACHE:-~/.cache/runnx}/models).
 """
 from __future__ import annotations
@@ -265,6 +266,9 @@ def main(args) -> None:
     print(table + "\n" + ratios)
     whisper = {t: _script_output("bench_whisper.py", ["--threads", str(t)], t) for t in thread_counts}
     dispatch = _script_output("bench_dispatch.py", [], 1)
+    for threads in thread_counts:  # writes its own section (unless --no-write)
+        _script_output("bench_pairs.py", ["--threads", str(threads), "--contexts", args.contexts]
+                       + (["--no-write"] if args.no_write else []), threads)
     if args.no_write:
         return
     sys.path.insert(0, str(ROOT / "scripts"))

@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from report import git_revision, machine, set_threads, update_section  # noqa: E402
 
 
 def _parse():
@@ -35,16 +37,13 @@ def _parse():
 
 
 ARGS = _parse()
-for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-    os.environ[variable] = str(ARGS.threads)  # before numpy loads its BLAS
+set_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402
 import onnxruntime  # noqa: E402
 
 import runnx  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "scripts"))
-from report import git_revision, machine, update_section  # noqa: E402
 
 
 def _feeds(ids, past_length, past):

@@ -10,6 +10,13 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PAGE = DOCS / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun the command to refresh it.\n"
+THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def set_threads(count: int) -> None:
+    """BLAS, OpenMP and numba thread counts for this process: call it before numpy loads its BLAS."""
+    for variable in THREAD_VARIABLES:
+        os.environ[variable] = str(count)
 
 
 def machine() -> str:

@@ -1,0 +1,110 @@
+"""SmolLM2-135M decode, runnx and onnxruntime in one process, timed in alternating blocks of steps:
+the ratio without the minutes-long swings of this kind of machine (memory bandwidth shared with
+other guests) that separate processes see. Writes a section of docs/benchmarks.md.
+
+    .venv/bin/python scripts/bench_pairs.py [--threads N] [--contexts 32,512,2000] [--blocks 8]
+
+Per context, each runner decodes from its own random past KV of that length (runnx's as `Owned`
+capacity buffers), then the runners take turns, A B B A ..., for `blocks` blocks of `steps` greedy
+steps each, a short pause between blocks so that neither's spinning threads overlap the other's.
+A block's figure is its median step; the ratio is the median of the blocks' ratios (each runnx
+block against the other runner's block of the same turn pair), with their range.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from report import git_revision, machine, set_threads, update_section  # noqa: E402
+
+
+def _parse():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contexts", default="32,512,2000")
+    parser.add_argument("--blocks", type=int, default=8, help="blocks per runner and context")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per block")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    return parser.parse_args()
+
+
+ARGS = _parse()
+set_threads(ARGS.threads)
+
+import runnx  # noqa: E402  (first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS)
+
+import numpy as np  # noqa: E402
+import onnxruntime  # noqa: E402
+
+import bench  # noqa: E402
+
+bench.runnx, bench.np, bench.onnxruntime = runnx, np, onnxruntime  # bench.py imports them in its workers only
+PAUSE_SECONDS = 0.02  # onnxruntime's pool spins for a few ms after a run, runnx's decode pool for 2.5
+
+
+def _blocks(engines: dict, context: int) -> dict:
+    """{runner: [tokens/s of each block]} for one context, the runners' turns alternating."""
+    token = np.array([[42]], np.int64)
+    states = {}
+    for name, engine in engines.items():
+        rng = np.random.default_rng(0)
+        past = engine.step(token, context, bench._random_past(engine.kv, context, rng),
+                           context + ARGS.blocks * ARGS.steps + 2)  # warm-up, the cache in its own form
+        states[name] = (past, context + 1)
+    speeds = {name: [] for name in engines}
+    order = list(engines)
+    for block in range(ARGS.blocks):
+        for name in order if block % 2 == 0 else order[::-1]:
+            time.sleep(PAUSE_SECONDS)
+            past, length = states[name]
+            times = []
+            for _ in range(ARGS.steps):
+                begin = time.perf_counter()
+                past = engines[name].step(token, length, past, 0)
+                times.append(time.perf_counter() - begin)
+                length += 1
+            states[name] = (past, length)
+            speeds[name].append(1.0 / statistics.median(times))
+    return speeds
+
+
+def main() -> None:
+    if not bench.SMOLLM2.exists():
+        sys.exit(f"{bench.SMOLLM2} is missing: run `make models` first")
+    engines = {"runnx": bench._Runnx(bench.SMOLLM2, ARGS.threads),
+               "onnxruntime": bench._OnnxRuntime(bench.SMOLLM2, ARGS.threads)}
+    lines = [f"SmolLM2-135M decode, {ARGS.threads} thread(s), runnx and onnxruntime in one process: "
+             f"{ARGS.blocks} alternating blocks of {ARGS.steps} steps each",
+             f"{'context':>8}{'runnx tok/s':>14}{'onnxruntime':>14}{'ratio':>8}{'block ratios':>16}"]
+    print("\n".join(lines), flush=True)
+    for context in [int(c) for c in ARGS.contexts.split(",")]:
+        speeds = _blocks(engines, context)
+        ratios = [mine / theirs for mine, theirs in zip(speeds["runnx"], speeds["onnxruntime"])]
+        lines.append(f"{context:>8}{statistics.median(speeds['runnx']):>14.1f}"
+                     f"{statistics.median(speeds['onnxruntime']):>14.1f}{statistics.median(ratios):>7.2f}x"
+                     f"{min(ratios):>10.2f}-{max(ratios):.2f}")
+        print(lines[-1], flush=True)
+    if ARGS.no_write:
+        return
+    command = (f".venv/bin/python scripts/bench_pairs.py --threads {ARGS.threads} --contexts {ARGS.contexts} "
+               f"--blocks {ARGS.blocks}")
+    table = "\n".join(lines)
+    title = f"SmolLM2 decode in one process, {ARGS.threads} thread(s) (`scripts/bench_pairs.py`)"
+    update_section(f"pairs-{ARGS.threads}", f"""## {title}
+
+runnx {git_revision()}; {machine()}. The two runners take turns in blocks of steps (see the script),
+so a slow spell of the machine falls on both. Command: `{command}`.
+
+```
+{table}
+```
+""")
+
+
+if __name__ == "__main__":
+    main()
