@@ -15,6 +15,7 @@ from onnx import AttributeProto
 from runnx.errors import InvalidModelError, ModelLoadError, RunnxError, UnsupportedOpError
 from runnx.interp.external_data import ExternalData, read_safetensors
 from runnx.interp.ir import MISSING, Graph, Node, ValueInfo
+from runnx.interp.model_file import read_model_file
 from runnx.interp.tensors import tensor_to_array
 from runnx.ops import registry
 
@@ -28,26 +29,36 @@ class LoadedModel:
     path: str | None
 
 
-def read_model(source) -> tuple[onnx.ModelProto, str | None]:
-    """Parse the protobuf; external data stays on disk (resolved lazily, safely)."""
+def read_model(source) -> tuple[onnx.ModelProto, str | None, dict]:
+    """Parse the protobuf; external data stays on disk (resolved lazily, safely). From a file, the
+    top-level initializers' raw bytes come apart ({name: bytes}, `model_file.py`)."""
     if isinstance(source, onnx.ModelProto):
-        return source, None
+        return source, None, {}
     if isinstance(source, (bytes, bytearray, memoryview)):
         try:
-            return onnx.load_from_string(bytes(source)), None
+            return onnx.load_from_string(bytes(source)), None, {}
         except Exception as error:
             raise ModelLoadError(f"the bytes are not an ONNX model: {error}") from None
     path = os.fspath(source)
     if not os.path.isfile(path):
         raise ModelLoadError(f"model file not found: {path}")
     try:
-        return onnx.load(path, load_external_data=False), path
+        read = read_model_file(path)
+    except OSError as error:
+        raise ModelLoadError(f"cannot read '{path}': {error}") from None
+    if read is not None:
+        try:
+            return onnx.load_from_string(read[0]), path, read[1]
+        except Exception:  # the parse of the whole file below says what is wrong
+            pass
+    try:
+        return onnx.load(path, load_external_data=False), path, {}
     except Exception as error:
         raise ModelLoadError(f"'{path}' is not an ONNX model: {error}") from None
 
 
 def load_model(source, weights=None) -> LoadedModel:
-    proto, path = read_model(source)
+    proto, path, raw = read_model(source)
     if proto.functions:
         try:
             proto = onnx.inliner.inline_local_functions(proto)
@@ -60,7 +71,7 @@ def load_model(source, weights=None) -> LoadedModel:
         opsets[""] = 1
     external = ExternalData(os.path.dirname(os.path.abspath(path))) if path else None
     overrides = read_safetensors(os.fspath(weights)) if weights is not None else {}
-    builder = _GraphBuilder(opsets, external, overrides)
+    builder = _GraphBuilder(opsets, external, overrides, raw)
     graph = builder.build(proto.graph, top=True)
     builder.finish()
     unused = set(overrides) - builder.used_overrides
@@ -95,10 +106,11 @@ def _type_info(name, type_proto) -> ValueInfo:
 
 
 class _GraphBuilder:
-    def __init__(self, opsets, external, overrides):
+    def __init__(self, opsets, external, overrides, raw):
         self.opsets = opsets
         self.external = external
         self.overrides = overrides
+        self.raw = raw  # the top-level initializers' raw_data, read apart from the protobuf
         self.used_overrides: set[str] = set()
         self.unsupported: dict[tuple, list[str]] = {}
         self.node_count = 0
@@ -156,7 +168,7 @@ class _GraphBuilder:
                 constants[vid] = self.overrides[tensor.name]
                 self.used_overrides.add(tensor.name)
             else:
-                constants[vid] = self._tensor(tensor)
+                constants[vid] = tensor_to_array(tensor, self.external, self.raw.get(tensor.name) if top else None)
         for sparse in proto.sparse_initializer:
             name = sparse.values.name
             vid = define(name, f"sparse initializer '{name}'")

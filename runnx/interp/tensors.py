@@ -11,8 +11,9 @@ from runnx.interp.dtypes import ONNX_TO_NUMPY
 _PACKED = {TensorProto.INT4, TensorProto.UINT4, TensorProto.FLOAT4E2M1, TensorProto.INT2, TensorProto.UINT2}
 
 
-def tensor_to_array(tensor: TensorProto, external=None) -> np.ndarray:
-    """A read-only array for `tensor`; `external` resolves data stored outside the protobuf."""
+def tensor_to_array(tensor: TensorProto, external=None, raw=None) -> np.ndarray:
+    """A read-only array for `tensor`; `external` resolves data stored outside the protobuf, `raw`
+    is its raw_data when the caller read it apart from the protobuf (`model_file.py`)."""
     name = tensor.name or "<unnamed>"
     if tensor.data_type not in ONNX_TO_NUMPY:
         raise InvalidModelError(f"tensor '{name}' has unknown data type {tensor.data_type}")
@@ -24,7 +25,8 @@ def tensor_to_array(tensor: TensorProto, external=None) -> np.ndarray:
     if tensor.data_location == TensorProto.EXTERNAL:
         if external is None:
             raise InvalidModelError(f"tensor '{name}' uses external data but the model was not loaded from a file")
-        raw = external.read(tensor)
+        array = _from_raw(external.read(tensor), tensor, dtype, shape, count, name)
+    elif raw is not None and dtype != object:
         array = _from_raw(raw, tensor, dtype, shape, count, name)
     elif tensor.HasField("raw_data") and tensor.data_type not in _PACKED and dtype != object:
         array = _from_raw(tensor.raw_data, tensor, dtype, shape, count, name)

@@ -1,0 +1,80 @@
+"""Model files are parsed without the top-level initializers' raw_data, whose bytes are read
+apart, each into its own buffer; the arrays, the errors and everything else are what parsing the
+whole file gives."""
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import runnx
+from runnx.interp import loader
+from runnx.interp.model_file import read_model_file
+
+RNG = np.random.default_rng(0)
+# names of several lengths put the raw bytes at every offset modulo 8; some tensors are stored in
+# typed fields (float_data, string_data), one is packed int4 raw bytes, one sits in a Constant
+TENSORS = {
+    "w": RNG.standard_normal((3, 5)).astype(np.float32),
+    "ww": RNG.standard_normal(7).astype(np.float32),
+    "www": RNG.integers(-9, 9, (2, 3)).astype(np.int64),
+    "wwww": RNG.standard_normal(6).astype(np.float16),
+    "wwwww": np.array([True, False, True]),
+    "wwwwww": RNG.standard_normal((4, 4)).astype(np.float64),
+    "wwwwwww": RNG.standard_normal(9).astype(np.float32),
+}
+
+
+def _model_file(tmp_path, duplicate=False):
+    initializers = [numpy_helper.from_array(value, name) for name, value in TENSORS.items()]
+    initializers.append(helper.make_tensor("typed", TensorProto.FLOAT, [3], [1.5, -2.0, 3.25]))
+    initializers.append(helper.make_tensor("strings", TensorProto.STRING, [2], [b"a", b"bc"]))
+    initializers.append(helper.make_tensor("packed", TensorProto.INT4, [5], bytes([0x78, 0x30, 0x0F]), raw=True))
+    if duplicate:
+        initializers.append(numpy_helper.from_array(TENSORS["w"], "w"))
+    names = [t.name for t in initializers]
+    nodes = [helper.make_node("Identity", [name], [f"out_{name}"]) for name in names]
+    nodes.append(helper.make_node("Constant", [], ["out_constant"],
+                                  value=numpy_helper.from_array(TENSORS["ww"], "c")))
+    outputs = [helper.make_tensor_value_info(f"out_{name}", t.data_type, None) for name, t in
+               zip(names + ["constant"], initializers + [initializers[1]])]
+    graph = helper.make_graph(nodes, "g", [], outputs, initializers)
+    path = tmp_path / "model.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]).SerializeToString())
+    return path
+
+
+def test_initializers_come_from_the_map_with_the_values_the_whole_parse_gives(tmp_path):
+    path = _model_file(tmp_path)
+    stripped, raw = read_model_file(str(path))
+    assert set(raw) == set(TENSORS) | {"packed"}  # the typed and string tensors have no raw_data
+    assert len(stripped) < path.stat().st_size - sum(len(data) for data in raw.values()) + 64
+    assert all(raw[name] == value.tobytes() for name, value in TENSORS.items())
+
+    from_file, from_bytes = runnx.load(path), runnx.load(path.read_bytes())  # bytes: the whole parse
+    got, want = from_file.run({}), from_bytes.run({})
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape, name
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    for name, value in TENSORS.items():
+        np.testing.assert_array_equal(got[f"out_{name}"], value)
+    np.testing.assert_array_equal(got["out_packed"], [-8, 7, 0, 3, -1])
+    constants = loader.load_model(path).graph.constants.values()
+    assert all(array.flags.aligned and not array.flags.writeable for array in constants)
+
+
+def test_broken_files_fail_as_the_whole_parse_does(tmp_path):
+    path = _model_file(tmp_path)
+    data = path.read_bytes()
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(data[:len(data) // 2])
+    assert read_model_file(str(truncated)) is None
+    with pytest.raises(runnx.ModelLoadError, match="truncated.onnx' is not an ONNX model"):
+        runnx.load(truncated)
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    assert read_model_file(str(empty)) is None
+    (tmp_path / "twice").mkdir()
+    twice = _model_file(tmp_path / "twice", duplicate=True)
+    assert read_model_file(str(twice)) is None  # a name twice: parsed whole, refused by the loader
+    with pytest.raises(runnx.InvalidModelError, match="value 'w' is defined twice"):
+        runnx.load(twice)
