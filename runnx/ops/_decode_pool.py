@@ -16,12 +16,17 @@ A job is cut into units that give the same result whoever computes them:
   in the row chunks of `row_times_matrix` (`_kernels_linalg.py`), each summed into its own partial
   row, the partial rows added in chunk order: bitwise the one-thread loop's;
 - attention: one unit per (batch entry, KV head), `attention_group` of `_kernels_fused.py` as the
-  one-thread `attention` runs it.
+  one-thread `attention` runs it;
+- softmax rows (the Whisper encoder's attention scores, between BLAS products): blocks of rows of
+  `softmax_rows_float32` (`_kernels_whisper.py`). OpenBLAS's threads run the products around it,
+  so after such a job a worker does not spin but sleeps at once, and the caller wakes sleeping
+  workers before it starts (half a millisecond of rows is worth the wake-up).
 Threads claim units with compare-and-swap on a counter tagged with the job's sequence number, so
 the caller never waits for a worker that has not started (it takes the units itself) and a late
 worker cannot claim a later job's unit with an earlier job's fields (the caller retags the counter
 before it rewrites them). The caller waits only for units a worker has claimed, then returns.
 Workers found asleep are woken for the next job; the current one runs on the caller's thread.
+Each job says how long a worker spins after it (`_LINGER`): decode jobs come every few microseconds.
 """
 from __future__ import annotations
 
@@ -35,13 +40,14 @@ from runnx.ops._atomics import (add, bits_of_float64, compare_and_swap, float32_
 from runnx.ops._kernels_fused import attention_group
 from runnx.ops._kernels_linalg import (ROW_CHUNKS, add_partials_into, chunk_bounds, chunk_count, row_times_matrix,
                                       rows_into)
+from runnx.ops._kernels_whisper import softmax_rows_float32
 
 # mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
 # caller's writes; _IDLE + w is worker w's
 _POSTED, _CLAIM, _COMPLETED, _IDLE, _STOP, _SHARED, _FIELDS = 0, 8, 16, 24, 32, 40, 48
-# a job's fields: its kind and unit count, then the kind's own
-_KIND, _UNITS, _OWN = _FIELDS, _FIELDS + 1, _FIELDS + 2
-_PRODUCTS, _ATTENTION = 0, 1
+# a job's fields: its kind, unit count and polls a worker spins after it, then the kind's own
+_KIND, _UNITS, _LINGER, _OWN = _FIELDS, _FIELDS + 1, _FIELDS + 2, _FIELDS + 3
+_PRODUCTS, _ATTENTION, _SOFTMAX = 0, 1, 2
 # products: the row, then (matrix, width, partial rows) for each matrix
 _ROW, _DEPTH, _CHUNKS, _MATRICES = range(_OWN, _OWN + 4)
 MAX_MATRICES = 4  # one job: one row times up to this many matrices (a layer's q, k, v projections)
@@ -50,6 +56,9 @@ _MATRIX, _WIDTH, _PARTIALS, _PER_MATRIX = 0, 1, 2, 3  # matrix m's slots start a
 # (address, 4 dimensions, 4 byte strides)
 _SCALE, _FILL, _GROUPS, _HAS_BIAS, _ARRAYS = range(_OWN, _OWN + 5)
 _QUERY, _KEY, _VALUE, _BIAS, _OUT = (_ARRAYS + 9 * i for i in range(5))
+# softmax rows: the scores' address, rows and columns, the fill (float64 bits)
+_SCORES, _SCORE_ROWS, _SCORE_COLUMNS, _SCORE_FILL = range(_OWN, _OWN + 4)
+_SOFTMAX_BLOCK = 16  # rows per unit
 _MAILBOX_SIZE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _OUT + 9)
 _INDEX_BITS = 32
 _NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
@@ -102,6 +111,16 @@ def _attention_group(box, index):
 
 
 @_jit
+def _softmax_block(box, index):
+    """Unit `index` of a softmax job: its block of rows."""
+    rows, columns = load(box, _SCORE_ROWS), load(box, _SCORE_COLUMNS)
+    start = index * _SOFTMAX_BLOCK
+    count = min(rows - start, _SOFTMAX_BLOCK)
+    block = numba.carray(float32_pointer(load(box, _SCORES) + 4 * start * columns), (count, columns))
+    softmax_rows_float32(block, float64_from_bits(load(box, _SCORE_FILL)))
+
+
+@_jit
 def _work(box, sequence):
     """Claim and compute units of job `sequence` until none are left (or a later job is posted);
     returns how many it computed."""
@@ -111,26 +130,30 @@ def _work(box, sequence):
         if claim >> _INDEX_BITS != sequence or (claim & _NOTHING_TO_CLAIM) >= load(box, _UNITS):
             return computed  # (a later job's unit count read here: its retag fails the swap below)
         if compare_and_swap(box, _CLAIM, claim, claim + 1):  # the fields stay this job's until it is done
-            if load(box, _KIND) == _PRODUCTS:
+            kind = load(box, _KIND)
+            if kind == _PRODUCTS:
                 _product_chunk(box, claim & _NOTHING_TO_CLAIM)
-            else:
+            elif kind == _ATTENTION:
                 _attention_group(box, claim & _NOTHING_TO_CLAIM)
+            else:
+                _softmax_block(box, claim & _NOTHING_TO_CLAIM)
             add(box, _COMPLETED, 1)
             computed += 1
 
 
 @_jit
-def _serve(box, worker, patience):
-    """Worker `worker`'s loop: returns True when told to stop, False when idle for `patience` polls."""
+def _serve(box, worker):
+    """Worker `worker`'s loop: returns True when told to stop, False when it has been idle for as
+    many polls as its last job said (`_LINGER`)."""
     store(box, _IDLE + worker, 0)
-    handled, polls = -1, 0
+    handled, polls, patience = -1, 0, 0
     while not load(box, _STOP):
         posted = load(box, _POSTED)
         if posted != handled:
             computed = _work(box, posted)
             if computed:
                 add(box, _SHARED, computed)
-            handled, polls = posted, 0
+            handled, polls, patience = posted, 0, load(box, _LINGER)
         elif polls < patience:
             polls += 1
             pause()
@@ -143,11 +166,12 @@ def _serve(box, worker, patience):
 
 
 @_jit
-def _begin(box):
+def _begin(box, linger):
     """The next job's sequence number, its counter retagged so that no unit of it can be claimed
-    (nor one of an earlier job) while the caller writes its fields."""
+    (nor one of an earlier job) while the caller writes its fields (`linger` the first)."""
     sequence = (load(box, _POSTED) + 1) & _SEQUENCES
     store(box, _CLAIM, (sequence << _INDEX_BITS) | _NOTHING_TO_CLAIM)
+    store(box, _LINGER, linger)
     return sequence
 
 
@@ -179,7 +203,7 @@ def _products(box, workers, row, matrices, outs, scratch):
     for out in outs:
         partials.append(scratch[start:start + chunks * out.size].reshape((chunks, out.size)))
         start += chunks * out.size
-    sequence = _begin(box)
+    sequence = _begin(box, _PATIENCE)
     store(box, _KIND, _PRODUCTS)
     store(box, _ROW, row.ctypes.data)
     store(box, _DEPTH, depth)
@@ -199,7 +223,7 @@ def _products(box, workers, row, matrices, outs, scratch):
 def _attention(box, workers, query, key, value, bias, scale, fill, out):
     """`attention` of _kernels_fused.py into out, one unit per (batch entry, KV head), as one
     job; whether a worker was idle."""
-    sequence = _begin(box)
+    sequence = _begin(box, _PATIENCE)
     store(box, _KIND, _ATTENTION)
     store(box, _SCALE, bits_of_float64(scale))
     store(box, _FILL, bits_of_float64(fill))
@@ -217,6 +241,19 @@ def _attention(box, workers, query, key, value, bias, scale, fill, out):
 
 
 @_jit
+def _softmax(box, workers, scores, fill):
+    """softmax_rows_float32(scores, fill) for C-contiguous float32 scores (rows, columns), as one job
+    of blocks of rows, after which workers sleep at once."""
+    sequence = _begin(box, 0)
+    store(box, _KIND, _SOFTMAX)
+    store(box, _SCORES, scores.ctypes.data)
+    store(box, _SCORE_ROWS, scores.shape[0])
+    store(box, _SCORE_COLUMNS, scores.shape[1])
+    store(box, _SCORE_FILL, bits_of_float64(fill))
+    _run(box, workers, sequence, (scores.shape[0] + _SOFTMAX_BLOCK - 1) // _SOFTMAX_BLOCK)
+
+
+@_jit
 def _stop(box):
     store(box, _STOP, 1)
 
@@ -230,7 +267,7 @@ class DecodePool:
         # still compiling aborts inside LLVM, and never writes numba's cache for the next one
         stopped = np.zeros(_MAILBOX_SIZE, np.int64)
         _stop(stopped)
-        _serve(stopped, 0, 0)
+        _serve(stopped, 0)
         self.box = np.zeros(_MAILBOX_SIZE, np.int64)
         self._workers = workers
         self._partials = np.empty(0, np.float32)
@@ -242,7 +279,7 @@ class DecodePool:
             thread.start()
 
     def _serve(self, worker: int):
-        while not _serve(self.box, worker, _PATIENCE):
+        while not _serve(self.box, worker):
             self._wakes[worker].wait()
             self._wakes[worker].clear()
 
@@ -289,6 +326,18 @@ class DecodePool:
             self._wake()
         return out
 
+    def softmax_rows(self, scores, fill: float) -> None:
+        """`softmax_rows` with this pool's workers, woken first if asleep (alone when the pool is busy)."""
+        if not self._lock.acquire(blocking=False):
+            return _softmax_alone(scores, fill)
+        try:
+            for worker, wake in enumerate(self._wakes):
+                if self.box[_IDLE + worker]:
+                    wake.set()
+            _softmax(self.box, self._workers, scores, fill)
+        finally:
+            self._lock.release()
+
     @property
     def shared_units(self) -> int:
         """Units the workers have computed so far (the rest ran on callers' threads)."""
@@ -309,6 +358,21 @@ def attention_job(query, key, value, bias, scale: float, fill: float):
     out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
     _attention(np.zeros(_MAILBOX_SIZE, np.int64), 0, query, key, value, bias, scale, fill, out)
     return out
+
+
+def softmax_rows(scores, fill: float) -> None:
+    """Softmax along the last axis of C-contiguous float32 scores (rows, columns), in place, rows
+    whose softmax is NaN set to `fill` (`softmax_rows_float32`), with the pool's workers when there
+    are any: the same compiled code either way, so the same results."""
+    workers = pool()
+    if workers is not None:
+        workers.softmax_rows(scores, fill)
+    else:
+        _softmax_alone(scores, fill)
+
+
+def _softmax_alone(scores, fill: float) -> None:
+    _softmax(np.zeros(_MAILBOX_SIZE, np.int64), 0, scores, fill)
 
 
 _pool: DecodePool | None = None

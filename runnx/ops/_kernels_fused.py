@@ -41,7 +41,7 @@ def _typed_contiguous(typingctx, array):
 
 
 @intrinsic
-def _float32_from_bits(typingctx, bits):
+def float32_from_bits(typingctx, bits):
     if bits != types.int32:
         return None
 
@@ -67,7 +67,7 @@ def _exp32(x):
     r = clamped - n * _LN2_HIGH - n * _LN2_LOW
     p0, p1, p2, p3, p4, p5 = _EXP_POLY
     p = (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * (r * r) + r + _F(1)
-    scale = _float32_from_bits(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
+    scale = float32_from_bits(np.int32((np.int32(n) + np.int32(127)) << np.int32(23)))
     return p * scale if x >= _EXP_LOWEST else _F(0)
 
 

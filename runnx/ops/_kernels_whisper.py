@@ -1,7 +1,9 @@
 """numba kernels of the fused Whisper ops (`runnx/ops/fused_whisper.py`): a row softmax for long
 attention (scores computed by BLAS a block of rows at a time) and the erf GELU, over cache-resident
-rows. They run on one thread: between BLAS calls, numba's parallel regions and OpenBLAS's waiting
-threads take the cores from each other (the encoder ran 5-20x slower).
+rows. They are not numba parallel loops: between BLAS calls, numba's spinning threads and
+OpenBLAS's took the cores from each other (the encoder ran 5-20x slower). The softmax's blocks of
+rows are shared with the decode pool's workers instead, which sleep right after
+(`_decode_pool.softmax_rows`); the GELU runs on one thread.
 
 float32 exp is 2^n * 2^f, with 2^f (|f| <= 1/2) a degree-6 polynomial (error below 2e-7) and 2^n
 put into the exponent bits; the float32 rounding of the scaled argument dominates (a few 1e-6
@@ -18,6 +20,7 @@ import numba
 import numpy as np
 
 from runnx.ops._kernels_elementwise import erf_float32_into
+from runnx.ops._kernels_fused import float32_from_bits
 
 _REORDER = {"reassoc", "contract", "nsz", "arcp"}
 _LOG2E = np.float32(1.4426950408889634)
@@ -25,17 +28,37 @@ _LOG2E = np.float32(1.4426950408889634)
 _E0, _E1, _E2, _E3, _E4, _E5, _E6 = (np.float32(math.log(2) ** k / math.factorial(k)) for k in range(7))
 _LOWEST = np.float32(-127.0)  # 2^-127 and below flush to 0 (exponent bits 0)
 _HALF = np.float32(0.5)
+# float32 bits b as int32 keys b ^ ((b >> 31) & 0x7FFFFFFF) are in the floats' order, NaNs beyond
+# the keys of +inf (sign clear) and -inf (sign set)
+_MAGNITUDE = np.int32(0x7FFFFFFF)
+_PLUS_INF_KEY, _MINUS_INF_KEY = np.int32(0x7F800000), np.int32(-0x7F800001)
+
+
+@numba.njit(cache=True, error_model="numpy")
+def _row_peak(bits):
+    """The largest float32 of a row given as int32 bits; NaN when it holds a NaN, as numpy's maximum.
+    Integer max and min reductions vectorise where float ones (NaN-aware) do not: 4x numpy's
+    separate maximum pass, which read every score once more."""
+    high, low = np.int32(-0x80000000), np.int32(0x7FFFFFFF)
+    for j in range(bits.shape[0]):
+        b = bits[j]
+        key = b ^ ((b >> 31) & _MAGNITUDE)
+        high = max(high, key)
+        low = min(low, key)
+    if high > _PLUS_INF_KEY or low < _MINUS_INF_KEY:
+        return np.float32(np.nan)
+    return float32_from_bits(np.int32(high if high >= 0 else high ^ _MAGNITUDE))
 
 
 @numba.njit(cache=True, fastmath=_REORDER, error_model="numpy")
-def softmax_rows_float32(scores, peaks, fill):
-    """Softmax along the last axis of C-contiguous float32 scores (rows, columns), in place, given
-    each row's largest score (numpy's maximum: NaN when the row has one). A row whose softmax is NaN
-    (a NaN or +inf score, or every score -inf) becomes `fill`."""
+def softmax_rows_float32(scores, fill):
+    """Softmax along the last axis of C-contiguous float32 scores (rows, columns), in place. A row
+    whose softmax is NaN (a NaN or +inf score, or every score -inf) becomes `fill`."""
     powers = np.empty(scores.shape[1], np.int32)  # 2^n as float32 bits
     scales = powers.view(np.float32)
+    bits = scores.view(np.int32)
     for r in range(scores.shape[0]):
-        row, peak = scores[r], peaks[r]
+        row, peak = scores[r], _row_peak(bits[r])
         if not (peak > -np.inf and peak < np.inf):
             row[:] = fill
             continue

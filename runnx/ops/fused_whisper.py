@@ -28,7 +28,8 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.ops._elementwise_util import binary, erf
 from runnx.ops._kernels_nn import layer_norm_rows
-from runnx.ops._kernels_whisper import gelu_rows_float32, softmax_rows_float32
+from runnx.ops._decode_pool import softmax_rows
+from runnx.ops._kernels_whisper import gelu_rows_float32
 from runnx.ops.fused import DOMAIN, attend
 from runnx.ops.normalization import LayerNormalization
 from runnx.ops.registry import register
@@ -124,7 +125,6 @@ def _blocked(heads, keys, values, bias, fill: float):
     # BLAS product wakes BLAS's threads and many short ones between softmaxes thrash (measured 5-20x)
     rows = length if numba.get_num_threads() > 1 else max(1, min(length, _BLOCK_SCORES // max(size, 1)))
     buffer = np.empty((rows, size), np.float32)
-    peaks = np.empty(rows, np.float32)
     if bias is not None:
         bias = np.broadcast_to(bias, (batch, count, length, size))
     for b in range(batch):
@@ -135,7 +135,7 @@ def _blocked(heads, keys, values, bias, fill: float):
                 np.matmul(heads[b, h, start:stop], keys[b, h], out=scores)
                 if bias is not None:
                     np.add(scores, bias[b, h, start:stop], out=scores)
-                softmax_rows_float32(scores, np.maximum.reduce(scores, axis=1, out=peaks[:stop - start]), fill)
+                softmax_rows(scores, fill)
                 np.matmul(scores, values[b, h], out=merged[b, start:stop, h])
     return merged
 

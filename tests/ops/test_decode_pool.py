@@ -176,3 +176,25 @@ def test_the_workers_loop_is_compiled_before_any_worker_starts():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1"]
+
+
+@pytest.mark.parametrize("shape", [(100, 37), (5, 1500), (1, 3), (0, 4)])
+def test_pool_softmax_rows_are_bitwise_one_threads(pool, shape):
+    """Blocks of rows shared with the workers (woken first, asleep right after): the same compiled
+    code as without workers, so the same bits, NaN rows to the fill included."""
+    scores = (RNG.standard_normal(shape) * 20).astype(np.float32)
+    if shape[0] > 3:
+        scores[1] = -np.inf
+        scores[2, 1] = np.nan
+    alone = scores.copy()
+    _decode_pool._softmax_alone(alone, -1.0)
+    for _ in range(5):
+        shared = scores.copy()
+        pool.softmax_rows(shared, -1.0)
+        np.testing.assert_array_equal(shared, alone)
+    if shape[0] > 3:
+        np.testing.assert_array_equal(alone[[1, 2]], -1.0)
+        fine = np.delete(scores, [1, 2], axis=0).astype(np.float64)
+        want = np.exp(fine - fine.max(axis=1, keepdims=True))
+        np.testing.assert_allclose(np.delete(alone, [1, 2], axis=0), want / want.sum(axis=1, keepdims=True),
+                                   rtol=2e-6, atol=1e-12)

@@ -115,18 +115,21 @@ def test_split_heads_is_a_contiguous_transpose_of_the_reshape(with_bias):
 
 
 def test_softmax_rows_match_numpy_and_fill_rows_whose_softmax_is_nan():
-    scores = (RNG.standard_normal((6, 200)) * 30).astype(np.float32)
+    scores = (RNG.standard_normal((9, 200)) * 30).astype(np.float32)
     scores[1, ::3] = -np.inf
     scores[2, :] = -np.inf
     scores[3, 5] = np.nan
     scores[4, 7] = np.inf
     scores[5, :] = -200  # exp underflows everywhere but at the peak: the shift keeps it exact
+    scores[6, 9] = np.array(0xFFC00000, np.uint32).view(np.float32)  # a NaN with the sign bit set
+    scores[7:] = -np.abs(scores[7:]) - 50  # every score negative: the peak is the one nearest 0
+    scores[8, :100], scores[8, 100:150] = -0.0, 0.0  # signed zeros, the largest scores
     want = _softmax(scores.astype(np.float64))
     got = scores.copy()
-    softmax_rows_float32(got, np.maximum.reduce(got, axis=1), -1.0)
-    fine = [0, 1, 5]
+    softmax_rows_float32(got, -1.0)
+    fine = [0, 1, 5, 7, 8]
     np.testing.assert_allclose(got[fine], want[fine], rtol=2e-6, atol=1e-12)
-    np.testing.assert_array_equal(got[[2, 3, 4]], -1.0)
+    np.testing.assert_array_equal(got[[2, 3, 4, 6]], -1.0)
 
 
 @pytest.mark.parametrize("dtype, shape, vector", [(np.float32, (2, 3, 16), True), (np.float64, (5, 16), True),
