@@ -417,9 +417,25 @@ def _attend_numpy(scaled, key, value, bias, fill):
     groups, size = key.shape[1], key.shape[2]
     grouped = scaled.reshape(batch, groups, heads // groups * length, depth)
     scores = np.matmul(grouped, np.swapaxes(key, -1, -2)).reshape(batch, heads, length, size)
-    probabilities = _probabilities(scores, bias, fill, -1)
+    if (scores.dtype == np.float32 and scores.flags.c_contiguous and (bias is None or bias.dtype == np.float32)
+            and np.size(fill) == 1):
+        probabilities = _row_probabilities(scores, bias, float(np.asarray(fill).reshape(-1)[0]))
+    else:
+        probabilities = _probabilities(scores, bias, fill, -1)
     grouped = probabilities.reshape(batch, groups, heads // groups * length, size)
     return np.matmul(grouped, value).reshape(batch, heads, length, value.shape[3])
+
+
+def _row_probabilities(scores, bias, fill: float):
+    """`_probabilities` over the last axis of float32 scores from a product (C-contiguous, fresh):
+    the bias added in place, then the decode pool's row softmax, one pass per row for maximum,
+    exponentials, sum and division, shared with its workers (numpy's took five passes over a
+    prefill's scores, on one thread); a row whose softmax is NaN becomes the fill, as Where(IsNaN)
+    gives it."""
+    if bias is not None:
+        scores = np.add(scores, bias, out=scores if _fits(bias, scores) else None)
+    _decode_pool.softmax_rows(scores.reshape(-1, scores.shape[-1]), fill)
+    return scores
 
 
 def _probabilities(scores, bias, fill, axis: int):

@@ -293,13 +293,17 @@ def test_attend_reads_keys_and_values_in_any_layout():
                                    rtol=1e-5, atol=1e-6)
 
 
-def test_attend_of_a_fully_masked_row_is_nan_unless_filled():
+@pytest.mark.parametrize("length", [2, 60])  # the numba kernel; numpy's products and the pool's row softmax
+def test_attend_of_a_fully_masked_row_is_nan_unless_filled(length):
     k, v = _cache(1, 1, 4, 8, np.float32)
-    q = RNG.standard_normal((1, 2, 2, 8)).astype(np.float32)
-    bias = np.array([[0, 0, -np.inf, 0], [-np.inf] * 4], np.float32)
+    q = RNG.standard_normal((1, 2, length, 8)).astype(np.float32)
+    bias = np.zeros((length, 4), np.float32)
+    bias[0, 2], bias[1] = -np.inf, -np.inf
     got = attend(q, k, v, bias, 1.0)
-    assert np.isfinite(got[:, :, 0]).all() and np.isnan(got[:, :, 1]).all()
+    assert np.isfinite(got[:, :, 0]).all() and np.isnan(got[:, :, 1]).all() and np.isfinite(got[:, :, 2:]).all()
     np.testing.assert_array_equal(attend(q, k, v, bias, 1.0, fill=0.0)[:, :, 1], 0)
+    np.testing.assert_allclose(got[:, :, 2:], _grouped_reference(q, k, v, bias, 1.0, np.nan)[:, :, 2:], rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_attend_computes_other_dtypes_with_numpy_and_rejects_bad_shapes():
