@@ -5,7 +5,7 @@ Usage (any Optimum decoder export; Whisper's decoder the same way)::
     from runnx.generate.decoder import DecoderStep
     decoder = DecoderStep.from_folder("whisper-tiny.en", capacity=448)   # or DecoderStep(model[, with_past])
     decoder.reset(batch_size=1, fixed_feeds={"encoder_hidden_states": hidden})
-    logits = decoder.step(np.array([[50257, 50362]]))   # (batch, new tokens, vocab); first step = prefill
+    logits = decoder.step(np.array([[50257, 50362]]))   # (batch, 1, vocab); first step = prefill
     logits = decoder.step(np.array([[next_id]]))        # later steps append to the cache
     decoder.length                                       # tokens in the cache
 
@@ -26,6 +26,9 @@ What it does for you:
 - Fixed feeds (`encoder_hidden_states`, ...): given once to `reset`, fed to every step whose model
   has that input (decoder_with_past_model.onnx does not take it).
 - `profile=runnx.Profile()` accumulates every step's profile (in-place counters for tests).
+- Logits: `from_folder` loads with `load_decoder`, whose models compute the LM head for the last
+  position only (`runnx.load(..., last_position=("logits",))`): `step` returns (batch, 1, vocab).
+  A model loaded without it gives every new position's logits, (batch, new tokens, vocab).
 """
 from __future__ import annotations
 
@@ -61,8 +64,7 @@ class DecoderStep:
 
     @classmethod
     def from_folder(cls, folder, *, capacity: int = 256, profile=None, load=None) -> "DecoderStep":
-        """Load the decoder file(s) of an Optimum export folder; `load` defaults to runnx.load
-        without the symbolic-dimension check (merged exports misname the attention_mask length)."""
+        """Load the decoder file(s) of an Optimum export folder; `load` defaults to `load_decoder`."""
         load = load or load_decoder
         files = find_decoder_files(folder)
         first = load(str(files.first))
@@ -122,7 +124,8 @@ class DecoderStep:
 
     # -- one step ------------------------------------------------------------------------------
     def step(self, input_ids, attention_mask=None) -> np.ndarray:
-        """Run the model on `input_ids` [batch, new] and return the logits [batch, new, vocab].
+        """Run the model on `input_ids` [batch, new] and return the logits [batch, new, vocab] (the
+        last position's, [batch, 1, vocab], from a model loaded by `load_decoder`).
         `attention_mask` [batch, new] marks padding among the new tokens (default: all ones)."""
         input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
         if input_ids.ndim != 2 or input_ids.shape[0] != self.batch_size:
@@ -191,7 +194,9 @@ class DecoderStep:
 
 
 def load_decoder(path):
-    return runnx_load(path, check_symbolic_dims=False)
+    """runnx.load for generation: without the symbolic-dimension check (merged exports misname the
+    attention_mask length) and with the logits of the last position only (interp/last_position.py)."""
+    return runnx_load(path, check_symbolic_dims=False, last_position=("logits",))
 
 
 def _positions(mask: np.ndarray, new: int) -> np.ndarray:

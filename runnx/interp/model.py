@@ -12,6 +12,7 @@ from runnx.interp.dtypes import type_name
 from runnx.interp.executor import Executor
 from runnx.interp.folding import fold_constants
 from runnx.interp.fusion import fuse
+from runnx.interp.last_position import keep_last_position
 from runnx.interp.loader import LoadedModel, load_model
 from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
@@ -27,6 +28,8 @@ class Model:
         self.graph = loaded.graph
         self.options = options or Options()
         self.folded = fold_constants(self.graph, self.options) if self.options.fold_constants else 0
+        # after folding (a head's weight may be a Transpose of the embedding, or read by If branches)
+        self.last_position = keep_last_position(self.graph, self.options.last_position, loaded.opsets.get("", 0))
         self._unrewritten = replace(self.graph)  # for plans requesting values a rewrite removed
         # Both rewrites apply to subgraphs too (an Optimum merged decoder's branches). A memo node
         # reads its roots for their shapes only, so it never holds back an in-place KV append.

@@ -12,6 +12,10 @@ def _env_flag(name: str, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+def _env_names(name: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in os.environ.get(name, "").split(",") if part.strip())
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value else default
@@ -33,7 +37,9 @@ class Options:
     over the KV cache) by fused kernels at load (RUNNX_FUSE=0 turns it off).
     threads: BLAS and numba threads, set for the process at load (RUNNX_THREADS; 0 leaves them).
     compile_after: from its n-th run on, a plan runs compiled to straight-line Python
-    (interp/compiled.py; RUNNX_COMPILE_AFTER, default 2; 0 never compiles)."""
+    (interp/compiled.py; RUNNX_COMPILE_AFTER, default 2; 0 never compiles).
+    last_position: outputs (an LM head's logits) computed for the last position only
+    (interp/last_position.py; RUNNX_LAST_POSITION, comma-separated names; none by default)."""
 
     fold_constants: bool = field(default_factory=lambda: _env_flag("RUNNX_FOLD_CONSTANTS", True))
     inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_INPLACE", True))
@@ -47,3 +53,4 @@ class Options:
     fuse: bool = field(default_factory=lambda: _env_flag("RUNNX_FUSE", True))
     threads: int = field(default_factory=lambda: _env_int("RUNNX_THREADS", 0))
     compile_after: int = field(default_factory=lambda: _env_int("RUNNX_COMPILE_AFTER", 2))
+    last_position: tuple[str, ...] = field(default_factory=lambda: _env_names("RUNNX_LAST_POSITION"))

@@ -1,0 +1,50 @@
+"""Outputs for the last position only (Options.last_position): an LM head by a constant matrix, in
+the graph or in the branches of a merged decoder's If, reads the last position; the logits equal
+the last row of the whole computation's; other outputs stay as they are."""
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import runnx
+from runnx.generate.decoder import DecoderStep, load_decoder
+
+
+@pytest.mark.parametrize("folder, model, rewritten", [("tiny-llama", "model.onnx", 1),
+                                                  ("tiny-llama-merged", "decoder_model_merged.onnx", 2),
+                                                  ("tiny-whisper", "decoder_model_merged.onnx", 2),
+                                                  ("tiny-gpt2", "model.onnx", 1)])
+def test_decoders_compute_the_last_positions_logits(fixtures_dir, folder, model, rewritten):
+    path = fixtures_dir / folder / model
+    last, every = load_decoder(path), runnx.load(path, check_symbolic_dims=False)
+    assert last.last_position == rewritten and every.last_position == 0
+    steps = [DecoderStep(m, capacity=16, config=_config(fixtures_dir / folder)) for m in (last, every)]
+    if folder == "tiny-whisper":
+        hidden = np.random.default_rng(0).standard_normal((1, 30, _hidden_size(every))).astype(np.float32)
+        for step in steps:
+            step.reset(fixed_feeds={"encoder_hidden_states": hidden})
+    for ids in ([[3, 7, 11, 2, 5]], [[9]], [[4, 6]]):  # prefill (the first branch), then steps with a past
+        got, want = (step.step(np.array(ids)) for step in steps)
+        assert got.shape == want.shape[:1] + (1,) + want.shape[2:] and want.shape[1] == len(ids[0])
+        np.testing.assert_allclose(got, want[:, -1:], rtol=1e-5, atol=1e-6)
+
+
+def test_outputs_computed_otherwise_are_left_alone():
+    nodes = [helper.make_node("Add", ["x", "y"], ["logits"]), helper.make_node("MatMul", ["x", "y"], ["other"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3, 3])
+                                           for n in ("x", "y")],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("logits", "other")])
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+                       last_position=("logits", "other", "absent"))
+    assert model.last_position == 0  # an Add; a MatMul by an input, not a constant; no such output
+    x = np.ones((2, 3, 3), np.float32)
+    assert model.run({"x": x, "y": x})["logits"].shape == (2, 3, 3)
+
+
+def _config(folder):
+    import json
+    return json.loads((folder / "config.json").read_text())
+
+
+def _hidden_size(model):
+    shape = next(i.shape for i in model.inputs if i.name == "encoder_hidden_states")
+    return shape[2]
