@@ -17,10 +17,11 @@ A job is cut into units that give the same result whoever computes them:
   row, the partial rows added in chunk order: bitwise the one-thread loop's;
 - attention: one unit per (batch entry, KV head), `attention_group` of `_kernels_fused.py` as the
   one-thread `attention` runs it;
-- softmax rows (the Whisper encoder's attention scores, between BLAS products): blocks of rows of
-  `softmax_rows_float32` (`_kernels_whisper.py`). OpenBLAS's threads run the products around it,
-  so after such a job a worker does not spin but sleeps at once, and the caller wakes sleeping
-  workers before it starts (half a millisecond of rows is worth the wake-up).
+- rows (a prefill's or the Whisper encoder's attention softmax, the encoder's GELU: row kernels of
+  `_kernels_whisper.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
+  products around them, so after such a job a worker does not spin but sleeps at once, and the
+  caller wakes sleeping workers before it starts (half a millisecond of rows is worth the wake-up);
+  fewer rows than two blocks (a decode step's GELU) run on the caller's own mailbox, the same code.
 Threads claim units with compare-and-swap on a counter tagged with the job's sequence number, so
 the caller never waits for a worker that has not started (it takes the units itself) and a late
 worker cannot claim a later job's unit with an earlier job's fields (the caller retags the counter
@@ -40,14 +41,14 @@ from runnx.ops._atomics import (add, bits_of_float64, compare_and_swap, float32_
 from runnx.ops._kernels_fused import attention_group
 from runnx.ops._kernels_linalg import (ROW_CHUNKS, add_partials_into, chunk_bounds, chunk_count, row_times_matrix,
                                       rows_into)
-from runnx.ops._kernels_whisper import softmax_rows_float32
+from runnx.ops._kernels_whisper import gelu_rows_float32, softmax_rows_float32
 
 # mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
 # caller's writes; _IDLE + w is worker w's
 _POSTED, _CLAIM, _COMPLETED, _IDLE, _STOP, _SHARED, _FIELDS = 0, 8, 16, 24, 32, 40, 48
 # a job's fields: its kind, unit count and polls a worker spins after it, then the kind's own
 _KIND, _UNITS, _LINGER, _OWN = _FIELDS, _FIELDS + 1, _FIELDS + 2, _FIELDS + 3
-_PRODUCTS, _ATTENTION, _SOFTMAX = 0, 1, 2
+_PRODUCTS, _ATTENTION, _ROWS = 0, 1, 2
 # products: the row, then (matrix, width, partial rows) for each matrix
 _ROW, _DEPTH, _CHUNKS, _MATRICES = range(_OWN, _OWN + 4)
 MAX_MATRICES = 4  # one job: one row times up to this many matrices (a layer's q, k, v projections)
@@ -56,9 +57,11 @@ _MATRIX, _WIDTH, _PARTIALS, _PER_MATRIX = 0, 1, 2, 3  # matrix m's slots start a
 # (address, 4 dimensions, 4 byte strides)
 _SCALE, _FILL, _GROUPS, _HAS_BIAS, _ARRAYS = range(_OWN, _OWN + 5)
 _QUERY, _KEY, _VALUE, _BIAS, _OUT = (_ARRAYS + 9 * i for i in range(5))
-# softmax rows: the scores' address, rows and columns, the fill (float64 bits)
-_SCORES, _SCORE_ROWS, _SCORE_COLUMNS, _SCORE_FILL = range(_OWN, _OWN + 4)
-_SOFTMAX_BLOCK = 16  # rows per unit
+# rows: the row kernel, the input's and the output's addresses, rows, columns, then the kernel's own:
+# the softmax's fill; the GELU's bias (address, size), divisor, one, half (floats as float64 bits)
+_ROW_KERNEL, _ROWS_IN, _ROWS_OUT, _ROW_COUNT, _ROW_COLUMNS, _ROW_ARGUMENTS = range(_OWN, _OWN + 6)
+_SOFTMAX_ROWS, _GELU_ROWS = 0, 1
+_ROW_BLOCK = 16  # rows per unit
 _MAILBOX_SIZE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _OUT + 9)
 _INDEX_BITS = 32
 _NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
@@ -111,13 +114,21 @@ def _attention_group(box, index):
 
 
 @_jit
-def _softmax_block(box, index):
-    """Unit `index` of a softmax job: its block of rows."""
-    rows, columns = load(box, _SCORE_ROWS), load(box, _SCORE_COLUMNS)
-    start = index * _SOFTMAX_BLOCK
-    count = min(rows - start, _SOFTMAX_BLOCK)
-    block = numba.carray(float32_pointer(load(box, _SCORES) + 4 * start * columns), (count, columns))
-    softmax_rows_float32(block, float64_from_bits(load(box, _SCORE_FILL)))
+def _row_block(box, index):
+    """Unit `index` of a rows job: its block of rows."""
+    rows, columns = load(box, _ROW_COUNT), load(box, _ROW_COLUMNS)
+    start = index * _ROW_BLOCK
+    count = min(rows - start, _ROW_BLOCK)
+    out = numba.carray(float32_pointer(load(box, _ROWS_OUT) + 4 * start * columns), (count, columns))
+    if load(box, _ROW_KERNEL) == _SOFTMAX_ROWS:
+        softmax_rows_float32(out, float64_from_bits(load(box, _ROW_ARGUMENTS)))
+        return
+    x = numba.carray(float32_pointer(load(box, _ROWS_IN) + 4 * start * columns), (count, columns))
+    bias = numba.carray(float32_pointer(load(box, _ROW_ARGUMENTS)), (load(box, _ROW_ARGUMENTS + 1),))
+    divisor = np.float32(float64_from_bits(load(box, _ROW_ARGUMENTS + 2)))
+    one = np.float32(float64_from_bits(load(box, _ROW_ARGUMENTS + 3)))
+    half = np.float32(float64_from_bits(load(box, _ROW_ARGUMENTS + 4)))
+    gelu_rows_float32(x, bias, divisor, one, half, out)
 
 
 @_jit
@@ -136,7 +147,7 @@ def _work(box, sequence):
             elif kind == _ATTENTION:
                 _attention_group(box, claim & _NOTHING_TO_CLAIM)
             else:
-                _softmax_block(box, claim & _NOTHING_TO_CLAIM)
+                _row_block(box, claim & _NOTHING_TO_CLAIM)
             add(box, _COMPLETED, 1)
             computed += 1
 
@@ -241,16 +252,33 @@ def _attention(box, workers, query, key, value, bias, scale, fill, out):
 
 
 @_jit
-def _softmax(box, workers, scores, fill):
-    """softmax_rows_float32(scores, fill) for C-contiguous float32 scores (rows, columns), as one job
-    of blocks of rows, after which workers sleep at once."""
+def _rows(box, workers, kernel, x, out):
+    """Row kernel `kernel` from x into out (C-contiguous float32 (rows, columns); its arguments
+    already in the box) as one job of blocks of rows, after which workers sleep at once."""
     sequence = _begin(box, 0)
-    store(box, _KIND, _SOFTMAX)
-    store(box, _SCORES, scores.ctypes.data)
-    store(box, _SCORE_ROWS, scores.shape[0])
-    store(box, _SCORE_COLUMNS, scores.shape[1])
-    store(box, _SCORE_FILL, bits_of_float64(fill))
-    _run(box, workers, sequence, (scores.shape[0] + _SOFTMAX_BLOCK - 1) // _SOFTMAX_BLOCK)
+    store(box, _KIND, _ROWS)
+    store(box, _ROW_KERNEL, kernel)
+    store(box, _ROWS_IN, x.ctypes.data)
+    store(box, _ROWS_OUT, out.ctypes.data)
+    store(box, _ROW_COUNT, out.shape[0])
+    store(box, _ROW_COLUMNS, out.shape[1])
+    _run(box, workers, sequence, (out.shape[0] + _ROW_BLOCK - 1) // _ROW_BLOCK)
+
+
+@_jit
+def _softmax(box, workers, scores, fill):
+    store(box, _ROW_ARGUMENTS, bits_of_float64(fill))
+    _rows(box, workers, _SOFTMAX_ROWS, scores, scores)
+
+
+@_jit
+def _gelu(box, workers, x, bias, divisor, one, half, out):
+    store(box, _ROW_ARGUMENTS, bias.ctypes.data)
+    store(box, _ROW_ARGUMENTS + 1, bias.size)
+    store(box, _ROW_ARGUMENTS + 2, bits_of_float64(divisor))
+    store(box, _ROW_ARGUMENTS + 3, bits_of_float64(one))
+    store(box, _ROW_ARGUMENTS + 4, bits_of_float64(half))
+    _rows(box, workers, _GELU_ROWS, x, out)
 
 
 @_jit
@@ -326,17 +354,19 @@ class DecodePool:
             self._wake()
         return out
 
-    def softmax_rows(self, scores, fill: float) -> None:
-        """`softmax_rows` with this pool's workers, woken first if asleep (alone when the pool is busy)."""
+    def rows(self, job, *arguments) -> bool:
+        """Run rows job `job` (`_softmax`, `_gelu`) with `arguments` with this pool's workers, woken
+        first if asleep; False when the pool is busy (nothing done)."""
         if not self._lock.acquire(blocking=False):
-            return _softmax_alone(scores, fill)
+            return False
         try:
             for worker, wake in enumerate(self._wakes):
                 if self.box[_IDLE + worker]:
                     wake.set()
-            _softmax(self.box, self._workers, scores, fill)
+            job(self.box, self._workers, *arguments)
         finally:
             self._lock.release()
+        return True
 
     @property
     def shared_units(self) -> int:
@@ -362,17 +392,22 @@ def attention_job(query, key, value, bias, scale: float, fill: float):
 
 def softmax_rows(scores, fill: float) -> None:
     """Softmax along the last axis of C-contiguous float32 scores (rows, columns), in place, rows
-    whose softmax is NaN set to `fill` (`softmax_rows_float32`), with the pool's workers when there
-    are any: the same compiled code either way, so the same results."""
-    workers = pool()
-    if workers is not None:
-        workers.softmax_rows(scores, fill)
-    else:
-        _softmax_alone(scores, fill)
+    whose softmax is NaN set to `fill` (`softmax_rows_float32`)."""
+    _rows_job(_softmax, scores.shape[0], scores, fill)
 
 
-def _softmax_alone(scores, fill: float) -> None:
-    _softmax(np.zeros(_MAILBOX_SIZE, np.int64), 0, scores, fill)
+def gelu_rows(x, bias, divisor, one, half, out) -> None:
+    """`gelu_rows_float32` from C-contiguous float32 x (rows, columns) into out, bias a float32
+    vector (empty: none), divisor, one and half float32 numbers."""
+    _rows_job(_gelu, x.shape[0], x, bias, float(divisor), float(one), float(half), out)
+
+
+def _rows_job(job, rows: int, *arguments) -> None:
+    """A rows job with the pool's workers when there are any and two blocks of rows or more, else
+    on a mailbox of this call: the same compiled code either way, so the same results."""
+    workers = pool() if rows >= 2 * _ROW_BLOCK else None
+    if workers is None or not workers.rows(job, *arguments):
+        job(np.zeros(_MAILBOX_SIZE, np.int64), 0, *arguments)
 
 
 _pool: DecodePool | None = None

@@ -26,10 +26,9 @@ import numba
 import numpy as np
 
 from runnx.errors import RunnxError
+from runnx.ops._decode_pool import gelu_rows, softmax_rows
 from runnx.ops._elementwise_util import binary, erf
 from runnx.ops._kernels_nn import layer_norm_rows
-from runnx.ops._decode_pool import softmax_rows
-from runnx.ops._kernels_whisper import gelu_rows_float32
 from runnx.ops.fused import DOMAIN, attend
 from runnx.ops.normalization import LayerNormalization
 from runnx.ops.registry import register
@@ -200,5 +199,5 @@ def ErfGelu(x, bias, divisor, one, half):
     rows = np.ascontiguousarray(x).reshape(-1, columns)
     out = np.empty(rows.shape, np.float32)
     row_bias = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias).reshape(columns)
-    gelu_rows_float32(rows, row_bias, divisor.reshape(-1)[0], one.reshape(-1)[0], half.reshape(-1)[0], out)
+    gelu_rows(rows, row_bias, divisor.reshape(-1)[0], one.reshape(-1)[0], half.reshape(-1)[0], out)
     return out.reshape(x.shape)

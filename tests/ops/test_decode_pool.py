@@ -187,10 +187,10 @@ def test_pool_softmax_rows_are_bitwise_one_threads(pool, shape):
         scores[1] = -np.inf
         scores[2, 1] = np.nan
     alone = scores.copy()
-    _decode_pool._softmax_alone(alone, -1.0)
+    _decode_pool._softmax(np.zeros(_decode_pool._MAILBOX_SIZE, np.int64), 0, alone, -1.0)
     for _ in range(5):
         shared = scores.copy()
-        pool.softmax_rows(shared, -1.0)
+        _decode_pool.softmax_rows(shared, -1.0)
         np.testing.assert_array_equal(shared, alone)
     if shape[0] > 3:
         np.testing.assert_array_equal(alone[[1, 2]], -1.0)
@@ -198,3 +198,20 @@ def test_pool_softmax_rows_are_bitwise_one_threads(pool, shape):
         want = np.exp(fine - fine.max(axis=1, keepdims=True))
         np.testing.assert_allclose(np.delete(alone, [1, 2], axis=0), want / want.sum(axis=1, keepdims=True),
                                    rtol=2e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows, with_bias", [(100, True), (100, False), (3, True)])
+def test_pool_gelu_rows_are_bitwise_one_threads(pool, rows, with_bias):
+    x = RNG.standard_normal((rows, 70)).astype(np.float32) * 3
+    bias = RNG.standard_normal(70).astype(np.float32) if with_bias else np.zeros(0, np.float32)
+    constants = np.float32(np.sqrt(2)), np.float32(1), np.float32(0.5)
+    alone = np.empty_like(x)
+    _decode_pool._gelu(np.zeros(_decode_pool._MAILBOX_SIZE, np.int64), 0, x, bias, *map(float, constants), alone)
+    for _ in range(5):
+        shared = np.full_like(x, np.nan)
+        _decode_pool.gelu_rows(x, bias, *constants, shared)
+        np.testing.assert_array_equal(shared, alone)
+    v = x.astype(np.float64) + (bias if with_bias else 0)
+    from math import erf
+    want = v * (np.vectorize(erf)(v / np.sqrt(2)) + 1) * 0.5
+    np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-6)
