@@ -5,8 +5,8 @@ every position of the prompt: 29 GFLOP of SmolLM2's 512-token prefill, about a s
 100 MB of logits), and Whisper's head over its prompt rows on every window's first step. With
 `Options.last_position` naming such outputs (`generate.decoder.load_decoder` names "logits"), a
 named graph output computed by MatMul(h, W) from a constant matrix W (in the graph itself, or in
-each branch of the If producing it) reads Slice(h, -1:, axis -2) instead: the output keeps its
-rank with one position. Outputs produced any other way are left as they are.
+each branch of the If producing it) and read by no node reads Slice(h, -1:, axis -2) instead: the
+output keeps its rank with one position. Outputs produced any other way are left as they are.
 """
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ def _rewrite(graph: Graph, vid: int, slicer) -> int:
     hidden, weight = node.inputs if node.op_type == "MatMul" else (None, None)
     if weight not in graph.constants or graph.constants[weight].ndim != 2 or declared is None or len(declared) < 2:
         return 0
+    if any(vid in other.inputs or vid in other.captures for other in graph.nodes):
+        return 0  # other nodes read every position
     arguments = [hidden]
     for suffix, value in (("starts", -1), ("ends", np.iinfo(np.int64).max), ("axes", -2)):
         arguments.append(_new_value(graph, f"{node.name}/last_position_{suffix}"))

@@ -3,7 +3,7 @@ the graph or in the branches of a merged decoder's If, reads the last position; 
 the last row of the whole computation's; other outputs stay as they are."""
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 import runnx
 from runnx.generate.decoder import DecoderStep, load_decoder
@@ -29,13 +29,17 @@ def test_decoders_compute_the_last_positions_logits(fixtures_dir, folder, model,
 
 
 def test_outputs_computed_otherwise_are_left_alone():
-    nodes = [helper.make_node("Add", ["x", "y"], ["logits"]), helper.make_node("MatMul", ["x", "y"], ["other"])]
+    nodes = [helper.make_node("Add", ["x", "y"], ["logits"]), helper.make_node("MatMul", ["x", "y"], ["other"]),
+             helper.make_node("MatMul", ["x", "w"], ["read"]), helper.make_node("Softmax", ["read"], ["softmax"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3, 3])
                                            for n in ("x", "y")],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("logits", "other")])
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3, 3])
+                               for n in ("logits", "other", "read", "softmax")],
+                              [numpy_helper.from_array(np.eye(3, dtype=np.float32), "w")])
     model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
-                       last_position=("logits", "other", "absent"))
-    assert model.last_position == 0  # an Add; a MatMul by an input, not a constant; no such output
+                       last_position=("logits", "other", "read", "absent"))
+    # an Add; a MatMul by an input, not a constant; one read by another node; no such output
+    assert model.last_position == 0
     x = np.ones((2, 3, 3), np.float32)
     assert model.run({"x": x, "y": x})["logits"].shape == (2, 3, 3)
 
