@@ -1,9 +1,9 @@
 """numba kernels of the fused Whisper ops (`runnx/ops/fused_whisper.py`): a row softmax for long
 attention (scores computed by BLAS a block of rows at a time) and the erf GELU, over cache-resident
 rows. They are not numba parallel loops: between BLAS calls, numba's spinning threads and
-OpenBLAS's took the cores from each other (the encoder ran 5-20x slower). The softmax's blocks of
-rows are shared with the decode pool's workers instead, which sleep right after
-(`_decode_pool.softmax_rows`); the GELU runs on one thread.
+OpenBLAS's took the cores from each other (the encoder ran 5-20x slower). Their blocks of rows are
+shared with the decode pool's workers instead, which sleep right after (`_decode_pool.softmax_rows`,
+`gelu_rows`).
 
 float32 exp is 2^n * 2^f, with 2^f (|f| <= 1/2) a degree-6 polynomial (error below 2e-7) and 2^n
 put into the exponent bits; the float32 rounding of the scaled argument dominates (a few 1e-6
@@ -37,8 +37,9 @@ _PLUS_INF_KEY, _MINUS_INF_KEY = np.int32(0x7F800000), np.int32(-0x7F800001)
 @numba.njit(cache=True, error_model="numpy")
 def _row_peak(bits):
     """The largest float32 of a row given as int32 bits; NaN when it holds a NaN, as numpy's maximum.
-    Integer max and min reductions vectorise where float ones (NaN-aware) do not: 4x numpy's
-    separate maximum pass, which read every score once more."""
+    Integer max and min reductions vectorise where NaN-aware float ones do not (1.0 ms a Whisper
+    encoder head against numpy's 0.18), and the row is read while in L1, not in a pass of its own
+    (the encoder's attention layer 11.6-11.7 -> 11.1-11.2 ms)."""
     high, low = np.int32(-0x80000000), np.int32(0x7FFFFFFF)
     for j in range(bits.shape[0]):
         b = bits[j]
