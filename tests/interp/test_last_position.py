@@ -52,3 +52,8 @@ def _config(folder):
 def _hidden_size(model):
     shape = next(i.shape for i in model.inputs if i.name == "encoder_hidden_states")
     return shape[2]
+
+
+def test_the_environment_names_outputs_too(fixtures_dir, monkeypatch):
+    monkeypatch.setenv("RUNNX_LAST_POSITION", " logits, other")
+    assert runnx.load(fixtures_dir / "tiny-llama" / "model.onnx").last_position == 1
