@@ -21,7 +21,8 @@ A job is cut into units that give the same result whoever computes them:
   `_kernels_whisper.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
   products around them, so after such a job a worker does not spin but sleeps at once, and the
   caller wakes sleeping workers before it starts (half a millisecond of rows is worth the wake-up);
-  fewer rows than two blocks (a decode step's GELU) run on the caller's own mailbox, the same code.
+  fewer rows than two blocks (a decode step's GELU) call the kernel directly, never a job, so
+  they never set the pool's linger to zero under a decode's spinning workers.
 Threads claim units with compare-and-swap on a counter tagged with the job's sequence number, so
 the caller never waits for a worker that has not started (it takes the units itself) and a late
 worker cannot claim a later job's unit with an earlier job's fields (the caller retags the counter
@@ -62,6 +63,7 @@ _QUERY, _KEY, _VALUE, _BIAS, _OUT = (_ARRAYS + 9 * i for i in range(5))
 _ROW_KERNEL, _ROWS_IN, _ROWS_OUT, _ROW_COUNT, _ROW_COLUMNS, _ROW_ARGUMENTS = range(_OWN, _OWN + 6)
 _SOFTMAX_ROWS, _GELU_ROWS = 0, 1
 _ROW_BLOCK = 16  # rows per unit
+_SHARED_ROWS = 2 * _ROW_BLOCK  # fewer rows (a decode step's GELU) call the kernel, no job
 _MAILBOX_SIZE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _OUT + 9)
 _INDEX_BITS = 32
 _NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
@@ -393,19 +395,25 @@ def attention_job(query, key, value, bias, scale: float, fill: float):
 def softmax_rows(scores, fill: float) -> None:
     """Softmax along the last axis of C-contiguous float32 scores (rows, columns), in place, rows
     whose softmax is NaN set to `fill` (`softmax_rows_float32`)."""
-    _rows_job(_softmax, scores.shape[0], scores, fill)
+    if scores.shape[0] < _SHARED_ROWS:
+        softmax_rows_float32(scores, fill)
+    else:
+        _shared_rows(_softmax, scores, fill)
 
 
 def gelu_rows(x, bias, divisor, one, half, out) -> None:
     """`gelu_rows_float32` from C-contiguous float32 x (rows, columns) into out, bias a float32
     vector (empty: none), divisor, one and half float32 numbers."""
-    _rows_job(_gelu, x.shape[0], x, bias, float(divisor), float(one), float(half), out)
+    if x.shape[0] < _SHARED_ROWS:
+        gelu_rows_float32(x, bias, divisor, one, half, out)
+    else:
+        _shared_rows(_gelu, x, bias, float(divisor), float(one), float(half), out)
 
 
-def _rows_job(job, rows: int, *arguments) -> None:
-    """A rows job with the pool's workers when there are any and two blocks of rows or more, else
-    on a mailbox of this call: the same compiled code either way, so the same results."""
-    workers = pool() if rows >= 2 * _ROW_BLOCK else None
+def _shared_rows(job, *arguments) -> None:
+    """A rows job with the pool's workers when there are any and it is free, else on a mailbox of
+    this call: the same compiled code either way, so the same results."""
+    workers = pool()
     if workers is None or not workers.rows(job, *arguments):
         job(np.zeros(_MAILBOX_SIZE, np.int64), 0, *arguments)
 
