@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from report import THREAD_VARIABLES, git_revision, machine, update_section  # scripts/: this script's folder
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
 SMOLLM2 = CACHE / "models" / "smollm2-135m" / "model.onnx"
@@ -32,7 +34,6 @@ SMOLLM2 = CACHE / "models" / "smollm2-135m" / "model.onnx"
 #   $CACHE/genai-venv/bin/python -m onnxruntime_genai.models.builder -i HF_SMOLLM2_DIR -o $CACHE/genai/smollm2-135m -p fp32 -e cpu
 GENAI_PYTHON = CACHE / "genai-venv" / "bin" / "python"
 GENAI_MODEL = CACHE / "genai" / "smollm2-135m"
-THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 PREFILL_LENGTH = 512
 DECODE_STEPS = 8
 
@@ -271,8 +272,6 @@ def main(args) -> None:
                        + (["--no-write"] if args.no_write else []), threads)
     if args.no_write:
         return
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from report import git_revision, machine, update_section
 
     image = _plot(results, contexts)
     command = (f".venv/bin/python scripts/bench.py --threads {args.threads} --contexts {args.contexts} "

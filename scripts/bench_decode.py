@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from report import set_threads  # scripts/ is this script's own folder on sys.path
+
 
 def parse_args():
     cache = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
@@ -31,8 +33,7 @@ def parse_args():
 
 
 ARGS = parse_args()
-for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-    os.environ[variable] = str(ARGS.threads)
+set_threads(ARGS.threads)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import runnx  # noqa: E402  (before numpy: it sets OpenBLAS's thread timeout)

@@ -14,17 +14,17 @@ threads have run they spin between calls and take the core the decode-pool's wor
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
+
+from report import set_threads  # scripts/ is this script's own folder on sys.path
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--threads", type=int, default=1)
 parser.add_argument("--rounds", type=int, default=3)
 ARGS = parser.parse_args()
-for variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-    os.environ[variable] = str(ARGS.threads)
+set_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402
 

@@ -45,7 +45,6 @@ import onnxruntime  # noqa: E402
 import runnx  # noqa: E402
 
 
-
 def _feeds(ids, past_length, past):
     return {"input_ids": ids, "attention_mask": np.ones((1, past_length + 1), np.int64),
             "position_ids": np.array([[past_length]], np.int64), **past}

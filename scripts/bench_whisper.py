@@ -22,8 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+from report import set_threads  # scripts/ is this script's own folder on sys.path
+
 ENGINES = ("runnx", "onnxruntime")
-THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def parse_args():
@@ -40,8 +41,7 @@ def parse_args():
 
 
 ARGS = parse_args()
-for variable in THREAD_VARIABLES:
-    os.environ[variable] = str(ARGS.threads)  # before numpy and numba start their pools
+set_threads(ARGS.threads)  # before numpy and numba start their pools
 
 REPO = Path(__file__).resolve().parents[1]
 
