@@ -3,12 +3,13 @@
 A decode step multiplies one row by each weight matrix. OpenBLAS's one-row kernel spends a good
 part of its time outside the memory stream (measured in scripts/bench_gemv.py); a plain loop that
 streams the matrix four rows per pass, the output row held in L1, keeps up with memory instead
-(four rows: a quarter of the output's loads and stores, and four streams in flight; on a Zen 5
-1.4-1.8x one row per pass, see docs/benchmarks.md). The rows
-are cut into `ROW_CHUNKS` chunks whose partial sums are added in chunk order: the chunks are what
-`_decode_pool.py` shares between threads, and since they depend on the matrix's shape only, the
-pool's result is bitwise this loop's (and the same on every machine: no reassociation, so no
-dependence on the vector width).
+(four rows: a quarter of the output's loads and stores). The four rows are a quarter of the rows
+apart, not adjacent: four long sequential streams, where adjacent rows of a 576-wide matrix make
+four 2 KiB streams that end and restart every pass (1.3-2x the bandwidth on a Zen 3 for the
+matrices of a decoder layer). The rows are cut into `ROW_CHUNKS` chunks whose partial sums are
+added in chunk order: the chunks are what `_decode_pool.py` shares between threads, and since
+they depend on the matrix's shape only, the pool's result is bitwise this loop's (and the same on
+every machine: no reassociation, so no dependence on the vector width).
 """
 from __future__ import annotations
 
@@ -28,12 +29,16 @@ def chunk_bounds(depth, chunks, index):
 
 @_kernel
 def rows_into(row, matrix, partial, start, stop):
-    """partial = row[start:stop] @ matrix[start:stop], each column summed in order of k."""
+    """partial = row[start:stop] @ matrix[start:stop]: the rows in four quarters read side by side
+    (rows k, k + q, k + 2q, k + 3q per pass, then the rest one by one), each column summed in
+    that fixed order. Four long sequential streams keep more memory reads in flight than four
+    adjacent rows, whose streams end every few KiB: on a Zen 3 1.3-2x the bandwidth for the
+    384- and 576-wide matrices of decoding (scripts/bench_gemv.py), the same for wide ones."""
     partial[:] = 0
-    whole = start + (stop - start) // 4 * 4
-    for k in range(start, whole, 4):  # four rows per pass, then the rest one by one
-        f0, f1, f2, f3 = row[k], row[k + 1], row[k + 2], row[k + 3]
-        w0, w1, w2, w3 = matrix[k], matrix[k + 1], matrix[k + 2], matrix[k + 3]
+    quarter = (stop - start) // 4
+    for k in range(start, start + quarter):
+        f0, f1, f2, f3 = row[k], row[k + quarter], row[k + 2 * quarter], row[k + 3 * quarter]
+        w0, w1, w2, w3 = matrix[k], matrix[k + quarter], matrix[k + 2 * quarter], matrix[k + 3 * quarter]
         for n in range(partial.size):
             total = partial[n]
             total += f0 * w0[n]
@@ -41,7 +46,7 @@ def rows_into(row, matrix, partial, start, stop):
             total += f2 * w2[n]
             total += f3 * w3[n]
             partial[n] = total
-    for k in range(whole, stop):
+    for k in range(start + 4 * quarter, stop):
         factor = row[k]
         weights = matrix[k]
         for n in range(partial.size):

@@ -26,13 +26,18 @@ def pool():
 
 
 def _chunked_sum(row, matrix):
-    """The documented order: each chunk of rows summed in order of k, chunk results added in order."""
+    """The documented order: in each chunk of rows, rows k, k + q, k + 2q, k + 3q (q a quarter of
+    the chunk) for k from the chunk's start, then the rows left over in order; chunk results added
+    in order."""
     depth = matrix.shape[0]
     chunks = max(1, min(ROW_CHUNKS, depth))
     partials = []
     for index in range(chunks):
+        start, stop = depth * index // chunks, depth * (index + 1) // chunks
+        quarter = (stop - start) // 4
+        order = [k + j * quarter for k in range(start, start + quarter) for j in range(4)]
         partial = np.zeros(matrix.shape[1], matrix.dtype)
-        for k in range(depth * index // chunks, depth * (index + 1) // chunks):
+        for k in order + list(range(start + 4 * quarter, stop)):
             partial = partial + row[k] * matrix[k]
         partials.append(partial)
     total = partials[0]
