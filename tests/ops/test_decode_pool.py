@@ -12,6 +12,7 @@ from _single_node import run_node
 
 from runnx.ops import _decode_pool
 from runnx.ops._kernels_linalg import ROW_CHUNKS, row_times_matrix
+from runnx.ops.linalg import MatMul
 
 RNG = np.random.default_rng(0)
 # (depth, width): fewer rows than chunks, rows not a multiple of four, wide rows (four per pass)
@@ -109,6 +110,31 @@ def test_workers_take_chunks_and_sleep_when_idle(pool):
         time.sleep(0.01)
     assert all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2])  # asleep after their patience ran out
     np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)  # woken, or done alone
+
+
+def test_products_worth_blas_threads_let_spinning_workers_sleep(pool):
+    # Whisper's first decoder step runs OpenBLAS products of 1500 rows between pool jobs: workers
+    # spinning after a job would hold the cores OpenBLAS's threads need. A product too small for
+    # them (the rotary MatMul of every SmolLM2 step) must leave the workers spinning.
+    matrix = RNG.standard_normal((512, 256)).astype(np.float32)
+    row = RNG.standard_normal(512).astype(np.float32)
+    rows = RNG.standard_normal((64, 512)).astype(np.float32)
+    frequencies, positions = RNG.standard_normal((1, 32, 1)).astype(np.float32), np.ones((1, 1, 1), np.float32)
+    deadline = time.monotonic() + 10
+    rested = False
+    while not rested and time.monotonic() < deadline:  # (unless the workers fell asleep before the product)
+        pool.products(row, (matrix,))
+        posted = pool.box[_decode_pool._POSTED]
+        np.testing.assert_array_equal(MatMul(frequencies, positions), frequencies @ positions)
+        assert pool.box[_decode_pool._POSTED] == posted  # no job
+        np.testing.assert_allclose(MatMul(rows, matrix), rows @ matrix, rtol=1e-5, atol=1e-4)
+        rested = pool.box[_decode_pool._POSTED] == posted + 1  # an empty job...
+    assert rested and pool.box[_decode_pool._LINGER] == 0  # ...after which workers sleep at once
+    deadline = time.monotonic() + 10
+    while not all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2]) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2])
+    np.testing.assert_array_equal(pool.products(row, (matrix,))[0], row_times_matrix(row, matrix))
 
 
 def test_a_pool_of_sleeping_workers_closes():
