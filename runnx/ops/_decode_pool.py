@@ -3,13 +3,13 @@ products and attention over a KV cache, when runnx has more than one thread.
 
 A decode step is some two hundred one-row products (`row @ matrix`), each a few to a few hundred
 microseconds of streaming weights from memory, and one attention per layer streaming the KV cache.
-One core does not saturate this machine's memory (scripts/bench_gemv.py: 18 GB/s from one thread,
-29 from two), but handing each kernel to a thread pool costs more than it gains: numba's parallel
-regions and a Python-level hand-off take 30-50 us each. So the workers here never leave native
-code while a decode is running: each spins on a shared mailbox (an int64 array read and written
-with the atomic instructions of `_atomics.py`) for a few milliseconds after its last job, then
-sleeps on its own Event (a shared one, cleared by whichever worker wakes first, could leave another
-asleep through a wake-up meant for it).
+One core does not saturate memory on most machines (scripts/bench_gemv.py: 18 GB/s from one thread,
+29 from two on the first one), but handing each kernel to a thread pool costs more than it gains:
+numba's parallel regions and a Python-level hand-off take 30-50 us each. So the workers here never
+leave native code while a decode is running: each spins on a shared mailbox (an int64 array read and
+written with the atomic instructions of `_atomics.py`) for a few milliseconds after its last job,
+then sleeps on its own Event (a shared one, cleared by whichever worker wakes first, could leave
+another asleep through a wake-up meant for it).
 
 A job is cut into units that give the same result whoever computes them:
 - products: one row times up to four matrices (a layer's projections of one input); each product
