@@ -36,6 +36,7 @@ GENAI_PYTHON = CACHE / "genai-venv" / "bin" / "python"
 GENAI_MODEL = CACHE / "genai" / "smollm2-135m"
 PREFILL_LENGTH = 512
 DECODE_STEPS = 8
+WHISPER_PAIRS = 6  # transcriptions per engine in bench_whisper.py's same-process turns
 
 
 # -- workers: one runner, one thread count, one process ---------------------------------------------
@@ -265,7 +266,8 @@ def main(args) -> None:
         print(f"  {results[('reference', 1)]}", flush=True)
     table, ratios = _llm_table(results, contexts), _ratios(results, contexts)
     print(table + "\n" + ratios)
-    whisper = {t: _script_output("bench_whisper.py", ["--threads", str(t)], t) for t in thread_counts}
+    whisper = {t: _script_output("bench_whisper.py", ["--threads", str(t), "--pairs", str(WHISPER_PAIRS)], t)
+               for t in thread_counts}
     dispatch = _script_output("bench_dispatch.py", [], 1)
     for threads in thread_counts:  # writes its own section (unless --no-write)
         _script_output("bench_pairs.py", ["--threads", str(threads), "--contexts", args.contexts]
@@ -295,7 +297,8 @@ Command: `{command}`.
 
 Encoder seconds per 30 s window, decoder ms/token, and the real-time factor of the 68.8 s clip
 (`long.wav`, 15 espeak-ng sentences), runnx vs onnxruntime behind the same pipeline code, at each
-thread count. runnx {git_revision()}; {machine()}.
+thread count: medians of processes, then {WHISPER_PAIRS} transcriptions each in one process, taking
+turns. runnx {git_revision()}; {machine()}.
 
 {whisper_blocks}
 """)

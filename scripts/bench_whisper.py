@@ -2,11 +2,15 @@
 window, decoder milliseconds per token, and the real-time factor of a whole long clip; with
 --profile, runnx's time per op type for the encoder and the decoder steps.
 
-    python scripts/bench_whisper.py [--model DIR] [--audio FILE] [--threads N] [--rounds N] [--repeat N] [--profile]
+    python scripts/bench_whisper.py [--model DIR] [--audio FILE] [--threads N] [--rounds N] [--repeat N] [--pairs N]
+                                    [--profile]
 
 Each engine runs in its own process (two thread pools in one process, onnxruntime's and
 OpenBLAS's, busy-wait against each other at 2 threads), --rounds times alternating, and the
-figures are medians over the rounds. Defaults: ${RUNNX_CACHE:-~/.cache/runnx}/models/whisper-tiny.en
+figures are medians over the rounds. With --pairs N, both engines then transcribe the clip N times
+each in one process, taking turns (A B B A ...) with a pause between turns so that neither's
+spinning threads overlap the other's run: separate processes minutes apart saw this machine's
+memory bandwidth move by 10-30%, and turns in one process put a slow spell on both. Defaults: ${RUNNX_CACHE:-~/.cache/runnx}/models/whisper-tiny.en
 and .../audio/long.wav (built by `make models`). onnxruntime is a test dependency; it runs behind
 the same pipeline code (tests/generate/_ort_whisper.py), so the two columns differ only in the
 engine. RUNNX_FUSE=0 in the environment gives runnx without fusion, for A/B runs.
@@ -25,6 +29,7 @@ from pathlib import Path
 from report import set_threads  # scripts/ is this script's own folder on sys.path
 
 ENGINES = ("runnx", "onnxruntime")
+PAUSE_SECONDS = 0.05  # between turns: onnxruntime's pool spins for a few ms after a run, runnx's for 2.5
 
 
 def parse_args():
@@ -35,6 +40,7 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=1, help="BLAS/numba threads and onnxruntime intra-op threads")
     parser.add_argument("--rounds", type=int, default=3, help="processes per engine, alternating; medians over them")
     parser.add_argument("--repeat", type=int, default=3, help="timed encoder runs per process (after one warm-up)")
+    parser.add_argument("--pairs", type=int, default=0, help="transcriptions per engine in one process, taking turns")
     parser.add_argument("--profile", action="store_true", help="print runnx's time per op type")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)  # one engine's measurements, as JSON
     return parser.parse_args()
@@ -66,6 +72,8 @@ def main() -> None:
               f"   ({results[0]['steps']} steps, {results[0]['windows']} windows)")
     tokens = {engine: {json.dumps(r["tokens"]) for r in results} for engine, results in runs.items()}
     print(f"same segments and token ids: {len(tokens['runnx'] | tokens['onnxruntime']) == 1}")
+    if ARGS.pairs:
+        print(same_process_pairs(ARGS.pairs))
     if ARGS.profile:
         _in_process("runnx", profile=True)
 
@@ -80,20 +88,44 @@ def _worker(engine: str) -> dict:
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
-def _in_process(engine: str, profile: bool = False) -> dict:
+def _whisper(engine: str):
+    """The pipeline with `engine` behind it."""
     sys.path[:0] = [str(REPO), str(REPO / "tests" / "generate")]
     import runnx  # noqa: F401  (first, after the thread variables: it sets OpenBLAS's thread timeout)
-    from runnx.generate.audio import load_audio
-    from runnx.generate.mel import window_features
     from runnx.generate.whisper import Whisper
 
-    samples = load_audio(ARGS.audio)
-    features = window_features(samples, 80)
     if engine == "onnxruntime":
         from _ort_whisper import OrtModel
-        model = Whisper(ARGS.model, load=lambda path: OrtModel(path, ARGS.threads))
-    else:
-        model = Whisper(ARGS.model)
+        return Whisper(ARGS.model, load=lambda path: OrtModel(path, ARGS.threads))
+    return Whisper(ARGS.model)
+
+
+def same_process_pairs(count: int) -> str:
+    """Real-time factors of both engines transcribing the clip in one process, taking turns."""
+    from runnx.generate.audio import load_audio
+
+    models = {engine: _whisper(engine) for engine in ENGINES}
+    samples = load_audio(ARGS.audio)
+    for model in models.values():
+        model.transcribe(samples)  # warm-up
+    factors = {engine: [] for engine in ENGINES}
+    for turn in range(count):
+        for engine in ENGINES if turn % 2 == 0 else ENGINES[::-1]:
+            time.sleep(PAUSE_SECONDS)
+            factors[engine].append(models[engine].transcribe(samples).timings.real_time_factor)
+    ratios = [mine / theirs for mine, theirs in zip(factors["runnx"], factors["onnxruntime"])]
+    return (f"same process, {count} transcriptions each, taking turns: real-time factor runnx "
+            f"{statistics.median(factors['runnx']):.3f}, onnxruntime {statistics.median(factors['onnxruntime']):.3f}, "
+            f"ratio {statistics.median(ratios):.2f}x (turn pairs {min(ratios):.2f}-{max(ratios):.2f})")
+
+
+def _in_process(engine: str, profile: bool = False) -> dict:
+    from runnx.generate.audio import load_audio
+    from runnx.generate.mel import window_features
+
+    model = _whisper(engine)
+    samples = load_audio(ARGS.audio)
+    features = window_features(samples, 80)
     if profile:
         profile_runnx(model, features)
         return {}
