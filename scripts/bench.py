@@ -15,6 +15,7 @@ Models come from `make models` (${RUNNX_CACHE:-~/.cache/runnx}/models).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -243,6 +244,8 @@ def main(args) -> None:
     thread_counts = [int(t) for t in args.threads.split(",")]
     if not SMOLLM2.exists():
         sys.exit(f"{SMOLLM2} is missing: run `make models` first")
+    if not args.no_write and importlib.util.find_spec("matplotlib") is None:  # before minutes of runs, not after
+        sys.exit("the plot needs matplotlib: pip install -e '.[bench]' (or run with --no-write)")
     genai = GENAI_PYTHON.exists() and (GENAI_MODEL / "genai_config.json").exists()
     if not genai:
         print(f"onnxruntime-genai skipped: {GENAI_PYTHON} or {GENAI_MODEL} missing (see the top of this script)")
