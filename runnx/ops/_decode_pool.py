@@ -71,6 +71,7 @@ _SEQUENCES = (1 << 31) - 1  # job numbers wrap here, so that the tagged counter 
 _PATIENCE = 1 << 16  # polls (each a `pause`) before a worker sleeps: about 2.5 ms here
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+_BLAS_THREADED = 1 << 20  # multiply-adds from which a product is worth OpenBLAS's threads
 
 
 @_jit
@@ -409,9 +410,11 @@ def attention_job(query, key, value, bias, scale: float, fill: float):
     return out
 
 
-def rest_workers() -> None:
-    """`DecodePool.rest` when the process has a pool: call before a BLAS product."""
-    if _pool is not None:
+def rest_workers(multiply_adds: int) -> None:
+    """`DecodePool.rest` when the process has a pool and a BLAS product of `multiply_adds` is
+    about to run that is worth OpenBLAS's threads (the rotary MatMul of every SmolLM2 step, 32 of
+    them, must not put the workers to sleep)."""
+    if _pool is not None and multiply_adds >= _BLAS_THREADED:
         _pool.rest()
 
 

@@ -416,7 +416,7 @@ def _attend_numpy(scaled, key, value, bias, fill):
     batch, heads, length, depth = scaled.shape
     groups, size = key.shape[1], key.shape[2]
     grouped = scaled.reshape(batch, groups, heads // groups * length, depth)
-    _decode_pool.rest_workers()
+    _decode_pool.rest_workers(grouped.size * size)
     scores = np.matmul(grouped, np.swapaxes(key, -1, -2)).reshape(batch, heads, length, size)
     if (scores.dtype == np.float32 and scores.flags.c_contiguous and (bias is None or bias.dtype == np.float32)
             and np.size(fill) == 1):

@@ -21,9 +21,6 @@ from runnx.ops.registry import register
 _ROW_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _POOLED_ELEMENTS = 1 << 16
 _FLOAT32 = np.dtype(np.float32)
-# multiply-adds from which a product is worth OpenBLAS's threads, so worth the decode pool's cores
-# (the rotary MatMul of every SmolLM2 step, 32 of them, must not put its workers to sleep)
-_BLAS_THREADED = 1 << 20
 
 
 def _in_dtype(result, dtype):
@@ -56,8 +53,7 @@ def MatMul(a, b):
         return product.reshape(a.shape[:-1] + product.shape)
     if _one_row(a, b):
         return row_times_matrix(a.reshape(-1), b).reshape(a.shape[:-1] + b.shape[1:])
-    if a.size * b.shape[-1] >= _BLAS_THREADED:
-        _decode_pool.rest_workers()
+    _decode_pool.rest_workers(a.size * b.shape[-1])
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # one GEMM over all leading rows instead of numpy's GEMM (or GEMV) per batch entry
         rows = np.matmul(a.reshape(-1, a.shape[-1]), b)
