@@ -120,27 +120,43 @@ def worker_llm(runner: str, threads: int, contexts: list[int], steps: int, prefi
     return {"load_s": load_seconds, "decode_tps": decode, "prefill_tps": prefill_tps, "peak_rss_mb": peak}
 
 
-def worker_genai(threads: int, contexts: list[int], steps: int) -> dict:
-    """onnxruntime-genai's own loop on its own model (static KV buffer, GroupQueryAttention)."""
-    import onnxruntime_genai as og
+class GenAI:
+    """onnxruntime-genai's own loop on its own model (static KV buffer, GroupQueryAttention), in
+    the engines' form: `past` is its generator, made by a call with a capacity (its max_length)
+    from `past_length` random tokens (its prefill, then one token), advanced one token by each
+    other call."""
 
+    def __init__(self, path, threads):
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(path))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
+        self.kv = []  # no past arrays: the generator holds its cache
+
+    def step(self, ids, past_length, past, capacity):
+        if capacity:
+            params = self.og.GeneratorParams(self.model)
+            params.set_search_options(max_length=capacity, do_sample=False)
+            past = self.og.Generator(self.model, params)
+            tokens = np.random.default_rng(past_length).integers(3, 40000, size=past_length)
+            past.append_tokens(tokens.astype(np.int32))
+        past.generate_next_token()
+        return past
+
+
+def worker_genai(threads: int, contexts: list[int], steps: int) -> dict:
     start = time.perf_counter()
-    config = og.Config(str(GENAI_MODEL))
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
-    model = og.Model(config)
+    engine = GenAI(GENAI_MODEL, threads)
     load_seconds = time.perf_counter() - start
-    rng = np.random.default_rng(0)
     decode = {}
     for context in contexts:
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=context + steps + 2, do_sample=False)
-        generator = og.Generator(model, params)
-        generator.append_tokens(rng.integers(3, 40000, size=context).astype(np.int32))
-        generator.generate_next_token()  # the prefill's token
+        generator = engine.step(None, context, None, context + steps + 2)
         times = []
         for _ in range(steps):
             begin = time.perf_counter()
-            generator.generate_next_token()
+            engine.step(None, context, generator, 0)
             times.append(time.perf_counter() - begin)
         decode[context] = 1.0 / statistics.median(times)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,18 +1,22 @@
-"""SmolLM2-135M decode, runnx and onnxruntime in one process, timed in alternating blocks of steps:
-the ratio without the minutes-long swings of this kind of machine (memory bandwidth shared with
-other guests) that separate processes see. Writes a section of docs/benchmarks.md.
+"""SmolLM2-135M decode, runnx and onnxruntime (and onnxruntime-genai, when installed) in one
+process, timed in alternating blocks of steps: the ratios without the minutes-long swings of this
+kind of machine (memory bandwidth shared with other guests) that separate processes see. Writes a
+section of docs/benchmarks.md.
 
     .venv/bin/python scripts/bench_pairs.py [--threads N] [--contexts 32,512,2000] [--blocks 8]
 
 Per context, each runner decodes from its own random past KV of that length (runnx's as `Owned`
 capacity buffers), then the runners take turns, A B B A ..., for `blocks` blocks of `steps` greedy
-steps each, a short pause between blocks so that neither's spinning threads overlap the other's.
-A block's figure is its median step; the ratio is the median of the blocks' ratios (each runnx
-block against the other runner's block of the same turn pair), with their range.
+steps each, a short pause between blocks so that no runner's spinning threads overlap another's.
+A block's figure is its median step; a ratio is the median of the blocks' ratios (each runnx block
+against the other runner's block of the same turn), with their range. onnxruntime-genai runs its
+own model and loop (`bench.GenAI`, its cache filled by a prefill of random tokens) when
+`onnxruntime_genai` imports here (`pip install onnxruntime-genai`; its model: see bench.py).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -78,17 +82,23 @@ def main() -> None:
         sys.exit(f"{bench.SMOLLM2} is missing: run `make models` first")
     engines = {"runnx": bench._Runnx(bench.SMOLLM2, ARGS.threads),
                "onnxruntime": bench._OnnxRuntime(bench.SMOLLM2, ARGS.threads)}
-    lines = [f"SmolLM2-135M decode, {ARGS.threads} thread(s), runnx and onnxruntime in one process: "
+    if importlib.util.find_spec("onnxruntime_genai") and (bench.GENAI_MODEL / "genai_config.json").exists():
+        engines["onnxruntime-genai"] = bench.GenAI(bench.GENAI_MODEL, ARGS.threads)
+    peers = list(engines)[1:]
+    lines = [f"SmolLM2-135M decode, {ARGS.threads} thread(s), {', '.join(engines)} in one process: "
              f"{ARGS.blocks} alternating blocks of {ARGS.steps} steps each",
-             f"{'context':>8}{'runnx tok/s':>14}{'onnxruntime':>14}{'ratio':>8}{'block ratios':>16}"]
+             f"{'context':>8}{'runnx tok/s':>14}" + "".join(f"{peer:>19}{'ratio':>8}{'block ratios':>14}"
+                                                            for peer in peers)]
     print("\n".join(lines), flush=True)
     for context in [int(c) for c in ARGS.contexts.split(",")]:
         speeds = _blocks(engines, context)
-        ratios = [mine / theirs for mine, theirs in zip(speeds["runnx"], speeds["onnxruntime"])]
-        lines.append(f"{context:>8}{statistics.median(speeds['runnx']):>14.1f}"
-                     f"{statistics.median(speeds['onnxruntime']):>14.1f}{statistics.median(ratios):>7.2f}x"
-                     f"{min(ratios):>10.2f}-{max(ratios):.2f}")
-        print(lines[-1], flush=True)
+        line = f"{context:>8}{statistics.median(speeds['runnx']):>14.1f}"
+        for peer in peers:
+            ratios = [mine / theirs for mine, theirs in zip(speeds["runnx"], speeds[peer])]
+            line += (f"{statistics.median(speeds[peer]):>19.1f}{statistics.median(ratios):>7.2f}x"
+                     f"{min(ratios):>8.2f}-{max(ratios):.2f}")
+        lines.append(line)
+        print(line, flush=True)
     if ARGS.no_write:
         return
     command = (f".venv/bin/python scripts/bench_pairs.py --threads {ARGS.threads} --contexts {ARGS.contexts} "
