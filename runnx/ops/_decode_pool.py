@@ -15,8 +15,8 @@ A job is cut into units that give the same result whoever computes them:
 - products: one row times up to four matrices (a layer's projections of one input); each product
   in the row chunks of `row_times_matrix` (`_kernels_linalg.py`), each summed into its own partial
   row, the partial rows added in chunk order: bitwise the one-thread loop's;
-- attention: one unit per (batch entry, KV head), `attention_group` of `_kernels_fused.py` as the
-  one-thread `attention` runs it;
+- attention: one unit per (batch entry, KV head, span of the cache), `attention_span` of
+  `_kernels_fused.py` as the one-thread `attention` runs it, the caller combining the spans after;
 - rows (a prefill's or the Whisper encoder's attention softmax, the encoder's GELU: row kernels of
   `_kernels_whisper.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
   products around them, so after such a job a worker does not spin but sleeps at once, and the
@@ -39,7 +39,7 @@ import numpy as np
 
 from runnx.ops._atomics import (add, bits_of_float64, compare_and_swap, float32_pointer, float32_view,
                                 float64_from_bits, load, pause, store)
-from runnx.ops._kernels_fused import attention_group
+from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span
 from runnx.ops._kernels_linalg import (ROW_CHUNKS, add_partials_into, chunk_bounds, chunk_count, row_times_matrix,
                                       rows_into)
 from runnx.ops._kernels_whisper import gelu_rows_float32, softmax_rows_float32
@@ -54,17 +54,17 @@ _PRODUCTS, _ATTENTION, _ROWS = 0, 1, 2
 _ROW, _DEPTH, _CHUNKS, _MATRICES = range(_OWN, _OWN + 4)
 MAX_MATRICES = 4  # one job: one row times up to this many matrices (a layer's q, k, v projections)
 _MATRIX, _WIDTH, _PARTIALS, _PER_MATRIX = 0, 1, 2, 3  # matrix m's slots start at _MATRICES + 3 m
-# attention: scale, fill, groups, whether there is a bias, then query, key, value, bias, out as
-# (address, 4 dimensions, 4 byte strides)
-_SCALE, _FILL, _GROUPS, _HAS_BIAS, _ARRAYS = range(_OWN, _OWN + 5)
-_QUERY, _KEY, _VALUE, _BIAS, _OUT = (_ARRAYS + 9 * i for i in range(5))
+# attention: scale, groups, whether there is a bias, then query, key, value, bias and the spans'
+# partial sums and statistics as (address, 4 dimensions, 4 byte strides)
+_SCALE, _GROUPS, _HAS_BIAS, _ARRAYS = range(_OWN, _OWN + 4)
+_QUERY, _KEY, _VALUE, _BIAS, _PARTIAL_SUMS, _SPAN_STATS = (_ARRAYS + 9 * i for i in range(6))
 # rows: the row kernel, the input's and the output's addresses, rows, columns, then the kernel's own:
 # the softmax's fill; the GELU's bias (address, size), divisor, one, half (floats as float64 bits)
 _ROW_KERNEL, _ROWS_IN, _ROWS_OUT, _ROW_COUNT, _ROW_COLUMNS, _ROW_ARGUMENTS = range(_OWN, _OWN + 6)
 _SOFTMAX_ROWS, _GELU_ROWS = 0, 1
 _ROW_BLOCK = 16  # rows per unit
 _SHARED_ROWS = 2 * _ROW_BLOCK  # fewer rows (a decode step's GELU) call the kernel, no job
-_MAILBOX_SIZE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _OUT + 9)
+_MAILBOX_SIZE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9)
 _INDEX_BITS = 32
 _NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
 _SEQUENCES = (1 << 31) - 1  # job numbers wrap here, so that the tagged counter stays positive
@@ -104,16 +104,19 @@ def _post_array(box, slot, array):
 
 
 @_jit
-def _attention_group(box, index):
-    """Unit `index` of an attention job: the query rows of one (batch entry, KV head)."""
+def _attention_span(box, index):
+    """Unit `index` of an attention job: the query rows of one (batch entry, KV head) against one
+    span of the cache."""
     groups = load(box, _GROUPS)
-    query, key, value, out = (_posted_array(box, _QUERY), _posted_array(box, _KEY), _posted_array(box, _VALUE),
-                              _posted_array(box, _OUT))
-    scale, fill = float64_from_bits(load(box, _SCALE)), float64_from_bits(load(box, _FILL))
+    query, key, value = _posted_array(box, _QUERY), _posted_array(box, _KEY), _posted_array(box, _VALUE)
+    partials, stats = _posted_array(box, _PARTIAL_SUMS), _posted_array(box, _SPAN_STATS)
+    scale = float64_from_bits(load(box, _SCALE))
+    unit, span = index // partials.shape[1], index % partials.shape[1]
     if load(box, _HAS_BIAS):
-        attention_group(query, key, value, _posted_array(box, _BIAS), scale, fill, out, index // groups, index % groups)
+        attention_span(query, key, value, _posted_array(box, _BIAS), scale, partials, stats, unit // groups,
+                       unit % groups, span)
     else:
-        attention_group(query, key, value, None, scale, fill, out, index // groups, index % groups)
+        attention_span(query, key, value, None, scale, partials, stats, unit // groups, unit % groups, span)
 
 
 @_jit
@@ -148,7 +151,7 @@ def _work(box, sequence):
             if kind == _PRODUCTS:
                 _product_chunk(box, claim & _NOTHING_TO_CLAIM)
             elif kind == _ATTENTION:
-                _attention_group(box, claim & _NOTHING_TO_CLAIM)
+                _attention_span(box, claim & _NOTHING_TO_CLAIM)
             else:
                 _row_block(box, claim & _NOTHING_TO_CLAIM)
             add(box, _COMPLETED, 1)
@@ -235,23 +238,27 @@ def _products(box, workers, row, matrices, outs, scratch):
 
 @_jit
 def _attention(box, workers, query, key, value, bias, scale, fill, out):
-    """`attention` of _kernels_fused.py into out, one unit per (batch entry, KV head), as one
-    job; whether a worker was idle."""
+    """`attention` of _kernels_fused.py into out, one unit per (batch entry, KV head, span), as one
+    job, then the spans combined on this thread; whether a worker was idle."""
+    partials, stats = attention_scratch(query, key, value)
     sequence = _begin(box, _PATIENCE)
     store(box, _KIND, _ATTENTION)
     store(box, _SCALE, bits_of_float64(scale))
-    store(box, _FILL, bits_of_float64(fill))
     store(box, _GROUPS, key.shape[1])
     _post_array(box, _QUERY, query)
     _post_array(box, _KEY, key)
     _post_array(box, _VALUE, value)
-    _post_array(box, _OUT, out)
+    _post_array(box, _PARTIAL_SUMS, partials)
+    _post_array(box, _SPAN_STATS, stats)
     if bias is None:
         store(box, _HAS_BIAS, 0)
     else:
         store(box, _HAS_BIAS, 1)
         _post_array(box, _BIAS, bias)
-    return _run(box, workers, sequence, query.shape[0] * key.shape[1])
+    idle = _run(box, workers, sequence, partials.shape[0] * partials.shape[1])
+    for unit in range(partials.shape[0]):
+        attention_combine(value, partials, stats, fill, out, unit // key.shape[1], unit % key.shape[1])
+    return idle
 
 
 @_jit

@@ -11,6 +11,7 @@ import pytest
 from _single_node import run_node
 
 from runnx.ops import _decode_pool
+from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops._kernels_linalg import ROW_CHUNKS, row_times_matrix
 from runnx.ops.linalg import MatMul
 
@@ -75,13 +76,14 @@ def test_one_job_takes_several_matrices_of_one_depth(pool):
         np.testing.assert_array_equal(product, row_times_matrix(row, matrix))
 
 
+@pytest.mark.parametrize("size", [70, 2 * ATTENTION_SPAN + 37])  # one span of the cache; three
 @pytest.mark.parametrize("bias", [False, True])
-def test_attention_by_kv_heads_is_bitwise_the_one_thread_job(pool, bias):
+def test_attention_by_kv_heads_is_bitwise_the_one_thread_job(pool, bias, size):
     # grouped-query heads over a KV cache viewed in a larger buffer (strided), as decoding has it
     query = RNG.standard_normal((2, 6, 1, 16)).astype(np.float32)
-    key = RNG.standard_normal((2, 3, 90, 16)).astype(np.float32)[:, :, :70]
-    value = RNG.standard_normal((2, 3, 90, 8)).astype(np.float32)[:, :, :70]
-    mask = np.where(RNG.random((2, 1, 1, 70)) < 0.2, -np.inf, 0).astype(np.float32) if bias else None
+    key = RNG.standard_normal((2, 3, size + 20, 16)).astype(np.float32)[:, :, :size]
+    value = RNG.standard_normal((2, 3, size + 20, 8)).astype(np.float32)[:, :, :size]
+    mask = np.where(RNG.random((2, 1, 1, size)) < 0.2, -np.inf, 0).astype(np.float32) if bias else None
     expected = _attention_alone(query, key, value, mask)
     for _ in range(20):
         np.testing.assert_array_equal(pool.attention(query, key, value, mask, 0.25, np.nan), expected)

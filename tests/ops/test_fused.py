@@ -9,6 +9,7 @@ import runnx.ops.fused as fused_ops
 from runnx.errors import RunnxError
 from runnx.ops.fused import (AddRMSNorm, RepeatedKVAttention, RepeatedKVShape, RMSNorm, RopeAppend, RotateHalf, SiluMul,
                              attend)
+from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops.shape import Slice
 
 RNG = np.random.default_rng(0)
@@ -304,6 +305,29 @@ def test_attend_of_a_fully_masked_row_is_nan_unless_filled(length):
     np.testing.assert_array_equal(attend(q, k, v, bias, 1.0, fill=0.0)[:, :, 1], 0)
     np.testing.assert_allclose(got[:, :, 2:], _grouped_reference(q, k, v, bias, 1.0, np.nan)[:, :, 2:], rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_attend_over_a_cache_of_several_spans_combines_them_exactly(dtype):
+    # three spans of ATTENTION_SPAN positions, combined as flash decoding does: rows whose
+    # largest scores sit in different spans, a row with a whole span masked, a fully masked row
+    # and a row with a NaN score in its last span only (both filled)
+    size = 2 * ATTENTION_SPAN + 37
+    k, v = _cache(1, 2, size, 16, dtype)
+    q = RNG.standard_normal((1, 6, 1, 16)).astype(dtype)
+    bias = np.zeros((1, 6, 1, size), dtype)
+    bias[0, 0, 0, ATTENTION_SPAN:2 * ATTENTION_SPAN] = 30  # its softmax lives in the middle span
+    bias[0, 1, 0, :ATTENTION_SPAN] = -np.inf  # the first span adds nothing
+    bias[0, 2, 0] = -np.inf
+    bias[0, 3, 0, -1] = np.nan
+    sums = v[0].sum(axis=1, dtype=np.float64)  # per KV head; query heads 0-2 read head 0, 3-5 head 1
+    for fill in (np.nan, 0.0, 2.0):
+        got = attend(q, k, v, bias, 0.25, fill)
+        ordinary = [0, 1, 4, 5]
+        np.testing.assert_allclose(got[:, ordinary], _grouped_reference(q, k, v, bias, 0.25, fill)[:, ordinary],
+                                   **_tolerance(dtype))
+        # fill times a sum of 1061 value rows: float32 accumulates ~1e-5 of rounding
+        np.testing.assert_allclose(got[0, 2:4, 0], fill * sums, rtol=1e-5, atol=1e-4 if dtype == np.float32 else 0)
 
 
 def test_attend_computes_other_dtypes_with_numpy_and_rejects_bad_shapes():
