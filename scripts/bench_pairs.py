@@ -107,7 +107,7 @@ def main() -> None:
     title = f"SmolLM2 decode in one process, {ARGS.threads} thread(s) (`scripts/bench_pairs.py`)"
     update_section(f"pairs-{ARGS.threads}", f"""## {title}
 
-runnx {git_revision()}; {machine()}. The two runners take turns in blocks of steps (see the script),
+runnx {git_revision()}; {machine()}. The runners take turns in blocks of steps (see the script),
 so a slow spell of the machine falls on both. Command: `{command}`.
 
 ```
