@@ -165,9 +165,12 @@ def _span_numerators(scores):
         if s > largest:
             largest = s
     total = scores.dtype.type(0)
-    if unordered or largest == np.inf or largest == -np.inf:
+    if unordered or largest == np.inf:
         scores[:] = 0
-        return scores.dtype.type(np.nan) if largest != -np.inf or unordered else largest, total
+        return scores.dtype.type(np.nan), total
+    if largest == -np.inf:
+        scores[:] = 0
+        return largest, total
     if scores.itemsize == 4:
         for j in range(scores.shape[0]):
             e = _exp32(scores[j] - largest)
@@ -202,8 +205,8 @@ def _add_offsets(scores, offsets, start):
 def attention_span(query, key, value, bias, scale, partials, stats, b, g, span):
     """The query rows of KV head g of batch entry b (its heads x query positions) against span
     `span` of the cache: each row's softmax numerators' maximum and sum into stats[b * G + g,
-    span, row] and their weighted sum of the span's values into partials[b * G + g, span, row]:
-    the unit `_decode_pool.py` shares between threads."""
+    span, row] and their weighted sum of the span's values into partials[b * G + g, span, row]
+    (C-contiguous arrays): the unit `_decode_pool.py` shares between threads."""
     heads, length, depth = query.shape[1], query.shape[2], query.shape[3]
     groups, count = key.shape[1], key.shape[2]
     repeat = heads // groups
@@ -224,9 +227,8 @@ def attention_span(query, key, value, bias, scale, partials, stats, b, g, span):
     unit = b * groups + g
     for r in range(rows):
         stats[unit, span, r, 0], stats[unit, span, r, 1] = _span_numerators(scores[r])
-    partial = np.empty((rows, partials.shape[3]), partials.dtype)  # C-typed: the sums vectorise
-    _weighted_sum(scores, _rows(value, b, g)[start:stop], partial)
-    partials[unit, span] = partial
+    # typed C-contiguous (the pool posts partials with runtime strides): the sums vectorise
+    _weighted_sum(scores, _rows(value, b, g)[start:stop], _typed_contiguous(partials[unit, span]))
 
 
 @_kernel(fastmath=_REORDER)
