@@ -97,3 +97,24 @@ def gelu_rows_float32(x, bias, divisor, one, half, out):
         erf_float32_into(scaled, erfs)
         for c in range(row.shape[0]):
             result[c] = (result[c] * (erfs[c] + one)) * half
+
+
+@numba.njit(cache=True, error_model="numpy")
+def split_heads_into(x, bias, out):
+    """out[b, h, t] = x[b, t, h * depth:(h + 1) * depth] (+ the same slice of bias) for C-contiguous x
+    (batch, length, heads * depth) and out (batch, heads, length, depth); an empty bias adds
+    nothing. One pass, reading x in order, where numpy's bias add and transposing copy took two
+    (a first decoder step's eight 1500-row cross-attention keys and values: 9.7 -> 4.5 ms alone
+    on a Zen 3, 7.3 -> 4.1-5.9 ms within the step)."""
+    batch, heads, length, depth = out.shape
+    for b in range(batch):
+        for t in range(length):
+            row = x[b, t]
+            for h in range(heads):
+                source, target = row[h * depth:(h + 1) * depth], out[b, h, t]
+                if bias.shape[0]:
+                    offsets = bias[h * depth:(h + 1) * depth]
+                    for d in range(depth):
+                        target[d] = offsets[d] + source[d]
+                else:
+                    target[:] = source

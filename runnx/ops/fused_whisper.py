@@ -29,6 +29,7 @@ from runnx.errors import RunnxError
 from runnx.ops._decode_pool import gelu_rows, softmax_rows
 from runnx.ops._elementwise_util import binary, erf
 from runnx.ops._kernels_nn import layer_norm_rows
+from runnx.ops._kernels_whisper import split_heads_into
 from runnx.ops.fused import DOMAIN, attend
 from runnx.ops.normalization import LayerNormalization
 from runnx.ops.registry import register
@@ -158,11 +159,26 @@ def _biased(x, bias):
 @register("SplitHeads", since=1, domain=DOMAIN, shape_only=(3,))
 def SplitHeads(x, bias, target, source, *, dims: tuple[int, ...] = (), axes: tuple[int, ...] = ()):
     """Transpose(Reshape(x + bias, target), (0, 2, 1, 3)) as a C-contiguous array (absent bias: 0);
-    the target as in HeadsAttention."""
+    the target as in HeadsAttention. Rows of a plain (batch, length, hidden) x are split and biased
+    in one pass (`split_heads_into`); one row needs no copy, only the bias add."""
+    if _splits_in_one_pass(x, bias):
+        split = _reshaped(x, target, source, dims, axes)
+        batch, length, heads, depth = split.shape if split.ndim == 4 else (0, 0, 0, 0)
+        if length > 1 and x.shape == (batch, length, heads * depth):
+            out = np.empty((batch, heads, length, depth), x.dtype)
+            split_heads_into(x, np.zeros(0, x.dtype) if bias is None else bias, out)
+            return out
     split = _reshaped(_biased(x, bias), target, source, dims, axes)
     if split.ndim != 4:
         raise RunnxError(f"splitting heads needs a 4-d target, got shape {list(split.shape)}")
     return np.ascontiguousarray(split.transpose(0, 2, 1, 3))
+
+
+def _splits_in_one_pass(x, bias) -> bool:
+    """Whether `split_heads_into` can split x (batch, length, hidden) with its bias added: float32
+    or float64 rows, C-contiguous, the bias absent or a vector over the hidden axis."""
+    return (x.ndim == 3 and x.dtype in _ROW_DTYPES and x.flags.c_contiguous
+            and (bias is None or (bias.shape == x.shape[2:] and bias.dtype == x.dtype)))
 
 
 @register("AddLayerNorm", since=1, domain=DOMAIN, inplace=(0, 1))

@@ -102,10 +102,13 @@ def test_heads_attention_uses_given_targets_and_extra_scales():
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])  # one pass (numba), numpy's add and copy
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_split_heads_is_a_contiguous_transpose_of_the_reshape(with_bias):
-    x = RNG.standard_normal((2, 5, 12)).astype(np.float32)
-    bias = RNG.standard_normal(12).astype(np.float32) if with_bias else None
+def test_split_heads_is_a_contiguous_transpose_of_the_reshape(with_bias, layout, dtype):
+    x = RNG.standard_normal((2, 5, 12 if layout == "contiguous" else 24)).astype(dtype)
+    x = x if layout == "contiguous" else x[:, :, ::2]
+    bias = RNG.standard_normal(12).astype(dtype) if with_bias else None
     got = SplitHeads(x, bias, None, x, dims=(0, 0, 3, -1), axes=(0, 1, -1, -1))
     want = (x + (0 if bias is None else bias)).reshape(2, 5, 3, 4).transpose(SPLIT)
     assert got.flags.c_contiguous
