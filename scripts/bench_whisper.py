@@ -7,8 +7,8 @@ window, decoder milliseconds per token, and the real-time factor of a whole long
 
 Each engine runs in its own process (two thread pools in one process, onnxruntime's and OpenBLAS's,
 busy-wait against each other at 2 threads), --rounds times alternating, and the figures are medians
-over the rounds. With --pairs N, both engines then transcribe the clip N times each in one process,
-taking turns (A B B A ...) with a pause between turns so that neither's spinning threads overlap the
+over the rounds. With --pairs N, both engines then transcribe the clip and decode its first window N
+times each in one process, taking turns (A B B A ...) with a pause between turns so that neither's spinning threads overlap the
 other's run: separate processes minutes apart saw this machine's memory bandwidth move by 10-30%,
 and turns in one process put a slow spell on both. Defaults:
 ${RUNNX_CACHE:-~/.cache/runnx}/models/whisper-tiny.en and .../audio/long.wav (built by `make
@@ -41,7 +41,7 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=1, help="BLAS/numba threads and onnxruntime intra-op threads")
     parser.add_argument("--rounds", type=int, default=3, help="processes per engine, alternating; medians over them")
     parser.add_argument("--repeat", type=int, default=3, help="timed encoder runs per process (after one warm-up)")
-    parser.add_argument("--pairs", type=int, default=0, help="transcriptions per engine in one process, taking turns")
+    parser.add_argument("--pairs", type=int, default=0, help="turns per engine in one process (a transcription and a decode each)")
     parser.add_argument("--profile", action="store_true", help="print runnx's time per op type")
     parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)  # one engine's measurements, as JSON
     return parser.parse_args()
@@ -104,22 +104,35 @@ def _whisper(engine: str):
 
 
 def same_process_pairs(count: int) -> str:
-    """Real-time factors of both engines transcribing the clip in one process, taking turns."""
+    """Real-time factors of both engines transcribing the clip, and their decoder ms/token on its
+    first window, in one process, taking turns."""
     from runnx.generate.audio import load_audio
+    from runnx.generate.mel import window_features
 
     models = {engine: _whisper(engine) for engine in ENGINES}
     samples = load_audio(ARGS.audio)
-    for model in models.values():
-        model.transcribe(samples)  # warm-up
+    hidden = {engine: model.encode(window_features(samples, model.n_mels)) for engine, model in models.items()}
+    for engine, model in models.items():  # warm-up
+        model.transcribe(samples)
+        decoder_ms_per_token(model, hidden[engine])
     factors = {engine: [] for engine in ENGINES}
+    per_token = {engine: [] for engine in ENGINES}
     for turn in range(count):
         for engine in ENGINES if turn % 2 == 0 else ENGINES[::-1]:
             time.sleep(PAUSE_SECONDS)
             factors[engine].append(models[engine].transcribe(samples).timings.real_time_factor)
-    ratios = [mine / theirs for mine, theirs in zip(factors["runnx"], factors["onnxruntime"])]
-    return (f"same process, {count} transcriptions each, taking turns: real-time factor runnx "
-            f"{statistics.median(factors['runnx']):.3f}, onnxruntime {statistics.median(factors['onnxruntime']):.3f}, "
-            f"ratio {statistics.median(ratios):.2f}x (turn pairs {min(ratios):.2f}-{max(ratios):.2f})")
+            time.sleep(PAUSE_SECONDS)
+            per_token[engine].append(decoder_ms_per_token(models[engine], hidden[engine], warm_ups=0)[0])
+    return (f"same process, {count} turns each: real-time factor {_paired(factors, '.3f')}; "
+            f"decoder ms/token {_paired(per_token, '.2f')}")
+
+
+def _paired(figures: dict, form: str) -> str:
+    """runnx's and onnxruntime's medians and the median of their per-turn ratios."""
+    ratios = [mine / theirs for mine, theirs in zip(figures["runnx"], figures["onnxruntime"])]
+    return (f"runnx {statistics.median(figures['runnx']):{form}}, onnxruntime "
+            f"{statistics.median(figures['onnxruntime']):{form}}, ratio {statistics.median(ratios):.2f}x "
+            f"(turns {min(ratios):.2f}-{max(ratios):.2f})")
 
 
 def _in_process(engine: str, profile: bool = False) -> dict:
@@ -152,12 +165,12 @@ def encoder_seconds(model, features, repeat: int) -> float:
     return statistics.median(times)
 
 
-def decoder_ms_per_token(model, hidden) -> tuple[float, int]:
+def decoder_ms_per_token(model, hidden, warm_ups: int = 2) -> tuple[float, int]:
     """Greedy decoding of one window, no timestamps: milliseconds per decoder step (prefill included),
     in the steady state of a long transcription: two short warm-up decodes first, since runnx
     compiles a plan on its second run (the first step's branch runs once per window). The timed
     window's lengths past the warm-up's are new to the shape memos, as in a first window."""
-    for _ in range(2):
+    for _ in range(warm_ups):
         model.decode(hidden, max_new_tokens=4)  # warm-up
     start = time.perf_counter()
     decoded = model.decode(hidden)
