@@ -37,7 +37,7 @@ GENAI_PYTHON = CACHE / "genai-venv" / "bin" / "python"
 GENAI_MODEL = CACHE / "genai" / "smollm2-135m"
 PREFILL_LENGTH = 512
 DECODE_STEPS = 8
-WHISPER_PAIRS = 6  # transcriptions per engine in bench_whisper.py's same-process turns
+WHISPER_PAIRS = 6  # turns per engine in bench_whisper.py's same process (a transcription and a decode each)
 
 
 # -- workers: one runner, one thread count, one process ---------------------------------------------
@@ -316,8 +316,8 @@ Command: `{command}`.
 
 Encoder seconds per 30 s window, decoder ms/token, and the real-time factor of the 68.8 s clip
 (`long.wav`, 15 espeak-ng sentences), runnx vs onnxruntime behind the same pipeline code, at each
-thread count: medians of processes, then {WHISPER_PAIRS} transcriptions each in one process, taking
-turns. runnx {git_revision()}; {machine()}.
+thread count: medians of processes, then {WHISPER_PAIRS} turns each in one process (a transcription
+and a decode of the clip's first window each turn), the ratio the median of the turns'. runnx {git_revision()}; {machine()}.
 
 {whisper_blocks}
 """)
