@@ -317,7 +317,8 @@ Command: `{command}`.
 Encoder seconds per 30 s window, decoder ms/token, and the real-time factor of the 68.8 s clip
 (`long.wav`, 15 espeak-ng sentences), runnx vs onnxruntime behind the same pipeline code, at each
 thread count: medians of processes, then {WHISPER_PAIRS} turns each in one process (a transcription
-and a decode of the clip's first window each turn), the ratio the median of the turns'. runnx {git_revision()}; {machine()}.
+and a decode of the clip's first window each turn), the ratio the median of the turns'.
+runnx {git_revision()}; {machine()}.
 
 {whisper_blocks}
 """)

@@ -8,9 +8,9 @@ window, decoder milliseconds per token, and the real-time factor of a whole long
 Each engine runs in its own process (two thread pools in one process, onnxruntime's and OpenBLAS's,
 busy-wait against each other at 2 threads), --rounds times alternating, and the figures are medians
 over the rounds. With --pairs N, both engines then transcribe the clip and decode its first window N
-times each in one process, taking turns (A B B A ...) with a pause between turns so that neither's spinning threads overlap the
-other's run: separate processes minutes apart saw this machine's memory bandwidth move by 10-30%,
-and turns in one process put a slow spell on both. Defaults:
+times each in one process, taking turns (A B B A ...) with a pause between turns so that neither's
+spinning threads overlap the other's run: separate processes minutes apart saw this machine's
+memory bandwidth move by 10-30%, and turns in one process put a slow spell on both. Defaults:
 ${RUNNX_CACHE:-~/.cache/runnx}/models/whisper-tiny.en and .../audio/long.wav (built by `make
 models`). onnxruntime is a test dependency; it runs behind the same pipeline code
 (tests/generate/_ort_whisper.py), so the two columns differ only in the engine. RUNNX_FUSE=0 in the

@@ -37,6 +37,7 @@ from runnx.ops.shape import Reshape
 from runnx.ops.softmax import Softmax_13
 
 _ROW_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the LayerNormalization kernel's numba loop
+_NO_BIAS = {dtype: np.zeros(0, dtype) for dtype in _ROW_DTYPES}  # split_heads_into without a bias
 _ATTEND_ROWS = 16  # query rows up to which `attend` (numba, decoding) beats BLAS products a block at a time
 _BLOCK_SCORES = 1 << 18  # scores per block of query rows: 1 MiB of float32, an L2 cache
 
@@ -164,9 +165,9 @@ def SplitHeads(x, bias, target, source, *, dims: tuple[int, ...] = (), axes: tup
     if _splits_in_one_pass(x, bias):
         split = _reshaped(x, target, source, dims, axes)
         batch, length, heads, depth = split.shape if split.ndim == 4 else (0, 0, 0, 0)
-        if length > 1 and x.shape == (batch, length, heads * depth):
+        if x.shape == (batch, length, heads * depth):
             out = np.empty((batch, heads, length, depth), x.dtype)
-            split_heads_into(x, np.zeros(0, x.dtype) if bias is None else bias, out)
+            split_heads_into(x, _NO_BIAS[x.dtype] if bias is None else bias, out)
             return out
     split = _reshaped(_biased(x, bias), target, source, dims, axes)
     if split.ndim != 4:
@@ -175,9 +176,10 @@ def SplitHeads(x, bias, target, source, *, dims: tuple[int, ...] = (), axes: tup
 
 
 def _splits_in_one_pass(x, bias) -> bool:
-    """Whether `split_heads_into` can split x (batch, length, hidden) with its bias added: float32
-    or float64 rows, C-contiguous, the bias absent or a vector over the hidden axis."""
-    return (x.ndim == 3 and x.dtype in _ROW_DTYPES and x.flags.c_contiguous
+    """Whether `split_heads_into` can split x (batch, length, hidden) with its bias added: more than
+    one row (one needs no copy: a decode step's keys and values skip this), float32 or float64,
+    C-contiguous, the bias absent or a vector over the hidden axis."""
+    return (x.ndim == 3 and x.shape[1] > 1 and x.dtype in _ROW_DTYPES and x.flags.c_contiguous
             and (bias is None or (bias.shape == x.shape[2:] and bias.dtype == x.dtype)))
 
 
