@@ -45,8 +45,9 @@ from runnx.ops._kernels_linalg import (ROW_CHUNKS, add_partials_into, chunk_boun
 from runnx.ops._kernels_whisper import gelu_rows_float32, softmax_rows_float32
 
 # mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
-# caller's writes; _IDLE + w is worker w's
+# caller's writes; _IDLE + w is worker w's, so there are at most MAX_WORKERS (one line of flags)
 _POSTED, _CLAIM, _COMPLETED, _IDLE, _STOP, _SHARED, _FIELDS = 0, 8, 16, 24, 32, 40, 48
+MAX_WORKERS = _STOP - _IDLE
 # a job's fields: its kind, unit count and polls a worker spins after it, then the kind's own
 _KIND, _UNITS, _LINGER, _OWN = _FIELDS, _FIELDS + 1, _FIELDS + 2, _FIELDS + 3
 _PRODUCTS, _ATTENTION, _ROWS = 0, 1, 2
@@ -307,6 +308,8 @@ class DecodePool:
     any thread (a caller that finds the pool busy computes alone)."""
 
     def __init__(self, workers: int):
+        if not 0 < workers <= MAX_WORKERS:
+            raise ValueError(f"a decode pool has 1 to {MAX_WORKERS} workers, not {workers}")
         # compile the workers' loop on this thread first: a process that ends while a worker is
         # still compiling aborts inside LLVM, and never writes numba's cache for the next one
         stopped = np.zeros(_MAILBOX_SIZE, np.int64)
@@ -456,8 +459,8 @@ _workers: int | None = None  # None: the core count's worth, set on first use
 
 
 def set_workers(count: int | None) -> None:
-    """Worker threads from now on (0: none; None: one per core beyond the first). More than
-    `ROW_CHUNKS - 1` would find no product chunk to take."""
+    """Worker threads from now on (0: none; None: one per core beyond the first), at most
+    `MAX_WORKERS` and `ROW_CHUNKS - 1` (more would find no product chunk to take)."""
     global _pool, _workers
     if _pool is not None and count != _workers:
         _pool.close()
@@ -476,4 +479,4 @@ def pool() -> DecodePool | None:
 def worker_count() -> int:
     """The workers `pool()` has or will have."""
     count = max(0, numba.config.NUMBA_NUM_THREADS - 1) if _workers is None else _workers
-    return min(count, ROW_CHUNKS - 1)
+    return min(count, MAX_WORKERS, ROW_CHUNKS - 1)
