@@ -75,19 +75,6 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 _BLAS_THREADED = 1 << 20  # multiply-adds from which a product is worth OpenBLAS's threads
 
 
-def _compile_row_kernels_first() -> None:
-    """Compile (or load) the row kernels on their own before any job does. Every job's code holds
-    `_work`, so the row kernels too, and a job compiled before them compiled them inside itself,
-    where their reassociating float flags let LLVM round a few rows differently from a direct call
-    (fewer rows than two blocks): a row's bits then depended on what the process had run first."""
-    softmax_rows_float32(np.zeros((1, 1), np.float32), 0.0)
-    one = np.float32(1)
-    gelu_rows_float32(np.zeros((1, 1), np.float32), np.zeros(0, np.float32), one, one, one,
-                      np.zeros((1, 1), np.float32))
-
-
-_compile_row_kernels_first()
-
 
 @_jit
 def _product_chunk(box, index):

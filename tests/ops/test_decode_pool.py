@@ -226,28 +226,6 @@ def test_the_workers_loop_is_compiled_before_any_worker_starts():
     assert done.stdout.split() == ["1"]
 
 
-def test_a_row_job_rounds_as_a_direct_call_whatever_the_process_ran_first():
-    """A job compiled before the row kernels compiled them inside itself, where LLVM rounded a few
-    rows differently from the kernel called directly (8 of these 60 arrays on a Zen 3)."""
-    code = """if True:
-        import numpy as np
-        from runnx.ops import _decode_pool
-        from runnx.ops._kernels_whisper import softmax_rows_float32
-        arrays = [(np.random.default_rng(seed).standard_normal((4, 1500)) * 20).astype(np.float32)
-                  for seed in range(60)]
-        jobs = [array.copy() for array in arrays]
-        for job in jobs:  # the job first in this process
-            _decode_pool._softmax(np.zeros(_decode_pool._MAILBOX_SIZE, np.int64), 0, job, -1.0)
-        direct = [array.copy() for array in arrays]
-        for array in direct:
-            softmax_rows_float32(array, -1.0)
-        print(sum(not np.array_equal(a, b) for a, b in zip(jobs, direct)))
-    """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["0"]
-
-
 def _one_threads(kernel, *arguments):
     """kernel(*arguments) with no decode pool: what one thread computes (the pool's setting restored)."""
     workers = _decode_pool.worker_count()
