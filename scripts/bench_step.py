@@ -157,14 +157,22 @@ class NativeBound:
             native_step(pool.box, pool._workers, *arguments)
 
 
+TOKEN = np.array([[42]], np.int64)
+
+
+def _started(engine, context: int, steps: int) -> tuple:
+    """(past, length) after a first step from a random past of `context` positions, the cache with
+    room for `steps` more."""
+    past = engine.step(TOKEN, context, bench._random_past(engine.kv, context, np.random.default_rng(0)),
+                       context + steps + 8)
+    return past, context + 1
+
+
 def _split(engine, context: int) -> dict:
     """Medians over rounds of {part: ms a step} and the products' GB/s at `context`."""
-    token = np.array([[42]], np.int64)
-    capacity = context + (ARGS.rounds + 1) * ARGS.steps + 8
-    past = engine.step(token, context, bench._random_past(engine.kv, context, np.random.default_rng(0)), capacity)
-    length = context + 1
+    past, length = _started(engine, context, (ARGS.rounds + 1) * ARGS.steps)
     for _ in range(ARGS.steps // 4):  # warm-up
-        past = engine.step(token, length, past, 0)
+        past = engine.step(TOKEN, length, past, 0)
         length += 1
     rounds = []
     for _ in range(ARGS.rounds):
@@ -172,7 +180,7 @@ def _split(engine, context: int) -> dict:
         PRODUCT_BYTES[0] = 0
         begin = time.perf_counter()
         for _ in range(ARGS.steps):
-            past = engine.step(token, length, past, 0)
+            past = engine.step(TOKEN, length, past, 0)
             length += 1
         step = (time.perf_counter() - begin) / ARGS.steps
         products, attention = SPENT["products"] / ARGS.steps, SPENT["attention"] / ARGS.steps
@@ -184,10 +192,7 @@ def _split(engine, context: int) -> dict:
 
 def _bound_blocks(engine, context: int) -> dict:
     """{runner: [median step seconds of each block]}, runnx's real step and the bound alternating."""
-    token = np.array([[42]], np.int64)
-    capacity = context + ARGS.blocks * ARGS.block_steps + 8
-    past = engine.step(token, context, bench._random_past(engine.kv, context, np.random.default_rng(0)), capacity)
-    length = context + 1
+    past, length = _started(engine, context, ARGS.blocks * ARGS.block_steps)
     bound = NativeBound(context)
     bound.step()
     times = {"runnx": [], "native": []}
@@ -198,7 +203,7 @@ def _bound_blocks(engine, context: int) -> dict:
             for _ in range(ARGS.block_steps):
                 begin = time.perf_counter()
                 if name == "runnx":
-                    past = engine.step(token, length, past, 0)
+                    past = engine.step(TOKEN, length, past, 0)
                     length += 1
                 else:
                     bound.step()

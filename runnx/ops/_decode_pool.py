@@ -75,7 +75,6 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 _BLAS_THREADED = 1 << 20  # multiply-adds from which a product is worth OpenBLAS's threads
 
 
-
 @_jit
 def _product_chunk(box, index):
     """Unit `index` of a products job: one row chunk of one product into its partial row."""
