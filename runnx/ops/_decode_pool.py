@@ -73,6 +73,7 @@ _PATIENCE = 1 << 16  # polls (each a `pause`) before a worker sleeps: about 2.5 
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 _BLAS_THREADED = 1 << 20  # multiply-adds from which a product is worth OpenBLAS's threads
+BUSY = object()  # what `DecodePool.call` returns when another thread has the pool
 
 
 @_jit
@@ -373,19 +374,19 @@ class DecodePool:
             self._wake()
         return out
 
-    def rows(self, job, *arguments) -> bool:
-        """Run rows job `job` (`_softmax`, `_gelu`) with `arguments` with this pool's workers, woken
-        first if asleep; False when the pool is busy (nothing done)."""
+    def call(self, job, *arguments):
+        """job(box, workers, *arguments), a numba function posting this pool's jobs (`_softmax`,
+        `_gelu`, a decoder block of `_decode_blocks.py`), with sleeping workers woken first (native
+        code cannot wake them); its result, or BUSY when the pool is busy (nothing done)."""
         if not self._lock.acquire(blocking=False):
-            return False
+            return BUSY
         try:
             for worker, wake in enumerate(self._wakes):
                 if self.box[_IDLE + worker]:
                     wake.set()
-            job(self.box, self._workers, *arguments)
+            return job(self.box, self._workers, *arguments)
         finally:
             self._lock.release()
-        return True
 
     def rest(self):
         """Let workers spinning after a decode job sleep now: a multi-threaded BLAS product is
@@ -434,7 +435,7 @@ def softmax_rows(scores, fill: float) -> None:
     if scores.shape[0] < _SHARED_ROWS:
         softmax_rows_float32(scores, fill)
     else:
-        _shared_rows(_softmax, scores, fill)
+        shared_call(_softmax, scores, fill)
 
 
 def gelu_rows(x, bias, divisor, one, half, out) -> None:
@@ -443,15 +444,19 @@ def gelu_rows(x, bias, divisor, one, half, out) -> None:
     if x.shape[0] < _SHARED_ROWS:
         gelu_rows_float32(x, bias, divisor, one, half, out)
     else:
-        _shared_rows(_gelu, x, bias, float(divisor), float(one), float(half), out)
+        shared_call(_gelu, x, bias, float(divisor), float(one), float(half), out)
 
 
-def _shared_rows(job, *arguments) -> None:
-    """A rows job with the pool's workers when there are any and it is free, else on a mailbox of
-    this call: the same compiled code either way, so the same results."""
+def shared_call(job, *arguments):
+    """job(box, workers, *arguments) (see `DecodePool.call`) with the pool's workers when there are
+    any and it is free, else alone on a mailbox of this call: the same compiled code either way, so
+    the same results."""
     workers = pool()
-    if workers is None or not workers.rows(job, *arguments):
-        job(np.zeros(_MAILBOX_SIZE, np.int64), 0, *arguments)
+    if workers is not None:
+        result = workers.call(job, *arguments)
+        if result is not BUSY:
+            return result
+    return job(np.zeros(_MAILBOX_SIZE, np.int64), 0, *arguments)
 
 
 _pool: DecodePool | None = None

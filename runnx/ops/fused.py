@@ -87,6 +87,11 @@ def _norm_kernel_applies(x, epsilon, one, weight, axis: int, to: int) -> bool:
             and epsilon.ndim <= x.ndim and one.ndim <= x.ndim and _casts_to_itself(to, dtype))
 
 
+def rms_norm_applies(x, epsilon, one, weight, axis: int, to: int, cast: int) -> bool:
+    """Whether AddRMSNorm's sum x (Cast to `cast`, 0: none) is normed by the numba kernel."""
+    return _casts_to_itself(cast, x.dtype) and _norm_kernel_applies(x, epsilon, one, weight, axis, to)
+
+
 def _casts_to_itself(to: int, dtype) -> bool:
     """Whether Cast(to) (0: no Cast) leaves a `dtype` value as it is (float32 Llama exports cast
     float32 to float32)."""
@@ -99,8 +104,8 @@ def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast:
     next one, and the norm reading it (onnxruntime's SkipSimplifiedLayerNormalization). Equal
     shapes and dtypes, both C-contiguous, no Cast to another dtype: one numba call (the sum into a
     or b when granted)."""
-    if (_casts_to_itself(cast, a.dtype) and a.shape == b.shape and a.dtype == b.dtype and b.flags.c_contiguous
-            and _norm_kernel_applies(a, epsilon, one, weight, axis, to)):
+    if (a.shape == b.shape and a.dtype == b.dtype and b.flags.c_contiguous
+            and rms_norm_applies(a, epsilon, one, weight, axis, to, cast)):
         residual = a if 0 in overwrite else b if 1 in overwrite else np.empty_like(a)
         return residual, add_rms_norm(a, b, residual, epsilon.item(), one.item(), weight)
     residual = binary(np.add, a, b, overwrite)
@@ -114,15 +119,30 @@ def SiluMul(gate, up):
     """gate * Sigmoid(gate) * up: the SiLU-gated MLP's activation."""
     if (gate.dtype in _KERNEL_DTYPES and up.dtype == gate.dtype and up.shape == gate.shape
             and gate.flags.c_contiguous and up.flags.c_contiguous):
-        decay = np.negative(gate)
-        with np.errstate(over="ignore"):  # exp(-gate) = inf: the sigmoid is 0
-            np.exp(decay, out=decay)
-        return silu_mul_into(gate, decay, up)
+        return silu_mul_into(gate, sigmoid_decay(gate), up)
     activated = sigmoid(gate)
     np.multiply(gate, activated, out=activated)
     if _fits(up, activated):
         return np.multiply(activated, up, out=activated)
     return np.multiply(activated, up)
+
+
+def sigmoid_decay(gate):
+    """exp(-gate), numpy's (the unfused Sigmoid's): what `silu_mul_into` divides by."""
+    return exp_in_place(np.negative(gate), math.inf)
+
+
+_EXP_FINITE = 88.0  # float32 exp overflows from 88.72 on
+
+
+def exp_in_place(x, largest: float):
+    """np.exp(x) into x, whose largest element is `largest` (or more: inf when unknown), with
+    numpy's overflow warning silenced (an exp(-gate) of inf is a sigmoid of 0) only when it can
+    overflow: numpy's errstate costs a few microseconds."""
+    if largest < _EXP_FINITE:
+        return np.exp(x, out=x)
+    with np.errstate(over="ignore"):
+        return np.exp(x, out=x)
 
 
 @register("RotateHalf", since=1, domain=DOMAIN)

@@ -9,8 +9,9 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
+from runnx.ops._decode_blocks import gated_down, projected_gate
 from runnx.ops._kernels_linalg import row_times_matrix
-from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul
+from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, rms_norm_applies
 from runnx.ops.fused_whisper import AddLayerNorm, SplitHeads
 from runnx.ops.registry import register
 
@@ -102,6 +103,51 @@ def MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, *, ax
     written into the fresh product (addition commutes: the same sums as the unfused nodes')."""
     return AddRMSNorm(residual, _product(x, weight, bias), epsilon, one, norm_weight, axis=axis, to=to, cast=cast,
                       overwrite=(1,))
+
+
+@register("ResidualGatedMLP", since=1, domain=FUSED_DOMAIN)
+def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                     down_bias, down_epsilon, down_one, down_norm_weight, *, norm: tuple = (-1, 0, 0),
+                     down_norm: tuple = (-1, 0, 0)):
+    """(s, n) = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight), then
+    MatMulAddRMSNorm(SiluMul(n @ gate_weight, n @ up_weight), down_weight, down_bias, s, down_...):
+    a decoder layer from its attention's output projection to the next layer's norm
+    (`runnx/interp/fusion/products.py`); norm and down_norm are the norms' (axis, to, cast). A decode
+    step's float32 row (no biases, both norms the numba kernel's) runs as two native calls posting
+    the decode pool's jobs, numpy's exp between them (`_decode_blocks.py`): bitwise the nodes'."""
+    if bias is None and down_bias is None and _decode_block(x, weight, residual, epsilon, one, norm_weight,
+                                                            gate_weight, up_weight, down_weight, down_epsilon,
+                                                            down_one, down_norm_weight, norm, down_norm):
+        summed, gate, decay, up, largest = _decode_pool.shared_call(
+            projected_gate, np.ascontiguousarray(x.reshape(-1)), weight, residual.reshape(-1), epsilon.item(),
+            one.item(), norm_weight, gate_weight, up_weight)
+        summed, normed = _decode_pool.shared_call(gated_down, gate, exp_in_place(decay, largest), up, down_weight,
+                                                  summed, down_epsilon.item(), down_one.item(), down_norm_weight)
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    axis, to, cast = norm
+    summed, normed = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, axis=axis, to=to,
+                                      cast=cast)
+    (gated,) = SharedInputMatMul(normed, gate_weight, up_weight, gated=(0, 1))
+    axis, to, cast = down_norm
+    return MatMulAddRMSNorm(gated, down_weight, down_bias, summed, down_epsilon, down_one, down_norm_weight,
+                            axis=axis, to=to, cast=cast)
+
+
+def _decode_block(x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
+                  down_one, down_norm_weight, norm: tuple, down_norm: tuple) -> bool:
+    """Whether ResidualGatedMLP is one float32 row through C-contiguous float32 matrices whose sizes
+    chain, onto a residual of the products' shape, both norms the numba kernel's."""
+    if x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1] or residual.dtype != _FLOAT32 or not residual.ndim:
+        return False
+    width, inner = residual.shape[-1], up_weight.shape[-1]
+    return (residual.shape == x.shape[:-1] + (width,) and _matrix(weight, x.size, width)
+            and _matrix(gate_weight, width, inner) and _matrix(up_weight, width, inner)
+            and _matrix(down_weight, inner, width) and rms_norm_applies(residual, epsilon, one, norm_weight, *norm)
+            and rms_norm_applies(residual, down_epsilon, down_one, down_norm_weight, *down_norm))
+
+
+def _matrix(w, depth: int, width: int) -> bool:
+    return w.dtype == _FLOAT32 and w.shape == (depth, width) and w.flags.c_contiguous
 
 
 @register("MatMulAddLayerNorm", since=1, domain=FUSED_DOMAIN)

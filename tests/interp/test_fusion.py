@@ -347,3 +347,68 @@ def test_a_biased_product_read_only_by_a_residual_add_and_layer_norm_joins_them(
         assert ops == ["MatMulAddLayerNorm"]
         for name in plain:
             np.testing.assert_array_equal(fused[name], plain[name])
+
+
+def _norm_nodes(x: str, y: str, tag: str) -> list:
+    """RMSNorm of x into y, as Optimum exports it (names suffixed by tag)."""
+    return [helper.make_node("Pow", [x, "two"], [f"sq{tag}"]),
+            helper.make_node("ReduceMean", [f"sq{tag}", "axes"], [f"mean{tag}"], keepdims=1),
+            helper.make_node("Add", [f"mean{tag}", "eps"], [f"var{tag}"]),
+            helper.make_node("Sqrt", [f"var{tag}"], [f"std{tag}"]),
+            helper.make_node("Div", ["one", f"std{tag}"], [f"inv{tag}"]),
+            helper.make_node("Mul", [x, f"inv{tag}"], [f"normed{tag}"]),
+            helper.make_node("Mul", [f"g{tag}", f"normed{tag}"], [y])]
+
+
+def _residual_gated_mlp_model(dtype=np.float32, extra_output=None):
+    """A Llama layer from its attention's output a: o projection, residual add and norm, SiLU-gated
+    MLP, down projection, residual add and the next layer's norm."""
+    rng = np.random.default_rng(9)
+    nodes = [helper.make_node("MatMul", ["a", "wo"], ["o"]), helper.make_node("Add", ["r", "o"], ["s1"]),
+             *_norm_nodes("s1", "n1", "1"),
+             helper.make_node("MatMul", ["n1", "wg"], ["gate"]), helper.make_node("MatMul", ["n1", "wu"], ["up"]),
+             helper.make_node("Sigmoid", ["gate"], ["sig"]), helper.make_node("Mul", ["gate", "sig"], ["silu"]),
+             helper.make_node("Mul", ["silu", "up"], ["m"]),
+             helper.make_node("MatMul", ["m", "wd"], ["d"]), helper.make_node("Add", ["s1", "d"], ["s2"]),
+             *_norm_nodes("s2", "n2", "2")]
+    weights = {"wo": (256, 384), "wg": (384, 512), "wu": (384, 512), "wd": (512, 384), "g1": (384,), "g2": (384,)}
+    constants = {name: rng.standard_normal(shape).astype(dtype) for name, shape in weights.items()}
+    constants["wg"] *= 4  # gates far below -88: exp(-gate) overflows to inf, the SiLU is 0
+    constants.update(two=dtype(2), axes=np.array([-1]), eps=dtype(1e-5), one=dtype(1))
+    t = F if dtype == np.float32 else TensorProto.DOUBLE
+    outputs = [(name, t) for name in ("s2", "n2", *([extra_output] if extra_output else []))]
+    return _model(nodes, [("a", t), ("r", t)], outputs, constants)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_an_output_projection_and_gated_mlp_up_to_the_next_norm_become_one_node(workers, dtype):
+    """Decoding (one row, float32) runs it as native calls posting the decode pool's jobs; other
+    rows and dtypes run the nodes' kernels in turn: bitwise the unfused graph either way."""
+    from runnx.ops import _decode_pool
+
+    rng = np.random.default_rng(10)
+    try:
+        _decode_pool.set_workers(workers)
+        for rows in (1, 3):
+            feeds = {"a": rng.standard_normal((1, rows, 256)).astype(dtype),
+                     "r": rng.standard_normal((1, rows, 384)).astype(dtype)}
+            fused, plain, ops = _both(_residual_gated_mlp_model(dtype), feeds)
+            assert ops == ["ResidualGatedMLP"]
+            for name in plain:
+                assert fused[name].shape == plain[name].shape == (1, rows, 384)
+                np.testing.assert_array_equal(fused[name], plain[name])
+            gates = runnx.load(_residual_gated_mlp_model(dtype, extra_output="gate"), fuse=False).run(feeds)["gate"]
+            assert (gates < -89).any() and (gates > 0).any()  # exp(-gate) overflows for some, not all
+    finally:
+        _decode_pool.set_workers(None)
+
+
+def test_a_gated_mlp_whose_first_residual_is_read_elsewhere_keeps_its_nodes():
+    rng = np.random.default_rng(11)
+    feeds = {"a": rng.standard_normal((1, 1, 256)).astype(np.float32),
+             "r": rng.standard_normal((1, 1, 384)).astype(np.float32)}
+    fused, plain, ops = _both(_residual_gated_mlp_model(extra_output="s1"), feeds)
+    assert sorted(ops) == ["MatMulAddRMSNorm", "MatMulAddRMSNorm", "SharedInputMatMul"]
+    for name in plain:
+        np.testing.assert_array_equal(fused[name], plain[name])

@@ -276,3 +276,34 @@ def test_pool_gelu_rows_are_bitwise_one_threads(pool, rows, with_bias):
     from math import erf
     want = v * (np.vectorize(erf)(v / np.sqrt(2)) + 1) * 0.5
     np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_native_block_wakes_sleeping_workers_and_computes_alone_when_the_pool_is_busy(pool):
+    """Native code posting jobs cannot wake a sleeping worker: `shared_call` wakes them first. A
+    pool held by another caller is BUSY; the block then runs alone, to the same bits."""
+    from runnx.ops._decode_blocks import gated_down
+
+    rng = np.random.default_rng(12)
+    gate, up, residual, norm = (rng.standard_normal(n).astype(np.float32) for n in (512, 512, 384, 384))
+    weight = rng.standard_normal((512, 384)).astype(np.float32)
+    kept = residual.copy()
+
+    def block():
+        return _decode_pool.shared_call(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm)
+
+    alone = gated_down(np.zeros(_decode_pool._MAILBOX_SIZE, np.int64), 0, gate, np.exp(-gate), up, weight,
+                       residual, 1e-5, 1.0, norm)
+    deadline = time.monotonic() + 10
+    while not all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2])  # both asleep
+    shared_before = pool.shared_units
+    for _ in range(20):
+        for mine, expected in zip(block(), alone):
+            np.testing.assert_array_equal(mine, expected)
+    assert pool.shared_units > shared_before  # woken, the workers took units of the block's jobs
+    with pool._lock:  # another caller has the pool
+        assert pool.call(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm) is _decode_pool.BUSY
+        for mine, expected in zip(block(), alone):
+            np.testing.assert_array_equal(mine, expected)
+    np.testing.assert_array_equal(residual, kept)  # the block sums into its own arrays

@@ -1,8 +1,9 @@
 """Load-time fusion: recurring node patterns of exported models become one fused node.
 
-Pattern modules each give PATTERNS, (anchor op, matcher) pairs; a matcher returns a `Fused` whose
-kernel (domain `runnx.fused`, `runnx/ops/fused*.py`) computes what the replaced nodes computed.
-Patterns run in order, each over the graph the previous ones left.
+Pattern modules each give PATTERNS, (anchor op, matcher) pairs, the anchor a standard op or a fused
+one that an earlier pattern made; a matcher returns a `Fused` whose kernel (domain `runnx.fused`,
+`runnx/ops/fused*.py`, `linalg.py`) computes what the replaced nodes computed. Patterns run in
+order, each over the graph the previous ones left.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def fuse(graph: Graph) -> dict[str, int]:
         m = Matcher(graph)
         found = []
         for node in graph.nodes:
-            if node.op_type != anchor_op or node.domain != "" or node.index in m.taken:
+            if node.op_type != anchor_op or node.domain not in ("", DOMAIN) or node.index in m.taken:
                 continue
             fused = matcher(m, node)
             if fused is None or any(n.index in m.taken for n in fused.members):

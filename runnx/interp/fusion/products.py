@@ -5,8 +5,10 @@ pool one job for them, and runs one node, not three. A product whose only reader
 (SplitHeads, whisper.py's pattern) gives the split heads itself, and a SiluMul of two of them (the
 gate and up products) gives its gated product instead of the two. A product read (with or
 without a constant bias added) only by a residual add and norm becomes a MatMulAddRMSNorm or
-MatMulAddLayerNorm node; one whose only reader adds a constant bias, a BiasedMatMul node. Runs
-after the other patterns: a MatMul they take stays theirs.
+MatMulAddLayerNorm node; one whose only reader adds a constant bias, a BiasedMatMul node. An
+output projection's MatMulAddRMSNorm, the gated products reading its norm and the down product's
+MatMulAddRMSNorm become one ResidualGatedMLP node (a decode step runs it natively). Runs after the
+other patterns: a MatMul they take stays theirs.
 """
 from __future__ import annotations
 
@@ -144,4 +146,27 @@ def _normed(m: Matcher, matmul: Node) -> Fused | None:
                  norm.attrs)
 
 
-PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased))
+def _residual_gated_mlp(m: Matcher, down: Node) -> Fused | None:
+    """MatMulAddRMSNorm(SharedInputMatMul(n, gate, up; gated), down weight, s) after (s, n) =
+    MatMulAddRMSNorm(x, ...), the first's outputs and the gated product read only there: a decoder
+    layer from its attention's output projection to the next layer's norm, one node."""
+    gated = m.graph.producer.get(down.inputs[0])
+    if (gated is None or gated.op_type != "SharedInputMatMul" or gated.domain != DOMAIN or gated.index in m.taken
+            or len(gated.inputs) != 3 or gated.attrs.get("splits") or gated.attrs.get("gated") not in ((0, 1), (1, 0))):
+        return None
+    first = m.graph.producer.get(gated.inputs[0])
+    if (first is None or first.op_type != "MatMulAddRMSNorm" or first.domain != DOMAIN or first.index in m.taken
+            or first is down or tuple(first.outputs) != (down.inputs[3], gated.inputs[0])):
+        return None
+    chain = [first, gated, down]
+    if not m.private(chain, tuple(down.outputs)):
+        return None
+    gate, up = (gated.inputs[1 + p] for p in gated.attrs["gated"])
+    norms = {name: tuple(node.attrs.get(a, d) for a, d in (("axis", -1), ("to", 0), ("cast", 0)))
+             for name, node in (("norm", first), ("down_norm", down))}
+    return Fused("ResidualGatedMLP", chain, (*first.inputs, gate, up, down.inputs[1], down.inputs[2], *down.inputs[4:]),
+                 down.outputs, norms)
+
+
+PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
+            ("MatMulAddRMSNorm", _residual_gated_mlp))
