@@ -6,8 +6,9 @@ kernels, in one process. Prints only.
 The split: the step's one-row products (the weights streamed from memory; the decode pool's jobs
 with two threads), its attention over the KV cache, and everything else (the nodes' Python, the
 compiled plan, the shape memos), by wall clock around the kernels' entry points. The products
-count from the call into the pool (or into the one-thread loop) to its return, their Python
-included; GB/s is the matrices' bytes over that time. The attention counts from the numba
+count from the call into the pool (or into the one-thread loop, or into a native block such as
+ResidualGatedMLP's, its residual adds and norms included) to its return, their Python included;
+GB/s is the matrices' bytes over that time. The attention counts from the numba
 kernel's entry (`_attend_kernel`) on.
 
 The bound: all 30 layers' products, KV appends, attention, residual adds, RMSNorms and SiLU gates
@@ -82,14 +83,18 @@ def _timed(part: str, fn, matrices=None):
 @contextlib.contextmanager
 def _instrumented():
     """The products' and the attention's entry points timed, while inside."""
-    originals = (_decode_pool.DecodePool.products, linalg.row_times_matrix, fused._attend_kernel)
+    originals = (_decode_pool.DecodePool.products, linalg.row_times_matrix, fused._attend_kernel,
+                 _decode_pool.shared_call)
     _decode_pool.DecodePool.products = _timed("products", originals[0], lambda a: a[2])
     linalg.row_times_matrix = _timed("products", originals[1], lambda a: a[1:2])
     fused._attend_kernel = _timed("attention", originals[2])
+    _decode_pool.shared_call = _timed("products", originals[3],  # native blocks (ResidualGatedMLP)
+                                      lambda a: [m for m in a if getattr(m, "ndim", 0) == 2])
     try:
         yield
     finally:
-        _decode_pool.DecodePool.products, linalg.row_times_matrix, fused._attend_kernel = originals
+        (_decode_pool.DecodePool.products, linalg.row_times_matrix, fused._attend_kernel,
+         _decode_pool.shared_call) = originals
 
 
 LAYERS, HIDDEN, KV_HEADS, HEADS, DEPTH, INNER, VOCAB = 30, 576, 3, 9, 64, 1536, 49152
