@@ -156,7 +156,7 @@ def _residual_gated_mlp(m: Matcher, down: Node) -> Fused | None:
         return None
     first = m.graph.producer.get(gated.inputs[0])
     if (first is None or first.op_type != "MatMulAddRMSNorm" or first.domain != DOMAIN or first.index in m.taken
-            or first is down or tuple(first.outputs) != (down.inputs[3], gated.inputs[0])):
+            or tuple(first.outputs) != (down.inputs[3], gated.inputs[0])):
         return None
     chain = [first, gated, down]
     if not m.private(chain, tuple(down.outputs)):
