@@ -21,8 +21,9 @@ A job is cut into units that give the same result whoever computes them:
   `_kernels_whisper.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
   products around them, so after such a job a worker does not spin but sleeps at once, and the
   caller wakes sleeping workers before it starts (half a millisecond of rows is worth the wake-up);
-  fewer rows than two blocks (a decode step's GELU) call the kernel directly, never a job, so
-  they never set the pool's linger to zero under a decode's spinning workers.
+  fewer rows than two blocks (a decode step's GELU) run the job alone on a mailbox of their own
+  (`alone`), never the pool's, so they never set its linger to zero under a decode's spinning
+  workers.
 Threads claim units with compare-and-swap on a counter tagged with the job's sequence number, so
 the caller never waits for a worker that has not started (it takes the units itself) and a late
 worker cannot claim a later job's unit with an earlier job's fields (the caller retags the counter
@@ -64,7 +65,7 @@ _QUERY, _KEY, _VALUE, _BIAS, _PARTIAL_SUMS, _SPAN_STATS = (_ARRAYS + 9 * i for i
 _ROW_KERNEL, _ROWS_IN, _ROWS_OUT, _ROW_COUNT, _ROW_COLUMNS, _ROW_ARGUMENTS = range(_OWN, _OWN + 6)
 _SOFTMAX_ROWS, _GELU_ROWS = 0, 1
 _ROW_BLOCK = 16  # rows per unit
-_SHARED_ROWS = 2 * _ROW_BLOCK  # fewer rows (a decode step's GELU) call the kernel, no job
+_SHARED_ROWS = 2 * _ROW_BLOCK  # fewer rows (a decode step's GELU) run the job alone, never the pool
 _MAILBOX_SIZE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9)
 _INDEX_BITS = 32
 _NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
@@ -417,7 +418,7 @@ def attention_job(query, key, value, bias, scale: float, fill: float):
     with its reassociating float flags, `attention` compiled for other array layouts may round
     differently), on this thread; `pool().attention` shares it with the workers."""
     out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
-    _attention(np.zeros(_MAILBOX_SIZE, np.int64), 0, query, key, value, bias, scale, fill, out)
+    alone(_attention, query, key, value, bias, scale, fill, out)
     return out
 
 
@@ -433,7 +434,7 @@ def softmax_rows(scores, fill: float) -> None:
     """Softmax along the last axis of C-contiguous float32 scores (rows, columns), in place, rows
     whose softmax is NaN set to `fill` (`softmax_rows_float32`)."""
     if scores.shape[0] < _SHARED_ROWS:
-        softmax_rows_float32(scores, fill)
+        alone(_softmax, scores, fill)
     else:
         shared_call(_softmax, scores, fill)
 
@@ -441,21 +442,30 @@ def softmax_rows(scores, fill: float) -> None:
 def gelu_rows(x, bias, divisor, one, half, out) -> None:
     """`gelu_rows_float32` from C-contiguous float32 x (rows, columns) into out, bias a float32
     vector (empty: none), divisor, one and half float32 numbers."""
+    arguments = (x, bias, float(divisor), float(one), float(half), out)
     if x.shape[0] < _SHARED_ROWS:
-        gelu_rows_float32(x, bias, divisor, one, half, out)
+        alone(_gelu, *arguments)
     else:
-        shared_call(_gelu, x, bias, float(divisor), float(one), float(half), out)
+        shared_call(_gelu, *arguments)
 
 
 def shared_call(job, *arguments):
     """job(box, workers, *arguments) (see `DecodePool.call`) with the pool's workers when there are
-    any and it is free, else alone on a mailbox of this call: the same compiled code either way, so
-    the same results."""
+    any and it is free, else `alone`: the same compiled code either way, so the same results."""
     workers = pool()
     if workers is not None:
         result = workers.call(job, *arguments)
         if result is not BUSY:
             return result
+    return alone(job, *arguments)
+
+
+def alone(job, *arguments):
+    """job(box, workers, *arguments) on a mailbox of this call, no worker: what the pool computes,
+    on this thread. Row kernels take this path below two blocks of rows (a decode step's GELU)
+    rather than a direct call, which numba may compile apart from the job's copy: with their
+    reassociating float flags the two copies rounded some rows 1 ulp apart, depending on which the
+    process compiled or loaded first (a row's softmax then depended on how many rows came with it)."""
     return job(np.zeros(_MAILBOX_SIZE, np.int64), 0, *arguments)
 
 
