@@ -27,6 +27,14 @@ def pool():
     _decode_pool.set_workers(None)
 
 
+def _asleep(pool, workers: int) -> bool:
+    """Whether all `workers` of `pool` are asleep (waiting up to 10 s for their patience to run out)."""
+    deadline = time.monotonic() + 10
+    while not all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + workers]) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + workers])
+
+
 def _chunked_sum(row, matrix):
     """The documented order: in each chunk of rows, rows k, k + q, k + 2q, k + 3q (q a quarter of
     the chunk) for k from the chunk's start, then the rows left over in order; chunk results added
@@ -107,10 +115,7 @@ def test_workers_take_chunks_and_sleep_when_idle(pool):
     while pool.shared_units == 0 and time.monotonic() < deadline:
         np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)
     assert pool.shared_units > 0  # the workers computed part of some product
-    deadline = time.monotonic() + 10
-    while not all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2]) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2])  # asleep after their patience ran out
+    assert _asleep(pool, 2)  # asleep after their patience ran out
     np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)  # woken, or done alone
 
 
@@ -132,10 +137,7 @@ def test_products_worth_blas_threads_let_spinning_workers_sleep(pool):
         np.testing.assert_allclose(MatMul(rows, matrix), rows @ matrix, rtol=1e-5, atol=1e-4)
         rested = pool.box[_decode_pool._POSTED] == posted + 1  # an empty job...
     assert rested and pool.box[_decode_pool._LINGER] == 0  # ...after which workers sleep at once
-    deadline = time.monotonic() + 10
-    while not all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2]) and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2])
+    assert _asleep(pool, 2)
     np.testing.assert_array_equal(pool.products(row, (matrix,))[0], row_times_matrix(row, matrix))
 
 
@@ -145,9 +147,7 @@ def test_a_pool_of_sleeping_workers_closes():
     pool = _decode_pool.DecodePool(3)
     matrix = RNG.standard_normal((512, 256)).astype(np.float32)
     pool.products(RNG.standard_normal(512).astype(np.float32), (matrix,))
-    deadline = time.monotonic() + 10
-    while not all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 3]) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _asleep(pool, 3)
     closing = threading.Thread(target=pool.close, daemon=True)
     closing.start()
     closing.join(timeout=10)
@@ -320,12 +320,8 @@ def test_a_native_block_wakes_sleeping_workers_and_computes_alone_when_the_pool_
     def block():
         return _decode_pool.shared_call(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm)
 
-    alone = gated_down(np.zeros(_decode_pool._MAILBOX_SIZE, np.int64), 0, gate, np.exp(-gate), up, weight,
-                       residual, 1e-5, 1.0, norm)
-    deadline = time.monotonic() + 10
-    while not all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2]) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + 2])  # both asleep
+    alone = _decode_pool.alone(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm)
+    assert _asleep(pool, 2)
     shared_before = pool.shared_units
     deadline = time.monotonic() + 10  # a woken worker joins once its core is free (the suite runs two processes)
     while pool.shared_units == shared_before and time.monotonic() < deadline:
