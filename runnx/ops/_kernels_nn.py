@@ -79,22 +79,48 @@ def roi_align(x, rois, batch_indices, pooled_h, pooled_w, sampling_ratio, scale,
     return out
 
 
-@numba.njit(cache=True, fastmath={"reassoc", "contract", "nsz", "arcp"})  # vectorised sums, NaN/inf kept
+@numba.njit(cache=True)
+def _float64_sum(row, centre, squares):
+    """sum(row) (squares False) or sum((row - centre) ** 2) in float64, as 8 running sums in a fixed
+    order (vectorised as registers of lanes), added pairwise, then the last few. No fast-math
+    flags: every compiled copy of a caller (a decode block's, a pool worker's) rounds alike."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    body = row.shape[0] - row.shape[0] % 8
+    for j in range(0, body, 8):
+        v0, v1, v2, v3 = row[j] - centre, row[j + 1] - centre, row[j + 2] - centre, row[j + 3] - centre
+        v4, v5, v6, v7 = row[j + 4] - centre, row[j + 5] - centre, row[j + 6] - centre, row[j + 7] - centre
+        if squares:
+            v0, v1, v2, v3, v4, v5, v6, v7 = v0 * v0, v1 * v1, v2 * v2, v3 * v3, v4 * v4, v5 * v5, v6 * v6, v7 * v7
+        s0 += v0
+        s1 += v1
+        s2 += v2
+        s3 += v3
+        s4 += v4
+        s5 += v5
+        s6 += v6
+        s7 += v7
+    total = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    for j in range(body, row.shape[0]):
+        v = row[j] - centre
+        total += v * v if squares else v
+    return total
+
+
+@numba.njit(cache=True)
 def layer_norm_rows(x, scale, bias, epsilon, out, mean, inv_std):
-    """Normalise every row of x (rows, cols) in two passes, statistics accumulated in float64;
-    writes out = (x - mean) * inv_std * scale + bias, and the per-row mean and inv_std."""
+    """Normalise every row of x (rows, cols) in two passes, statistics accumulated in float64
+    (`_float64_sum`); writes out = (x - mean) * inv_std * scale + bias, and the per-row mean and
+    inv_std."""
     rows, cols = x.shape
     for r in range(rows):
-        total = 0.0
-        for c in range(cols):
-            total += x[r, c]
-        m = total / cols
-        spread = 0.0
-        for c in range(cols):
-            d = x[r, c] - m
-            spread += d * d
-        inv = 1.0 / math.sqrt(spread / cols + epsilon)
-        for c in range(cols):
-            out[r, c] = (x[r, c] - m) * inv * scale[c] + bias[c]
+        m = _float64_sum(x[r], 0.0, False) / cols
+        inv = 1.0 / math.sqrt(_float64_sum(x[r], m, True) / cols + epsilon)
+        _normalised(x[r], m, inv, scale, bias, out[r])
         mean[r] = m
         inv_std[r] = inv
+
+
+@numba.njit(cache=True, fastmath={"contract", "nsz", "arcp"})  # element by element: no sum to reorder
+def _normalised(row, m, inv, scale, bias, out):
+    for c in range(row.shape[0]):
+        out[c] = (row[c] - m) * inv * scale[c] + bias[c]

@@ -9,8 +9,8 @@ float32 exp is 2^n * 2^f, with 2^f (|f| <= 1/2) a degree-6 polynomial (error bel
 put into the exponent bits; the float32 rounding of the scaled argument dominates (a few 1e-6
 relative, 20 below the peak), as in numpy's float32 softmax. Unlike libm's expf (numba calls it
 per element without SVML) it vectorises.
-Sums are vectorised in any order (`_REORDER`: float rounding only); NaN and inf keep their
-meaning.
+The GELU's arithmetic may be reordered (`_REORDER`: float rounding only; NaN and inf keep their
+meaning); the softmax's sum is not (see softmax_rows_float32).
 """
 from __future__ import annotations
 
@@ -52,28 +52,57 @@ def _row_peak(bits):
 
 
 @numba.njit(cache=True, fastmath=_REORDER, error_model="numpy")
+def _exponentials(row, peak, powers):
+    """row = exp(row - peak) = 2^n * 2^f, powers the scratch for 2^n (float32 bits), element by
+    element (no sums: the flags that vectorise it cannot change how a copy rounds a sum)."""
+    for j in range(row.shape[0]):
+        t = max((row[j] - peak) * _LOG2E, _LOWEST)
+        n = np.int32(t - _HALF)  # t <= 0: truncating t - 1/2 rounds to the nearest, so |f| <= 1/2
+        f = t - np.float32(n)
+        row[j] = (((((_E6 * f + _E5) * f + _E4) * f + _E3) * f + _E2) * f + _E1) * f + _E0
+        powers[j] = (n + 127) << 23
+    scales = powers.view(np.float32)
+    for j in range(row.shape[0]):
+        row[j] = row[j] * scales[j]
+
+
+@numba.njit(cache=True, error_model="numpy")
+def _row_total(row):
+    """sum(row) as 8 running sums in a fixed order (vectorised as one register of lanes), added
+    pairwise, then the last few: no flags, the same rounding in every compiled copy."""
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0)
+    body = row.shape[0] - row.shape[0] % 8
+    for j in range(0, body, 8):
+        s0 += row[j]
+        s1 += row[j + 1]
+        s2 += row[j + 2]
+        s3 += row[j + 3]
+        s4 += row[j + 4]
+        s5 += row[j + 5]
+        s6 += row[j + 6]
+        s7 += row[j + 7]
+    total = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    for j in range(body, row.shape[0]):
+        total += row[j]
+    return total
+
+
+@numba.njit(cache=True, error_model="numpy")
 def softmax_rows_float32(scores, fill):
     """Softmax along the last axis of C-contiguous float32 scores (rows, columns), in place. A row
-    whose softmax is NaN (a NaN or +inf score, or every score -inf) becomes `fill`."""
+    whose softmax is NaN (a NaN or +inf score, or every score -inf) becomes `fill`. Its sum has no
+    fast-math flags (`_row_total`), so every compiled copy rounds alike (the decode pool's worker
+    loop has its own): with them, a worker's copy rounded some rows 1 ulp apart from the caller's
+    in some processes, and a row's softmax depended on which thread took its block."""
     powers = np.empty(scores.shape[1], np.int32)  # 2^n as float32 bits
-    scales = powers.view(np.float32)
     bits = scores.view(np.int32)
     for r in range(scores.shape[0]):
         row, peak = scores[r], _row_peak(bits[r])
         if not (peak > -np.inf and peak < np.inf):
             row[:] = fill
             continue
-        for j in range(row.shape[0]):
-            t = max((row[j] - peak) * _LOG2E, _LOWEST)
-            n = np.int32(t - _HALF)  # t <= 0: truncating t - 1/2 rounds to the nearest, so |f| <= 1/2
-            f = t - np.float32(n)
-            row[j] = (((((_E6 * f + _E5) * f + _E4) * f + _E3) * f + _E2) * f + _E1) * f + _E0
-            powers[j] = (n + 127) << 23
-        total = np.float32(0)
-        for j in range(row.shape[0]):
-            e = row[j] * scales[j]
-            row[j] = e
-            total += e
+        _exponentials(row, peak, powers)
+        total = _row_total(row)
         inverse = np.float32(1) / total
         for j in range(row.shape[0]):
             row[j] = row[j] * inverse
