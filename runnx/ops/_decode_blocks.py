@@ -4,17 +4,20 @@ Python, its checks and its hand-off to the pool cost ~10-30 us, a few percent of
 
 A block is cut where numpy must compute: the SiLU gate's exp is numpy's (numba's differs from it
 by up to 2 ulp on a third of float32 inputs), so that a block's results are bitwise those of its
-nodes run one by one. Called through `_decode_pool.shared_call` (the pool's workers, or alone on a
-mailbox of the call: the same compiled code, so the same results); each returns what it computed.
+nodes run one by one; Whisper's blocks (LayerNorm, erf GELU) call what their nodes call:
+`layer_norm_rows`, and ErfGelu's pool job (`_gelu`) on a mailbox of their own. Called through
+`_decode_pool.shared_call` (the pool's workers, or alone on a mailbox of the call: the same compiled
+code, so the same results); each returns what it computed.
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-from runnx.ops._decode_pool import _products
+from runnx.ops._decode_pool import _MAILBOX_SIZE, _gelu, _products
 from runnx.ops._kernels_fused import add_rms_norm, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
+from runnx.ops._kernels_nn import layer_norm_rows
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -51,3 +54,36 @@ def gated_down(box, workers, gate, decay, up, weight, residual, epsilon, one, no
     MLP's activation, down product, residual add and the next norm."""
     summed = _product(box, workers, silu_mul_into(gate, decay, up), weight)
     return summed, add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
+
+
+@_jit
+def projected_layer_norm(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon):
+    """(s, LayerNorm(s)) for s = residual + (x @ weight + bias) (bias empty: none), float32 rows and
+    a C-contiguous matrix: a Whisper layer's output projections and second MLP product with the
+    residual add and the next LayerNormalization (MatMulAddLayerNorm's nodes, the same sums)."""
+    summed = _product(box, workers, x, weight)
+    if bias.size:
+        for i in range(summed.size):
+            summed[i] += bias[i]
+    for i in range(summed.size):
+        summed[i] = residual[i] + summed[i]
+    normed = np.empty((1, summed.size), np.float32)
+    statistics = np.empty((2, 1), np.float32)  # mean and 1/std, unused
+    layer_norm_rows(summed.reshape((1, summed.size)), scale, norm_bias, epsilon, normed, statistics[0],
+                    statistics[1])
+    return summed, normed
+
+
+@_jit
+def gelu_mlp(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon, up_weight, up_bias, divisor, one,
+             half, down_weight, down_bias, down_scale, down_norm_bias, down_epsilon):
+    """`projected_layer_norm` (s, n), then (s2, LayerNorm(s2)) for s2 = s + (ErfGelu(n @ up_weight +
+    up_bias) @ down_weight + down_bias) (empty biases: none): a Whisper layer from its last
+    attention's output projection to the next layer's norm. The GELU is ErfGelu's job run alone on a
+    mailbox of its own (as `_decode_pool.alone` runs it for ErfGelu's node)."""
+    summed, normed = projected_layer_norm(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon)
+    up = _product(box, workers, normed[0], up_weight)
+    activated = np.empty((1, up.size), np.float32)
+    _gelu(np.zeros(_MAILBOX_SIZE, np.int64), 0, up.reshape((1, up.size)), up_bias, divisor, one, half, activated)
+    return projected_layer_norm(box, workers, activated[0], down_weight, down_bias, summed, down_scale,
+                                down_norm_bias, down_epsilon)

@@ -9,10 +9,10 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
-from runnx.ops._decode_blocks import gated_down, projected_gate
+from runnx.ops._decode_blocks import gated_down, gelu_mlp, projected_gate, projected_layer_norm
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, rms_norm_applies
-from runnx.ops.fused_whisper import AddLayerNorm, SplitHeads
+from runnx.ops.fused_whisper import AddLayerNorm, ErfGelu, SplitHeads
 from runnx.ops.registry import register
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
@@ -22,6 +22,7 @@ from runnx.ops.registry import register
 _ROW_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _POOLED_ELEMENTS = 1 << 16
 _FLOAT32 = np.dtype(np.float32)
+_NO_BIAS = np.zeros(0, np.float32)
 
 
 def _in_dtype(result, dtype):
@@ -153,9 +154,71 @@ def _matrix(w, depth: int, width: int) -> bool:
 @register("MatMulAddLayerNorm", since=1, domain=FUSED_DOMAIN)
 def MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, *, axis: int = -1, epsilon: float = 1e-5,
                        stash_type: int = 1):
-    """AddLayerNorm(residual, MatMul(x, weight) [+ bias]), as MatMulAddRMSNorm."""
+    """AddLayerNorm(residual, MatMul(x, weight) [+ bias]), as MatMulAddRMSNorm. A decode step's
+    float32 row is one native call posting the product to the decode pool (`_decode_blocks.py`)."""
+    if _layer_norm_block(x, weight, bias, residual, scale, norm_bias, axis):
+        summed, normed = _decode_pool.shared_call(
+            projected_layer_norm, np.ascontiguousarray(x.reshape(-1)), weight,
+            _NO_BIAS if bias is None else bias, np.ascontiguousarray(residual.reshape(-1)), scale, norm_bias,
+            float(epsilon))
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return AddLayerNorm(residual, _product(x, weight, bias), scale, norm_bias, axis=axis, epsilon=epsilon,
                         stash_type=stash_type, overwrite=(1,))
+
+
+@register("ResidualGeluMLP", since=1, domain=FUSED_DOMAIN)
+def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half, down_weight,
+                    down_bias, down_scale, down_norm_bias, *, norm: tuple = (-1, 1e-5, 1),
+                    down_norm: tuple = (-1, 1e-5, 1)):
+    """(s, n) = MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias), then
+    MatMulAddLayerNorm(ErfGelu(n @ up_weight, up_bias, divisor, one, half), down_weight, down_bias, s,
+    down_scale, down_norm_bias): a Whisper layer from its last attention's output projection to the
+    next layer's norm (`runnx/interp/fusion/products.py`); norm and down_norm are the norms' (axis,
+    epsilon, stash_type). A decode step's float32 row is one native call (`_decode_blocks.py`); other
+    rows (the encoder's) run the four nodes' kernels in turn."""
+    (axis, epsilon, stash_type), (down_axis, down_epsilon, down_stash_type) = norm, down_norm
+    if _gelu_mlp_block(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half,
+                       down_weight, down_bias, down_scale, down_norm_bias, axis, down_axis):
+        summed, normed = _decode_pool.shared_call(
+            gelu_mlp, np.ascontiguousarray(x.reshape(-1)), weight, _NO_BIAS if bias is None else bias,
+            np.ascontiguousarray(residual.reshape(-1)), scale, norm_bias, float(epsilon), up_weight,
+            _NO_BIAS if up_bias is None else up_bias, float(divisor.reshape(-1)[0]), float(one.reshape(-1)[0]),
+            float(half.reshape(-1)[0]), down_weight, _NO_BIAS if down_bias is None else down_bias, down_scale,
+            down_norm_bias, float(down_epsilon))
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    summed, normed = MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, axis=axis, epsilon=epsilon,
+                                        stash_type=stash_type)
+    activated = ErfGelu(MatMul(normed, up_weight), up_bias, divisor, one, half)
+    return MatMulAddLayerNorm(activated, down_weight, down_bias, summed, down_scale, down_norm_bias, axis=down_axis,
+                              epsilon=down_epsilon, stash_type=down_stash_type)
+
+
+def _gelu_mlp_block(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half, down_weight,
+                    down_bias, down_scale, down_norm_bias, axis: int, down_axis: int) -> bool:
+    """Whether ResidualGeluMLP is one float32 row through C-contiguous float32 matrices whose sizes
+    chain, both halves as `_layer_norm_block` needs, its GELU constants float32 numbers."""
+    if not _layer_norm_block(x, weight, bias, residual, scale, norm_bias, axis):
+        return False
+    width, inner = residual.shape[-1], up_weight.shape[-1]
+    return (down_axis in (-1, residual.ndim - 1) and _matrix(up_weight, width, inner)
+            and _matrix(down_weight, inner, width) and (up_bias is None or _vector(up_bias, inner))
+            and (down_bias is None or _vector(down_bias, width)) and _vector(down_scale, width)
+            and _vector(down_norm_bias, width) and all(c.dtype == _FLOAT32 and c.size == 1 for c in (divisor, one, half)))
+
+
+def _layer_norm_block(x, weight, bias, residual, scale, norm_bias, axis: int) -> bool:
+    """Whether MatMulAddLayerNorm is one float32 row through a C-contiguous float32 matrix onto a
+    residual of the product's shape, its bias, scale and norm bias float32 vectors over the last axis."""
+    if x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1] or residual.dtype != _FLOAT32 or not residual.ndim:
+        return False
+    width = residual.shape[-1]
+    return (residual.shape == x.shape[:-1] + (width,) and axis in (-1, residual.ndim - 1)
+            and _matrix(weight, x.size, width) and _vector(scale, width) and _vector(norm_bias, width)
+            and (bias is None or _vector(bias, width)))
+
+
+def _vector(v, width: int) -> bool:
+    return v is not None and v.dtype == _FLOAT32 and v.shape == (width,) and v.flags.c_contiguous
 
 
 def _product(x, weight, bias):

@@ -333,7 +333,12 @@ def test_gate_and_up_products_give_their_silu_gate_as_one_node(workers):
         _decode_pool.set_workers(None)
 
 
-def test_a_biased_product_read_only_by_a_residual_add_and_layer_norm_joins_them():
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_biased_product_read_only_by_a_residual_add_and_layer_norm_joins_them(workers):
+    """A decoding row runs as one native call posting the product to the decode pool (or alone):
+    bitwise the unfused nodes, as other rows are."""
+    from runnx.ops import _decode_pool
+
     rng = np.random.default_rng(8)
     nodes = [helper.make_node("MatMul", ["h", "w"], ["p"]),
              helper.make_node("Add", ["p", "b"], ["pb"]),
@@ -342,13 +347,17 @@ def test_a_biased_product_read_only_by_a_residual_add_and_layer_norm_joins_them(
     model = _model(nodes, [("h", F), ("r", F)], [("s", F), ("y", F)], {
         "w": rng.standard_normal((256, 384)).astype(np.float32), "b": rng.standard_normal(384).astype(np.float32),
         "scale": rng.standard_normal(384).astype(np.float32), "shift": rng.standard_normal(384).astype(np.float32)})
-    for rows in (1, 4):
-        feeds = {"h": rng.standard_normal((1, rows, 256)).astype(np.float32),
-                 "r": rng.standard_normal((1, rows, 384)).astype(np.float32)}
-        fused, plain, ops = _both(model, feeds)
-        assert ops == ["MatMulAddLayerNorm"]
-        for name in plain:
-            np.testing.assert_array_equal(fused[name], plain[name])
+    try:
+        _decode_pool.set_workers(workers)
+        for rows in (1, 4):
+            feeds = {"h": rng.standard_normal((1, rows, 256)).astype(np.float32),
+                     "r": rng.standard_normal((1, rows, 384)).astype(np.float32)}
+            fused, plain, ops = _both(model, feeds)
+            assert ops == ["MatMulAddLayerNorm"]
+            for name in plain:
+                np.testing.assert_array_equal(fused[name], plain[name])
+    finally:
+        _decode_pool.set_workers(None)
 
 
 def _norm_nodes(x: str, y: str, tag: str) -> list:

@@ -192,6 +192,98 @@ def test_the_residual_add_joins_the_layer_norm_reading_it_and_stays_an_output(st
         np.testing.assert_array_equal(fused[name], plain[name])  # the LayerNormalization kernel's own loop
 
 
+def _gelu_mlp_model(extra_output=None):
+    """A Whisper layer from its attention's output a: output projection with bias, residual add and
+    norm, fc1 with bias, erf GELU, fc2 with bias, residual add and the next layer's norm."""
+    rng = np.random.default_rng(12)
+    nodes = [helper.make_node("MatMul", ["a", "wo"], ["o"]), helper.make_node("Add", ["o", "bo"], ["ob"]),
+             helper.make_node("Add", ["r", "ob"], ["s1"]),
+             helper.make_node("LayerNormalization", ["s1", "g1", "c1"], ["n1"], axis=-1, epsilon=1e-5),
+             helper.make_node("MatMul", ["n1", "w1"], ["f"]), helper.make_node("Add", ["b1", "f"], ["h"]),
+             helper.make_node("Div", ["h", "sqrt2"], ["scaled"]), helper.make_node("Erf", ["scaled"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["h", "e1"], ["he"]),
+             helper.make_node("Mul", ["he", "half"], ["m"]),
+             helper.make_node("MatMul", ["m", "w2"], ["d"]), helper.make_node("Add", ["d", "b2"], ["db"]),
+             helper.make_node("Add", ["s1", "db"], ["s2"]),
+             helper.make_node("LayerNormalization", ["s2", "g2", "c2"], ["n2"], axis=-1, epsilon=1e-5)]
+    shapes = {"wo": (256, 384), "bo": (384,), "g1": (384,), "c1": (384,), "w1": (384, 1536), "b1": (1536,),
+              "w2": (1536, 384), "b2": (384,), "g2": (384,), "c2": (384,)}
+    constants = {name: (rng.standard_normal(shape) / (np.sqrt(shape[0]) if len(shape) == 2 else 1)).astype(np.float32)
+                 for name, shape in shapes.items()}
+    constants.update(sqrt2=np.float32(math.sqrt(2)), one=np.float32(1), half=np.float32(0.5))
+    return _model(nodes, ["a", "r"], ["s2", "n2", *([extra_output] if extra_output else [])], constants)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_output_projection_and_gelu_mlp_up_to_the_next_norm_become_one_node(workers, monkeypatch):
+    """Decoding (one float32 row) runs it as one native call posting the decode pool's jobs, its
+    GELU ErfGelu's own job: bitwise the four fused nodes it replaces, rows or not, pool or not."""
+    from runnx.interp import fusion
+    from runnx.interp.fusion import products
+    from runnx.ops import _decode_pool
+
+    model = _gelu_mlp_model()
+    four_nodes = [p for p in fusion.PATTERNS if p[1] is not products._residual_gelu_mlp]
+    rng = np.random.default_rng(13)
+    try:
+        _decode_pool.set_workers(workers)
+        for rows in (1, 3):
+            feeds = {"a": rng.standard_normal((1, rows, 256)).astype(np.float32),
+                     "r": (rng.standard_normal((1, rows, 384)) * 10).astype(np.float32)}
+            fused, plain, ops = _both(model, feeds)
+            assert ops == ["ResidualGeluMLP"]
+            with monkeypatch.context() as patch:
+                patch.setattr(fusion, "PATTERNS", four_nodes)
+                apart = runnx.load(model, shape_cache=False)
+                assert [n.op_type for n in apart.plan()] == ["MatMulAddLayerNorm", "MatMul", "ErfGelu",
+                                                             "MatMulAddLayerNorm"]
+                apart = apart.run(feeds)
+            for name in plain:
+                assert fused[name].shape == (1, rows, 384)
+                np.testing.assert_array_equal(fused[name], apart[name])
+                np.testing.assert_allclose(fused[name], plain[name], rtol=1e-4, atol=1e-4)
+    finally:
+        _decode_pool.set_workers(None)
+
+
+def test_a_gelu_mlp_whose_first_residual_is_read_elsewhere_keeps_its_nodes():
+    rng = np.random.default_rng(14)
+    feeds = {"a": rng.standard_normal((1, 1, 256)).astype(np.float32),
+             "r": rng.standard_normal((1, 1, 384)).astype(np.float32)}
+    fused, plain, ops = _both(_gelu_mlp_model(extra_output="s1"), feeds)
+    assert ops == ["MatMulAddLayerNorm", "MatMul", "ErfGelu", "MatMulAddLayerNorm"]
+    for name in plain:
+        np.testing.assert_allclose(fused[name], plain[name], rtol=1e-4, atol=1e-4)
+
+
+def test_a_gelu_mlp_block_rounds_as_its_nodes_whichever_numba_compiles_first():
+    """The block calls ErfGelu's job from native code: in a fresh process that runs the block first,
+    the GELU it compiled must still round as the standalone job (as the LayerNorm as its kernel)."""
+    code = """
+import numpy as np
+from runnx.ops import linalg, _decode_pool
+from runnx.ops.fused_whisper import ErfGelu
+_decode_pool.set_workers(0)
+rng = np.random.default_rng(15)
+f = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+differing = 0
+for _ in range(40):
+    x, w, r, w1, b1, w2 = f(1, 1, 64), f(64, 96), f(1, 1, 96) * 20, f(96, 200) / 4, f(200), f(200, 96) / 8
+    g, c, g2, c2 = f(96), f(96), f(96), f(96)
+    constants = np.float32(2 ** 0.5), np.float32(1), np.float32(0.5)
+    block = linalg.ResidualGeluMLP(x, w, None, r, g, c, w1, b1, *constants, w2, None, g2, c2)
+    s, n = linalg.AddLayerNorm(r, linalg.MatMul(x, w), g, c)
+    s2, n2 = linalg.AddLayerNorm(s, linalg.MatMul(ErfGelu(linalg.MatMul(n, w1), b1, *constants), w2), g2, c2)
+    differing += not (np.array_equal(block[0], s2) and np.array_equal(block[1], n2))
+print(differing)
+"""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0"]
+
+
 # -- whole models --------------------------------------------------------------------------------
 def _features(seed=0):
     return np.random.default_rng(seed).standard_normal((1, 80, 3000)).astype(np.float32)
@@ -205,7 +297,7 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     folder = fixtures_dir / "tiny-whisper"
     fused, plain = _encoders(folder)
     assert fused.fused == {"HeadsAttention": 2, "ErfGelu": 4, "AddLayerNorm": 5, "SharedInputMatMul": 2,
-                           "MatMulAddLayerNorm": 4}
+                           "MatMulAddLayerNorm": 4, "ResidualGeluMLP": 2}
     assert not SHAPE_OPS & {n.op_type for n in fused.plan()}
     features = {"input_features": _features()}
     want = plain.run(features)["last_hidden_state"]
@@ -216,9 +308,10 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     # each layer's q/k/v projections as one node, and the first step's cross-attention keys and
     # values of both layers (they all read the encoder's output) as one more; the out-projections
     # and the second MLP product with their bias adds and the residual add + norm after them (3 a
-    # layer, both branches)
+    # layer, both branches), the last two with the MLP's first product and GELU between them as one
+    # node (a layer from its cross-attention's output projection to the next norm)
     assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14,
-                             "SharedInputMatMul": 5, "MatMulAddLayerNorm": 12}
+                             "SharedInputMatMul": 5, "MatMulAddLayerNorm": 12, "ResidualGeluMLP": 4}
 
 
 def _greedy(folder, monkeypatch, fuse, features):
@@ -241,7 +334,7 @@ def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whispe
     features = [window_features(load_audio(audio_dir / clip), 80) for clip in ("john.wav", "long.wav")]
     fused, plain = _encoders(whisper_dir)
     assert fused.fused == {"HeadsAttention": 4, "ErfGelu": 6, "AddLayerNorm": 9, "SharedInputMatMul": 4,
-                           "MatMulAddLayerNorm": 8}
+                           "MatMulAddLayerNorm": 8, "ResidualGeluMLP": 4}
     want = plain.run({"input_features": features[1]})["last_hidden_state"]
     got = fused.run({"input_features": features[1]})["last_hidden_state"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)

@@ -7,8 +7,9 @@ gate and up products) gives its gated product instead of the two. A product read
 without a constant bias added) only by a residual add and norm becomes a MatMulAddRMSNorm or
 MatMulAddLayerNorm node; one whose only reader adds a constant bias, a BiasedMatMul node. An
 output projection's MatMulAddRMSNorm, the gated products reading its norm and the down product's
-MatMulAddRMSNorm become one ResidualGatedMLP node (a decode step runs it natively). Runs after the
-other patterns: a MatMul they take stays theirs.
+MatMulAddRMSNorm become one ResidualGatedMLP node (a decode step runs it natively); Whisper's
+MatMulAddLayerNorm, first MLP product, ErfGelu and MatMulAddLayerNorm one ResidualGeluMLP node. Runs
+after the other patterns: a MatMul they take stays theirs.
 """
 from __future__ import annotations
 
@@ -168,5 +169,28 @@ def _residual_gated_mlp(m: Matcher, down: Node) -> Fused | None:
                  down.outputs, norms)
 
 
+def _residual_gelu_mlp(m: Matcher, down: Node) -> Fused | None:
+    """MatMulAddLayerNorm(ErfGelu(MatMul(n, up weight), ...), down weight, s) after (s, n) =
+    MatMulAddLayerNorm(x, ...), the first's outputs and the GELU's input and output read only there:
+    a Whisper layer from its last attention's output projection to the next layer's norm."""
+    gelu = m.graph.producer.get(down.inputs[0])
+    if gelu is None or gelu.op_type != "ErfGelu" or gelu.domain != DOMAIN or gelu.index in m.taken:
+        return None
+    up = m.graph.producer.get(gelu.inputs[0])
+    if up is None or _weight(m, up) is None:
+        return None
+    first = m.graph.producer.get(up.inputs[0])
+    if (first is None or first.op_type != "MatMulAddLayerNorm" or first.domain != DOMAIN or first.index in m.taken
+            or tuple(first.outputs) != (down.inputs[3], up.inputs[0])):
+        return None
+    chain = [first, up, gelu, down]
+    if not m.private(chain, tuple(down.outputs)):
+        return None
+    norms = {name: tuple(node.attrs.get(a, d) for a, d in (("axis", -1), ("epsilon", 1e-5), ("stash_type", 1)))
+             for name, node in (("norm", first), ("down_norm", down))}
+    return Fused("ResidualGeluMLP", chain, (*first.inputs, up.inputs[1], *gelu.inputs[1:], *down.inputs[1:3],
+                                            *down.inputs[4:]), down.outputs, norms)
+
+
 PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
-            ("MatMulAddRMSNorm", _residual_gated_mlp))
+            ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp))
