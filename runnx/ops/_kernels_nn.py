@@ -82,8 +82,9 @@ def roi_align(x, rois, batch_indices, pooled_h, pooled_w, sampling_ratio, scale,
 @numba.njit(cache=True)
 def _float64_sum(row, centre, squares):
     """sum(row) (squares False) or sum((row - centre) ** 2) in float64, as 8 running sums in a fixed
-    order (vectorised as registers of lanes), added pairwise, then the last few. No fast-math
-    flags: every compiled copy of a caller (a decode block's, a pool worker's) rounds alike."""
+    order (independent chains, so no reordering is needed to keep the adders busy), added pairwise,
+    then the last few. No fast-math flags: every compiled copy of a caller (a decode block's, a pool
+    worker's) rounds alike. 2.3x the reordered loop's time (a 1500 x 384 LayerNorm: 0.77 ms, 0.33)."""
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
     body = row.shape[0] - row.shape[0] % 8
     for j in range(0, body, 8):
@@ -120,7 +121,8 @@ def layer_norm_rows(x, scale, bias, epsilon, out, mean, inv_std):
         inv_std[r] = inv
 
 
-@numba.njit(cache=True, fastmath={"contract", "nsz", "arcp"})  # element by element: no sum to reorder
+@numba.njit(cache=True, fastmath={"contract", "nsz", "arcp"})
 def _normalised(row, m, inv, scale, bias, out):
+    """out = (row - m) * inv * scale + bias, element by element (no sum for the flags to reorder)."""
     for c in range(row.shape[0]):
         out[c] = (row[c] - m) * inv * scale[c] + bias[c]

@@ -68,8 +68,8 @@ def _exponentials(row, peak, powers):
 
 @numba.njit(cache=True, error_model="numpy")
 def _row_total(row):
-    """sum(row) as 8 running sums in a fixed order (vectorised as one register of lanes), added
-    pairwise, then the last few: no flags, the same rounding in every compiled copy."""
+    """sum(row) as 8 running sums in a fixed order (independent chains: as fast as the reordered
+    loop here), added pairwise, then the last few: no flags, the same rounding in every compiled copy."""
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0)
     body = row.shape[0] - row.shape[0] % 8
     for j in range(0, body, 8):
