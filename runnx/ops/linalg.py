@@ -158,9 +158,7 @@ def MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, *, axis: int
     float32 row is one native call posting the product to the decode pool (`_decode_blocks.py`)."""
     if _layer_norm_block(x, weight, bias, residual, scale, norm_bias, axis):
         summed, normed = _decode_pool.shared_call(
-            projected_layer_norm, np.ascontiguousarray(x.reshape(-1)), weight,
-            _NO_BIAS if bias is None else bias, np.ascontiguousarray(residual.reshape(-1)), scale, norm_bias,
-            float(epsilon))
+            projected_layer_norm, *_layer_norm_row(x, weight, bias, residual, scale, norm_bias, epsilon))
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return AddLayerNorm(residual, _product(x, weight, bias), scale, norm_bias, axis=axis, epsilon=epsilon,
                         stash_type=stash_type, overwrite=(1,))
@@ -180,8 +178,7 @@ def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_b
     if _gelu_mlp_block(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half,
                        down_weight, down_bias, down_scale, down_norm_bias, axis, down_axis):
         summed, normed = _decode_pool.shared_call(
-            gelu_mlp, np.ascontiguousarray(x.reshape(-1)), weight, _NO_BIAS if bias is None else bias,
-            np.ascontiguousarray(residual.reshape(-1)), scale, norm_bias, float(epsilon), up_weight,
+            gelu_mlp, *_layer_norm_row(x, weight, bias, residual, scale, norm_bias, epsilon), up_weight,
             _NO_BIAS if up_bias is None else up_bias, float(divisor.reshape(-1)[0]), float(one.reshape(-1)[0]),
             float(half.reshape(-1)[0]), down_weight, _NO_BIAS if down_bias is None else down_bias, down_scale,
             down_norm_bias, float(down_epsilon))
@@ -215,6 +212,12 @@ def _layer_norm_block(x, weight, bias, residual, scale, norm_bias, axis: int) ->
     return (residual.shape == x.shape[:-1] + (width,) and axis in (-1, residual.ndim - 1)
             and _matrix(weight, x.size, width) and _vector(scale, width) and _vector(norm_bias, width)
             and (bias is None or _vector(bias, width)))
+
+
+def _layer_norm_row(x, weight, bias, residual, scale, norm_bias, epsilon) -> tuple:
+    """MatMulAddLayerNorm's arguments as `projected_layer_norm` takes them (a decode row)."""
+    return (np.ascontiguousarray(x.reshape(-1)), weight, _NO_BIAS if bias is None else bias,
+            np.ascontiguousarray(residual.reshape(-1)), scale, norm_bias, float(epsilon))
 
 
 def _vector(v, width: int) -> bool:
