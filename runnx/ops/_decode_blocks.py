@@ -14,7 +14,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from runnx.ops._decode_pool import _MAILBOX_SIZE, _gelu, _products
+from runnx.ops._decode_pool import _MAILBOX_SIZE, _attention, _gelu, _products
 from runnx.ops._kernels_fused import add_rms_norm, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
@@ -87,3 +87,23 @@ def gelu_mlp(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon,
     _gelu(np.zeros(_MAILBOX_SIZE, np.int64), 0, up.reshape((1, up.size)), up_bias, divisor, one, half, activated)
     return projected_layer_norm(box, workers, activated[0], down_weight, down_bias, summed, down_scale,
                                 down_norm_bias, down_epsilon)
+
+
+@_jit
+def attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out):
+    """Attention of one query row into out (batch 1, heads, 1, width): row = x @ weight (weight
+    empty: x), + query_bias, * query_scale (each empty: none), its heads `heads` (a view of row),
+    then `_attention` of the heads against key (batch, heads, length, depth) and value, scale 1:
+    a Whisper decode step's HeadsAttention (with its query projection, ProjectedHeadsAttention),
+    the same sums as its nodes."""
+    if weight.size:
+        _products(box, workers, x, (weight,), (row,), np.empty(chunk_count(x.size) * row.size, np.float32))
+    else:
+        row[:] = x
+    if query_bias.size:
+        for i in range(row.size):
+            row[i] = query_bias[i] + row[i]
+    if query_scale.size:
+        for i in range(row.size):
+            row[i] = row[i] * query_scale[0]
+    _attention(box, workers, heads, key, value, bias, 1.0, fill, out)

@@ -4,8 +4,9 @@ domain `runnx.fused`; never in a model file).
 - HeadsAttention: attention whose heads are split from (batch, length, hidden) by Reshape and
   Transpose, and merged back the same way, the Reshape targets built from other values' shapes.
   The target dimensions are read from those values here, so the Shape/Gather/Unsqueeze/Concat
-  nodes that built them no longer run; the query projection's bias is added here too. Decoding
-  (a few query rows) goes to `attend` (fused.py); long queries (the encoder) a block of query rows
+  nodes that built them no longer run; the query projection's bias is added here too. A decode
+  step's one row of batch 1 is one native call (`attended_row`, ProjectedHeadsAttention's too);
+  other short queries go to `attend` (fused.py); long queries (the encoder) a block of query rows
   of one head at a time: scores by BLAS into a cache-sized buffer, the softmax in place (numba,
   vectorised exp), the block's output by BLAS straight into the merged-heads layout.
 - SplitHeads: Transpose(Reshape(x + bias)) as one contiguous array: a KV cache entry, and the first
@@ -26,7 +27,8 @@ import numba
 import numpy as np
 
 from runnx.errors import RunnxError
-from runnx.ops._decode_pool import gelu_rows, softmax_rows
+from runnx.ops import _decode_blocks
+from runnx.ops._decode_pool import gelu_rows, shared_call, softmax_rows
 from runnx.ops._elementwise_util import binary, erf
 from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops._kernels_whisper import split_heads_into
@@ -38,6 +40,8 @@ from runnx.ops.softmax import Softmax_13
 
 _ROW_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the LayerNormalization kernel's numba loop
 _NO_BIAS = {dtype: np.zeros(0, dtype) for dtype in _ROW_DTYPES}  # split_heads_into without a bias
+_FLOAT32 = np.dtype(np.float32)
+_NO_WEIGHT = np.zeros((0, 0), np.float32)  # attended_row without a query projection
 _ATTEND_ROWS = 16  # query rows up to which `attend` (numba, decoding) beats BLAS products a block at a time
 _BLOCK_SCORES = 1 << 18  # scores per block of query rows: 1 MiB of float32, an L2 cache
 
@@ -75,6 +79,12 @@ def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale,
     Targets: query_target/output_target when given, else query_dims/output_dims with dimension a
     of query_source/output_source where the matching *_axes entry a >= 0; absent biases are 0,
     absent scales 1."""
+    attended = attended_row(query, None, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
+                            query_target, query_source, output_target, output_source, query_dims=query_dims,
+                            query_axes=query_axes, output_dims=output_dims, output_axes=output_axes,
+                            key_perm=key_perm, value_perm=value_perm)
+    if attended is not None:
+        return attended
     scaled = _biased(query, query_bias)
     if query_scale is not None:
         scaled = np.multiply(scaled, query_scale, out=scaled if scaled is not query else None)
@@ -88,7 +98,7 @@ def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale,
             heads = np.multiply(heads, factor)
     keys = key.transpose(key_perm)  # (batch, heads, depth, kv length)
     values = value.transpose(value_perm)
-    fill = np.nan if nan_fill is None else float(nan_fill.reshape(-1)[0])
+    fill = _fill(nan_fill)
     if not _plain(heads, keys, values, bias, nan_fill):
         merged = _unfused(heads, keys, values, bias, nan_fill).transpose(0, 2, 1, 3)
     elif heads.shape[2] > _ATTEND_ROWS and heads.dtype == np.float32:
@@ -96,6 +106,49 @@ def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale,
     else:
         merged = attend(heads, keys.swapaxes(2, 3), values, bias, 1.0, fill).transpose(0, 2, 1, 3)
     return _reshaped(merged, output_target, output_source, output_dims, output_axes)
+
+
+def attended_row(x, weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target,
+                 query_source, output_target, output_source, *, query_dims: tuple, query_axes: tuple,
+                 output_dims: tuple, output_axes: tuple, key_perm: tuple, value_perm: tuple):
+    """HeadsAttention of query x @ weight (weight None: x) when that is one float32 row of batch 1
+    attending without broadcasting, as one native call (`_decode_blocks.attended_row`: the query's
+    product, bias and scale, then the decode pool's attention job), else None. A decode step's
+    HeadsAttention in Python cost ~20 us hot and 2-3x that in a step (its objects out of cache)."""
+    if (x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1] or head_scale is not None
+            or key_scale is not None or (query_scale is not None and not _float32_number(query_scale))):
+        return None
+    width = x.size if weight is None else weight.shape[-1]
+    if weight is not None and not (weight.dtype == _FLOAT32 and weight.shape == (x.size, width)
+                                   and weight.flags.c_contiguous):
+        return None
+    if query_bias is not None and not (query_bias.dtype == _FLOAT32 and query_bias.shape == (width,)):
+        return None
+    row = np.empty(x.shape[:-1] + (width,), np.float32)
+    split = _reshaped(row, query_target, query_source, query_dims, query_axes)
+    if split.ndim != 4 or key.ndim != 4 or value.ndim != 4 or split.shape[:2] != (1, 1):
+        return None
+    heads, keys, values = split.transpose(0, 2, 1, 3), key.transpose(key_perm), value.transpose(value_perm)
+    if keys.dtype != _FLOAT32 or not _plain(heads, keys, values, bias, nan_fill):
+        return None
+    if bias is not None:
+        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    out = np.empty(heads.shape[:3] + values.shape[3:], np.float32)
+    fill = _fill(nan_fill)
+    shared_call(_decode_blocks.attended_row, np.ascontiguousarray(x.reshape(-1)),
+                _NO_WEIGHT if weight is None else weight, _NO_BIAS[_FLOAT32] if query_bias is None else query_bias,
+                _NO_BIAS[_FLOAT32] if query_scale is None else query_scale.reshape(1), row.reshape(-1), heads,
+                keys.swapaxes(2, 3), values, bias, fill, out)
+    return _reshaped(out.transpose(0, 2, 1, 3), output_target, output_source, output_dims, output_axes)
+
+
+def _fill(nan_fill) -> float:
+    """What a NaN softmax row becomes: nan_fill's number, or NaN itself."""
+    return np.nan if nan_fill is None else float(nan_fill.reshape(-1)[0])
+
+
+def _float32_number(x) -> bool:
+    return x.dtype == _FLOAT32 and x.size == 1
 
 
 def _plain(heads, keys, values, bias, nan_fill) -> bool:

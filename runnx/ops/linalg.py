@@ -12,7 +12,7 @@ from runnx.ops import _decode_pool
 from runnx.ops._decode_blocks import gated_down, gelu_mlp, projected_gate, projected_layer_norm
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, rms_norm_applies
-from runnx.ops.fused_whisper import AddLayerNorm, ErfGelu, SplitHeads
+from runnx.ops.fused_whisper import AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row
 from runnx.ops.registry import register
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
@@ -212,6 +212,23 @@ def _layer_norm_block(x, weight, bias, residual, scale, norm_bias, axis: int) ->
     return (residual.shape == x.shape[:-1] + (width,) and axis in (-1, residual.ndim - 1)
             and _matrix(weight, x.size, width) and _vector(scale, width) and _vector(norm_bias, width)
             and (bias is None or _vector(bias, width)))
+
+
+@register("ProjectedHeadsAttention", since=1, domain=FUSED_DOMAIN, shape_only=(11, 13))
+def ProjectedHeadsAttention(x, weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
+                            query_target, query_source, output_target, output_source, *,
+                            query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
+                            output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
+                            key_perm: tuple[int, ...], value_perm: tuple[int, ...]):
+    """HeadsAttention(MatMul(x, weight), ...): attention with its query projection
+    (`runnx/interp/fusion/products.py`; Whisper's cross-attention). A decode step's float32 row is
+    one native call, the product, the query's bias and scale and the attention (`attended_row`)."""
+    inputs = (query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target, query_source,
+              output_target, output_source)
+    attrs = {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
+             "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
+    attended = attended_row(x, weight, *inputs, **attrs)
+    return attended if attended is not None else HeadsAttention(MatMul(x, weight), *inputs, **attrs)
 
 
 def _layer_norm_row(x, weight, bias, residual, scale, norm_bias, epsilon) -> tuple:

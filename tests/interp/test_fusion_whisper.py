@@ -32,10 +32,11 @@ def _dims(prefix, source):
     return nodes
 
 
-def _attention_nodes(key_layout, value_split, mask):
+def _attention_nodes(key_layout, value_split, mask, source="x"):
     """x (batch, length, hidden) -> attention -> y; key/value as (batch, heads, kv, depth) inputs, or
-    (batch, kv, hidden) inputs split the encoder's way; mask: Add(bias) and IsNaN/Where after the softmax."""
-    nodes = _dims("q", "x") + _dims("o", "x") + [
+    (batch, kv, hidden) inputs split the encoder's way; mask: Add(bias) and IsNaN/Where after the softmax;
+    the Reshape targets from dimensions 0 and 1 of `source`."""
+    nodes = _dims("q", source) + _dims("o", source) + [
         helper.make_node("Add", ["query_bias", "x"], ["xb"]),
         helper.make_node("Mul", ["xb", "query_scale"], ["qs"]),
         helper.make_node("Concat", ["q0", "q1", "minus_one", "depth"], ["q_target"], axis=0),
@@ -149,6 +150,52 @@ def test_a_first_step_reads_its_keys_from_the_present_output_whose_heads_are_spl
     for name in ("k_present", "v_present"):
         assert fused[name].flags.c_contiguous
         np.testing.assert_array_equal(fused[name], plain[name])
+    np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
+
+
+def _projected_model(source):
+    """a -> MatMul(a, wq) = x -> Whisper's cross-attention (no mask) -> y, targets from `source`'s shape."""
+    nodes = [helper.make_node("MatMul", ["a", "wq"], ["x"])] + _attention_nodes("heads", False, False, source)
+    wq = np.random.default_rng(7).standard_normal((12, HEADS * DEPTH)).astype(np.float32) / 3
+    return _model(nodes, ["a", "k", "v"], ["y"], {**CONSTANTS, "wq": wq})
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_query_projection_joins_its_attention_and_a_decode_row_is_one_native_call(workers, monkeypatch):
+    """Whisper's cross-attention: its query projection and the attention as one node; a decode step's
+    row (batch 1, one position) runs the product, the query's bias and scale and the attention as one
+    native call (`_decode_blocks.attended_row`), longer queries the MatMul then HeadsAttention."""
+    from runnx.ops import _decode_blocks, _decode_pool, fused_whisper
+
+    calls = []
+    shared_call = fused_whisper.shared_call
+    monkeypatch.setattr(fused_whisper, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    model = _projected_model("a")
+    rng = np.random.default_rng(8)
+    try:
+        _decode_pool.set_workers(workers)
+        for length in (1, 3):
+            calls.clear()
+            feeds = {"a": rng.standard_normal((1, length, 12)).astype(np.float32),
+                     "k": rng.standard_normal((1, HEADS, 1500, DEPTH)).astype(np.float32),
+                     "v": rng.standard_normal((1, HEADS, 1500, DEPTH)).astype(np.float32)}
+            fused, plain, ops = _both(model, feeds)
+            assert ops == ["ProjectedHeadsAttention"]
+            assert calls == ([_decode_blocks.attended_row] if length == 1 else [])
+            assert fused["y"].shape == (1, length, HEADS * DEPTH)
+            np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
+    finally:
+        _decode_pool.set_workers(None)
+
+
+def test_a_query_projection_whose_shape_sets_the_targets_stays_a_matmul():
+    """The targets read from the product's own shape: the product must run before the attention."""
+    rng = np.random.default_rng(9)
+    feeds = {"a": rng.standard_normal((1, 1, 12)).astype(np.float32),
+             "k": rng.standard_normal((1, HEADS, 7, DEPTH)).astype(np.float32),
+             "v": rng.standard_normal((1, HEADS, 7, DEPTH)).astype(np.float32)}
+    fused, plain, ops = _both(_projected_model("x"), feeds)
+    assert ops == ["MatMul", "HeadsAttention"]
     np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
 
 
@@ -309,9 +356,11 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     # values of both layers (they all read the encoder's output) as one more; the out-projections
     # and the second MLP product with their bias adds and the residual add + norm after them (3 a
     # layer, both branches), the last two with the MLP's first product and GELU between them as one
-    # node (a layer from its cross-attention's output projection to the next norm)
+    # node (a layer from its cross-attention's output projection to the next norm); the
+    # cross-attention's query projection joins it (2 layers, both branches)
     assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14,
-                             "SharedInputMatMul": 5, "MatMulAddLayerNorm": 12, "ResidualGeluMLP": 4}
+                             "SharedInputMatMul": 5, "MatMulAddLayerNorm": 12, "ResidualGeluMLP": 4,
+                             "ProjectedHeadsAttention": 4}
 
 
 def _greedy(folder, monkeypatch, fuse, features):

@@ -58,6 +58,37 @@ def test_heads_attention_over_a_cache_with_a_mask(length, size):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_decode_row_attends_in_one_native_call_as_the_nodes_do(workers, monkeypatch):
+    """Batch 1, one query position (a Whisper decode step's self-attention over its cache, a mask
+    row, the query's bias): `attended_row` (one native call) against the nodes' operations and the
+    path that does without it; a fully masked row gives fill times the values' sum there too."""
+    from runnx.ops import _decode_pool
+
+    calls = []
+    shared_call = fused_whisper.shared_call
+    monkeypatch.setattr(fused_whisper, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    query = RNG.standard_normal((1, 1, 32)).astype(np.float32)
+    key, value = RNG.standard_normal((2, 1, 4, 700, 8)).astype(np.float32)
+    query_bias = RNG.standard_normal(32).astype(np.float32)
+    try:
+        _decode_pool.set_workers(workers)
+        for masked in (0.3, 1.0):
+            bias = np.where(RNG.random((1, 1, 1, 700)) < masked, -np.inf, 0).astype(np.float32)
+            got, want = _attend(query, key, value, bias, nan_fill=0.25, query_bias=query_bias)
+            assert len(calls) == 1
+            with monkeypatch.context() as patch:
+                patch.setattr(fused_whisper, "attended_row", lambda *a, **k: None)
+                apart, _ = _attend(query, key, value, bias, nan_fill=0.25, query_bias=query_bias)
+            assert len(calls) == 1
+            calls.clear()
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+            np.testing.assert_allclose(got, apart, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(got.reshape(4, 8), 0.25 * value[0, :, :].sum(axis=1), rtol=1e-5)
+    finally:
+        _decode_pool.set_workers(None)
+
+
 def test_heads_attention_in_the_encoder_layout_a_block_of_rows_at_a_time(monkeypatch):
     """Keys (batch, kv, heads, depth) transposed (0, 2, 3, 1), values transposed (0, 2, 1, 3); blocks
     of 7 query rows (the last one short)."""

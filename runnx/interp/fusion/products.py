@@ -192,5 +192,20 @@ def _residual_gelu_mlp(m: Matcher, down: Node) -> Fused | None:
                                             *down.inputs[4:]), down.outputs, norms)
 
 
+def _projected_query(m: Matcher, attention: Node) -> Fused | None:
+    """HeadsAttention(MatMul(x, W), ...) with constant W, the product read only as its query (the
+    targets from another value's shape, as Whisper's from the norm before the projection): attention
+    with its query projection, one node (Whisper's cross-attention; a decode step runs it natively)."""
+    if attention.domain != DOMAIN:
+        return None
+    matmul = m.graph.producer.get(attention.inputs[0])
+    if (matmul is None or _weight(m, matmul) is None or matmul.outputs[0] in attention.inputs[1:]
+            or not m.private([matmul, attention], attention.outputs[0])):
+        return None
+    return Fused("ProjectedHeadsAttention", [matmul, attention], (*matmul.inputs, *attention.inputs[1:]),
+                 attention.outputs, attention.attrs)
+
+
 PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
-            ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp))
+            ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp),
+            ("HeadsAttention", _projected_query))
