@@ -107,3 +107,28 @@ def attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, k
         for i in range(row.size):
             row[i] = row[i] * query_scale[0]
     _attention(box, workers, heads, key, value, bias, 1.0, fill, out)
+
+
+@_jit
+def appended_products(box, workers, x, weights, key_bias, value_bias, key_buffer, value_buffer, position):
+    """x @ weights[0], with x @ weights[1] + key_bias and x @ weights[2] + value_bias (empty: none)
+    split into heads and written at `position` of key_buffer and value_buffer (batch 1, heads,
+    length, depth), the three products one job: a decoder layer's projections and its KV cache
+    growth, the values SplitHeads and Concat give (ProjectedAppend's nodes)."""
+    query = np.empty(weights[0].shape[1], np.float32)
+    key, value = np.empty(weights[1].shape[1], np.float32), np.empty(weights[2].shape[1], np.float32)
+    _products(box, workers, x, weights, (query, key, value),
+              np.empty(chunk_count(x.size) * (query.size + key.size + value.size), np.float32))
+    _append_row(key, key_bias, key_buffer, position)
+    _append_row(value, value_bias, value_buffer, position)
+    return query
+
+
+@_jit
+def _append_row(row, bias, buffer, position):
+    """row + bias (empty: row) split into buffer's heads at `position` of each."""
+    depth = buffer.shape[3]
+    for h in range(buffer.shape[1]):
+        for d in range(depth):
+            i = h * depth + d
+            buffer[0, h, position, d] = bias[i] + row[i] if bias.size else row[i]

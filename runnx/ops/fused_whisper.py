@@ -228,6 +228,12 @@ def SplitHeads(x, bias, target, source, *, dims: tuple[int, ...] = (), axes: tup
     return np.ascontiguousarray(split.transpose(0, 2, 1, 3))
 
 
+def split_shape(x, target, source, dims: tuple, axes: tuple) -> tuple:
+    """The shape SplitHeads gives x (RunnxError when the target does not fit it)."""
+    split = _reshaped(x, target, source, dims, axes)
+    return split.shape[:1] + split.shape[2:3] + split.shape[1:2] + split.shape[3:] if split.ndim == 4 else ()
+
+
 def _splits_in_one_pass(x, bias) -> bool:
     """Whether `split_heads_into` can split x (batch, length, hidden) with its bias added: more than
     one row (one needs no copy: a decode step's keys and values skip this), float32 or float64,

@@ -9,10 +9,12 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
-from runnx.ops._decode_blocks import gated_down, gelu_mlp, projected_gate, projected_layer_norm
+from runnx.capture.capacity import prefix_room
+from runnx.ops._decode_blocks import appended_products, gated_down, gelu_mlp, projected_gate, projected_layer_norm
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, rms_norm_applies
-from runnx.ops.fused_whisper import AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row
+from runnx.ops.cache import Concat
+from runnx.ops.fused_whisper import AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row, split_shape
 from runnx.ops.registry import register
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
@@ -85,6 +87,67 @@ def SharedInputMatMul(x, *inputs, splits: tuple = (), gated: tuple = ()):
         gate, up = gated
         return (*(p for i, p in enumerate(products) if i not in gated), SiluMul(products[gate], products[up]))
     return tuple(products)
+
+
+@register("ProjectedAppend", since=1, domain=FUSED_DOMAIN, inplace=(1, 2), shape_only=(8, 11))
+def ProjectedAppend(x, past_key, past_value, query_weight, key_weight, value_weight, key_bias, key_target, key_source,
+                    value_bias, value_target, value_source, *, key_dims: tuple[int, ...] = (),
+                    key_axes: tuple[int, ...] = (), value_dims: tuple[int, ...] = (),
+                    value_axes: tuple[int, ...] = (), key_axis: int, value_axis: int, overwrite=(), ctx=None):
+    """(x @ query_weight, Concat(past_key, SplitHeads(x @ key_weight, key_bias, ...)),
+    Concat(past_value, SplitHeads(x @ value_weight, value_bias, ...))): a decoder layer's projections
+    and its KV cache growth (Whisper's self-attention; `runnx/interp/fusion/products.py`). A decode
+    step's float32 row with both caches granted and room in their buffers is one native call
+    (`appended_products`) writing the new rows in place; anything else the nodes' kernels."""
+    if 1 in overwrite and 2 in overwrite:
+        appended = _appended_row(x, past_key, past_value, query_weight, key_weight, value_weight, key_bias, key_target,
+                                 key_source, value_bias, value_target, value_source, key_dims, key_axes, value_dims,
+                                 value_axes, key_axis, value_axis)
+        if appended is not None:
+            if ctx is not None and ctx.profile is not None:
+                ctx.count("Concat.appends_in_place", 2)
+                ctx.count("Concat.bytes_copied", 4 * (key_weight.shape[1] + value_weight.shape[1]))
+            return appended
+    query, key, value = SharedInputMatMul(x, query_weight, key_weight, value_weight, key_bias, key_target, key_source,
+                                          value_bias, value_target, value_source,
+                                          splits=((1, key_dims, key_axes), (2, value_dims, value_axes)))
+    return (query, Concat(past_key, key, axis=key_axis, overwrite=(0,) if 1 in overwrite else (), ctx=ctx),
+            Concat(past_value, value, axis=value_axis, overwrite=(0,) if 2 in overwrite else (), ctx=ctx))
+
+
+def _appended_row(x, past_key, past_value, query_weight, key_weight, value_weight, key_bias, key_target, key_source,
+                  value_bias, value_target, value_source, key_dims, key_axes, value_dims, value_axes, key_axis,
+                  value_axis):
+    """ProjectedAppend's decode case: one float32 row of batch 1, C-contiguous float32 matrices,
+    caches of 4 float32 dimensions growing along axis 2, prefix views of buffers with room for the
+    row, whose heads split as the caches hold them. None when any of that does not hold."""
+    if x.dtype != _FLOAT32 or x.ndim != 3 or x.size != x.shape[-1] or key_axis not in (2, -2) or value_axis not in (2, -2):
+        return None
+    depth = x.size
+    for weight in (query_weight, key_weight, value_weight):
+        if not _matrix(weight, depth, weight.shape[-1]):
+            return None
+    position = past_key.shape[2] if past_key.ndim == 4 else -1
+    if past_key.base is past_value.base:
+        return None
+    for past, weight, bias, target, source, dims, axes in (
+            (past_key, key_weight, key_bias, key_target, key_source, key_dims, key_axes),
+            (past_value, value_weight, value_bias, value_target, value_source, value_dims, value_axes)):
+        buffer = past.base
+        if (past.dtype != _FLOAT32 or past.ndim != 4 or type(buffer) is not np.ndarray or buffer.dtype != _FLOAT32
+                or buffer.ndim != 4 or past.shape[2] != position or prefix_room(past, buffer, 2) < 1
+                or (bias is not None and not _vector(bias, weight.shape[1]))):
+            return None
+        batch, heads, _, width = past.shape
+        if batch != 1 or split_shape(np.empty((1, 1, weight.shape[1]), np.float32), target, source, dims, axes) != (1, heads, 1, width):
+            return None
+    key_buffer, value_buffer = past_key.base, past_value.base
+    query = _decode_pool.shared_call(appended_products, np.ascontiguousarray(x.reshape(-1)),
+                                     (query_weight, key_weight, value_weight),
+                                     _NO_BIAS if key_bias is None else key_bias,
+                                     _NO_BIAS if value_bias is None else value_bias, key_buffer, value_buffer, position)
+    return (query.reshape(x.shape[:-1] + query.shape), key_buffer[:, :, :position + 1],
+            value_buffer[:, :, :position + 1])
 
 
 @register("BiasedMatMul", since=1, domain=FUSED_DOMAIN)

@@ -199,6 +199,64 @@ def test_a_query_projection_whose_shape_sets_the_targets_stays_a_matmul():
     np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
 
 
+def _appending_model():
+    """x -> q, and the k and v projections (v with its bias) split into heads and appended to the
+    past caches: a Whisper decoder layer's self-attention projections and KV cache growth."""
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"]), helper.make_node("MatMul", ["x", "wk"], ["k"]),
+             helper.make_node("MatMul", ["x", "wv"], ["vp"]), helper.make_node("Add", ["vp", "bv"], ["v"])]
+    for name in ("k", "v"):
+        nodes += [helper.make_node("Reshape", [name, "kv_target"], [f"{name}4"]),
+                  helper.make_node("Transpose", [f"{name}4"], [f"{name}t"], perm=[0, 2, 1, 3]),
+                  helper.make_node("Concat", [f"past_{name}", f"{name}t"], [f"present_{name}"], axis=2)]
+    rng = np.random.default_rng(10)
+    constants = {name: rng.standard_normal((HEADS * DEPTH, HEADS * DEPTH)).astype(np.float32) for name in ("wq", "wk", "wv")}
+    constants.update(bv=rng.standard_normal(HEADS * DEPTH).astype(np.float32), kv_target=CONSTANTS["kv_target"])
+    return _model(nodes, ["x", "past_k", "past_v"], ["q", "present_k", "present_v"], constants)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_projections_and_kv_appends_become_one_node_writing_a_decode_row_in_place(workers, monkeypatch):
+    """ProjectedAppend: with the caches handed over with room, a decode row's three products, the
+    value's bias and both appends are one native call writing the new rows into the caches'
+    buffers; other rows (and caches not handed over) take SharedInputMatMul and Concat. The same
+    values as the unfused nodes either way, and a caller's caches are never written."""
+    from runnx.ops import _decode_blocks, _decode_pool
+
+    calls = []
+    shared_call = _decode_pool.shared_call
+    monkeypatch.setattr(_decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    model = _appending_model()
+    fused = runnx.load(model, shape_cache=False)
+    plain = runnx.load(model, shape_cache=False, fuse=False)
+    assert [n.op_type for n in fused.plan()] == ["ProjectedAppend"]
+    rng = np.random.default_rng(11)
+    try:
+        _decode_pool.set_workers(workers)
+        for rows in (1, 3):
+            x = rng.standard_normal((1, rows, HEADS * DEPTH)).astype(np.float32)
+            past = {name: rng.standard_normal((1, HEADS, 5, DEPTH)).astype(np.float32) for name in ("past_k", "past_v")}
+            kept = {name: cache.copy() for name, cache in past.items()}
+            want = plain.run({"x": x, **past})
+            owned = {name: runnx.with_capacity(cache, axis=2, capacity=16) for name, cache in past.items()}
+            buffers = {name: cache.array.base for name, cache in owned.items()}
+            calls.clear()
+            got = fused.run({"x": x, **owned})
+            assert calls == ([_decode_blocks.appended_products] if rows == 1 else [])
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name])
+            for name in ("k", "v"):
+                assert np.shares_memory(got[f"present_{name}"], buffers[f"past_{name}"])  # appended in place
+            calls.clear()
+            apart = fused.run({"x": x, **past})
+            assert calls == []
+            for name in want:
+                np.testing.assert_array_equal(apart[name], want[name])
+            for name, cache in past.items():
+                np.testing.assert_array_equal(cache, kept[name])
+    finally:
+        _decode_pool.set_workers(None)
+
+
 def _gelu_model(extra_reader=False):
     nodes = [helper.make_node("MatMul", ["x", "w"], ["xw"]),
              helper.make_node("Add", ["b", "xw"], ["h"]),
@@ -357,10 +415,11 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     # and the second MLP product with their bias adds and the residual add + norm after them (3 a
     # layer, both branches), the last two with the MLP's first product and GELU between them as one
     # node (a layer from its cross-attention's output projection to the next norm); the
-    # cross-attention's query projection joins it (2 layers, both branches)
+    # cross-attention's query projection joins it (2 layers, both branches); with a past, a layer's
+    # q/k/v projections and its KV cache appends as one node
     assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14,
                              "SharedInputMatMul": 5, "MatMulAddLayerNorm": 12, "ResidualGeluMLP": 4,
-                             "ProjectedHeadsAttention": 4}
+                             "ProjectedHeadsAttention": 4, "ProjectedAppend": 2}
 
 
 def _greedy(folder, monkeypatch, fuse, features):

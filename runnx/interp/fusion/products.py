@@ -8,8 +8,11 @@ without a constant bias added) only by a residual add and norm becomes a MatMulA
 MatMulAddLayerNorm node; one whose only reader adds a constant bias, a BiasedMatMul node. An
 output projection's MatMulAddRMSNorm, the gated products reading its norm and the down product's
 MatMulAddRMSNorm become one ResidualGatedMLP node (a decode step runs it natively); Whisper's
-MatMulAddLayerNorm, first MLP product, ErfGelu and MatMulAddLayerNorm one ResidualGeluMLP node. Runs
-after the other patterns: a MatMul they take stays theirs.
+MatMulAddLayerNorm, first MLP product, ErfGelu and MatMulAddLayerNorm one ResidualGeluMLP node. A
+query projection read only by its attention joins it (ProjectedHeadsAttention), and q/k/v products
+whose key and value are appended to caches join the appends (ProjectedAppend): Whisper's cross- and
+self-attention, which a decode step runs natively. Runs after the other patterns: a MatMul they
+take stays theirs.
 """
 from __future__ import annotations
 
@@ -192,6 +195,38 @@ def _residual_gelu_mlp(m: Matcher, down: Node) -> Fused | None:
                                             *down.inputs[4:]), down.outputs, norms)
 
 
+def _appended(m: Matcher, shared: Node) -> Fused | None:
+    """SharedInputMatMul(x; three products, two split into heads) whose split products are each
+    read only by a Concat appending them to a cache: a layer's query, key and value projections and
+    its KV cache growth as one ProjectedAppend node (Whisper's self-attention), which a decode step
+    runs natively, writing the new rows into the caches' buffers."""
+    splits = shared.attrs.get("splits", ())
+    if (shared.domain != DOMAIN or len(shared.inputs) != 10 or shared.attrs.get("gated") or len(splits) != 2
+            or len(shared.outputs) != 3):
+        return None
+    concats = []
+    for position, _, _ in splits:
+        split = shared.outputs[position]
+        readers = m.readers.get(split, ())
+        concat = readers[0] if len(readers) == 1 else None
+        if (concat is None or concat.op_type != "Concat" or concat.domain != "" or concat.index in m.taken
+                or len(concat.inputs) != 2 or concat.inputs[1] != split or concat.inputs[0] in shared.outputs):
+            return None
+        concats.append(concat)
+    (query,) = {0, 1, 2} - {position for position, _, _ in splits}
+    chain = [shared, *concats]
+    outputs = (shared.outputs[query], *(c.outputs[0] for c in concats))
+    if not m.private(chain, outputs):
+        return None
+    x, weights = shared.inputs[0], shared.inputs[1:4]
+    attrs = {"key_dims": splits[0][1], "key_axes": splits[0][2], "value_dims": splits[1][1],
+             "value_axes": splits[1][2], "key_axis": concats[0].attrs.get("axis"),
+             "value_axis": concats[1].attrs.get("axis")}
+    inputs = (x, concats[0].inputs[0], concats[1].inputs[0], weights[query], weights[splits[0][0]],
+              weights[splits[1][0]], *shared.inputs[4:])
+    return Fused("ProjectedAppend", chain, inputs, outputs, attrs)
+
+
 def _projected_query(m: Matcher, attention: Node) -> Fused | None:
     """HeadsAttention(MatMul(x, W), ...) with constant W, the product read only as its query (the
     targets from another value's shape, as Whisper's from the norm before the projection): attention
@@ -208,4 +243,4 @@ def _projected_query(m: Matcher, attention: Node) -> Fused | None:
 
 PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
             ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp),
-            ("HeadsAttention", _projected_query))
+            ("HeadsAttention", _projected_query), ("SharedInputMatMul", _appended))
