@@ -10,11 +10,13 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
 from runnx.capture.capacity import prefix_room
-from runnx.ops._decode_blocks import appended_products, gated_down, gelu_mlp, projected_gate, projected_layer_norm
+from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
+                                     projected_gate, projected_layer_norm)
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, rms_norm_applies
 from runnx.ops.cache import Concat
-from runnx.ops.fused_whisper import AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row, split_shape
+from runnx.ops.fused_whisper import (AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row, attention_row,
+                                     split_shape)
 from runnx.ops.registry import register
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
@@ -121,7 +123,8 @@ def _appended_row(x, past_key, past_value, query_weight, key_weight, value_weigh
     """ProjectedAppend's decode case: one float32 row of batch 1, C-contiguous float32 matrices,
     caches of 4 float32 dimensions growing along axis 2, prefix views of buffers with room for the
     row, whose heads split as the caches hold them. None when any of that does not hold."""
-    if x.dtype != _FLOAT32 or x.ndim != 3 or x.size != x.shape[-1] or key_axis not in (2, -2) or value_axis not in (2, -2):
+    if (x.dtype != _FLOAT32 or x.ndim != 3 or x.size != x.shape[-1] or key_axis not in (2, -2)
+            or value_axis not in (2, -2)):
         return None
     depth = x.size
     for weight in (query_weight, key_weight, value_weight):
@@ -139,7 +142,8 @@ def _appended_row(x, past_key, past_value, query_weight, key_weight, value_weigh
                 or (bias is not None and not _vector(bias, weight.shape[1]))):
             return None
         batch, heads, _, width = past.shape
-        if batch != 1 or split_shape(np.empty((1, 1, weight.shape[1]), np.float32), target, source, dims, axes) != (1, heads, 1, width):
+        split = split_shape(np.empty((1, 1, weight.shape[1]), np.float32), target, source, dims, axes)
+        if batch != 1 or split != (1, heads, 1, width):
             return None
     key_buffer, value_buffer = past_key.base, past_value.base
     query = _decode_pool.shared_call(appended_products, np.ascontiguousarray(x.reshape(-1)),
@@ -219,9 +223,9 @@ def MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, *, axis: int
                        stash_type: int = 1):
     """AddLayerNorm(residual, MatMul(x, weight) [+ bias]), as MatMulAddRMSNorm. A decode step's
     float32 row is one native call posting the product to the decode pool (`_decode_blocks.py`)."""
-    if _layer_norm_block(x, weight, bias, residual, scale, norm_bias, axis):
-        summed, normed = _decode_pool.shared_call(
-            projected_layer_norm, *_layer_norm_row(x, weight, bias, residual, scale, norm_bias, epsilon))
+    arguments = _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis, epsilon)
+    if arguments is not None:
+        summed, normed = _decode_pool.shared_call(projected_layer_norm, *arguments)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return AddLayerNorm(residual, _product(x, weight, bias), scale, norm_bias, axis=axis, epsilon=epsilon,
                         stash_type=stash_type, overwrite=(1,))
@@ -237,15 +241,12 @@ def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_b
     next layer's norm (`runnx/interp/fusion/products.py`); norm and down_norm are the norms' (axis,
     epsilon, stash_type). A decode step's float32 row is one native call (`_decode_blocks.py`); other
     rows (the encoder's) run the four nodes' kernels in turn."""
-    (axis, epsilon, stash_type), (down_axis, down_epsilon, down_stash_type) = norm, down_norm
-    if _gelu_mlp_block(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half,
-                       down_weight, down_bias, down_scale, down_norm_bias, axis, down_axis):
-        summed, normed = _decode_pool.shared_call(
-            gelu_mlp, *_layer_norm_row(x, weight, bias, residual, scale, norm_bias, epsilon), up_weight,
-            _NO_BIAS if up_bias is None else up_bias, float(divisor.reshape(-1)[0]), float(one.reshape(-1)[0]),
-            float(half.reshape(-1)[0]), down_weight, _NO_BIAS if down_bias is None else down_bias, down_scale,
-            down_norm_bias, float(down_epsilon))
+    arguments = _gelu_mlp_row(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half,
+                              down_weight, down_bias, down_scale, down_norm_bias, norm, down_norm)
+    if arguments is not None:
+        summed, normed = _decode_pool.shared_call(gelu_mlp, *arguments)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    (axis, epsilon, stash_type), (down_axis, down_epsilon, down_stash_type) = norm, down_norm
     summed, normed = MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, axis=axis, epsilon=epsilon,
                                         stash_type=stash_type)
     activated = ErfGelu(MatMul(normed, up_weight), up_bias, divisor, one, half)
@@ -253,28 +254,40 @@ def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_b
                               epsilon=down_epsilon, stash_type=down_stash_type)
 
 
-def _gelu_mlp_block(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half, down_weight,
-                    down_bias, down_scale, down_norm_bias, axis: int, down_axis: int) -> bool:
-    """Whether ResidualGeluMLP is one float32 row through C-contiguous float32 matrices whose sizes
-    chain, both halves as `_layer_norm_block` needs, its GELU constants float32 numbers."""
-    if not _layer_norm_block(x, weight, bias, residual, scale, norm_bias, axis):
-        return False
+def _gelu_mlp_row(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half, down_weight,
+                  down_bias, down_scale, down_norm_bias, norm: tuple, down_norm: tuple) -> tuple | None:
+    """ResidualGeluMLP's arguments as `gelu_mlp` takes them when it is one float32 row through
+    C-contiguous float32 matrices whose sizes chain, both halves as `_layer_norm_row` needs, its
+    GELU constants float32 numbers; else None."""
+    (axis, epsilon, _), (down_axis, down_epsilon, _) = norm, down_norm
+    first = _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis, epsilon)
+    if first is None:
+        return None
     width, inner = residual.shape[-1], up_weight.shape[-1]
-    return (down_axis in (-1, residual.ndim - 1) and _matrix(up_weight, width, inner)
+    if not (down_axis in (-1, residual.ndim - 1) and _matrix(up_weight, width, inner)
             and _matrix(down_weight, inner, width) and (up_bias is None or _vector(up_bias, inner))
             and (down_bias is None or _vector(down_bias, width)) and _vector(down_scale, width)
-            and _vector(down_norm_bias, width) and all(c.dtype == _FLOAT32 and c.size == 1 for c in (divisor, one, half)))
+            and _vector(down_norm_bias, width)
+            and all(c.dtype == _FLOAT32 and c.size == 1 for c in (divisor, one, half))):
+        return None
+    return (*first, up_weight, _NO_BIAS if up_bias is None else up_bias, float(divisor.reshape(-1)[0]),
+            float(one.reshape(-1)[0]), float(half.reshape(-1)[0]), down_weight,
+            _NO_BIAS if down_bias is None else down_bias, down_scale, down_norm_bias, float(down_epsilon))
 
 
-def _layer_norm_block(x, weight, bias, residual, scale, norm_bias, axis: int) -> bool:
-    """Whether MatMulAddLayerNorm is one float32 row through a C-contiguous float32 matrix onto a
-    residual of the product's shape, its bias, scale and norm bias float32 vectors over the last axis."""
+def _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis: int, epsilon: float) -> tuple | None:
+    """MatMulAddLayerNorm's arguments as `projected_layer_norm` takes them when it is one float32
+    row through a C-contiguous float32 matrix onto a residual of the product's shape, its bias,
+    scale and norm bias float32 vectors over the last axis; else None."""
     if x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1] or residual.dtype != _FLOAT32 or not residual.ndim:
-        return False
+        return None
     width = residual.shape[-1]
-    return (residual.shape == x.shape[:-1] + (width,) and axis in (-1, residual.ndim - 1)
+    if not (residual.shape == x.shape[:-1] + (width,) and axis in (-1, residual.ndim - 1)
             and _matrix(weight, x.size, width) and _vector(scale, width) and _vector(norm_bias, width)
-            and (bias is None or _vector(bias, width)))
+            and (bias is None or _vector(bias, width))):
+        return None
+    return (np.ascontiguousarray(x.reshape(-1)), weight, _NO_BIAS if bias is None else bias,
+            np.ascontiguousarray(residual.reshape(-1)), scale, norm_bias, float(epsilon))
 
 
 @register("ProjectedHeadsAttention", since=1, domain=FUSED_DOMAIN, shape_only=(11, 13))
@@ -294,10 +307,61 @@ def ProjectedHeadsAttention(x, weight, query_bias, key, value, bias, query_scale
     return attended if attended is not None else HeadsAttention(MatMul(x, weight), *inputs, **attrs)
 
 
-def _layer_norm_row(x, weight, bias, residual, scale, norm_bias, epsilon) -> tuple:
-    """MatMulAddLayerNorm's arguments as `projected_layer_norm` takes them (a decode row)."""
-    return (np.ascontiguousarray(x.reshape(-1)), weight, _NO_BIAS if bias is None else bias,
-            np.ascontiguousarray(residual.reshape(-1)), scale, norm_bias, float(epsilon))
+@register("AttentionLayerNorm", since=1, domain=FUSED_DOMAIN, shape_only=(11, 13))
+def AttentionLayerNorm(query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
+                       query_target, query_source, output_target, output_source, weight, out_bias, residual, scale,
+                       norm_bias, *, query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
+                       output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
+                       key_perm: tuple[int, ...], value_perm: tuple[int, ...], norm: tuple = (-1, 1e-5, 1)):
+    """MatMulAddLayerNorm(a, weight, out_bias, residual, scale, norm_bias) of the attention
+    a = HeadsAttention(query [@ query_weight], ...) (`runnx/interp/fusion/products.py`; Whisper's
+    self-attention, its output projection and the cross-attention's norm); norm is the norm's (axis,
+    epsilon, stash_type). A decode step's float32 row is one native call (`attended_layer_norm`)."""
+    attention = (query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
+                 query_target, query_source, output_target, output_source)
+    attrs = {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
+             "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
+    axis, epsilon, stash_type = norm
+    row = attention_row(*attention, **attrs)
+    block = row and _layer_norm_row(row[1], weight, out_bias, residual, scale, norm_bias, axis, epsilon)
+    if block and row[1].flags.c_contiguous:  # the block's row is then a view of the attention's output
+        summed, normed = _decode_pool.shared_call(attended_layer_norm, *row[0], *block)
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    return MatMulAddLayerNorm(_heads_attention(*attention, **attrs), weight, out_bias, residual, scale, norm_bias,
+                              axis=axis, epsilon=epsilon, stash_type=stash_type)
+
+
+@register("AttentionGeluMLP", since=1, domain=FUSED_DOMAIN, shape_only=(11, 13))
+def AttentionGeluMLP(query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
+                     query_target, query_source, output_target, output_source, weight, out_bias, residual, scale,
+                     norm_bias, up_weight, up_bias, divisor, one, half, down_weight, down_bias, down_scale,
+                     down_norm_bias, *, query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
+                     output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
+                     key_perm: tuple[int, ...], value_perm: tuple[int, ...], norm: tuple = (-1, 1e-5, 1),
+                     down_norm: tuple = (-1, 1e-5, 1)):
+    """ResidualGeluMLP(a, weight, out_bias, residual, scale, norm_bias, up_weight, ...) of the
+    attention a = HeadsAttention(query [@ query_weight], ...) (`runnx/interp/fusion/products.py`;
+    Whisper's cross-attention and the rest of its layer, the encoder's attention and MLP). A decode
+    step's float32 row is one native call (`attended_gelu_mlp`)."""
+    attention = (query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
+                 query_target, query_source, output_target, output_source)
+    attrs = {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
+             "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
+    mlp = (weight, out_bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half, down_weight, down_bias,
+           down_scale, down_norm_bias)
+    row = attention_row(*attention, **attrs)
+    block = row and _gelu_mlp_row(row[1], *mlp, norm, down_norm)
+    if block and row[1].flags.c_contiguous:  # the block's row is then a view of the attention's output
+        summed, normed = _decode_pool.shared_call(attended_gelu_mlp, *row[0], *block)
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    return ResidualGeluMLP(_heads_attention(*attention, **attrs), *mlp, norm=norm, down_norm=down_norm)
+
+
+def _heads_attention(query, query_weight, *inputs, **attrs):
+    """HeadsAttention of query, projected by query_weight first when there is one."""
+    if query_weight is None:
+        return HeadsAttention(query, *inputs, **attrs)
+    return ProjectedHeadsAttention(query, query_weight, *inputs, **attrs)
 
 
 def _vector(v, width: int) -> bool:

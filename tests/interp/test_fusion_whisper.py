@@ -209,7 +209,8 @@ def _appending_model():
                   helper.make_node("Transpose", [f"{name}4"], [f"{name}t"], perm=[0, 2, 1, 3]),
                   helper.make_node("Concat", [f"past_{name}", f"{name}t"], [f"present_{name}"], axis=2)]
     rng = np.random.default_rng(10)
-    constants = {name: rng.standard_normal((HEADS * DEPTH, HEADS * DEPTH)).astype(np.float32) for name in ("wq", "wk", "wv")}
+    constants = {name: rng.standard_normal((HEADS * DEPTH, HEADS * DEPTH)).astype(np.float32)
+                 for name in ("wq", "wk", "wv")}
     constants.update(bv=rng.standard_normal(HEADS * DEPTH).astype(np.float32), kv_target=CONSTANTS["kv_target"])
     return _model(nodes, ["x", "past_k", "past_v"], ["q", "present_k", "present_v"], constants)
 
@@ -297,11 +298,12 @@ def test_the_residual_add_joins_the_layer_norm_reading_it_and_stays_an_output(st
         np.testing.assert_array_equal(fused[name], plain[name])  # the LayerNormalization kernel's own loop
 
 
-def _gelu_mlp_model(extra_output=None):
-    """A Whisper layer from its attention's output a: output projection with bias, residual add and
-    norm, fc1 with bias, erf GELU, fc2 with bias, residual add and the next layer's norm."""
+def _gelu_mlp_parts(source="a", depth=256):
+    """(nodes, constants) of a Whisper layer from its attention's output `source` (width `depth`):
+    output projection with bias, residual add and norm, fc1 with bias, erf GELU, fc2 with bias,
+    residual add and the next layer's norm."""
     rng = np.random.default_rng(12)
-    nodes = [helper.make_node("MatMul", ["a", "wo"], ["o"]), helper.make_node("Add", ["o", "bo"], ["ob"]),
+    nodes = [helper.make_node("MatMul", [source, "wo"], ["o"]), helper.make_node("Add", ["o", "bo"], ["ob"]),
              helper.make_node("Add", ["r", "ob"], ["s1"]),
              helper.make_node("LayerNormalization", ["s1", "g1", "c1"], ["n1"], axis=-1, epsilon=1e-5),
              helper.make_node("MatMul", ["n1", "w1"], ["f"]), helper.make_node("Add", ["b1", "f"], ["h"]),
@@ -311,11 +313,16 @@ def _gelu_mlp_model(extra_output=None):
              helper.make_node("MatMul", ["m", "w2"], ["d"]), helper.make_node("Add", ["d", "b2"], ["db"]),
              helper.make_node("Add", ["s1", "db"], ["s2"]),
              helper.make_node("LayerNormalization", ["s2", "g2", "c2"], ["n2"], axis=-1, epsilon=1e-5)]
-    shapes = {"wo": (256, 384), "bo": (384,), "g1": (384,), "c1": (384,), "w1": (384, 1536), "b1": (1536,),
+    shapes = {"wo": (depth, 384), "bo": (384,), "g1": (384,), "c1": (384,), "w1": (384, 1536), "b1": (1536,),
               "w2": (1536, 384), "b2": (384,), "g2": (384,), "c2": (384,)}
     constants = {name: (rng.standard_normal(shape) / (np.sqrt(shape[0]) if len(shape) == 2 else 1)).astype(np.float32)
                  for name, shape in shapes.items()}
     constants.update(sqrt2=np.float32(math.sqrt(2)), one=np.float32(1), half=np.float32(0.5))
+    return nodes, constants
+
+
+def _gelu_mlp_model(extra_output=None):
+    nodes, constants = _gelu_mlp_parts()
     return _model(nodes, ["a", "r"], ["s2", "n2", *([extra_output] if extra_output else [])], constants)
 
 
@@ -346,6 +353,68 @@ def test_an_output_projection_and_gelu_mlp_up_to_the_next_norm_become_one_node(w
             for name in plain:
                 assert fused[name].shape == (1, rows, 384)
                 np.testing.assert_array_equal(fused[name], apart[name])
+                np.testing.assert_allclose(fused[name], plain[name], rtol=1e-4, atol=1e-4)
+    finally:
+        _decode_pool.set_workers(None)
+
+
+def _attended_model(block):
+    """An attention and the block after it: "norm", the self-attention (over a cache, with a mask)
+    then its output projection, residual add and norm; "mlp", the cross-attention with its query
+    projection then the rest of the layer (`_gelu_mlp_parts`)."""
+    if block == "norm":
+        nodes = _attention_nodes("heads", False, True)[:-1] + [
+            helper.make_node("Reshape", ["merged", "o_target"], ["a"])] + _gelu_mlp_parts(depth=HEADS * DEPTH)[0][:4]
+        inputs, outputs = ["x", "k", "v", "bias", "r"], ["s1", "n1"]
+    else:
+        nodes = [helper.make_node("MatMul", ["t", "wq"], ["x"])] + _attention_nodes("heads", False, False, "t")[:-1] + [
+            helper.make_node("Reshape", ["merged", "o_target"], ["a"])] + _gelu_mlp_parts(depth=HEADS * DEPTH)[0]
+        inputs, outputs = ["t", "k", "v", "r"], ["s2", "n2"]
+    rng = np.random.default_rng(16)
+    constants = {**CONSTANTS, **_gelu_mlp_parts(depth=HEADS * DEPTH)[1],
+                 "wq": rng.standard_normal((384, HEADS * DEPTH)).astype(np.float32) / 20}
+    return _model(nodes, inputs, outputs, constants)
+
+
+@pytest.mark.parametrize("block, fused_op, job", [("norm", "AttentionLayerNorm", "attended_layer_norm"),
+                                                  ("mlp", "AttentionGeluMLP", "attended_gelu_mlp")])
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_attention_and_the_block_after_it_become_one_node(block, fused_op, job, workers, monkeypatch):
+    """A decode step's row runs the attention and the block as one native call; the same values as
+    the two fused nodes apart (within the attention kernels' last bit) and as the unfused graph."""
+    from runnx.interp import fusion
+    from runnx.interp.fusion import products
+    from runnx.ops import _decode_blocks, _decode_pool
+
+    calls = []
+    shared_call = _decode_pool.shared_call
+    monkeypatch.setattr(_decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    model = _attended_model(block)
+    apart_patterns = [p for p in fusion.PATTERNS if p[1] is not products._attended]
+    rng = np.random.default_rng(17)
+    try:
+        _decode_pool.set_workers(workers)
+        for rows in (1, 3):
+            feeds = {"k": rng.standard_normal((1, HEADS, 600, DEPTH)).astype(np.float32),
+                     "v": rng.standard_normal((1, HEADS, 600, DEPTH)).astype(np.float32),
+                     "r": (rng.standard_normal((1, rows, 384)) * 10).astype(np.float32)}
+            if block == "norm":
+                feeds["x"] = rng.standard_normal((1, rows, HEADS * DEPTH)).astype(np.float32)
+                feeds["bias"] = np.where(rng.random((1, 1, rows, 600)) < 0.3, -np.inf, 0).astype(np.float32)
+            else:
+                feeds["t"] = rng.standard_normal((1, rows, 384)).astype(np.float32)
+            calls.clear()
+            fused, plain, ops = _both(model, feeds)
+            assert ops == [fused_op]
+            assert calls == ([getattr(_decode_blocks, job)] if rows == 1 else [])
+            with monkeypatch.context() as patch:
+                patch.setattr(fusion, "PATTERNS", apart_patterns)
+                apart = runnx.load(model, shape_cache=False)
+                assert len(apart.plan()) == 2
+                apart = apart.run(feeds)
+            for name in plain:
+                assert fused[name].shape == (1, rows, 384)
+                np.testing.assert_allclose(fused[name], apart[name], rtol=1e-5, atol=1e-5)
                 np.testing.assert_allclose(fused[name], plain[name], rtol=1e-4, atol=1e-4)
     finally:
         _decode_pool.set_workers(None)
@@ -402,7 +471,7 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     folder = fixtures_dir / "tiny-whisper"
     fused, plain = _encoders(folder)
     assert fused.fused == {"HeadsAttention": 2, "ErfGelu": 4, "AddLayerNorm": 5, "SharedInputMatMul": 2,
-                           "MatMulAddLayerNorm": 4, "ResidualGeluMLP": 2}
+                           "MatMulAddLayerNorm": 4, "ResidualGeluMLP": 2, "AttentionGeluMLP": 2}
     assert not SHAPE_OPS & {n.op_type for n in fused.plan()}
     features = {"input_features": _features()}
     want = plain.run(features)["last_hidden_state"]
@@ -416,10 +485,11 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     # layer, both branches), the last two with the MLP's first product and GELU between them as one
     # node (a layer from its cross-attention's output projection to the next norm); the
     # cross-attention's query projection joins it (2 layers, both branches); with a past, a layer's
-    # q/k/v projections and its KV cache appends as one node
+    # q/k/v projections and its KV cache appends as one node; each attention with the block after it
     assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14,
                              "SharedInputMatMul": 5, "MatMulAddLayerNorm": 12, "ResidualGeluMLP": 4,
-                             "ProjectedHeadsAttention": 4, "ProjectedAppend": 2}
+                             "ProjectedHeadsAttention": 4, "ProjectedAppend": 2, "AttentionLayerNorm": 4,
+                             "AttentionGeluMLP": 4}
 
 
 def _greedy(folder, monkeypatch, fuse, features):
@@ -442,7 +512,7 @@ def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whispe
     features = [window_features(load_audio(audio_dir / clip), 80) for clip in ("john.wav", "long.wav")]
     fused, plain = _encoders(whisper_dir)
     assert fused.fused == {"HeadsAttention": 4, "ErfGelu": 6, "AddLayerNorm": 9, "SharedInputMatMul": 4,
-                           "MatMulAddLayerNorm": 8, "ResidualGeluMLP": 4}
+                           "MatMulAddLayerNorm": 8, "ResidualGeluMLP": 4, "AttentionGeluMLP": 4}
     want = plain.run({"input_features": features[1]})["last_hidden_state"]
     got = fused.run({"input_features": features[1]})["last_hidden_state"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)

@@ -10,9 +10,10 @@ output projection's MatMulAddRMSNorm, the gated products reading its norm and th
 MatMulAddRMSNorm become one ResidualGatedMLP node (a decode step runs it natively); Whisper's
 MatMulAddLayerNorm, first MLP product, ErfGelu and MatMulAddLayerNorm one ResidualGeluMLP node. A
 query projection read only by its attention joins it (ProjectedHeadsAttention), and q/k/v products
-whose key and value are appended to caches join the appends (ProjectedAppend): Whisper's cross- and
-self-attention, which a decode step runs natively. Runs after the other patterns: a MatMul they
-take stays theirs.
+whose key and value are appended to caches join the appends (ProjectedAppend), and an attention
+joins the MatMulAddLayerNorm or ResidualGeluMLP after it (AttentionLayerNorm, AttentionGeluMLP):
+Whisper's layers, which a decode step runs as three native calls. Runs after the other patterns: a
+MatMul they take stays theirs.
 """
 from __future__ import annotations
 
@@ -241,6 +242,28 @@ def _projected_query(m: Matcher, attention: Node) -> Fused | None:
                  attention.outputs, attention.attrs)
 
 
+_ATTENDED = {"MatMulAddLayerNorm": "AttentionLayerNorm", "ResidualGeluMLP": "AttentionGeluMLP"}  # block -> fused op
+
+
+def _attended(m: Matcher, block: Node) -> Fused | None:
+    """MatMulAddLayerNorm / ResidualGeluMLP whose row is a (Projected)HeadsAttention's output read
+    only there: an attention and the block after it as one node (Whisper's decoder layers: a decode
+    step runs the two as one native call)."""
+    attention = m.graph.producer.get(block.inputs[0])
+    if (block.domain != DOMAIN or attention is None or attention.domain != DOMAIN or attention.index in m.taken
+            or attention.op_type not in ("HeadsAttention", "ProjectedHeadsAttention")
+            or attention.outputs[0] in block.inputs[1:] or not m.private([attention, block], tuple(block.outputs))):
+        return None
+    projected = attention.op_type == "ProjectedHeadsAttention"
+    query = tuple(attention.inputs[:2]) if projected else (attention.inputs[0], MISSING)
+    rest = attention.inputs[2 if projected else 1:]
+    norms = dict(block.attrs) if block.op_type == "ResidualGeluMLP" else {
+        "norm": tuple(block.attrs.get(a, d) for a, d in (("axis", -1), ("epsilon", 1e-5), ("stash_type", 1)))}
+    return Fused(_ATTENDED[block.op_type], [attention, block], (*query, *rest, *block.inputs[1:]), block.outputs,
+                 {**attention.attrs, **norms})
+
+
 PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
             ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp),
-            ("HeadsAttention", _projected_query), ("SharedInputMatMul", _appended))
+            ("HeadsAttention", _projected_query), ("SharedInputMatMul", _appended),
+            ("MatMulAddLayerNorm", _attended), ("ResidualGeluMLP", _attended))
