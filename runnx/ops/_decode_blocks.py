@@ -151,3 +151,12 @@ def attended_gelu_mlp(box, workers, x, weight, query_bias, query_scale, row, hea
     out): an attention and its layer's MLP up to the next norm (AttentionGeluMLP's nodes)."""
     attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out)
     return gelu_mlp(box, workers, *block)
+
+
+@_jit
+def attended_gate(box, workers, query, key, value, bias, scale, fill, out, *block):
+    """`_attention` into out, then `projected_gate(box, workers, *block)` on the attention's merged
+    output (a view of out): an attention, its output projection, the residual add, the MLP's norm
+    and its gate and up products (AttentionGatedMLP's nodes, up to numpy's exp)."""
+    _attention(box, workers, query, key, value, bias, scale, fill, out)
+    return projected_gate(box, workers, *block)

@@ -42,6 +42,7 @@ from runnx.ops.shape import Reshape, Slice
 
 DOMAIN = "runnx.fused"
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the numba kernels' (others: numpy)
+_FLOAT32 = np.dtype(np.float32)
 
 
 def _fits(operand, result) -> bool:
@@ -342,12 +343,51 @@ def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fil
     merged_target: Reshape(Transpose(that, (0, 2, 1, 3)), merged_target), the heads merged back.
     With mask (bias absent): bias = Where(Slice(mask, starts, ends, axes, steps), then, else)."""
     if mask is not None:
-        bias = Where(_slice(mask, mask_starts, mask_ends, mask_axes, mask_steps), masked_then, masked_else)
+        bias = _mask_bias(mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then, masked_else)
     heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
                                    key_target, value_axes, value_expand, value_target, axis)
     if merged_target is None:
         return heads
     return Reshape(heads.transpose(0, 2, 1, 3), merged_target)
+
+
+def _mask_bias(mask, starts, ends, axes, steps, then, otherwise):
+    return Where(_slice(mask, starts, ends, axes, steps), then, otherwise)
+
+
+def repeated_kv_row(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
+                    value_axes, value_expand, value_target, merged_target=None, mask=None, mask_starts=None,
+                    mask_ends=None, mask_axes=None, mask_steps=None, masked_then=None, masked_else=None, *,
+                    axis: int = -1) -> tuple | None:
+    """(the arguments of `_decode_pool._attention` after the mailbox and workers, RepeatedKVAttention's
+    merged output: a C-contiguous view of the buffer that call fills) when RepeatedKVAttention is a
+    decode row (batch 1, one position) of float32 heads over a plain head repeat, merged back;
+    else None."""
+    if (merged_target is None or query.dtype != _FLOAT32 or query.ndim != 4 or query.shape[0] != 1
+            or query.shape[2] != 1 or axis % 4 != 3):
+        return None
+    if mask is not None:
+        bias = _mask_bias(mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then, masked_else)
+    repeat = _repeat(key, key_axes, key_expand, key_target)[3]
+    if (repeat is None or repeat != _repeat(value, value_axes, value_expand, value_target)[3]
+            or not _grouped(query, key, value) or key.dtype != _FLOAT32 or value.dtype != _FLOAT32
+            or query.shape[1] // key.shape[1] > _KERNEL_ROWS):
+        return None
+    if not (query_scale.dtype == _FLOAT32 and key_scale.dtype == _FLOAT32 and nan_fill.dtype == _FLOAT32
+            and query_scale.size == 1 and key_scale.size == 1 and nan_fill.size == 1 and nan_fill.ndim <= 4):
+        return None
+    if bias is not None:
+        if bias.dtype != _FLOAT32 or bias.ndim > 4:
+            return None
+        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+        if not (bias.shape[0] == 1 and bias.shape[1] in (1, query.shape[1]) and bias.shape[2] == 1
+                and bias.shape[3] in (1, key.shape[2])):
+            return None
+    out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
+    merged = Reshape(out.transpose(0, 2, 1, 3), merged_target)
+    if not merged.flags.c_contiguous:
+        return None
+    return (query, key, value, bias, query_scale.item() * key_scale.item(), nan_fill.item(), out), merged
 
 
 def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,

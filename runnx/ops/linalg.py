@@ -10,10 +10,11 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
 from runnx.capture.capacity import prefix_room
-from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
-                                     projected_gate, projected_layer_norm)
+from runnx.ops._decode_blocks import (appended_products, attended_gate, attended_gelu_mlp, attended_layer_norm,
+                                     gated_down, gelu_mlp, projected_gate, projected_layer_norm)
 from runnx.ops._kernels_linalg import row_times_matrix
-from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, rms_norm_applies
+from runnx.ops.fused import (DOMAIN as FUSED_DOMAIN, AddRMSNorm, RepeatedKVAttention, SiluMul, exp_in_place,
+                             repeated_kv_row, rms_norm_applies)
 from runnx.ops.cache import Concat
 from runnx.ops.fused_whisper import (AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row, attention_row,
                                      split_shape)
@@ -183,15 +184,11 @@ def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_
     (`runnx/interp/fusion/products.py`); norm and down_norm are the norms' (axis, to, cast). A decode
     step's float32 row (no biases, both norms the numba kernel's) runs as two native calls posting
     the decode pool's jobs, numpy's exp between them (`_decode_blocks.py`): bitwise the nodes'."""
-    if bias is None and down_bias is None and _decode_block(x, weight, residual, epsilon, one, norm_weight,
-                                                            gate_weight, up_weight, down_weight, down_epsilon,
-                                                            down_one, down_norm_weight, norm, down_norm):
-        summed, gate, decay, up, largest = _decode_pool.shared_call(
-            projected_gate, np.ascontiguousarray(x.reshape(-1)), weight, residual.reshape(-1), epsilon.item(),
-            one.item(), norm_weight, gate_weight, up_weight)
-        summed, normed = _decode_pool.shared_call(gated_down, gate, exp_in_place(decay, largest), up, down_weight,
-                                                  summed, down_epsilon.item(), down_one.item(), down_norm_weight)
-        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    block = _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                           down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
+    if block is not None:
+        return _gated_down(_decode_pool.shared_call(projected_gate, *block), residual, down_weight, down_epsilon,
+                           down_one, down_norm_weight)
     axis, to, cast = norm
     summed, normed = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, axis=axis, to=to,
                                       cast=cast)
@@ -199,6 +196,50 @@ def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_
     axis, to, cast = down_norm
     return MatMulAddRMSNorm(gated, down_weight, down_bias, summed, down_epsilon, down_one, down_norm_weight,
                             axis=axis, to=to, cast=cast)
+
+
+def _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                   down_bias, down_epsilon, down_one, down_norm_weight, norm: tuple, down_norm: tuple) -> tuple | None:
+    """ResidualGatedMLP's first half's arguments as `projected_gate` takes them when it is a decode
+    block (no biases, `_decode_block`), else None."""
+    if bias is not None or down_bias is not None or not _decode_block(
+            x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
+            down_one, down_norm_weight, norm, down_norm):
+        return None
+    return (np.ascontiguousarray(x.reshape(-1)), weight, residual.reshape(-1), epsilon.item(), one.item(), norm_weight,
+            gate_weight, up_weight)
+
+
+def _gated_down(first, residual, down_weight, down_epsilon, down_one, down_norm_weight):
+    """ResidualGatedMLP's outputs from `projected_gate`'s results: numpy's exp, then `gated_down`."""
+    summed, gate, decay, up, largest = first
+    summed, normed = _decode_pool.shared_call(gated_down, gate, exp_in_place(decay, largest), up, down_weight, summed,
+                                              down_epsilon.item(), down_one.item(), down_norm_weight)
+    return summed.reshape(residual.shape), normed.reshape(residual.shape)
+
+
+@register("AttentionGatedMLP", since=1, domain=FUSED_DOMAIN)
+def AttentionGatedMLP(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
+                      value_axes, value_expand, value_target, merged_target, mask, mask_starts, mask_ends, mask_axes,
+                      mask_steps, masked_then, masked_else, weight, out_bias, residual, epsilon, one, norm_weight,
+                      gate_weight, up_weight, down_weight, down_bias, down_epsilon, down_one, down_norm_weight, *,
+                      axis: int = -1, norm: tuple = (-1, 0, 0), down_norm: tuple = (-1, 0, 0)):
+    """ResidualGatedMLP(a, weight, out_bias, residual, ...) of the attention a =
+    RepeatedKVAttention(query, ...) with its heads merged (`runnx/interp/fusion/products.py`): a
+    decoder layer from its attention to the next layer's norm. A decode step's row runs the
+    attention and the first half of the block as one native call (`attended_gate`), then numpy's
+    exp and the second half, as ResidualGatedMLP does."""
+    attention = (query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
+                 value_axes, value_expand, value_target, merged_target, mask, mask_starts, mask_ends, mask_axes,
+                 mask_steps, masked_then, masked_else)
+    mlp = (weight, out_bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_bias,
+           down_epsilon, down_one, down_norm_weight)
+    row = repeated_kv_row(*attention, axis=axis)
+    block = row and _gated_mlp_row(row[1], *mlp, norm, down_norm)
+    if block:
+        return _gated_down(_decode_pool.shared_call(attended_gate, *row[0], *block), residual, down_weight,
+                           down_epsilon, down_one, down_norm_weight)
+    return ResidualGatedMLP(RepeatedKVAttention(*attention, axis=axis), *mlp, norm=norm, down_norm=down_norm)
 
 
 def _decode_block(x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,

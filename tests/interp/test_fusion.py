@@ -219,8 +219,9 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
     assert fused.fused["RopeAppend"] == 2  # one per layer
     ops = [n.op_type for n in fused.plan()]
     assert ops.count("RopeAppend") == 2 and "RotateHalf" not in ops
-    # heads merged (14 inputs), and the mask, Where(Slice(mask), 0, -inf), made by the node itself
-    assert [len(n.inputs) for n in fused.plan() if n.op_type == "RepeatedKVAttention"] == [21, 21]
+    # heads merged (14 inputs), and the mask, Where(Slice(mask), 0, -inf), made by the node itself (21
+    # inputs), which joins the layer's ResidualGatedMLP after it (13 more)
+    assert [len(n.inputs) for n in fused.plan() if n.op_type == "AttentionGatedMLP"] == [34, 34]
     assert "Where" not in ops and "Slice" not in ops and "Where" in [n.op_type for n in plain.plan()]
     rng = np.random.default_rng(5)
     past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in fused.input_names if "past" in n}
@@ -239,6 +240,41 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
     for name, buffer in buffers.items():  # each present is the caller's buffer, one row longer
         present = got[name.replace("past_key_values.", "present.")]
         assert present.shape[2] == 7 and np.shares_memory(present, buffer)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_attention_and_the_gated_mlp_after_it_become_one_node(fixtures_dir, workers, monkeypatch):
+    """AttentionGatedMLP (tiny-llama: one per layer): a decode row runs the attention and the first
+    half of the MLP block as one native call (`attended_gate`), a prefill the two nodes' kernels; the
+    logits as with the two nodes apart (within the attention kernels' last bit)."""
+    from runnx.interp import fusion
+    from runnx.interp.fusion import products
+    from runnx.ops import _decode_blocks, _decode_pool
+
+    calls = []
+    shared_call = _decode_pool.shared_call
+    monkeypatch.setattr(_decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    path = fixtures_dir / "tiny-llama" / "model.onnx"
+    fused = runnx.load(path)
+    assert fused.fused["AttentionGatedMLP"] == 2
+    with monkeypatch.context() as patch:
+        patch.setattr(fusion, "PATTERNS", [p for p in fusion.PATTERNS if p[1] is not products._attended_gated])
+        apart = runnx.load(path)
+    assert "AttentionGatedMLP" not in apart.fused and apart.fused["ResidualGatedMLP"] == 2
+    rng = np.random.default_rng(6)
+    try:
+        _decode_pool.set_workers(workers)
+        for new in (1, 3):
+            past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in fused.input_names if "past" in n}
+            feeds = {"input_ids": rng.integers(0, 100, (1, new)), "attention_mask": np.ones((1, 6 + new), np.int64),
+                     "position_ids": np.arange(6, 6 + new)[None]}
+            calls.clear()
+            got = fused.run({**feeds, **past})
+            assert calls.count(_decode_blocks.attended_gate) == (2 if new == 1 else 0)
+            want = apart.run({**feeds, **past})
+            np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
+    finally:
+        _decode_pool.set_workers(None)
 
 
 @pytest.mark.parametrize("workers", [0, 1])

@@ -12,8 +12,9 @@ MatMulAddLayerNorm, first MLP product, ErfGelu and MatMulAddLayerNorm one Residu
 query projection read only by its attention joins it (ProjectedHeadsAttention), and q/k/v products
 whose key and value are appended to caches join the appends (ProjectedAppend), and an attention
 joins the MatMulAddLayerNorm or ResidualGeluMLP after it (AttentionLayerNorm, AttentionGeluMLP):
-Whisper's layers, which a decode step runs as three native calls. Runs after the other patterns: a
-MatMul they take stays theirs.
+Whisper's layers, which a decode step runs as three native calls; a Llama layer's attention joins
+its ResidualGatedMLP (AttentionGatedMLP). Runs after the other patterns: a MatMul they take stays
+theirs.
 """
 from __future__ import annotations
 
@@ -263,7 +264,20 @@ def _attended(m: Matcher, block: Node) -> Fused | None:
                  {**attention.attrs, **norms})
 
 
+def _attended_gated(m: Matcher, block: Node) -> Fused | None:
+    """ResidualGatedMLP whose row is a RepeatedKVAttention's merged output read only there: a
+    decoder layer from its attention to the next layer's norm as one AttentionGatedMLP node."""
+    attention = m.graph.producer.get(block.inputs[0])
+    if (block.domain != DOMAIN or attention is None or attention.op_type != "RepeatedKVAttention"
+            or attention.domain != DOMAIN or attention.index in m.taken or len(attention.inputs) < 14
+            or attention.inputs[13] == MISSING or attention.outputs[0] in block.inputs[1:]
+            or not m.private([attention, block], tuple(block.outputs))):
+        return None
+    inputs = (*attention.inputs, *(MISSING,) * (21 - len(attention.inputs)), *block.inputs[1:])
+    return Fused("AttentionGatedMLP", [attention, block], inputs, block.outputs, {**attention.attrs, **block.attrs})
+
+
 PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
             ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp),
             ("HeadsAttention", _projected_query), ("SharedInputMatMul", _appended),
-            ("MatMulAddLayerNorm", _attended), ("ResidualGeluMLP", _attended))
+            ("MatMulAddLayerNorm", _attended), ("ResidualGeluMLP", _attended), ("ResidualGatedMLP", _attended_gated))
