@@ -1,4 +1,6 @@
-"""Linear algebra: MatMul, Gemm, MatMulInteger, Einsum, Det (BLAS/LAPACK through numpy).
+"""Linear algebra: MatMul, Gemm, MatMulInteger, Einsum, Det (BLAS/LAPACK through numpy), and the
+fused nodes built around one-row products (`runnx/interp/fusion/products.py`), whose decode rows
+are native calls of `_decode_blocks.py`.
 
 Results keep the input dtype: numpy returns float32 for bfloat16 products (it accumulates in
 float32), which is rounded back once, as the ONNX reference does.
@@ -7,15 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from runnx.capture.capacity import prefix_room
 from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
-from runnx.capture.capacity import prefix_room
 from runnx.ops._decode_blocks import (appended_products, attended_gate, attended_gelu_mlp, attended_layer_norm,
                                      gated_down, gelu_mlp, projected_gate, projected_layer_norm)
 from runnx.ops._kernels_linalg import row_times_matrix
+from runnx.ops.cache import Concat
 from runnx.ops.fused import (DOMAIN as FUSED_DOMAIN, AddRMSNorm, RepeatedKVAttention, SiluMul, exp_in_place,
                              repeated_kv_row, rms_norm_applies)
-from runnx.ops.cache import Concat
 from runnx.ops.fused_whisper import (AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row, attention_row,
                                      split_shape)
 from runnx.ops.registry import register
@@ -342,8 +344,7 @@ def ProjectedHeadsAttention(x, weight, query_bias, key, value, bias, query_scale
     one native call, the product, the query's bias and scale and the attention (`attended_row`)."""
     inputs = (query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target, query_source,
               output_target, output_source)
-    attrs = {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
-             "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
+    attrs = _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm)
     attended = attended_row(x, weight, *inputs, **attrs)
     return attended if attended is not None else HeadsAttention(MatMul(x, weight), *inputs, **attrs)
 
@@ -360,8 +361,7 @@ def AttentionLayerNorm(query, query_weight, query_bias, key, value, bias, query_
     epsilon, stash_type). A decode step's float32 row is one native call (`attended_layer_norm`)."""
     attention = (query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
                  query_target, query_source, output_target, output_source)
-    attrs = {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
-             "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
+    attrs = _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm)
     axis, epsilon, stash_type = norm
     row = attention_row(*attention, **attrs)
     block = row and _layer_norm_row(row[1], weight, out_bias, residual, scale, norm_bias, axis, epsilon)
@@ -386,8 +386,7 @@ def AttentionGeluMLP(query, query_weight, query_bias, key, value, bias, query_sc
     step's float32 row is one native call (`attended_gelu_mlp`)."""
     attention = (query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
                  query_target, query_source, output_target, output_source)
-    attrs = {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
-             "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
+    attrs = _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm)
     mlp = (weight, out_bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half, down_weight, down_bias,
            down_scale, down_norm_bias)
     row = attention_row(*attention, **attrs)
@@ -396,6 +395,12 @@ def AttentionGeluMLP(query, query_weight, query_bias, key, value, bias, query_sc
         summed, normed = _decode_pool.shared_call(attended_gelu_mlp, *row[0], *block)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return ResidualGeluMLP(_heads_attention(*attention, **attrs), *mlp, norm=norm, down_norm=down_norm)
+
+
+def _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm) -> dict:
+    """HeadsAttention's attributes as its keyword arguments."""
+    return {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
+            "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
 
 
 def _heads_attention(query, query_weight, *inputs, **attrs):
