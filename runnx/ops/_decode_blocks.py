@@ -15,7 +15,7 @@ import numba
 import numpy as np
 
 from runnx.ops._decode_pool import _MAILBOX_SIZE, _attention, _gelu, _products
-from runnx.ops._kernels_fused import add_rms_norm, silu_mul_into
+from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
 
@@ -160,3 +160,15 @@ def attended_gate(box, workers, query, key, value, bias, scale, fill, out, *bloc
     and its gate and up products (AttentionGatedMLP's nodes, up to numpy's exp)."""
     _attention(box, workers, query, key, value, bias, scale, fill, out)
     return projected_gate(box, workers, *block)
+
+
+@_jit
+def projected_rope_append(box, workers, x, weights, rows, *rope):
+    """x @ weights[m] into rows[m] (the query's, key's and value's heads, as views), one job, then
+    `rope_append_into(*rope)` reading them: a Llama layer's projections, rotary embedding and KV
+    cache growth (ProjectedRopeAppend's nodes); rope_append_into's (done, rotated query)."""
+    size = 0
+    for row in rows:
+        size += row.size
+    _products(box, workers, x, weights, rows, np.empty(chunk_count(x.size) * size, np.float32))
+    return rope_append_into(*rope)

@@ -194,6 +194,24 @@ def _rope_append_in_place(query, key, value, past_key, past_value, query_cos, qu
     """RopeAppend's decode case as one numba call (`rope_append_into`): both caches granted, prefix
     views of their buffers with room, every array 4-D of one float dtype, rotation over the last
     axis and growth along axis 2. None when any of that does not hold (nothing is written)."""
+    arguments = rope_append_arguments(query, key, value, past_key, past_value, query_cos, query_sin, key_cos, key_sin,
+                                      slices, query_axis, key_axis, key_cache_axis, value_cache_axis)
+    if arguments is None:
+        return None
+    done, rotated = rope_append_into(*arguments)
+    return appended_caches(rotated, past_key, past_value, key, value) if done else None
+
+
+def appended_caches(rotated, past_key, past_value, key, value) -> tuple:
+    """RopeAppend's outputs once `rope_append_into` has written key and value after the caches."""
+    return (rotated, past_key.base[:, :, :past_key.shape[2] + key.shape[2]],
+            past_value.base[:, :, :past_value.shape[2] + value.shape[2]])
+
+
+def rope_append_arguments(query, key, value, past_key, past_value, query_cos, query_sin, key_cos, key_sin, slices,
+                          query_axis, key_axis, key_cache_axis, value_cache_axis) -> tuple | None:
+    """`rope_append_into`'s arguments for `_rope_append_in_place`'s case (query, key and value only
+    read for their shapes and dtypes here), else None."""
     dtype = query.dtype
     key_buffer, value_buffer = past_key.base, past_value.base
     # spelled out: a generator over the arrays costs ~2 us a call, a fifth of the whole fast path
@@ -210,12 +228,8 @@ def _rope_append_in_place(query, key, value, past_key, past_value, query_cos, qu
     halves = _remembered_halves(query.shape[3], key.shape[3], slices)
     if halves is None:
         return None
-    done, rotated = rope_append_into(query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos,
-                                     query_sin, key_cos, key_sin, *halves)
-    if not done:
-        return None
-    return (rotated, key_buffer[:, :, :past_key.shape[2] + key.shape[2]],
-            value_buffer[:, :, :past_value.shape[2] + value.shape[2]])
+    return (query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin, key_cos, key_sin,
+            *halves)
 
 
 _halves: dict[tuple, tuple] = {}  # (widths, ids of the slice inputs) -> (those inputs, halves)
@@ -324,11 +338,11 @@ def _materialised(kv, shapes):
 @register("RepeatedKVShape", since=1, domain=DOMAIN, shape_only=(0,))
 def RepeatedKVShape(kv, axes, expand, target):
     """A stand-in with the shape of the repeated cache, for nodes that only read its shape."""
-    return _stand_in(kv.dtype, _repeat(kv, axes, expand, target)[2])
+    return stand_in(kv.dtype, _repeat(kv, axes, expand, target)[2])
 
 
 @functools.lru_cache(maxsize=256)
-def _stand_in(dtype, shape: tuple) -> np.ndarray:
+def stand_in(dtype, shape: tuple) -> np.ndarray:
     return np.broadcast_to(np.zeros((), dtype), shape)  # read-only: safe to hand out again
 
 

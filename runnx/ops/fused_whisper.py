@@ -32,7 +32,7 @@ from runnx.ops._decode_pool import gelu_rows, shared_call, softmax_rows
 from runnx.ops._elementwise_util import binary, erf
 from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops._kernels_whisper import split_heads_into
-from runnx.ops.fused import DOMAIN, attend
+from runnx.ops.fused import DOMAIN, attend, stand_in
 from runnx.ops.normalization import LayerNormalization
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape
@@ -242,6 +242,14 @@ def split_shape(x, target, source, dims: tuple, axes: tuple) -> tuple:
     """The shape SplitHeads gives x (RunnxError when the target does not fit it)."""
     split = _reshaped(x, target, source, dims, axes)
     return split.shape[:1] + split.shape[2:3] + split.shape[1:2] + split.shape[3:] if split.ndim == 4 else ()
+
+
+@register("SplitHeadsShape", since=1, domain=DOMAIN, shape_only=(0, 3))
+def SplitHeadsShape(x, weight, target, source, *, dims: tuple[int, ...] = (), axes: tuple[int, ...] = ()):
+    """A stand-in with the shape of SplitHeads(x @ weight, None, target, source) (zero strides), for
+    nodes that only read the shape of split heads a fused node computes inside itself."""
+    product = np.broadcast_to(np.zeros((), x.dtype), x.shape[:-1] + weight.shape[-1:])
+    return stand_in(x.dtype, split_shape(product, target, source, dims, axes))
 
 
 def _splits_in_one_pass(x, bias) -> bool:

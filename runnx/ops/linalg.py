@@ -13,11 +13,11 @@ from runnx.capture.capacity import prefix_room
 from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
 from runnx.ops._decode_blocks import (appended_products, attended_gate, attended_gelu_mlp, attended_layer_norm,
-                                     gated_down, gelu_mlp, projected_gate, projected_layer_norm)
+                                     gated_down, gelu_mlp, projected_gate, projected_layer_norm, projected_rope_append)
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops.cache import Concat
-from runnx.ops.fused import (DOMAIN as FUSED_DOMAIN, AddRMSNorm, RepeatedKVAttention, SiluMul, exp_in_place,
-                             repeated_kv_row, rms_norm_applies)
+from runnx.ops.fused import (DOMAIN as FUSED_DOMAIN, AddRMSNorm, RepeatedKVAttention, RopeAppend, SiluMul,
+                             appended_caches, exp_in_place, repeated_kv_row, rms_norm_applies, rope_append_arguments)
 from runnx.ops.fused_whisper import (AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row, attention_row,
                                      split_shape)
 from runnx.ops.registry import register
@@ -155,6 +155,66 @@ def _appended_row(x, past_key, past_value, query_weight, key_weight, value_weigh
                                      _NO_BIAS if value_bias is None else value_bias, key_buffer, value_buffer, position)
     return (query.reshape(x.shape[:-1] + query.shape), key_buffer[:, :, :position + 1],
             value_buffer[:, :, :position + 1])
+
+
+@register("ProjectedRopeAppend", since=1, domain=FUSED_DOMAIN, inplace=(13, 14), shape_only=(6, 9, 12))
+def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias,
+                        key_target, key_source, value_bias, value_target, value_source, past_key, past_value,
+                        query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst, key_cos, key_sin, kns, kne,
+                        kna, knst, kks, kke, kka, kkst, *, query_dims: tuple[int, ...] = (),
+                        query_axes: tuple[int, ...] = (), key_dims: tuple[int, ...] = (),
+                        key_axes: tuple[int, ...] = (), value_dims: tuple[int, ...] = (),
+                        value_axes: tuple[int, ...] = (), query_axis: int = -1, key_axis: int = -1,
+                        key_cache_axis: int, value_cache_axis: int, overwrite=(), ctx=None):
+    """RopeAppend(*SharedInputMatMul(x, query_weight, key_weight, value_weight, ...; each split into
+    heads), past_key, past_value, ...): a Llama layer's projections, rotary embedding and KV cache
+    growth (`runnx/interp/fusion/products.py`). A decode step's float32 row without biases, both
+    caches granted, is one native call (`projected_rope_append`) writing the new rows in place."""
+    rope = (query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst, key_cos, key_sin, kns, kne, kna, knst, kks,
+            kke, kka, kkst)
+    axes = {"query_axis": query_axis, "key_axis": key_axis, "key_cache_axis": key_cache_axis,
+            "value_cache_axis": value_cache_axis}
+    granted = tuple(p - 10 for p in overwrite)  # RopeAppend's own positions of the caches
+    weights = (query_weight, key_weight, value_weight)
+    heads = None
+    if 3 in granted and 4 in granted and query_bias is None and key_bias is None and value_bias is None:
+        heads = _split_rows(x, weights, ((query_target, query_source, query_dims, query_axes),
+                                         (key_target, key_source, key_dims, key_axes),
+                                         (value_target, value_source, value_dims, value_axes)))
+    arguments = heads and rope_append_arguments(*heads, past_key, past_value, query_cos, query_sin, key_cos, key_sin,
+                                                rope[2:10] + rope[12:], query_axis, key_axis, key_cache_axis,
+                                                value_cache_axis)
+    if arguments:
+        done, rotated = _decode_pool.shared_call(projected_rope_append, np.ascontiguousarray(x.reshape(-1)), weights,
+                                                 tuple([h.reshape(-1) for h in heads]), *arguments)
+        if done:
+            if ctx is not None and ctx.profile is not None:
+                ctx.count("Concat.appends_in_place", 2)
+                ctx.count("Concat.bytes_copied", heads[1].nbytes + heads[2].nbytes)
+            return appended_caches(rotated, past_key, past_value, heads[1], heads[2])
+        return RopeAppend(*heads, past_key, past_value, *rope, **axes, overwrite=granted, ctx=ctx)
+    query, key, value = SharedInputMatMul(x, *weights, query_bias, query_target, query_source, key_bias, key_target,
+                                          key_source, value_bias, value_target, value_source,
+                                          splits=((0, query_dims, query_axes), (1, key_dims, key_axes),
+                                                  (2, value_dims, value_axes)))
+    return RopeAppend(query, key, value, past_key, past_value, *rope, **axes, overwrite=granted, ctx=ctx)
+
+
+def _split_rows(x, weights, splits) -> tuple | None:
+    """Empty (1, heads, 1, depth) float32 arrays for x @ weight split into heads, for each weight
+    and (target, source, dims, axes) of its split, when x is one float32 row and the matrices
+    C-contiguous float32; else None."""
+    if x.dtype != _FLOAT32 or x.ndim != 3 or x.size != x.shape[-1]:
+        return None
+    heads = []
+    for weight, (target, source, dims, axes) in zip(weights, splits):
+        if not _matrix(weight, x.size, weight.shape[-1]):
+            return None
+        shape = split_shape(np.empty((1, 1, weight.shape[1]), np.float32), target, source, dims, axes)
+        if len(shape) != 4 or shape[0] != 1 or shape[2] != 1:
+            return None
+        heads.append(np.empty(shape, np.float32))
+    return tuple(heads)
 
 
 @register("BiasedMatMul", since=1, domain=FUSED_DOMAIN)

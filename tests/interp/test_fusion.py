@@ -216,9 +216,9 @@ def test_greedy_tokens_are_identical_with_each_optimisation_on_and_off(fixtures_
 def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in_place(fixtures_dir):
     path = fixtures_dir / "tiny-llama" / "model.onnx"
     fused, plain = runnx.load(path), runnx.load(path, fuse=False)
-    assert fused.fused["RopeAppend"] == 2  # one per layer
+    assert fused.fused["RopeAppend"] == 2  # one per layer, in the layer's ProjectedRopeAppend
     ops = [n.op_type for n in fused.plan()]
-    assert ops.count("RopeAppend") == 2 and "RotateHalf" not in ops
+    assert ops.count("ProjectedRopeAppend") == 2 and "RotateHalf" not in ops
     # heads merged (14 inputs), and the mask, Where(Slice(mask), 0, -inf), made by the node itself (21
     # inputs), which joins the layer's ResidualGatedMLP after it (13 more)
     assert [len(n.inputs) for n in fused.plan() if n.op_type == "AttentionGatedMLP"] == [34, 34]
@@ -242,32 +242,83 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
         assert present.shape[2] == 7 and np.shares_memory(present, buffer)
 
 
+def _spied_jobs(monkeypatch) -> list:
+    """The native jobs `_decode_pool.shared_call` runs from now on, in order."""
+    from runnx.ops import _decode_pool
+    calls = []
+    shared_call = _decode_pool.shared_call
+    monkeypatch.setattr(_decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    return calls
+
+
+def _tiny_llama_with_and_without(fixtures_dir, pattern, monkeypatch):
+    """tiny-llama loaded with every fusion pattern, and without `pattern`."""
+    from runnx.interp import fusion
+    path = fixtures_dir / "tiny-llama" / "model.onnx"
+    with monkeypatch.context() as patch:
+        patch.setattr(fusion, "PATTERNS", [p for p in fusion.PATTERNS if p[1] is not pattern])
+        apart = runnx.load(path)
+    return runnx.load(path), apart
+
+
+def _tiny_llama_step(model, rng, new: int) -> tuple[dict, dict]:
+    """(past caches of 6 positions, the other feeds of a step of `new` tokens after them)."""
+    past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in model.input_names if "past" in n}
+    feeds = {"input_ids": rng.integers(0, 100, (1, new)), "attention_mask": np.ones((1, 6 + new), np.int64),
+             "position_ids": np.arange(6, 6 + new)[None]}
+    return past, feeds
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_layers_projections_join_its_rotary_embedding_and_cache_growth(fixtures_dir, workers, monkeypatch):
+    """ProjectedRopeAppend (tiny-llama: one per layer): with the caches handed over with room, a
+    decode row's three products, rotary embedding and appends are one native call writing the new
+    rows into the caches' buffers (the query and key heads' shapes, read by shape memos, come from
+    SplitHeadsShape stand-ins); a prefill takes the nodes' kernels. Bitwise the two nodes apart."""
+    from runnx.interp.fusion import products
+    from runnx.ops import _decode_blocks, _decode_pool
+
+    calls = _spied_jobs(monkeypatch)
+    fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._rope_projected, monkeypatch)
+    assert fused.fused["ProjectedRopeAppend"] == 2 and "ProjectedRopeAppend" not in apart.fused
+    memoized = [m.op_type for n in fused.graph.nodes if n.op_type == "ShapeMemo" for m in n.kernel.fn.members]
+    assert memoized.count("SplitHeadsShape") == 4  # the query's and the key's in each layer, joined to memos
+    rng = np.random.default_rng(7)
+    try:
+        _decode_pool.set_workers(workers)
+        for new in (1, 3):
+            past, feeds = _tiny_llama_step(fused, rng, new)
+            owned = {n: runnx.with_capacity(v, 2, 16) for n, v in past.items()}
+            buffers = {n: o.array.base for n, o in owned.items()}
+            calls.clear()
+            got = fused.run({**feeds, **owned})
+            assert calls.count(_decode_blocks.projected_rope_append) == (2 if new == 1 else 0)
+            want = apart.run({**feeds, **{n: runnx.with_capacity(v, 2, 16) for n, v in past.items()}})
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name])
+            for name, buffer in buffers.items():
+                assert np.shares_memory(got[name.replace("past_key_values.", "present.")], buffer)
+    finally:
+        _decode_pool.set_workers(None)
+
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_an_attention_and_the_gated_mlp_after_it_become_one_node(fixtures_dir, workers, monkeypatch):
     """AttentionGatedMLP (tiny-llama: one per layer): a decode row runs the attention and the first
     half of the MLP block as one native call (`attended_gate`), a prefill the two nodes' kernels; the
     logits as with the two nodes apart (within the attention kernels' last bit)."""
-    from runnx.interp import fusion
     from runnx.interp.fusion import products
     from runnx.ops import _decode_blocks, _decode_pool
 
-    calls = []
-    shared_call = _decode_pool.shared_call
-    monkeypatch.setattr(_decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
-    path = fixtures_dir / "tiny-llama" / "model.onnx"
-    fused = runnx.load(path)
+    calls = _spied_jobs(monkeypatch)
+    fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._attended_gated, monkeypatch)
     assert fused.fused["AttentionGatedMLP"] == 2
-    with monkeypatch.context() as patch:
-        patch.setattr(fusion, "PATTERNS", [p for p in fusion.PATTERNS if p[1] is not products._attended_gated])
-        apart = runnx.load(path)
     assert "AttentionGatedMLP" not in apart.fused and apart.fused["ResidualGatedMLP"] == 2
     rng = np.random.default_rng(6)
     try:
         _decode_pool.set_workers(workers)
         for new in (1, 3):
-            past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in fused.input_names if "past" in n}
-            feeds = {"input_ids": rng.integers(0, 100, (1, new)), "attention_mask": np.ones((1, 6 + new), np.int64),
-                     "position_ids": np.arange(6, 6 + new)[None]}
+            past, feeds = _tiny_llama_step(fused, rng, new)
             calls.clear()
             got = fused.run({**feeds, **past})
             assert calls.count(_decode_blocks.attended_gate) == (2 if new == 1 else 0)

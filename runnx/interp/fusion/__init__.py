@@ -14,7 +14,7 @@ from runnx.ops import registry
 from runnx.ops.fused import DOMAIN
 
 PATTERNS = decoder.PATTERNS + whisper.PATTERNS + products.PATTERNS  # products last: see products.py
-STAND_INS = (decoder.shape_stand_ins,)
+STAND_INS = (decoder.shape_stand_ins, products.shape_stand_ins)
 
 
 def fuse(graph: Graph) -> dict[str, int]:

@@ -13,8 +13,9 @@ query projection read only by its attention joins it (ProjectedHeadsAttention), 
 whose key and value are appended to caches join the appends (ProjectedAppend), and an attention
 joins the MatMulAddLayerNorm or ResidualGeluMLP after it (AttentionLayerNorm, AttentionGeluMLP):
 Whisper's layers, which a decode step runs as three native calls; a Llama layer's attention joins
-its ResidualGatedMLP (AttentionGatedMLP). Runs after the other patterns: a MatMul they take stays
-theirs.
+its ResidualGatedMLP (AttentionGatedMLP) and its q/k/v products its RopeAppend (ProjectedRopeAppend,
+with SplitHeadsShape stand-ins for the shape memos reading the heads). Runs after the other
+patterns: a MatMul they take stays theirs.
 """
 from __future__ import annotations
 
@@ -277,7 +278,47 @@ def _attended_gated(m: Matcher, block: Node) -> Fused | None:
     return Fused("AttentionGatedMLP", [attention, block], inputs, block.outputs, {**attention.attrs, **block.attrs})
 
 
+def _rope_projected(m: Matcher, rope: Node) -> Fused | None:
+    """RopeAppend whose query, key and value are the three products of one SharedInputMatMul, each
+    split into heads and read only there: a Llama layer's projections, rotary embedding and KV
+    cache growth as one ProjectedRopeAppend node (a decode step runs it natively)."""
+    shared = m.graph.producer.get(rope.inputs[0])
+    if (rope.domain != DOMAIN or shared is None or shared.op_type != "SharedInputMatMul" or shared.domain != DOMAIN
+            or shared.index in m.taken or len(shared.outputs) != 3 or shared.attrs.get("gated")
+            or len(shared.attrs.get("splits", ())) != 3 or len(rope.inputs) != 25):
+        return None
+    positions = [shared.outputs.index(v) if v in shared.outputs else -1 for v in rope.inputs[:3]]
+    if sorted(positions) != [0, 1, 2] or not m.private([shared, rope], tuple(rope.outputs), tuple(rope.inputs[:3])):
+        return None
+    splits = {position: (n, dims, axes) for n, (position, dims, axes) in enumerate(shared.attrs["splits"])}
+    split_inputs, attrs = [], dict(rope.attrs)
+    for name, position in zip(("query", "key", "value"), positions):
+        n, dims, axes = splits[position]
+        split_inputs += shared.inputs[4 + 3 * n:7 + 3 * n]
+        attrs.update({f"{name}_dims": dims, f"{name}_axes": axes})
+    inputs = (shared.inputs[0], *(shared.inputs[1 + p] for p in positions), *split_inputs, *rope.inputs[3:])
+    return Fused("ProjectedRopeAppend", [shared, rope], inputs, rope.outputs, attrs)
+
+
+def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
+    """Nodes giving ProjectedRopeAppend's split heads, computed inside it, to readers of their shape
+    (a zero-strided view: SplitHeadsShape of x and the product's weight and split)."""
+    if fused.op_type != "ProjectedRopeAppend" or len(fused.members) != 2:
+        return []
+    shared, rope = fused.members
+    inside = {shared.index, rope.index}
+    x, weights, splits = fused.inputs[0], fused.inputs[1:4], fused.inputs[4:13]
+    stand_ins = []
+    for n, (name, heads) in enumerate(zip(("query", "key", "value"), rope.inputs[:3])):
+        if any(r.index not in inside for r in m.readers.get(heads, ())):
+            _, target, source = splits[3 * n:3 * n + 3]
+            stand_ins.append(Fused("SplitHeadsShape", [], (x, weights[n], target, source), (heads,),
+                                   {"dims": fused.attrs[f"{name}_dims"], "axes": fused.attrs[f"{name}_axes"]}))
+    return stand_ins
+
+
 PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
             ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp),
             ("HeadsAttention", _projected_query), ("SharedInputMatMul", _appended),
-            ("MatMulAddLayerNorm", _attended), ("ResidualGeluMLP", _attended), ("ResidualGatedMLP", _attended_gated))
+            ("MatMulAddLayerNorm", _attended), ("ResidualGeluMLP", _attended), ("ResidualGatedMLP", _attended_gated),
+            ("RopeAppend", _rope_projected))
