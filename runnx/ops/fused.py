@@ -366,6 +366,7 @@ def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fil
 
 
 def _mask_bias(mask, starts, ends, axes, steps, then, otherwise):
+    """RepeatedKVAttention's additive mask from its Slice/Where inputs."""
     return Where(_slice(mask, starts, ends, axes, steps), then, otherwise)
 
 
