@@ -39,6 +39,13 @@ def Concat(*inputs, axis: int, overwrite=(), ctx=None):
     return result
 
 
+def count_appends(ctx, *appended) -> None:
+    """Count a fused node's in-place cache appends (the arrays appended) under Concat's names."""
+    if ctx is not None and ctx.profile is not None:
+        ctx.count("Concat.appends_in_place", len(appended))
+        ctx.count("Concat.bytes_copied", sum(a.nbytes for a in appended))
+
+
 @register("TensorScatter", since=24, inplace=(0,))
 def TensorScatter(past_cache, update, write_indices=None, *, axis: int = -2, mode: str = "linear",
                   overwrite=(), ctx=None):

@@ -35,7 +35,7 @@ from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._kernels_fused import (add_rms_norm, attention, rms_norm, rope_append_into, rotate_half,
                                       silu_mul_into)
 from runnx.ops._shape_util import int_values
-from runnx.ops.cache import Concat
+from runnx.ops.cache import Concat, count_appends
 from runnx.ops.elementwise import Where
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape, Slice
@@ -177,9 +177,7 @@ def RopeAppend(query, key, value, past_key, past_value, query_cos, query_sin, qn
                                                    kks, kke, kka, kkst), query_axis, key_axis, key_cache_axis,
                                          value_cache_axis)
         if appended is not None:
-            if ctx is not None and ctx.profile is not None:
-                ctx.count("Concat.appends_in_place", 2)
-                ctx.count("Concat.bytes_copied", key.nbytes + value.nbytes)
+            count_appends(ctx, key, value)
             return appended
     rotated_query = RotateHalf(query, query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst, axis=query_axis)
     rotated_key = RotateHalf(key, key_cos, key_sin, kns, kne, kna, knst, kks, kke, kka, kkst, axis=key_axis)

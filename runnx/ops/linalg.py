@@ -15,7 +15,7 @@ from runnx.ops import _decode_pool
 from runnx.ops._decode_blocks import (appended_products, attended_gate, attended_gelu_mlp, attended_layer_norm,
                                      gated_down, gelu_mlp, projected_gate, projected_layer_norm, projected_rope_append)
 from runnx.ops._kernels_linalg import row_times_matrix
-from runnx.ops.cache import Concat
+from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import (DOMAIN as FUSED_DOMAIN, AddRMSNorm, RepeatedKVAttention, RopeAppend, SiluMul,
                              appended_caches, exp_in_place, repeated_kv_row, rms_norm_applies, rope_append_arguments)
 from runnx.ops.fused_whisper import (AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row, attention_row,
@@ -109,9 +109,7 @@ def ProjectedAppend(x, past_key, past_value, query_weight, key_weight, value_wei
                                  key_source, value_bias, value_target, value_source, key_dims, key_axes, value_dims,
                                  value_axes, key_axis, value_axis)
         if appended is not None:
-            if ctx is not None and ctx.profile is not None:
-                ctx.count("Concat.appends_in_place", 2)
-                ctx.count("Concat.bytes_copied", 4 * (key_weight.shape[1] + value_weight.shape[1]))
+            count_appends(ctx, appended[1][:, :, -1:], appended[2][:, :, -1:])
             return appended
     query, key, value = SharedInputMatMul(x, query_weight, key_weight, value_weight, key_bias, key_target, key_source,
                                           value_bias, value_target, value_source,
@@ -126,27 +124,19 @@ def _appended_row(x, past_key, past_value, query_weight, key_weight, value_weigh
     """ProjectedAppend's decode case: one float32 row of batch 1, C-contiguous float32 matrices,
     caches of 4 float32 dimensions growing along axis 2, prefix views of buffers with room for the
     row, whose heads split as the caches hold them. None when any of that does not hold."""
-    if (x.dtype != _FLOAT32 or x.ndim != 3 or x.size != x.shape[-1] or key_axis not in (2, -2)
-            or value_axis not in (2, -2)):
+    if key_axis not in (2, -2) or value_axis not in (2, -2) or past_key.base is past_value.base:
         return None
-    depth = x.size
-    for weight in (query_weight, key_weight, value_weight):
-        if not _matrix(weight, depth, weight.shape[-1]):
-            return None
+    shapes = _split_shapes(x, (key_weight, value_weight), ((key_target, key_source, key_dims, key_axes),
+                                                           (value_target, value_source, value_dims, value_axes)))
+    if shapes is None or not _matrix(query_weight, x.size, query_weight.shape[-1]):
+        return None
     position = past_key.shape[2] if past_key.ndim == 4 else -1
-    if past_key.base is past_value.base:
-        return None
-    for past, weight, bias, target, source, dims, axes in (
-            (past_key, key_weight, key_bias, key_target, key_source, key_dims, key_axes),
-            (past_value, value_weight, value_bias, value_target, value_source, value_dims, value_axes)):
+    for past, bias, shape in zip((past_key, past_value), (key_bias, value_bias), shapes):
         buffer = past.base
         if (past.dtype != _FLOAT32 or past.ndim != 4 or type(buffer) is not np.ndarray or buffer.dtype != _FLOAT32
                 or buffer.ndim != 4 or past.shape[2] != position or prefix_room(past, buffer, 2) < 1
-                or (bias is not None and not _vector(bias, weight.shape[1]))):
-            return None
-        batch, heads, _, width = past.shape
-        split = split_shape(np.empty((1, 1, weight.shape[1]), np.float32), target, source, dims, axes)
-        if batch != 1 or split != (1, heads, 1, width):
+                or shape != (1, past.shape[1], 1, past.shape[3])
+                or (bias is not None and not _vector(bias, shape[1] * shape[3]))):
             return None
     key_buffer, value_buffer = past_key.base, past_value.base
     query = _decode_pool.shared_call(appended_products, np.ascontiguousarray(x.reshape(-1)),
@@ -178,9 +168,10 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
     weights = (query_weight, key_weight, value_weight)
     heads = None
     if 3 in granted and 4 in granted and query_bias is None and key_bias is None and value_bias is None:
-        heads = _split_rows(x, weights, ((query_target, query_source, query_dims, query_axes),
-                                         (key_target, key_source, key_dims, key_axes),
-                                         (value_target, value_source, value_dims, value_axes)))
+        shapes = _split_shapes(x, weights, ((query_target, query_source, query_dims, query_axes),
+                                            (key_target, key_source, key_dims, key_axes),
+                                            (value_target, value_source, value_dims, value_axes)))
+        heads = shapes and tuple(np.empty(shape, np.float32) for shape in shapes)
     arguments = heads and rope_append_arguments(*heads, past_key, past_value, query_cos, query_sin, key_cos, key_sin,
                                                 rope[2:10] + rope[12:], query_axis, key_axis, key_cache_axis,
                                                 value_cache_axis)
@@ -188,9 +179,7 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
         done, rotated = _decode_pool.shared_call(projected_rope_append, np.ascontiguousarray(x.reshape(-1)), weights,
                                                  tuple([h.reshape(-1) for h in heads]), *arguments)
         if done:
-            if ctx is not None and ctx.profile is not None:
-                ctx.count("Concat.appends_in_place", 2)
-                ctx.count("Concat.bytes_copied", heads[1].nbytes + heads[2].nbytes)
+            count_appends(ctx, heads[1], heads[2])
             return appended_caches(rotated, past_key, past_value, heads[1], heads[2])
         return RopeAppend(*heads, past_key, past_value, *rope, **axes, overwrite=granted, ctx=ctx)
     query, key, value = SharedInputMatMul(x, *weights, query_bias, query_target, query_source, key_bias, key_target,
@@ -200,21 +189,21 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
     return RopeAppend(query, key, value, past_key, past_value, *rope, **axes, overwrite=granted, ctx=ctx)
 
 
-def _split_rows(x, weights, splits) -> tuple | None:
-    """Empty (1, heads, 1, depth) float32 arrays for x @ weight split into heads, for each weight
-    and (target, source, dims, axes) of its split, when x is one float32 row and the matrices
+def _split_shapes(x, weights, splits) -> tuple | None:
+    """The (1, heads, 1, depth) shapes of x @ weight split into heads, for each weight and (target,
+    source, dims, axes) of its split, when x is one float32 row of batch 1 and the matrices
     C-contiguous float32; else None."""
     if x.dtype != _FLOAT32 or x.ndim != 3 or x.size != x.shape[-1]:
         return None
-    heads = []
+    shapes = []
     for weight, (target, source, dims, axes) in zip(weights, splits):
         if not _matrix(weight, x.size, weight.shape[-1]):
             return None
         shape = split_shape(np.empty((1, 1, weight.shape[1]), np.float32), target, source, dims, axes)
         if len(shape) != 4 or shape[0] != 1 or shape[2] != 1:
             return None
-        heads.append(np.empty(shape, np.float32))
-    return tuple(heads)
+        shapes.append(shape)
+    return tuple(shapes)
 
 
 @register("BiasedMatMul", since=1, domain=FUSED_DOMAIN)
