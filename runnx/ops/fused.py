@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 
 import numpy as np
 
@@ -34,6 +33,7 @@ from runnx.ops import _decode_pool
 from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._kernels_fused import (add_rms_norm, attention, rms_norm, rope_append_into, rotate_half,
                                       silu_mul_into)
+from runnx.ops._remembered import Remembered
 from runnx.ops._shape_util import int_values
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.elementwise import Where
@@ -81,16 +81,20 @@ def RMSNorm(x, epsilon, one, weight, *, axis: int = -1, to: int = 0):
 def _norm_kernel_applies(x, epsilon, one, weight, axis: int, to: int) -> bool:
     """Whether RMSNorm of x is the numba kernel's: a C-contiguous float32/64 x normed over its last
     axis by scalars and a vector weight of its dtype (and no Cast to another)."""
-    dtype = x.dtype
-    return (dtype in _KERNEL_DTYPES and x.ndim and axis in (-1, x.ndim - 1) and x.flags.c_contiguous
-            and epsilon.dtype == dtype and one.dtype == dtype and weight.dtype == dtype
-            and weight.shape == x.shape[-1:] and epsilon.size == 1 and one.size == 1
-            and epsilon.ndim <= x.ndim and one.ndim <= x.ndim and _casts_to_itself(to, dtype))
+    return x.flags.c_contiguous and norm_fits(x.dtype, x.ndim, x.shape[-1:], epsilon, one, weight, axis, to, 0)
 
 
 def rms_norm_applies(x, epsilon, one, weight, axis: int, to: int, cast: int) -> bool:
     """Whether AddRMSNorm's sum x (Cast to `cast`, 0: none) is normed by the numba kernel."""
-    return _casts_to_itself(cast, x.dtype) and _norm_kernel_applies(x, epsilon, one, weight, axis, to)
+    return x.flags.c_contiguous and norm_fits(x.dtype, x.ndim, x.shape[-1:], epsilon, one, weight, axis, to, cast)
+
+
+def norm_fits(dtype, ndim: int, width: tuple, epsilon, one, weight, axis: int, to: int, cast: int) -> bool:
+    """`rms_norm_applies` for a C-contiguous x of this dtype, rank and last dimension (a tuple: () at rank 0)."""
+    return bool(dtype in _KERNEL_DTYPES and ndim and axis in (-1, ndim - 1) and epsilon.dtype == dtype
+                and one.dtype == dtype and weight.dtype == dtype and weight.shape == width and epsilon.size == 1
+                and one.size == 1 and epsilon.ndim <= ndim and one.ndim <= ndim and _casts_to_itself(to, dtype)
+                and _casts_to_itself(cast, dtype))
 
 
 def _casts_to_itself(to: int, dtype) -> bool:
@@ -223,31 +227,19 @@ def rope_append_arguments(query, key, value, past_key, past_value, query_cos, qu
             and past_value.ndim == 4 and query_cos.ndim == 4 and query_sin.ndim == 4 and key_cos.ndim == 4
             and key_sin.ndim == 4):
         return None
-    halves = _remembered_halves(query.shape[3], key.shape[3], slices)
+    halves = _remembered_halves((query.shape[3], key.shape[3]), *slices)
     if halves is None:
         return None
     return (query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin, key_cos, key_sin,
             *halves)
 
 
-_halves: dict[tuple, tuple] = {}  # (widths, ids of the slice inputs) -> (those inputs, halves)
-
-
-def _remembered_halves(query_width: int, key_width: int, slices: tuple) -> tuple | None:
-    """(query half, key half) by `_half_split` of the first and last 8 of `slices`, or None;
-    remembered for slice inputs that cannot change (read-only arrays: constants, shape memos'
-    results), which are held here so that their ids stay theirs."""
-    key = (query_width, key_width, *map(id, slices))
-    known = _halves.get(key)
-    if known is not None and all(map(operator.is_, known[0], slices)):
-        return known[1]
-    halves = (_half_split(query_width, *slices[:8]), _half_split(key_width, *slices[8:]))
-    halves = None if None in halves else halves
-    if all(s is None or not s.flags.writeable for s in slices):
-        if len(_halves) >= 1024:
-            _halves.clear()
-        _halves[key] = (slices, halves)
-    return halves
+@Remembered
+def _remembered_halves(widths: tuple, *slices) -> tuple | None:
+    """(query half, key half) by `_half_split` of the first and last 8 of `slices` for the query's
+    and the key's widths, or None; remembered for slice inputs that cannot change."""
+    halves = (_half_split(widths[0], *slices[:8]), _half_split(widths[1], *slices[8:]))
+    return None if None in halves else halves
 
 
 def _half_split(width: int, negated_starts, negated_ends, negated_axes, negated_steps, kept_starts, kept_ends,
@@ -303,6 +295,7 @@ def _unsqueezed_shape(shape: tuple, axes: tuple) -> tuple:
     return tuple(result)
 
 
+@functools.lru_cache(maxsize=256)
 @functools.lru_cache(maxsize=256)
 def _repeat_shapes(shape: tuple, axes: tuple, expand: tuple, target: tuple) -> tuple:
     """(unsqueezed, expanded, reshaped) shapes of Reshape(Expand(Unsqueeze(kv, axes), expand),
@@ -386,8 +379,8 @@ def repeated_kv_row(query, key, value, bias, query_scale, key_scale, nan_fill, k
             or not _grouped(query, key, value) or key.dtype != _FLOAT32 or value.dtype != _FLOAT32
             or query.shape[1] // key.shape[1] > _KERNEL_ROWS):
         return None
-    if not (query_scale.dtype == _FLOAT32 and key_scale.dtype == _FLOAT32 and nan_fill.dtype == _FLOAT32
-            and query_scale.size == 1 and key_scale.size == 1 and nan_fill.size == 1 and nan_fill.ndim <= 4):
+    numbers = _scale_and_fill((), query_scale, key_scale, nan_fill)
+    if numbers is None:
         return None
     if bias is not None:
         if bias.dtype != _FLOAT32 or bias.ndim > 4:
@@ -396,11 +389,27 @@ def repeated_kv_row(query, key, value, bias, query_scale, key_scale, nan_fill, k
         if not (bias.shape[0] == 1 and bias.shape[1] in (1, query.shape[1]) and bias.shape[2] == 1
                 and bias.shape[3] in (1, key.shape[2])):
             return None
-    out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
-    merged = Reshape(out.transpose(0, 2, 1, 3), merged_target)
-    if not merged.flags.c_contiguous:
+    heads = query.shape[:3] + value.shape[3:]
+    merged_shape = _merged_shape(heads, merged_target)  # one query row: the transposed heads stay contiguous
+    if merged_shape is None:
         return None
-    return (query, key, value, bias, query_scale.item() * key_scale.item(), nan_fill.item(), out), merged
+    out = np.empty(heads, np.float32)
+    return (query, key, value, bias, *numbers, out), out.reshape(merged_shape)
+
+
+@Remembered
+def _scale_and_fill(_, query_scale, key_scale, nan_fill) -> tuple | None:
+    """(query_scale * key_scale, nan_fill) as numbers when they are float32 scalars, else None."""
+    if not (query_scale.dtype == _FLOAT32 and key_scale.dtype == _FLOAT32 and nan_fill.dtype == _FLOAT32
+            and query_scale.size == 1 and key_scale.size == 1 and nan_fill.size == 1 and nan_fill.ndim <= 4):
+        return None
+    return query_scale.item() * key_scale.item(), nan_fill.item()
+
+
+@Remembered
+def _merged_shape(heads: tuple, target) -> tuple | None:
+    """The shape Reshape(heads transposed (0, 2, 1, 3), target) gives one query row's heads, else None."""
+    return _resolve_reshape((heads[0], heads[2], heads[1], heads[3]), _ints(target))
 
 
 def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,

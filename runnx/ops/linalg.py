@@ -15,9 +15,10 @@ from runnx.ops import _decode_pool
 from runnx.ops._decode_blocks import (appended_products, attended_gate, attended_gelu_mlp, attended_layer_norm,
                                      gated_down, gelu_mlp, projected_gate, projected_layer_norm, projected_rope_append)
 from runnx.ops._kernels_linalg import row_times_matrix
+from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import (DOMAIN as FUSED_DOMAIN, AddRMSNorm, RepeatedKVAttention, RopeAppend, SiluMul,
-                             appended_caches, exp_in_place, repeated_kv_row, rms_norm_applies, rope_append_arguments)
+                             appended_caches, exp_in_place, norm_fits, repeated_kv_row, rope_append_arguments)
 from runnx.ops.fused_whisper import (AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row, attention_row,
                                      split_shape)
 from runnx.ops.registry import register
@@ -195,11 +196,22 @@ def _split_shapes(x, weights, splits) -> tuple | None:
     C-contiguous float32; else None."""
     if x.dtype != _FLOAT32 or x.ndim != 3 or x.size != x.shape[-1]:
         return None
+    return _heads_shapes((x.size, tuple([split[2:] for split in splits])), *weights,
+                         *[array for split in splits for array in split[:2]])
+
+
+@Remembered
+def _heads_shapes(values: tuple, *arrays) -> tuple | None:
+    """`_split_shapes` for a row of this depth: values (depth, (dims, axes) of each split), arrays
+    the weights, then each split's target and source."""
+    depth, attributes = values
+    count = len(attributes)
     shapes = []
-    for weight, (target, source, dims, axes) in zip(weights, splits):
-        if not _matrix(weight, x.size, weight.shape[-1]):
+    for n, weight in enumerate(arrays[:count]):
+        if not _matrix(weight, depth, weight.shape[-1]):
             return None
-        shape = split_shape(np.empty((1, 1, weight.shape[1]), np.float32), target, source, dims, axes)
+        target, source = arrays[count + 2 * n:count + 2 * n + 2]
+        shape = split_shape(np.empty((1, 1, weight.shape[1]), np.float32), target, source, *attributes[n])
         if len(shape) != 4 or shape[0] != 1 or shape[2] != 1:
             return None
         shapes.append(shape)
@@ -238,8 +250,8 @@ def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_
     block = _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                            down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:
-        return _gated_down(_decode_pool.shared_call(projected_gate, *block), residual, down_weight, down_epsilon,
-                           down_one, down_norm_weight)
+        return _gated_down(_decode_pool.shared_call(projected_gate, *block[0]), residual, down_weight, block[1],
+                           down_norm_weight)
     axis, to, cast = norm
     summed, normed = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, axis=axis, to=to,
                                       cast=cast)
@@ -251,21 +263,43 @@ def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_
 
 def _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                    down_bias, down_epsilon, down_one, down_norm_weight, norm: tuple, down_norm: tuple) -> tuple | None:
-    """ResidualGatedMLP's first half's arguments as `projected_gate` takes them when it is a decode
-    block (no biases, `_decode_block`), else None."""
-    if bias is not None or down_bias is not None or not _decode_block(
-            x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
-            down_one, down_norm_weight, norm, down_norm):
+    """(`projected_gate`'s arguments, `gated_down`'s numbers) when ResidualGatedMLP is a decode block:
+    one float32 row through C-contiguous float32 matrices whose sizes chain, no biases, onto a
+    residual of the products' shape, both norms the numba kernel's; else None."""
+    if (bias is not None or down_bias is not None or x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1]
+            or residual.dtype != _FLOAT32 or not residual.ndim or not residual.flags.c_contiguous
+            or residual.shape != x.shape[:-1] + residual.shape[-1:]):
         return None
-    return (np.ascontiguousarray(x.reshape(-1)), weight, residual.reshape(-1), epsilon.item(), one.item(), norm_weight,
-            gate_weight, up_weight)
+    numbers = _gated_block_numbers((x.size, residual.ndim, residual.shape[-1], norm, down_norm), weight, epsilon, one,
+                                   norm_weight, gate_weight, up_weight, down_weight, down_epsilon, down_one,
+                                   down_norm_weight)
+    if numbers is None:
+        return None
+    return (np.ascontiguousarray(x.reshape(-1)), weight, residual.reshape(-1), *numbers[:2], norm_weight, gate_weight,
+            up_weight), numbers[2:]
 
 
-def _gated_down(first, residual, down_weight, down_epsilon, down_one, down_norm_weight):
+@Remembered
+def _gated_block_numbers(values: tuple, weight, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                         down_epsilon, down_one, down_norm_weight) -> tuple | None:
+    """The two norms' (epsilon, one) as numbers when a ResidualGatedMLP row of this depth onto a
+    residual of this rank and width has matrices that chain and norms that are the numba kernel's
+    (`_gated_mlp_row`), else None."""
+    depth, ndim, width, norm, down_norm = values
+    inner = up_weight.shape[-1]
+    if not (_matrix(weight, depth, width) and _matrix(gate_weight, width, inner) and _matrix(up_weight, width, inner)
+            and _matrix(down_weight, inner, width)
+            and norm_fits(_FLOAT32, ndim, (width,), epsilon, one, norm_weight, *norm)
+            and norm_fits(_FLOAT32, ndim, (width,), down_epsilon, down_one, down_norm_weight, *down_norm)):
+        return None
+    return epsilon.item(), one.item(), down_epsilon.item(), down_one.item()
+
+
+def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight):
     """ResidualGatedMLP's outputs from `projected_gate`'s results: numpy's exp, then `gated_down`."""
     summed, gate, decay, up, largest = first
     summed, normed = _decode_pool.shared_call(gated_down, gate, exp_in_place(decay, largest), up, down_weight, summed,
-                                              down_epsilon.item(), down_one.item(), down_norm_weight)
+                                              *down_numbers, down_norm_weight)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
 
 
@@ -288,22 +322,9 @@ def AttentionGatedMLP(query, key, value, bias, query_scale, key_scale, nan_fill,
     row = repeated_kv_row(*attention, axis=axis)
     block = row and _gated_mlp_row(row[1], *mlp, norm, down_norm)
     if block:
-        return _gated_down(_decode_pool.shared_call(attended_gate, *row[0], *block), residual, down_weight,
-                           down_epsilon, down_one, down_norm_weight)
+        return _gated_down(_decode_pool.shared_call(attended_gate, *row[0], *block[0]), residual, down_weight,
+                           block[1], down_norm_weight)
     return ResidualGatedMLP(RepeatedKVAttention(*attention, axis=axis), *mlp, norm=norm, down_norm=down_norm)
-
-
-def _decode_block(x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
-                  down_one, down_norm_weight, norm: tuple, down_norm: tuple) -> bool:
-    """Whether ResidualGatedMLP is one float32 row through C-contiguous float32 matrices whose sizes
-    chain, onto a residual of the products' shape, both norms the numba kernel's."""
-    if x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1] or residual.dtype != _FLOAT32 or not residual.ndim:
-        return False
-    width, inner = residual.shape[-1], up_weight.shape[-1]
-    return (residual.shape == x.shape[:-1] + (width,) and _matrix(weight, x.size, width)
-            and _matrix(gate_weight, width, inner) and _matrix(up_weight, width, inner)
-            and _matrix(down_weight, inner, width) and rms_norm_applies(residual, epsilon, one, norm_weight, *norm)
-            and rms_norm_applies(residual, down_epsilon, down_one, down_norm_weight, *down_norm))
 
 
 def _matrix(w, depth: int, width: int) -> bool:

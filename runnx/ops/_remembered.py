@@ -1,0 +1,41 @@
+"""Facts about constants, remembered by their identity.
+
+A decode step hands each fused node the same constants (weights, a norm's epsilon) and the same
+kept results of shape memos (reshape targets, slice bounds) step after step, all read-only. What a
+fast path's checks find from them, with the shapes of the step's own arrays, holds while they are
+the same objects. Finding it again every step is not free: between kernels streaming megabytes of
+weights each Python object a check reads is a cache miss, so a check costing 2-6 us in a loop costs
+15-20 us a layer in a decode step (SmolLM2, two threads, per-step A/B in docs/benchmarks.md).
+"""
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+
+enabled = True  # False: every call computes its facts afresh (for A/B measurements)
+_LIMIT = 1024  # entries per function, all dropped at once beyond: a model has a few per layer
+
+
+class Remembered:
+    """fn(values, *arrays), remembered by `values` (hashable: shapes, attributes) and the identity
+    of `arrays` when each is None or a read-only array, which is held so that its id stays its own.
+    fn returns facts (numbers, shapes, None), never an array a caller could write."""
+
+    __slots__ = ("fn", "known")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.known: dict[tuple, tuple] = {}
+
+    def __call__(self, values, *arrays):
+        key = (values, *map(id, arrays))
+        known = self.known.get(key)
+        if known is not None and enabled and all(map(operator.is_, known[0], arrays)):
+            return known[1]
+        result = self.fn(values, *arrays)
+        if enabled and all(a is None or (type(a) is np.ndarray and not a.flags.writeable) for a in arrays):
+            if len(self.known) >= _LIMIT:
+                self.known.clear()
+            self.known[key] = (arrays, result)
+        return result
