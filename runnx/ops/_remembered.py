@@ -20,7 +20,7 @@ _LIMIT = 1024  # entries per function, all dropped at once beyond: a model has a
 class Remembered:
     """fn(values, *arrays), remembered by `values` (hashable: shapes, attributes) and the identity
     of `arrays` when each is None or a read-only array, which is held so that its id stays its own.
-    fn returns facts (numbers, shapes, None), never an array a caller could write."""
+    fn returns facts (numbers, shapes, None) and read-only views, never an array a caller could write."""
 
     __slots__ = ("fn", "known")
 

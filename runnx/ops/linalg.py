@@ -129,15 +129,14 @@ def _appended_row(x, past_key, past_value, query_weight, key_weight, value_weigh
         return None
     shapes = _split_shapes(x, (key_weight, value_weight), ((key_target, key_source, key_dims, key_axes),
                                                            (value_target, value_source, value_dims, value_axes)))
-    if shapes is None or not _matrix(query_weight, x.size, query_weight.shape[-1]):
+    if shapes is None or not _query_and_biases_fit((x.size, *shapes), query_weight, key_bias, value_bias):
         return None
     position = past_key.shape[2] if past_key.ndim == 4 else -1
-    for past, bias, shape in zip((past_key, past_value), (key_bias, value_bias), shapes):
+    for past, shape in zip((past_key, past_value), shapes):
         buffer = past.base
         if (past.dtype != _FLOAT32 or past.ndim != 4 or type(buffer) is not np.ndarray or buffer.dtype != _FLOAT32
                 or buffer.ndim != 4 or past.shape[2] != position or prefix_room(past, buffer, 2) < 1
-                or shape != (1, past.shape[1], 1, past.shape[3])
-                or (bias is not None and not _vector(bias, shape[1] * shape[3]))):
+                or shape != (1, past.shape[1], 1, past.shape[3])):
             return None
     key_buffer, value_buffer = past_key.base, past_value.base
     query = _decode_pool.shared_call(appended_products, np.ascontiguousarray(x.reshape(-1)),
@@ -146,6 +145,16 @@ def _appended_row(x, past_key, past_value, query_weight, key_weight, value_weigh
                                      _NO_BIAS if value_bias is None else value_bias, key_buffer, value_buffer, position)
     return (query.reshape(x.shape[:-1] + query.shape), key_buffer[:, :, :position + 1],
             value_buffer[:, :, :position + 1])
+
+
+@Remembered
+def _query_and_biases_fit(shapes: tuple, query_weight, key_bias, value_bias) -> bool:
+    """Whether ProjectedAppend's query matrix (a row's depth, then the key's and the value's split
+    shapes) is C-contiguous float32 and its biases absent or float32 vectors of the splits' widths."""
+    depth, key_shape, value_shape = shapes
+    return (_matrix(query_weight, depth, query_weight.shape[-1])
+            and all(bias is None or _vector(bias, shape[1] * shape[3])
+                    for bias, shape in ((key_bias, key_shape), (value_bias, value_shape))))
 
 
 @register("ProjectedRopeAppend", since=1, domain=FUSED_DOMAIN, inplace=(13, 14), shape_only=(6, 9, 12))
@@ -374,18 +383,28 @@ def _gelu_mlp_row(x, weight, bias, residual, scale, norm_bias, up_weight, up_bia
     GELU constants float32 numbers; else None."""
     (axis, epsilon, _), (down_axis, down_epsilon, _) = norm, down_norm
     first = _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis, epsilon)
-    if first is None:
+    if first is None or down_axis not in (-1, residual.ndim - 1):
         return None
-    width, inner = residual.shape[-1], up_weight.shape[-1]
-    if not (down_axis in (-1, residual.ndim - 1) and _matrix(up_weight, width, inner)
-            and _matrix(down_weight, inner, width) and (up_bias is None or _vector(up_bias, inner))
-            and (down_bias is None or _vector(down_bias, width)) and _vector(down_scale, width)
-            and _vector(down_norm_bias, width)
+    numbers = _gelu_numbers((residual.shape[-1],), up_weight, up_bias, down_weight, down_bias, down_scale,
+                            down_norm_bias, divisor, one, half)
+    if numbers is None:
+        return None
+    return (*first, up_weight, _NO_BIAS if up_bias is None else up_bias, *numbers, down_weight,
+            _NO_BIAS if down_bias is None else down_bias, down_scale, down_norm_bias, float(down_epsilon))
+
+
+@Remembered
+def _gelu_numbers(width: tuple, up_weight, up_bias, down_weight, down_bias, down_scale, down_norm_bias, divisor, one,
+                  half) -> tuple | None:
+    """The GELU's (divisor, one, half) as numbers when ResidualGeluMLP's second half over rows of
+    this width has C-contiguous float32 matrices that chain, float32 vectors and numbers; else None."""
+    (width,), inner = width, up_weight.shape[-1]
+    if not (_matrix(up_weight, width, inner) and _matrix(down_weight, inner, width)
+            and (up_bias is None or _vector(up_bias, inner)) and (down_bias is None or _vector(down_bias, width))
+            and _vector(down_scale, width) and _vector(down_norm_bias, width)
             and all(c.dtype == _FLOAT32 and c.size == 1 for c in (divisor, one, half))):
         return None
-    return (*first, up_weight, _NO_BIAS if up_bias is None else up_bias, float(divisor.reshape(-1)[0]),
-            float(one.reshape(-1)[0]), float(half.reshape(-1)[0]), down_weight,
-            _NO_BIAS if down_bias is None else down_bias, down_scale, down_norm_bias, float(down_epsilon))
+    return float(divisor.reshape(-1)[0]), float(one.reshape(-1)[0]), float(half.reshape(-1)[0])
 
 
 def _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis: int, epsilon: float) -> tuple | None:
@@ -396,11 +415,19 @@ def _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis: int, epsi
         return None
     width = residual.shape[-1]
     if not (residual.shape == x.shape[:-1] + (width,) and axis in (-1, residual.ndim - 1)
-            and _matrix(weight, x.size, width) and _vector(scale, width) and _vector(norm_bias, width)
-            and (bias is None or _vector(bias, width))):
+            and _layer_norm_fits((x.size, width), weight, bias, scale, norm_bias)):
         return None
     return (np.ascontiguousarray(x.reshape(-1)), weight, _NO_BIAS if bias is None else bias,
             np.ascontiguousarray(residual.reshape(-1)), scale, norm_bias, float(epsilon))
+
+
+@Remembered
+def _layer_norm_fits(sizes: tuple, weight, bias, scale, norm_bias) -> bool:
+    """Whether `_layer_norm_row`'s constants fit a row of this (depth, width): a C-contiguous float32
+    matrix, float32 vectors."""
+    depth, width = sizes
+    return (_matrix(weight, depth, width) and _vector(scale, width) and _vector(norm_bias, width)
+            and (bias is None or _vector(bias, width)))
 
 
 @register("ProjectedHeadsAttention", since=1, domain=FUSED_DOMAIN, shape_only=(11, 13))
