@@ -4,7 +4,8 @@ Python, its checks and its hand-off to the pool cost ~10-30 us, a few percent of
 
 A block is cut where numpy must compute: the SiLU gate's exp is numpy's (numba's differs from it
 by up to 2 ulp on a third of float32 inputs), so that a block's results are bitwise those of its
-nodes run one by one; Whisper's blocks (LayerNorm, erf GELU) call what their nodes call:
+nodes run one by one, but for a block that holds an attention (whose kernels are not bitwise the
+nodes' anyway: AttentionGatedMLP's is one call, its SiLU gate natively vectorised); Whisper's blocks (LayerNorm, erf GELU) call what their nodes call:
 `layer_norm_rows`, and ErfGelu's pool job (`_gelu`) on a mailbox of their own. Called through
 `_decode_pool.shared_call` (the pool's workers, or alone on a mailbox of the call: the same compiled
 code, so the same results); each returns what it computed.
@@ -15,7 +16,7 @@ import numba
 import numpy as np
 
 from runnx.ops._decode_pool import _MAILBOX_SIZE, _attention, _gelu, _products
-from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_mul_into
+from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_gate_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
 
@@ -154,12 +155,20 @@ def attended_gelu_mlp(box, workers, x, weight, query_bias, query_scale, row, hea
 
 
 @_jit
-def attended_gate(box, workers, query, key, value, bias, scale, fill, out, *block):
-    """`_attention` into out, then `projected_gate(box, workers, *block)` on the attention's merged
-    output (a view of out): an attention, its output projection, the residual add, the MLP's norm
-    and its gate and up products (AttentionGatedMLP's nodes, up to numpy's exp)."""
+def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual, epsilon, one,
+                       norm_weight, gate_weight, up_weight, down_weight, down_epsilon, down_one, down_norm_weight):
+    """`_attention` into out, then on its merged output x (a view of out) the output projection,
+    the residual add, the MLP's norm, its gate and up products, the SiLU gate (`silu_gate_into`, not
+    numpy's exp: the attention before it is not bitwise the nodes' either), the down product, the
+    residual add and the next norm: AttentionGatedMLP's nodes, (s, RMSNorm(s)) of the last sum."""
     _attention(box, workers, query, key, value, bias, scale, fill, out)
-    return projected_gate(box, workers, *block)
+    summed = _product(box, workers, x, weight)
+    normed = add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
+    gate, up = np.empty(gate_weight.shape[1], np.float32), np.empty(up_weight.shape[1], np.float32)
+    _products(box, workers, normed, (gate_weight, up_weight), (gate, up),
+              np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32))
+    down = _product(box, workers, silu_gate_into(gate, up), down_weight)
+    return down, add_rms_norm(summed, down, down, down_epsilon, down_one, down_norm_weight)
 
 
 @_jit

@@ -12,7 +12,7 @@ import numpy as np
 from runnx.capture.capacity import prefix_room
 from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
-from runnx.ops._decode_blocks import (appended_products, attended_gate, attended_gelu_mlp, attended_layer_norm,
+from runnx.ops._decode_blocks import (appended_products, attended_gated_mlp, attended_gelu_mlp, attended_layer_norm,
                                      gated_down, gelu_mlp, projected_gate, projected_layer_norm, projected_rope_append)
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops._remembered import Remembered
@@ -320,9 +320,8 @@ def AttentionGatedMLP(query, key, value, bias, query_scale, key_scale, nan_fill,
                       axis: int = -1, norm: tuple = (-1, 0, 0), down_norm: tuple = (-1, 0, 0)):
     """ResidualGatedMLP(a, weight, out_bias, residual, ...) of the attention a =
     RepeatedKVAttention(query, ...) with its heads merged (`runnx/interp/fusion/products.py`): a
-    decoder layer from its attention to the next layer's norm. A decode step's row runs the
-    attention and the first half of the block as one native call (`attended_gate`), then numpy's
-    exp and the second half, as ResidualGatedMLP does."""
+    decoder layer from its attention to the next layer's norm. A decode step's row is one native
+    call (`attended_gated_mlp`: its SiLU gate's exp is not numpy's, within a few ulp)."""
     attention = (query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
                  value_axes, value_expand, value_target, merged_target, mask, mask_starts, mask_ends, mask_axes,
                  mask_steps, masked_then, masked_else)
@@ -331,8 +330,9 @@ def AttentionGatedMLP(query, key, value, bias, query_scale, key_scale, nan_fill,
     row = repeated_kv_row(*attention, axis=axis)
     block = row and _gated_mlp_row(row[1], *mlp, norm, down_norm)
     if block:
-        return _gated_down(_decode_pool.shared_call(attended_gate, *row[0], *block[0]), residual, down_weight,
-                           block[1], down_norm_weight)
+        summed, normed = _decode_pool.shared_call(attended_gated_mlp, *row[0], *block[0], down_weight, *block[1],
+                                                  down_norm_weight)
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return ResidualGatedMLP(RepeatedKVAttention(*attention, axis=axis), *mlp, norm=norm, down_norm=down_norm)
 
 

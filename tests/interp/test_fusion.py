@@ -304,9 +304,9 @@ def test_a_layers_projections_join_its_rotary_embedding_and_cache_growth(fixture
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_an_attention_and_the_gated_mlp_after_it_become_one_node(fixtures_dir, workers, monkeypatch):
-    """AttentionGatedMLP (tiny-llama: one per layer): a decode row runs the attention and the first
-    half of the MLP block as one native call (`attended_gate`), a prefill the two nodes' kernels; the
-    logits as with the two nodes apart (within the attention kernels' last bit)."""
+    """AttentionGatedMLP (tiny-llama: one per layer): a decode row runs the attention and the MLP
+    block as one native call (`attended_gated_mlp`), a prefill the two nodes' kernels; the logits as
+    with the two nodes apart (within the attention kernels' and the native SiLU's last bits)."""
     from runnx.interp.fusion import products
     from runnx.ops import _decode_blocks, _decode_pool
 
@@ -321,7 +321,7 @@ def test_an_attention_and_the_gated_mlp_after_it_become_one_node(fixtures_dir, w
             past, feeds = _tiny_llama_step(fused, rng, new)
             calls.clear()
             got = fused.run({**feeds, **past})
-            assert calls.count(_decode_blocks.attended_gate) == (2 if new == 1 else 0)
+            assert calls.count(_decode_blocks.attended_gated_mlp) == (2 if new == 1 else 0)
             want = apart.run({**feeds, **past})
             np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
     finally:
