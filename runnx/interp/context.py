@@ -1,18 +1,33 @@
-"""RunContext: what a kernel may need beyond its inputs (options, counters, limits)."""
+"""RunContext: what a kernel may need beyond its inputs (options, counters, limits, values derived
+once per run)."""
 from __future__ import annotations
 
 import math
+import operator
 
 from runnx.errors import ResourceLimitError
 from runnx.interp.options import Options
 
 
 class RunContext:
-    __slots__ = ("options", "profile")
+    __slots__ = ("options", "profile", "_kept")
 
     def __init__(self, options: Options, profile=None):
         self.options = options
         self.profile = profile
+        self._kept: dict = {}
+
+    def keep(self, key, arrays: tuple, compute):
+        """compute(), or what it returned earlier in this run for the same key and the same `arrays`
+        (by identity; held until the run ends, so that their ids stay theirs): a value that many
+        nodes derive alike from one of the run's arrays (each layer's attention bias from the mask).
+        An array of the run cannot change while a node reading it has still to run."""
+        known = self._kept.get(key)
+        if known is not None and all(map(operator.is_, known[0], arrays)):
+            return known[1]
+        value = compute()
+        self._kept[key] = (arrays, value)
+        return value
 
     def count(self, name: str, amount: int = 1) -> None:
         """Add to a profile counter (free when not profiling)."""

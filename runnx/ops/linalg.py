@@ -317,7 +317,7 @@ def AttentionGatedMLP(query, key, value, bias, query_scale, key_scale, nan_fill,
                       value_axes, value_expand, value_target, merged_target, mask, mask_starts, mask_ends, mask_axes,
                       mask_steps, masked_then, masked_else, weight, out_bias, residual, epsilon, one, norm_weight,
                       gate_weight, up_weight, down_weight, down_bias, down_epsilon, down_one, down_norm_weight, *,
-                      axis: int = -1, norm: tuple = (-1, 0, 0), down_norm: tuple = (-1, 0, 0)):
+                      axis: int = -1, norm: tuple = (-1, 0, 0), down_norm: tuple = (-1, 0, 0), ctx=None):
     """ResidualGatedMLP(a, weight, out_bias, residual, ...) of the attention a =
     RepeatedKVAttention(query, ...) with its heads merged (`runnx/interp/fusion/products.py`): a
     decoder layer from its attention to the next layer's norm. A decode step's row is one native
@@ -327,13 +327,13 @@ def AttentionGatedMLP(query, key, value, bias, query_scale, key_scale, nan_fill,
                  mask_steps, masked_then, masked_else)
     mlp = (weight, out_bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_bias,
            down_epsilon, down_one, down_norm_weight)
-    row = repeated_kv_row(*attention, axis=axis)
+    row = repeated_kv_row(*attention, axis=axis, ctx=ctx)
     block = row and _gated_mlp_row(row[1], *mlp, norm, down_norm)
     if block:
         summed, normed = _decode_pool.shared_call(attended_gated_mlp, *row[0], *block[0], down_weight, *block[1],
                                                   down_norm_weight)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
-    return ResidualGatedMLP(RepeatedKVAttention(*attention, axis=axis), *mlp, norm=norm, down_norm=down_norm)
+    return ResidualGatedMLP(RepeatedKVAttention(*attention, axis=axis, ctx=ctx), *mlp, norm=norm, down_norm=down_norm)
 
 
 def _matrix(w, depth: int, width: int) -> bool:

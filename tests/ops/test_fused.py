@@ -394,3 +394,31 @@ def test_fused_tiny_llama_logits_match_the_unfused_model(fixtures_dir):
         np.testing.assert_array_equal(logits[True].argmax(-1), logits[False].argmax(-1))
         past += ids.shape[1]
         ids = logits[True][:, -1:].argmax(-1)
+
+
+def test_the_layers_reading_one_mask_share_its_bias_within_a_run():
+    """RepeatedKVAttention's mask bias is made once a run for one mask array and equal slice and
+    Where inputs (every layer of a decode step reads the same), never across runs or masks."""
+    from runnx.interp.context import RunContext
+    from runnx.interp.options import Options
+
+    def small(*values, dtype=np.int64):
+        array = np.array(values, dtype)
+        array.flags.writeable = False
+        return array
+
+    mask = RNG.random((1, 1, 1, 9)) < 0.5
+    then, otherwise = small(0.0, dtype=np.float32), small(-np.inf, dtype=np.float32)
+
+    def bias(mask, end, ctx, then=then):
+        return fused_ops._mask_bias(mask, small(0), small(end), small(3), small(1), then, otherwise, ctx)
+
+    run = RunContext(Options())
+    first = bias(mask, 7, run)
+    np.testing.assert_array_equal(first, np.where(mask[..., :7], np.float32(0), np.float32(-np.inf)))
+    assert bias(mask, 7, run) is first  # equal inputs, other (per-layer) arrays
+    assert bias(mask, 8, run).shape == (1, 1, 1, 8)  # another end
+    assert bias(mask, 7, run, small(1.0, dtype=np.float32))[mask[..., :7]].tolist() == [1.0] * mask[..., :7].sum()
+    assert bias(mask.copy(), 7, run) is not first  # an equal mask, another array
+    assert bias(mask, 7, RunContext(Options())) is not first  # another run
+    assert bias(mask, 7, None) is not first  # no run: made every call
