@@ -23,6 +23,7 @@ from the window's start.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -190,8 +191,12 @@ class SuppressTokens:
 
     def __call__(self, token_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         scores = scores.copy()
-        scores[:, list(self.token_ids)] = -np.inf
+        scores[:, self._indices] = -np.inf
         return scores
+
+    @functools.cached_property
+    def _indices(self) -> np.ndarray:  # an index array made once: a list is converted every step
+        return np.array(self.token_ids, np.intp)
 
 
 @dataclass(frozen=True)
@@ -203,8 +208,7 @@ class SuppressAtBegin:
 
     def __call__(self, token_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         if token_ids.shape[1] == self.begin_index:
-            scores = scores.copy()
-            scores[:, list(self.token_ids)] = -np.inf
+            scores = SuppressTokens(self.token_ids)(token_ids, scores)
         return scores
 
 
