@@ -161,3 +161,26 @@ def test_fused_shape_stand_ins_join_the_memos_around_them(fixtures_dir):
         for name in want:
             np.testing.assert_array_equal(got[name], want[name])
     assert profile.counters["ShapeMemo.hits"] > 0
+
+
+def test_a_memo_reading_another_memos_results_knows_them_by_identity(monkeypatch):
+    """s = (dim0(x) + dim0(y)) * dim0(x) is a memo of roots {x, y} reading the memos of {x} and {y}
+    (their kept, read-only results): when those are the same arrays as before, its result comes
+    without hashing their bytes; other values still give other results."""
+    nodes = [helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Gather", ["sx", "zero"], ["dx"], axis=0),
+             helper.make_node("Shape", ["y"], ["sy"]), helper.make_node("Gather", ["sy", "zero"], ["dy"], axis=0),
+             helper.make_node("Add", ["dx", "dy"], ["both"]), helper.make_node("Mul", ["both", "dx"], ["s"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, None), helper.make_tensor_value_info("y", F, None)],
+        [helper.make_tensor_value_info("s", I64, None)], [_const("zero", 0)])
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    groups = [n.kernel.fn for n in model.graph.nodes if isinstance(n.kernel.fn, shape_cache.ShapeGroup)]
+    assert sorted(len(g.external) for g in groups) == [0, 0, 2]
+    hashed = []
+    value_key = shape_cache._value_key
+    monkeypatch.setattr(shape_cache, "_value_key", lambda v: hashed.append(v) or value_key(v))
+    for rows, want_hashed in ((2, 2), (2, 0), (5, 2), (2, 0)):
+        before = len(hashed)
+        got = model.run({"x": np.zeros((rows, 1), np.float32), "y": np.zeros((3, 1), np.float32)})["s"]
+        assert got == (rows + 3) * rows
+        assert len(hashed) - before == want_hashed
