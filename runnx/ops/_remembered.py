@@ -9,7 +9,8 @@ weights each Python object a check reads is a cache miss, so a check costing 2-6
 """
 from __future__ import annotations
 
-import operator
+import functools
+import weakref
 
 import numpy as np
 
@@ -19,8 +20,10 @@ _LIMIT = 1024  # entries per function, all dropped at once beyond: a model has a
 
 class Remembered:
     """fn(values, *arrays), remembered by `values` (hashable: shapes, attributes) and the identity
-    of `arrays` when each is None or a read-only array, which is held so that its id stays its own.
-    fn returns facts (numbers, shapes, None) and read-only views, never an array a caller could write."""
+    of `arrays` when each is None or a read-only array. An entry holds its arrays weakly and goes
+    when one of them does (its id is then free for another object): a model's weights are not
+    kept alive by facts about them. fn returns facts (numbers, shapes, None) that do not hold the
+    arrays, never an array a caller could write."""
 
     __slots__ = ("fn", "known")
 
@@ -34,12 +37,18 @@ class Remembered:
     def lookup(self, values, arrays: tuple, compute):
         """What compute(values, *arrays) gave for these values and arrays, or its result now."""
         key = (values, *map(id, arrays))
-        known = self.known.get(key)
-        if known is not None and enabled and all(map(operator.is_, known[0], arrays)):
+        known = self.known.get(key) if enabled else None
+        if known is not None:  # its arrays are alive (else it would be gone), so they are these
             return known[1]
         result = compute(values, *arrays)
         if enabled and all(a is None or (type(a) is np.ndarray and not a.flags.writeable) for a in arrays):
             if len(self.known) >= _LIMIT:
                 self.known.clear()
-            self.known[key] = (arrays, result)
+            forget = functools.partial(_forget, self.known, key)
+            self.known[key] = (tuple([weakref.ref(a, forget) for a in arrays if a is not None]), result)
         return result
+
+
+def _forget(known: dict, key: tuple, _) -> None:
+    """Drop an entry whose array is being freed (a weakref callback: before its id can be reused)."""
+    known.pop(key, None)

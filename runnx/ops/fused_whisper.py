@@ -133,7 +133,7 @@ def attention_row(x, weight, query_bias, key, value, bias, query_scale, head_sca
     query = _query_row((x.size,), weight, query_bias, query_scale, nan_fill)
     if query is None:
         return None
-    width, weight, query_bias, query_scale, fill = query
+    width, fill = query
     row = np.empty(x.shape[:-1] + (width,), np.float32)
     split = _reshaped(row, query_target, query_source, query_dims, query_axes)
     if split.ndim != 4 or key.ndim != 4 or value.ndim != 4 or split.shape[:2] != (1, 1):
@@ -144,17 +144,18 @@ def attention_row(x, weight, query_bias, key, value, bias, query_scale, head_sca
     if bias is not None:
         bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     out = np.empty(heads.shape[:3] + values.shape[3:], np.float32)
-    arguments = (np.ascontiguousarray(x.reshape(-1)), weight, query_bias, query_scale, row.reshape(-1), heads,
+    arguments = (np.ascontiguousarray(x.reshape(-1)), _NO_WEIGHT if weight is None else weight,
+                 _NO_BIAS[_FLOAT32] if query_bias is None else query_bias,
+                 _NO_BIAS[_FLOAT32] if query_scale is None else query_scale.reshape(1), row.reshape(-1), heads,
                  keys.swapaxes(2, 3), values, bias, fill, out)
     return arguments, _reshaped(out.transpose(0, 2, 1, 3), output_target, output_source, output_dims, output_axes)
 
 
 @Remembered
 def _query_row(depth: tuple, weight, query_bias, query_scale, nan_fill) -> tuple | None:
-    """(the query row's width, then its weight, bias and scale as `_decode_blocks.attended_row` takes
-    them (read-only), the fill) for a row of this depth (a 1-tuple) when the weight is absent or a
-    C-contiguous float32 matrix, the bias absent or a float32 vector, the scale and the fill absent
-    or float32 numbers; else None."""
+    """(the query row's width, the fill) for a row of this depth (a 1-tuple) when the weight is
+    absent or a C-contiguous float32 matrix, the bias absent or a float32 vector, the scale and the
+    fill absent or float32 numbers; else None."""
     (depth,) = depth
     width = depth if weight is None else weight.shape[-1]
     if ((weight is not None and not (weight.dtype == _FLOAT32 and weight.shape == (depth, width)
@@ -163,8 +164,7 @@ def _query_row(depth: tuple, weight, query_bias, query_scale, nan_fill) -> tuple
             or (query_scale is not None and not _float32_number(query_scale))
             or (nan_fill is not None and not _float32_number(nan_fill))):
         return None
-    return (width, _NO_WEIGHT if weight is None else weight, _NO_BIAS[_FLOAT32] if query_bias is None else query_bias,
-            _NO_BIAS[_FLOAT32] if query_scale is None else query_scale.reshape(1), _fill(nan_fill))
+    return width, _fill(nan_fill)
 
 
 def _fill(nan_fill) -> float:
