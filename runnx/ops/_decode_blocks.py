@@ -5,8 +5,9 @@ Python, its checks and its hand-off to the pool cost ~10-30 us, a few percent of
 A block is cut where numpy must compute: the SiLU gate's exp is numpy's (numba's differs from it
 by up to 2 ulp on a third of float32 inputs), so that a block's results are bitwise those of its
 nodes run one by one, but for a block that holds an attention (whose kernels are not bitwise the
-nodes' anyway: AttentionGatedMLP's is one call, its SiLU gate natively vectorised); Whisper's blocks (LayerNorm, erf GELU) call what their nodes call:
-`layer_norm_rows`, and ErfGelu's pool job (`_gelu`) on a mailbox of their own. Called through
+nodes' anyway: AttentionGatedMLP's is one call, its SiLU gate natively vectorised); Whisper's
+blocks (LayerNorm, erf GELU) call what their nodes call: `layer_norm_rows`, and ErfGelu's pool job
+(`_gelu`) on a mailbox of their own. Called through
 `_decode_pool.shared_call` (the pool's workers, or alone on a mailbox of the call: the same compiled
 code, so the same results); each returns what it computed.
 """
@@ -32,15 +33,24 @@ def _product(box, workers, row, matrix):
 
 
 @_jit
-def projected_gate(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight):
-    """(s, gate, -gate, up, max(-gate)) for s = residual + x @ weight and gate, up its RMSNorm @
-    gate_weight, @ up_weight (one job for the two), float32 rows and C-contiguous matrices: an
-    attention's output projection, the residual add, the MLP's norm and its gate and up products."""
+def _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight):
+    """(s, gate, up) for s = residual + x @ weight and gate, up its RMSNorm @ gate_weight, @ up_weight
+    (one job for the two)."""
     summed = _product(box, workers, x, weight)
     normed = add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
     gate, up = np.empty(gate_weight.shape[1], np.float32), np.empty(up_weight.shape[1], np.float32)
     _products(box, workers, normed, (gate_weight, up_weight), (gate, up),
               np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32))
+    return summed, gate, up
+
+
+@_jit
+def projected_gate(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight):
+    """(s, gate, -gate, up, max(-gate)) for s = residual + x @ weight and gate, up its RMSNorm @
+    gate_weight, @ up_weight (one job for the two), float32 rows and C-contiguous matrices: an
+    attention's output projection, the residual add, the MLP's norm and its gate and up products."""
+    summed, gate, up = _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight,
+                                    up_weight)
     negated = np.empty_like(gate)
     largest = -np.inf
     for i in range(gate.size):
@@ -162,11 +172,8 @@ def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, 
     numpy's exp: the attention before it is not bitwise the nodes' either), the down product, the
     residual add and the next norm: AttentionGatedMLP's nodes, (s, RMSNorm(s)) of the last sum."""
     _attention(box, workers, query, key, value, bias, scale, fill, out)
-    summed = _product(box, workers, x, weight)
-    normed = add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
-    gate, up = np.empty(gate_weight.shape[1], np.float32), np.empty(up_weight.shape[1], np.float32)
-    _products(box, workers, normed, (gate_weight, up_weight), (gate, up),
-              np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32))
+    summed, gate, up = _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight,
+                                    up_weight)
     down = _product(box, workers, silu_gate_into(gate, up), down_weight)
     return down, add_rms_norm(summed, down, down, down_epsilon, down_one, down_norm_weight)
 
