@@ -110,7 +110,8 @@ def ProjectedAppend(x, past_key, past_value, query_weight, key_weight, value_wei
                                  key_source, value_bias, value_target, value_source, key_dims, key_axes, value_dims,
                                  value_axes, key_axis, value_axis)
         if appended is not None:
-            count_appends(ctx, appended[1][:, :, -1:], appended[2][:, :, -1:])
+            if ctx is not None and ctx.profile is not None:  # the new rows' views only for the counters
+                count_appends(ctx, appended[1][:, :, -1:], appended[2][:, :, -1:])
             return appended
     query, key, value = SharedInputMatMul(x, query_weight, key_weight, value_weight, key_bias, key_target, key_source,
                                           value_bias, value_target, value_source,
@@ -170,20 +171,16 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
     heads), past_key, past_value, ...): a Llama layer's projections, rotary embedding and KV cache
     growth (`runnx/interp/fusion/products.py`). A decode step's float32 row without biases, both
     caches granted, is one native call (`projected_rope_append`) writing the new rows in place."""
-    rope = (query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst, key_cos, key_sin, kns, kne, kna, knst, kks,
-            kke, kka, kkst)
-    axes = {"query_axis": query_axis, "key_axis": key_axis, "key_cache_axis": key_cache_axis,
-            "value_cache_axis": value_cache_axis}
-    granted = tuple(p - 10 for p in overwrite)  # RopeAppend's own positions of the caches
     weights = (query_weight, key_weight, value_weight)
     heads = None
-    if 3 in granted and 4 in granted and query_bias is None and key_bias is None and value_bias is None:
+    if 13 in overwrite and 14 in overwrite and query_bias is None and key_bias is None and value_bias is None:
         shapes = _split_shapes(x, weights, ((query_target, query_source, query_dims, query_axes),
                                             (key_target, key_source, key_dims, key_axes),
                                             (value_target, value_source, value_dims, value_axes)))
         heads = shapes and tuple(np.empty(shape, np.float32) for shape in shapes)
     arguments = heads and rope_append_arguments(*heads, past_key, past_value, query_cos, query_sin, key_cos, key_sin,
-                                                rope[2:10] + rope[12:], query_axis, key_axis, key_cache_axis,
+                                                (qns, qne, qna, qnst, qks, qke, qka, qkst, kns, kne, kna, knst, kks,
+                                                 kke, kka, kkst), query_axis, key_axis, key_cache_axis,
                                                 value_cache_axis)
     if arguments:
         done, rotated = _decode_pool.shared_call(projected_rope_append, np.ascontiguousarray(x.reshape(-1)), weights,
@@ -191,12 +188,15 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
         if done:
             count_appends(ctx, heads[1], heads[2])
             return appended_caches(rotated, past_key, past_value, heads[1], heads[2])
-        return RopeAppend(*heads, past_key, past_value, *rope, **axes, overwrite=granted, ctx=ctx)
-    query, key, value = SharedInputMatMul(x, *weights, query_bias, query_target, query_source, key_bias, key_target,
-                                          key_source, value_bias, value_target, value_source,
-                                          splits=((0, query_dims, query_axes), (1, key_dims, key_axes),
-                                                  (2, value_dims, value_axes)))
-    return RopeAppend(query, key, value, past_key, past_value, *rope, **axes, overwrite=granted, ctx=ctx)
+    else:
+        heads = SharedInputMatMul(x, *weights, query_bias, query_target, query_source, key_bias, key_target,
+                                  key_source, value_bias, value_target, value_source,
+                                  splits=((0, query_dims, query_axes), (1, key_dims, key_axes),
+                                          (2, value_dims, value_axes)))
+    return RopeAppend(*heads, past_key, past_value, query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst,
+                      key_cos, key_sin, kns, kne, kna, knst, kks, kke, kka, kkst, query_axis=query_axis,
+                      key_axis=key_axis, key_cache_axis=key_cache_axis, value_cache_axis=value_cache_axis,
+                      overwrite=tuple(p - 10 for p in overwrite), ctx=ctx)  # RopeAppend's own cache positions
 
 
 def _split_shapes(x, weights, splits) -> tuple | None:
