@@ -7,6 +7,7 @@ from dataclasses import replace
 import numpy as np
 
 from runnx.errors import UnknownOutputError
+from runnx.interp.branches import specialize_branches
 from runnx.interp.context import RunContext
 from runnx.interp.dtypes import type_name
 from runnx.interp.executor import Executor
@@ -45,6 +46,8 @@ class Model:
         self.opsets = dict(loaded.opsets)
         self.path = loaded.path
         self._specs = feed_specs(self.graph)
+        # after the rewrites, whose nodes the branch graphs share
+        self._branches = specialize_branches(self.graph) if self.options.specialize_branches else None
         self._output_ids = {self.graph.names[v]: v for v in self.graph.outputs}
         self._plans: dict[tuple, Plan] = {}
         self._executor = Executor()
@@ -81,12 +84,12 @@ class Model:
             vids.append(vid)
         return tuple(vids)
 
-    def _plan_for(self, provided: frozenset, outputs: tuple[int, ...]) -> Plan:
-        key = (provided, outputs)
+    def _plan_for(self, provided: frozenset, outputs: tuple[int, ...], branch=None) -> Plan:
+        key = (provided, outputs, branch)
         plan = self._plans.get(key)
         if plan is None:
-            graph = self.graph
-            if any(v not in graph.producer and v not in graph.constants and v not in provided for v in outputs):
+            graph = self.graph if branch is None else branch.graph
+            if branch is None and any(v not in graph.producer and v not in graph.constants and v not in provided for v in outputs):
                 graph = self._unrewritten
             plan = self._plans[key] = make_plan(graph, provided, outputs)
         return plan
@@ -103,7 +106,11 @@ class Model:
         with profile=<Profile>, adds to that profile and returns the outputs."""
         bound = bind_feeds(self._specs, feeds, self.options.check_symbolic_dims)
         output_vids = self._output_vids(outputs)
-        plan = self._plan_for(frozenset(bound), output_vids)
+        graph, run_vids, branch = self.graph, output_vids, self._branches and self._branches.pick(bound, output_vids)
+        if branch:  # the model's value ids -> the branch graph's
+            ids = branch.ids
+            graph, bound, run_vids = branch.graph, {ids[v]: fed for v, fed in bound.items()}, tuple(ids[v] for v in output_vids)
+        plan = self._plan_for(frozenset(bound), run_vids, branch or None)
         for vid in plan.unused_inputs:
             bound.pop(vid, None)
         record = profile if isinstance(profile, Profile) else (Profile() if profile or self.options.profile else None)
@@ -111,7 +118,7 @@ class Model:
             self._threads = self._threads or thread_counts()
             record.threads = self._threads
         ctx = RunContext(self.options, record)
-        values, _ = self._executor.run(self.graph, plan, bound, ctx)  # both graphs share value ids
+        values, _ = self._executor.run(graph, plan, bound, ctx)  # (an unrewritten graph shares value ids)
         names = [self.graph.names[v] for v in output_vids]
         result = {}
         for name, value in zip(names, values):

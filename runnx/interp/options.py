@@ -38,6 +38,9 @@ class Options:
     threads: BLAS and numba threads, set for the process at load (RUNNX_THREADS; 0 leaves them).
     compile_after: from its n-th run on, a plan runs compiled to straight-line Python
     (interp/compiled.py; RUNNX_COMPILE_AFTER, default 2; 0 never compiles).
+    specialize_branches: a model that is one If on one of its inputs (Optimum's merged decoders)
+    runs the branch that input picks as a graph of its own (interp/branches.py;
+    RUNNX_SPECIALIZE_BRANCHES=0 runs the If).
     last_position: outputs (an LM head's logits) computed for the last position only
     (interp/last_position.py; RUNNX_LAST_POSITION, comma-separated names; none by default)."""
 
@@ -53,4 +56,5 @@ class Options:
     fuse: bool = field(default_factory=lambda: _env_flag("RUNNX_FUSE", True))
     threads: int = field(default_factory=lambda: _env_int("RUNNX_THREADS", 0))
     compile_after: int = field(default_factory=lambda: _env_int("RUNNX_COMPILE_AFTER", 2))
+    specialize_branches: bool = field(default_factory=lambda: _env_flag("RUNNX_SPECIALIZE_BRANCHES", True))
     last_position: tuple[str, ...] = field(default_factory=lambda: _env_names("RUNNX_LAST_POSITION"))

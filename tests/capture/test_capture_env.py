@@ -3,7 +3,6 @@ lent by reference otherwise; Loop iterations never copy captures; loop-carried v
 from __future__ import annotations
 
 import numpy as np
-import onnx
 from onnx import TensorProto as T
 from onnx import helper
 import onnxruntime
@@ -11,6 +10,9 @@ import onnxruntime
 import runnx
 
 OPSET = [helper.make_opsetid("", 18)]
+# these models are one If on an input, which runnx otherwise runs as the chosen branch's own graph
+# (interp/branches.py): here the If runs as a node, to test how its captures reach the branch
+AS_NODE = {"specialize_branches": False}
 
 
 def _onnxruntime(proto, feeds):
@@ -38,7 +40,7 @@ def _if_model(extra_reader=False):
 
 
 def test_owned_capture_is_moved_into_the_branch_and_consumed_in_place():
-    model = runnx.load(_if_model())
+    model = runnx.load(_if_model(), **AS_NODE)
     buffer = np.arange(4, dtype=np.float32)
     result, profile = model.run({"cond": np.array(True), "x": runnx.Owned(buffer)}, profile=True)
     assert profile.moves == 1
@@ -48,7 +50,7 @@ def test_owned_capture_is_moved_into_the_branch_and_consumed_in_place():
 
 
 def test_borrowed_capture_is_lent_and_the_callers_array_is_unchanged():
-    model = runnx.load(_if_model())
+    model = runnx.load(_if_model(), **AS_NODE)
     x = np.arange(4, dtype=np.float32)
     result, profile = model.run({"cond": np.array(False), "x": x}, profile=True)
     assert profile.moves == 0 and profile.inplace_total == 0
@@ -57,7 +59,7 @@ def test_borrowed_capture_is_lent_and_the_callers_array_is_unchanged():
 
 
 def test_capture_still_needed_by_the_parent_is_lent_not_moved():
-    model = runnx.load(_if_model(extra_reader=True))
+    model = runnx.load(_if_model(extra_reader=True), **AS_NODE)
     result, profile = model.run({"cond": np.array(True), "x": runnx.Owned(np.arange(4, dtype=np.float32))},
                                 profile=True)
     assert profile.moves == 0
@@ -169,7 +171,7 @@ def test_if_inside_if_moves_the_value_down_both_levels():
         [helper.make_node("If", ["cond"], ["y"], then_branch=outer_then, else_branch=outer_else)], "nested_if",
         [helper.make_tensor_value_info("cond", T.BOOL, []), helper.make_tensor_value_info("x", T.FLOAT, [4])],
         [helper.make_tensor_value_info("y", T.FLOAT, None)])
-    model = runnx.load(helper.make_model(graph, opset_imports=OPSET, ir_version=9))
+    model = runnx.load(helper.make_model(graph, opset_imports=OPSET, ir_version=9), **AS_NODE)
     buffer = np.zeros(4, np.float32)
     result, profile = model.run({"cond": np.array(True), "x": runnx.Owned(buffer)}, profile=True)
     assert profile.moves == 2

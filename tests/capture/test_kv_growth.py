@@ -16,7 +16,11 @@ FIXTURES = Path(os.environ.get("RUNNX_FIXTURES", Path(__file__).parents[1] / "fi
 MODELS = {
     "single": FIXTURES / "tiny-llama" / "model.onnx",
     "merged": FIXTURES / "tiny-llama-merged" / "decoder_model_merged.onnx",
+    "merged-if": FIXTURES / "tiny-llama-merged" / "decoder_model_merged.onnx",
 }
+# the merged decoder runs its chosen branch as a graph of its own (interp/branches.py), or its If as
+# a node, the past KV then reaching the Concat through the If's captures
+OPTIONS = {"merged-if": {"specialize_branches": False}}
 CAPACITY = 2048
 
 
@@ -43,9 +47,10 @@ def _empty_past(model):
     return past
 
 
-def _decode(path, steps, prompt_length=5, seed=0):
+def _decode(kind, steps, prompt_length=5, seed=0):
     """Prefill, then `steps` decode steps with capacity buffers; returns per-step records."""
-    model = runnx.load(path)
+    path = MODELS[kind]
+    model = runnx.load(path, **OPTIONS.get(kind, {}))
     reference = onnxruntime.InferenceSession(str(path))
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, 1000, size=(1, prompt_length), dtype=np.int64)
@@ -70,9 +75,9 @@ def _decode(path, steps, prompt_length=5, seed=0):
     return model, records
 
 
-@pytest.mark.parametrize("kind", ["single", "merged"])
+@pytest.mark.parametrize("kind", ["single", "merged", "merged-if"])
 def test_decode_steps_append_in_place_and_match_onnxruntime(kind):
-    model, records = _decode(MODELS[kind], steps=3)
+    model, records = _decode(kind, steps=3)
     kv_names = _kv_names(model)
     for buffers, result, expected, profile in records:
         np.testing.assert_allclose(result["logits"], expected["logits"], atol=1e-5)
@@ -86,14 +91,16 @@ def test_decode_steps_append_in_place_and_match_onnxruntime(kind):
         assert (profile.inplace["Concat"] + 2 * profile.inplace["RopeAppend"]
                 + 2 * profile.inplace["ProjectedRopeAppend"]) >= len(kv_names)
         if kind == "merged":
+            assert profile.op_calls["If"] == 0 and profile.moves == 0  # the branch ran as the graph
+        if kind == "merged-if":
             assert profile.moves >= len(kv_names)  # past KV reaches the Concat only through the If
 
 
-@pytest.mark.parametrize("kind", ["single", "merged"])
+@pytest.mark.parametrize("kind", ["single", "merged", "merged-if"])
 def test_bytes_copied_per_step_do_not_grow_with_the_past(kind):
     copied = {}
     for past_length in (16, 1024):
-        _, records = _decode(MODELS[kind], steps=1, prompt_length=past_length)
+        _, records = _decode(kind, steps=1, prompt_length=past_length)
         copied[past_length] = records[0][3].counters["Concat.bytes_copied"]
     assert copied[16] == copied[1024]
 
