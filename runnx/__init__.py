@@ -5,15 +5,8 @@
     outputs = model.run({"x": x})                        # {name: array}
     session = runnx.InferenceSession("model.onnx")       # onnxruntime's API
 """
-import os as _os
-
-# OpenBLAS's threads spin for 2**28 cycles (~0.1 s) after each call, on the core the decode pool's
-# worker needs: a decode step right after a prefill or an encoder ran 2-3x slower. 2**4 cycles:
-# they sleep at once (waking costs microseconds, next to a GEMM's milliseconds). Read when numpy
-# loads OpenBLAS: this takes effect when runnx is imported first (the CLI); an explicit setting wins.
-_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-
-from runnx import ops as _ops  # registers every kernel  # noqa: E402
+from runnx import _openblas  # noqa: F401  (first: OpenBLAS's thread timeout, before numpy loads it)
+from runnx import ops as _ops  # registers every kernel
 from runnx.capture import Owned, with_capacity
 from runnx.errors import (
     CycleError, ExternalDataError, InPlaceMismatchError, InputError, InputShapeError, InputTypeError, InvalidModelError,

@@ -422,11 +422,11 @@ def attention_job(query, key, value, bias, scale: float, fill: float):
     return out
 
 
-def rest_workers(multiply_adds: int) -> None:
+def rest_workers(multiply_adds: int | None = None) -> None:
     """`DecodePool.rest` when the process has a pool and a BLAS product of `multiply_adds` is
     about to run that is worth OpenBLAS's threads (the rotary MatMul of every SmolLM2 step, 32 of
-    them, must not put the workers to sleep)."""
-    if _pool is not None and multiply_adds >= _BLAS_THREADED:
+    them, must not put the workers to sleep), or (None) other threads' work that needs the cores."""
+    if _pool is not None and (multiply_adds is None or multiply_adds >= _BLAS_THREADED):
         _pool.rest()
 
 

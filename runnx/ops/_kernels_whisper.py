@@ -87,7 +87,7 @@ def _row_total(row):
     return total
 
 
-@numba.njit(cache=True, error_model="numpy")
+@numba.njit(cache=True, nogil=True, error_model="numpy")  # nogil: threads run it between their products
 def softmax_rows_float32(scores, fill):
     """Softmax along the last axis of C-contiguous float32 scores (rows, columns), in place. A row
     whose softmax is NaN (a NaN or +inf score, or every score -inf) becomes `fill`. Its sum has no

@@ -31,7 +31,8 @@ from runnx.ops import _decode_blocks
 from runnx.ops._decode_pool import gelu_rows, shared_call, softmax_rows
 from runnx.ops._elementwise_util import binary, erf
 from runnx.ops._kernels_nn import layer_norm_rows
-from runnx.ops._kernels_whisper import split_heads_into
+from runnx.ops._blas_split import split_among_threads
+from runnx.ops._kernels_whisper import softmax_rows_float32, split_heads_into
 from runnx.ops._remembered import Remembered
 from runnx.ops.fused import DOMAIN, attend, stand_in
 from runnx.ops.normalization import LayerNormalization
@@ -196,26 +197,36 @@ def _plain(heads, keys, values, bias, nan_fill) -> bool:
 
 
 def _blocked(heads, keys, values, bias, fill: float):
-    """(batch, length, heads, width) attention output, a block of query rows of one head at a time."""
+    """(batch, length, heads, width) attention output, head by head in blocks of query rows whose
+    scores stay in cache, the heads shared among BLAS's threads, each running BLAS alone
+    (`_blas_split`). When BLAS has one thread, or another caller is splitting, one head after the
+    other: with one thread in blocks, with more whole heads, since every BLAS product wakes BLAS's
+    threads and many short ones between softmaxes thrash (measured 5-20x)."""
     batch, count, length, _ = heads.shape
-    size, width = keys.shape[3], values.shape[3]
-    merged = np.empty((batch, length, count, width), np.float32)
-    # one thread: blocks of rows whose scores stay in L2. More threads: whole heads, since every
-    # BLAS product wakes BLAS's threads and many short ones between softmaxes thrash (measured 5-20x)
-    rows = length if numba.get_num_threads() > 1 else max(1, min(length, _BLOCK_SCORES // max(size, 1)))
-    buffer = np.empty((rows, size), np.float32)
+    size = keys.shape[3]
+    merged = np.empty((batch, length, count, values.shape[3]), np.float32)
     if bias is not None:
         bias = np.broadcast_to(bias, (batch, count, length, size))
-    for b in range(batch):
-        for h in range(count):
-            for start in range(0, length, rows):
-                stop = min(start + rows, length)
-                scores = buffer[:stop - start]
-                np.matmul(heads[b, h, start:stop], keys[b, h], out=scores)
-                if bias is not None:
-                    np.add(scores, bias[b, h, start:stop], out=scores)
-                softmax_rows(scores, fill)
-                np.matmul(scores, values[b, h], out=merged[b, start:stop, h])
+
+    def attend_head(part, rows=max(1, min(length, _BLOCK_SCORES // max(size, 1))), softmax=softmax_rows_float32):
+        b, h = part
+        buffer = np.empty((rows, size), np.float32)
+        for start in range(0, length, rows):
+            stop = min(start + rows, length)
+            scores = buffer[:stop - start]
+            np.matmul(heads[b, h, start:stop], keys[b, h], out=scores)
+            if bias is not None:
+                np.add(scores, bias[b, h, start:stop], out=scores)
+            softmax(scores, fill)
+            np.matmul(scores, values[b, h], out=merged[b, start:stop, h])
+
+    parts = [(b, h) for b in range(batch) for h in range(count)]
+    if not split_among_threads(attend_head, parts):
+        for part in parts:
+            if numba.get_num_threads() > 1:
+                attend_head(part, length, softmax_rows)  # the softmax shared with the decode pool's workers
+            else:
+                attend_head(part)
     return merged
 
 

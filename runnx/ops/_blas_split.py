@@ -1,0 +1,69 @@
+"""Independent parts of a job shared among Python threads that each run BLAS single-threaded.
+
+BLAS parallelises each product over its threads. A batch of independent parts with work between
+their products (an encoder's attention: per head, blocks of a scores product, a softmax and a
+product with the values) runs better as whole parts per thread, each thread with BLAS to itself:
+no barrier inside every product, and each thread's scores stay in its own cache. BLAS's thread
+count is the process's, so it is lowered to one for the duration, by one caller at a time; the
+numeric kernels run between products must release the GIL (numba's nogil). OpenBLAS's own
+threads must sleep right after their calls (`runnx/_openblas.py`): spinning beside the helpers
+they made the same attention 1.5x slower than BLAS's threads alone, so it is not split then.
+"""
+from __future__ import annotations
+
+import threading
+
+from runnx import _openblas
+from runnx.ops import _decode_pool
+
+_lock = threading.Lock()
+_controllers = None  # threadpoolctl's BLAS libraries, found once
+
+
+def _blas() -> list:
+    global _controllers
+    if _controllers is None:
+        import threadpoolctl
+
+        _controllers = [c for c in threadpoolctl.ThreadpoolController().lib_controllers if c.user_api == "blas"]
+    return _controllers
+
+
+def split_among_threads(work, parts: list) -> bool:
+    """work(part) for every part, the parts dealt round-robin to as many threads (this one and
+    helpers) as BLAS has, BLAS single-threaded meanwhile. False, having run nothing, when BLAS has
+    one thread (or none is known), there is one part, OpenBLAS's threads spin after their calls, or
+    another caller is splitting (the BLAS setting is the process's)."""
+    if not _openblas.THREADS_SLEEP:
+        return False
+    blas = _blas()
+    count = min(min((c.num_threads for c in blas), default=1), len(parts))
+    if count < 2 or not _lock.acquire(blocking=False):
+        return False
+    failures = []
+
+    def share(index):
+        try:
+            for part in parts[index::count]:
+                work(part)
+        except BaseException as error:  # re-raised on the calling thread
+            failures.append(error)
+
+    previous = [c.num_threads for c in blas]
+    try:
+        _decode_pool.rest_workers()  # spinning decode workers would hold the cores
+        for c in blas:
+            c.set_num_threads(1)
+        helpers = [threading.Thread(target=share, args=(index,), daemon=True) for index in range(1, count)]
+        for helper in helpers:
+            helper.start()
+        share(0)
+        for helper in helpers:
+            helper.join()
+    finally:
+        for c, threads in zip(blas, previous):
+            c.set_num_threads(threads)
+        _lock.release()
+    if failures:
+        raise failures[0]
+    return True
