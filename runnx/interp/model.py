@@ -89,7 +89,8 @@ class Model:
         plan = self._plans.get(key)
         if plan is None:
             graph = self.graph if branch is None else branch.graph
-            if branch is None and any(v not in graph.producer and v not in graph.constants and v not in provided for v in outputs):
+            if branch is None and any(v not in graph.producer and v not in graph.constants and v not in provided
+                                      for v in outputs):
                 graph = self._unrewritten
             plan = self._plans[key] = make_plan(graph, provided, outputs)
         return plan
@@ -106,11 +107,13 @@ class Model:
         with profile=<Profile>, adds to that profile and returns the outputs."""
         bound = bind_feeds(self._specs, feeds, self.options.check_symbolic_dims)
         output_vids = self._output_vids(outputs)
-        graph, run_vids, branch = self.graph, output_vids, self._branches and self._branches.pick(bound, output_vids)
-        if branch:  # the model's value ids -> the branch graph's
+        branch = self._branches.pick(bound, output_vids) if self._branches is not None else None
+        graph, run_vids = self.graph, output_vids
+        if branch is not None:  # the model's value ids -> the branch graph's
             ids = branch.ids
-            graph, bound, run_vids = branch.graph, {ids[v]: fed for v, fed in bound.items()}, tuple(ids[v] for v in output_vids)
-        plan = self._plan_for(frozenset(bound), run_vids, branch or None)
+            graph, run_vids = branch.graph, tuple(ids[v] for v in output_vids)
+            bound = {ids[v]: fed for v, fed in bound.items()}
+        plan = self._plan_for(frozenset(bound), run_vids, branch)
         for vid in plan.unused_inputs:
             bound.pop(vid, None)
         record = profile if isinstance(profile, Profile) else (Profile() if profile or self.options.profile else None)

@@ -22,7 +22,8 @@ def _if_model(extra_reader=False):
     """cond ? (x + 1) * scale : -x, with x and scale (three elements) read through the captures."""
     then_branch = helper.make_graph(
         [helper.make_node("Add", ["x", "one"], ["a"]), helper.make_node("Mul", ["a", "scale"], ["y_then"])],
-        "then", [], [helper.make_tensor_value_info("y_then", T.FLOAT, None)], [helper.make_tensor("one", T.FLOAT, [], [1.0])])
+        "then", [], [helper.make_tensor_value_info("y_then", T.FLOAT, None)],
+        [helper.make_tensor("one", T.FLOAT, [], [1.0])])
     else_branch = helper.make_graph([helper.make_node("Neg", ["x"], ["y_else"])], "else", [],
                                     [helper.make_tensor_value_info("y_else", T.FLOAT, None)])
     nodes = [helper.make_node("If", ["cond"], ["y"], then_branch=then_branch, else_branch=else_branch)]
