@@ -208,7 +208,9 @@ def _blocked(heads, keys, values, bias, fill: float):
     if bias is not None:
         bias = np.broadcast_to(bias, (batch, count, length, size))
 
-    def attend_head(part, rows=max(1, min(length, _BLOCK_SCORES // max(size, 1))), softmax=softmax_rows_float32):
+    block = max(1, min(length, _BLOCK_SCORES // max(size, 1)))
+
+    def attend_head(part, rows=block, softmax=softmax_rows_float32):
         b, h = part
         buffer = np.empty((rows, size), np.float32)
         for start in range(0, length, rows):
@@ -222,11 +224,10 @@ def _blocked(heads, keys, values, bias, fill: float):
 
     parts = [(b, h) for b in range(batch) for h in range(count)]
     if not split_among_threads(attend_head, parts):
+        # more threads: whole heads, the softmax shared with the decode pool's workers
+        rows, softmax = (length, softmax_rows) if numba.get_num_threads() > 1 else (block, softmax_rows_float32)
         for part in parts:
-            if numba.get_num_threads() > 1:
-                attend_head(part, length, softmax_rows)  # the softmax shared with the decode pool's workers
-            else:
-                attend_head(part)
+            attend_head(part, rows, softmax)
     return merged
 
 
