@@ -255,6 +255,17 @@ def _script_output(script: str, arguments: list[str], threads: int) -> str:
     return output
 
 
+def _dispatch_table(rounds: list[dict]) -> str:
+    """Each runner's median over the rounds' runs of bench_dispatch.py, and every round's figure."""
+    lines = [f"1000-node chain of tiny ops, us/node of CPU time: median of {len(rounds)} rounds (each the median of "
+             "30 runs; one process a round, minutes apart)"]
+    for name in rounds[0]:
+        figures = [r[name] for r in rounds if name in r]
+        lines.append(f"  {name:<26}{statistics.median(figures):8.2f} us/node   (rounds: "
+                     f"{', '.join(f'{f:.2f}' for f in figures)})")
+    return "\n".join(lines)
+
+
 def main(args) -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     thread_counts = [int(t) for t in args.threads.split(",")]
@@ -265,8 +276,11 @@ def main(args) -> None:
     genai = GENAI_PYTHON.exists() and (GENAI_MODEL / "genai_config.json").exists()
     if not genai:
         print(f"onnxruntime-genai skipped: {GENAI_PYTHON} or {GENAI_MODEL} missing (see the top of this script)")
-    runs = {}
+    runs, dispatch_rounds = {}, []
     for round_index in range(args.rounds):  # the runners alternate, so each sees the machine's slow spells
+        # dispatch once a round, minutes apart: one run of a second lands wholly in a slow spell or not
+        dispatch_rounds.append(json.loads(_script_output(
+            "bench_dispatch.py", ["--json"] + (["--no-reference"] if round_index else []), 1).splitlines()[-1]))
         for threads in thread_counts:
             for runner in ("runnx", "onnxruntime") + (("onnxruntime-genai",) if genai else ()):
                 print(f"SmolLM2 decode: {runner}, {threads} thread(s), round {round_index + 1}", flush=True)
@@ -287,14 +301,15 @@ def main(args) -> None:
     print(table + "\n" + ratios)
     whisper = {t: _script_output("bench_whisper.py", ["--threads", str(t), "--pairs", str(WHISPER_PAIRS)], t)
                for t in thread_counts}
-    dispatch = _script_output("bench_dispatch.py", [], 1)
+    dispatch = _dispatch_table(dispatch_rounds)
+    print(dispatch)
     for threads in thread_counts:  # writes its own section (unless --no-write)
         _script_output("bench_pairs.py", ["--threads", str(threads), "--contexts", args.contexts]
                        + (["--no-write"] if args.no_write else []), threads)
     if args.no_write:
         return
 
-    image = _plot(results, contexts)
+    _plot(results, contexts)
     command = (f".venv/bin/python scripts/bench.py --threads {args.threads} --contexts {args.contexts} "
                f"--rounds {args.rounds}")
     update_section("suite-llm", f"""## SmolLM2-135M decode and prefill (`scripts/bench.py`)
@@ -324,7 +339,8 @@ runnx {git_revision()}; {machine()}.
 """)
     update_section("suite-dispatch", f"""## Per-node dispatch (`scripts/bench_dispatch.py`, run by `scripts/bench.py`)
 
-A chain of 1000 tiny elementwise ops on 4 floats: microseconds per node. runnx {git_revision()}.
+A chain of 1000 tiny elementwise ops on 4 floats: microseconds per node, run once in each of the
+suite's rounds (a process each, before the round's SmolLM2 runs). runnx {git_revision()}.
 
 ```
 {dispatch}

@@ -1,13 +1,15 @@
 """Per-node dispatch overhead: a chain of 1000 tiny ops (Add/Mul/Neg/Relu on 4 floats), microseconds per
 node for runnx, onnxruntime (1 thread) and onnx's ReferenceEvaluator; medians of several runs.
 
-    python scripts/bench_dispatch.py [--nodes 1000] [--repeat 30] [--no-reference]
+    python scripts/bench_dispatch.py [--nodes 1000] [--repeat 30] [--no-reference] [--json]
 
 The chain has no shape bookkeeping to cache and nothing to fuse: it measures the executor's hot loop.
+With --json the figures are printed as one JSON object (scripts/bench.py runs this once per round).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -55,6 +57,7 @@ def main():
     parser.add_argument("--nodes", type=int, default=1000)
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--no-reference", action="store_true", help="skip onnx's ReferenceEvaluator (slow)")
+    parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = parser.parse_args()
     model = chain_model(args.nodes)
     feeds = {"x": np.linspace(-1, 1, 4, dtype=np.float32), "y": np.full(4, 0.5, np.float32)}
@@ -77,6 +80,9 @@ def main():
         evaluator = ReferenceEvaluator(model)
         results["onnx ReferenceEvaluator"] = per_node_us(lambda: evaluator.run(None, feeds), args.nodes,
                                                          max(3, args.repeat // 10))
+    if args.json:
+        print(json.dumps(results))
+        return
     print(f"{args.nodes}-node chain of tiny ops, median CPU time of {args.repeat} runs")
     for name, value in results.items():
         print(f"  {name:<26}{value:8.2f} us/node")

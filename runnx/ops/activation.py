@@ -10,10 +10,22 @@ from runnx.errors import RunnxError
 from runnx.ops._elementwise_util import erf, output_buffer, sigmoid
 from runnx.ops.registry import register
 
+_ZEROS: dict = {}  # dtype -> a read-only 0-d zero
+
+
+def _zero(dtype) -> np.ndarray:
+    """A 0-d zero of `dtype`: np.maximum against it skips the scalar's creation and conversion
+    (Relu on a few elements: ~2.3 -> ~1.0 us, the dispatch benchmark's chain)."""
+    zero = _ZEROS.get(dtype)
+    if zero is None:
+        zero = _ZEROS[dtype] = np.zeros((), dtype)
+        zero.flags.writeable = False
+    return zero
+
 
 @register("Relu", since=6, inplace=(0,))
 def Relu(x, *, overwrite=()):
-    return np.maximum(x, x.dtype.type(0), out=output_buffer(x, overwrite))
+    return np.maximum(x, _zero(x.dtype), out=output_buffer(x, overwrite))
 
 
 @register("LeakyRelu", since=6, inplace=(0,))

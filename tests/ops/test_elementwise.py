@@ -186,6 +186,20 @@ def test_half_precision_stays_in_its_dtype():
     np.testing.assert_array_equal(got, bf + bf)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int8, np.int64])
+def test_relu_matches_maximum_with_zero_in_every_dtype(dtype):
+    """Relu compares with a kept 0-d zero of the dtype: the result is numpy's maximum against the
+    dtype's zero (NaN kept, -0.0 as numpy gives it), in place or not, and the kept zero stays 0."""
+    values = np.array([-3, -0.0, 0, 2.5, np.nan, -np.inf, np.inf] if np.dtype(dtype).kind == "f" else [-3, 0, 5])
+    x = values.astype(dtype)
+    expected = np.maximum(x, np.dtype(dtype).type(0))
+    for owned in (False, True):
+        got = run_node("Relu", [x.copy()], opset=14, owned=owned)
+        assert got.dtype == x.dtype
+        np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))  # bitwise, sign of zero too
+    assert run_node("Relu", [np.array([-1.0], dtype)], opset=14)[0] == 0
+
+
 @pytest.mark.parametrize("op, inputs, attributes", [
     ("Add", [np.arange(6, dtype=F32).reshape(2, 3), np.arange(3, dtype=F32)], {}),
     ("Sub", [np.arange(3, dtype=F32), np.arange(6, dtype=F32).reshape(2, 3)], {}),
