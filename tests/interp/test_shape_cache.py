@@ -1,6 +1,7 @@
 """Shape-computation caching: shape-derived nodes run once per shapes seen, results equal the
 uncached run, nothing that reads a tensor's contents is ever cached."""
 import numpy as np
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import runnx
@@ -184,3 +185,29 @@ def test_a_memo_reading_another_memos_results_knows_them_by_identity(monkeypatch
         got = model.run({"x": np.zeros((rows, 1), np.float32), "y": np.zeros((3, 1), np.float32)})["s"]
         assert got == (rows + 3) * rows
         assert len(hashed) - before == want_hashed
+
+
+def _split_dims_model():
+    """out = ConstantOfShape(Concat(last dim of x - 3, first dim of x)): a group with a two-output
+    Split member whose first output is omitted, for the memo program's outputs and its errors."""
+    nodes = [helper.make_node("Shape", ["x"], ["shape"]),
+             helper.make_node("Split", ["shape", "halves"], ["", "rest"], axis=0),
+             helper.make_node("Sub", ["rest", "three"], ["smaller"]),
+             helper.make_node("Slice", ["shape", "zero1", "one1"], ["first"]),
+             helper.make_node("Concat", ["smaller", "first"], ["dims"], axis=0),
+             helper.make_node("ConstantOfShape", ["dims"], ["out"], name="make_zeros")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, None)], [helper.make_tensor_value_info("out", F, None)],
+        [_const("halves", [1, 1]), _const("three", [3]), _const("zero1", [0]), _const("one1", [1])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_a_memo_program_runs_multi_output_members_and_names_a_failing_member():
+    cached, plain = runnx.load(_split_dims_model()), runnx.load(_split_dims_model(), shape_cache=False)
+    assert cached.memoized == 6 and len(cached.plan()) == 1
+    for shape in [(2, 7), (4, 5), (2, 7)]:
+        x = np.zeros(shape, np.float32)
+        got, want = cached.run({"x": x})["out"], plain.run({"x": x})["out"]
+        assert got.shape == want.shape == (shape[1] - 3, shape[0])
+    with pytest.raises(runnx.RunnxError, match=r"ConstantOfShape.*make_zeros.*negative dimension"):
+        cached.run({"x": np.zeros((2, 1), np.float32)})
