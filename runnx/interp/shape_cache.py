@@ -232,9 +232,7 @@ class ShapeGroup:
         program = self._program
         if program is None:
             program = self._program = _group_program(self)
-        results = program(args, ctx)
-        arrays = [a for a in args if isinstance(a, np.ndarray)]
-        return tuple([_read_only(_unshared(value, arrays)) for value in results])
+        return tuple([_kept_value(value, args) for value in program(args, ctx)])
 
 
 def _group_program(group: ShapeGroup):
@@ -296,22 +294,19 @@ def _value_key(value):
     return [value]
 
 
-def _unshared(value, args: list):
-    """`value`, copied if it shares memory with an argument (an Identity or Reshape of an
-    external): kept results then never alias a graph value, so a compiled plan need not count
-    their storage (compiled.py). An array owning its memory shares it with none but itself."""
-    if not isinstance(value, np.ndarray) or (value.base is None and not any(value is a for a in args)):
-        return value
-    if any(np.may_share_memory(value, a) for a in args):
-        return value.copy()
-    return value
-
-
-def _read_only(value):
-    """Kept results are handed out again: they must never be writeable."""
-    if isinstance(value, (np.ndarray, np.generic)):
+def _kept_value(value, args: tuple):
+    """A member's output as kept: an array never writeable (kept results are handed out again),
+    copied if it shares memory with an argument (an Identity or Reshape of an external), so that
+    kept results never alias a graph value and a compiled plan need not count their storage
+    (compiled.py). An array owning its memory shares it with none but itself."""
+    if type(value) is not np.ndarray:
+        if not isinstance(value, (np.ndarray, np.generic)):
+            return value
         value = np.asarray(value)
-        if value.flags.writeable:
-            value = value.view()
-            value.flags.writeable = False
+    if (value.base is not None or any(value is a for a in args)) and any(
+            isinstance(a, np.ndarray) and np.may_share_memory(value, a) for a in args):
+        value = value.copy()
+    if value.flags.writeable:
+        value = value.view()
+        value.flags.writeable = False
     return value
