@@ -51,11 +51,16 @@ _POSTED, _CLAIM, _COMPLETED, _IDLE, _STOP, _SHARED, _FIELDS = 0, 8, 16, 24, 32, 
 MAX_WORKERS = _STOP - _IDLE
 # a job's fields: its kind, unit count and polls a worker spins after it, then the kind's own
 _KIND, _UNITS, _LINGER, _OWN = _FIELDS, _FIELDS + 1, _FIELDS + 2, _FIELDS + 3
-_PRODUCTS, _ATTENTION, _ROWS = 0, 1, 2
-# products: the row, then (matrix, width, partial rows) for each matrix
+_PRODUCTS, _ATTENTION, _ROWS, _SUMS = 0, 1, 2, 3
+# products: the row, then (matrix, width, partial rows, output) for each matrix; a products job's
+# partial rows are then added by a sums job of the same fields when they are wide (an LM head's)
 _ROW, _DEPTH, _CHUNKS, _MATRICES = range(_OWN, _OWN + 4)
 MAX_MATRICES = 4  # one job: one row times up to this many matrices (a layer's q, k, v projections)
-_MATRIX, _WIDTH, _PARTIALS, _PER_MATRIX = 0, 1, 2, 3  # matrix m's slots start at _MATRICES + 3 m
+_MATRIX, _WIDTH, _PARTIALS, _OUT, _PER_MATRIX = 0, 1, 2, 3, 4  # matrix m's slots start at _MATRICES + 4 m
+# columns per unit of a sums job, and the columns (all products') from which the partial rows are
+# added by the pool: an LM head's 8 partial rows of 50k columns take ~250 us to add on one thread
+_SUM_BLOCK = 4096
+_SHARED_SUMS = 4 * _SUM_BLOCK
 # attention: scale, groups, whether there is a bias, then query, key, value, bias and the spans'
 # partial sums and statistics as (address, 4 dimensions, 4 byte strides)
 _SCALE, _GROUPS, _HAS_BIAS, _ARRAYS = range(_OWN, _OWN + 4)
@@ -89,6 +94,31 @@ def _product_chunk(box, index):
     chunk = index % chunks
     start, stop = chunk_bounds(depth, chunks, chunk)
     rows_into(row, matrix, partials[chunk], start, stop)
+
+
+@_jit
+def _sum_block(box, index):
+    """Unit `index` of a sums job: one block of columns of one product, its partial rows added in
+    chunk order (`add_partials_into`'s order, so the same result as on one thread), each block of a
+    partial row a contiguous vector."""
+    chunks = load(box, _CHUNKS)
+    slots = _MATRICES
+    width = load(box, slots + _WIDTH)
+    blocks = (width + _SUM_BLOCK - 1) // _SUM_BLOCK
+    while index >= blocks:  # the units run through the products' blocks in turn
+        index -= blocks
+        slots += _PER_MATRIX
+        width = load(box, slots + _WIDTH)
+        blocks = (width + _SUM_BLOCK - 1) // _SUM_BLOCK
+    start = index * _SUM_BLOCK
+    size = min(_SUM_BLOCK, width - start)
+    partials = load(box, slots + _PARTIALS) + 4 * start  # chunk c's columns at 4 * c * width bytes on
+    out = numba.carray(float32_pointer(load(box, slots + _OUT) + 4 * start), (size,))
+    out[:] = numba.carray(float32_pointer(partials), (size,))
+    for chunk in range(1, chunks):
+        part = numba.carray(float32_pointer(partials + 4 * chunk * width), (size,))
+        for n in range(size):
+            out[n] += part[n]
 
 
 @_jit
@@ -155,6 +185,8 @@ def _work(box, sequence):
                 _product_chunk(box, claim & _NOTHING_TO_CLAIM)
             elif kind == _ATTENTION:
                 _attention_span(box, claim & _NOTHING_TO_CLAIM)
+            elif kind == _SUMS:
+                _sum_block(box, claim & _NOTHING_TO_CLAIM)
             else:
                 _row_block(box, claim & _NOTHING_TO_CLAIM)
             add(box, _COMPLETED, 1)
@@ -233,7 +265,19 @@ def _products(box, workers, row, matrices, outs, scratch):
         store(box, slots + _MATRIX, matrices[m].ctypes.data)
         store(box, slots + _WIDTH, matrices[m].shape[1])
         store(box, slots + _PARTIALS, partials[m].ctypes.data)
+        store(box, slots + _OUT, outs[m].ctypes.data)
     idle = _run(box, workers, sequence, chunks * len(matrices))
+    columns = 0
+    for out in outs:
+        columns += out.size
+    if workers and chunks > 1 and columns >= _SHARED_SUMS:
+        units = 0
+        for out in outs:
+            units += (out.size + _SUM_BLOCK - 1) // _SUM_BLOCK
+        sequence = _begin(box, _PATIENCE)  # the fields stay the products job's
+        store(box, _KIND, _SUMS)
+        _run(box, workers, sequence, units)
+        return idle
     for m in range(len(matrices)):
         add_partials_into(partials[m], outs[m])
     return idle

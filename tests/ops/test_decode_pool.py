@@ -16,8 +16,9 @@ from runnx.ops._kernels_linalg import ROW_CHUNKS, row_times_matrix
 from runnx.ops.linalg import MatMul
 
 RNG = np.random.default_rng(0)
-# (depth, width): fewer rows than chunks, rows not a multiple of four, wide rows (four per pass)
-SHAPES = [(3, 5), (13, 7), (576, 192), (1537, 96), (64, 1100)]
+# (depth, width): fewer rows than chunks, rows not a multiple of four, wide rows (four per pass), an
+# LM head's width (its partial rows added by the pool in blocks of columns, the last one short)
+SHAPES = [(3, 5), (13, 7), (576, 192), (1537, 96), (64, 1100), (40, 5 * _decode_pool._SUM_BLOCK + 13)]
 
 
 @pytest.fixture
@@ -75,13 +76,17 @@ def test_pool_is_bitwise_the_loop(pool, shape):
     np.testing.assert_array_equal(pool.products(strided, (matrix,))[0], expected)
 
 
-def test_one_job_takes_several_matrices_of_one_depth(pool):
-    row = RNG.standard_normal(384).astype(np.float32)
-    matrices = tuple(RNG.standard_normal((384, width)).astype(np.float32) for width in (384, 64, 1100, 7, 384, 96))
-    got = pool.products(row, matrices)  # more than MAX_MATRICES: two jobs
-    assert len(got) == len(matrices) > _decode_pool.MAX_MATRICES
-    for product, matrix in zip(got, matrices):
-        np.testing.assert_array_equal(product, row_times_matrix(row, matrix))
+@pytest.mark.parametrize("widths", [(384, 64, 1100, 7, 384, 96),  # more than MAX_MATRICES: two jobs
+                                    (3 * _decode_pool._SUM_BLOCK + 5, 300, 2 * _decode_pool._SUM_BLOCK - 1)])
+def test_one_job_takes_several_matrices_of_one_depth(pool, widths):
+    # the second: wide enough for the partial rows to be added by the pool, blocks of three products
+    row = RNG.standard_normal(96).astype(np.float32)
+    matrices = tuple(RNG.standard_normal((96, width)).astype(np.float32) for width in widths)
+    for _ in range(5):  # the workers awake or asleep
+        got = pool.products(row, matrices)
+        assert len(got) == len(matrices)
+        for product, matrix in zip(got, matrices):
+            np.testing.assert_array_equal(product, row_times_matrix(row, matrix))
 
 
 @pytest.mark.parametrize("size", [70, 2 * ATTENTION_SPAN + 37])  # one span of the cache; three
