@@ -79,6 +79,10 @@ _PATIENCE = 1 << 16  # polls (each a `pause`) before a worker sleeps: about 2.5 
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 _BLAS_THREADED = 1 << 20  # multiply-adds from which a product is worth OpenBLAS's threads
+# multiply-adds of a products job (an LM head's) from which sleeping workers are woken before it is
+# posted, not after: a worker up within ~0.1 ms still takes half of a 5 ms product (Whisper's
+# first step, its LM head right after BLAS's cross-attention products put the workers to sleep)
+_WAKE_FIRST = 1 << 22
 BUSY = object()  # what `DecodePool.call` returns when another thread has the pool
 
 
@@ -380,6 +384,12 @@ class DecodePool:
         for wake in self._wakes:
             wake.set()
 
+    def _wake_sleeping(self):
+        """Wake the workers that are asleep (or falling asleep), under the lock, before a job."""
+        for worker, wake in enumerate(self._wakes):
+            if self.box[_IDLE + worker]:
+                wake.set()
+
     def products(self, row, matrices: tuple) -> tuple:
         """(row @ matrix for matrix in matrices) for a float32 vector row (K,) and
         C-contiguous float32 matrices (K, N_m), as one job per `MAX_MATRICES`."""
@@ -388,6 +398,8 @@ class DecodePool:
         if not self._lock.acquire(blocking=False):
             return tuple(row_times_matrix(row, matrix) for matrix in matrices)
         try:
+            if sum([matrix.size for matrix in matrices]) >= _WAKE_FIRST:
+                self._wake_sleeping()
             row = np.ascontiguousarray(row)  # the workers read it by address
             outs = tuple([np.empty(matrix.shape[1], np.float32) for matrix in matrices])
             idle = _products(self.box, self._workers, row, matrices, outs,
@@ -426,9 +438,7 @@ class DecodePool:
         if not self._lock.acquire(blocking=False):
             return BUSY
         try:
-            for worker, wake in enumerate(self._wakes):
-                if self.box[_IDLE + worker]:
-                    wake.set()
+            self._wake_sleeping()
             return job(self.box, self._workers, *arguments)
         finally:
             self._lock.release()

@@ -124,6 +124,21 @@ def test_workers_take_chunks_and_sleep_when_idle(pool):
     np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)  # woken, or done alone
 
 
+def test_a_product_as_large_as_an_lm_head_wakes_sleeping_workers_before_its_job(pool):
+    # woken after it (as smaller jobs wake them), the workers would sleep through the whole product
+    depth, width = 1024, _decode_pool._WAKE_FIRST // 1024
+    matrix = RNG.standard_normal((depth, width)).astype(np.float32)
+    row = RNG.standard_normal(depth).astype(np.float32)
+    expected = row_times_matrix(row, matrix)
+    for _ in range(20):  # a woken worker joins once its core is free (the suite runs two processes)
+        assert _asleep(pool, 2)
+        before = pool.shared_units
+        np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)
+        if pool.shared_units > before:
+            break
+    assert pool.shared_units > before  # a worker took units of the job it was woken for
+
+
 def test_products_worth_blas_threads_let_spinning_workers_sleep(pool):
     # Whisper's first decoder step runs OpenBLAS products of 1500 rows between pool jobs: workers
     # spinning after a job would hold the cores OpenBLAS's threads need. A product too small for
