@@ -154,11 +154,14 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str]) -> lis
     elif "overwrite" in step.kwargs:
         arguments.append("overwrite=()")
     call = f"f{index}({', '.join(arguments)})"
+    ufunc = node.kernel.ufunc if node.kernel is not None and step.fn is node.kernel.fn else None
     if isinstance(step.fn, ShapeGroup) and not step.fn.external:  # a kept result by its roots' shapes, inline
         namespace[f"m{index}"] = step.fn.results.get
         shapes = "".join(f"v{names[v]}.shape, " for v in step.inputs)
         lines += ["        try:", f"            r = m{index}(({shapes}))", "        except AttributeError:",
                   "            r = None", "        if r is None:", f"            r = {call}"]
+    elif ufunc is not None and step.candidates and len(step.inputs) in (1, 2) and MISSING not in step.inputs:
+        lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], call, namespace)
     else:
         lines.append(f"        r = {call}")
     outputs = [(j, names[v]) for j, v in enumerate(step.outputs) if v != MISSING]
@@ -195,3 +198,20 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str]) -> lis
                   "            drop(k)",
                   f"        v{vid} = None"]
     return lines
+
+
+def _inline_ufunc_lines(index: int, ufunc, inputs: list[str], call: str, namespace: dict) -> list[str]:
+    """A kernel registered as `binary`/`unary` of a ufunc (registry.py), its first input granted:
+    the ufunc writes it in place inline when `binary`/`unary` would (the other input of its shape
+    and dtype, C-contiguous), else the kernel is called. On a chain of tiny ops the two calls
+    around the ufunc cost as much as the plan's bookkeeping."""
+    namespace[f"u{index}"] = ufunc
+    a = inputs[0]
+    if len(inputs) == 1:
+        fits, inline = f"{a}.flags.c_contiguous", f"u{index}({a}, {a})"
+    else:
+        b = inputs[1]
+        fits = f"{a}.shape == {b}.shape and {a}.dtype == {b}.dtype and {a}.flags.c_contiguous"
+        inline = f"u{index}({a}, {b}, {a})"
+    return [f"        if g and g[0] == 0 and {fits}:", f"            r = {inline}", "        else:",
+            f"            r = {call}"]

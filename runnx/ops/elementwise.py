@@ -52,17 +52,17 @@ def Div_1(a, b, *, broadcast: int = 0, axis: int | None = None, consumed_inputs:
     return Div(a, legacy_broadcast(a, b, broadcast, axis), overwrite=overwrite)
 
 
-@register("Add", since=7, inplace=(0, 1))
+@register("Add", since=7, inplace=(0, 1), ufunc=np.add)
 def Add(a, b, *, overwrite=()):
     return binary(np.add, a, b, overwrite)
 
 
-@register("Sub", since=7, inplace=(0, 1))
+@register("Sub", since=7, inplace=(0, 1), ufunc=np.subtract)
 def Sub(a, b, *, overwrite=()):
     return binary(np.subtract, a, b, overwrite)
 
 
-@register("Mul", since=7, inplace=(0, 1))
+@register("Mul", since=7, inplace=(0, 1), ufunc=np.multiply)
 def Mul(a, b, *, overwrite=()):
     return binary(np.multiply, a, b, overwrite)
 
@@ -125,17 +125,17 @@ def _integer_power(base, exponent):
     return np.where(negative, inverse, result).astype(base.dtype)
 
 
-@register("Neg", since=6, inplace=(0,))
+@register("Neg", since=6, inplace=(0,), ufunc=np.negative)
 def Neg(x, *, overwrite=()):
     return unary(np.negative, x, overwrite)
 
 
-@register("Abs", since=6, inplace=(0,))
+@register("Abs", since=6, inplace=(0,), ufunc=np.absolute)
 def Abs(x, *, overwrite=()):
     return unary(np.absolute, x, overwrite)
 
 
-@register("Sign", since=9, inplace=(0,))
+@register("Sign", since=9, inplace=(0,), ufunc=np.sign)
 def Sign(x, *, overwrite=()):
     return unary(np.sign, x, overwrite)
 
@@ -146,12 +146,12 @@ def Reciprocal(x, *, overwrite=()):
         return unary(np.reciprocal, x, overwrite)
 
 
-@register("Floor", since=6, inplace=(0,))
+@register("Floor", since=6, inplace=(0,), ufunc=np.floor)
 def Floor(x, *, overwrite=()):
     return unary(np.floor, x, overwrite)
 
 
-@register("Ceil", since=6, inplace=(0,))
+@register("Ceil", since=6, inplace=(0,), ufunc=np.ceil)
 def Ceil(x, *, overwrite=()):
     return unary(np.ceil, x, overwrite)
 
@@ -182,17 +182,17 @@ def Log(x, *, overwrite=()):
         return unary(np.log, x, overwrite)
 
 
-@register("Sin", since=7, inplace=(0,))
+@register("Sin", since=7, inplace=(0,), ufunc=np.sin)
 def Sin(x, *, overwrite=()):
     return unary(np.sin, x, overwrite)
 
 
-@register("Cos", since=7, inplace=(0,))
+@register("Cos", since=7, inplace=(0,), ufunc=np.cos)
 def Cos(x, *, overwrite=()):
     return unary(np.cos, x, overwrite)
 
 
-@register("Tan", since=7, inplace=(0,))
+@register("Tan", since=7, inplace=(0,), ufunc=np.tan)
 def Tan(x, *, overwrite=()):
     return unary(np.tan, x, overwrite)
 
@@ -209,7 +209,7 @@ def Acos(x, *, overwrite=()):
         return unary(np.arccos, x, overwrite)
 
 
-@register("Atan", since=7, inplace=(0,))
+@register("Atan", since=7, inplace=(0,), ufunc=np.arctan)
 def Atan(x, *, overwrite=()):
     return unary(np.arctan, x, overwrite)
 
@@ -226,12 +226,12 @@ def Cosh(x, *, overwrite=()):
         return unary(np.cosh, x, overwrite)
 
 
-@register("Tanh", since=6, inplace=(0,))
+@register("Tanh", since=6, inplace=(0,), ufunc=np.tanh)
 def Tanh(x, *, overwrite=()):
     return unary(np.tanh, x, overwrite)
 
 
-@register("Asinh", since=9, inplace=(0,))
+@register("Asinh", since=9, inplace=(0,), ufunc=np.arcsinh)
 def Asinh(x, *, overwrite=()):
     return unary(np.arcsinh, x, overwrite)
 
@@ -384,17 +384,17 @@ def LessOrEqual(a, b):
 # --- logic and bits ------------------------------------------------------------------------------------
 
 
-@register("And", since=7, inplace=(0, 1))
+@register("And", since=7, inplace=(0, 1), ufunc=np.logical_and)
 def And(a, b, *, overwrite=()):
     return binary(np.logical_and, a, b, overwrite)
 
 
-@register("Or", since=7, inplace=(0, 1))
+@register("Or", since=7, inplace=(0, 1), ufunc=np.logical_or)
 def Or(a, b, *, overwrite=()):
     return binary(np.logical_or, a, b, overwrite)
 
 
-@register("Xor", since=7, inplace=(0, 1))
+@register("Xor", since=7, inplace=(0, 1), ufunc=np.logical_xor)
 def Xor(a, b, *, overwrite=()):
     return binary(np.logical_xor, a, b, overwrite)
 
@@ -414,27 +414,27 @@ def Xor_1(a, b, *, broadcast: int = 0, axis: int | None = None, overwrite=()):
     return Xor(a, legacy_broadcast(a, b, broadcast, axis), overwrite=overwrite)
 
 
-@register("Not", since=1, inplace=(0,))
+@register("Not", since=1, inplace=(0,), ufunc=np.logical_not)
 def Not(x, *, overwrite=()):
     return unary(np.logical_not, x, overwrite)
 
 
-@register("BitwiseAnd", since=18, inplace=(0, 1))
+@register("BitwiseAnd", since=18, inplace=(0, 1), ufunc=np.bitwise_and)
 def BitwiseAnd(a, b, *, overwrite=()):
     return binary(np.bitwise_and, a, b, overwrite)
 
 
-@register("BitwiseOr", since=18, inplace=(0, 1))
+@register("BitwiseOr", since=18, inplace=(0, 1), ufunc=np.bitwise_or)
 def BitwiseOr(a, b, *, overwrite=()):
     return binary(np.bitwise_or, a, b, overwrite)
 
 
-@register("BitwiseXor", since=18, inplace=(0, 1))
+@register("BitwiseXor", since=18, inplace=(0, 1), ufunc=np.bitwise_xor)
 def BitwiseXor(a, b, *, overwrite=()):
     return binary(np.bitwise_xor, a, b, overwrite)
 
 
-@register("BitwiseNot", since=18, inplace=(0,))
+@register("BitwiseNot", since=18, inplace=(0,), ufunc=np.invert)
 def BitwiseNot(x, *, overwrite=()):
     return unary(np.invert, x, overwrite)
 

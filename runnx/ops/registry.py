@@ -13,6 +13,11 @@ signature. Three keyword names are reserved:
 ``shape_only=`` declares input positions read only for their shape and dtype (Shape, Size): the
 planner lets an earlier node overwrite such an input's data in place.
 
+``ufunc=`` declares a kernel that is exactly `binary` or `unary` of that numpy ufunc
+(`_elementwise_util.py`): a compiled plan writes its granted first input in place inline, as those
+would, without the two calls around the ufunc (half a tiny node's cost), and calls the kernel for
+anything else.
+
 A kernel returns one value, or a tuple for several outputs (a list is a sequence value). It must
 never return a writeable array that it keeps a reference to (module caches must be read-only).
 Resolution picks the newest registration whose since-version is <= the model's opset.
@@ -47,6 +52,7 @@ class Kernel:
     wants_output_count: bool
     arity: tuple[int, int | None] = (0, None)  # (positional inputs without default, max or None: variadic)
     shape_only: tuple[int, ...] = ()  # input positions read only for their shape and dtype, never their data
+    ufunc: typing.Any = None  # the numpy ufunc the kernel is `binary`/`unary` of, if it is exactly that
 
     def can_overwrite(self, position: int) -> bool:
         return position in self.inplace or (self.inplace_from is not None and position >= self.inplace_from)
@@ -77,7 +83,7 @@ def _allowed_types(annotation) -> tuple:
 
 
 def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace: tuple[int, ...] = (),
-             inplace_from: int | None = None, shape_only: tuple[int, ...] = ()):
+             inplace_from: int | None = None, shape_only: tuple[int, ...] = (), ufunc=None):
     """Register a kernel for `op_type` from opset `since` on; see the module docstring."""
 
     def decorate(fn):
@@ -98,7 +104,7 @@ def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace:
         variadic = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
         arity = (sum(p.default is REQUIRED for p in positional), None if variadic else len(positional))
         kernel = Kernel(op_type, _canonical_domain(domain), since, fn, tuple(inplace), inplace_from, attrs,
-                        tuple(subgraphs), "ctx" in params, "output_count" in params, arity, tuple(shape_only))
+                        tuple(subgraphs), "ctx" in params, "output_count" in params, arity, tuple(shape_only), ufunc)
         versions = _REGISTRY.setdefault((kernel.domain, op_type), [])
         if any(k.since == since for k in versions):
             raise ValueError(f"{op_type} since {since} registered twice")

@@ -46,6 +46,38 @@ def test_an_owned_input_is_consumed_in_place_and_a_borrowed_one_never_written():
         np.testing.assert_array_equal(y, 3)
 
 
+def test_inline_ufuncs_write_only_where_their_kernels_would():
+    """Kernels registered with a ufunc run it inline in compiled plans when their first input is
+    granted and fits (same shape and dtype as the other, C-contiguous), else the kernel: a
+    transposed view is not written (its result C-ordered, as copy mode makes it), a broadcast
+    input is not written, and a grant of the second input alone goes to the kernel."""
+    nodes = [
+        helper.make_node("Neg", ["x"], ["a"]),                              # inline, into x
+        helper.make_node("Add", ["a", "y"], ["b"]),                         # inline, into a
+        helper.make_node("Transpose", ["b"], ["t"], perm=[1, 0]),           # a view of b's storage
+        helper.make_node("Sub", ["t", "w"], ["c"]),                         # granted, strided: kernel
+        helper.make_node("Sub", ["w", "c"], ["d"]),                         # only c granted: kernel
+        helper.make_node("Mul", ["z", "d"], ["out"]),                       # d granted, broadcast: kernel
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, F, None) for n in "xyzw"],
+                              [helper.make_tensor_value_info("out", F, None)])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+    compiled, interpreted = runnx.load(proto, compile_after=1), runnx.load(proto, compile_after=0)
+    y, z, w = (np.linspace(-2, 2, n, dtype=np.float32).reshape(s) for n, s in ((8, (2, 4)), (2, (1, 2)), (8, (4, 2))))
+    for _ in range(3):
+        x = np.arange(8, dtype=np.float32).reshape(2, 4)
+        out = compiled.run({"x": runnx.Owned(x), "y": y, "z": z, "w": w})["out"]
+        expected = interpreted.run({"x": runnx.Owned(np.arange(8, dtype=np.float32).reshape(2, 4)),
+                                    "y": y, "z": z, "w": w})["out"]
+        np.testing.assert_array_equal(out, z * (w - ((-np.arange(8, dtype=np.float32).reshape(2, 4) + y).T - w)))
+        np.testing.assert_array_equal(out, expected)
+        assert out.strides == expected.strides and out.flags.c_contiguous
+        np.testing.assert_array_equal(x, -np.arange(8, dtype=np.float32).reshape(2, 4) + y)  # written twice
+        np.testing.assert_array_equal(w, np.linspace(-2, 2, 8, dtype=np.float32).reshape(4, 2))  # borrowed
+    (function,) = _compiled(compiled)
+    assert {"u0", "u1"} <= set(function.__globals__)  # Neg and Add inline; Sub and Mul may fall back
+
+
 def test_a_live_view_blocks_the_in_place_write():
     """a = Neg(x); v = Reshape(a) is requested; Add may not write a's storage while v lives."""
     shape = helper.make_tensor("shape", TensorProto.INT64, [1], [8])

@@ -233,3 +233,21 @@ def test_scalars_and_empty_tensors(op, shape):
     owned = run_node(op, [x], opset=20, owned=True)
     assert borrowed.shape == shape and borrowed.dtype == F32
     np.testing.assert_array_equal(owned, borrowed)
+
+
+def test_kernels_declaring_a_ufunc_compute_exactly_it():
+    """Compiled plans run a kernel's declared ufunc in place of the kernel (interp/compiled.py)."""
+    from runnx.ops import registry
+
+    declared = [k for versions in registry._REGISTRY.values() for k in versions if k.ufunc is not None]
+    assert {"Add", "Sub", "Mul", "Neg"} <= {k.op_type for k in declared}
+    rng = np.random.default_rng(3)
+    for kernel in declared:
+        ufunc = kernel.ufunc
+        dtype = next(d for d in (np.float32, np.bool_, np.int32)
+                     if any(t.startswith(np.dtype(d).char * ufunc.nin) for t in ufunc.types))
+        inputs = [(rng.standard_normal(6) * 4).astype(dtype) for _ in range(ufunc.nin)]
+        assert kernel.arity == (ufunc.nin, ufunc.nin) and kernel.inplace[:1] == (0,)
+        for overwrite in ((), (0,)):
+            copies = [a.copy() for a in inputs]
+            np.testing.assert_array_equal(kernel.fn(*copies, overwrite=overwrite), ufunc(*inputs))
