@@ -76,12 +76,14 @@ def test_pool_is_bitwise_the_loop(pool, shape):
     np.testing.assert_array_equal(pool.products(strided, (matrix,))[0], expected)
 
 
-@pytest.mark.parametrize("widths", [(384, 64, 1100, 7, 384, 96),  # more than MAX_MATRICES: two jobs
-                                    (3 * _decode_pool._SUM_BLOCK + 5, 300, 2 * _decode_pool._SUM_BLOCK - 1)])
-def test_one_job_takes_several_matrices_of_one_depth(pool, widths):
-    # the second: wide enough for the partial rows to be added by the pool, blocks of three products
-    row = RNG.standard_normal(96).astype(np.float32)
-    matrices = tuple(RNG.standard_normal((96, width)).astype(np.float32) for width in widths)
+@pytest.mark.parametrize("depth, widths", [
+    (384, (384, 64, 1100, 7, 384, 96)),  # more than MAX_MATRICES: two jobs
+    (96, (3 * _decode_pool._SUM_BLOCK + 5, 300, 2 * _decode_pool._SUM_BLOCK - 1)),  # partial rows added by the pool
+])
+def test_one_job_takes_several_matrices_of_one_depth(pool, depth, widths):
+    assert len(widths) > _decode_pool.MAX_MATRICES or sum(widths) >= _decode_pool._SHARED_SUMS
+    row = RNG.standard_normal(depth).astype(np.float32)
+    matrices = tuple(RNG.standard_normal((depth, width)).astype(np.float32) for width in widths)
     for _ in range(5):  # the workers awake or asleep
         got = pool.products(row, matrices)
         assert len(got) == len(matrices)
