@@ -32,18 +32,22 @@ def int_values(tensor) -> list[int] | None:
     """A 0-D or 1-D integer tensor input (shape, axes, pads, ...) as Python ints; None stays None.
     The values of small read-only arrays (constants, shape memos' results: the same arrays step
     after step) are remembered by identity, holding the array so that its id stays its own."""
-    if tensor is None:
-        return None
+    return None if tensor is None else list(int_tuple(tensor))
+
+
+def int_tuple(tensor) -> tuple[int, ...]:
+    """`int_values` of a tensor as a tuple: the remembered one itself, no copy (fused kernels'
+    hashable keys)."""
     known = _remembered.get(id(tensor))
     if known is not None and known[0] is tensor:
-        return list(known[1])
+        return known[1]
     array = np.asarray(tensor)
     values = array.reshape(-1).tolist()  # Python ints for integer tensors, in one C call
-    values = values if array.dtype.kind in "iu" else [int(v) for v in values]
+    values = tuple(values) if array.dtype.kind in "iu" else tuple([int(v) for v in values])
     if array is tensor and not array.flags.writeable and array.size <= _REMEMBERED_SIZE:
         if len(_remembered) >= 4096:
             _remembered.clear()
-        _remembered[id(tensor)] = (tensor, tuple(values))
+        _remembered[id(tensor)] = (tensor, values)
     return values
 
 

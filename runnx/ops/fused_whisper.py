@@ -275,7 +275,7 @@ def split_shape(x, target, source, dims: tuple, axes: tuple) -> tuple:
 def SplitHeadsShape(x, weight, target, source, *, dims: tuple[int, ...] = (), axes: tuple[int, ...] = ()):
     """A stand-in with the shape of SplitHeads(x @ weight, None, target, source) (zero strides), for
     nodes that only read the shape of split heads a fused node computes inside itself."""
-    product = np.broadcast_to(np.zeros((), x.dtype), x.shape[:-1] + weight.shape[-1:])
+    product = stand_in(x.dtype, x.shape[:-1] + weight.shape[-1:])
     return stand_in(x.dtype, split_shape(product, target, source, dims, axes))
 
 
