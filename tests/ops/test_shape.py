@@ -280,13 +280,15 @@ def test_attributes_exist_only_from_the_opset_that_introduced_them():
 
 
 def test_int_values_remember_read_only_arrays_only():
-    from runnx.ops._shape_util import int_values
+    from runnx.ops._shape_util import int_tuple, int_values
     frozen = np.array([2, 0, -1])
     frozen.flags.writeable = False
     first = int_values(frozen)
     first.append(7)  # the caller's own list
     assert int_values(frozen) == [2, 0, -1]
+    assert int_tuple(frozen) == (2, 0, -1) and int_tuple(frozen) is int_tuple(frozen)  # the remembered tuple
     changing = np.array([3, 4])  # writeable: read each time
-    assert int_values(changing) == [3, 4]
+    assert int_values(changing) == [3, 4] and int_tuple(changing) == (3, 4)
     changing[0] = 5
-    assert int_values(changing) == [5, 4]
+    assert int_values(changing) == [5, 4] and int_tuple(changing) == (5, 4)
+    assert int_tuple(np.array([2.0, 3.0])) == (2, 3) and type(int_tuple(np.array([2.0]))[0]) is int
