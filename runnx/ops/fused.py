@@ -282,10 +282,6 @@ def _resolve_reshape(shape: tuple, target: tuple) -> tuple | None:
     return tuple(dims)
 
 
-def _ints(array) -> tuple:
-    return int_tuple(array)  # remembered for the read-only shape arrays a step passes again
-
-
 def _unsqueezed_shape(shape: tuple, axes: tuple) -> tuple:
     """Shape of Unsqueeze (axes count in the output's rank; negative from its end)."""
     rank = len(shape) + len(axes)
@@ -316,7 +312,7 @@ def _repeat_shapes(shape: tuple, axes: tuple, expand: tuple, target: tuple) -> t
 
 
 def _repeat(kv, axes, expand, target) -> tuple:
-    return _repeat_shapes(kv.shape, _ints(axes), _ints(expand), _ints(target))
+    return _repeat_shapes(kv.shape, int_tuple(axes), int_tuple(expand), int_tuple(target))
 
 
 def _materialised(kv, shapes):
@@ -369,8 +365,8 @@ def _mask_bias(mask, starts, ends, axes, steps, then, otherwise, ctx=None):
     SmolLM2 step cost 0.6-0.7 ms of 28-37 in per-step A/B)."""
     if ctx is None or then.size > 1 or otherwise.size > 1:
         return Where(_slice(mask, starts, ends, axes, steps), then, otherwise)
-    key = ("mask bias", id(mask), _ints(starts), _ints(ends), _ints(axes), steps is None or _ints(steps),
-           _scalar_key((), then, otherwise))
+    key = ("mask bias", id(mask), int_tuple(starts), int_tuple(ends), int_tuple(axes),
+           steps is None or int_tuple(steps), _scalar_key((), then, otherwise))
     return ctx.keep(key, (mask,), lambda: Where(_slice(mask, starts, ends, axes, steps), then, otherwise))
 
 
@@ -428,7 +424,7 @@ def _scale_and_fill(_, query_scale, key_scale, nan_fill) -> tuple | None:
 @Remembered
 def _merged_shape(heads: tuple, target) -> tuple | None:
     """The shape Reshape(heads transposed (0, 2, 1, 3), target) gives one query row's heads, else None."""
-    return _resolve_reshape((heads[0], heads[2], heads[1], heads[3]), _ints(target))
+    return _resolve_reshape((heads[0], heads[2], heads[1], heads[3]), int_tuple(target))
 
 
 def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
