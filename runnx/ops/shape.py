@@ -16,7 +16,7 @@ from onnx import TensorProto
 
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import numpy_dtype
-from runnx.ops._shape_util import broadcast_shape, int_values, normalize_axes, normalize_axis, split_parts
+from runnx.ops._shape_util import broadcast_shape, int_tuple, int_values, normalize_axes, normalize_axis, split_parts
 from runnx.ops.registry import register
 
 
@@ -114,7 +114,7 @@ def Unsqueeze_1(data, *, axes: tuple[int, ...]):
 
 @register("Unsqueeze", since=13)
 def Unsqueeze(data, axes):
-    return _unsqueeze(data, int_values(axes))
+    return _unsqueeze(data, int_tuple(axes))
 
 
 @register("Transpose", since=1)
@@ -126,7 +126,7 @@ def Transpose(data, *, perm: tuple[int, ...] | None = None):
 
 @register("Expand", since=8)
 def Expand(data, shape, *, ctx):
-    out_shape = broadcast_shape(data.shape, tuple(int_values(shape)))
+    out_shape = broadcast_shape(data.shape, int_tuple(shape))
     if out_shape == data.shape:
         return data
     ctx.check_elements(out_shape, "Expand output")
