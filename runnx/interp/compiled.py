@@ -60,20 +60,12 @@ def _bind_lines(name: str, source: str, indent: str, fallback: str) -> list[str]
 
 
 def _memo_lines(outputs: list) -> list[str]:
-    """Bind a memo node's outputs ((position, name) pairs; its result is always a tuple): its kept
-    arrays are read-only and never share storage with a graph value (shape_cache.py copies those
-    that would), so neither they nor views of them are ever written in place, and their storage is
-    not counted (no keys)."""
-    lines = []
-    for j, name in outputs:
-        lines += [f"        o = r[{j}]",
-                  "        if type(o) is nd:",
-                  f"            v{name} = o",
-                  f"            k{name} = ()",
-                  "        else:",
-                  f"            v{name}, k{name} = bind_one(o)",
-                  f"            hold(k{name}, None, v{name})"]
-    return lines
+    """Bind a memo node's outputs (names in order; its result is a tuple of exactly those): its
+    values are read-only arrays that never share storage with a graph value, or sequences of such
+    (shape_cache.py copies those that would), so neither they nor views of them are ever written in
+    place and their storage is not counted: no keys, nothing to check, nothing to release."""
+    return [f"        {''.join(f'v{name}, ' for name in outputs)}= r",
+            f"        {''.join(f'k{name} = ' for name in outputs)}()"]
 
 
 def _names(plan) -> dict[int, str]:
@@ -104,6 +96,7 @@ def compile_plan(graph: Graph, plan):
     if any(step.node.subgraphs for step in plan.steps):
         return None
     names = _names(plan)
+    keyless = {vid for step in plan.steps if isinstance(step.fn, ShapeGroup) for vid in step.outputs}
     namespace = {"nd": np.ndarray, "root": storage_root, "bind": bound_outputs, "bind_one": bound_output}
     lines = ["def run(V, K, table, ctx):",
              "    cnt, own = table.count, table.owned",
@@ -115,7 +108,7 @@ def compile_plan(graph: Graph, plan):
         namespace[f"k{names[vid]}"] = plan.keys_template[vid]
     lines += ["    at = -1", "    try:", "        pass"]
     for index, step in enumerate(plan.steps):
-        lines += _step_lines(index, step, namespace, names)
+        lines += _step_lines(index, step, namespace, names, keyless)
     outputs = ", ".join(f"v{names[v]}" for v in plan.outputs)
     output_keys = ", ".join(f"k{names[v]}" for v in plan.outputs)
     lines += ["    except Exception as error:",
@@ -133,8 +126,10 @@ def compile_plan(graph: Graph, plan):
     return namespace["run"]
 
 
-def _step_lines(index: int, step, namespace: dict, names: dict[int, str]) -> list[str]:
+def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyless: set) -> list[str]:
+    """The lines of one step; `keyless` values (memo outputs) are never granted, counted or released."""
     node = step.node
+    candidates = [(position, vid) for position, vid in step.candidates if vid not in keyless]
     namespace[f"f{index}"] = step.fn
     arguments = ["None" if v == MISSING else f"v{names[v]}" for v in step.inputs]
     attrs = {k: v for k, v in step.kwargs.items() if k != "overwrite"}
@@ -144,9 +139,9 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str]) -> lis
     if step.wants_ctx:
         arguments.append("ctx=ctx")
     lines = [f"        # {node.describe()}", f"        at = {index}"]
-    if step.candidates:
+    if candidates:
         lines.append("        g = ()")
-        for position, vid in step.candidates:
+        for position, vid in candidates:
             lines += [f"        k = k{names[vid]}",
                       "        if len(k) == 1 and cnt_get(k[0]) == 1 and own_get(k[0]) or len(k) > 1 and excl(k):",
                       f"            g += ({position},)"]
@@ -160,18 +155,18 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str]) -> lis
         shapes = "".join(f"v{names[v]}.shape, " for v in step.inputs)
         lines += ["        try:", f"            r = m{index}(({shapes}))", "        except AttributeError:",
                   "            r = None", "        if r is None:", f"            r = {call}"]
-    elif ufunc is not None and step.candidates and len(step.inputs) in (1, 2) and MISSING not in step.inputs:
+    elif ufunc is not None and candidates and len(step.inputs) in (1, 2) and MISSING not in step.inputs:
         lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], call, namespace)
     else:
         lines.append(f"        r = {call}")
     outputs = [(j, names[v]) for j, v in enumerate(step.outputs) if v != MISSING]
     if isinstance(step.fn, ShapeGroup):
-        lines += _memo_lines(outputs)
+        lines += _memo_lines([name for _, name in outputs])
     elif step.single:
         bind_lines = _bind_lines(names[step.outputs[0]], "r", "        ", f"bind(STEPS[{index}].node, 1, r)[0]")
-        if step.candidates:  # a kernel that returns a dying input itself (overwritten, or unchanged):
+        if candidates:  # a kernel that returns a dying input itself (overwritten, or unchanged):
             out = names[step.outputs[0]]  # the output takes over its storage count, the release is a no-op
-            for n, (_, vid) in enumerate(step.candidates):
+            for n, (_, vid) in enumerate(candidates):
                 vid = names[vid]
                 lines += [f"        {'elif' if n else 'if'} r is v{vid}:",
                           f"            v{out} = r", f"            k{out} = k{vid}", f"            k{vid} = ()"]
@@ -185,7 +180,11 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str]) -> lis
         targets = ", ".join("(_, _)" if v == MISSING else f"(v{names[v]}, k{names[v]})" for v in step.outputs)
         lines += ["        else:", f"            {targets}, = bind(STEPS[{index}].node, {count}, r)"]
         lines += [f"            hold(k{v}, None, v{v})" for _, v in outputs]
-    for vid in map(names.get, step.releases):
+    for vid in step.releases:
+        if vid in keyless:
+            lines.append(f"        v{names[vid]} = None")
+            continue
+        vid = names[vid]
         lines += [f"        k = k{vid}",
                   "        if len(k) == 1:",
                   "            key = k[0]",

@@ -127,6 +127,8 @@ class Model:
         for name, value in zip(names, values):
             if isinstance(value, np.ndarray) and not value.flags.writeable:
                 value = value.copy()  # never hand out a view of a constant or of a caller's array
+            elif type(value) is list:  # nor in a sequence
+                value = [v.copy() if isinstance(v, np.ndarray) and not v.flags.writeable else v for v in value]
             result[name] = value
         if record is not None:
             record.runs += 1

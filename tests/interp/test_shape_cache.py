@@ -187,6 +187,28 @@ def test_a_memo_reading_another_memos_results_knows_them_by_identity(monkeypatch
         assert len(hashed) - before == want_hashed
 
 
+def test_a_memos_sequence_holds_kept_arrays_that_no_step_overwrites():
+    """seq = SequenceConstruct(Shape(x), Shape(x)) is a memo's output, uncounted in a compiled plan:
+    its arrays are read-only, so Add, reading the one SequenceAt picks as its dying input, computes
+    into a new array and the sequence keeps its values, run after run."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("SequenceConstruct", ["s", "s"], ["seq"]),
+             helper.make_node("SequenceAt", ["seq", "index"], ["picked"]),
+             helper.make_node("Add", ["picked", "k"], ["bumped"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, None), helper.make_tensor_value_info("index", I64, []),
+                     helper.make_tensor_value_info("k", I64, [1])],
+        [helper.make_tensor_value_info("bumped", I64, None),
+         helper.make_tensor_value_info("seq", TensorProto.UNDEFINED, None)])
+    graph.output[1].type.sequence_type.elem_type.tensor_type.elem_type = I64
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    assert model.memoized == 2
+    for shape in [(2, 3), (2, 3), (2, 3), (4, 5), (4, 5)]:  # interpreted, then compiled; hits and misses
+        got = model.run({"x": np.zeros(shape, np.float32), "index": np.array(0), "k": np.array([10])})
+        np.testing.assert_array_equal(got["bumped"], np.add(shape, 10))
+        assert [list(v) for v in got["seq"]] == [list(shape)] * 2
+        got["seq"][0][0] = -1  # the caller's own arrays
+
+
 def _split_dims_model():
     """out = ConstantOfShape(Concat(last dim of x - 3, first dim of x)): a group with a two-output
     Split member whose first output is omitted, for the memo program's outputs and its errors."""
