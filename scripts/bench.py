@@ -120,6 +120,35 @@ def worker_llm(runner: str, threads: int, contexts: list[int], steps: int, prefi
     return {"load_s": load_seconds, "decode_tps": decode, "prefill_tps": prefill_tps, "peak_rss_mb": peak}
 
 
+PAUSE_SECONDS = 0.02  # onnxruntime's pool spins for a few ms after a run, runnx's decode pool for 2.5
+
+
+def alternating_blocks(engines: dict, context: int, blocks: int, steps: int) -> dict:
+    """{runner: [tokens/s of each block]} for one context, the runners' turns alternating."""
+    token = np.array([[42]], np.int64)
+    states = {}
+    for name, engine in engines.items():
+        rng = np.random.default_rng(0)
+        past = engine.step(token, context, _random_past(engine.kv, context, rng),
+                           context + blocks * steps + 2)  # warm-up, the cache in its own form
+        states[name] = (past, context + 1)
+    speeds = {name: [] for name in engines}
+    order = list(engines)
+    for block in range(blocks):
+        for name in order if block % 2 == 0 else order[::-1]:
+            time.sleep(PAUSE_SECONDS)
+            past, length = states[name]
+            times = []
+            for _ in range(steps):
+                begin = time.perf_counter()
+                past = engines[name].step(token, length, past, 0)
+                times.append(time.perf_counter() - begin)
+                length += 1
+            states[name] = (past, length)
+            speeds[name].append(1.0 / statistics.median(times))
+    return speeds
+
+
 class GenAI:
     """onnxruntime-genai's own loop on its own model (static KV buffer, GroupQueryAttention), in
     the engines' form: `past` is its generator, made by a call with a capacity (its max_length)

@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,35 +47,6 @@ import onnxruntime  # noqa: E402
 import bench  # noqa: E402
 
 bench.runnx, bench.np, bench.onnxruntime = runnx, np, onnxruntime  # bench.py imports them in its workers only
-PAUSE_SECONDS = 0.02  # onnxruntime's pool spins for a few ms after a run, runnx's decode pool for 2.5
-
-
-def _blocks(engines: dict, context: int) -> dict:
-    """{runner: [tokens/s of each block]} for one context, the runners' turns alternating."""
-    token = np.array([[42]], np.int64)
-    states = {}
-    for name, engine in engines.items():
-        rng = np.random.default_rng(0)
-        past = engine.step(token, context, bench._random_past(engine.kv, context, rng),
-                           context + ARGS.blocks * ARGS.steps + 2)  # warm-up, the cache in its own form
-        states[name] = (past, context + 1)
-    speeds = {name: [] for name in engines}
-    order = list(engines)
-    for block in range(ARGS.blocks):
-        for name in order if block % 2 == 0 else order[::-1]:
-            time.sleep(PAUSE_SECONDS)
-            past, length = states[name]
-            times = []
-            for _ in range(ARGS.steps):
-                begin = time.perf_counter()
-                past = engines[name].step(token, length, past, 0)
-                times.append(time.perf_counter() - begin)
-                length += 1
-            states[name] = (past, length)
-            speeds[name].append(1.0 / statistics.median(times))
-    return speeds
-
-
 def main() -> None:
     if not bench.SMOLLM2.exists():
         sys.exit(f"{bench.SMOLLM2} is missing: run `make models` first")
@@ -91,7 +61,7 @@ def main() -> None:
                                                             for peer in peers)]
     print("\n".join(lines), flush=True)
     for context in [int(c) for c in ARGS.contexts.split(",")]:
-        speeds = _blocks(engines, context)
+        speeds = bench.alternating_blocks(engines, context, ARGS.blocks, ARGS.steps)
         line = f"{context:>8}{statistics.median(speeds['runnx']):>14.1f}"
         for peer in peers:
             ratios = [mine / theirs for mine, theirs in zip(speeds["runnx"], speeds[peer])]

@@ -1,0 +1,124 @@
+"""A/B of one runnx setting on SmolLM2-135M decoding, in one process: the model loaded twice, with the
+setting on and off, the two taking turns in blocks of steps at each context (as
+scripts/bench_pairs.py alternates runners), their greedy tokens compared. Prints only.
+
+    .venv/bin/python scripts/bench_option.py SETTING [--threads 2] [--contexts 32,2000] [--blocks 10]
+
+SETTING is a boolean runnx.Options field (`inplace`, `shape_cache`, ...), or `pattern:NAME` for one
+fusion pattern (a matcher of runnx.interp.fusion's PATTERNS, e.g. `pattern:_layers_chained`), left
+out when off. Ratios are on / off decode speed per pair of blocks (median and range). With more
+than one thread it also gives each setting's median time a step spends outside the decode pool's
+native calls (Python: the plan, the kernels' checks, shape memos), which end-to-end noise hides.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from report import set_threads  # scripts/: this script's folder
+
+
+def _parse():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("setting", help="a boolean runnx.Options field, or pattern:NAME (a fusion pattern)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--contexts", default="32,2000")
+    parser.add_argument("--blocks", type=int, default=10, help="blocks per setting and context")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per block")
+    return parser.parse_args()
+
+
+ARGS = _parse()
+set_threads(ARGS.threads)
+
+import runnx  # noqa: E402  (first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS)
+
+import numpy as np  # noqa: E402
+
+import bench  # noqa: E402
+from runnx.interp import fusion  # noqa: E402
+from runnx.ops import _decode_pool  # noqa: E402
+
+bench.runnx, bench.np = runnx, np
+NATIVE = [0.0]  # seconds inside the decode pool's native calls so far
+
+
+def _count_native(method):
+    def counted(*arguments):
+        begin = time.perf_counter()
+        try:
+            return method(*arguments)
+        finally:
+            NATIVE[0] += time.perf_counter() - begin
+    return counted
+
+
+class _Setting(bench._Runnx):
+    """SmolLM2 with the setting on or off; records each step's time and its time outside native calls."""
+
+    def __init__(self, path, on: bool):
+        if ARGS.setting.startswith("pattern:"):
+            name = ARGS.setting.removeprefix("pattern:")
+            patterns = fusion.PATTERNS
+            if not any(matcher.__name__ == name for _, matcher in patterns):
+                sys.exit(f"no fusion pattern {name!r}: {', '.join(m.__name__ for _, m in patterns)}")
+            fusion.PATTERNS = patterns if on else tuple(p for p in patterns if p[1].__name__ != name)
+            try:
+                self.model = runnx.load(path)
+            finally:
+                fusion.PATTERNS = patterns
+        else:
+            self.model = runnx.load(path, **{ARGS.setting: on})
+        self.kv = [(i.name, i.shape) for i in self.model.inputs if i.name.startswith("past_key_values.")]
+        self.outside: list[float] = []
+
+    def step(self, ids, past_length, past, capacity):
+        native, begin = NATIVE[0], time.perf_counter()
+        result = super().step(ids, past_length, past, capacity)
+        self.outside.append(time.perf_counter() - begin - (NATIVE[0] - native))
+        return result
+
+
+def _greedy_tokens(engine, count: int = 12) -> list[int]:
+    """Greedy ids from a short prompt, feeding each step's own cache back."""
+    tokens, past, length = [1, 422, 3575], bench._random_past(engine.kv, 0, np.random.default_rng(0)), 0
+    ids = np.array([tokens], np.int64)
+    for _ in range(count):
+        feeds = bench._decoder_feeds(ids, length, {n: runnx.with_capacity(v, 2, 64) if not isinstance(v, runnx.Owned)
+                                                   else v for n, v in past.items()})
+        result = engine.model.run(feeds)
+        length += ids.shape[1]
+        tokens.append(int(result["logits"][0, -1].argmax()))
+        ids = np.array([[tokens[-1]]], np.int64)
+        past = {n: runnx.Owned(result[n.replace("past_key_values", "present")]) for n, _ in engine.kv}
+    return tokens
+
+
+def main() -> None:
+    if not bench.SMOLLM2.exists():
+        sys.exit(f"{bench.SMOLLM2} is missing: run `make models` first")
+    engines = {"on": _Setting(bench.SMOLLM2, True), "off": _Setting(bench.SMOLLM2, False)}
+    same = _greedy_tokens(engines["on"]) == _greedy_tokens(engines["off"])
+    pool = _decode_pool.DecodePool
+    pool.call, pool.products = _count_native(pool.call), _count_native(pool.products)
+    print(f"SmolLM2-135M decode, {ARGS.setting} on / off, {ARGS.threads} thread(s), {ARGS.blocks} alternating "
+          f"blocks of {ARGS.steps} steps; greedy tokens identical: {same}")
+    print(f"{'context':>8}{'on tok/s':>10}{'off tok/s':>11}{'ratio':>8}{'block ratios':>14}"
+          + (f"{'outside native calls, on / off (ms a step)':>46}" if ARGS.threads > 1 else ""))
+    for context in [int(c) for c in ARGS.contexts.split(",")]:
+        for engine in engines.values():
+            engine.outside.clear()
+        speeds = bench.alternating_blocks(engines, context, ARGS.blocks, ARGS.steps)
+        ratios = [on / off for on, off in zip(speeds["on"], speeds["off"])]
+        line = (f"{context:>8}{statistics.median(speeds['on']):>10.1f}{statistics.median(speeds['off']):>11.1f}"
+                f"{statistics.median(ratios):>7.3f}x{min(ratios):>8.2f}-{max(ratios):.2f}")
+        if ARGS.threads > 1:
+            outside = [statistics.median(engines[name].outside[1:]) * 1e3 for name in ("on", "off")]
+            line += f"{outside[0]:>34.3f} / {outside[1]:.3f}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
