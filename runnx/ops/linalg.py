@@ -1,6 +1,6 @@
 """Linear algebra: MatMul, Gemm, MatMulInteger, Einsum, Det (BLAS/LAPACK through numpy), and the
 fused nodes built around one-row products (`runnx/interp/fusion/products.py`), whose decode rows
-are native calls of `_decode_blocks.py`.
+are native calls of `_decode_blocks.py` (a Llama layer's own two: `decoder_layers.py`).
 
 Results keep the input dtype: numpy returns float32 for bfloat16 products (it accumulates in
 float32), which is rounded back once, as the ONNX reference does.
@@ -12,13 +12,12 @@ import numpy as np
 from runnx.capture.capacity import prefix_room
 from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
-from runnx.ops._decode_blocks import (appended_products, attended_gated_mlp, attended_gelu_mlp, attended_layer_norm,
-                                     gated_down, gelu_mlp, projected_gate, projected_layer_norm, projected_rope_append)
+from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
+                                     projected_gate, projected_layer_norm)
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
-from runnx.ops.fused import (DOMAIN as FUSED_DOMAIN, AddRMSNorm, RepeatedKVAttention, RopeAppend, SiluMul,
-                             appended_caches, exp_in_place, norm_fits, repeated_kv_row, rope_append_arguments)
+from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, norm_fits
 from runnx.ops.fused_whisper import (AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row, attention_row,
                                      split_shape)
 from runnx.ops.registry import register
@@ -158,47 +157,6 @@ def _query_and_biases_fit(shapes: tuple, query_weight, key_bias, value_bias) -> 
                     for bias, shape in ((key_bias, key_shape), (value_bias, value_shape))))
 
 
-@register("ProjectedRopeAppend", since=1, domain=FUSED_DOMAIN, inplace=(13, 14), shape_only=(6, 9, 12))
-def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias,
-                        key_target, key_source, value_bias, value_target, value_source, past_key, past_value,
-                        query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst, key_cos, key_sin, kns, kne,
-                        kna, knst, kks, kke, kka, kkst, *, query_dims: tuple[int, ...] = (),
-                        query_axes: tuple[int, ...] = (), key_dims: tuple[int, ...] = (),
-                        key_axes: tuple[int, ...] = (), value_dims: tuple[int, ...] = (),
-                        value_axes: tuple[int, ...] = (), query_axis: int = -1, key_axis: int = -1,
-                        key_cache_axis: int, value_cache_axis: int, overwrite=(), ctx=None):
-    """RopeAppend(*SharedInputMatMul(x, query_weight, key_weight, value_weight, ...; each split into
-    heads), past_key, past_value, ...): a Llama layer's projections, rotary embedding and KV cache
-    growth (`runnx/interp/fusion/products.py`). A decode step's float32 row without biases, both
-    caches granted, is one native call (`projected_rope_append`) writing the new rows in place."""
-    weights = (query_weight, key_weight, value_weight)
-    heads = None
-    if 13 in overwrite and 14 in overwrite and query_bias is None and key_bias is None and value_bias is None:
-        shapes = _split_shapes(x, weights, ((query_target, query_source, query_dims, query_axes),
-                                            (key_target, key_source, key_dims, key_axes),
-                                            (value_target, value_source, value_dims, value_axes)))
-        heads = shapes and tuple(np.empty(shape, np.float32) for shape in shapes)
-    arguments = heads and rope_append_arguments(*heads, past_key, past_value, query_cos, query_sin, key_cos, key_sin,
-                                                (qns, qne, qna, qnst, qks, qke, qka, qkst, kns, kne, kna, knst, kks,
-                                                 kke, kka, kkst), query_axis, key_axis, key_cache_axis,
-                                                value_cache_axis)
-    if arguments:
-        done, rotated = _decode_pool.shared_call(projected_rope_append, np.ascontiguousarray(x.reshape(-1)), weights,
-                                                 tuple([h.reshape(-1) for h in heads]), *arguments)
-        if done:
-            count_appends(ctx, heads[1], heads[2])
-            return appended_caches(rotated, past_key, past_value, heads[1], heads[2])
-    else:
-        heads = SharedInputMatMul(x, *weights, query_bias, query_target, query_source, key_bias, key_target,
-                                  key_source, value_bias, value_target, value_source,
-                                  splits=((0, query_dims, query_axes), (1, key_dims, key_axes),
-                                          (2, value_dims, value_axes)))
-    return RopeAppend(*heads, past_key, past_value, query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst,
-                      key_cos, key_sin, kns, kne, kna, knst, kks, kke, kka, kkst, query_axis=query_axis,
-                      key_axis=key_axis, key_cache_axis=key_cache_axis, value_cache_axis=value_cache_axis,
-                      overwrite=tuple(p - 10 for p in overwrite), ctx=ctx)  # RopeAppend's own cache positions
-
-
 def _split_shapes(x, weights, splits) -> tuple | None:
     """The (1, heads, 1, depth) shapes of x @ weight split into heads, for each weight and (target,
     source, dims, axes) of its split, when x is one float32 row of batch 1 and the matrices
@@ -310,30 +268,6 @@ def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight):
     summed, normed = _decode_pool.shared_call(gated_down, gate, exp_in_place(decay, largest), up, down_weight, summed,
                                               *down_numbers, down_norm_weight)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
-
-
-@register("AttentionGatedMLP", since=1, domain=FUSED_DOMAIN)
-def AttentionGatedMLP(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
-                      value_axes, value_expand, value_target, merged_target, mask, mask_starts, mask_ends, mask_axes,
-                      mask_steps, masked_then, masked_else, weight, out_bias, residual, epsilon, one, norm_weight,
-                      gate_weight, up_weight, down_weight, down_bias, down_epsilon, down_one, down_norm_weight, *,
-                      axis: int = -1, norm: tuple = (-1, 0, 0), down_norm: tuple = (-1, 0, 0), ctx=None):
-    """ResidualGatedMLP(a, weight, out_bias, residual, ...) of the attention a =
-    RepeatedKVAttention(query, ...) with its heads merged (`runnx/interp/fusion/products.py`): a
-    decoder layer from its attention to the next layer's norm. A decode step's row is one native
-    call (`attended_gated_mlp`: its SiLU gate's exp is not numpy's, within a few ulp)."""
-    attention = (query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
-                 value_axes, value_expand, value_target, merged_target, mask, mask_starts, mask_ends, mask_axes,
-                 mask_steps, masked_then, masked_else)
-    mlp = (weight, out_bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_bias,
-           down_epsilon, down_one, down_norm_weight)
-    row = repeated_kv_row(*attention, axis=axis, ctx=ctx)
-    block = row and _gated_mlp_row(row[1], *mlp, norm, down_norm)
-    if block:
-        summed, normed = _decode_pool.shared_call(attended_gated_mlp, *row[0], *block[0], down_weight, *block[1],
-                                                  down_norm_weight)
-        return summed.reshape(residual.shape), normed.reshape(residual.shape)
-    return ResidualGatedMLP(RepeatedKVAttention(*attention, axis=axis, ctx=ctx), *mlp, norm=norm, down_norm=down_norm)
 
 
 def _matrix(w, depth: int, width: int) -> bool:

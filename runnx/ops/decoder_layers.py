@@ -1,0 +1,108 @@
+"""A Llama decoder layer's fused nodes (`runnx/interp/fusion/products.py`): its projections, rotary
+embedding and KV cache growth (ProjectedRopeAppend) and its attention to the next layer's norm
+(AttentionGatedMLP). A decode step's row runs each as one native call of `_decode_blocks.py`;
+anything else (a prefill, biases, caches not granted) runs the kernels of the nodes they replaced.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from runnx.ops import _decode_pool
+from runnx.ops._decode_blocks import attended_gated_mlp, projected_rope_append
+from runnx.ops.cache import count_appends
+from runnx.ops.fused import (DOMAIN, RepeatedKVAttention, RopeAppend, appended_caches, repeated_kv_row,
+                             rope_append_arguments)
+from runnx.ops.linalg import ResidualGatedMLP, SharedInputMatMul, _gated_mlp_row, _split_shapes
+from runnx.ops.registry import register
+
+@register("ProjectedRopeAppend", since=1, domain=DOMAIN, inplace=(13, 14), shape_only=(6, 9, 12))
+def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias,
+                        key_target, key_source, value_bias, value_target, value_source, past_key, past_value,
+                        query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst, key_cos, key_sin, kns, kne,
+                        kna, knst, kks, kke, kka, kkst, *, query_dims: tuple[int, ...] = (),
+                        query_axes: tuple[int, ...] = (), key_dims: tuple[int, ...] = (),
+                        key_axes: tuple[int, ...] = (), value_dims: tuple[int, ...] = (),
+                        value_axes: tuple[int, ...] = (), query_axis: int = -1, key_axis: int = -1,
+                        key_cache_axis: int, value_cache_axis: int, overwrite=(), ctx=None):
+    """RopeAppend(*SharedInputMatMul(x, query_weight, key_weight, value_weight, ...; each split into
+    heads), past_key, past_value, ...): a Llama layer's projections, rotary embedding and KV cache
+    growth. A decode step's float32 row without biases, both caches granted, is one native call
+    (`projected_rope_append`) writing the new rows in place."""
+    rope = (query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias, key_target,
+            key_source, value_bias, value_target, value_source, past_key, past_value, query_cos, query_sin, qns, qne,
+            qna, qnst, qks, qke, qka, qkst, key_cos, key_sin, kns, kne, kna, knst, kks, kke, kka, kkst)
+    attributes = (query_dims, query_axes, key_dims, key_axes, value_dims, value_axes, query_axis, key_axis,
+                  key_cache_axis, value_cache_axis)
+    planned = _rope_row(x, rope, attributes, overwrite)
+    if planned is None:
+        return _rope_appended(False, None, None, x, rope, attributes, overwrite, ctx)
+    heads, arguments = planned
+    done, rotated = _decode_pool.shared_call(projected_rope_append, np.ascontiguousarray(x.reshape(-1)), rope[:3],
+                                             tuple([h.reshape(-1) for h in heads]), *arguments)
+    return _rope_appended(done, rotated, heads, x, rope, attributes, overwrite, ctx)
+
+
+def _rope_row(x, rope: tuple, attributes: tuple, overwrite) -> tuple | None:
+    """(the split heads, allocated, and `rope_append_into`'s arguments) when ProjectedRopeAppend(x,
+    *rope) is a decode step's float32 row without biases, both caches granted, prefix views with
+    room: x is read for its shape and dtype only (a stand-in serves); else None."""
+    if not (13 in overwrite and 14 in overwrite and rope[3] is None and rope[6] is None and rope[9] is None):
+        return None
+    query_dims, query_axes, key_dims, key_axes, value_dims, value_axes = attributes[:6]
+    shapes = _split_shapes(x, rope[:3], ((rope[4], rope[5], query_dims, query_axes),
+                                         (rope[7], rope[8], key_dims, key_axes),
+                                         (rope[10], rope[11], value_dims, value_axes)))
+    if not shapes:
+        return None
+    heads = tuple([np.empty(shape, np.float32) for shape in shapes])
+    past_key, past_value, query_cos, query_sin = rope[12:16]
+    arguments = rope_append_arguments(*heads, past_key, past_value, query_cos, query_sin, rope[24], rope[25],
+                                      rope[16:24] + rope[26:34], *attributes[6:])
+    return (heads, arguments) if arguments else None
+
+
+def _rope_appended(done: bool, rotated, heads, x, rope: tuple, attributes: tuple, overwrite, ctx) -> tuple:
+    """ProjectedRopeAppend's outputs: the caches grown in place by `projected_rope_append` (done),
+    or RopeAppend's kernel on the heads it computed, or (heads None) on SharedInputMatMul's of x."""
+    past_key, past_value = rope[12:14]
+    if done:
+        count_appends(ctx, heads[1], heads[2])
+        return appended_caches(rotated, past_key, past_value, heads[1], heads[2])
+    query_dims, query_axes, key_dims, key_axes, value_dims, value_axes, query_axis, key_axis, key_cache_axis, \
+        value_cache_axis = attributes
+    if heads is None:
+        heads = SharedInputMatMul(x, *rope[:12], splits=((0, query_dims, query_axes), (1, key_dims, key_axes),
+                                                         (2, value_dims, value_axes)))
+    return RopeAppend(*heads, *rope[12:], query_axis=query_axis, key_axis=key_axis, key_cache_axis=key_cache_axis,
+                      value_cache_axis=value_cache_axis, overwrite=tuple([p - 10 for p in overwrite]),
+                      ctx=ctx)  # RopeAppend's own cache positions
+
+
+@register("AttentionGatedMLP", since=1, domain=DOMAIN)
+def AttentionGatedMLP(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
+                      value_axes, value_expand, value_target, merged_target, mask, mask_starts, mask_ends, mask_axes,
+                      mask_steps, masked_then, masked_else, weight, out_bias, residual, epsilon, one, norm_weight,
+                      gate_weight, up_weight, down_weight, down_bias, down_epsilon, down_one, down_norm_weight, *,
+                      axis: int = -1, norm: tuple = (-1, 0, 0), down_norm: tuple = (-1, 0, 0), ctx=None):
+    """ResidualGatedMLP(a, weight, out_bias, residual, ...) of the attention a =
+    RepeatedKVAttention(query, ...) with its heads merged: a decoder layer from its attention to the
+    next layer's norm. A decode step's row is one native call (`attended_gated_mlp`: its SiLU
+    gate's exp is not numpy's, within a few ulp)."""
+    block = (query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target, value_axes,
+             value_expand, value_target, merged_target, mask, mask_starts, mask_ends, mask_axes, mask_steps,
+             masked_then, masked_else, weight, out_bias, residual, epsilon, one, norm_weight, gate_weight, up_weight,
+             down_weight, down_bias, down_epsilon, down_one, down_norm_weight)
+    arguments = _attended_gated_row(block, axis, norm, down_norm, ctx)
+    if arguments:
+        summed, normed = _decode_pool.shared_call(attended_gated_mlp, *arguments)
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    return ResidualGatedMLP(RepeatedKVAttention(*block[:21], axis=axis, ctx=ctx), *block[21:], norm=norm,
+                            down_norm=down_norm)
+
+
+def _attended_gated_row(block: tuple, axis: int, norm: tuple, down_norm: tuple, ctx) -> tuple | None:
+    """`attended_gated_mlp`'s arguments after the mailbox and workers when AttentionGatedMLP(*block)
+    is a decode row (`repeated_kv_row`, `_gated_mlp_row`), else None."""
+    row = repeated_kv_row(*block[:21], axis=axis, ctx=ctx)
+    mlp = row and _gated_mlp_row(row[1], *block[21:], norm, down_norm)
+    return mlp and (*row[0], *mlp[0], block[29], *mlp[1], block[33])
