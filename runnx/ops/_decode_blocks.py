@@ -188,3 +188,18 @@ def projected_rope_append(box, workers, x, weights, rows, *rope):
         size += row.size
     _products(box, workers, x, weights, rows, np.empty(chunk_count(x.size) * size, np.float32))
     return rope_append_into(*rope)
+
+
+@_jit
+def attended_gated_mlp_rope_append(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual,
+                                   epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
+                                   down_one, down_norm_weight, weights, rows, *rope):
+    """`attended_gated_mlp`, then `projected_rope_append` of its norm: a decoder layer from its
+    attention to the next layer's norm and the next layer's projections, rotary embedding and KV
+    cache growth (AttentionGatedMLPRopeAppend's nodes); (the last sum, rope_append_into's done,
+    rotated query)."""
+    summed, normed = attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual,
+                                        epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
+                                        down_one, down_norm_weight)
+    done, rotated = projected_rope_append(box, workers, normed, weights, rows, *rope)
+    return summed, done, rotated

@@ -1,19 +1,25 @@
 """A Llama decoder layer's fused nodes (`runnx/interp/fusion/products.py`): its projections, rotary
-embedding and KV cache growth (ProjectedRopeAppend) and its attention to the next layer's norm
-(AttentionGatedMLP). A decode step's row runs each as one native call of `_decode_blocks.py`;
-anything else (a prefill, biases, caches not granted) runs the kernels of the nodes they replaced.
+embedding and KV cache growth (ProjectedRopeAppend), its attention to the next layer's norm
+(AttentionGatedMLP), and the two across a layer boundary (AttentionGatedMLPRopeAppend). A decode
+step's row runs each as one native call of `_decode_blocks.py`; anything else (a prefill, biases,
+caches not granted) runs the kernels of the nodes they replaced.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from runnx.ops import _decode_pool
-from runnx.ops._decode_blocks import attended_gated_mlp, projected_rope_append
+from runnx.ops._decode_blocks import attended_gated_mlp, attended_gated_mlp_rope_append, projected_rope_append
 from runnx.ops.cache import count_appends
 from runnx.ops.fused import (DOMAIN, RepeatedKVAttention, RopeAppend, appended_caches, repeated_kv_row,
                              rope_append_arguments)
 from runnx.ops.linalg import ResidualGatedMLP, SharedInputMatMul, _gated_mlp_row, _split_shapes
 from runnx.ops.registry import register
+
+_ROPE_ATTRIBUTES = ("query_dims", "query_axes", "key_dims", "key_axes", "value_dims", "value_axes", "query_axis",
+                    "key_axis", "key_cache_axis", "value_cache_axis")
+_BLOCK_INPUTS = 34  # AttentionGatedMLP's
+
 
 @register("ProjectedRopeAppend", since=1, domain=DOMAIN, inplace=(13, 14), shape_only=(6, 9, 12))
 def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias,
@@ -106,3 +112,33 @@ def _attended_gated_row(block: tuple, axis: int, norm: tuple, down_norm: tuple, 
     row = repeated_kv_row(*block[:21], axis=axis, ctx=ctx)
     mlp = row and _gated_mlp_row(row[1], *block[21:], norm, down_norm)
     return mlp and (*row[0], *mlp[0], block[29], *mlp[1], block[33])
+
+
+@register("AttentionGatedMLPRopeAppend", since=1, domain=DOMAIN, inplace=(46, 47), shape_only=(39, 42, 45))
+def AttentionGatedMLPRopeAppend(*inputs, axis: int = -1, norm: tuple = (-1, 0, 0), down_norm: tuple = (-1, 0, 0),
+                                query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
+                                key_dims: tuple[int, ...] = (), key_axes: tuple[int, ...] = (),
+                                value_dims: tuple[int, ...] = (), value_axes: tuple[int, ...] = (),
+                                query_axis: int = -1, key_axis: int = -1, key_cache_axis: int, value_cache_axis: int,
+                                overwrite=(), ctx=None):
+    """(s, *ProjectedRopeAppend(n, *inputs[34:])) for (s, n) = AttentionGatedMLP(*inputs[:34]): a
+    decoder layer from its attention to the next layer's norm, and the next layer's projections,
+    rotary embedding and KV cache growth. The norm n has the residual's shape and dtype (its readers
+    elsewhere read an RMSNormShape stand-in). A decode step's row is one native call
+    (`attended_gated_mlp_rope_append`): the two nodes' native calls with no Python between them."""
+    block, rope = inputs[:_BLOCK_INPUTS], inputs[_BLOCK_INPUTS:]
+    attributes = (query_dims, query_axes, key_dims, key_axes, value_dims, value_axes, query_axis, key_axis,
+                  key_cache_axis, value_cache_axis)
+    rope_overwrite = tuple([p - _BLOCK_INPUTS + 1 for p in overwrite])  # ProjectedRopeAppend's positions
+    arguments = _attended_gated_row(block, axis, norm, down_norm, ctx)
+    residual = block[23]
+    planned = arguments and _rope_row(residual, rope, attributes, rope_overwrite)  # the norm's shape and dtype
+    if planned:
+        heads, rope_arguments = planned
+        summed, done, rotated = _decode_pool.shared_call(attended_gated_mlp_rope_append, *arguments, rope[:3],
+                                                         tuple([h.reshape(-1) for h in heads]), *rope_arguments)
+        return (summed.reshape(residual.shape),
+                *_rope_appended(done, rotated, heads, None, rope, attributes, rope_overwrite, ctx))
+    summed, normed = AttentionGatedMLP(*block, axis=axis, norm=norm, down_norm=down_norm, ctx=ctx)
+    return (summed, *ProjectedRopeAppend(normed, *rope, **dict(zip(_ROPE_ATTRIBUTES, attributes)),
+                                         overwrite=rope_overwrite, ctx=ctx))

@@ -327,6 +327,16 @@ def RepeatedKVShape(kv, axes, expand, target):
     return stand_in(kv.dtype, _repeat(kv, axes, expand, target)[2])
 
 
+@register("RMSNormShape", since=1, domain=DOMAIN, shape_only=(0,))
+def RMSNormShape(x, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0):
+    """A stand-in with the shape and dtype of AddRMSNorm's norm of sums shaped as x, for nodes that
+    only read its shape: a fused node's norm computed inside it (AttentionGatedMLPRopeAppend's).
+    Both come from AddRMSNorm itself, on ones of x's shape and dtype (numpy's promotion rules)."""
+    ones = np.ones(x.shape, x.dtype)
+    normed = AddRMSNorm(ones, ones, epsilon, one, weight, axis=axis, to=to, cast=cast)[1]
+    return stand_in(normed.dtype, normed.shape)
+
+
 @functools.lru_cache(maxsize=256)
 def stand_in(dtype, shape: tuple) -> np.ndarray:
     """A read-only array of this dtype and shape on one element (zero strides): safe to hand out

@@ -218,10 +218,12 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
     fused, plain = runnx.load(path), runnx.load(path, fuse=False)
     assert fused.fused["RopeAppend"] == 2  # one per layer, in the layer's ProjectedRopeAppend
     ops = [n.op_type for n in fused.plan()]
-    assert ops.count("ProjectedRopeAppend") == 2 and "RotateHalf" not in ops
+    assert ops.count("ProjectedRopeAppend") + ops.count("AttentionGatedMLPRopeAppend") == 2 and "RotateHalf" not in ops
     # heads merged (14 inputs), and the mask, Where(Slice(mask), 0, -inf), made by the node itself (21
-    # inputs), which joins the layer's ResidualGatedMLP after it (13 more)
-    assert [len(n.inputs) for n in fused.plan() if n.op_type == "AttentionGatedMLP"] == [34, 34]
+    # inputs), which joins the layer's ResidualGatedMLP after it (13 more); the first layer's then joins
+    # the second layer's ProjectedRopeAppend (34 more, its x the norm inside)
+    assert [len(n.inputs) for n in fused.plan() if n.op_type == "AttentionGatedMLP"] == [34]
+    assert [len(n.inputs) for n in fused.plan() if n.op_type == "AttentionGatedMLPRopeAppend"] == [68]
     assert "Where" not in ops and "Slice" not in ops and "Where" in [n.op_type for n in plain.plan()]
     rng = np.random.default_rng(5)
     past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in fused.input_names if "past" in n}
@@ -261,6 +263,14 @@ def _tiny_llama_with_and_without(fixtures_dir, pattern, monkeypatch):
     return runnx.load(path), apart
 
 
+def _assert_equal_and_grown_in_place(got: dict, want: dict, buffers: dict) -> None:
+    """got's outputs bitwise want's, and each present in the buffer its past was handed over in."""
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    for name, buffer in buffers.items():
+        assert np.shares_memory(got[name.replace("past_key_values.", "present.")], buffer)
+
+
 def _tiny_llama_step(model, rng, new: int) -> tuple[dict, dict]:
     """(past caches of 6 positions, the other feeds of a step of `new` tokens after them)."""
     past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in model.input_names if "past" in n}
@@ -292,12 +302,10 @@ def test_a_layers_projections_join_its_rotary_embedding_and_cache_growth(fixture
             buffers = {n: o.array.base for n, o in owned.items()}
             calls.clear()
             got = fused.run({**feeds, **owned})
-            assert calls.count(_decode_blocks.projected_rope_append) == (2 if new == 1 else 0)
+            assert (calls.count(_decode_blocks.projected_rope_append)  # the second layer's in the chained call
+                    + calls.count(_decode_blocks.attended_gated_mlp_rope_append)) == (2 if new == 1 else 0)
             want = apart.run({**feeds, **{n: runnx.with_capacity(v, 2, 16) for n, v in past.items()}})
-            for name in want:
-                np.testing.assert_array_equal(got[name], want[name])
-            for name, buffer in buffers.items():
-                assert np.shares_memory(got[name.replace("past_key_values.", "present.")], buffer)
+            _assert_equal_and_grown_in_place(got, want, buffers)
     finally:
         _decode_pool.set_workers(None)
 
@@ -321,9 +329,46 @@ def test_an_attention_and_the_gated_mlp_after_it_become_one_node(fixtures_dir, w
             past, feeds = _tiny_llama_step(fused, rng, new)
             calls.clear()
             got = fused.run({**feeds, **past})
-            assert calls.count(_decode_blocks.attended_gated_mlp) == (2 if new == 1 else 0)
+            assert (calls.count(_decode_blocks.attended_gated_mlp)  # the first layer's in the chained call
+                    + calls.count(_decode_blocks.attended_gated_mlp_rope_append)) == (2 if new == 1 else 0)
             want = apart.run({**feeds, **past})
             np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
+    finally:
+        _decode_pool.set_workers(None)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("granted", [True, False])
+def test_a_layers_last_block_and_the_next_layers_projections_become_one_node(fixtures_dir, workers, granted,
+                                                                             monkeypatch):
+    """AttentionGatedMLPRopeAppend (tiny-llama: the first layer's AttentionGatedMLP and the second
+    layer's ProjectedRopeAppend): a decode row with the caches granted is one native call for the
+    two, the next layer's caches grown in their buffers (the norm's shape, read by shape memos, from
+    an RMSNormShape stand-in); a prefill, or caches not handed over, take the two nodes' kernels.
+    Bitwise the two nodes apart."""
+    from runnx.interp.fusion import products
+    from runnx.ops import _decode_blocks, _decode_pool
+
+    calls = _spied_jobs(monkeypatch)
+    fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._layers_chained, monkeypatch)
+    assert fused.fused["AttentionGatedMLPRopeAppend"] == 1 and "AttentionGatedMLPRopeAppend" not in apart.fused
+    memoized = [m.op_type for n in fused.graph.nodes if n.op_type == "ShapeMemo" for m in n.kernel.fn.members]
+    assert memoized.count("RMSNormShape") == 1
+    rng = np.random.default_rng(8)
+    try:
+        _decode_pool.set_workers(workers)
+        for new in (1, 3):
+            past, feeds = _tiny_llama_step(fused, rng, new)
+            handed = {n: runnx.with_capacity(v, 2, 16) for n, v in past.items()} if granted else past
+            buffers = {n: o.array.base for n, o in handed.items()} if granted else {}
+            calls.clear()
+            got = fused.run({**feeds, **handed})
+            assert calls.count(_decode_blocks.attended_gated_mlp_rope_append) == (1 if new == 1 and granted else 0)
+            assert calls.count(_decode_blocks.attended_gated_mlp) == (1 if new == 1 and granted else
+                                                                     2 if new == 1 else 0)
+            want = apart.run({**feeds, **({n: runnx.with_capacity(v, 2, 16) for n, v in past.items()}
+                                          if granted else past)})
+            _assert_equal_and_grown_in_place(got, want, buffers)
     finally:
         _decode_pool.set_workers(None)
 

@@ -7,8 +7,8 @@ import pytest
 import runnx
 import runnx.ops.fused as fused_ops
 from runnx.errors import RunnxError
-from runnx.ops.fused import (AddRMSNorm, RepeatedKVAttention, RepeatedKVShape, RMSNorm, RopeAppend, RotateHalf, SiluMul,
-                             attend)
+from runnx.ops.fused import (AddRMSNorm, RepeatedKVAttention, RepeatedKVShape, RMSNorm, RMSNormShape, RopeAppend,
+                             RotateHalf, SiluMul, attend)
 from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops.shape import Slice
 
@@ -363,6 +363,19 @@ def test_attend_computes_other_dtypes_with_numpy_and_rejects_bad_shapes():
             attend(q, k, v, bias, 1.0)
 
 
+@pytest.mark.parametrize("dtype, to, cast", [(np.float32, 0, 0), (np.float32, 1, 1), (np.float64, 1, 0),
+                                             (np.float32, 11, 0), (np.float64, 0, 1)])
+def test_rms_norm_shape_stands_in_for_the_norm_of_a_residual_add(dtype, to, cast):
+    """RMSNormShape(x, weight) has the shape and dtype of AddRMSNorm's norm of sums shaped as x."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 2, 8)).astype(dtype)
+    weight = rng.standard_normal(8).astype(np.float32)
+    constants = np.asarray(1e-5, dtype), np.asarray(1, dtype), weight
+    _, normed = AddRMSNorm(x, x.copy(), *constants, to=to, cast=cast)
+    stand_in = RMSNormShape(x, *constants, to=to, cast=cast)
+    assert stand_in.shape == normed.shape and stand_in.dtype == normed.dtype and not stand_in.flags.writeable
+
+
 def test_repeated_kv_shape_is_a_read_only_stand_in():
     k = np.zeros((1, 3, 10, 8), np.float32)
     stand_in = RepeatedKVShape(k, *_repeat_inputs(3, 3, 10))
@@ -376,7 +389,8 @@ def test_fused_tiny_llama_logits_match_the_unfused_model(fixtures_dir):
     rounding of the unfused graph's, greedy tokens identical."""
     path = fixtures_dir / "tiny-llama" / "model.onnx"
     models = {fuse: runnx.load(path, fuse=fuse) for fuse in (True, False)}
-    assert [n.op_type for n in models[True].plan()].count("AttentionGatedMLP") == 2  # the attention in it
+    ops = [n.op_type for n in models[True].plan()]
+    assert ops.count("AttentionGatedMLP") + ops.count("AttentionGatedMLPRopeAppend") == 2  # the attention in it
     ids = np.array([[1, 17, 400, 9, 33, 250]])
     caches = {fuse: {f"past_key_values.{layer}.{kind}": runnx.with_capacity(np.zeros((1, 2, 0, 16), np.float32), 2, 32)
                      for layer in (0, 1) for kind in ("key", "value")} for fuse in models}

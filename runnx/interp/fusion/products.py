@@ -14,8 +14,10 @@ whose key and value are appended to caches join the appends (ProjectedAppend), a
 joins the MatMulAddLayerNorm or ResidualGeluMLP after it (AttentionLayerNorm, AttentionGeluMLP):
 Whisper's layers, which a decode step runs as three native calls; a Llama layer's attention joins
 its ResidualGatedMLP (AttentionGatedMLP) and its q/k/v products its RopeAppend (ProjectedRopeAppend,
-with SplitHeadsShape stand-ins for the shape memos reading the heads). Runs after the other
-patterns: a MatMul they take stays theirs.
+with SplitHeadsShape stand-ins for the shape memos reading the heads), and an AttentionGatedMLP the
+next layer's ProjectedRopeAppend reading its norm (AttentionGatedMLPRopeAppend, an RMSNormShape
+stand-in for the norm's shape): a decode step then runs one native call per layer boundary, not
+two. Runs after the other patterns: a MatMul they take stays theirs.
 """
 from __future__ import annotations
 
@@ -300,9 +302,34 @@ def _rope_projected(m: Matcher, rope: Node) -> Fused | None:
     return Fused("ProjectedRopeAppend", [shared, rope], inputs, rope.outputs, attrs)
 
 
+def _layers_chained(m: Matcher, rope: Node) -> Fused | None:
+    """ProjectedRopeAppend whose x is an AttentionGatedMLP's norm, read elsewhere only for its shape:
+    a decoder layer from its attention to the next layer's norm and the next layer's projections,
+    rotary embedding and cache growth as one AttentionGatedMLPRopeAppend node (a decode step runs
+    the two as one native call; the norm's shape readers get an RMSNormShape stand-in)."""
+    block = m.graph.producer.get(rope.inputs[0])
+    if (rope.domain != DOMAIN or block is None or block.op_type != "AttentionGatedMLP" or block.domain != DOMAIN
+            or block.index in m.taken or len(block.inputs) != 34 or len(rope.inputs) != 35
+            or block.outputs[1] != rope.inputs[0] or rope.inputs[0] in rope.inputs[1:]
+            or block.outputs[0] in rope.inputs
+            or not m.private([block, rope], (block.outputs[0], *rope.outputs), (block.outputs[1],))):
+        return None
+    return Fused("AttentionGatedMLPRopeAppend", [block, rope], (*block.inputs, *rope.inputs[1:]),
+                 (block.outputs[0], *rope.outputs), {**block.attrs, **rope.attrs})
+
+
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
-    """Nodes giving ProjectedRopeAppend's split heads, computed inside it, to readers of their shape
-    (a zero-strided view: SplitHeadsShape of x and the product's weight and split)."""
+    """Nodes giving values computed inside a fused node to readers of their shape (zero-strided
+    views): ProjectedRopeAppend's split heads (SplitHeadsShape of x and the product's weight and
+    split), AttentionGatedMLPRopeAppend's norm (RMSNormShape of the residual and the norm's constants)."""
+    if fused.op_type == "AttentionGatedMLPRopeAppend":
+        block = fused.members[0]
+        normed = block.outputs[1]
+        if not any(r.index not in {n.index for n in fused.members} for r in m.readers.get(normed, ())):
+            return []
+        axis, to, cast = block.attrs.get("down_norm", (-1, 0, 0))
+        return [Fused("RMSNormShape", [], (block.inputs[23], *block.inputs[31:34]), (normed,),
+                      {"axis": axis, "to": to, "cast": cast})]
     if fused.op_type != "ProjectedRopeAppend" or len(fused.members) != 2:
         return []
     shared, rope = fused.members
@@ -321,4 +348,4 @@ PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
             ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp),
             ("HeadsAttention", _projected_query), ("SharedInputMatMul", _appended),
             ("MatMulAddLayerNorm", _attended), ("ResidualGeluMLP", _attended), ("ResidualGatedMLP", _attended_gated),
-            ("RopeAppend", _rope_projected))
+            ("RopeAppend", _rope_projected), ("ProjectedRopeAppend", _layers_chained))
