@@ -98,8 +98,14 @@ def AttentionGatedMLP(query, key, value, bias, query_scale, key_scale, nan_fill,
              value_expand, value_target, merged_target, mask, mask_starts, mask_ends, mask_axes, mask_steps,
              masked_then, masked_else, weight, out_bias, residual, epsilon, one, norm_weight, gate_weight, up_weight,
              down_weight, down_bias, down_epsilon, down_one, down_norm_weight)
-    arguments = _attended_gated_row(block, axis, norm, down_norm, ctx)
+    return _attended_gated(block, _attended_gated_row(block, axis, norm, down_norm, ctx), axis, norm, down_norm, ctx)
+
+
+def _attended_gated(block: tuple, arguments, axis: int, norm: tuple, down_norm: tuple, ctx) -> tuple:
+    """AttentionGatedMLP(*block)'s outputs: one native call with `arguments` (`_attended_gated_row`'s),
+    or (None) the kernels of the nodes it replaced."""
     if arguments:
+        residual = block[23]
         summed, normed = _decode_pool.shared_call(attended_gated_mlp, *arguments)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return ResidualGatedMLP(RepeatedKVAttention(*block[:21], axis=axis, ctx=ctx), *block[21:], norm=norm,
@@ -139,6 +145,6 @@ def AttentionGatedMLPRopeAppend(*inputs, axis: int = -1, norm: tuple = (-1, 0, 0
                                                          tuple([h.reshape(-1) for h in heads]), *rope_arguments)
         return (summed.reshape(residual.shape),
                 *_rope_appended(done, rotated, heads, None, rope, attributes, rope_overwrite, ctx))
-    summed, normed = AttentionGatedMLP(*block, axis=axis, norm=norm, down_norm=down_norm, ctx=ctx)
+    summed, normed = _attended_gated(block, arguments, axis, norm, down_norm, ctx)  # its checks not made again
     return (summed, *ProjectedRopeAppend(normed, *rope, **dict(zip(_ROPE_ATTRIBUTES, attributes)),
                                          overwrite=rope_overwrite, ctx=ctx))
