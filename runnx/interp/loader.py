@@ -29,9 +29,10 @@ class LoadedModel:
     path: str | None
 
 
-def read_model(source) -> tuple[onnx.ModelProto, str | None, dict]:
+def read_model(source, skip=frozenset()) -> tuple[onnx.ModelProto, str | None, dict]:
     """Parse the protobuf; external data stays on disk (resolved lazily, safely). From a file, the
-    top-level initializers' raw bytes come apart ({name: bytes}, `model_file.py`)."""
+    top-level initializers' raw bytes come apart ({name: bytes}, `model_file.py`), but for the
+    names in `skip` (replaced by a weights file: never read)."""
     if isinstance(source, onnx.ModelProto):
         return source, None, {}
     if isinstance(source, (bytes, bytearray, memoryview)):
@@ -43,7 +44,7 @@ def read_model(source) -> tuple[onnx.ModelProto, str | None, dict]:
     if not os.path.isfile(path):
         raise ModelLoadError(f"model file not found: {path}")
     try:
-        read = read_model_file(path)
+        read = read_model_file(path, skip)
     except OSError as error:
         raise ModelLoadError(f"cannot read '{path}': {error}") from None
     if read is not None:
@@ -58,7 +59,8 @@ def read_model(source) -> tuple[onnx.ModelProto, str | None, dict]:
 
 
 def load_model(source, weights=None) -> LoadedModel:
-    proto, path, raw = read_model(source)
+    overrides = read_safetensors(os.fspath(weights)) if weights is not None else {}
+    proto, path, raw = read_model(source, frozenset(overrides))
     if proto.functions:
         try:
             proto = onnx.inliner.inline_local_functions(proto)
@@ -70,7 +72,6 @@ def load_model(source, weights=None) -> LoadedModel:
     if "" not in opsets and proto.ir_version < 3:
         opsets[""] = 1
     external = ExternalData(os.path.dirname(os.path.abspath(path))) if path else None
-    overrides = read_safetensors(os.fspath(weights)) if weights is not None else {}
     builder = _GraphBuilder(opsets, external, overrides, raw)
     graph = builder.build(proto.graph, top=True)
     builder.finish()

@@ -1,5 +1,5 @@
 """Model files are parsed without the top-level initializers' raw_data, whose bytes are read
-apart, each into its own buffer; the arrays, the errors and everything else are what parsing the
+apart, each into its own aligned slice of one allocation; the arrays, the errors and everything else are what parsing the
 whole file gives."""
 import numpy as np
 import pytest
@@ -47,7 +47,10 @@ def test_initializers_come_from_the_map_with_the_values_the_whole_parse_gives(tm
     stripped, raw = read_model_file(str(path))
     assert set(raw) == set(TENSORS) | {"packed"}  # the typed and string tensors have no raw_data
     assert len(stripped) < path.stat().st_size - sum(len(data) for data in raw.values()) + 64
-    assert all(raw[name] == value.tobytes() for name, value in TENSORS.items())
+    assert all(bytes(raw[name]) == value.tobytes() for name, value in TENSORS.items())
+    # one allocation (huge pages from 4 MiB on), each tensor's bytes 64-byte aligned in it
+    assert len({id(np.asarray(buffer).base) for buffer in raw.values()}) == 1
+    assert all(np.asarray(buffer).ctypes.data % 64 == 0 for buffer in raw.values())
 
     from_file, from_bytes = runnx.load(path), runnx.load(path.read_bytes())  # bytes: the whole parse
     got, want = from_file.run({}), from_bytes.run({})
@@ -78,3 +81,9 @@ def test_broken_files_fail_as_the_whole_parse_does(tmp_path):
     assert read_model_file(str(twice)) is None  # a name twice: parsed whole, refused by the loader
     with pytest.raises(runnx.InvalidModelError, match="value 'w' is defined twice"):
         runnx.load(twice)
+
+
+def test_initializers_a_weights_file_replaces_are_not_read(tmp_path):
+    stripped, raw = read_model_file(str(_model_file(tmp_path)), skip={"w", "ww"})
+    assert set(raw) == set(TENSORS) - {"w", "ww"} | {"packed"}
+    assert all(bytes(raw[name]) == value.tobytes() for name, value in TENSORS.items() if name in raw)
