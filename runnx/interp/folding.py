@@ -3,6 +3,11 @@
 Optimum exports compute things like the transposed tied embedding (lm_head) from initializers on
 every run; folding turns them into contiguous read-only constants. Random ops are never folded,
 and a fold that would blow up memory (e.g. Expand of a scalar to a huge tensor) is left to run.
+
+Small constants of equal value then become one array: every layer of an export has its own copy
+of the same slice bounds and scalars, and the facts kernels remember about constants by identity
+(`runnx/ops/_remembered.py`, a run's attention bias kept for the same inputs) then hold for all
+layers at once.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from runnx.interp.ir import MISSING, Graph
 NONDETERMINISTIC = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
                               "Bernoulli", "Multinomial", "Dropout"})
 SMALL_RESULT = 1 << 20  # a folded result may always be this large, else no larger than its inputs
+SHARED_BYTES = 4096  # read-only constants up to this size with equal dtype, shape and bytes become one
 
 
 def _foldable(graph: Graph, node) -> bool:
@@ -66,8 +72,10 @@ def _evaluate(graph: Graph, node, ctx) -> list | None:
     return folded
 
 
-def fold_constants(graph: Graph, options) -> int:
-    """Fold every foldable node of `graph` and of its subgraphs; returns how many were folded."""
+def fold_constants(graph: Graph, options, shared: dict | None = None) -> int:
+    """Fold every foldable node of `graph` and of its subgraphs, then share their equal small
+    constants (`shared`: the arrays kept so far, by value); returns how many nodes were folded."""
+    shared = {} if shared is None else shared
     ctx = RunContext(options)
     folded = 0
     nodes = list(graph.nodes)
@@ -99,8 +107,17 @@ def fold_constants(graph: Graph, options) -> int:
             names += [name for name in subgraph.captures if name not in names]
         node.captures = tuple(graph.ids[name] for name in names)
         for subgraph in subgraphs:
-            folded += fold_constants(subgraph, options)
+            folded += fold_constants(subgraph, options, shared)
+    _share_equal_constants(graph, shared)
     return folded
+
+
+def _share_equal_constants(graph: Graph, shared: dict) -> None:
+    """Each small read-only constant replaced by the first array of its value seen in the model."""
+    for vid, value in graph.constants.items():
+        if (type(value) is np.ndarray and value.nbytes <= SHARED_BYTES and not value.flags.writeable
+                and not value.dtype.hasobject and vid not in graph.optional_inputs):
+            graph.constants[vid] = shared.setdefault((value.dtype, value.shape, value.tobytes()), value)
 
 
 def _inline_constant_captures(parent: Graph, subgraph: Graph) -> None:

@@ -152,7 +152,7 @@ def _structure(group) -> tuple:
 
 def _constant_key(value: np.ndarray):
     if value.nbytes <= 4096 and value.dtype.kind != "O":
-        return value.dtype.str, value.shape, value.tobytes()
+        return value.dtype, value.shape, value.tobytes()  # the dtype itself: ml_dtypes' float8s share a str
     return "object", id(value)  # large constants are only shared by the very same array
 
 

@@ -371,19 +371,14 @@ def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fil
 
 def _mask_bias(mask, starts, ends, axes, steps, then, otherwise, ctx=None):
     """RepeatedKVAttention's additive mask from its Slice/Where inputs, made once a run (with ctx) for
-    one mask and equal other inputs: every layer of a decode step reads the same (np.where 30 times a
-    SmolLM2 step cost 0.6-0.7 ms of 28-37 in per-step A/B)."""
+    the same input arrays: every layer of a decode step reads the same (np.where 30 times a SmolLM2
+    step cost 0.6-0.7 ms of 28-37 in per-step A/B). Known by identity, not by the slice's and
+    scalars' values (8 us a layer between kernels streaming weights: cache misses)."""
     if ctx is None or then.size > 1 or otherwise.size > 1:
         return Where(_slice(mask, starts, ends, axes, steps), then, otherwise)
-    key = ("mask bias", id(mask), int_tuple(starts), int_tuple(ends), int_tuple(axes),
-           steps is None or int_tuple(steps), _scalar_key((), then, otherwise))
-    return ctx.keep(key, (mask,), lambda: Where(_slice(mask, starts, ends, axes, steps), then, otherwise))
-
-
-@Remembered
-def _scalar_key(_, *scalars) -> tuple:
-    """The dtypes and values of one-element arrays, hashable."""
-    return tuple((s.dtype.str, s.shape, s.item()) for s in scalars)
+    arrays = (mask, starts, ends, axes, steps, then, otherwise)  # the same objects: the same bias
+    return ctx.keep(("mask bias", *map(id, arrays)), arrays,
+                    lambda: Where(_slice(mask, starts, ends, axes, steps), then, otherwise))
 
 
 def repeated_kv_row(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,

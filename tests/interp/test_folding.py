@@ -63,3 +63,34 @@ def test_a_branch_reading_a_parent_constant_owns_it_and_folds_with_it():
     expected = x @ np.arange(12, dtype=np.float32).reshape(3, 4).T
     for cond in (True, False):
         np.testing.assert_array_equal(model.run({"cond": np.array(cond), "x": x})["y"], expected)
+
+
+def test_equal_small_constants_become_one_array_and_others_stay_apart():
+    """Per-layer copies of the same slice bounds or scalars are one array after load (facts kept
+    about a constant by identity then hold for every layer); other values, dtypes or shapes, large
+    constants and initializers a feed may override keep their own."""
+    import ml_dtypes
+
+    def constant(name, values, dtype):
+        return helper.make_tensor(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), [len(values)],
+                                  np.array(values, dtype).tobytes(), raw=True)
+
+    inputs = {"a": ([1, 2], np.int64), "b": ([1, 2], np.int64), "c": ([1, 3], np.int64),
+              "d": ([1, 2], np.int32), "e": ([56], ml_dtypes.float8_e4m3fn), "f": ([56], ml_dtypes.float8_e5m2),
+              "big": (list(range(1024)), np.int64), "big2": (list(range(1024)), np.int64), "fed": ([1, 2], np.int64)}
+    names = list(inputs)
+    graph = helper.make_graph([helper.make_node("Identity", [n], [f"out_{n}"]) for n in names], "g",
+                              [helper.make_tensor_value_info("fed", T.INT64, [2])],
+                              [helper.make_tensor_value_info(f"out_{n}", 0, None) for n in names],
+                              [constant(n, *inputs[n]) for n in names])
+    model = runnx.load(helper.make_model(graph, opset_imports=OPSET))
+    constant_of = {n: model.graph.constants[model.graph.ids[n]] for n in names}
+    assert constant_of["a"] is constant_of["b"]
+    others = [constant_of[n] for n in ("a", "c", "d", "e", "f", "big", "big2", "fed")]
+    assert len({id(value) for value in others}) == len(others)
+    got = model.run({})
+    for name in names:
+        want = np.array(*inputs[name])
+        assert got[f"out_{name}"].dtype == want.dtype and got[f"out_{name}"].tobytes() == want.tobytes(), name
+    unshared = runnx.load(helper.make_model(graph, opset_imports=OPSET), fold_constants=False).graph
+    assert unshared.constants[unshared.ids["a"]] is not unshared.constants[unshared.ids["b"]]

@@ -411,8 +411,9 @@ def test_fused_tiny_llama_logits_match_the_unfused_model(fixtures_dir):
 
 
 def test_the_layers_reading_one_mask_share_its_bias_within_a_run():
-    """RepeatedKVAttention's mask bias is made once a run for one mask array and equal slice and
-    Where inputs (every layer of a decode step reads the same), never across runs or masks."""
+    """RepeatedKVAttention's mask bias is made once a run for the same mask, slice and Where input
+    arrays (every layer of a decode step reads the same: equal constants are one array after
+    load), never across runs or masks."""
     from runnx.interp.context import RunContext
     from runnx.interp.options import Options
 
@@ -423,14 +424,15 @@ def test_the_layers_reading_one_mask_share_its_bias_within_a_run():
 
     mask = RNG.random((1, 1, 1, 9)) < 0.5
     then, otherwise = small(0.0, dtype=np.float32), small(-np.inf, dtype=np.float32)
+    start, axis, step, ends = small(0), small(3), small(1), {7: small(7), 8: small(8)}
 
     def bias(mask, end, ctx, then=then):
-        return fused_ops._mask_bias(mask, small(0), small(end), small(3), small(1), then, otherwise, ctx)
+        return fused_ops._mask_bias(mask, start, ends[end], axis, step, then, otherwise, ctx)
 
     run = RunContext(Options())
     first = bias(mask, 7, run)
     np.testing.assert_array_equal(first, np.where(mask[..., :7], np.float32(0), np.float32(-np.inf)))
-    assert bias(mask, 7, run) is first  # equal inputs, other (per-layer) arrays
+    assert bias(mask, 7, run) is first  # the same inputs
     assert bias(mask, 8, run).shape == (1, 1, 1, 8)  # another end
     assert bias(mask, 7, run, small(1.0, dtype=np.float32))[mask[..., :7]].tolist() == [1.0] * mask[..., :7].sum()
     assert bias(mask.copy(), 7, run) is not first  # an equal mask, another array
