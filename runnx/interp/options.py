@@ -32,7 +32,9 @@ class Options:
     (RUNNX_CHECK_SYMBOLIC_DIMS=1). Off by default, like onnxruntime: Optimum's merged decoders
     name both the input_ids and the attention_mask length 'sequence_length'.
     shape_cache: nodes computing values from tensor shapes only run once per shapes seen
-    (RUNNX_SHAPE_CACHE=0 turns it off; results are identical either way).
+    (RUNNX_SHAPE_CACHE=0 turns it off; results are identical either way). memo_read_ahead: a memo
+    missing on shapes grown by a decode step also computes the next steps' (interp/read_ahead.py;
+    RUNNX_MEMO_READ_AHEAD=0 turns it off).
     fuse: replace recurring patterns (residual add + RMSNorm, SiLU gate, rotary embedding, attention
     over the KV cache) by fused kernels at load (RUNNX_FUSE=0 turns it off).
     threads: BLAS and numba threads, set for the process at load (RUNNX_THREADS; 0 leaves them).
@@ -53,6 +55,7 @@ class Options:
     max_loop_iterations: int = field(default_factory=lambda: _env_int("RUNNX_MAX_LOOP_ITERATIONS", 10**7))
     check_symbolic_dims: bool = field(default_factory=lambda: _env_flag("RUNNX_CHECK_SYMBOLIC_DIMS", False))
     shape_cache: bool = field(default_factory=lambda: _env_flag("RUNNX_SHAPE_CACHE", True))
+    memo_read_ahead: bool = field(default_factory=lambda: _env_flag("RUNNX_MEMO_READ_AHEAD", True))
     fuse: bool = field(default_factory=lambda: _env_flag("RUNNX_FUSE", True))
     threads: int = field(default_factory=lambda: _env_int("RUNNX_THREADS", 0))
     compile_after: int = field(default_factory=lambda: _env_int("RUNNX_COMPILE_AFTER", 2))

@@ -25,6 +25,7 @@ from runnx.capture.ownership import storage_root
 from runnx.errors import NodeError, RunnxError
 from runnx.interp.folding import NONDETERMINISTIC, out_of_place_kwargs
 from runnx.interp.ir import MISSING, Graph, Node
+from runnx.interp.read_ahead import AheadState, read_ahead, register, value_key
 from runnx.ops._remembered import Remembered
 from runnx.ops.registry import Kernel
 
@@ -179,7 +180,7 @@ class KeptResults(dict):
 
 
 def _nbytes(key: tuple, result: tuple) -> int:
-    """The bytes of a kept result's arrays and of the external values in its key (`_value_key`'s)."""
+    """The bytes of a kept result's arrays and of the external values in its key (`value_key`'s)."""
     size = 0
     for value in result:
         size += value.nbytes
@@ -193,7 +194,7 @@ class ShapeGroup:
     """The nodes of one memo node and its recent results; called as the memo node's kernel."""
 
     __slots__ = ("graph", "members", "roots", "external", "outputs", "results", "_by_identity", "_program",
-                 "__name__")
+                 "ahead", "__name__")
 
     def __init__(self, graph, members, roots, external, outputs):
         self.graph = graph
@@ -206,6 +207,7 @@ class ShapeGroup:
         # read-only arrays as before give the same result
         self._by_identity = Remembered()
         self._program = None
+        self.ahead = AheadState()
         self.__name__ = MEMO_OP
 
     def __call__(self, *args, ctx):
@@ -214,31 +216,39 @@ class ShapeGroup:
         if len(args) > count:
             if ctx.profile is None:  # read-only externals (kept results, constants) known by identity
                 return self._by_identity.lookup(key, args[count:], lambda shapes, *externals: self._kept(
-                    shapes + tuple([_value_key(a) for a in externals]), args, ctx))
-            key += tuple([_value_key(a) for a in args[count:]])
+                    shapes + tuple([value_key(a) for a in externals]), args, ctx))
+            key += tuple([value_key(a) for a in args[count:]])
         return self._kept(key, args, ctx)
 
     def _kept(self, key: tuple, args: tuple, ctx) -> tuple:
-        """The kept result for `key`, or the members' computed now (and kept)."""
+        """The kept result for `key`, or the members' computed now (and kept, and read ahead)."""
         try:
             result = self.results.get(key)
         except TypeError:  # an unhashable external (a sequence): compute, do not keep
-            return self._compute(args, ctx)
+            return self.compute(args, ctx)
         if result is not None:
             if ctx.profile is not None:
                 ctx.count("ShapeMemo.hits")
                 ctx.count("ShapeMemo.nodes_skipped", len(self.members))
             return result
         ctx.count("ShapeMemo.misses")
-        result = self._compute(args, ctx)
-        for value in result:
-            if type(value) is not np.ndarray:
-                return result
-        if None not in key:
-            self.results.keep(key, result, _nbytes(key, result))
+        result = self.compute(args, ctx)
+        if self.keep(key, result) and ctx.options.memo_read_ahead:
+            read_ahead(self, key, args, ctx)
         return result
 
-    def _compute(self, args, ctx) -> tuple:
+    def keep(self, key: tuple, result: tuple) -> bool:
+        """Keep `result` for `key` when it can be handed out again: arrays only, a full key."""
+        for value in result:
+            if type(value) is not np.ndarray:
+                return False
+        if None in key:
+            return False
+        self.results.keep(key, result, _nbytes(key, result))
+        register(self, key, result)
+        return True
+
+    def compute(self, args, ctx) -> tuple:
         """Run the members (a new key) out of place, through their program (made once)."""
         program = self._program
         if program is None:
@@ -295,14 +305,6 @@ def _unpacked(result, count: int) -> tuple:
     or a single value first."""
     values = result if type(result) is tuple else (result,)
     return (values + (None,) * count)[:count]
-
-
-def _value_key(value):
-    """A hashable key equal exactly for equal values (object arrays and sequences: a list, so the
-    result is computed and not kept)."""
-    if type(value) is np.ndarray and value.dtype.kind != "O":
-        return value.dtype.str, value.shape, value.tobytes()
-    return [value]
 
 
 def _kept_value(value, args: tuple):

@@ -1,0 +1,74 @@
+"""Shape memos read ahead: a memo missing on roots grown as a decode step grows them computes the
+next steps' results while hot; they are what the steps compute, and a memo whose guesses fail
+stops guessing."""
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+import runnx
+from runnx.interp import read_ahead
+
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+STEPS = read_ahead.READ_AHEAD
+
+
+def _model(**options):
+    """out = x reshaped to (rows * columns,) + total, total = (rows(x) + rows(y)) * columns(x):
+    memos of {x} (its reshape target, its dimensions), of {y} (its rows) and of {x, y} (total,
+    from the other two memos' outputs: externals)."""
+    nodes = [helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("ReduceProd", ["sx"], ["size"], keepdims=1),
+             helper.make_node("Gather", ["sx", "zero"], ["rows"], axis=0),
+             helper.make_node("Gather", ["sx", "one"], ["columns"], axis=0),
+             helper.make_node("Shape", ["y"], ["sy"]), helper.make_node("Gather", ["sy", "zero"], ["y_rows"], axis=0),
+             helper.make_node("Add", ["rows", "y_rows"], ["both"]), helper.make_node("Mul", ["both", "columns"], ["total"]),
+             helper.make_node("Reshape", ["x", "size"], ["flat"]), helper.make_node("Cast", ["total"], ["t"], to=F),
+             helper.make_node("Add", ["flat", "t"], ["out"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", F, None), helper.make_tensor_value_info("y", F, None)],
+        [helper.make_tensor_value_info("out", F, None)],
+        [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(1, np.int64), "one")])
+    return runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), **options)
+
+
+def _decode(model, lengths, y_rows=lambda length: 3):
+    """Runs with x of (length, 2) and y of (y_rows(length), 1), the profile's counters, and
+    whether every output is what the model without memos gives."""
+    plain, profile, same = _model(shape_cache=False), runnx.Profile(), True
+    for length in lengths:
+        feeds = {"x": np.arange(2 * length, dtype=np.float32).reshape(length, 2),
+                 "y": np.zeros((y_rows(length), 1), np.float32)}
+        got = model.run(feeds, profile=profile)["out"]
+        same &= got.tobytes() == plain.run(feeds)["out"].tobytes()
+    return profile.counters, same
+
+
+def test_a_memo_missing_on_a_grown_length_computes_the_next_steps_while_hot():
+    model = _model()
+    counters, same = _decode(model, range(1, 3 + STEPS))
+    assert same
+    # length 1: three memos miss; length 2: the two of x miss and read ahead, the one of {x, y}
+    # too (y's memo unchanged since the first run: its output stays), y's hits; then all hit
+    assert counters["ShapeMemo.misses"] == 3 + 2
+    assert counters["ShapeMemo.read_ahead"] == 2 * STEPS
+    counters, same = _decode(model, range(3 + STEPS, 6 + STEPS))  # beyond: one miss, then read ahead
+    assert same and counters["ShapeMemo.misses"] == 2 and counters["ShapeMemo.read_ahead"] == 2 * STEPS
+
+
+def test_without_read_ahead_every_new_length_misses():
+    counters, same = _decode(_model(memo_read_ahead=False), range(1, 3 + STEPS))
+    assert same and counters["ShapeMemo.misses"] == 3 + 2 * (1 + STEPS) and not counters["ShapeMemo.read_ahead"]
+
+
+def test_lengths_that_do_not_grow_by_steps_read_nothing_ahead():
+    counters, same = _decode(_model(), [4, 2, 9, 20, 7])
+    assert same and not counters["ShapeMemo.read_ahead"]
+
+
+def test_a_memo_whose_guesses_fail_stops_guessing_and_stays_right():
+    """y's rows change with x's length, every fourth step: the memo of {x, y} guessed y unchanged,
+    misses within what it read ahead and reads ahead no more; x's and y's memos go on."""
+    model = _model()
+    counters, same = _decode(model, range(1, 4 + 2 * STEPS), y_rows=lambda length: 3 + length // 4)
+    assert same and counters["ShapeMemo.read_ahead_off"] == 1
+    memos = [node.kernel.fn for node in model.graph.nodes if node.op_type == "ShapeMemo"]
+    assert [memo.ahead.off for memo in memos if memo.external] == [True]
+    assert all(memo.ahead.keys and not memo.ahead.off for memo in memos if not memo.external)  # x's, y's
