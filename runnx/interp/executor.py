@@ -64,8 +64,9 @@ class Executor:
                 bound[vid] = env.take(name)
         return self.run(graph, plan, bound, ctx)
 
-    def run(self, graph: Graph, plan: Plan, bound: dict, ctx) -> tuple[list, list]:
-        """Execute `plan`; `bound` maps value id -> (value, owned). Returns outputs and owned flags."""
+    def run(self, graph: Graph, plan: Plan, bound: dict, ctx, owned: bool = True) -> tuple[list, list | None]:
+        """Execute `plan`; `bound` maps value id -> (value, owned). Returns outputs and their owned
+        flags (None with owned=False: a model's run hands none over)."""
         profile = ctx.profile
         options = ctx.options
         inplace_on = options.inplace
@@ -80,7 +81,7 @@ class Executor:
             values, keys = {}, {}
             self._hold_bound(bound, values, keys, hold)
             outputs, output_keys = compiled(values, keys, table, ctx)
-            return outputs, [table.is_owned(k) for k in output_keys]
+            return outputs, [table.is_owned(k) for k in output_keys] if owned else None
         values = list(plan.values_template)  # constants in place; values[MISSING], the last slot, stays None
         keys = list(plan.keys_template)
         if profile is not None:  # constants are read-only (never owned, nor their views): held only to count bytes
@@ -122,7 +123,7 @@ class Executor:
                 keys[vid] = ()
         if profile is not None and table.peak_bytes > profile.peak_live_bytes:
             profile.peak_live_bytes = table.peak_bytes
-        return [values[v] for v in plan.outputs], [table.is_owned(keys[v]) for v in plan.outputs]
+        return [values[v] for v in plan.outputs], [table.is_owned(keys[v]) for v in plan.outputs] if owned else None
 
     @staticmethod
     def _hold_bound(bound: dict, values, keys, hold) -> None:

@@ -121,7 +121,7 @@ class Model:
             self._threads = self._threads or thread_counts()
             record.threads = self._threads
         ctx = RunContext(self.options, record)
-        values, _ = self._executor.run(graph, plan, bound, ctx)  # (an unrewritten graph shares value ids)
+        values, _ = self._executor.run(graph, plan, bound, ctx, owned=False)  # (an unrewritten graph shares ids)
         names = [self.graph.names[v] for v in output_vids]
         result = {}
         for name, value in zip(names, values):

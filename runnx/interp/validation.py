@@ -14,10 +14,11 @@ from runnx.interp.ir import Graph, ValueInfo
 class FeedSpec:
     """What one model input accepts, precomputed once per model."""
 
-    __slots__ = ("name", "vid", "info", "dtype", "shape", "fixed", "symbolic")
+    __slots__ = ("name", "vid", "info", "kind", "dtype", "shape", "fixed", "symbolic")
 
     def __init__(self, name: str, vid: int, info: ValueInfo | None):
         self.name, self.vid, self.info = name, vid, info
+        self.kind = info.kind if info is not None else "tensor"
         self.dtype = ONNX_TO_NUMPY.get(info.elem_type) if info is not None and info.elem_type else None
         self.shape = info.shape if info is not None and info.kind == "tensor" else None
         dims = tuple(enumerate(self.shape or ()))
@@ -110,7 +111,9 @@ def bind_feeds(specs: dict[str, FeedSpec], feeds, check_symbolic_dims: bool = Tr
             known = ", ".join(sorted(specs)) or "none"
             raise UnknownInputError(f"'{name}' is not an input of the model (inputs: {known})")
         owned = isinstance(raw, Owned)
-        value = _as_value(spec, raw.array if owned else raw)
+        value = raw.array if owned else raw
+        if type(value) is not np.ndarray or value.dtype != spec.dtype or spec.kind != "tensor":
+            value = _as_value(spec, value)  # an array of the input's dtype as it is: a decode step's 62
         if isinstance(value, np.ndarray):
             check_shape(spec, value, symbols)
             if not owned or not value.flags.writeable:
