@@ -6,15 +6,18 @@ initializer's raw_data once more, and reading `raw_data` copies it a third time:
 its wire format walked just deep enough to find the top-level graph's initializers (ModelProto
 field 7, GraphProto field 5): the protobuf parsed is the file without their raw_data (field 9 of
 TensorProto), a few MB of nodes and names, and each initializer's bytes are read from the file
-once, straight into its own aligned slice of one allocation (`weight_arena`: huge pages; the map
-is closed after the walk, so the arrays do not pin the file nor count its pages twice).
+once, straight into its own aligned slice of one anonymous map (`weight_arena`, then huge pages:
+`settle`; the file's map is closed after the walk, so the arrays do not pin the file nor count
+its pages twice).
 
 Anything unexpected in the wire format (a truncated field, a group, a repeated name) gives None:
 the caller then parses the file the usual way and reports its errors.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import threading
 
 import numpy as np
 
@@ -48,28 +51,55 @@ def read_model_file(path: str, skip=frozenset()) -> tuple[bytes, dict[str, np.nd
             data.close()
         raw = {}
         spans = {name: span for name, span in spans.items() if name not in skip}
-        arena = weight_arena([length for _, length in spans.values()])
-        for (name, (offset, length)), buffer in zip(spans.items(), arena):
+        buffers, region = weight_arena([length for _, length in spans.values()])
+        for (name, (offset, length)), buffer in zip(spans.items(), buffers):
             raw[name] = buffer
             handle.seek(offset)
             if handle.readinto(buffer) != length:
                 return None
+    settle(region)
     return stripped, raw
 
 
-def weight_arena(lengths: list[int]) -> list[np.ndarray]:
-    """Byte buffers of these lengths, 64-byte aligned slices of one allocation: numpy's allocator
-    asks Linux for transparent huge pages from 4 MiB on (THP `madvise`, as on these machines), so
-    the weights stream through 2 MiB pages, where one buffer each (a 3.5 MB matrix, a bytearray)
-    gets 4 KiB ones: fewer TLB misses, SmolLM2 decoding 1.05-1.07x on one thread and 1.00-1.02x
-    on two (docs/benchmarks.md)."""
+def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], mmap.mmap | None]:
+    """(byte buffers of these lengths, 64-byte aligned slices of one zeroed anonymous map, the map):
+    faulted in 4 KiB pages while they are read (fast: a huge page at fault time may wait for the
+    kernel to compact memory, 0.5-1.3 s for SmolLM2's weights after another process freed its
+    own), then `settle`d into huge pages. None for the map where there are no anonymous maps."""
     starts, total = [], 0
     for length in lengths:
         starts.append(total)
         total += -(-length // 64) * 64
-    arena = np.empty(total + 64, np.uint8)
+    try:
+        region = mmap.mmap(-1, total + 64, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena = np.frombuffer(region, np.uint8)
+    except (AttributeError, OSError, ValueError):
+        region, arena = None, np.zeros(total + 64, np.uint8)
     base = -arena.ctypes.data % 64
-    return [arena[base + start:base + start + length] for start, length in zip(starts, lengths)]
+    return [arena[base + start:base + start + length] for start, length in zip(starts, lengths)], region
+
+
+_MADV_COLLAPSE = 25  # Linux 6.1 (Python 3.11's mmap does not name it)
+
+
+def settle(region: mmap.mmap | None) -> None:
+    """Move the read weights into transparent huge pages (where THP is `madvise`, as on these
+    machines): a decode step then streams them through 2 MiB pages, fewer TLB misses, SmolLM2
+    decoding 1.05-1.07x on one thread and 1.00-1.02x on two. The kernel's collapse copies them
+    (0.1-1.3 s, as much as memory needs compacting), on a thread of its own while the load goes
+    on: ctypes' call leaves the GIL, readers see the same bytes throughout. Best effort: older
+    kernels and other systems keep 4 KiB pages."""
+    if region is None or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (AttributeError, OSError, ValueError):
+        return
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    address = np.frombuffer(region, np.uint8).ctypes.data
+    threading.Thread(target=lambda: madvise(address, len(region), _MADV_COLLAPSE) and region, daemon=True,
+                     name="runnx-huge-pages").start()  # (the lambda holds the map while it runs)
 
 
 def _graph(view, start: int, end: int, spans: dict) -> bytes:
