@@ -87,3 +87,36 @@ def test_initializers_a_weights_file_replaces_are_not_read(tmp_path):
     stripped, raw = read_model_file(str(_model_file(tmp_path)), skip={"w", "ww"})
     assert set(raw) == set(TENSORS) - {"w", "ww"} | {"packed"}
     assert all(bytes(raw[name]) == value.tobytes() for name, value in TENSORS.items() if name in raw)
+
+
+def _huge_pages_of(address: int) -> int:
+    """AnonHugePages (kB) of the mapping holding `address`, from /proc/self/smaps."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_the_weights_settle_into_huge_pages_on_a_thread_of_their_own():
+    import threading
+    from pathlib import Path
+
+    from runnx.interp.model_file import settle, weight_arena
+
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("no transparent huge pages on this system")
+    (buffer,), region = weight_arena([16 << 20])
+    buffer[:] = 7  # read in 4 KiB pages
+    assert _huge_pages_of(buffer.ctypes.data) == 0
+    settle(region)
+    for thread in threading.enumerate():
+        if thread.name == "runnx-huge-pages":
+            thread.join(30)
+    assert _huge_pages_of(buffer.ctypes.data) >= 8 << 10  # at least half of the 16 MiB
+    assert (buffer == 7).all()
