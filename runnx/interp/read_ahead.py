@@ -5,12 +5,12 @@ causal mask, the cache's reshape targets): SmolLM2 misses 5 memos a step, Whispe
 its members cold, between kernels that stream megabytes of weights through the caches: SmolLM2's
 layer cache group took 96 us there and 3 us when run again right away, its causal mask 124 against
 28, Whisper's position group 84 against 25. So when a memo misses on roots grown since its last
-miss by one position (in each dimension that changed), or by one more than it read ahead then, its
-members also run, while hot, for the next READ_AHEAD steps of one position each: the roots stand-ins of those shapes (a
-memo reads its roots for their shapes only; the stand-ins keep their dtypes), each external value
-(another memo's output) that memo's result for the same step: the one it read ahead, or its
-current one when that memo's key did not change since an earlier run. A memo reading any other
-value does not read ahead. Results are kept under the keys they were computed for, so a wrong
+miss by one position (in each dimension that changed), or by one more than it read ahead then,
+its members also run, while hot, for the next READ_AHEAD steps of one position each: the roots
+stand-ins of those shapes (a memo reads its roots for their shapes only; the stand-ins keep their
+dtypes), each external value (another memo's output) that memo's result for the same step: the
+one it read ahead, or its current one when that memo's key did not change since an earlier run. A
+memo reading any other value does not read ahead. Results are kept under the keys they were computed for, so a wrong
 guess costs only its computation; a memo that misses within what it read ahead reads ahead no more.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ import numpy as np
 from runnx.ops.fused import stand_in
 
 READ_AHEAD = 8  # decode steps a miss computes ahead
-# id(kept array) -> (weak reference, memo, its key, output index): where an external comes from
+# id(kept array) -> (weak references to it and its memo, the memo's key, output index): where an
+# external comes from (weak: the map keeps neither a model's memos nor their results alive)
 ORIGINS: dict[int, tuple] = {}
 
 
@@ -40,7 +41,7 @@ def register(group, key: tuple, result: tuple) -> None:
     """Remember `result`'s arrays as `group`'s outputs for `key`, while they live."""
     for index, value in enumerate(result):
         if type(value) is np.ndarray:
-            ORIGINS[id(value)] = (weakref.ref(value, _forget(id(value))), group, key, index)
+            ORIGINS[id(value)] = (weakref.ref(value, _forget(id(value))), weakref.ref(group), key, index)
 
 
 def _forget(identity: int):
@@ -127,6 +128,9 @@ def _future_externals(externals: tuple, run: int) -> list | None:
         if origin is None or origin[0]() is not value or value.dtype.kind == "O":
             return None
         _, producer, key, index = origin
+        producer = producer()
+        if producer is None:
+            return None
         state = producer.ahead
         if state.key == key:
             keys = state.keys

@@ -194,7 +194,7 @@ class ShapeGroup:
     """The nodes of one memo node and its recent results; called as the memo node's kernel."""
 
     __slots__ = ("graph", "members", "roots", "external", "outputs", "results", "_by_identity", "_program",
-                 "ahead", "__name__")
+                 "ahead", "__name__", "__weakref__")
 
     def __init__(self, graph, members, roots, external, outputs):
         self.graph = graph

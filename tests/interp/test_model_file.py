@@ -1,6 +1,6 @@
 """Model files are parsed without the top-level initializers' raw_data, whose bytes are read
-apart, each into its own aligned slice of one allocation; the arrays, the errors and everything else are what parsing the
-whole file gives."""
+apart, each into its own aligned slice of one map (then moved to huge pages); the arrays, the
+errors and everything else are what parsing the whole file gives."""
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper

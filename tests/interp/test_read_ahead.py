@@ -19,7 +19,8 @@ def _model(**options):
              helper.make_node("Gather", ["sx", "zero"], ["rows"], axis=0),
              helper.make_node("Gather", ["sx", "one"], ["columns"], axis=0),
              helper.make_node("Shape", ["y"], ["sy"]), helper.make_node("Gather", ["sy", "zero"], ["y_rows"], axis=0),
-             helper.make_node("Add", ["rows", "y_rows"], ["both"]), helper.make_node("Mul", ["both", "columns"], ["total"]),
+             helper.make_node("Add", ["rows", "y_rows"], ["both"]),
+             helper.make_node("Mul", ["both", "columns"], ["total"]),
              helper.make_node("Reshape", ["x", "size"], ["flat"]), helper.make_node("Cast", ["total"], ["t"], to=F),
              helper.make_node("Add", ["flat", "t"], ["out"])]
     graph = helper.make_graph(
@@ -72,3 +73,16 @@ def test_a_memo_whose_guesses_fail_stops_guessing_and_stays_right():
     memos = [node.kernel.fn for node in model.graph.nodes if node.op_type == "ShapeMemo"]
     assert [memo.ahead.off for memo in memos if memo.external] == [True]
     assert all(memo.ahead.keys and not memo.ahead.off for memo in memos if not memo.external)  # x's, y's
+
+
+def test_what_memos_read_ahead_keeps_no_model_alive():
+    import gc
+    import weakref
+
+    model = _model()
+    _decode(model, range(1, 4))
+    assert read_ahead.ORIGINS
+    memos = [weakref.ref(node.kernel.fn) for node in model.graph.nodes if node.op_type == "ShapeMemo"]
+    del model
+    gc.collect()
+    assert all(memo() is None for memo in memos)
