@@ -1,7 +1,8 @@
 """The official ONNX backend test suite against runnx.backend.
 
 Every case runs; the ones listed in backend_expected_failures.txt (with a reason) must fail, and
-a listed case that starts passing fails the run, so the list stays true. Each case also checks
+a listed case that starts passing fails the run, so the list stays true (but for random draws,
+which a draw may match by chance: it then passes). Each case also checks
 that runnx never modified the caller's input arrays, and runs twice: interpreted, then compiled
 to straight-line Python (interp/compiled.py), which must give bitwise the same outputs.
 """
@@ -77,6 +78,8 @@ def _expect_failure(method, reason):
             raise
         except Exception:
             pytest.xfail(reason)
+        if reason.startswith("random draws"):  # one sample of a generator: an unseeded draw may match it
+            return
         raise AssertionError(f"listed as failing ({reason}) but passes: remove it from {EXPECTED_FAILURES_FILE.name}")
 
     return wrapper
