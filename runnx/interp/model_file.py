@@ -51,55 +51,57 @@ def read_model_file(path: str, skip=frozenset()) -> tuple[bytes, dict[str, np.nd
             data.close()
         raw = {}
         spans = {name: span for name, span in spans.items() if name not in skip}
-        buffers, region = weight_arena([length for _, length in spans.values()])
+        buffers, mapped = weight_arena([length for _, length in spans.values()])
         for (name, (offset, length)), buffer in zip(spans.items(), buffers):
             raw[name] = buffer
             handle.seek(offset)
             if handle.readinto(buffer) != length:
                 return None
-    settle(region)
+    settle(mapped)
     return stripped, raw
 
 
-def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], mmap.mmap | None]:
-    """(byte buffers of these lengths, 64-byte aligned slices of one zeroed anonymous map, the map):
-    faulted in 4 KiB pages while they are read (fast: a huge page at fault time may wait for the
-    kernel to compact memory, 0.5-1.3 s for SmolLM2's weights after another process freed its
+def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """(byte buffers of these lengths, 64-byte aligned slices of one zeroed anonymous map, the map's
+    bytes): faulted in 4 KiB pages while they are read (fast: a huge page at fault time may wait for
+    the kernel to compact memory, 0.5-1.3 s for SmolLM2's weights after another process freed its
     own), then `settle`d into huge pages. None for the map where there are no anonymous maps."""
     starts, total = [], 0
     for length in lengths:
         starts.append(total)
         total += -(-length // 64) * 64
     try:
-        region = mmap.mmap(-1, total + 64, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        arena = np.frombuffer(region, np.uint8)
+        arena = np.frombuffer(mmap.mmap(-1, total + 64, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+        mapped = arena
     except (AttributeError, OSError, ValueError):
-        region, arena = None, np.zeros(total + 64, np.uint8)
+        arena, mapped = np.zeros(total + 64, np.uint8), None
     base = -arena.ctypes.data % 64
-    return [arena[base + start:base + start + length] for start, length in zip(starts, lengths)], region
+    return [arena[base + start:base + start + length] for start, length in zip(starts, lengths)], mapped
 
 
 _MADV_COLLAPSE = 25  # Linux 6.1 (Python 3.11's mmap does not name it)
 
 
-def settle(region: mmap.mmap | None) -> None:
-    """Move the read weights into transparent huge pages (where THP is `madvise`, as on these
-    machines): a decode step then streams them through 2 MiB pages, fewer TLB misses, SmolLM2
-    decoding 1.05-1.07x on one thread and 1.00-1.02x on two. The kernel's collapse copies them
-    (0.1-1.3 s, as much as memory needs compacting), on a thread of its own while the load goes
-    on: ctypes' call leaves the GIL, readers see the same bytes throughout. Best effort: older
-    kernels and other systems keep 4 KiB pages."""
-    if region is None or not hasattr(mmap, "MADV_HUGEPAGE"):
+def settle(mapped: np.ndarray | None) -> None:
+    """Move the read weights (`mapped`: a whole anonymous map's bytes) into transparent huge pages
+    (where THP is `madvise`, as on these machines): a decode step then streams them through 2 MiB
+    pages, fewer TLB misses, SmolLM2 decoding 1.05-1.07x on one thread and 1.00-1.02x on two. The
+    kernel's collapse copies them (0.1-1.3 s, as much as memory needs compacting), on a thread of
+    its own while the load goes on: ctypes' call leaves the GIL, readers see the same bytes
+    throughout. Best effort: older kernels and other systems keep 4 KiB pages."""
+    if mapped is None or not hasattr(mmap, "MADV_HUGEPAGE"):
         return
     try:
-        region.madvise(mmap.MADV_HUGEPAGE)
         madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (AttributeError, OSError, ValueError):
+    except (AttributeError, OSError):
         return
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    address = np.frombuffer(region, np.uint8).ctypes.data
-    threading.Thread(target=lambda: madvise(address, len(region), _MADV_COLLAPSE) and region, daemon=True,
-                     name="runnx-huge-pages").start()  # (the lambda holds the map while it runs)
+    if madvise(mapped.ctypes.data, mapped.size, mmap.MADV_HUGEPAGE) == 0:
+        threading.Thread(target=_collapse, args=(madvise, mapped), daemon=True, name="runnx-huge-pages").start()
+
+
+def _collapse(madvise, mapped: np.ndarray) -> None:
+    madvise(mapped.ctypes.data, mapped.size, _MADV_COLLAPSE)  # (the thread's argument holds the map)
 
 
 def _graph(view, start: int, end: int, spans: dict) -> bytes:

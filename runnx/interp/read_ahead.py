@@ -10,8 +10,9 @@ its members also run, while hot, for the next READ_AHEAD steps of one position e
 stand-ins of those shapes (a memo reads its roots for their shapes only; the stand-ins keep their
 dtypes), each external value (another memo's output) that memo's result for the same step: the
 one it read ahead, or its current one when that memo's key did not change since an earlier run. A
-memo reading any other value does not read ahead. Results are kept under the keys they were computed for, so a wrong
-guess costs only its computation; a memo that misses within what it read ahead reads ahead no more.
+memo reading any other value does not read ahead. Results are kept under the keys they were
+computed for, so a wrong guess costs only its computation; a memo that misses within what it read
+ahead reads ahead no more.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class AheadState:
         self.shapes, self.run, self.key, self.keys, self.off = None, None, None, (), False
 
 
-def register(group, key: tuple, result: tuple) -> None:
+def _register(group, key: tuple, result: tuple) -> None:
     """Remember `result`'s arrays as `group`'s outputs for `key`, while they live."""
     for index, value in enumerate(result):
         if type(value) is np.ndarray:
@@ -48,9 +49,10 @@ def _forget(identity: int):
     return lambda _: ORIGINS.pop(identity, None)
 
 
-def read_ahead(group, key: tuple, args: tuple, ctx) -> None:
+def read_ahead(group, key: tuple, result: tuple, args: tuple, ctx) -> None:
     """After `group` missed `key` (its roots' shapes, then its externals' value keys) on `args` and
-    kept the result: compute and keep the next steps' when its roots grew as decoding grows them."""
+    kept `result`: compute and keep the next steps' when its roots grew as decoding grows them."""
+    _register(group, key, result)
     state = group.ahead
     count = len(group.roots)
     shapes, last, covered = key[:count], state.shapes, len(state.keys)
@@ -78,11 +80,12 @@ def read_ahead(group, key: tuple, args: tuple, ctx) -> None:
         future_key = tuple([root.shape for root in roots]) + tuple([value_key(e) for e in externals])
         if group.results.get(future_key) is None:
             try:
-                result = group.compute((*roots, *externals), ctx)
+                computed = group.compute((*roots, *externals), ctx)
             except Exception:  # a guess no step may make (a length past a limit): it is no miss either
                 break
-            if not group.keep(future_key, result):
+            if not group.keep(future_key, computed):
                 break
+            _register(group, future_key, computed)
             ctx.count("ShapeMemo.read_ahead")
         keys.append(future_key)
     state.keys = tuple(keys)

@@ -25,7 +25,7 @@ from runnx.capture.ownership import storage_root
 from runnx.errors import NodeError, RunnxError
 from runnx.interp.folding import NONDETERMINISTIC, out_of_place_kwargs
 from runnx.interp.ir import MISSING, Graph, Node
-from runnx.interp.read_ahead import AheadState, read_ahead, register, value_key
+from runnx.interp.read_ahead import AheadState, read_ahead, value_key
 from runnx.ops._remembered import Remembered
 from runnx.ops.registry import Kernel
 
@@ -234,7 +234,7 @@ class ShapeGroup:
         ctx.count("ShapeMemo.misses")
         result = self.compute(args, ctx)
         if self.keep(key, result) and ctx.options.memo_read_ahead:
-            read_ahead(self, key, args, ctx)
+            read_ahead(self, key, result, args, ctx)
         return result
 
     def keep(self, key: tuple, result: tuple) -> bool:
@@ -245,7 +245,6 @@ class ShapeGroup:
         if None in key:
             return False
         self.results.keep(key, result, _nbytes(key, result))
-        register(self, key, result)
         return True
 
     def compute(self, args, ctx) -> tuple:

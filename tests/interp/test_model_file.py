@@ -111,10 +111,10 @@ def test_the_weights_settle_into_huge_pages_on_a_thread_of_their_own():
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     if not mode.exists() or "[never]" in mode.read_text():
         pytest.skip("no transparent huge pages on this system")
-    (buffer,), region = weight_arena([16 << 20])
+    (buffer,), mapped = weight_arena([16 << 20])
     buffer[:] = 7  # read in 4 KiB pages
     assert _huge_pages_of(buffer.ctypes.data) == 0
-    settle(region)
+    settle(mapped)
     for thread in threading.enumerate():
         if thread.name == "runnx-huge-pages":
             thread.join(30)
