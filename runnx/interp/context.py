@@ -2,6 +2,7 @@
 once per run)."""
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 
@@ -9,12 +10,18 @@ from runnx.errors import ResourceLimitError
 from runnx.interp.options import Options
 
 
+_SERIALS = itertools.count()
+
+
 class RunContext:
-    __slots__ = ("options", "profile", "_kept")
+    """`serial` tells runs apart for good (an id may come back once a context is freed)."""
+
+    __slots__ = ("options", "profile", "serial", "_kept")
 
     def __init__(self, options: Options, profile=None):
         self.options = options
         self.profile = profile
+        self.serial = next(_SERIALS)
         self._kept: dict = {}
 
     def keep(self, key, arrays: tuple, compute):

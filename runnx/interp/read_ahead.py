@@ -56,7 +56,7 @@ def read_ahead(group, key: tuple, result: tuple, args: tuple, ctx) -> None:
     state = group.ahead
     count = len(group.roots)
     shapes, last, covered = key[:count], state.shapes, len(state.keys)
-    state.shapes, state.run, state.key, state.keys = shapes, id(ctx), key, ()
+    state.shapes, state.run, state.key, state.keys = shapes, ctx.serial, key, ()
     if state.off or last is None:
         return
     growing, grown_by = _growing(last, shapes)
@@ -68,7 +68,7 @@ def read_ahead(group, key: tuple, result: tuple, args: tuple, ctx) -> None:
         return
     if grown_by not in (1, covered + 1):  # neither a decode step nor the next after those read ahead
         return
-    futures = _future_externals(args[count:], id(ctx))
+    futures = _future_externals(args[count:], ctx.serial)
     if futures is None:
         return
     steps = min([len(future) for future in futures], default=READ_AHEAD)
