@@ -7,6 +7,9 @@ Attention reads four cache rows per pass (a quarter of the loads and stores of t
 a quarter of the rows apart: four long sequential streams keep more reads in flight than one,
 whose hardware prefetch stops at every page (a SmolLM2 step's attention over 2000 cached
 positions, 92 MB from memory: 13.8 -> 6.2 ms with one thread, 10.0 -> 5.0 with two, on a Zen 3).
+Each stream also asks for its rows `PREFETCH_ROWS` ahead (`_prefetch`): the rows' arithmetic
+leaves the hardware prefetchers behind, and a layer's attention at 2000 positions waited on
+memory: 390 -> 240 us a layer on one thread, 190 -> 125 on two (an Intel Xeon with AVX-512).
 A long cache is cut into spans of `ATTENTION_SPAN` positions, each (batch entry, KV head, span) a
 unit of work whose softmax maximum, sum and weighted values are combined after, rescaled to the
 row's largest maximum (flash decoding): the decode pool's two threads then share SmolLM2's three
@@ -21,7 +24,7 @@ import math
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import types
+from numba.core import cgutils, types
 from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
@@ -57,6 +60,25 @@ def float32_from_bits(typingctx, bits):
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, rows, index, offset):
+    """Ask for the cache line `offset` bytes into row `index` of a 2-D array (llvm.prefetch: a hint,
+    never a fault; no code where the target has no prefetch instruction)."""
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        row = cgutils.get_item_pointer(context, builder, signature.args[0], array,
+                                       [args[1], ir.Constant(ir.IntType(64), 0)], wraparound=False)
+        byte = ir.IntType(8).as_pointer()
+        line = builder.gep(builder.bitcast(row, byte), [args[2]])
+        hint = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [byte] + [ir.IntType(32)] * 3), "llvm.prefetch.p0")
+        builder.call(hint, [line, ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 3),
+                            ir.Constant(ir.IntType(32), 1)])  # read, keep in every level, data
+        return context.get_dummy_value()
+
+    return types.void(rows, types.intp, types.intp), codegen
 
 
 _F = np.float32
@@ -95,6 +117,20 @@ def _row(rows, j):
     return _typed_contiguous(rows[j])
 
 
+PREFETCH_ROWS = 16  # how far ahead of each of its four streams attention asks for cache rows
+
+
+@_kernel()
+def _prefetch_quarters(rows, first, quarter):
+    """Ask for rows first, first + quarter, first + 2 quarter and first + 3 quarter (every line of
+    each), when within the four quarters; rows are contiguous."""
+    if first < quarter:
+        size = rows.shape[1] * rows.itemsize
+        for stream in range(4):
+            for offset in range(0, size, 64):
+                _prefetch(rows, first + stream * quarter, offset)
+
+
 @_kernel(fastmath=_REORDER)
 def _scores(scaled, keys, scores):
     """scores[r, j] = scaled[r] . keys[j], four key rows a quarter of the keys apart per pass."""
@@ -102,6 +138,7 @@ def _scores(scaled, keys, scores):
     zero = scores.dtype.type(0)
     quarter = count // 4
     for j in range(quarter):
+        _prefetch_quarters(keys, j + PREFETCH_ROWS, quarter)
         j1, j2, j3 = j + quarter, j + 2 * quarter, j + 3 * quarter
         k0, k1, k2, k3 = _row(keys, j), _row(keys, j1), _row(keys, j2), _row(keys, j3)
         for r in range(rows):
@@ -129,6 +166,7 @@ def _weighted_sum(weights, values, partial):
     partial[:] = 0
     quarter = count // 4
     for j in range(quarter):
+        _prefetch_quarters(values, j + PREFETCH_ROWS, quarter)
         j1, j2, j3 = j + quarter, j + 2 * quarter, j + 3 * quarter
         v0, v1, v2, v3 = _row(values, j), _row(values, j1), _row(values, j2), _row(values, j3)
         for r in range(rows):
