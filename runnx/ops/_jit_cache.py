@@ -1,0 +1,43 @@
+"""Stale compiled kernels out of numba's on-disk cache, before any kernel loads from it.
+
+numba checks a cached function against its own source file only (its time and size). A kernel
+compiled into a function of another module stays there: `_decode_pool.py`'s jobs inline
+`_kernels_fused.py`'s attention, and after an edit of `_kernels_fused.py` (or a checkout that
+changes it) they kept running the old attention from the cache, without a sign. So the index files
+of the cached modules' `__pycache__` folders older than the newest of those modules' sources are
+removed: numba recompiles what they indexed on first use. An install writes every file anew and
+the cache after them, so this only ever removes anything in a working copy whose kernels changed.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+# the modules with numba functions cached on disk (`cache=True`), which call into one another
+CACHED_MODULES = ("capture/capacity.py", "ops/_decode_blocks.py", "ops/_decode_pool.py", "ops/_kernels_elementwise.py",
+                  "ops/_kernels_fused.py", "ops/_kernels_linalg.py", "ops/_kernels_nn.py", "ops/_kernels_whisper.py")
+
+
+def drop_stale(sources=tuple(_PACKAGE / module for module in CACHED_MODULES)) -> int:
+    """Remove the numba index files (*.nbi) in the sources' `__pycache__` folders that are older
+    than the newest source; how many. Folders numba cannot write to are left alone (it then
+    caches elsewhere, under the user's cache folder, for files an install wrote at once)."""
+    try:
+        newest = max(os.stat(source).st_mtime for source in sources)
+    except (OSError, ValueError):
+        return 0
+    removed = 0
+    for folder in {Path(source).parent / "__pycache__" for source in sources}:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.name.endswith(".nbi") and entry.stat().st_mtime < newest:
+                    os.remove(entry.path)
+                    removed += 1
+            except OSError:  # removed by another process starting at the same time, or read-only
+                continue
+    return removed

@@ -1,0 +1,35 @@
+"""Stale numba cache indexes are removed before kernels load: a kernel inlined into another
+module's cached function must not outlive an edit of its own file."""
+import os
+from pathlib import Path
+
+from runnx.ops import _jit_cache
+
+
+def test_the_cached_modules_are_every_module_caching_numba_functions():
+    package = Path(_jit_cache.__file__).resolve().parents[1]
+    caching = {str(path.relative_to(package)) for path in package.rglob("*.py")
+               if "cache=True" in path.read_text() and path.name != "_jit_cache.py"}
+    assert caching == set(_jit_cache.CACHED_MODULES)
+
+
+def test_indexes_older_than_the_newest_source_are_removed(tmp_path):
+    sources = [tmp_path / "a.py", tmp_path / "b.py"]
+    cache = tmp_path / "__pycache__"
+    cache.mkdir()
+    files = {name: cache / name for name in ("a.f-1.py311.nbi", "b.g-2.py311.nbi", "a.f-1.py311.1.nbc")}
+    for path in [*sources, *files.values()]:
+        path.write_text("")
+    # b.py edited after a's function was cached (and its data), before b's was
+    for path, when in ((sources[0], 100), (files["a.f-1.py311.nbi"], 200), (files["a.f-1.py311.1.nbc"], 200),
+                       (sources[1], 300), (files["b.g-2.py311.nbi"], 400)):
+        os.utime(path, (when, when))
+    assert _jit_cache.drop_stale(sources) == 1
+    assert sorted(p.name for p in cache.iterdir()) == ["a.f-1.py311.1.nbc", "b.g-2.py311.nbi"]
+    assert _jit_cache.drop_stale(sources) == 0
+
+
+def test_missing_sources_or_folders_remove_nothing(tmp_path):
+    assert _jit_cache.drop_stale([tmp_path / "gone.py"]) == 0
+    (tmp_path / "a.py").write_text("")
+    assert _jit_cache.drop_stale([tmp_path / "a.py"]) == 0
