@@ -72,8 +72,8 @@ def _prefetch(typingctx, rows, index, offset):
                                        [args[1], ir.Constant(ir.IntType(64), 0)], wraparound=False)
         byte = ir.IntType(8).as_pointer()
         line = builder.gep(builder.bitcast(row, byte), [args[2]])
-        hint = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [byte] + [ir.IntType(32)] * 3), "llvm.prefetch.p0")
+        hint = builder.module.declare_intrinsic(  # its name mangled as this llvmlite's pointers are
+            "llvm.prefetch", [byte], ir.FunctionType(ir.VoidType(), [byte] + [ir.IntType(32)] * 3))
         builder.call(hint, [line, ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 3),
                             ir.Constant(ir.IntType(32), 1)])  # read, keep in every level, data
         return context.get_dummy_value()
