@@ -11,6 +11,7 @@ the cache after them, so this only ever removes anything in a working copy whose
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parents[1]
@@ -22,10 +23,14 @@ CACHED_MODULES = ("capture/capacity.py", "ops/_decode_blocks.py", "ops/_decode_p
 def drop_stale(sources=tuple(_PACKAGE / module for module in CACHED_MODULES)) -> int:
     """Remove the numba index files (*.nbi) in the sources' `__pycache__` folders that are older
     than the newest source; how many. Folders numba cannot write to are left alone (it then
-    caches elsewhere, under the user's cache folder, for files an install wrote at once)."""
+    caches elsewhere, under the user's cache folder, for files an install wrote at once). A source
+    dated in the future (a skewed clock, a copied tree) removes nothing: every index written
+    before that date would go at every start, and everything would compile again each time."""
     try:
         newest = max(os.stat(source).st_mtime for source in sources)
     except (OSError, ValueError):
+        return 0
+    if newest > time.time():
         return 0
     removed = 0
     for folder in {Path(source).parent / "__pycache__" for source in sources}:

@@ -1,6 +1,7 @@
 """Stale numba cache indexes are removed before kernels load: a kernel inlined into another
 module's cached function must not outlive an edit of its own file."""
 import os
+import time
 from pathlib import Path
 
 from runnx.ops import _jit_cache
@@ -33,3 +34,14 @@ def test_missing_sources_or_folders_remove_nothing(tmp_path):
     assert _jit_cache.drop_stale([tmp_path / "gone.py"]) == 0
     (tmp_path / "a.py").write_text("")
     assert _jit_cache.drop_stale([tmp_path / "a.py"]) == 0
+
+
+def test_a_source_dated_in_the_future_removes_nothing(tmp_path):
+    """Else every index written before that date would go at each start: a compile every run."""
+    source, index = tmp_path / "a.py", tmp_path / "__pycache__" / "a.f-1.py311.nbi"
+    index.parent.mkdir()
+    source.write_text("")
+    index.write_text("")
+    later = time.time() + 3600
+    os.utime(source, (later, later))
+    assert _jit_cache.drop_stale([source]) == 0 and index.exists()
