@@ -83,17 +83,17 @@ def _timed(part: str, fn, matrices=None):
 @contextlib.contextmanager
 def _instrumented():
     """The products' and the attention's entry points timed, while inside."""
-    originals = (_decode_pool.DecodePool.products, linalg.row_times_matrix, fused._attend_kernel,
+    originals = (_decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
                  _decode_pool.shared_call)
     _decode_pool.DecodePool.products = _timed("products", originals[0], lambda a: a[2])
-    linalg.row_times_matrix = _timed("products", originals[1], lambda a: a[1:2])
+    linalg.rows_times_matrix = _timed("products", originals[1], lambda a: a[1:2])
     fused._attend_kernel = _timed("attention", originals[2])
     _decode_pool.shared_call = _timed("products", originals[3],  # native blocks (ResidualGatedMLP)
                                       lambda a: [m for m in a if getattr(m, "ndim", 0) == 2])
     try:
         yield
     finally:
-        (_decode_pool.DecodePool.products, linalg.row_times_matrix, fused._attend_kernel,
+        (_decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
          _decode_pool.shared_call) = originals
 
 

@@ -12,9 +12,10 @@ then sleeps on its own Event (a shared one, cleared by whichever worker wakes fi
 another asleep through a wake-up meant for it).
 
 A job is cut into units that give the same result whoever computes them:
-- products: one row times up to four matrices (a layer's projections of one input); each product
-  in the row chunks of `row_times_matrix` (`_kernels_linalg.py`), each summed into its own partial
-  row, the partial rows added in chunk order: bitwise the one-thread loop's;
+- products: one row (or a short prompt's few rows) times up to four matrices (a layer's
+  projections of one input); each product in the row chunks of `rows_times_matrix`
+  (`_kernels_linalg.py`), each summed into its own partial rows, the partial rows added in chunk
+  order: bitwise the one-thread loop's;
 - attention: one unit per (batch entry, KV head, span of the cache), `attention_span` of
   `_kernels_fused.py` as the one-thread `attention` runs it, the caller combining the spans after;
 - rows (a prefill's or the Whisper encoder's attention softmax, the encoder's GELU: row kernels of
@@ -41,8 +42,8 @@ import numpy as np
 from runnx.ops._atomics import (add, bits_of_float64, compare_and_swap, float32_pointer, float32_view,
                                 float64_from_bits, load, pause, store)
 from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span
-from runnx.ops._kernels_linalg import (ROW_CHUNKS, add_partials_into, chunk_bounds, chunk_count, row_times_matrix,
-                                      rows_into)
+from runnx.ops._kernels_linalg import (ROW_CHUNKS, add_partials_into, chunk_bounds, chunk_count, rows_into,
+                                      rows_times_matrix)
 from runnx.ops._kernels_whisper import gelu_rows_float32, softmax_rows_float32
 
 # mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
@@ -52,10 +53,12 @@ MAX_WORKERS = _STOP - _IDLE
 # a job's fields: its kind, unit count and polls a worker spins after it, then the kind's own
 _KIND, _UNITS, _LINGER, _OWN = _FIELDS, _FIELDS + 1, _FIELDS + 2, _FIELDS + 3
 _PRODUCTS, _ATTENTION, _ROWS, _SUMS = 0, 1, 2, 3
-# products: the row, then (matrix, width, partial rows, output) for each matrix; a products job's
-# partial rows are then added by a sums job of the same fields when they are wide (an LM head's)
-_ROW, _DEPTH, _CHUNKS, _MATRICES = range(_OWN, _OWN + 4)
-MAX_MATRICES = 4  # one job: one row times up to this many matrices (a layer's q, k, v projections)
+# products: the rows (address, count), then (matrix, width, partial rows, output) for each matrix;
+# a products job's partial rows are then added by a sums job of the same fields when they are wide
+# (an LM head's)
+_ROW, _HEIGHT, _DEPTH, _CHUNKS, _MATRICES = range(_OWN, _OWN + 5)
+MAX_MATRICES = 4  # one job: rows times up to this many matrices (a layer's q, k, v projections)
+FEW_ROWS = 8  # rows up to which a products job beats OpenBLAS (which packs the matrix for them)
 _MATRIX, _WIDTH, _PARTIALS, _OUT, _PER_MATRIX = 0, 1, 2, 3, 4  # matrix m's slots start at _MATRICES + 4 m
 # columns per unit of a sums job, and the columns (all products') from which the partial rows are
 # added by the pool: an LM head's 8 partial rows of 50k columns take ~250 us to add on one thread
@@ -88,31 +91,31 @@ BUSY = object()  # what `DecodePool.call` returns when another thread has the po
 
 @_jit
 def _product_chunk(box, index):
-    """Unit `index` of a products job: one row chunk of one product into its partial row."""
-    depth, chunks = load(box, _DEPTH), load(box, _CHUNKS)
+    """Unit `index` of a products job: one row chunk of one product into its partial rows."""
+    height, depth, chunks = load(box, _HEIGHT), load(box, _DEPTH), load(box, _CHUNKS)
     slots = _MATRICES + _PER_MATRIX * (index // chunks)
     width = load(box, slots + _WIDTH)
-    row = numba.carray(float32_pointer(load(box, _ROW)), (depth,))
+    rows = numba.carray(float32_pointer(load(box, _ROW)), (height, depth))
     matrix = numba.carray(float32_pointer(load(box, slots + _MATRIX)), (depth, width))
-    partials = numba.carray(float32_pointer(load(box, slots + _PARTIALS)), (chunks, width))
+    partials = numba.carray(float32_pointer(load(box, slots + _PARTIALS)), (chunks, height, width))
     chunk = index % chunks
     start, stop = chunk_bounds(depth, chunks, chunk)
-    rows_into(row, matrix, partials[chunk], start, stop)
+    rows_into(rows, matrix, partials[chunk], start, stop)
 
 
 @_jit
 def _sum_block(box, index):
     """Unit `index` of a sums job: one block of columns of one product, its partial rows added in
     chunk order (`add_partials_into`'s order, so the same result as on one thread), each block of a
-    partial row a contiguous vector."""
-    chunks = load(box, _CHUNKS)
+    chunk's partial rows (all rows of the product in turn) a contiguous vector."""
+    height, chunks = load(box, _HEIGHT), load(box, _CHUNKS)
     slots = _MATRICES
-    width = load(box, slots + _WIDTH)
+    width = height * load(box, slots + _WIDTH)
     blocks = (width + _SUM_BLOCK - 1) // _SUM_BLOCK
     while index >= blocks:  # the units run through the products' blocks in turn
         index -= blocks
         slots += _PER_MATRIX
-        width = load(box, slots + _WIDTH)
+        width = height * load(box, slots + _WIDTH)
         blocks = (width + _SUM_BLOCK - 1) // _SUM_BLOCK
     start = index * _SUM_BLOCK
     size = min(_SUM_BLOCK, width - start)
@@ -250,9 +253,10 @@ def _run(box, workers, sequence, units):
 
 @_jit
 def _products(box, workers, row, matrices, outs, scratch):
-    """row @ matrices[m] into outs[m] for each m, as one job, the partial rows in `scratch` (room
-    for chunk_count(row.size) rows of every product); whether a worker was idle."""
-    depth = row.size
+    """row @ matrices[m] into outs[m] for each m, as one job, for C-contiguous float32 `row` of one
+    row (K,) or a few (M, K) and outs[m] of M * N_m elements, the partial rows in `scratch` (room
+    for chunk_count(K) times every output); whether a worker was idle."""
+    depth = matrices[0].shape[0]
     chunks = chunk_count(depth)
     partials = []
     start = 0
@@ -262,6 +266,7 @@ def _products(box, workers, row, matrices, outs, scratch):
     sequence = _begin(box, _PATIENCE)
     store(box, _KIND, _PRODUCTS)
     store(box, _ROW, row.ctypes.data)
+    store(box, _HEIGHT, row.size // depth)
     store(box, _DEPTH, depth)
     store(box, _CHUNKS, chunks)
     for m in range(len(matrices)):
@@ -391,23 +396,29 @@ class DecodePool:
                 wake.set()
 
     def products(self, row, matrices: tuple) -> tuple:
-        """(row @ matrix for matrix in matrices) for a float32 vector row (K,) and
-        C-contiguous float32 matrices (K, N_m), as one job per `MAX_MATRICES`."""
+        """(row @ matrix for matrix in matrices) for a float32 vector row (K,), or a few rows (M, K)
+        (at most `FEW_ROWS`), and C-contiguous float32 matrices (K, N_m), as one job per
+        `MAX_MATRICES`."""
         if len(matrices) > MAX_MATRICES:
             return self.products(row, matrices[:MAX_MATRICES]) + self.products(row, matrices[MAX_MATRICES:])
+        row = np.ascontiguousarray(row)  # the workers read it by address
         if not self._lock.acquire(blocking=False):
-            return tuple(row_times_matrix(row, matrix) for matrix in matrices)
+            rows = row.reshape(-1, row.shape[-1])
+            return tuple(rows_times_matrix(rows, matrix).reshape(row.shape[:-1] + matrix.shape[1:])
+                         for matrix in matrices)
         try:
-            if sum([matrix.size for matrix in matrices]) >= _WAKE_FIRST:
+            height = row.size // row.shape[-1]
+            if height * sum([matrix.size for matrix in matrices]) >= _WAKE_FIRST:
                 self._wake_sleeping()
-            row = np.ascontiguousarray(row)  # the workers read it by address
-            outs = tuple([np.empty(matrix.shape[1], np.float32) for matrix in matrices])
+            outs = tuple([np.empty(height * matrix.shape[1], np.float32) for matrix in matrices])
             idle = _products(self.box, self._workers, row, matrices, outs,
-                             self._scratch(chunk_count(row.size) * sum([out.size for out in outs])))
+                             self._scratch(chunk_count(row.shape[-1]) * sum([out.size for out in outs])))
         finally:
             self._lock.release()
         if idle:
             self._wake()
+        if row.ndim > 1:
+            return tuple(out.reshape(row.shape[:-1] + (-1,)) for out in outs)
         return outs
 
     def _scratch(self, size: int) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""numba kernels of the linear-algebra family: the one-row matrix product of decoding.
+"""numba kernels of the linear-algebra family: the one-row matrix product of decoding (and the
+few-row product of a short prompt, the same loop serving every row from one pass over the matrix).
 
 A decode step multiplies one row by each weight matrix. OpenBLAS's one-row kernel spends a good
 part of its time outside the memory stream (measured in scripts/bench_gemv.py); a plain loop that
@@ -28,29 +29,36 @@ def chunk_bounds(depth, chunks, index):
 
 
 @_kernel
-def rows_into(row, matrix, partial, start, stop):
-    """partial = row[start:stop] @ matrix[start:stop]: the rows in four quarters read side by side
-    (rows k, k + q, k + 2q, k + 3q per pass, then the rest one by one), each column summed in
-    that fixed order. Four long sequential streams keep more memory reads in flight than four
-    adjacent rows, whose streams end every few KiB: on a Zen 3 1.3-2x the bandwidth for the
-    384- and 576-wide matrices of decoding (scripts/bench_gemv.py), the same for wide ones."""
+def rows_into(rows, matrix, partial, start, stop):
+    """partial = rows[:, start:stop] @ matrix[start:stop] for rows (M, K) and partial (M, N): the
+    matrix rows in four quarters read side by side (rows k, k + q, k + 2q, k + 3q per pass, then
+    the rest one by one), each pass serving every row of `rows`, each column summed in that fixed
+    order. Four long sequential streams keep more memory reads in flight than four adjacent rows,
+    whose streams end every few KiB: on a Zen 3 1.3-2x the bandwidth for the 384- and 576-wide
+    matrices of decoding (scripts/bench_gemv.py), the same for wide ones. A few rows (a short
+    prompt's) cost about one row's memory traffic, where OpenBLAS packs the whole matrix for them
+    (2 rows times 384 x 1536 on one thread: 180 us here, OpenBLAS 670); a row's sums do not depend
+    on the rows beside it, so every row comes out bitwise as it would alone."""
     partial[:] = 0
     quarter = (stop - start) // 4
     for k in range(start, start + quarter):
-        f0, f1, f2, f3 = row[k], row[k + quarter], row[k + 2 * quarter], row[k + 3 * quarter]
         w0, w1, w2, w3 = matrix[k], matrix[k + quarter], matrix[k + 2 * quarter], matrix[k + 3 * quarter]
-        for n in range(partial.size):
-            total = partial[n]
-            total += f0 * w0[n]
-            total += f1 * w1[n]
-            total += f2 * w2[n]
-            total += f3 * w3[n]
-            partial[n] = total
+        for m in range(rows.shape[0]):
+            row, sums = rows[m], partial[m]
+            f0, f1, f2, f3 = row[k], row[k + quarter], row[k + 2 * quarter], row[k + 3 * quarter]
+            for n in range(sums.size):
+                total = sums[n]
+                total += f0 * w0[n]
+                total += f1 * w1[n]
+                total += f2 * w2[n]
+                total += f3 * w3[n]
+                sums[n] = total
     for k in range(start + 4 * quarter, stop):
-        factor = row[k]
         weights = matrix[k]
-        for n in range(partial.size):
-            partial[n] += factor * weights[n]
+        for m in range(rows.shape[0]):
+            factor, sums = rows[m, k], partial[m]
+            for n in range(sums.size):
+                sums[n] += factor * weights[n]
 
 
 @_kernel
@@ -70,14 +78,20 @@ def chunk_count(depth):
 
 
 @_kernel
-def row_times_matrix(row, matrix):
-    """row @ matrix for a vector row (K,) and a C-contiguous matrix (K, N), on this thread."""
+def rows_times_matrix(rows, matrix):
+    """rows @ matrix for C-contiguous rows (M, K) and matrix (K, N), on this thread."""
     depth, width = matrix.shape
     chunks = chunk_count(depth)
-    partials = np.empty((chunks, width), matrix.dtype)
+    partials = np.empty((chunks, rows.shape[0], width), matrix.dtype)
     for index in range(chunks):
         start, stop = chunk_bounds(depth, chunks, index)
-        rows_into(row, matrix, partials[index], start, stop)
-    out = np.empty(width, matrix.dtype)
-    add_partials_into(partials, out)
+        rows_into(rows, matrix, partials[index], start, stop)
+    out = np.empty((rows.shape[0], width), matrix.dtype)
+    add_partials_into(partials.reshape((chunks, out.size)), out.reshape(out.size))
     return out
+
+
+@_kernel
+def row_times_matrix(row, matrix):
+    """row @ matrix for a C-contiguous vector row (K,) and matrix (K, N), on this thread."""
+    return rows_times_matrix(row.reshape((1, row.size)), matrix)[0]

@@ -14,7 +14,8 @@ from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
-from runnx.ops._kernels_linalg import row_times_matrix
+from runnx.ops._decode_pool import FEW_ROWS
+from runnx.ops._kernels_linalg import rows_times_matrix
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, norm_fits
@@ -36,17 +37,18 @@ def _in_dtype(result, dtype):
     return np.asarray(result).astype(dtype, copy=False)
 
 
-def _one_row(a, b) -> bool:
-    """Whether a @ b is one row times a float, C-contiguous matrix (decoding)."""
-    return (b.ndim == 2 and a.ndim and a.size == b.shape[0] == a.shape[-1] and a.dtype == b.dtype
-            and a.dtype in _ROW_KERNEL_DTYPES and b.flags.c_contiguous)
+def _few_rows(a, b) -> bool:
+    """Whether a @ b is one row (decoding) or a few, up to FEW_ROWS (a short prompt), times a float,
+    C-contiguous matrix."""
+    return (b.ndim == 2 and a.ndim and a.shape[-1] == b.shape[0] and 0 < a.size <= FEW_ROWS * b.shape[0]
+            and a.dtype == b.dtype and a.dtype in _ROW_KERNEL_DTYPES and b.flags.c_contiguous)
 
 
-def _pooled_row(x, weights) -> bool:
-    """Whether every x @ w is one float32 row times a C-contiguous float32 matrix of at least
-    _POOLED_ELEMENTS (`_one_row` and the pool's checks, in one pass over the weights)."""
+def _pooled_rows(x, weights) -> bool:
+    """Whether every x @ w is up to FEW_ROWS float32 rows times a C-contiguous float32 matrix of at
+    least _POOLED_ELEMENTS (`_few_rows` and the pool's checks, in one pass over the weights)."""
     depth = x.shape[-1] if x.ndim else -1
-    if x.dtype != _FLOAT32 or x.size != depth:
+    if x.dtype != _FLOAT32 or not 0 < x.size <= FEW_ROWS * depth:
         return False
     for w in weights:
         if not (w.dtype == _FLOAT32 and w.ndim == 2 and w.shape[0] == depth and w.size >= _POOLED_ELEMENTS
@@ -55,13 +57,18 @@ def _pooled_row(x, weights) -> bool:
     return True
 
 
+def _rows(x):
+    """x as the pool's products take it: one row as a vector, a few as a matrix."""
+    return x.reshape(-1) if x.size == x.shape[-1] else x.reshape(-1, x.shape[-1])
+
+
 @register("MatMul", since=1)
 def MatMul(a, b):
-    if (workers := _decode_pool.pool()) is not None and _pooled_row(a, (b,)):
-        (product,) = workers.products(a.reshape(-1), (b,))
-        return product.reshape(a.shape[:-1] + product.shape)
-    if _one_row(a, b):
-        return row_times_matrix(a.reshape(-1), b).reshape(a.shape[:-1] + b.shape[1:])
+    if (workers := _decode_pool.pool()) is not None and _pooled_rows(a, (b,)):
+        (product,) = workers.products(_rows(a), (b,))
+        return product.reshape(a.shape[:-1] + b.shape[1:])
+    if _few_rows(a, b):
+        return rows_times_matrix(np.ascontiguousarray(a).reshape(-1, b.shape[0]), b).reshape(a.shape[:-1] + b.shape[1:])
     _decode_pool.rest_workers(a.size * b.shape[-1])
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # one GEMM over all leading rows instead of numpy's GEMM (or GEMV) per batch entry
@@ -80,9 +87,10 @@ def SharedInputMatMul(x, *inputs, splits: tuple = (), gated: tuple = ()):
     products come out as one, SiluMul(gate, up), after the others."""
     count = len(inputs) - 3 * len(splits)
     weights = inputs[:count]
-    if (workers := _decode_pool.pool()) is not None and _pooled_row(x, weights):
+    if (workers := _decode_pool.pool()) is not None and _pooled_rows(x, weights):
         lead = x.shape[:-1]
-        products = [product.reshape(lead + product.shape) for product in workers.products(x.reshape(-1), weights)]
+        products = [product.reshape(lead + w.shape[1:]) for product, w in zip(workers.products(_rows(x), weights),
+                                                                               weights)]
     else:
         products = [MatMul(x, w) for w in weights]
     for n, (position, dims, axes) in enumerate(splits):

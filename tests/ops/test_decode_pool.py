@@ -91,6 +91,23 @@ def test_one_job_takes_several_matrices_of_one_depth(pool, depth, widths):
             np.testing.assert_array_equal(product, row_times_matrix(row, matrix))
 
 
+@pytest.mark.parametrize("height", [2, 3, _decode_pool.FEW_ROWS])
+def test_few_rows_in_one_job_are_each_bitwise_the_one_row_loop(pool, height):
+    # a short prompt's rows: one pass over each matrix for all of them; the wide product's partial
+    # rows (all rows' columns) added by the pool; each row as the one-row loop computes it alone
+    depth, widths = 96, (300, 2 * _decode_pool._SUM_BLOCK + 5)
+    rows = RNG.standard_normal((height, depth)).astype(np.float32)
+    matrices = tuple(RNG.standard_normal((depth, width)).astype(np.float32) for width in widths)
+    for _ in range(5):  # the workers awake or asleep
+        got = pool.products(rows, matrices)
+        for product, matrix in zip(got, matrices):
+            assert product.shape == (height, matrix.shape[1])
+            np.testing.assert_array_equal(product, np.stack([row_times_matrix(row, matrix) for row in rows]))
+    with pool._lock:  # busy (another caller's job): computed on this thread, the same
+        got = pool.products(rows, matrices)
+    np.testing.assert_array_equal(got[1], np.stack([row_times_matrix(row, matrices[1]) for row in rows]))
+
+
 @pytest.mark.parametrize("size", [70, 2 * ATTENTION_SPAN + 37])  # one span of the cache; three
 @pytest.mark.parametrize("bias", [False, True])
 def test_attention_by_kv_heads_is_bitwise_the_one_thread_job(pool, bias, size):

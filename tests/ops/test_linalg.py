@@ -98,6 +98,21 @@ def test_matmul_one_row_takes_the_loop_with_numpys_shapes(row_shape, dtype, colu
     np.testing.assert_array_equal(got.reshape(-1), row_times_matrix(row.reshape(-1), matrix))
 
 
-def test_matmul_batched_products_stay_with_blas():
-    rows = RNG.standard_normal((2, 1, 4)).astype(F32)
-    np.testing.assert_array_equal(run_node("MatMul", [rows, B]), np.matmul(rows.reshape(2, 4), B).reshape(2, 1, 5))
+@pytest.mark.parametrize("shape", [(2, 1, 4), (1, 3, 4), (8, 4)])
+def test_matmul_few_rows_take_the_loop_each_row_as_alone(shape):
+    # a short prompt's rows share one pass over the matrix; each comes out bitwise as decoded alone
+    from runnx.ops._kernels_linalg import row_times_matrix
+
+    rows = RNG.standard_normal(shape).astype(F32)
+    got = run_node("MatMul", [rows, B])
+    assert got.shape == np.matmul(rows, B).shape and got.dtype == F32
+    expected = [row_times_matrix(row, B) for row in rows.reshape(-1, 4)]
+    np.testing.assert_array_equal(got.reshape(-1, 5), np.stack(expected))
+
+
+def test_matmul_many_rows_stay_with_blas():
+    from runnx.ops._decode_pool import FEW_ROWS
+
+    rows = RNG.standard_normal((FEW_ROWS + 1, 1, 4)).astype(F32)
+    expected = np.matmul(rows.reshape(-1, 4), B).reshape(FEW_ROWS + 1, 1, 5)
+    np.testing.assert_array_equal(run_node("MatMul", [rows, B]), expected)
