@@ -14,7 +14,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
-from runnx.ops._decode_pool import FEW_ROWS
+from runnx.ops._decode_pool import few
 from runnx.ops._kernels_linalg import rows_times_matrix
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
@@ -38,21 +38,22 @@ def _in_dtype(result, dtype):
 
 
 def _few_rows(a, b) -> bool:
-    """Whether a @ b is one row (decoding) or a few, up to FEW_ROWS (a short prompt), times a float,
+    """Whether a @ b is one row (decoding) or a few (a short prompt, see `few`) times a float,
     C-contiguous matrix."""
-    return (b.ndim == 2 and a.ndim and a.shape[-1] == b.shape[0] and 0 < a.size <= FEW_ROWS * b.shape[0]
-            and a.dtype == b.dtype and a.dtype in _ROW_KERNEL_DTYPES and b.flags.c_contiguous)
+    return (b.ndim == 2 and a.ndim and a.shape[-1] == b.shape[0] and a.size and a.dtype == b.dtype
+            and a.dtype in _ROW_KERNEL_DTYPES and b.flags.c_contiguous and few(a.size // b.shape[0], b.shape[1]))
 
 
 def _pooled_rows(x, weights) -> bool:
-    """Whether every x @ w is up to FEW_ROWS float32 rows times a C-contiguous float32 matrix of at
+    """Whether every x @ w is one or a few float32 rows times a C-contiguous float32 matrix of at
     least _POOLED_ELEMENTS (`_few_rows` and the pool's checks, in one pass over the weights)."""
-    depth = x.shape[-1] if x.ndim else -1
-    if x.dtype != _FLOAT32 or not 0 < x.size <= FEW_ROWS * depth:
+    depth = x.shape[-1] if x.ndim else 0
+    if x.dtype != _FLOAT32 or not x.size or not depth:
         return False
+    height = x.size // depth
     for w in weights:
         if not (w.dtype == _FLOAT32 and w.ndim == 2 and w.shape[0] == depth and w.size >= _POOLED_ELEMENTS
-                and w.flags.c_contiguous):
+                and w.flags.c_contiguous and few(height, w.shape[1])):
             return False
     return True
 

@@ -98,7 +98,7 @@ def test_matmul_one_row_takes_the_loop_with_numpys_shapes(row_shape, dtype, colu
     np.testing.assert_array_equal(got.reshape(-1), row_times_matrix(row.reshape(-1), matrix))
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 4), (1, 3, 4), (8, 4)])
+@pytest.mark.parametrize("shape", [(2, 1, 4), (1, 3, 4), (16, 4)])
 def test_matmul_few_rows_take_the_loop_each_row_as_alone(shape):
     # a short prompt's rows share one pass over the matrix; each comes out bitwise as decoded alone
     from runnx.ops._kernels_linalg import row_times_matrix
@@ -110,9 +110,13 @@ def test_matmul_few_rows_take_the_loop_each_row_as_alone(shape):
     np.testing.assert_array_equal(got.reshape(-1, 5), np.stack(expected))
 
 
-def test_matmul_many_rows_stay_with_blas():
-    from runnx.ops._decode_pool import FEW_ROWS
+@pytest.mark.parametrize("many", ["rows", "sums"])
+def test_matmul_many_rows_stay_with_blas(many):
+    # more rows than FEW_ROWS, or few rows whose partial sums would not stay in cache (an LM head's)
+    from runnx.ops._decode_pool import FEW_ROW_SUMS, FEW_ROWS
 
-    rows = RNG.standard_normal((FEW_ROWS + 1, 1, 4)).astype(F32)
-    expected = np.matmul(rows.reshape(-1, 4), B).reshape(FEW_ROWS + 1, 1, 5)
-    np.testing.assert_array_equal(run_node("MatMul", [rows, B]), expected)
+    height, matrix = (FEW_ROWS + 1, B) if many == "rows" else (2, RNG.standard_normal((4, FEW_ROW_SUMS // 2 + 1)))
+    matrix = matrix.astype(F32)
+    rows = RNG.standard_normal((height, 1, 4)).astype(F32)
+    expected = np.matmul(rows.reshape(-1, 4), matrix).reshape(height, 1, -1)
+    np.testing.assert_array_equal(run_node("MatMul", [rows, matrix]), expected)
