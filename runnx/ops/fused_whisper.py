@@ -7,7 +7,7 @@ domain `runnx.fused`; never in a model file).
   nodes that built them no longer run; the query projection's bias is added here too. A decode
   step's one row of batch 1 is one native call (`attended_row`, ProjectedHeadsAttention's too);
   other short queries go to `attend` (fused.py); long queries (the encoder) a block of query rows
-  of one head at a time: scores by BLAS into a cache-sized buffer, the softmax in place (numba,
+  of one head at a time: scores by BLAS into a buffer of up to 16 MiB, the softmax in place (numba,
   vectorised exp), the block's output by BLAS straight into the merged-heads layout.
 - SplitHeads: Transpose(Reshape(x + bias)) as one contiguous array: a KV cache entry, and the first
   decoder step's cross-attention keys and values, which every later step then reads in place.
@@ -45,7 +45,10 @@ _NO_BIAS = {dtype: np.zeros(0, dtype) for dtype in _ROW_DTYPES}  # split_heads_i
 _FLOAT32 = np.dtype(np.float32)
 _NO_WEIGHT = np.zeros((0, 0), np.float32)  # attended_row without a query projection
 _ATTEND_ROWS = 16  # query rows up to which `attend` (numba, decoding) beats BLAS products a block at a time
-_BLOCK_SCORES = 1 << 18  # scores per block of query rows: 1 MiB of float32, an L2 cache
+# scores per block of query rows at most: 16 MiB of float32, a whole head of Whisper's 1500 frames (blocks
+# of 1 MiB, an L2 cache, were 1.07x the encoder's time on an Intel Xeon with 2 threads, 1.09x with 1:
+# OpenBLAS packs the keys and values again for every block)
+_BLOCK_SCORES = 1 << 22
 
 
 def _reshaped(x, given, source, dims: tuple, axes: tuple):
@@ -197,8 +200,8 @@ def _plain(heads, keys, values, bias, nan_fill) -> bool:
 
 
 def _blocked(heads, keys, values, bias, fill: float):
-    """(batch, length, heads, width) attention output, head by head in blocks of query rows whose
-    scores stay in cache, the heads shared among BLAS's threads, each running BLAS alone
+    """(batch, length, heads, width) attention output, head by head in blocks of query rows (whole
+    heads up to `_BLOCK_SCORES` scores), the heads shared among BLAS's threads, each running BLAS alone
     (`_blas_split`). When BLAS has one thread, or another caller is splitting, one head after the
     other: with one thread in blocks, with more whole heads, since every BLAS product wakes BLAS's
     threads and many short ones between softmaxes thrash (measured 5-20x)."""
@@ -208,7 +211,8 @@ def _blocked(heads, keys, values, bias, fill: float):
     if bias is not None:
         bias = np.broadcast_to(bias, (batch, count, length, size))
 
-    block = max(1, min(length, _BLOCK_SCORES // max(size, 1)))
+    blocks = -(-length // max(1, _BLOCK_SCORES // max(size, 1)))  # of even sizes, not a short last one
+    block = max(1, -(-length // max(blocks, 1)))
 
     def attend_head(part, rows=block, softmax=softmax_rows_float32):
         b, h = part
