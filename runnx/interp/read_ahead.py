@@ -12,7 +12,8 @@ dtypes), each external value (another memo's output) that memo's result for the 
 one it read ahead, or its current one when that memo's key did not change since an earlier run. A
 memo reading any other value does not read ahead. Results are kept under the keys they were
 computed for, so a wrong guess costs only its computation; a memo that misses within what it read
-ahead reads ahead no more.
+ahead reads ahead no more. Each step read ahead is also known by its externals' identity (they are
+the arrays the step will be handed), so that step need not hash their bytes to find its result.
 """
 from __future__ import annotations
 
@@ -77,16 +78,20 @@ def read_ahead(group, key: tuple, result: tuple, args: tuple, ctx) -> None:
         externals = [future[step] for future in futures]
         roots = [stand_in(root.dtype, _grown(root.shape, growing.get(index, ()), step + 1))
                  for index, root in enumerate(args[:count])]
-        future_key = tuple([root.shape for root in roots]) + tuple([value_key(e) for e in externals])
-        if group.results.get(future_key) is None:
+        shapes = tuple([root.shape for root in roots])
+        future_key = shapes + tuple([value_key(e) for e in externals])
+        result = group.results.get(future_key)
+        if result is None:
             try:
-                computed = group.compute((*roots, *externals), ctx)
+                result = group.compute((*roots, *externals), ctx)
             except Exception:  # a guess no step may make (a length past a limit): it is no miss either
                 break
-            if not group.keep(future_key, computed):
+            if not group.keep(future_key, result):
                 break
-            _register(group, future_key, computed)
+            _register(group, future_key, result)
             ctx.count("ShapeMemo.read_ahead")
+        if externals:  # that step's lookup by the externals' identity, not by hashing their bytes then
+            group.know(shapes, tuple(externals), result)
         keys.append(future_key)
     state.keys = tuple(keys)
 

@@ -237,6 +237,12 @@ class ShapeGroup:
             read_ahead(self, key, result, args, ctx)
         return result
 
+    def know(self, shapes: tuple, externals: tuple, result: tuple) -> None:
+        """Remember `result` for roots of these shapes and these read-only externals by identity, as
+        a call would after finding it by their values (read-ahead: a future step's externals are
+        the results other memos read ahead, handed out then as the same arrays)."""
+        self._by_identity.lookup(shapes, externals, lambda *_: result)
+
     def keep(self, key: tuple, result: tuple) -> bool:
         """Keep `result` for `key` when it can be handed out again: arrays only, a full key."""
         for value in result:

@@ -59,6 +59,22 @@ def test_without_read_ahead_every_new_length_misses():
     assert same and counters["ShapeMemo.misses"] == 3 + 2 * (1 + STEPS) and not counters["ShapeMemo.read_ahead"]
 
 
+def test_steps_read_ahead_find_their_externals_by_identity(monkeypatch):
+    # the {x, y} memo's externals at a step read ahead are the arrays the other memos read ahead:
+    # that step finds its result by their identity, not by hashing their bytes (outside a profile)
+    from runnx.interp import shape_cache
+
+    model = _model()
+    _decode(model, range(1, 3))  # length 2 misses and reads ahead
+    hashed = []
+    monkeypatch.setattr(shape_cache, "value_key", lambda value: hashed.append(value) or read_ahead.value_key(value))
+    plain = _model(shape_cache=False)
+    for length in range(3, 3 + STEPS):
+        feeds = {"x": np.ones((length, 2), np.float32), "y": np.zeros((3, 1), np.float32)}
+        assert model.run(feeds)["out"].tobytes() == plain.run(feeds)["out"].tobytes()
+    assert hashed == []
+
+
 def test_lengths_that_do_not_grow_by_steps_read_nothing_ahead():
     counters, same = _decode(_model(), [4, 2, 9, 20, 7])
     assert same and not counters["ShapeMemo.read_ahead"]
