@@ -59,7 +59,8 @@ def _pooled_rows(x, weights) -> bool:
 
 
 def _rows(x):
-    """x as the pool's products take it: one row as a vector, a few as a matrix."""
+    """x as the pool's products take it: one row as a vector, a few as a matrix (whatever x's rank:
+    the products job is compiled once for each of those two, not once per rank)."""
     return x.reshape(-1) if x.size == x.shape[-1] else x.reshape(-1, x.shape[-1])
 
 
