@@ -1,6 +1,7 @@
 """Whisper tiny.en speed, runnx vs onnxruntime at the same thread count: encoder seconds per 30 s
-window, decoder milliseconds per token, and the real-time factor of a whole long clip; with
---profile, runnx's time per op type for the encoder and the decoder steps.
+window, decoder milliseconds per token (a first window, and the same window again: steady), and the
+real-time factor of a whole long clip; with --profile, runnx's time per op type for the encoder and
+the decoder steps.
 
     python scripts/bench_whisper.py [--model DIR] [--audio FILE] [--threads N] [--rounds N] [--repeat N] [--pairs N]
                                     [--profile]
@@ -63,14 +64,15 @@ def main() -> None:
             samples_seconds = result["audio"]
     print(f"Whisper tiny.en, {ARGS.audio.name} ({samples_seconds:.1f} s), {ARGS.threads} thread(s), "
           f"medians of {ARGS.rounds} process(es) per engine")
-    print(f"{'':<14}{'encoder s/window':>18}{'decoder ms/token':>18}{'real-time factor':>18}"
+    print(f"{'':<14}{'encoder s/window':>18}{'decoder ms/token':>18}{'steady ms/token':>17}{'real-time factor':>18}"
           f"{'(features/encode/decode s)':>30}")
     for engine, results in runs.items():
         m = {key: statistics.median(r[key] for r in results)
-             for key in ("encode_window", "ms_per_token", "rtf", "features", "encode", "decode")}
+             for key in ("encode_window", "ms_per_token", "steady_ms_per_token", "rtf", "features", "encode",
+                         "decode")}
         phases = f"{m['features']:.2f}/{m['encode']:.2f}/{m['decode']:.2f}"
-        print(f"{engine:<14}{m['encode_window']:>18.3f}{m['ms_per_token']:>18.1f}{m['rtf']:>18.3f}{phases:>30}"
-              f"   ({results[0]['steps']} steps, {results[0]['windows']} windows)")
+        print(f"{engine:<14}{m['encode_window']:>18.3f}{m['ms_per_token']:>18.1f}{m['steady_ms_per_token']:>17.1f}"
+              f"{m['rtf']:>18.3f}{phases:>30}   ({results[0]['steps']} steps, {results[0]['windows']} windows)")
     tokens = {engine: {json.dumps(r["tokens"]) for r in results} for engine, results in runs.items()}
     print(f"same segments and token ids: {len(tokens['runnx'] | tokens['onnxruntime']) == 1}")
     if ARGS.pairs:
@@ -146,11 +148,14 @@ def _in_process(engine: str, profile: bool = False) -> dict:
         profile_runnx(model, features)
         return {}
     encode = encoder_seconds(model, features, ARGS.repeat)
-    per_token, steps = decoder_ms_per_token(model, model.encode(features))
+    hidden = model.encode(features)
+    per_token, steps = decoder_ms_per_token(model, hidden)
+    steady, _ = decoder_ms_per_token(model, hidden, warm_ups=0)  # every length of the window seen
     model.transcribe(samples)  # warm-up: the timestamp rules' path, plans for every prompt length
     transcript = model.transcribe(samples)
     t = transcript.timings
-    return {"audio": t.audio, "encode_window": encode, "ms_per_token": per_token, "steps": steps,
+    return {"audio": t.audio, "encode_window": encode, "ms_per_token": per_token, "steady_ms_per_token": steady,
+            "steps": steps,
             "rtf": t.real_time_factor, "features": t.features, "encode": t.encode, "decode": t.decode,
             "windows": t.windows, "tokens": [list(s.tokens) for s in transcript.segments]}
 
@@ -167,9 +172,10 @@ def encoder_seconds(model, features, repeat: int) -> float:
 
 def decoder_ms_per_token(model, hidden, warm_ups: int = 2) -> tuple[float, int]:
     """Greedy decoding of one window, no timestamps: milliseconds per decoder step (prefill included),
-    in the steady state of a long transcription: two short warm-up decodes first, since runnx
-    compiles a plan on its second run (the first step's branch runs once per window). The timed
-    window's lengths past the warm-up's are new to the shape memos, as in a first window."""
+    after `warm_ups` short decodes (runnx compiles a plan on its second run; the first step's branch
+    runs once per window). After the default two, the timed window's lengths past the warm-ups' are
+    new to runnx's shape memos, as in a first window; the same window decoded again (warm_ups=0)
+    finds every length seen, as later windows of a transcription mostly do: the steady figure."""
     for _ in range(warm_ups):
         model.decode(hidden, max_new_tokens=4)  # warm-up
     start = time.perf_counter()
