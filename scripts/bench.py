@@ -358,10 +358,11 @@ Command: `{command}`.
     whisper_blocks = "\n\n".join(f"```\n{text}\n```" for text in whisper.values())
     update_section("suite-whisper", f"""## Whisper tiny.en (`scripts/bench_whisper.py`, run by `scripts/bench.py`)
 
-Encoder seconds per 30 s window, decoder ms/token, and the real-time factor of the 68.8 s clip
-(`long.wav`, 15 espeak-ng sentences), runnx vs onnxruntime behind the same pipeline code, at each
-thread count: medians of processes, then {WHISPER_PAIRS} turns each in one process (a transcription
-and a decode of the clip's first window each turn), the ratio the median of the turns'.
+Encoder seconds per 30 s window, decoder ms/token (a first window after two short warm-ups, then the
+same window again: steady, every length known to runnx's shape memos), and the real-time factor of
+the 68.8 s clip (`long.wav`, 15 espeak-ng sentences), runnx vs onnxruntime behind the same pipeline
+code, at each thread count: medians of processes, then {WHISPER_PAIRS} turns each in one process (a
+transcription and a decode of the clip's first window each turn), the ratio the median of the turns'.
 runnx {git_revision()}; {machine()}.
 
 {whisper_blocks}
