@@ -117,7 +117,8 @@ def memoize_shapes(graph: Graph) -> int:
         if not outputs:
             continue
         group = ShapeGroup(graph, members, tuple(sorted(root_set)), tuple(external), outputs)
-        group.results = shared.setdefault(_structure(group), group.results)
+        # kept results, and what identities found them, for every group computing the same
+        group.results, group._by_identity = shared.setdefault(_structure(group), (group.results, group._by_identity))
         kernel = Kernel(MEMO_OP, MEMO_DOMAIN, 1, group, (), None, {}, (), True, False, (0, None),
                         shape_only=tuple(range(len(group.roots))))
         memo = Node(min(inside), f"{MEMO_OP}({members[0].name}, {len(members)} nodes)", MEMO_OP, MEMO_DOMAIN,
@@ -134,7 +135,9 @@ def memoize_shapes(graph: Graph) -> int:
 def _structure(group) -> tuple:
     """What the group computes, independent of value names: groups with equal structure compute
     the same function of their inputs (e.g. the same bookkeeping in every layer) and share their
-    kept results."""
+    kept results, and what their externals' identities found (a layer's memo then finds by identity
+    what the first layer's read ahead, where it hashed bytes: 20 us a layer a step in a first Whisper
+    window)."""
     slots = {v: ("in", i) for i, v in enumerate(group.roots + group.external)}
     parts = []
     for position, node in enumerate(group.members):

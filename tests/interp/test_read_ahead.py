@@ -11,23 +11,34 @@ F, I64 = TensorProto.FLOAT, TensorProto.INT64
 STEPS = read_ahead.READ_AHEAD
 
 
-def _model(**options):
+def _model(twin: bool = False, **options):
     """out = x reshaped to (rows * columns,) + total, total = (rows(x) + rows(y)) * columns(x):
     memos of {x} (its reshape target, its dimensions), of {y} (its rows) and of {x, y} (total,
-    from the other two memos' outputs: externals)."""
+    from the other two memos' outputs: externals). With `twin`, out_z the same of x and an input
+    z: memos of {z} and {x, z} computing what those of {y} and {x, y} do."""
+    inputs = ("x", "y", "z") if twin else ("x", "y")
     nodes = [helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("ReduceProd", ["sx"], ["size"], keepdims=1),
              helper.make_node("Gather", ["sx", "zero"], ["rows"], axis=0),
              helper.make_node("Gather", ["sx", "one"], ["columns"], axis=0),
-             helper.make_node("Shape", ["y"], ["sy"]), helper.make_node("Gather", ["sy", "zero"], ["y_rows"], axis=0),
-             helper.make_node("Add", ["rows", "y_rows"], ["both"]),
-             helper.make_node("Mul", ["both", "columns"], ["total"]),
-             helper.make_node("Reshape", ["x", "size"], ["flat"]), helper.make_node("Cast", ["total"], ["t"], to=F),
-             helper.make_node("Add", ["flat", "t"], ["out"])]
+             helper.make_node("Reshape", ["x", "size"], ["flat"])]
+    for other in inputs[1:]:
+        suffix = "" if other == "y" else "_" + other
+        nodes += [helper.make_node("Shape", [other], ["s" + other]),
+                  helper.make_node("Gather", ["s" + other, "zero"], [other + "_rows"], axis=0),
+                  helper.make_node("Add", ["rows", other + "_rows"], ["both" + suffix]),
+                  helper.make_node("Mul", ["both" + suffix, "columns"], ["total" + suffix]),
+                  helper.make_node("Cast", ["total" + suffix], ["t" + suffix], to=F),
+                  helper.make_node("Add", ["flat", "t" + suffix], ["out" + suffix])]
+    outputs = ["out", "out_z"] if twin else ["out"]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("x", F, None), helper.make_tensor_value_info("y", F, None)],
-        [helper.make_tensor_value_info("out", F, None)],
+        nodes, "g", [helper.make_tensor_value_info(name, F, None) for name in inputs],
+        [helper.make_tensor_value_info(name, F, None) for name in outputs],
         [numpy_helper.from_array(np.array(0, np.int64), "zero"), numpy_helper.from_array(np.array(1, np.int64), "one")])
     return runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), **options)
+
+
+def _memos(model):
+    return [node.kernel.fn for node in model.graph.nodes if node.op_type == "ShapeMemo"]
 
 
 def _decode(model, lengths, y_rows=lambda length: 3):
@@ -51,7 +62,42 @@ def test_a_memo_missing_on_a_grown_length_computes_the_next_steps_while_hot():
     assert counters["ShapeMemo.misses"] == 3 + 2
     assert counters["ShapeMemo.read_ahead"] == 2 * STEPS
     counters, same = _decode(model, range(3 + STEPS, 6 + STEPS))  # beyond: one miss, then read ahead
-    assert same and counters["ShapeMemo.misses"] == 2 and counters["ShapeMemo.read_ahead"] == 2 * STEPS
+    assert same and counters["ShapeMemo.misses"] == 2 and counters["ShapeMemo.read_ahead"] == 2 * 2 * STEPS
+
+
+def test_a_memo_missing_right_after_all_it_read_ahead_reads_twice_as_far_up_to_a_bound():
+    spans = [STEPS]
+    while spans[-1] < read_ahead.MAX_READ_AHEAD:
+        spans.append(min(2 * spans[-1], read_ahead.MAX_READ_AHEAD))
+    spans.append(read_ahead.MAX_READ_AHEAD)  # and stays there
+    last = 2 + sum(spans)  # the last length read ahead from the miss at length 2 on
+    model = _model()
+    counters, same = _decode(model, range(1, last + 1))
+    assert same
+    assert counters["ShapeMemo.misses"] == 3 + 2 * len(spans)  # x's memo and {x, y}'s, at each span's start
+    assert counters["ShapeMemo.read_ahead"] == 2 * sum(spans)
+    assert [memo.ahead.span for memo in _memos(model) if memo.external or len(memo.outputs) > 1] == \
+        [read_ahead.MAX_READ_AHEAD] * 2
+
+
+def test_memos_computing_the_same_find_each_others_results_by_identity(monkeypatch):
+    """Two memos of the same structure (here the {x, y} memo's twin over x and z, z shaped as
+    y) share their kept results and what the externals' identities found: the twin, fed the
+    same arrays, hashes no external's bytes, though it never read ahead itself."""
+    from runnx.interp import shape_cache
+
+    model, plain = _model(twin=True), _model(twin=True, shape_cache=False)
+    assert len({id(memo.results) for memo in _memos(model) if memo.external}) == 1
+    feeds = lambda length: {"x": np.ones((length, 2), np.float32), "y": np.zeros((3, 1), np.float32),
+                            "z": np.zeros((3, 1), np.float32)}
+    for length in range(1, 3):  # length 2 misses and reads ahead
+        model.run(feeds(length))
+    hashed = []
+    monkeypatch.setattr(shape_cache, "value_key", lambda value: hashed.append(value) or read_ahead.value_key(value))
+    for length in range(3, 3 + STEPS):
+        got, want = model.run(feeds(length)), plain.run(feeds(length))
+        assert all(got[name].tobytes() == want[name].tobytes() for name in want)
+    assert hashed == []
 
 
 def test_without_read_ahead_every_new_length_misses():
