@@ -165,6 +165,17 @@ def attended_gelu_mlp(box, workers, x, weight, query_bias, query_scale, row, hea
 
 
 @_jit
+def attended_layer_norm_gelu_mlp(box, workers, *parts):
+    """`attended_layer_norm(box, workers, *parts[:18])` giving (s, n), then `attended_gelu_mlp` of
+    the norm n, whose other arguments are parts[18:28] (an `attended_row`'s but its x) and parts[28:]
+    (a `gelu_mlp`'s, whose residual parts[31] stands for s): a Whisper decoder layer from its
+    self-attention to the next layer's norm (AttentionLayerNormGeluMLP's nodes)."""
+    summed, normed = attended_layer_norm(box, workers, *parts[:18])
+    mlp = parts[28:]
+    return attended_gelu_mlp(box, workers, normed[0], *parts[18:28], mlp[0], mlp[1], mlp[2], summed, *mlp[4:])
+
+
+@_jit
 def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual, epsilon, one,
                        norm_weight, gate_weight, up_weight, down_weight, down_epsilon, down_one, down_norm_weight):
     """`_attention` into out, then on its merged output x (a view of out) the output projection,

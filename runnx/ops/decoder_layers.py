@@ -1,19 +1,25 @@
-"""A Llama decoder layer's fused nodes (`runnx/interp/fusion/products.py`): its projections, rotary
-embedding and KV cache growth (ProjectedRopeAppend), its attention to the next layer's norm
-(AttentionGatedMLP), and the two across a layer boundary (AttentionGatedMLPRopeAppend). A decode
-step's row runs each as one native call of `_decode_blocks.py`; anything else (a prefill, biases,
-caches not granted) runs the kernels of the nodes they replaced.
+"""Decoder layers' fused nodes that span several blocks (`runnx/interp/fusion/products.py`): a Llama
+layer's projections, rotary embedding and KV cache growth (ProjectedRopeAppend), its attention to
+the next layer's norm (AttentionGatedMLP), and the two across a layer boundary
+(AttentionGatedMLPRopeAppend); a Whisper layer from its self-attention to the next layer's norm
+(AttentionLayerNormGeluMLP). A decode step's row runs each as one native call of
+`_decode_blocks.py`; anything else (a prefill, biases, caches not granted) runs the kernels of the
+nodes they replaced.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from runnx.ops import _decode_pool
-from runnx.ops._decode_blocks import attended_gated_mlp, attended_gated_mlp_rope_append, projected_rope_append
+from runnx.errors import RunnxError
+from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rope_append,
+                                      attended_layer_norm_gelu_mlp, projected_rope_append)
 from runnx.ops.cache import count_appends
 from runnx.ops.fused import (DOMAIN, RepeatedKVAttention, RopeAppend, appended_caches, repeated_kv_row,
                              rope_append_arguments)
-from runnx.ops.linalg import ResidualGatedMLP, SharedInputMatMul, _gated_mlp_row, _split_shapes
+from runnx.ops.fused_whisper import attention_row
+from runnx.ops.linalg import (AttentionGeluMLP, AttentionLayerNorm, ResidualGatedMLP, SharedInputMatMul,
+                              _attention_attrs, _gated_mlp_row, _gelu_mlp_row, _layer_norm_row, _split_shapes)
 from runnx.ops.registry import register
 
 _ROPE_ATTRIBUTES = ("query_dims", "query_axes", "key_dims", "key_axes", "value_dims", "value_axes", "query_axis",
@@ -148,3 +154,54 @@ def AttentionGatedMLPRopeAppend(*inputs, axis: int = -1, norm: tuple = (-1, 0, 0
     summed, normed = _attended_gated(block, arguments, axis, norm, down_norm, ctx)  # its checks not made again
     return (summed, *ProjectedRopeAppend(normed, *rope, **dict(zip(_ROPE_ATTRIBUTES, attributes)),
                                          overwrite=rope_overwrite, ctx=ctx))
+
+
+_ATTENTION_INPUTS = 19  # AttentionLayerNorm's
+
+
+@register("AttentionLayerNormGeluMLP", since=1, domain=DOMAIN, shape_only=(11, 13, 29, 31))
+def AttentionLayerNormGeluMLP(*inputs, query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
+                              output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
+                              key_perm: tuple[int, ...], value_perm: tuple[int, ...], norm: tuple = (-1, 1e-5, 1),
+                              cross_query_dims: tuple[int, ...] = (), cross_query_axes: tuple[int, ...] = (),
+                              cross_output_dims: tuple[int, ...] = (), cross_output_axes: tuple[int, ...] = (),
+                              cross_key_perm: tuple[int, ...], cross_value_perm: tuple[int, ...],
+                              cross_norm: tuple = (-1, 1e-5, 1), down_norm: tuple = (-1, 1e-5, 1)):
+    """AttentionGeluMLP(n, *inputs[19:34], s, *inputs[34:]) (its attention's attributes cross_*) for
+    (s, n) = AttentionLayerNorm(*inputs[:19]): a Whisper decoder layer from its self-attention to
+    the next layer's norm. The norm n has the residual's shape and dtype (its readers elsewhere read
+    a LayerNormShape stand-in). A decode step's row is one native call (`attended_layer_norm_gelu_mlp`:
+    the two nodes' native calls with no Python between them)."""
+    first, second = inputs[:_ATTENTION_INPUTS], inputs[_ATTENTION_INPUTS:]
+    attrs = _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm)
+    cross_attrs = _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
+                                   cross_key_perm, cross_value_perm)
+    residual = first[16]
+    arguments = _chained_row(first, second, attrs, cross_attrs, norm, cross_norm, down_norm)
+    if arguments:
+        summed, normed = _decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    summed, normed = AttentionLayerNorm(*first, **attrs, norm=norm)
+    if normed.shape != residual.shape or normed.dtype != residual.dtype:  # what the stand-in told its readers
+        raise RunnxError(f"the self-attention block's norm is {normed.dtype}{list(normed.shape)}, its residual "
+                         f"{residual.dtype}{list(residual.shape)}: they must match to chain the blocks")
+    return AttentionGeluMLP(normed, *second[:15], summed, *second[15:], **cross_attrs, norm=cross_norm,
+                            down_norm=down_norm)
+
+
+def _chained_row(first: tuple, second: tuple, attrs: dict, cross_attrs: dict, norm: tuple, cross_norm: tuple,
+                 down_norm: tuple) -> tuple | None:
+    """`attended_layer_norm_gelu_mlp`'s arguments after the mailbox and workers when both blocks are
+    a decode step's row (AttentionLayerNorm's and AttentionGeluMLP's fast paths; the second's row
+    and residual, computed by the first, stand in as an empty row of the residual's shape), else None."""
+    row = attention_row(*first[:14], **attrs)
+    block = row and row[1].flags.c_contiguous and _layer_norm_row(row[1], *first[14:], norm[0], norm[1])
+    if not block:
+        return None
+    residual = first[16]
+    stand_in = np.empty(residual.shape, residual.dtype)  # the norm's and sum's shape and dtype, to be computed
+    cross = attention_row(stand_in, *second[:13], **cross_attrs)
+    mlp = cross and cross[1].flags.c_contiguous and _gelu_mlp_row(cross[1], *second[13:15], stand_in, *second[15:],
+                                                                 cross_norm, down_norm)
+    return mlp and (*row[0], *block, *cross[0][1:], *mlp)
+

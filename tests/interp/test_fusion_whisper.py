@@ -485,11 +485,12 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     # layer, both branches), the last two with the MLP's first product and GELU between them as one
     # node (a layer from its cross-attention's output projection to the next norm); the
     # cross-attention's query projection joins it (2 layers, both branches); with a past, a layer's
-    # q/k/v projections and its KV cache appends as one node; each attention with the block after it
+    # q/k/v projections and its KV cache appends as one node; each attention with the block after it,
+    # and those two blocks of a layer (self-attention, then cross-attention and MLP) as one node
     assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14,
                              "SharedInputMatMul": 5, "MatMulAddLayerNorm": 12, "ResidualGeluMLP": 4,
                              "ProjectedHeadsAttention": 4, "ProjectedAppend": 2, "AttentionLayerNorm": 4,
-                             "AttentionGeluMLP": 4}
+                             "AttentionGeluMLP": 4, "AttentionLayerNormGeluMLP": 4}
 
 
 def _greedy(folder, monkeypatch, fuse, features):
@@ -518,3 +519,32 @@ def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whispe
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)
     tokens = _greedy(whisper_dir, monkeypatch, True, features)
     assert tokens == _greedy(whisper_dir, monkeypatch, False, features) and all(len(t) > 5 for t in tokens)
+
+
+def test_a_whisper_layers_two_blocks_run_as_one_native_call_a_decode_step(fixtures_dir, monkeypatch):
+    """AttentionLayerNorm and the AttentionGeluMLP reading its norm (a memo reading that norm's shape
+    through a LayerNormShape stand-in): one native call a layer a decode step, the same tokens as
+    the two nodes apart (the prefill's rows take the two nodes' kernels)."""
+    from runnx.generate.whisper import Whisper
+    from runnx.interp import fusion
+    from runnx.interp.fusion import products
+    from runnx.ops import _decode_blocks, _decode_pool
+
+    folder = fixtures_dir / "tiny-whisper"
+    calls = []
+    shared_call = _decode_pool.shared_call
+    monkeypatch.setattr(_decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    model = Whisper(folder)
+    assert model.decoder.past_model.fused["AttentionLayerNormGeluMLP"] == 4  # 2 layers, both branches
+    with monkeypatch.context() as patch:
+        patch.setattr(fusion, "PATTERNS", [p for p in fusion.PATTERNS if p[1] is not products._layer_norm_chained])
+        apart_model = Whisper(folder)
+    assert "AttentionLayerNormGeluMLP" not in apart_model.decoder.past_model.fused
+    for seed in (5, 6):
+        features = _features(seed)
+        calls.clear()
+        chained = model.decode(model.encode(features), max_new_tokens=24)
+        merged = calls.count(_decode_blocks.attended_layer_norm_gelu_mlp)
+        apart = apart_model.decode(apart_model.encode(features), max_new_tokens=24)
+        assert len(chained.tokens) > 3 and chained.tokens == apart.tokens
+        assert merged == 2 * (len(chained.tokens) - 1)  # two layers a step after the prefill, which gave a token

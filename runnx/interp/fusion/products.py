@@ -17,7 +17,9 @@ its ResidualGatedMLP (AttentionGatedMLP) and its q/k/v products its RopeAppend (
 with SplitHeadsShape stand-ins for the shape memos reading the heads), and an AttentionGatedMLP the
 next layer's ProjectedRopeAppend reading its norm (AttentionGatedMLPRopeAppend, an RMSNormShape
 stand-in for the norm's shape): a decode step then runs one native call per layer boundary, not
-two. Runs after the other patterns: a MatMul they take stays theirs.
+two. A Whisper layer's AttentionLayerNorm and the AttentionGeluMLP reading its norm become one
+AttentionLayerNormGeluMLP node (a LayerNormShape stand-in for the norm's shape): two native calls a
+layer. Runs after the other patterns: a MatMul they take stays theirs.
 """
 from __future__ import annotations
 
@@ -318,10 +320,35 @@ def _layers_chained(m: Matcher, rope: Node) -> Fused | None:
                  (block.outputs[0], *rope.outputs), {**block.attrs, **rope.attrs})
 
 
+def _layer_norm_chained(m: Matcher, gelu: Node) -> Fused | None:
+    """AttentionGeluMLP whose query is an AttentionLayerNorm's norm and whose residual is its sum, the
+    norm read elsewhere only for its shape: a Whisper decoder layer from its self-attention to the
+    next layer's norm as one AttentionLayerNormGeluMLP node (a decode step runs the two as one native
+    call; the norm's shape readers get a LayerNormShape stand-in)."""
+    layer = m.graph.producer.get(gelu.inputs[0])
+    if (gelu.domain != DOMAIN or layer is None or layer.op_type != "AttentionLayerNorm" or layer.domain != DOMAIN
+            or layer.index in m.taken or len(layer.inputs) != 19 or len(gelu.inputs) != 28
+            or tuple(layer.outputs) != (gelu.inputs[16], gelu.inputs[0])
+            or any(v in layer.outputs for v in (*gelu.inputs[1:16], *gelu.inputs[17:]))
+            or not m.private([layer, gelu], tuple(gelu.outputs), (layer.outputs[1],))):
+        return None
+    cross = {f"cross_{name}": value for name, value in gelu.attrs.items() if name != "down_norm"}
+    down = {"down_norm": gelu.attrs["down_norm"]} if "down_norm" in gelu.attrs else {}
+    return Fused("AttentionLayerNormGeluMLP", [layer, gelu], (*layer.inputs, *gelu.inputs[1:16], *gelu.inputs[17:]),
+                 gelu.outputs, {**layer.attrs, **cross, **down})
+
+
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     """Nodes giving values computed inside a fused node to readers of their shape (zero-strided
     views): ProjectedRopeAppend's split heads (SplitHeadsShape of x and the product's weight and
-    split), AttentionGatedMLPRopeAppend's norm (RMSNormShape of the residual and the norm's constants)."""
+    split), AttentionGatedMLPRopeAppend's norm (RMSNormShape of the residual and the norm's constants),
+    AttentionLayerNormGeluMLP's first norm (LayerNormShape of the residual)."""
+    if fused.op_type == "AttentionLayerNormGeluMLP":
+        layer = fused.members[0]
+        normed = layer.outputs[1]
+        if not any(r.index not in {n.index for n in fused.members} for r in m.readers.get(normed, ())):
+            return []
+        return [Fused("LayerNormShape", [], (layer.inputs[16],), (normed,), {})]
     if fused.op_type == "AttentionGatedMLPRopeAppend":
         block = fused.members[0]
         normed = block.outputs[1]
@@ -348,4 +375,5 @@ PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
             ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp),
             ("HeadsAttention", _projected_query), ("SharedInputMatMul", _appended),
             ("MatMulAddLayerNorm", _attended), ("ResidualGeluMLP", _attended), ("ResidualGatedMLP", _attended_gated),
-            ("RopeAppend", _rope_projected), ("ProjectedRopeAppend", _layers_chained))
+            ("RopeAppend", _rope_projected), ("ProjectedRopeAppend", _layers_chained),
+            ("AttentionGeluMLP", _layer_norm_chained))
