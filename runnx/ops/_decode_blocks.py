@@ -176,6 +176,16 @@ def attended_layer_norm_gelu_mlp(box, workers, *parts):
 
 
 @_jit
+def attended_layer_norm_gelu_mlp_append(box, workers, *parts):
+    """`attended_layer_norm_gelu_mlp(box, workers, *parts[:45])` giving (s, n), then `appended_products`
+    of the norm n with parts[45:] (its other arguments): a Whisper decoder layer from its
+    self-attention to the next layer's norm, and the next layer's projections and KV cache growth
+    (AttentionLayerNormGeluMLPAppend's nodes); (s, the next layer's query row)."""
+    summed, normed = attended_layer_norm_gelu_mlp(box, workers, *parts[:45])
+    return summed, appended_products(box, workers, normed[0], *parts[45:])
+
+
+@_jit
 def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual, epsilon, one,
                        norm_weight, gate_weight, up_weight, down_weight, down_epsilon, down_one, down_norm_weight):
     """`_attention` into out, then on its merged output x (a view of out) the output projection,

@@ -2,7 +2,8 @@
 layer's projections, rotary embedding and KV cache growth (ProjectedRopeAppend), its attention to
 the next layer's norm (AttentionGatedMLP), and the two across a layer boundary
 (AttentionGatedMLPRopeAppend); a Whisper layer from its self-attention to the next layer's norm
-(AttentionLayerNormGeluMLP). A decode step's row runs each as one native call of
+(AttentionLayerNormGeluMLP), with the next layer's projections and KV cache growth
+(AttentionLayerNormGeluMLPAppend). A decode step's row runs each as one native call of
 `_decode_blocks.py`; anything else (a prefill, biases, caches not granted) runs the kernels of the
 nodes they replaced.
 """
@@ -13,13 +14,15 @@ import numpy as np
 from runnx.ops import _decode_pool
 from runnx.errors import RunnxError
 from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rope_append,
-                                      attended_layer_norm_gelu_mlp, projected_rope_append)
+                                      attended_layer_norm_gelu_mlp, attended_layer_norm_gelu_mlp_append,
+                                      projected_rope_append)
 from runnx.ops.cache import count_appends
 from runnx.ops.fused import (DOMAIN, RepeatedKVAttention, RopeAppend, appended_caches, repeated_kv_row,
                              rope_append_arguments)
 from runnx.ops.fused_whisper import attention_row
-from runnx.ops.linalg import (AttentionGeluMLP, AttentionLayerNorm, ResidualGatedMLP, SharedInputMatMul,
-                              _attention_attrs, _gated_mlp_row, _gelu_mlp_row, _layer_norm_row, _split_shapes)
+from runnx.ops.linalg import (AttentionGeluMLP, AttentionLayerNorm, ProjectedAppend, ResidualGatedMLP,
+                              SharedInputMatMul, _attention_attrs, _gated_mlp_row, _gelu_mlp_row, _layer_norm_row,
+                              _split_shapes, append_arguments, appended_outputs)
 from runnx.ops.registry import register
 
 _ROPE_ATTRIBUTES = ("query_dims", "query_axes", "key_dims", "key_axes", "value_dims", "value_axes", "query_axis",
@@ -157,6 +160,8 @@ def AttentionGatedMLPRopeAppend(*inputs, axis: int = -1, norm: tuple = (-1, 0, 0
 
 
 _ATTENTION_INPUTS = 19  # AttentionLayerNorm's
+_CHAINED_INPUTS = 45  # AttentionLayerNormGeluMLP's
+_APPEND_ATTRIBUTES = ("key_dims", "key_axes", "value_dims", "value_axes", "key_axis", "value_axis")  # ProjectedAppend's
 
 
 @register("AttentionLayerNormGeluMLP", since=1, domain=DOMAIN, shape_only=(11, 13, 29, 31))
@@ -172,36 +177,88 @@ def AttentionLayerNormGeluMLP(*inputs, query_dims: tuple[int, ...] = (), query_a
     the next layer's norm. The norm n has the residual's shape and dtype (its readers elsewhere read
     a LayerNormShape stand-in). A decode step's row is one native call (`attended_layer_norm_gelu_mlp`:
     the two nodes' native calls with no Python between them)."""
-    first, second = inputs[:_ATTENTION_INPUTS], inputs[_ATTENTION_INPUTS:]
-    attrs = _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm)
-    cross_attrs = _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
-                                   cross_key_perm, cross_value_perm)
-    residual = first[16]
-    arguments = _chained_row(first, second, attrs, cross_attrs, norm, cross_norm, down_norm)
-    if arguments:
-        summed, normed = _decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
-        return summed.reshape(residual.shape), normed.reshape(residual.shape)
-    summed, normed = AttentionLayerNorm(*first, **attrs, norm=norm)
-    if normed.shape != residual.shape or normed.dtype != residual.dtype:  # what the stand-in told its readers
-        raise RunnxError(f"the self-attention block's norm is {normed.dtype}{list(normed.shape)}, its residual "
-                         f"{residual.dtype}{list(residual.shape)}: they must match to chain the blocks")
-    return AttentionGeluMLP(normed, *second[:15], summed, *second[15:], **cross_attrs, norm=cross_norm,
-                            down_norm=down_norm)
+    chain = _Chain(inputs, _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm),
+                   _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
+                                    cross_key_perm, cross_value_perm), norm, cross_norm, down_norm)
+    return chain.run(chain.row())
 
 
-def _chained_row(first: tuple, second: tuple, attrs: dict, cross_attrs: dict, norm: tuple, cross_norm: tuple,
-                 down_norm: tuple) -> tuple | None:
-    """`attended_layer_norm_gelu_mlp`'s arguments after the mailbox and workers when both blocks are
-    a decode step's row (AttentionLayerNorm's and AttentionGeluMLP's fast paths; the second's row
-    and residual, computed by the first, stand in as an empty row of the residual's shape), else None."""
-    row = attention_row(*first[:14], **attrs)
-    block = row and row[1].flags.c_contiguous and _layer_norm_row(row[1], *first[14:], norm[0], norm[1])
-    if not block:
-        return None
-    residual = first[16]
-    stand_in = np.empty(residual.shape, residual.dtype)  # the norm's and sum's shape and dtype, to be computed
-    cross = attention_row(stand_in, *second[:13], **cross_attrs)
-    mlp = cross and cross[1].flags.c_contiguous and _gelu_mlp_row(cross[1], *second[13:15], stand_in, *second[15:],
-                                                                 cross_norm, down_norm)
-    return mlp and (*row[0], *block, *cross[0][1:], *mlp)
+class _Chain:
+    """An AttentionLayerNormGeluMLP's inputs and attributes: its decode row's native arguments, and
+    its outputs from them (or, without, from its two nodes' kernels)."""
 
+    __slots__ = ("first", "second", "attrs", "cross_attrs", "norm", "cross_norm", "down_norm")
+
+    def __init__(self, inputs: tuple, attrs: dict, cross_attrs: dict, norm: tuple, cross_norm: tuple,
+                 down_norm: tuple):
+        self.first, self.second = inputs[:_ATTENTION_INPUTS], inputs[_ATTENTION_INPUTS:_CHAINED_INPUTS]
+        self.attrs, self.cross_attrs = attrs, cross_attrs
+        self.norm, self.cross_norm, self.down_norm = norm, cross_norm, down_norm
+
+    @property
+    def residual(self):
+        return self.first[16]
+
+    def row(self) -> tuple | None:
+        """`attended_layer_norm_gelu_mlp`'s arguments after the mailbox and workers when both blocks
+        are a decode step's row (AttentionLayerNorm's and AttentionGeluMLP's fast paths; the second's
+        row and residual, computed by the first, stand in as an empty row of the residual's shape),
+        else None."""
+        first, second = self.first, self.second
+        row = attention_row(*first[:14], **self.attrs)
+        block = row and row[1].flags.c_contiguous and _layer_norm_row(row[1], *first[14:], *self.norm[:2])
+        if not block:
+            return None
+        stand_in = np.empty(self.residual.shape, self.residual.dtype)  # the norm's and sum's, to be computed
+        cross = attention_row(stand_in, *second[:13], **self.cross_attrs)
+        mlp = cross and cross[1].flags.c_contiguous and _gelu_mlp_row(cross[1], *second[13:15], stand_in,
+                                                                     *second[15:], self.cross_norm, self.down_norm)
+        return mlp and (*row[0], *block, *cross[0][1:], *mlp)
+
+    def run(self, arguments) -> tuple:
+        """(s, n): one native call with `arguments` (`row()`'s), or (None) the two nodes' kernels."""
+        residual = self.residual
+        if arguments:
+            summed, normed = _decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
+            return summed.reshape(residual.shape), normed.reshape(residual.shape)
+        summed, normed = AttentionLayerNorm(*self.first, **self.attrs, norm=self.norm)
+        if normed.shape != residual.shape or normed.dtype != residual.dtype:  # what the stand-in told its readers
+            raise RunnxError(f"the self-attention block's norm is {normed.dtype}{list(normed.shape)}, its residual "
+                             f"{residual.dtype}{list(residual.shape)}: they must match to chain the blocks")
+        return AttentionGeluMLP(normed, *self.second[:15], summed, *self.second[15:], **self.cross_attrs,
+                                norm=self.cross_norm, down_norm=self.down_norm)
+
+
+@register("AttentionLayerNormGeluMLPAppend", since=1, domain=DOMAIN, inplace=(45, 46),
+          shape_only=(11, 13, 29, 31, 52, 55))
+def AttentionLayerNormGeluMLPAppend(*inputs, query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
+                                    output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
+                                    key_perm: tuple[int, ...], value_perm: tuple[int, ...],
+                                    norm: tuple = (-1, 1e-5, 1), cross_query_dims: tuple[int, ...] = (),
+                                    cross_query_axes: tuple[int, ...] = (), cross_output_dims: tuple[int, ...] = (),
+                                    cross_output_axes: tuple[int, ...] = (), cross_key_perm: tuple[int, ...],
+                                    cross_value_perm: tuple[int, ...], cross_norm: tuple = (-1, 1e-5, 1),
+                                    down_norm: tuple = (-1, 1e-5, 1), key_dims: tuple[int, ...] = (),
+                                    key_axes: tuple[int, ...] = (), value_dims: tuple[int, ...] = (),
+                                    value_axes: tuple[int, ...] = (), key_axis: int, value_axis: int, overwrite=(),
+                                    ctx=None):
+    """(s, *ProjectedAppend(n, *inputs[45:])) for (s, n) = AttentionLayerNormGeluMLP(*inputs[:45]): a
+    Whisper decoder layer from its self-attention to the next layer's norm, and the next layer's
+    projections and KV cache growth. The norm n has the residual's shape and dtype (its readers
+    elsewhere read a LayerNormShape stand-in). A decode step's row, both caches granted, is one
+    native call (`attended_layer_norm_gelu_mlp_append`) writing the new cache rows in place."""
+    chain = _Chain(inputs, _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm),
+                   _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
+                                    cross_key_perm, cross_value_perm), norm, cross_norm, down_norm)
+    append = inputs[_CHAINED_INPUTS:]
+    attributes = (key_dims, key_axes, value_dims, value_axes, key_axis, value_axis)
+    granted = _CHAINED_INPUTS in overwrite and _CHAINED_INPUTS + 1 in overwrite
+    arguments = chain.row()
+    appended = arguments and granted and append_arguments(np.empty(chain.residual.shape, chain.residual.dtype),
+                                                          *append, *attributes)  # the norm's shape and dtype
+    if appended:
+        summed, query = _decode_pool.shared_call(attended_layer_norm_gelu_mlp_append, *arguments, *appended)
+        return (summed.reshape(chain.residual.shape), *appended_outputs(query, chain.residual.shape, appended, ctx))
+    summed, normed = chain.run(arguments)  # its checks not made again
+    return (summed, *ProjectedAppend(normed, *append, **dict(zip(_APPEND_ATTRIBUTES, attributes)),
+                                     overwrite=tuple([p - _CHAINED_INPUTS + 1 for p in overwrite]), ctx=ctx))

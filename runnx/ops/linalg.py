@@ -115,13 +115,12 @@ def ProjectedAppend(x, past_key, past_value, query_weight, key_weight, value_wei
     step's float32 row with both caches granted and room in their buffers is one native call
     (`appended_products`) writing the new rows in place; anything else the nodes' kernels."""
     if 1 in overwrite and 2 in overwrite:
-        appended = _appended_row(x, past_key, past_value, query_weight, key_weight, value_weight, key_bias, key_target,
-                                 key_source, value_bias, value_target, value_source, key_dims, key_axes, value_dims,
-                                 value_axes, key_axis, value_axis)
+        appended = append_arguments(x, past_key, past_value, query_weight, key_weight, value_weight, key_bias,
+                                    key_target, key_source, value_bias, value_target, value_source, key_dims, key_axes,
+                                    value_dims, value_axes, key_axis, value_axis)
         if appended is not None:
-            if ctx is not None and ctx.profile is not None:  # the new rows' views only for the counters
-                count_appends(ctx, appended[1][:, :, -1:], appended[2][:, :, -1:])
-            return appended
+            query = _decode_pool.shared_call(appended_products, np.ascontiguousarray(x.reshape(-1)), *appended)
+            return appended_outputs(query, x.shape, appended, ctx)
     query, key, value = SharedInputMatMul(x, query_weight, key_weight, value_weight, key_bias, key_target, key_source,
                                           value_bias, value_target, value_source,
                                           splits=((1, key_dims, key_axes), (2, value_dims, value_axes)))
@@ -129,12 +128,13 @@ def ProjectedAppend(x, past_key, past_value, query_weight, key_weight, value_wei
             Concat(past_value, value, axis=value_axis, overwrite=(0,) if 2 in overwrite else (), ctx=ctx))
 
 
-def _appended_row(x, past_key, past_value, query_weight, key_weight, value_weight, key_bias, key_target, key_source,
-                  value_bias, value_target, value_source, key_dims, key_axes, value_dims, value_axes, key_axis,
-                  value_axis):
-    """ProjectedAppend's decode case: one float32 row of batch 1, C-contiguous float32 matrices,
-    caches of 4 float32 dimensions growing along axis 2, prefix views of buffers with room for the
-    row, whose heads split as the caches hold them. None when any of that does not hold."""
+def append_arguments(x, past_key, past_value, query_weight, key_weight, value_weight, key_bias, key_target,
+                     key_source, value_bias, value_target, value_source, key_dims, key_axes, value_dims, value_axes,
+                     key_axis, value_axis) -> tuple | None:
+    """`appended_products`' arguments after the mailbox, workers and row in ProjectedAppend's decode
+    case: one float32 row of batch 1 (x, read for its shape and dtype only), C-contiguous float32
+    matrices, caches of 4 float32 dimensions growing along axis 2, prefix views of buffers with room
+    for the row, whose heads split as the caches hold them. None when any of that does not hold."""
     if key_axis not in (2, -2) or value_axis not in (2, -2) or past_key.base is past_value.base:
         return None
     shapes = _split_shapes(x, (key_weight, value_weight), ((key_target, key_source, key_dims, key_axes),
@@ -148,13 +148,19 @@ def _appended_row(x, past_key, past_value, query_weight, key_weight, value_weigh
                 or buffer.ndim != 4 or past.shape[2] != position or prefix_room(past, buffer, 2) < 1
                 or shape != (1, past.shape[1], 1, past.shape[3])):
             return None
-    key_buffer, value_buffer = past_key.base, past_value.base
-    query = _decode_pool.shared_call(appended_products, np.ascontiguousarray(x.reshape(-1)),
-                                     (query_weight, key_weight, value_weight),
-                                     _NO_BIAS if key_bias is None else key_bias,
-                                     _NO_BIAS if value_bias is None else value_bias, key_buffer, value_buffer, position)
-    return (query.reshape(x.shape[:-1] + query.shape), key_buffer[:, :, :position + 1],
-            value_buffer[:, :, :position + 1])
+    return ((query_weight, key_weight, value_weight), _NO_BIAS if key_bias is None else key_bias,
+            _NO_BIAS if value_bias is None else value_bias, past_key.base, past_value.base, position)
+
+
+def appended_outputs(query, shape: tuple, arguments: tuple, ctx) -> tuple:
+    """ProjectedAppend's outputs after `appended_products` with `arguments` gave the query row: the
+    query shaped as an x of `shape`, the caches grown by a row (views of their buffers), the new
+    rows counted in a profile."""
+    key_buffer, value_buffer, position = arguments[3:]
+    key, value = key_buffer[:, :, :position + 1], value_buffer[:, :, :position + 1]
+    if ctx is not None and ctx.profile is not None:  # the new rows' views only for the counters
+        count_appends(ctx, key[:, :, -1:], value[:, :, -1:])
+    return query.reshape(shape[:-1] + query.shape), key, value
 
 
 @Remembered

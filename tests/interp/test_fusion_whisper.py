@@ -486,11 +486,13 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     # node (a layer from its cross-attention's output projection to the next norm); the
     # cross-attention's query projection joins it (2 layers, both branches); with a past, a layer's
     # q/k/v projections and its KV cache appends as one node; each attention with the block after it,
-    # and those two blocks of a layer (self-attention, then cross-attention and MLP) as one node
+    # and those two blocks of a layer (self-attention, then cross-attention and MLP) as one node,
+    # with a past the next layer's projections and appends too (one layer boundary)
     assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14,
                              "SharedInputMatMul": 5, "MatMulAddLayerNorm": 12, "ResidualGeluMLP": 4,
                              "ProjectedHeadsAttention": 4, "ProjectedAppend": 2, "AttentionLayerNorm": 4,
-                             "AttentionGeluMLP": 4, "AttentionLayerNormGeluMLP": 4}
+                             "AttentionGeluMLP": 4, "AttentionLayerNormGeluMLP": 4,
+                             "AttentionLayerNormGeluMLPAppend": 1}
 
 
 def _greedy(folder, monkeypatch, fuse, features):
@@ -521,10 +523,12 @@ def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whispe
     assert tokens == _greedy(whisper_dir, monkeypatch, False, features) and all(len(t) > 5 for t in tokens)
 
 
-def test_a_whisper_layers_two_blocks_run_as_one_native_call_a_decode_step(fixtures_dir, monkeypatch):
-    """AttentionLayerNorm and the AttentionGeluMLP reading its norm (a memo reading that norm's shape
-    through a LayerNormShape stand-in): one native call a layer a decode step, the same tokens as
-    the two nodes apart (the prefill's rows take the two nodes' kernels)."""
+def test_a_whisper_decode_step_runs_one_native_call_per_layer_boundary(fixtures_dir, monkeypatch):
+    """AttentionLayerNorm and the AttentionGeluMLP reading its norm, then the next layer's
+    ProjectedAppend reading that one's (memos reading both norms' shapes through LayerNormShape
+    stand-ins): a decode step of the two-layer model runs the first layer's projections, one call
+    across the boundary and the last layer's two blocks, with the same tokens as the nodes apart
+    (the prefill's rows, and a step whose caches are not granted, take the nodes' kernels)."""
     from runnx.generate.whisper import Whisper
     from runnx.interp import fusion
     from runnx.interp.fusion import products
@@ -535,16 +539,43 @@ def test_a_whisper_layers_two_blocks_run_as_one_native_call_a_decode_step(fixtur
     shared_call = _decode_pool.shared_call
     monkeypatch.setattr(_decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
     model = Whisper(folder)
-    assert model.decoder.past_model.fused["AttentionLayerNormGeluMLP"] == 4  # 2 layers, both branches
+    assert model.decoder.past_model.fused["AttentionLayerNormGeluMLPAppend"] == 1
     with monkeypatch.context() as patch:
-        patch.setattr(fusion, "PATTERNS", [p for p in fusion.PATTERNS if p[1] is not products._layer_norm_chained])
+        patch.setattr(fusion, "PATTERNS", [p for p in fusion.PATTERNS
+                                           if p[1] not in (products._layer_norm_chained, products._append_chained)])
         apart_model = Whisper(folder)
-    assert "AttentionLayerNormGeluMLP" not in apart_model.decoder.past_model.fused
+    assert not {"AttentionLayerNormGeluMLP", "AttentionLayerNormGeluMLPAppend"} & set(apart_model.decoder.past_model.fused)
+    jobs = (_decode_blocks.appended_products, _decode_blocks.attended_layer_norm_gelu_mlp_append,
+            _decode_blocks.attended_layer_norm_gelu_mlp)
     for seed in (5, 6):
         features = _features(seed)
         calls.clear()
         chained = model.decode(model.encode(features), max_new_tokens=24)
-        merged = calls.count(_decode_blocks.attended_layer_norm_gelu_mlp)
+        steps = len(chained.tokens) - 1  # after the prefill, which gave the first token
+        assert [calls.count(job) for job in jobs] == [steps, steps, steps]
+        assert calls.count(_decode_blocks.attended_layer_norm) == 0
         apart = apart_model.decode(apart_model.encode(features), max_new_tokens=24)
         assert len(chained.tokens) > 3 and chained.tokens == apart.tokens
-        assert merged == 2 * (len(chained.tokens) - 1)  # two layers a step after the prefill, which gave a token
+
+
+def test_a_layer_boundary_whose_caches_are_not_granted_runs_the_nodes_kernels(fixtures_dir):
+    """The decoder run with caches it may not write (plain arrays, not `Owned`): the boundary node
+    takes its nodes' kernels, appending by copy, and gives what the model without fusion gives."""
+    decoder = fixtures_dir / "tiny-whisper" / "decoder_model_merged.onnx"
+    fused = runnx.load(decoder, check_symbolic_dims=False)
+    plain = runnx.load(decoder, check_symbolic_dims=False, fuse=False)
+    rng = np.random.default_rng(7)
+    feeds = {}
+    for spec in fused.inputs:
+        if spec.name == "input_ids":
+            feeds[spec.name] = np.array([[3]], np.int64)
+        elif spec.name == "use_cache_branch":
+            feeds[spec.name] = np.array([True])
+        elif spec.name == "encoder_hidden_states":
+            feeds[spec.name] = rng.standard_normal((1, 1500, 64)).astype(np.float32)
+        else:
+            length = 1500 if ".encoder." in spec.name else 5
+            feeds[spec.name] = rng.standard_normal((1, 4, length, 16)).astype(np.float32)
+    got, want = fused.run(feeds), plain.run(feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4)

@@ -18,8 +18,9 @@ with SplitHeadsShape stand-ins for the shape memos reading the heads), and an At
 next layer's ProjectedRopeAppend reading its norm (AttentionGatedMLPRopeAppend, an RMSNormShape
 stand-in for the norm's shape): a decode step then runs one native call per layer boundary, not
 two. A Whisper layer's AttentionLayerNorm and the AttentionGeluMLP reading its norm become one
-AttentionLayerNormGeluMLP node (a LayerNormShape stand-in for the norm's shape): two native calls a
-layer. Runs after the other patterns: a MatMul they take stays theirs.
+AttentionLayerNormGeluMLP node (a LayerNormShape stand-in for the norm's shape), and that node the
+next layer's ProjectedAppend reading its norm (AttentionLayerNormGeluMLPAppend): one native call per
+layer boundary, as for Llama. Runs after the other patterns: a MatMul they take stays theirs.
 """
 from __future__ import annotations
 
@@ -309,15 +310,23 @@ def _layers_chained(m: Matcher, rope: Node) -> Fused | None:
     a decoder layer from its attention to the next layer's norm and the next layer's projections,
     rotary embedding and cache growth as one AttentionGatedMLPRopeAppend node (a decode step runs
     the two as one native call; the norm's shape readers get an RMSNormShape stand-in)."""
-    block = m.graph.producer.get(rope.inputs[0])
-    if (rope.domain != DOMAIN or block is None or block.op_type != "AttentionGatedMLP" or block.domain != DOMAIN
-            or block.index in m.taken or len(block.inputs) != 34 or len(rope.inputs) != 35
-            or block.outputs[1] != rope.inputs[0] or rope.inputs[0] in rope.inputs[1:]
-            or block.outputs[0] in rope.inputs
-            or not m.private([block, rope], (block.outputs[0], *rope.outputs), (block.outputs[1],))):
+    return _norm_read_next(m, rope, ("AttentionGatedMLP", 34, 35), "AttentionGatedMLPRopeAppend")
+
+
+def _norm_read_next(m: Matcher, reader: Node, sizes: tuple, op_type: str) -> Fused | None:
+    """`reader` (its inputs sizes[2]) whose x is the norm of a sizes[0] node (its inputs sizes[1];
+    outputs the sum, then the norm), the norm read elsewhere only for its shape: the two as one
+    `op_type` node, the block's inputs then the reader's but x, the sum then the reader's outputs."""
+    block_op, block_inputs, reader_inputs = sizes
+    block = m.graph.producer.get(reader.inputs[0])
+    if (reader.domain != DOMAIN or block is None or block.op_type != block_op or block.domain != DOMAIN
+            or block.index in m.taken or len(block.inputs) != block_inputs or len(reader.inputs) != reader_inputs
+            or block.outputs[1] != reader.inputs[0] or reader.inputs[0] in reader.inputs[1:]
+            or block.outputs[0] in reader.inputs
+            or not m.private([block, reader], (block.outputs[0], *reader.outputs), (block.outputs[1],))):
         return None
-    return Fused("AttentionGatedMLPRopeAppend", [block, rope], (*block.inputs, *rope.inputs[1:]),
-                 (block.outputs[0], *rope.outputs), {**block.attrs, **rope.attrs})
+    return Fused(op_type, [block, reader], (*block.inputs, *reader.inputs[1:]), (block.outputs[0], *reader.outputs),
+                 {**block.attrs, **reader.attrs})
 
 
 def _layer_norm_chained(m: Matcher, gelu: Node) -> Fused | None:
@@ -338,12 +347,21 @@ def _layer_norm_chained(m: Matcher, gelu: Node) -> Fused | None:
                  gelu.outputs, {**layer.attrs, **cross, **down})
 
 
+def _append_chained(m: Matcher, append: Node) -> Fused | None:
+    """ProjectedAppend whose x is an AttentionLayerNormGeluMLP's norm, read elsewhere only for its
+    shape: a Whisper decoder layer from its self-attention to the next layer's norm and the next
+    layer's projections and KV cache growth as one AttentionLayerNormGeluMLPAppend node (a decode step
+    runs them as one native call; the norm's shape readers get a LayerNormShape stand-in)."""
+    return _norm_read_next(m, append, ("AttentionLayerNormGeluMLP", 45, 12), "AttentionLayerNormGeluMLPAppend")
+
+
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     """Nodes giving values computed inside a fused node to readers of their shape (zero-strided
     views): ProjectedRopeAppend's split heads (SplitHeadsShape of x and the product's weight and
     split), AttentionGatedMLPRopeAppend's norm (RMSNormShape of the residual and the norm's constants),
-    AttentionLayerNormGeluMLP's first norm (LayerNormShape of the residual)."""
-    if fused.op_type == "AttentionLayerNormGeluMLP":
+    AttentionLayerNormGeluMLP's first norm and AttentionLayerNormGeluMLPAppend's last (LayerNormShape
+    of the layer's residual: the sums in between keep its shape)."""
+    if fused.op_type in ("AttentionLayerNormGeluMLP", "AttentionLayerNormGeluMLPAppend"):
         layer = fused.members[0]
         normed = layer.outputs[1]
         if not any(r.index not in {n.index for n in fused.members} for r in m.readers.get(normed, ())):
@@ -376,4 +394,4 @@ PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
             ("HeadsAttention", _projected_query), ("SharedInputMatMul", _appended),
             ("MatMulAddLayerNorm", _attended), ("ResidualGeluMLP", _attended), ("ResidualGatedMLP", _attended_gated),
             ("RopeAppend", _rope_projected), ("ProjectedRopeAppend", _layers_chained),
-            ("AttentionGeluMLP", _layer_norm_chained))
+            ("AttentionGeluMLP", _layer_norm_chained), ("ProjectedAppend", _append_chained))
