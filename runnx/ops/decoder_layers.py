@@ -222,11 +222,19 @@ class _Chain:
             summed, normed = _decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
             return summed.reshape(residual.shape), normed.reshape(residual.shape)
         summed, normed = AttentionLayerNorm(*self.first, **self.attrs, norm=self.norm)
-        if normed.shape != residual.shape or normed.dtype != residual.dtype:  # what the stand-in told its readers
-            raise RunnxError(f"the self-attention block's norm is {normed.dtype}{list(normed.shape)}, its residual "
-                             f"{residual.dtype}{list(residual.shape)}: they must match to chain the blocks")
-        return AttentionGeluMLP(normed, *self.second[:15], summed, *self.second[15:], **self.cross_attrs,
-                                norm=self.cross_norm, down_norm=self.down_norm)
+        _as_stood_in(normed, residual, "self-attention")
+        summed, normed = AttentionGeluMLP(normed, *self.second[:15], summed, *self.second[15:], **self.cross_attrs,
+                                          norm=self.cross_norm, down_norm=self.down_norm)
+        return summed, _as_stood_in(normed, residual, "cross-attention and MLP")
+
+
+def _as_stood_in(normed, residual, block: str):
+    """A block's norm, when it has the shape and dtype its LayerNormShape stand-in (of the layer's
+    residual) told the nodes reading its shape; else a RunnxError."""
+    if normed.shape != residual.shape or normed.dtype != residual.dtype:
+        raise RunnxError(f"the {block} block's norm is {normed.dtype}{list(normed.shape)}, the layer's residual "
+                         f"{residual.dtype}{list(residual.shape)}: they must match to chain the blocks")
+    return normed
 
 
 @register("AttentionLayerNormGeluMLPAppend", since=1, domain=DOMAIN, inplace=(45, 46),

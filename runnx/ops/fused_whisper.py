@@ -287,7 +287,7 @@ def SplitHeadsShape(x, weight, target, source, *, dims: tuple[int, ...] = (), ax
 def LayerNormShape(residual):
     """A stand-in with the shape and dtype of the norm AddLayerNorm gives of a sum shaped as residual
     (a LayerNormalization keeps its input's), for nodes that only read the shape of a norm a fused
-    node computes inside itself (AttentionLayerNormGeluMLP's)."""
+    node computes inside itself (AttentionLayerNormGeluMLP's, AttentionLayerNormGeluMLPAppend's)."""
     return stand_in(residual.dtype, residual.shape)
 
 

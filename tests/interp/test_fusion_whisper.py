@@ -579,3 +579,15 @@ def test_a_layer_boundary_whose_caches_are_not_granted_runs_the_nodes_kernels(fi
     got, want = fused.run(feeds), plain.run(feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4)
+
+
+def test_a_chained_block_whose_norm_is_not_shaped_as_its_stand_in_is_an_error():
+    """The memos reading a chained block's norm read a stand-in shaped as the layer's residual: a
+    norm of another shape (a residual add that broadcast) is an error, not wrong shapes downstream."""
+    from runnx.errors import RunnxError
+    from runnx.ops.decoder_layers import _as_stood_in
+
+    residual = np.zeros((1, 1, 8), np.float32)
+    assert _as_stood_in(np.ones((1, 1, 8), np.float32), residual, "self-attention").shape == (1, 1, 8)
+    with pytest.raises(RunnxError, match=r"self-attention block's norm is float32\[1, 3, 8\], the layer's residual"):
+        _as_stood_in(np.ones((1, 3, 8), np.float32), residual, "self-attention")
