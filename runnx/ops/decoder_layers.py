@@ -180,7 +180,7 @@ def AttentionLayerNormGeluMLP(*inputs, query_dims: tuple[int, ...] = (), query_a
     chain = _Chain(inputs, _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm),
                    _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
                                     cross_key_perm, cross_value_perm), norm, cross_norm, down_norm)
-    return chain.run(chain.row())
+    return chain.run(chain.row(chain.stand_in()))
 
 
 class _Chain:
@@ -199,17 +199,20 @@ class _Chain:
     def residual(self):
         return self.first[16]
 
-    def row(self) -> tuple | None:
+    def stand_in(self):
+        """An empty array of the residual's shape and dtype: the sums' and norms' the blocks compute,
+        for the checks of the arguments that will read them."""
+        return np.empty(self.residual.shape, self.residual.dtype)
+
+    def row(self, stand_in) -> tuple | None:
         """`attended_layer_norm_gelu_mlp`'s arguments after the mailbox and workers when both blocks
         are a decode step's row (AttentionLayerNorm's and AttentionGeluMLP's fast paths; the second's
-        row and residual, computed by the first, stand in as an empty row of the residual's shape),
-        else None."""
+        row and residual, computed by the first, are `stand_in`), else None."""
         first, second = self.first, self.second
         row = attention_row(*first[:14], **self.attrs)
         block = row and row[1].flags.c_contiguous and _layer_norm_row(row[1], *first[14:], *self.norm[:2])
         if not block:
             return None
-        stand_in = np.empty(self.residual.shape, self.residual.dtype)  # the norm's and sum's, to be computed
         cross = attention_row(stand_in, *second[:13], **self.cross_attrs)
         mlp = cross and cross[1].flags.c_contiguous and _gelu_mlp_row(cross[1], *second[13:15], stand_in,
                                                                      *second[15:], self.cross_norm, self.down_norm)
@@ -261,9 +264,9 @@ def AttentionLayerNormGeluMLPAppend(*inputs, query_dims: tuple[int, ...] = (), q
     append = inputs[_CHAINED_INPUTS:]
     attributes = (key_dims, key_axes, value_dims, value_axes, key_axis, value_axis)
     granted = _CHAINED_INPUTS in overwrite and _CHAINED_INPUTS + 1 in overwrite
-    arguments = chain.row()
-    appended = arguments and granted and append_arguments(np.empty(chain.residual.shape, chain.residual.dtype),
-                                                          *append, *attributes)  # the norm's shape and dtype
+    stand_in = chain.stand_in()  # also the last norm's, the projections' row
+    arguments = chain.row(stand_in)
+    appended = arguments and granted and append_arguments(stand_in, *append, *attributes)
     if appended:
         summed, query = _decode_pool.shared_call(attended_layer_norm_gelu_mlp_append, *arguments, *appended)
         return (summed.reshape(chain.residual.shape), *appended_outputs(query, chain.residual.shape, appended, ctx))

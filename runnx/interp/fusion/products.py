@@ -361,32 +361,36 @@ def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     split), AttentionGatedMLPRopeAppend's norm (RMSNormShape of the residual and the norm's constants),
     AttentionLayerNormGeluMLP's first norm and AttentionLayerNormGeluMLPAppend's last (LayerNormShape
     of the layer's residual: the sums in between keep its shape)."""
+    block = fused.members[0] if fused.members else None
     if fused.op_type in ("AttentionLayerNormGeluMLP", "AttentionLayerNormGeluMLPAppend"):
-        layer = fused.members[0]
-        normed = layer.outputs[1]
-        if not any(r.index not in {n.index for n in fused.members} for r in m.readers.get(normed, ())):
-            return []
-        return [Fused("LayerNormShape", [], (layer.inputs[16],), (normed,), {})]
-    if fused.op_type == "AttentionGatedMLPRopeAppend":
-        block = fused.members[0]
         normed = block.outputs[1]
-        if not any(r.index not in {n.index for n in fused.members} for r in m.readers.get(normed, ())):
+        if not _read_outside(m, fused, normed):
+            return []
+        return [Fused("LayerNormShape", [], (block.inputs[16],), (normed,), {})]
+    if fused.op_type == "AttentionGatedMLPRopeAppend":
+        normed = block.outputs[1]
+        if not _read_outside(m, fused, normed):
             return []
         axis, to, cast = block.attrs.get("down_norm", (-1, 0, 0))
         return [Fused("RMSNormShape", [], (block.inputs[23], *block.inputs[31:34]), (normed,),
                       {"axis": axis, "to": to, "cast": cast})]
     if fused.op_type != "ProjectedRopeAppend" or len(fused.members) != 2:
         return []
-    shared, rope = fused.members
-    inside = {shared.index, rope.index}
+    rope = fused.members[1]
     x, weights, splits = fused.inputs[0], fused.inputs[1:4], fused.inputs[4:13]
     stand_ins = []
     for n, (name, heads) in enumerate(zip(("query", "key", "value"), rope.inputs[:3])):
-        if any(r.index not in inside for r in m.readers.get(heads, ())):
+        if _read_outside(m, fused, heads):
             _, target, source = splits[3 * n:3 * n + 3]
             stand_ins.append(Fused("SplitHeadsShape", [], (x, weights[n], target, source), (heads,),
                                    {"dims": fused.attrs[f"{name}_dims"], "axes": fused.attrs[f"{name}_axes"]}))
     return stand_ins
+
+
+def _read_outside(m: Matcher, fused: Fused, vid: int) -> bool:
+    """Whether a node outside `fused` reads `vid` (for its shape only: the matcher made sure)."""
+    inside = {n.index for n in fused.members}
+    return any(r.index not in inside for r in m.readers.get(vid, ()))
 
 
 PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
