@@ -37,7 +37,8 @@ from runnx.ops._remembered import Remembered
 from runnx.ops.fused import DOMAIN, attend, stand_in
 from runnx.ops.normalization import LayerNormalization
 from runnx.ops.registry import register
-from runnx.ops.shape import Reshape
+from runnx.ops._shape_util import int_tuple
+from runnx.ops.shape import reshape_target
 from runnx.ops.softmax import Softmax_13
 
 _ROW_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the LayerNormalization kernel's numba loop
@@ -55,8 +56,9 @@ def _reshaped(x, given, source, dims: tuple, axes: tuple):
     """Reshape (allowzero 0) of x to `given`, else to dims[i], or dimension axes[i] of `source`
     where axes[i] >= 0."""
     if given is not None:
-        return Reshape(x, given)
-    target = _target(x.shape, source.shape, dims, axes)
+        target = reshape_target(x.shape, int_tuple(given), 0)
+    else:
+        target = _target(x.shape, source.shape, dims, axes)
     try:
         return x.reshape(target)
     except ValueError:

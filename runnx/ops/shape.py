@@ -8,6 +8,7 @@ that a later in-place op could write into. Ops whose output size comes from a te
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -41,17 +42,25 @@ def Size(x):
 
 
 def _reshape(data, shape, allowzero: int):
-    target = int_values(shape)
-    if not allowzero and 0 in target:  # 0 copies the input's dimension
-        if len(target) > data.ndim and any(d == 0 for d in target[data.ndim:]):
-            raise RunnxError(f"Reshape target {target} copies a dimension the rank-{data.ndim} input lacks")
-        target = [data.shape[i] if d == 0 else d for i, d in enumerate(target)]
-    if target.count(-1) > 1:
-        raise RunnxError(f"Reshape target {target} has more than one -1")
+    target = reshape_target(data.shape, int_tuple(shape), allowzero)
     try:
         return data.reshape(target)
     except ValueError:
-        raise RunnxError(f"cannot reshape {data.shape} to {target}") from None
+        raise RunnxError(f"cannot reshape {data.shape} to {list(target)}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def reshape_target(shape: tuple, target: tuple, allowzero: int) -> tuple:
+    """What numpy reshapes an array of `shape` to for Reshape's `target` (unless allowzero, a 0
+    copies the input's dimension), remembered: a decode step reshapes the same shapes to the same
+    targets (kept memo results) step after step, and resolving them cost ~2 us a Reshape."""
+    if not allowzero and 0 in target:
+        if len(target) > len(shape) and 0 in target[len(shape):]:
+            raise RunnxError(f"Reshape target {list(target)} copies a dimension the rank-{len(shape)} input lacks")
+        target = tuple([shape[i] if d == 0 else d for i, d in enumerate(target)])
+    if target.count(-1) > 1:
+        raise RunnxError(f"Reshape target {list(target)} has more than one -1")
+    return target
 
 
 @register("Reshape", since=1)

@@ -47,6 +47,18 @@ def test_reshape_zero_copies_a_dimension_unless_allowzero():
         run_node("Reshape", [np.zeros((2, 3), np.float32), _ints(-1, -1)])
 
 
+
+def test_a_reshape_target_resolves_per_input_shape_and_its_errors_are_raised_every_time():
+    target = _ints(0, 0, 6, -1)
+    target.flags.writeable = False  # a kept memo result, the same array step after step
+    for shape in ((1, 1, 384), (1, 3, 384), (2, 1, 12)):
+        assert run_node("Reshape", [np.zeros(shape, np.float32), target]).shape == shape[:2] + (6, shape[2] // 6)
+    for _ in range(2):
+        with pytest.raises(RunnxError, match="copies a dimension"):
+            run_node("Reshape", [np.zeros(6, np.float32), _ints(6, 0)])
+        with pytest.raises(RunnxError, match="cannot reshape"):
+            run_node("Reshape", [np.zeros((1, 1, 385), np.float32), target])
+
 def test_slice_negative_steps_clamp_like_onnx_not_like_python():
     x = np.arange(10, dtype=np.float32)
     # start 20 clamps to the last element, end -20 to "before the first": every third backwards
