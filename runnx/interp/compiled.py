@@ -68,6 +68,25 @@ def _memo_lines(outputs: list) -> list[str]:
             f"        {''.join(f'k{name} = ' for name in outputs)}()"]
 
 
+def _memo_lines_found(index: int, step, names: dict[int, str], call: str, namespace: dict) -> list[str]:
+    """A memo's kept result found inline as its kernel finds it first, the kernel called when it is
+    not: by its roots' shapes (`KeptResults`), or by those and its externals' identity (the
+    `Remembered` lookup `ShapeGroup.__call__` makes outside profiles; a compiled plan never runs
+    profiled). Through the kernel a hit cost 5-9 us a memo in a Whisper step, six a step."""
+    group = step.fn
+    count = len(group.roots)
+    shapes = "".join(f"v{names[v]}.shape, " for v in step.inputs[:count])
+    if group.external:
+        namespace[f"m{index}"] = group.known_by_identity
+        identities = "".join(f", id(v{names[v]})" for v in step.inputs[count:])
+        lookup = f"            r = m{index}((({shapes}){identities}))"
+    else:
+        namespace[f"m{index}"] = group.results.get
+        lookup = f"            r = m{index}(({shapes}))"
+    return ["        try:", lookup, "        except AttributeError:", "            r = None", "        if r is None:",
+            f"            r = {call}"]
+
+
 def _names(plan) -> dict[int, str]:
     """The suffix of each value's local variables (v<suffix>, k<suffix>): constants keep their id
     (they are globals); other values share a slot with values whose lifetimes end before theirs
@@ -150,11 +169,8 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
         arguments.append("overwrite=()")
     call = f"f{index}({', '.join(arguments)})"
     ufunc = node.kernel.ufunc if node.kernel is not None and step.fn is node.kernel.fn else None
-    if isinstance(step.fn, ShapeGroup) and not step.fn.external:  # a kept result by its roots' shapes, inline
-        namespace[f"m{index}"] = step.fn.results.get
-        shapes = "".join(f"v{names[v]}.shape, " for v in step.inputs)
-        lines += ["        try:", f"            r = m{index}(({shapes}))", "        except AttributeError:",
-                  "            r = None", "        if r is None:", f"            r = {call}"]
+    if isinstance(step.fn, ShapeGroup) and MISSING not in step.inputs:
+        lines += _memo_lines_found(index, step, names, call, namespace)
     elif ufunc is not None and candidates and len(step.inputs) in (1, 2) and MISSING not in step.inputs:
         lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], call, namespace)
     else:

@@ -240,6 +240,11 @@ class ShapeGroup:
             read_ahead(self, key, result, args, ctx)
         return result
 
+    def known_by_identity(self, key: tuple):
+        """The result kept for `key` ((the roots' shapes), *the externals' ids) by identity, or None
+        (compiled plans look it up inline before calling the memo)."""
+        return self._by_identity.known_result(key)
+
     def know(self, shapes: tuple, externals: tuple, result: tuple) -> None:
         """Remember `result` for roots of these shapes and these read-only externals by identity, as
         a call would after finding it by their values (read-ahead: a future step's externals are

@@ -34,6 +34,12 @@ class Remembered:
     def __call__(self, values, *arrays):
         return self.lookup(values, arrays, self.fn)
 
+    def known_result(self, key: tuple):
+        """The result kept for key = (values, *ids of the arrays), or None: `lookup`'s hit without
+        the call (its arrays are alive while their entry is)."""
+        known = self.known.get(key) if enabled else None
+        return None if known is None else known[1]
+
     def lookup(self, values, arrays: tuple, compute):
         """What compute(values, *arrays) gave for these values and arrays, or its result now."""
         key = (values, *map(id, arrays))

@@ -164,17 +164,22 @@ def test_fused_shape_stand_ins_join_the_memos_around_them(fixtures_dir):
     assert profile.counters["ShapeMemo.hits"] > 0
 
 
-def test_a_memo_reading_another_memos_results_knows_them_by_identity(monkeypatch):
-    """s = (dim0(x) + dim0(y)) * dim0(x) is a memo of roots {x, y} reading the memos of {x} and {y}
-    (their kept, read-only results): when those are the same arrays as before, its result comes
-    without hashing their bytes; other values still give other results."""
+def _dims_product_model():
+    """s = (dim0(x) + dim0(y)) * dim0(x): a memo of roots {x, y} reading the memos of {x} and {y}."""
     nodes = [helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Gather", ["sx", "zero"], ["dx"], axis=0),
              helper.make_node("Shape", ["y"], ["sy"]), helper.make_node("Gather", ["sy", "zero"], ["dy"], axis=0),
              helper.make_node("Add", ["dx", "dy"], ["both"]), helper.make_node("Mul", ["both", "dx"], ["s"])]
     graph = helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("x", F, None), helper.make_tensor_value_info("y", F, None)],
         [helper.make_tensor_value_info("s", I64, None)], [_const("zero", 0)])
-    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    return runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+
+
+def test_a_memo_reading_another_memos_results_knows_them_by_identity(monkeypatch):
+    """s = (dim0(x) + dim0(y)) * dim0(x) is a memo of roots {x, y} reading the memos of {x} and {y}
+    (their kept, read-only results): when those are the same arrays as before, its result comes
+    without hashing their bytes; other values still give other results."""
+    model = _dims_product_model()
     groups = [n.kernel.fn for n in model.graph.nodes if isinstance(n.kernel.fn, shape_cache.ShapeGroup)]
     assert sorted(len(g.external) for g in groups) == [0, 0, 2]
     hashed = []
@@ -186,6 +191,23 @@ def test_a_memo_reading_another_memos_results_knows_them_by_identity(monkeypatch
         assert got == (rows + 3) * rows
         assert len(hashed) - before == want_hashed
 
+
+def test_a_compiled_plan_finds_a_memos_kept_result_by_its_externals_identity_without_calling_it(monkeypatch):
+    """Once the plan of `_dims_product_model` runs compiled, the memo reading the other two memos'
+    results is called only when its roots' shapes or those results are new: a repeated step finds
+    its result inline (every memo's), and the result is the same."""
+    model = _dims_product_model()
+    reading = [n.kernel.fn for n in model.graph.nodes
+               if isinstance(n.kernel.fn, shape_cache.ShapeGroup) and n.kernel.fn.external]
+    calls = []
+    call = shape_cache.ShapeGroup.__call__
+    monkeypatch.setattr(shape_cache.ShapeGroup, "__call__", lambda self, *a, ctx: calls.append(self) or call(
+        self, *a, ctx=ctx))
+    for rows, want_called in ((2, 1), (2, 0), (5, 1), (5, 0), (2, 0)):  # compiled from the second run
+        before = len(calls)
+        got = model.run({"x": np.zeros((rows, 1), np.float32), "y": np.zeros((3, 1), np.float32)})["s"]
+        assert got == (rows + 3) * rows
+        assert sum(group is reading[0] for group in calls[before:]) == want_called
 
 def test_a_memos_sequence_holds_kept_arrays_that_no_step_overwrites():
     """seq = SequenceConstruct(Shape(x), Shape(x)) is a memo's output, uncounted in a compiled plan:
