@@ -142,19 +142,33 @@ def attention_row(x, weight, query_bias, key, value, bias, query_scale, head_sca
     width, fill = query
     row = np.empty(x.shape[:-1] + (width,), np.float32)
     split = _reshaped(row, query_target, query_source, query_dims, query_axes)
-    if split.ndim != 4 or key.ndim != 4 or value.ndim != 4 or split.shape[:2] != (1, 1):
+    if split.ndim != 4 or split.shape[:2] != (1, 1):
         return None
-    heads, keys, values = split.transpose(0, 2, 1, 3), key.transpose(key_perm), value.transpose(value_perm)
-    if keys.dtype != _FLOAT32 or not _plain(heads, keys, values, bias, None):  # nan_fill checked by _query_row
+    heads = split.transpose(0, 2, 1, 3)
+    cache = attended_cache(heads, key, value, bias, key_perm, value_perm)
+    if cache is None:
         return None
-    if bias is not None:
-        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-    out = np.empty(heads.shape[:3] + values.shape[3:], np.float32)
+    out = np.empty(heads.shape[:3] + cache[1].shape[3:], np.float32)
     arguments = (np.ascontiguousarray(x.reshape(-1)), _NO_WEIGHT if weight is None else weight,
                  _NO_BIAS[_FLOAT32] if query_bias is None else query_bias,
                  _NO_BIAS[_FLOAT32] if query_scale is None else query_scale.reshape(1), row.reshape(-1), heads,
-                 keys.swapaxes(2, 3), values, bias, fill, out)
+                 *cache, fill, out)
     return arguments, _reshaped(out.transpose(0, 2, 1, 3), output_target, output_source, output_dims, output_axes)
+
+
+def attended_cache(heads, key, value, bias, key_perm: tuple, value_perm: tuple) -> tuple | None:
+    """(the keys with their last two axes swapped, the values, the bias in 4 dimensions) as
+    `attended_row` reads them for these heads, when attention without broadcasting computes what
+    the nodes do (`_plain`; a NaN fill is `_query_row`'s to check), else None: what
+    `attention_row` makes of a decode step's cache (the rest comes from constants and the row)."""
+    if key.ndim != 4 or value.ndim != 4:
+        return None
+    keys, values = key.transpose(key_perm), value.transpose(value_perm)
+    if keys.dtype != _FLOAT32 or not _plain(heads, keys, values, bias, None):
+        return None
+    if bias is not None:
+        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
+    return keys.swapaxes(2, 3), values, bias
 
 
 @Remembered

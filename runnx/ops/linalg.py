@@ -141,15 +141,25 @@ def append_arguments(x, past_key, past_value, query_weight, key_weight, value_we
                                                            (value_target, value_source, value_dims, value_axes)))
     if shapes is None or not _query_and_biases_fit((x.size, *shapes), query_weight, key_bias, value_bias):
         return None
+    position = append_position(past_key, past_value, shapes)
+    if position < 0:
+        return None
+    return ((query_weight, key_weight, value_weight), _NO_BIAS if key_bias is None else key_bias,
+            _NO_BIAS if value_bias is None else value_bias, past_key.base, past_value.base, position)
+
+
+def append_position(past_key, past_value, shapes: tuple) -> int:
+    """Where `appended_products` writes a step's key and value rows: the caches' length, when both
+    are float32 prefix views of 4 dimensions of float32 buffers with room for a row, their heads
+    split as `shapes` (the key's and the value's products, (1, heads, 1, depth)); else -1."""
     position = past_key.shape[2] if past_key.ndim == 4 else -1
     for past, shape in zip((past_key, past_value), shapes):
         buffer = past.base
         if (past.dtype != _FLOAT32 or past.ndim != 4 or type(buffer) is not np.ndarray or buffer.dtype != _FLOAT32
                 or buffer.ndim != 4 or past.shape[2] != position or prefix_room(past, buffer, 2) < 1
                 or shape != (1, past.shape[1], 1, past.shape[3])):
-            return None
-    return ((query_weight, key_weight, value_weight), _NO_BIAS if key_bias is None else key_bias,
-            _NO_BIAS if value_bias is None else value_bias, past_key.base, past_value.base, position)
+            return -1
+    return position
 
 
 def appended_outputs(query, shape: tuple, arguments: tuple, ctx) -> tuple:
