@@ -9,6 +9,8 @@ nodes they replaced.
 """
 from __future__ import annotations
 
+from operator import is_, itemgetter
+
 import numpy as np
 
 from runnx.ops import _decode_pool
@@ -19,10 +21,10 @@ from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rop
 from runnx.ops.cache import count_appends
 from runnx.ops.fused import (DOMAIN, RepeatedKVAttention, RopeAppend, appended_caches, repeated_kv_row,
                              rope_append_arguments)
-from runnx.ops.fused_whisper import attention_row
+from runnx.ops.fused_whisper import attended_cache, attention_row
 from runnx.ops.linalg import (AttentionGeluMLP, AttentionLayerNorm, ProjectedAppend, ResidualGatedMLP,
                               SharedInputMatMul, _attention_attrs, _gated_mlp_row, _gelu_mlp_row, _layer_norm_row,
-                              _split_shapes, append_arguments, appended_outputs)
+                              _split_shapes, append_arguments, append_position, appended_outputs)
 from runnx.ops.registry import register
 
 _ROPE_ATTRIBUTES = ("query_dims", "query_axes", "key_dims", "key_axes", "value_dims", "value_axes", "query_axis",
@@ -159,6 +161,7 @@ def AttentionGatedMLPRopeAppend(*inputs, axis: int = -1, norm: tuple = (-1, 0, 0
                                          overwrite=rope_overwrite, ctx=ctx))
 
 
+_FLOAT32 = np.dtype(np.float32)
 _ATTENTION_INPUTS = 19  # AttentionLayerNorm's
 _CHAINED_INPUTS = 45  # AttentionLayerNormGeluMLP's
 _APPEND_ATTRIBUTES = ("key_dims", "key_axes", "value_dims", "value_axes", "key_axis", "value_axis")  # ProjectedAppend's
@@ -171,16 +174,24 @@ def AttentionLayerNormGeluMLP(*inputs, query_dims: tuple[int, ...] = (), query_a
                               cross_query_dims: tuple[int, ...] = (), cross_query_axes: tuple[int, ...] = (),
                               cross_output_dims: tuple[int, ...] = (), cross_output_axes: tuple[int, ...] = (),
                               cross_key_perm: tuple[int, ...], cross_value_perm: tuple[int, ...],
-                              cross_norm: tuple = (-1, 1e-5, 1), down_norm: tuple = (-1, 1e-5, 1)):
+                              cross_norm: tuple = (-1, 1e-5, 1), down_norm: tuple = (-1, 1e-5, 1), state=None):
     """AttentionGeluMLP(n, *inputs[19:34], s, *inputs[34:]) (its attention's attributes cross_*) for
     (s, n) = AttentionLayerNorm(*inputs[:19]): a Whisper decoder layer from its self-attention to
     the next layer's norm. The norm n has the residual's shape and dtype (its readers elsewhere read
     a LayerNormShape stand-in). A decode step's row is one native call (`attended_layer_norm_gelu_mlp`:
-    the two nodes' native calls with no Python between them)."""
+    the two nodes' native calls with no Python between them), its arguments the last step's but
+    what a step changes when the node's `_Replay` fits."""
+    arguments = _replayed(state, inputs)
+    if arguments is not None:
+        summed, normed = _decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
+        residual = inputs[16]
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
     chain = _Chain(inputs, _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm),
                    _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
                                     cross_key_perm, cross_value_perm), norm, cross_norm, down_norm)
-    return chain.run(chain.row(chain.stand_in()))
+    arguments = chain.row(chain.stand_in())
+    _remember(state, inputs, arguments, (key_perm, value_perm, cross_key_perm, cross_value_perm))
+    return chain.run(arguments)
 
 
 class _Chain:
@@ -231,6 +242,80 @@ class _Chain:
         return summed, _as_stood_in(normed, residual, "cross-attention and MLP")
 
 
+replay_enabled = True  # False: every decode row's arguments are checked and made afresh (A/B measurements)
+_CHAINED_ARGUMENTS = 45  # attended_layer_norm_gelu_mlp's, then appended_products' (its mailbox and workers aside)
+# where those hold what a step changes: `attention_row`'s x row, heads (of its query row) and cache (keys,
+# values, bias), `_layer_norm_row`'s residual row, the second `attention_row`'s heads and keys and values
+# (its x row left out), then `append_arguments`' key and value buffers and position
+_X, _HEADS, _CACHE, _RESIDUAL, _CROSS_HEADS, _CROSS_CACHE = 0, 5, 6, 14, 22, 23
+_BUFFERS = _CHAINED_ARGUMENTS + 3
+# the inputs a chain's decode steps change: its query row, self-attention caches and mask, residual, and the
+# cross-attention's keys and values (the same arrays, but Model.run's read-only views of them are new each run);
+# then the next layer's caches, grown
+_CHANGING, _CHANGING_CACHES = (0, 3, 4, 5, 16, 21, 22), (45, 46)
+
+
+class _Replay:
+    """A Whisper layer chain's native arguments from its node's last decode step on this thread,
+    with what they were made from: the next step runs them with only what a step changes made anew
+    (`_CHANGING`), checked as the first step checked it (`attended_cache`, `append_position`), when
+    the query row and the residual have the shapes they had, the next layer's caches are views of
+    the same buffers and every other input is the same object (weights, kept memo results: their
+    checks hold). Preparing a row took 30 us of Python a node in a step (`_Chain.row`, 18 in a
+    loop); the buffers the native call writes and reads back (query rows, attention outputs) are
+    this thread's own, used again."""
+
+    __slots__ = ("count", "statics", "kept", "arguments", "x_shape", "residual_shape", "perms", "cross_bias", "shapes")
+
+    def __init__(self, inputs: tuple, arguments: tuple, perms: tuple):
+        changing = _CHANGING + (_CHANGING_CACHES if len(arguments) > _CHAINED_ARGUMENTS else ())
+        self.count = len(inputs)
+        self.statics = itemgetter(*[p for p in range(len(inputs)) if p not in changing])
+        self.kept = self.statics(inputs)
+        self.arguments = arguments
+        self.x_shape, self.residual_shape = inputs[0].shape, inputs[16].shape
+        self.perms, self.cross_bias = perms, inputs[23]
+        self.shapes = tuple([(1, b.shape[1], 1, b.shape[3]) for b in arguments[_BUFFERS:_BUFFERS + 2]])
+
+    def arguments_for(self, inputs: tuple) -> tuple | None:
+        """The native arguments for this step's inputs, or None when they are not such a step."""
+        if len(inputs) != self.count or not all(map(is_, self.statics(inputs), self.kept)):
+            return None
+        x, key, value, bias, residual, cross_key, cross_value = itemgetter(*_CHANGING)(inputs)
+        arguments = self.arguments
+        if (x.dtype != _FLOAT32 or x.shape != self.x_shape or residual.dtype != _FLOAT32
+                or residual.shape != self.residual_shape):
+            return None
+        own = attended_cache(arguments[_HEADS], key, value, bias, *self.perms[:2])
+        cross = own and attended_cache(arguments[_CROSS_HEADS], cross_key, cross_value, self.cross_bias,
+                                       *self.perms[2:])
+        if not cross:
+            return None
+        position = ()
+        if self.shapes:
+            past_key, past_value = itemgetter(*_CHANGING_CACHES)(inputs)
+            if past_key.base is not arguments[_BUFFERS] or past_value.base is not arguments[_BUFFERS + 1]:
+                return None
+            position = (append_position(past_key, past_value, self.shapes),)
+            if position[0] < 0:
+                return None
+        return (np.ascontiguousarray(x.reshape(-1)), *arguments[_X + 1:_CACHE], *own, *arguments[_CACHE + 3:_RESIDUAL],
+                np.ascontiguousarray(residual.reshape(-1)), *arguments[_RESIDUAL + 1:_CROSS_CACHE], *cross[:2],
+                *arguments[_CROSS_CACHE + 2:_BUFFERS + 2 if position else _CHAINED_ARGUMENTS], *position)
+
+
+def _replayed(state, inputs: tuple) -> tuple | None:
+    """The native arguments of this thread's `_Replay` of the node for `inputs`, when it fits."""
+    replay = getattr(state, "replay", None) if state is not None and replay_enabled else None
+    return None if replay is None else replay.arguments_for(inputs)
+
+
+def _remember(state, inputs: tuple, arguments, perms: tuple) -> None:
+    """Keep (or, without native `arguments`, forget) this thread's `_Replay` of the node."""
+    if state is not None and replay_enabled:
+        state.replay = _Replay(inputs, arguments, perms) if arguments else None
+
+
 def _as_stood_in(normed, residual, block: str):
     """A block's norm, when it has the shape and dtype its LayerNormShape stand-in (of the layer's
     residual) told the nodes reading its shape; else a RunnxError."""
@@ -252,24 +337,38 @@ def AttentionLayerNormGeluMLPAppend(*inputs, query_dims: tuple[int, ...] = (), q
                                     down_norm: tuple = (-1, 1e-5, 1), key_dims: tuple[int, ...] = (),
                                     key_axes: tuple[int, ...] = (), value_dims: tuple[int, ...] = (),
                                     value_axes: tuple[int, ...] = (), key_axis: int, value_axis: int, overwrite=(),
-                                    ctx=None):
+                                    ctx=None, state=None):
     """(s, *ProjectedAppend(n, *inputs[45:])) for (s, n) = AttentionLayerNormGeluMLP(*inputs[:45]): a
     Whisper decoder layer from its self-attention to the next layer's norm, and the next layer's
     projections and KV cache growth. The norm n has the residual's shape and dtype (its readers
     elsewhere read a LayerNormShape stand-in). A decode step's row, both caches granted, is one
-    native call (`attended_layer_norm_gelu_mlp_append`) writing the new cache rows in place."""
-    chain = _Chain(inputs, _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm),
-                   _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
-                                    cross_key_perm, cross_value_perm), norm, cross_norm, down_norm)
-    append = inputs[_CHAINED_INPUTS:]
-    attributes = (key_dims, key_axes, value_dims, value_axes, key_axis, value_axis)
+    native call (`attended_layer_norm_gelu_mlp_append`) writing the new cache rows in place, its
+    arguments the last step's but what a step changes when the node's `_Replay` fits."""
     granted = _CHAINED_INPUTS in overwrite and _CHAINED_INPUTS + 1 in overwrite
-    stand_in = chain.stand_in()  # also the last norm's, the projections' row
-    arguments = chain.row(stand_in)
-    appended = arguments and granted and append_arguments(stand_in, *append, *attributes)
-    if appended:
-        summed, query = _decode_pool.shared_call(attended_layer_norm_gelu_mlp_append, *arguments, *appended)
-        return (summed.reshape(chain.residual.shape), *appended_outputs(query, chain.residual.shape, appended, ctx))
-    summed, normed = chain.run(arguments)  # its checks not made again
+    arguments = _replayed(state, inputs) if granted else None
+    if arguments is None:
+        chain = _Chain(inputs, _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm,
+                                                value_perm),
+                       _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
+                                        cross_key_perm, cross_value_perm), norm, cross_norm, down_norm)
+        append = inputs[_CHAINED_INPUTS:]
+        attributes = (key_dims, key_axes, value_dims, value_axes, key_axis, value_axis)
+        stand_in = chain.stand_in()  # also the last norm's, the projections' row
+        row = chain.row(stand_in)
+        appended = row and granted and append_arguments(stand_in, *append, *attributes)
+        if not appended:
+            return _apart(chain, row, append, attributes, overwrite, ctx)
+        arguments = (*row, *appended)
+        _remember(state, inputs, arguments, (key_perm, value_perm, cross_key_perm, cross_value_perm))
+    summed, query = _decode_pool.shared_call(attended_layer_norm_gelu_mlp_append, *arguments)
+    residual = inputs[16]
+    return (summed.reshape(residual.shape),
+            *appended_outputs(query, residual.shape, arguments[_CHAINED_ARGUMENTS:], ctx))
+
+
+def _apart(chain: _Chain, row, append: tuple, attributes: tuple, overwrite, ctx) -> tuple:
+    """AttentionLayerNormGeluMLPAppend's outputs from its chain (one native call when `row`, its
+    arguments) and ProjectedAppend's kernel on the chain's norm."""
+    summed, normed = chain.run(row)  # its checks not made again
     return (summed, *ProjectedAppend(normed, *append, **dict(zip(_APPEND_ATTRIBUTES, attributes)),
                                      overwrite=tuple([p - _CHAINED_INPUTS + 1 for p in overwrite]), ctx=ctx))

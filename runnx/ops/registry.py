@@ -2,13 +2,16 @@
 
 A kernel is a plain function named after the ONNX op. Arrays are positional (a missing optional
 input arrives as None); attributes are keyword-only, typed, with the ONNX defaults in the
-signature. Three keyword names are reserved:
+signature. Four keyword names are reserved:
 
 - ``overwrite``: the positions of inputs this call may reuse or overwrite (declared with
   ``inplace=``; the executor grants a position only when that input is owned, dead after this
   node and not aliased by any live value),
 - ``ctx``: the RunContext (options, profile counters, subgraph execution),
-- ``output_count``: how many outputs the node declares (Split into equal parts needs it).
+- ``output_count``: how many outputs the node declares (Split into equal parts needs it),
+- ``state``: the node's `threading.local` (each thread its own), kept from run to run: what a
+  decode row's kernel prepared last time (`runnx/ops/decoder_layers.py`); None outside a plan
+  (constant folding, shape memos).
 
 ``shape_only=`` declares input positions read only for their shape and dtype (Shape, Size): the
 planner lets an earlier node overwrite such an input's data in place.
@@ -34,7 +37,7 @@ import numpy as np
 from runnx.capture.env import Subgraph
 
 REQUIRED = inspect.Parameter.empty
-RESERVED = ("overwrite", "ctx", "output_count")
+RESERVED = ("overwrite", "ctx", "output_count", "state")
 DEFAULT_DOMAIN = ""
 
 
@@ -53,6 +56,7 @@ class Kernel:
     arity: tuple[int, int | None] = (0, None)  # (positional inputs without default, max or None: variadic)
     shape_only: tuple[int, ...] = ()  # input positions read only for their shape and dtype, never their data
     ufunc: typing.Any = None  # the numpy ufunc the kernel is `binary`/`unary` of, if it is exactly that
+    wants_state: bool = False
 
     def can_overwrite(self, position: int) -> bool:
         return position in self.inplace or (self.inplace_from is not None and position >= self.inplace_from)
@@ -104,7 +108,8 @@ def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace:
         variadic = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
         arity = (sum(p.default is REQUIRED for p in positional), None if variadic else len(positional))
         kernel = Kernel(op_type, _canonical_domain(domain), since, fn, tuple(inplace), inplace_from, attrs,
-                        tuple(subgraphs), "ctx" in params, "output_count" in params, arity, tuple(shape_only), ufunc)
+                        tuple(subgraphs), "ctx" in params, "output_count" in params, arity, tuple(shape_only), ufunc,
+                        "state" in params)
         versions = _REGISTRY.setdefault((kernel.domain, op_type), [])
         if any(k.since == since for k in versions):
             raise ValueError(f"{op_type} since {since} registered twice")

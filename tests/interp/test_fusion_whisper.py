@@ -558,6 +558,52 @@ def test_a_whisper_decode_step_runs_one_native_call_per_layer_boundary(fixtures_
         assert len(chained.tokens) > 3 and chained.tokens == apart.tokens
 
 
+
+def _replayed_decode(folder, monkeypatch, replay: bool) -> tuple[list, int, list]:
+    """Two windows of greedy decoding of the tiny model, then one more step on another thread, with
+    `decoder_layers.replay_enabled` as given: (every step's logits, the chain rows prepared in the
+    second window's steps after its first, those prepared per window and by the thread)."""
+    import threading
+
+    from runnx.generate.whisper import Whisper
+    from runnx.ops import decoder_layers
+
+    monkeypatch.setattr(decoder_layers, "replay_enabled", replay)
+    rows = []
+    row = decoder_layers._Chain.row
+    monkeypatch.setattr(decoder_layers._Chain, "row", lambda self, stand_in: rows.append(1) or row(self, stand_in))
+    model = Whisper(folder)
+    logits, prepared = [], []
+    step = model.decoder.step
+    model.decoder.step = lambda *a, **k: logits.append(step(*a, **k)) or logits[-1]
+    for seed in (5, 6):
+        rows.clear()
+        decoded = model.decode(model.encode(_features(seed)), max_new_tokens=12)
+        assert len(decoded.tokens) > 4
+        prepared.append(len(rows))
+    rows.clear()
+    thread = threading.Thread(target=model.decoder.step, args=(np.array([[decoded.tokens[-1]]]),))
+    thread.start()
+    thread.join()
+    return logits, prepared + [len(rows)], decoded.tokens
+
+
+def test_a_layer_chain_prepares_its_decode_arguments_once_and_replays_them(fixtures_dir, monkeypatch):
+    """A layer chain node checks and prepares its native arguments on its first decode step; later
+    steps make anew only what a step changes (`_Replay`): the query row, residual, caches, mask and
+    cross-attention keys. A new window (new cache buffers) prepares the boundary node again, and
+    another thread its own; every step's logits are bitwise those made afresh each step."""
+    folder = fixtures_dir / "tiny-whisper"
+    replayed, prepared, tokens = _replayed_decode(folder, monkeypatch, True)
+    afresh, prepared_afresh, tokens_afresh = _replayed_decode(folder, monkeypatch, False)
+    assert tokens == tokens_afresh and len(replayed) == len(afresh)
+    assert all(np.array_equal(a, b) for a, b in zip(replayed, afresh))
+    # each window: the prefill's two chain nodes (not decode rows), then the two of the first step;
+    # the second window's last layer finds its replay (no cache of its own to append to)
+    assert prepared == [4, 3, 2]
+    steps = [len(tokens) - 1, len(tokens_afresh) - 1]
+    assert prepared_afresh[1] == 2 + 2 * steps[1] and prepared_afresh[2] == 2
+
 def test_a_layer_boundary_whose_caches_are_not_granted_runs_the_nodes_kernels(fixtures_dir):
     """The decoder run with caches it may not write (plain arrays, not `Owned`): the boundary node
     takes its nodes' kernels, appending by copy, and gives what the model without fusion gives."""
