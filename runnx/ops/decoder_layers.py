@@ -9,11 +9,10 @@ nodes they replaced.
 """
 from __future__ import annotations
 
-from operator import is_, itemgetter
-
 import numpy as np
 
 from runnx.ops import _decode_pool
+from runnx.ops._decode_replay import ChainReplay, GatedRopeReplay, remember, replayed
 from runnx.errors import RunnxError
 from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rope_append,
                                       attended_layer_norm_gelu_mlp, attended_layer_norm_gelu_mlp_append,
@@ -21,10 +20,10 @@ from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rop
 from runnx.ops.cache import count_appends
 from runnx.ops.fused import (DOMAIN, RepeatedKVAttention, RopeAppend, appended_caches, repeated_kv_row,
                              rope_append_arguments)
-from runnx.ops.fused_whisper import attended_cache, attention_row
+from runnx.ops.fused_whisper import attention_row
 from runnx.ops.linalg import (AttentionGeluMLP, AttentionLayerNorm, ProjectedAppend, ResidualGatedMLP,
                               SharedInputMatMul, _attention_attrs, _gated_mlp_row, _gelu_mlp_row, _layer_norm_row,
-                              _split_shapes, append_arguments, append_position, appended_outputs)
+                              _split_shapes, append_arguments, appended_outputs)
 from runnx.ops.registry import register
 
 _ROPE_ATTRIBUTES = ("query_dims", "query_axes", "key_dims", "key_axes", "value_dims", "value_axes", "query_axis",
@@ -137,33 +136,39 @@ def AttentionGatedMLPRopeAppend(*inputs, axis: int = -1, norm: tuple = (-1, 0, 0
                                 key_dims: tuple[int, ...] = (), key_axes: tuple[int, ...] = (),
                                 value_dims: tuple[int, ...] = (), value_axes: tuple[int, ...] = (),
                                 query_axis: int = -1, key_axis: int = -1, key_cache_axis: int, value_cache_axis: int,
-                                overwrite=(), ctx=None):
+                                overwrite=(), ctx=None, state=None):
     """(s, *ProjectedRopeAppend(n, *inputs[34:])) for (s, n) = AttentionGatedMLP(*inputs[:34]): a
     decoder layer from its attention to the next layer's norm, and the next layer's projections,
     rotary embedding and KV cache growth. The norm n has the residual's shape and dtype (its readers
     elsewhere read an RMSNormShape stand-in). A decode step's row is one native call
-    (`attended_gated_mlp_rope_append`): the two nodes' native calls with no Python between them."""
+    (`attended_gated_mlp_rope_append`): the two nodes' native calls with no Python between them, its
+    arguments the last step's but what a step changes when its `_decode_replay.GatedRopeReplay` fits."""
     block, rope = inputs[:_BLOCK_INPUTS], inputs[_BLOCK_INPUTS:]
     attributes = (query_dims, query_axes, key_dims, key_axes, value_dims, value_axes, query_axis, key_axis,
                   key_cache_axis, value_cache_axis)
     rope_overwrite = tuple([p - _BLOCK_INPUTS + 1 for p in overwrite])  # ProjectedRopeAppend's positions
-    arguments = _attended_gated_row(block, axis, norm, down_norm, ctx)
     residual = block[23]
-    planned = arguments and _rope_row(residual, rope, attributes, rope_overwrite)  # the norm's shape and dtype
-    if planned:
+    native = replayed(state, inputs, ctx) if 13 in rope_overwrite and 14 in rope_overwrite else None
+    if native is not None:
+        heads = state.replay.heads
+    else:
+        arguments = _attended_gated_row(block, axis, norm, down_norm, ctx)
+        planned = arguments and _rope_row(residual, rope, attributes, rope_overwrite)  # the norm's shape and dtype
+        if not planned:
+            summed, normed = _attended_gated(block, arguments, axis, norm, down_norm, ctx)  # its checks not made again
+            return (summed, *ProjectedRopeAppend(normed, *rope, **dict(zip(_ROPE_ATTRIBUTES, attributes)),
+                                                 overwrite=rope_overwrite, ctx=ctx))
         heads, rope_arguments = planned
-        summed, done, rotated = _decode_pool.shared_call(attended_gated_mlp_rope_append, *arguments, rope[:3],
-                                                         tuple([h.reshape(-1) for h in heads]), *rope_arguments)
-        return (summed.reshape(residual.shape),
-                *_rope_appended(done, rotated, heads, None, rope, attributes, rope_overwrite, ctx))
-    summed, normed = _attended_gated(block, arguments, axis, norm, down_norm, ctx)  # its checks not made again
-    return (summed, *ProjectedRopeAppend(normed, *rope, **dict(zip(_ROPE_ATTRIBUTES, attributes)),
-                                         overwrite=rope_overwrite, ctx=ctx))
+        native = (*arguments, rope[:3], tuple([h.reshape(-1) for h in heads]), *rope_arguments)
+        remember(state, GatedRopeReplay(inputs, native, heads))
+    summed, done, rotated = _decode_pool.shared_call(attended_gated_mlp_rope_append, *native)
+    return (summed.reshape(residual.shape),
+            *_rope_appended(done, rotated, heads, None, rope, attributes, rope_overwrite, ctx))
 
 
-_FLOAT32 = np.dtype(np.float32)
 _ATTENTION_INPUTS = 19  # AttentionLayerNorm's
 _CHAINED_INPUTS = 45  # AttentionLayerNormGeluMLP's
+_APPEND_ARGUMENTS = 6  # append_arguments', last of a chain's native arguments
 _APPEND_ATTRIBUTES = ("key_dims", "key_axes", "value_dims", "value_axes", "key_axis", "value_axis")  # ProjectedAppend's
 
 
@@ -180,8 +185,8 @@ def AttentionLayerNormGeluMLP(*inputs, query_dims: tuple[int, ...] = (), query_a
     the next layer's norm. The norm n has the residual's shape and dtype (its readers elsewhere read
     a LayerNormShape stand-in). A decode step's row is one native call (`attended_layer_norm_gelu_mlp`:
     the two nodes' native calls with no Python between them), its arguments the last step's but
-    what a step changes when the node's `_Replay` fits."""
-    arguments = _replayed(state, inputs)
+    what a step changes when its `_decode_replay.ChainReplay` fits."""
+    arguments = replayed(state, inputs)
     if arguments is not None:
         summed, normed = _decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
         residual = inputs[16]
@@ -190,7 +195,8 @@ def AttentionLayerNormGeluMLP(*inputs, query_dims: tuple[int, ...] = (), query_a
                    _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
                                     cross_key_perm, cross_value_perm), norm, cross_norm, down_norm)
     arguments = chain.row(chain.stand_in())
-    _remember(state, inputs, arguments, (key_perm, value_perm, cross_key_perm, cross_value_perm))
+    remember(state, arguments and ChainReplay(inputs, arguments, (key_perm, value_perm, cross_key_perm,
+                                                                  cross_value_perm)))
     return chain.run(arguments)
 
 
@@ -242,80 +248,6 @@ class _Chain:
         return summed, _as_stood_in(normed, residual, "cross-attention and MLP")
 
 
-replay_enabled = True  # False: every decode row's arguments are checked and made afresh (A/B measurements)
-_CHAINED_ARGUMENTS = 45  # attended_layer_norm_gelu_mlp's, then appended_products' (its mailbox and workers aside)
-# where those hold what a step changes: `attention_row`'s x row, heads (of its query row) and cache (keys,
-# values, bias), `_layer_norm_row`'s residual row, the second `attention_row`'s heads and keys and values
-# (its x row left out), then `append_arguments`' key and value buffers and position
-_X, _HEADS, _CACHE, _RESIDUAL, _CROSS_HEADS, _CROSS_CACHE = 0, 5, 6, 14, 22, 23
-_BUFFERS = _CHAINED_ARGUMENTS + 3
-# the inputs a chain's decode steps change: its query row, self-attention caches and mask, residual, and the
-# cross-attention's keys and values (the same arrays, but Model.run's read-only views of them are new each run);
-# then the next layer's caches, grown
-_CHANGING, _CHANGING_CACHES = (0, 3, 4, 5, 16, 21, 22), (45, 46)
-
-
-class _Replay:
-    """A Whisper layer chain's native arguments from its node's last decode step on this thread,
-    with what they were made from: the next step runs them with only what a step changes made anew
-    (`_CHANGING`), checked as the first step checked it (`attended_cache`, `append_position`), when
-    the query row and the residual have the shapes they had, the next layer's caches are views of
-    the same buffers and every other input is the same object (weights, kept memo results: their
-    checks hold). Preparing a row took 30 us of Python a node in a step (`_Chain.row`, 18 in a
-    loop); the buffers the native call writes and reads back (query rows, attention outputs) are
-    this thread's own, used again."""
-
-    __slots__ = ("count", "statics", "kept", "arguments", "x_shape", "residual_shape", "perms", "cross_bias", "shapes")
-
-    def __init__(self, inputs: tuple, arguments: tuple, perms: tuple):
-        changing = _CHANGING + (_CHANGING_CACHES if len(arguments) > _CHAINED_ARGUMENTS else ())
-        self.count = len(inputs)
-        self.statics = itemgetter(*[p for p in range(len(inputs)) if p not in changing])
-        self.kept = self.statics(inputs)
-        self.arguments = arguments
-        self.x_shape, self.residual_shape = inputs[0].shape, inputs[16].shape
-        self.perms, self.cross_bias = perms, inputs[23]
-        self.shapes = tuple([(1, b.shape[1], 1, b.shape[3]) for b in arguments[_BUFFERS:_BUFFERS + 2]])
-
-    def arguments_for(self, inputs: tuple) -> tuple | None:
-        """The native arguments for this step's inputs, or None when they are not such a step."""
-        if len(inputs) != self.count or not all(map(is_, self.statics(inputs), self.kept)):
-            return None
-        x, key, value, bias, residual, cross_key, cross_value = itemgetter(*_CHANGING)(inputs)
-        arguments = self.arguments
-        if (x.dtype != _FLOAT32 or x.shape != self.x_shape or residual.dtype != _FLOAT32
-                or residual.shape != self.residual_shape):
-            return None
-        own = attended_cache(arguments[_HEADS], key, value, bias, *self.perms[:2])
-        cross = own and attended_cache(arguments[_CROSS_HEADS], cross_key, cross_value, self.cross_bias,
-                                       *self.perms[2:])
-        if not cross:
-            return None
-        position = ()
-        if self.shapes:
-            past_key, past_value = itemgetter(*_CHANGING_CACHES)(inputs)
-            if past_key.base is not arguments[_BUFFERS] or past_value.base is not arguments[_BUFFERS + 1]:
-                return None
-            position = (append_position(past_key, past_value, self.shapes),)
-            if position[0] < 0:
-                return None
-        return (np.ascontiguousarray(x.reshape(-1)), *arguments[_X + 1:_CACHE], *own, *arguments[_CACHE + 3:_RESIDUAL],
-                np.ascontiguousarray(residual.reshape(-1)), *arguments[_RESIDUAL + 1:_CROSS_CACHE], *cross[:2],
-                *arguments[_CROSS_CACHE + 2:_BUFFERS + 2 if position else _CHAINED_ARGUMENTS], *position)
-
-
-def _replayed(state, inputs: tuple) -> tuple | None:
-    """The native arguments of this thread's `_Replay` of the node for `inputs`, when it fits."""
-    replay = getattr(state, "replay", None) if state is not None and replay_enabled else None
-    return None if replay is None else replay.arguments_for(inputs)
-
-
-def _remember(state, inputs: tuple, arguments, perms: tuple) -> None:
-    """Keep (or, without native `arguments`, forget) this thread's `_Replay` of the node."""
-    if state is not None and replay_enabled:
-        state.replay = _Replay(inputs, arguments, perms) if arguments else None
-
-
 def _as_stood_in(normed, residual, block: str):
     """A block's norm, when it has the shape and dtype its LayerNormShape stand-in (of the layer's
     residual) told the nodes reading its shape; else a RunnxError."""
@@ -343,9 +275,9 @@ def AttentionLayerNormGeluMLPAppend(*inputs, query_dims: tuple[int, ...] = (), q
     projections and KV cache growth. The norm n has the residual's shape and dtype (its readers
     elsewhere read a LayerNormShape stand-in). A decode step's row, both caches granted, is one
     native call (`attended_layer_norm_gelu_mlp_append`) writing the new cache rows in place, its
-    arguments the last step's but what a step changes when the node's `_Replay` fits."""
+    arguments the last step's but what a step changes when its `_decode_replay.ChainReplay` fits."""
     granted = _CHAINED_INPUTS in overwrite and _CHAINED_INPUTS + 1 in overwrite
-    arguments = _replayed(state, inputs) if granted else None
+    arguments = replayed(state, inputs) if granted else None
     if arguments is None:
         chain = _Chain(inputs, _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm,
                                                 value_perm),
@@ -359,11 +291,11 @@ def AttentionLayerNormGeluMLPAppend(*inputs, query_dims: tuple[int, ...] = (), q
         if not appended:
             return _apart(chain, row, append, attributes, overwrite, ctx)
         arguments = (*row, *appended)
-        _remember(state, inputs, arguments, (key_perm, value_perm, cross_key_perm, cross_value_perm))
+        remember(state, ChainReplay(inputs, arguments, (key_perm, value_perm, cross_key_perm, cross_value_perm)))
     summed, query = _decode_pool.shared_call(attended_layer_norm_gelu_mlp_append, *arguments)
     residual = inputs[16]
     return (summed.reshape(residual.shape),
-            *appended_outputs(query, residual.shape, arguments[_CHAINED_ARGUMENTS:], ctx))
+            *appended_outputs(query, residual.shape, arguments[-_APPEND_ARGUMENTS:], ctx))
 
 
 def _apart(chain: _Chain, row, append: tuple, attributes: tuple, overwrite, ctx) -> tuple:

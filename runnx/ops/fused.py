@@ -220,18 +220,24 @@ def rope_append_arguments(query, key, value, past_key, past_value, query_cos, qu
     if not (dtype in _KERNEL_DTYPES and query_axis in (-1, 3) and key_axis in (-1, 3) and key_cache_axis in (-2, 2)
             and value_cache_axis in (-2, 2) and type(key_buffer) is np.ndarray and type(value_buffer) is np.ndarray
             and key_buffer is not value_buffer and key.dtype == dtype and value.dtype == dtype
-            and key_buffer.dtype == dtype and value_buffer.dtype == dtype and past_key.dtype == dtype
-            and past_value.dtype == dtype and query_cos.dtype == dtype and query_sin.dtype == dtype
-            and key_cos.dtype == dtype and key_sin.dtype == dtype and query.ndim == 4 and key.ndim == 4
-            and value.ndim == 4 and key_buffer.ndim == 4 and value_buffer.ndim == 4 and past_key.ndim == 4
-            and past_value.ndim == 4 and query_cos.ndim == 4 and query_sin.ndim == 4 and key_cos.ndim == 4
-            and key_sin.ndim == 4):
+            and key_buffer.dtype == dtype and value_buffer.dtype == dtype and query.ndim == 4 and key.ndim == 4
+            and value.ndim == 4 and key_buffer.ndim == 4 and value_buffer.ndim == 4
+            and rope_cache_fits(dtype, past_key, past_value, query_cos, query_sin, key_cos, key_sin)):
         return None
     halves = _remembered_halves((query.shape[3], key.shape[3]), *slices)
     if halves is None:
         return None
     return (query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin, key_cos, key_sin,
             *halves)
+
+
+def rope_cache_fits(dtype, past_key, past_value, query_cos, query_sin, key_cos, key_sin) -> bool:
+    """Whether a decode step's caches and rotary tables are of `dtype` (the heads') and 4 dimensions:
+    `rope_append_arguments`' checks of what a step changes."""
+    return (past_key.dtype == dtype and past_value.dtype == dtype and query_cos.dtype == dtype
+            and query_sin.dtype == dtype and key_cos.dtype == dtype and key_sin.dtype == dtype and past_key.ndim == 4
+            and past_value.ndim == 4 and query_cos.ndim == 4 and query_sin.ndim == 4 and key_cos.ndim == 4
+            and key_sin.ndim == 4)
 
 
 @Remembered
@@ -392,15 +398,33 @@ def repeated_kv_row(query, key, value, bias, query_scale, key_scale, nan_fill, k
     if (merged_target is None or query.dtype != _FLOAT32 or query.ndim != 4 or query.shape[0] != 1
             or query.shape[2] != 1 or axis % 4 != 3):
         return None
+    cache = repeated_kv_cache(query, key, value, bias, key_axes, key_expand, key_target, value_axes, value_expand,
+                              value_target, mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then,
+                              masked_else, ctx)
+    numbers = cache and _scale_and_fill((), query_scale, key_scale, nan_fill)
+    if numbers is None:
+        return None
+    heads = query.shape[:3] + value.shape[3:]
+    merged_shape = _merged_shape(heads, merged_target)  # one query row: the transposed heads stay contiguous
+    if merged_shape is None:
+        return None
+    out = np.empty(heads, np.float32)
+    return (query, key, value, *cache, *numbers, out), out.reshape(merged_shape)
+
+
+def repeated_kv_cache(query, key, value, bias, key_axes, key_expand, key_target, value_axes, value_expand,
+                      value_target, mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then, masked_else,
+                      ctx) -> tuple | None:
+    """(the bias in 4 dimensions, or None,) when a query row's heads (batch 1, one position, float32)
+    attend to float32 caches repeated plainly into its heads, with a bias (or the mask's) broadcasting
+    into its scores; else None: what `repeated_kv_row` makes of a decode step's caches and mask
+    (the rest comes from constants and the query's shape)."""
     if mask is not None:
         bias = _mask_bias(mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then, masked_else, ctx)
     repeat = _repeat(key, key_axes, key_expand, key_target)[3]
     if (repeat is None or repeat != _repeat(value, value_axes, value_expand, value_target)[3]
             or not _grouped(query, key, value) or key.dtype != _FLOAT32 or value.dtype != _FLOAT32
             or query.shape[1] // key.shape[1] > _KERNEL_ROWS):
-        return None
-    numbers = _scale_and_fill((), query_scale, key_scale, nan_fill)
-    if numbers is None:
         return None
     if bias is not None:
         if bias.dtype != _FLOAT32 or bias.ndim > 4:
@@ -409,12 +433,7 @@ def repeated_kv_row(query, key, value, bias, query_scale, key_scale, nan_fill, k
         if not (bias.shape[0] == 1 and bias.shape[1] in (1, query.shape[1]) and bias.shape[2] == 1
                 and bias.shape[3] in (1, key.shape[2])):
             return None
-    heads = query.shape[:3] + value.shape[3:]
-    merged_shape = _merged_shape(heads, merged_target)  # one query row: the transposed heads stay contiguous
-    if merged_shape is None:
-        return None
-    out = np.empty(heads, np.float32)
-    return (query, key, value, bias, *numbers, out), out.reshape(merged_shape)
+    return (bias,)
 
 
 @Remembered

@@ -373,6 +373,42 @@ def test_a_layers_last_block_and_the_next_layers_projections_become_one_node(fix
         _decode_pool.set_workers(None)
 
 
+
+def _llama_steps(folder, monkeypatch, replay: bool) -> tuple[list, int]:
+    """Every step's logits of a prompt and six decode steps of tiny-llama with `_decode_replay.enabled`
+    as given, and how many decode rows its layer boundary node prepared (GatedRopeReplay made)."""
+    from runnx.generate.decoder import DecoderStep
+    from runnx.ops import _decode_replay, decoder_layers
+
+    made = []
+
+    class Counted(_decode_replay.GatedRopeReplay):
+        __slots__ = ()
+
+        def __init__(self, *arguments):
+            made.append(1)
+            super().__init__(*arguments)
+
+    monkeypatch.setattr(decoder_layers, "GatedRopeReplay", Counted)
+    monkeypatch.setattr(_decode_replay, "enabled", replay)
+    decoder = DecoderStep.from_folder(folder, capacity=32)
+    logits = [decoder.step(np.array([[3, 5, 7]]))]
+    for token in (11, 2, 9, 4, 8, 1):
+        logits.append(decoder.step(np.array([[token]])))
+    return logits, len(made)
+
+
+def test_a_llama_layer_boundary_prepares_its_decode_arguments_once_and_replays_them(fixtures_dir, monkeypatch):
+    """AttentionGatedMLPRopeAppend prepares its native arguments on its first decode step; later
+    steps make anew only the query, caches, mask bias, residual and rotary tables
+    (`_decode_replay.GatedRopeReplay`), and every step's logits are bitwise those made afresh."""
+    folder = fixtures_dir / "tiny-llama"
+    replayed, prepared = _llama_steps(folder, monkeypatch, True)
+    afresh, prepared_afresh = _llama_steps(folder, monkeypatch, False)
+    assert len(replayed) == len(afresh) == 7
+    assert all(np.array_equal(a, b) for a, b in zip(replayed, afresh))
+    assert prepared == 1 and prepared_afresh == 6
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_products_whose_heads_are_split_give_the_split_heads_themselves(workers):
     """q, k and v of one input, each reshaped to heads and transposed (SplitHeads): one node gives

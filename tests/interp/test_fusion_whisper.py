@@ -561,14 +561,14 @@ def test_a_whisper_decode_step_runs_one_native_call_per_layer_boundary(fixtures_
 
 def _replayed_decode(folder, monkeypatch, replay: bool) -> tuple[list, int, list]:
     """Two windows of greedy decoding of the tiny model, then one more step on another thread, with
-    `decoder_layers.replay_enabled` as given: (every step's logits, the chain rows prepared in the
+    `_decode_replay.enabled` as given: (every step's logits, the chain rows prepared in the
     second window's steps after its first, those prepared per window and by the thread)."""
     import threading
 
     from runnx.generate.whisper import Whisper
-    from runnx.ops import decoder_layers
+    from runnx.ops import _decode_replay, decoder_layers
 
-    monkeypatch.setattr(decoder_layers, "replay_enabled", replay)
+    monkeypatch.setattr(_decode_replay, "enabled", replay)
     rows = []
     row = decoder_layers._Chain.row
     monkeypatch.setattr(decoder_layers._Chain, "row", lambda self, stand_in: rows.append(1) or row(self, stand_in))
@@ -590,8 +590,8 @@ def _replayed_decode(folder, monkeypatch, replay: bool) -> tuple[list, int, list
 
 def test_a_layer_chain_prepares_its_decode_arguments_once_and_replays_them(fixtures_dir, monkeypatch):
     """A layer chain node checks and prepares its native arguments on its first decode step; later
-    steps make anew only what a step changes (`_Replay`): the query row, residual, caches, mask and
-    cross-attention keys. A new window (new cache buffers) prepares the boundary node again, and
+    steps make anew only what a step changes (`_decode_replay.ChainReplay`): the query row, residual,
+    caches, mask and cross-attention keys. A new window (new cache buffers) prepares the boundary node again, and
     another thread its own; every step's logits are bitwise those made afresh each step."""
     folder = fixtures_dir / "tiny-whisper"
     replayed, prepared, tokens = _replayed_decode(folder, monkeypatch, True)

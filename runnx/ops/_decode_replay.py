@@ -1,0 +1,156 @@
+"""Decode rows replayed: a fused layer node's native arguments kept from one decode step to the next.
+
+A decode step hands a layer's fused node (`decoder_layers.py`) the same weights and kept shape-memo
+results as the step before, and a few arrays of its own: the query row, the residual, the grown
+caches, the mask, the rotary tables. Checking all of its inputs and making the native call's
+arguments from them cost ~30 us of Python a node in a Whisper step (18 in a loop; four nodes
+prepared back to back after a cold start cost as much as apart: the cost is the Python itself). So
+a node keeps, in its `state` (the registry's per-node, per-thread slot), a replay of its last decode
+row: the native arguments and the inputs they came from. A later step whose other inputs are the
+same objects (their checks hold) makes anew only what a step changes, checked as the first step
+checked it (by the same helpers), and the buffers the call writes and reads back (query rows,
+attention outputs, split heads) are the thread's own, used again. `enabled` False (A/B) makes every
+row afresh.
+"""
+from __future__ import annotations
+
+from operator import is_, itemgetter
+
+import numpy as np
+
+from runnx.ops.fused import repeated_kv_cache, rope_cache_fits
+from runnx.ops.fused_whisper import attended_cache
+from runnx.ops.linalg import append_position
+
+enabled = True
+_FLOAT32 = np.dtype(np.float32)
+
+
+class _Replay:
+    """Native arguments with the inputs they came from: those not in `changing` are kept, to be
+    found the same objects again."""
+
+    __slots__ = ("count", "statics", "kept", "arguments")
+
+    def __init__(self, inputs: tuple, arguments: tuple, changing: tuple):
+        self.count = len(inputs)
+        self.statics = itemgetter(*[p for p in range(len(inputs)) if p not in changing])
+        self.kept = self.statics(inputs)
+        self.arguments = arguments
+
+    def same(self, inputs: tuple) -> bool:
+        """Whether `inputs` are the kept ones but for those a step changes."""
+        return len(inputs) == self.count and all(map(is_, self.statics(inputs), self.kept))
+
+
+def replayed(state, inputs: tuple, ctx=None):
+    """This thread's replay of the node (`state`) for `inputs`, when it fits, else None."""
+    replay = getattr(state, "replay", None) if state is not None and enabled else None
+    return None if replay is None else replay.arguments_for(inputs, ctx)
+
+
+def remember(state, replay) -> None:
+    """Keep this thread's replay of the node (None: none)."""
+    if state is not None and enabled:
+        state.replay = replay
+
+
+# -- a Whisper layer chain (AttentionLayerNormGeluMLP[Append]) --------------------------------------
+_CHAINED_ARGUMENTS = 45  # attended_layer_norm_gelu_mlp's, then appended_products' (its mailbox and workers aside)
+# where those hold what a step changes: `attention_row`'s x row, heads (of its query row) and cache (keys,
+# values, bias), `_layer_norm_row`'s residual row, the second `attention_row`'s heads and keys and values
+# (its x row left out), then `append_arguments`' key and value buffers and position
+_X, _HEADS, _CACHE, _RESIDUAL, _CROSS_HEADS, _CROSS_CACHE = 0, 5, 6, 14, 22, 23
+_BUFFERS = _CHAINED_ARGUMENTS + 3
+# the inputs a chain's decode steps change: its query row, self-attention caches and mask, residual, and the
+# cross-attention's keys and values (the same arrays, but Model.run's read-only views of them are new each run);
+# then the next layer's caches, grown
+_CHANGING, _CHANGING_CACHES = (0, 3, 4, 5, 16, 21, 22), (45, 46)
+
+
+class ChainReplay(_Replay):
+    """A Whisper layer chain's decode row (`attended_layer_norm_gelu_mlp[_append]`'s arguments):
+    made anew are the query and residual rows (of the shapes they had), the self-attention's and
+    the cross-attention's keys, values and bias (`attended_cache`), and the next layer's caches'
+    position (`append_position`; views of the same buffers)."""
+
+    __slots__ = ("x_shape", "residual_shape", "perms", "cross_bias", "shapes")
+
+    def __init__(self, inputs: tuple, arguments: tuple, perms: tuple):
+        appends = len(arguments) > _CHAINED_ARGUMENTS
+        super().__init__(inputs, arguments, _CHANGING + (_CHANGING_CACHES if appends else ()))
+        self.x_shape, self.residual_shape = inputs[0].shape, inputs[16].shape
+        self.perms, self.cross_bias = perms, inputs[23]
+        self.shapes = tuple([(1, b.shape[1], 1, b.shape[3]) for b in arguments[_BUFFERS:_BUFFERS + 2]])
+
+    def arguments_for(self, inputs: tuple, _ctx=None) -> tuple | None:
+        """The native arguments for this step's inputs, or None when they are not such a step."""
+        if not self.same(inputs):
+            return None
+        x, key, value, bias, residual, cross_key, cross_value = itemgetter(*_CHANGING)(inputs)
+        arguments = self.arguments
+        if (x.dtype != _FLOAT32 or x.shape != self.x_shape or residual.dtype != _FLOAT32
+                or residual.shape != self.residual_shape):
+            return None
+        own = attended_cache(arguments[_HEADS], key, value, bias, *self.perms[:2])
+        cross = own and attended_cache(arguments[_CROSS_HEADS], cross_key, cross_value, self.cross_bias,
+                                       *self.perms[2:])
+        if not cross:
+            return None
+        position = ()
+        if self.shapes:
+            past_key, past_value = itemgetter(*_CHANGING_CACHES)(inputs)
+            if past_key.base is not arguments[_BUFFERS] or past_value.base is not arguments[_BUFFERS + 1]:
+                return None
+            position = (append_position(past_key, past_value, self.shapes),)
+            if position[0] < 0:
+                return None
+        return (np.ascontiguousarray(x.reshape(-1)), *arguments[_X + 1:_CACHE], *own, *arguments[_CACHE + 3:_RESIDUAL],
+                np.ascontiguousarray(residual.reshape(-1)), *arguments[_RESIDUAL + 1:_CROSS_CACHE], *cross[:2],
+                *arguments[_CROSS_CACHE + 2:_BUFFERS + 2 if position else _CHAINED_ARGUMENTS], *position)
+
+
+# -- a Llama layer boundary (AttentionGatedMLPRopeAppend) ----------------------------------------------
+# its inputs a decode step changes: the query heads, the caches, the bias and everything the repeat and
+# the mask are made from (`repeated_kv_cache` reads them), the residual; the next layer's caches and
+# rotary tables
+_GATED_CHANGING = (0, 1, 2, 3, *range(7, 13), *range(14, 21), 23, 46, 47, 48, 49, 58, 59)
+# where `attended_gated_mlp_rope_append`'s arguments hold them (the query, keys and values first): the
+# attention's bias and output, the MLP's residual row, the caches and their buffers, the rotary tables
+_BIAS, _OUT, _ROW, _PAST, _TABLES = 3, 6, 9, 24, 28
+
+
+class GatedRopeReplay(_Replay):
+    """A Llama layer boundary's decode row (`attended_gated_mlp_rope_append`'s arguments): made anew
+    are the attention's query, caches and bias (`repeated_kv_cache`: a plain head repeat, the
+    mask's bias), the residual row (of the shape it had) and the next layer's caches and rotary
+    tables (`rope_cache_fits`; views of the same buffers). `heads` are the split heads the call
+    writes, for RopeAppend's kernel when the call finds no room to append."""
+
+    __slots__ = ("heads", "query_shape", "residual_shape")
+
+    def __init__(self, inputs: tuple, arguments: tuple, heads: tuple):
+        super().__init__(inputs, arguments, _GATED_CHANGING)
+        self.heads = heads
+        self.query_shape, self.residual_shape = inputs[0].shape, inputs[23].shape
+
+    def arguments_for(self, inputs: tuple, ctx=None) -> tuple | None:
+        """The native arguments for this step's inputs, or None when they are not such a step."""
+        if not self.same(inputs):
+            return None
+        query, key, value = inputs[:3]
+        residual, arguments = inputs[23], self.arguments
+        if (query.dtype != _FLOAT32 or query.shape != self.query_shape or value.ndim != 4
+                or value.shape[3] != arguments[_OUT].shape[3] or residual.dtype != _FLOAT32
+                or residual.shape != self.residual_shape or not residual.flags.c_contiguous):
+            return None
+        cache = repeated_kv_cache(*inputs[:4], *inputs[7:13], *inputs[14:21], ctx)
+        past_key, past_value, query_cos, query_sin = inputs[46:50]
+        key_cos, key_sin = inputs[58], inputs[59]
+        if (cache is None or past_key.base is not arguments[_PAST + 1] or past_value.base is not arguments[_PAST + 3]
+                or not rope_cache_fits(arguments[_PAST + 1].dtype, past_key, past_value, query_cos, query_sin,
+                                       key_cos, key_sin)):
+            return None
+        return (query, key, value, *cache, *arguments[_BIAS + 1:_ROW], residual.reshape(-1),
+                *arguments[_ROW + 1:_PAST], past_key, arguments[_PAST + 1], past_value, arguments[_PAST + 3],
+                query_cos, query_sin, key_cos, key_sin, *arguments[_TABLES + 4:])
