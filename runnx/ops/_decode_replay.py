@@ -14,6 +14,7 @@ row afresh.
 """
 from __future__ import annotations
 
+import weakref
 from operator import is_, itemgetter
 
 import numpy as np
@@ -28,15 +29,18 @@ _FLOAT32 = np.dtype(np.float32)
 
 class _Replay:
     """Native arguments with the inputs they came from: those not in `changing` are kept, to be
-    found the same objects again."""
+    found the same objects again. Of the arguments, those a step makes (positions `made`) are not
+    kept, and the cache buffers (positions `buffers`) are kept weakly: a replay holds nothing a step
+    gave it, and no cache a finished generation let go."""
 
-    __slots__ = ("count", "statics", "kept", "arguments")
+    __slots__ = ("count", "statics", "kept", "arguments", "buffers")
 
-    def __init__(self, inputs: tuple, arguments: tuple, changing: tuple):
+    def __init__(self, inputs: tuple, arguments: tuple, changing: tuple, made: tuple, buffers: tuple = ()):
         self.count = len(inputs)
         self.statics = itemgetter(*[p for p in range(len(inputs)) if p not in changing])
         self.kept = self.statics(inputs)
-        self.arguments = arguments
+        self.buffers = tuple([weakref.ref(arguments[p]) for p in buffers])
+        self.arguments = tuple([None if p in made or p in buffers else a for p, a in enumerate(arguments)])
 
     def same(self, inputs: tuple) -> bool:
         """Whether `inputs` are the kept ones but for those a step changes."""
@@ -78,10 +82,12 @@ class ChainReplay(_Replay):
 
     def __init__(self, inputs: tuple, arguments: tuple, perms: tuple):
         appends = len(arguments) > _CHAINED_ARGUMENTS
-        super().__init__(inputs, arguments, _CHANGING + (_CHANGING_CACHES if appends else ()))
+        buffers = (_BUFFERS, _BUFFERS + 1) if appends else ()
+        super().__init__(inputs, arguments, _CHANGING + (_CHANGING_CACHES if appends else ()),
+                         (_X, _CACHE, _CACHE + 1, _CACHE + 2, _RESIDUAL, _CROSS_CACHE, _CROSS_CACHE + 1), buffers)
         self.x_shape, self.residual_shape = inputs[0].shape, inputs[16].shape
         self.perms, self.cross_bias = perms, inputs[23]
-        self.shapes = tuple([(1, b.shape[1], 1, b.shape[3]) for b in arguments[_BUFFERS:_BUFFERS + 2]])
+        self.shapes = tuple([(1, arguments[p].shape[1], 1, arguments[p].shape[3]) for p in buffers])
 
     def arguments_for(self, inputs: tuple, _ctx=None) -> tuple | None:
         """The native arguments for this step's inputs, or None when they are not such a step."""
@@ -97,17 +103,19 @@ class ChainReplay(_Replay):
                                        *self.perms[2:])
         if not cross:
             return None
-        position = ()
+        appended = ()
         if self.shapes:
             past_key, past_value = itemgetter(*_CHANGING_CACHES)(inputs)
-            if past_key.base is not arguments[_BUFFERS] or past_value.base is not arguments[_BUFFERS + 1]:
+            key_buffer, value_buffer = self.buffers[0](), self.buffers[1]()
+            if past_key.base is not key_buffer or past_value.base is not value_buffer or key_buffer is None:
                 return None
-            position = (append_position(past_key, past_value, self.shapes),)
-            if position[0] < 0:
+            position = append_position(past_key, past_value, self.shapes)
+            if position < 0:
                 return None
+            appended = (*arguments[_CHAINED_ARGUMENTS:_BUFFERS], key_buffer, value_buffer, position)
         return (np.ascontiguousarray(x.reshape(-1)), *arguments[_X + 1:_CACHE], *own, *arguments[_CACHE + 3:_RESIDUAL],
                 np.ascontiguousarray(residual.reshape(-1)), *arguments[_RESIDUAL + 1:_CROSS_CACHE], *cross[:2],
-                *arguments[_CROSS_CACHE + 2:_BUFFERS + 2 if position else _CHAINED_ARGUMENTS], *position)
+                *arguments[_CROSS_CACHE + 2:_CHAINED_ARGUMENTS], *appended)
 
 
 # -- a Llama layer boundary (AttentionGatedMLPRopeAppend) ----------------------------------------------
@@ -130,7 +138,8 @@ class GatedRopeReplay(_Replay):
     __slots__ = ("heads", "query_shape", "residual_shape")
 
     def __init__(self, inputs: tuple, arguments: tuple, heads: tuple):
-        super().__init__(inputs, arguments, _GATED_CHANGING)
+        super().__init__(inputs, arguments, _GATED_CHANGING,
+                         (0, 1, 2, _BIAS, _ROW, _PAST, _PAST + 2, *range(_TABLES, _TABLES + 4)), (_PAST + 1, _PAST + 3))
         self.heads = heads
         self.query_shape, self.residual_shape = inputs[0].shape, inputs[23].shape
 
@@ -147,10 +156,11 @@ class GatedRopeReplay(_Replay):
         cache = repeated_kv_cache(*inputs[:4], *inputs[7:13], *inputs[14:21], ctx)
         past_key, past_value, query_cos, query_sin = inputs[46:50]
         key_cos, key_sin = inputs[58], inputs[59]
-        if (cache is None or past_key.base is not arguments[_PAST + 1] or past_value.base is not arguments[_PAST + 3]
-                or not rope_cache_fits(arguments[_PAST + 1].dtype, past_key, past_value, query_cos, query_sin,
-                                       key_cos, key_sin)):
+        key_buffer, value_buffer = self.buffers[0](), self.buffers[1]()
+        if (cache is None or past_key.base is not key_buffer or past_value.base is not value_buffer
+                or key_buffer is None or not rope_cache_fits(key_buffer.dtype, past_key, past_value, query_cos,
+                                                             query_sin, key_cos, key_sin)):
             return None
         return (query, key, value, *cache, *arguments[_BIAS + 1:_ROW], residual.reshape(-1),
-                *arguments[_ROW + 1:_PAST], past_key, arguments[_PAST + 1], past_value, arguments[_PAST + 3],
+                *arguments[_ROW + 1:_PAST], past_key, key_buffer, past_value, value_buffer,
                 query_cos, query_sin, key_cos, key_sin, *arguments[_TABLES + 4:])

@@ -409,6 +409,25 @@ def test_a_llama_layer_boundary_prepares_its_decode_arguments_once_and_replays_t
     assert all(np.array_equal(a, b) for a, b in zip(replayed, afresh))
     assert prepared == 1 and prepared_afresh == 6
 
+
+def test_a_replayed_decode_row_keeps_no_cache_alive(fixtures_dir):
+    """A layer boundary's replay holds its caches' buffers weakly and none of a step's arrays: once
+    a generation lets its caches go (a reset), they are freed."""
+    import gc
+    import weakref
+
+    from runnx.generate.decoder import DecoderStep
+
+    decoder = DecoderStep.from_folder(fixtures_dir / "tiny-llama", capacity=32)
+    decoder.step(np.array([[3, 5, 7]]))
+    for token in (11, 2, 9):
+        decoder.step(np.array([[token]]))
+    buffers = [weakref.ref(array.base) for array in decoder.cache.arrays.values()]
+    assert buffers and all(buffer() is not None for buffer in buffers)
+    decoder.reset()
+    gc.collect()
+    assert all(buffer() is None for buffer in buffers)
+
 @pytest.mark.parametrize("workers", [0, 1])
 def test_products_whose_heads_are_split_give_the_split_heads_themselves(workers):
     """q, k and v of one input, each reshaped to heads and transposed (SplitHeads): one node gives
