@@ -14,7 +14,7 @@ from runnx.interp.ir import Graph, ValueInfo
 class FeedSpec:
     """What one model input accepts, precomputed once per model."""
 
-    __slots__ = ("name", "vid", "info", "kind", "dtype", "shape", "fixed", "symbolic")
+    __slots__ = ("name", "vid", "info", "kind", "dtype", "shape", "fixed", "symbolic", "checked")
 
     def __init__(self, name: str, vid: int, info: ValueInfo | None):
         self.name, self.vid, self.info = name, vid, info
@@ -24,6 +24,7 @@ class FeedSpec:
         dims = tuple(enumerate(self.shape or ()))
         self.fixed = tuple((axis, d) for axis, d in dims if isinstance(d, int) and d > 0)  # (axis, size)
         self.symbolic = tuple((axis, d) for axis, d in dims if isinstance(d, str))  # (axis, name)
+        self.checked = None  # the last shape `check_shape` passed without symbols to agree on
 
 
 def feed_specs(graph: Graph) -> dict[str, FeedSpec]:
@@ -80,10 +81,12 @@ def check_shape(spec: FeedSpec, array: np.ndarray, symbols: dict | None) -> None
     declared = spec.shape
     if declared is None or not isinstance(array, np.ndarray):
         return
+    shape = array.shape
+    if shape == spec.checked and (symbols is None or not spec.symbolic):  # a decode step's feeds, as before
+        return
     if array.ndim != len(declared):
         raise InputShapeError(f"input '{spec.name}' expects rank {len(declared)} (shape {_show(declared)}), "
                               f"got shape {list(array.shape)}")
-    shape = array.shape
     for axis, want in spec.fixed:
         if shape[axis] != want:
             raise InputShapeError(f"input '{spec.name}' expects dimension {axis} to be {want} (shape "
@@ -94,6 +97,7 @@ def check_shape(spec: FeedSpec, array: np.ndarray, symbols: dict | None) -> None
         if seen[0] != got:
             raise InputShapeError(f"input '{spec.name}' has {want}={got} at dimension {axis}, but input "
                                   f"'{seen[1]}' has {want}={seen[0]}")
+    spec.checked = shape
 
 
 def _show(shape) -> str:
@@ -110,7 +114,7 @@ def bind_feeds(specs: dict[str, FeedSpec], feeds, check_symbolic_dims: bool = Tr
         if spec is None:
             known = ", ".join(sorted(specs)) or "none"
             raise UnknownInputError(f"'{name}' is not an input of the model (inputs: {known})")
-        owned = isinstance(raw, Owned)
+        owned = type(raw) is not np.ndarray and isinstance(raw, Owned)
         value = raw.array if owned else raw
         if type(value) is not np.ndarray or value.dtype != spec.dtype or spec.kind != "tensor":
             value = _as_value(spec, value)  # an array of the input's dtype as it is: a decode step's 62

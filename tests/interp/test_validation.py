@@ -47,6 +47,21 @@ def test_each_bad_input_raises_its_specific_error(model, feeds, error, message):
     assert isinstance(caught.value, runnx.InputError)
 
 
+
+def test_a_feed_of_the_shape_checked_last_time_passes_and_any_other_is_checked_again():
+    """Without symbolic dimensions to agree on, a feed shaped as the last one that passed is not
+    checked again (a decode step's feeds); one of another shape is, every time."""
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["n"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+                              [helper.make_tensor_value_info("n", TensorProto.FLOAT, ["batch", 3])])
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    for shape in ((2, 3), (2, 3), (2, 4), (2, 3), (2, 4), (5, 3)):
+        if shape[1] == 3:
+            np.testing.assert_array_equal(model.run({"x": _ones(*shape)})["n"], -_ones(*shape))
+        else:
+            with pytest.raises(runnx.InputShapeError, match=r"expects dimension 1 to be 3"):
+                model.run({"x": _ones(*shape)})
+
 def test_feeds_must_be_a_mapping(model):
     with pytest.raises(runnx.InputTypeError, match="mapping"):
         model.run([_ones(2, 3), _ones(2, 3)])
