@@ -155,8 +155,7 @@ def _in_process(engine: str, profile: bool = False) -> dict:
     transcript = model.transcribe(samples)
     t = transcript.timings
     return {"audio": t.audio, "encode_window": encode, "ms_per_token": per_token, "steady_ms_per_token": steady,
-            "steps": steps,
-            "rtf": t.real_time_factor, "features": t.features, "encode": t.encode, "decode": t.decode,
+            "steps": steps, "rtf": t.real_time_factor, "features": t.features, "encode": t.encode, "decode": t.decode,
             "windows": t.windows, "tokens": [list(s.tokens) for s in transcript.segments]}
 
 

@@ -188,9 +188,7 @@ def AttentionLayerNormGeluMLP(*inputs, query_dims: tuple[int, ...] = (), query_a
     what a step changes when its `_decode_replay.ChainReplay` fits."""
     arguments = replayed(state, inputs)
     if arguments is not None:
-        summed, normed = _decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
-        residual = inputs[16]
-        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+        return _chained(arguments, inputs[16])
     chain = _Chain(inputs, _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm),
                    _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
                                     cross_key_perm, cross_value_perm), norm, cross_norm, down_norm)
@@ -239,13 +237,18 @@ class _Chain:
         """(s, n): one native call with `arguments` (`row()`'s), or (None) the two nodes' kernels."""
         residual = self.residual
         if arguments:
-            summed, normed = _decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
-            return summed.reshape(residual.shape), normed.reshape(residual.shape)
+            return _chained(arguments, residual)
         summed, normed = AttentionLayerNorm(*self.first, **self.attrs, norm=self.norm)
         _as_stood_in(normed, residual, "self-attention")
         summed, normed = AttentionGeluMLP(normed, *self.second[:15], summed, *self.second[15:], **self.cross_attrs,
                                           norm=self.cross_norm, down_norm=self.down_norm)
         return summed, _as_stood_in(normed, residual, "cross-attention and MLP")
+
+
+def _chained(arguments: tuple, residual) -> tuple:
+    """(s, n) of one `attended_layer_norm_gelu_mlp` call with `arguments`, shaped as the residual."""
+    summed, normed = _decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
+    return summed.reshape(residual.shape), normed.reshape(residual.shape)
 
 
 def _as_stood_in(normed, residual, block: str):

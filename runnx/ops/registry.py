@@ -10,7 +10,7 @@ signature. Four keyword names are reserved:
 - ``ctx``: the RunContext (options, profile counters, subgraph execution),
 - ``output_count``: how many outputs the node declares (Split into equal parts needs it),
 - ``state``: the node's `threading.local` (each thread its own), kept from run to run: what a
-  decode row's kernel prepared last time (`runnx/ops/decoder_layers.py`); None outside a plan
+  decode row's kernel prepared last time (`runnx/ops/_decode_replay.py`); None outside a plan
   (constant folding, shape memos).
 
 ``shape_only=`` declares input positions read only for their shape and dtype (Shape, Size): the
