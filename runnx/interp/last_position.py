@@ -5,50 +5,42 @@ every position of the prompt: 29 GFLOP of SmolLM2's 512-token prefill, about a s
 100 MB of logits), and Whisper's head over its prompt rows on every window's first step. With
 `Options.last_position` naming such outputs (`generate.decoder.load_decoder` names "logits"), a
 named graph output computed by MatMul(h, W) from a constant matrix W (in the graph itself, or in
-each branch of the If producing it) and read by no node reads Slice(h, -1:, axis -2) instead: the
-output keeps its rank with one position. Outputs produced any other way are left as they are.
+each branch of the If producing it) and read by no node reads LastPosition(h) instead (h[..., -1:, :],
+`runnx.fused`): the output keeps its rank with one position. Outputs produced any other way are left
+as they are.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from runnx.interp.ir import Graph, Node
 from runnx.ops import registry
+from runnx.ops.fused import DOMAIN
 
-_SLICE_SINCE = 10  # Slice takes starts, ends and axes as inputs from opset 10
 
-
-def keep_last_position(graph: Graph, names, opset: int) -> int:
+def keep_last_position(graph: Graph, names) -> int:
     """Rewrite the outputs of `graph` named in `names` (see the module docstring); returns how many
     products now read the last position."""
-    slicer = registry.resolve("", "Slice", opset) if opset >= _SLICE_SINCE else None
-    if slicer is None:
-        return 0
-    return sum(_rewrite(graph, graph.ids[name], slicer) for name in names
+    kernel = registry.resolve(DOMAIN, "LastPosition", 1)
+    return sum(_rewrite(graph, graph.ids[name], kernel) for name in names
                if name in graph.ids and graph.ids[name] in graph.outputs)
 
 
-def _rewrite(graph: Graph, vid: int, slicer) -> int:
+def _rewrite(graph: Graph, vid: int, kernel) -> int:
     node = graph.producer.get(vid)
     if node is None or node.domain != "":
         return 0
     if node.op_type == "If":
         position = node.outputs.index(vid)
-        return sum(_rewrite(branch, branch.outputs[position], slicer) for branch in node.subgraphs.values())
+        return sum(_rewrite(branch, branch.outputs[position], kernel) for branch in node.subgraphs.values())
     declared = graph.output_info[graph.outputs.index(vid)].shape
     hidden, weight = node.inputs if node.op_type == "MatMul" else (None, None)
     if weight not in graph.constants or graph.constants[weight].ndim != 2 or declared is None or len(declared) < 2:
         return 0
     if any(vid in other.inputs or vid in other.captures for other in graph.nodes):
         return 0  # other nodes read every position
-    arguments = [hidden]
-    for suffix, value in (("starts", -1), ("ends", np.iinfo(np.int64).max), ("axes", -2)):
-        arguments.append(_new_value(graph, f"{node.name}/last_position_{suffix}"))
-        graph.constants[arguments[-1]] = _read_only(np.array([value], np.int64))
     last = _new_value(graph, f"{graph.names[hidden]}/last_position")
     index = max(n.index for n in graph.nodes) + 1
-    graph.nodes += (Node(index, f"{node.name}/last_position", "Slice", "", tuple(arguments), (last,), {}, {}, (),
-                         slicer, slicer.since),)
+    graph.nodes += (Node(index, f"{node.name}/last_position", "LastPosition", DOMAIN, (hidden,), (last,), {}, {}, (),
+                         kernel, kernel.since),)
     graph.producer[last] = graph.nodes[-1]
     node.inputs = (last, weight)
     return 1
@@ -60,8 +52,3 @@ def _new_value(graph: Graph, name: str) -> int:
     graph.ids[name] = len(graph.names)
     graph.names.append(name)
     return graph.ids[name]
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False
-    return array

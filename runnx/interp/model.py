@@ -30,7 +30,7 @@ class Model:
         self.options = options or Options()
         self.folded = fold_constants(self.graph, self.options) if self.options.fold_constants else 0
         # after folding (a head's weight may be a Transpose of the embedding, or read by If branches)
-        self.last_position = keep_last_position(self.graph, self.options.last_position, loaded.opsets.get("", 0))
+        self.last_position = keep_last_position(self.graph, self.options.last_position)
         self._unrewritten = replace(self.graph)  # for plans requesting values a rewrite removed
         # Both rewrites apply to subgraphs too (an Optimum merged decoder's branches). A memo node
         # reads its roots for their shapes only, so it never holds back an in-place KV append.

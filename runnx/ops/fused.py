@@ -150,6 +150,16 @@ def exp_in_place(x, largest: float):
         return np.exp(x, out=x)
 
 
+@register("LastPosition", since=1, domain=DOMAIN)
+def LastPosition(x):
+    """x[..., -1:, :], as Slice(x, -1, end, axis -2) would take it: an LM head's input for the next
+    token's logits only (`runnx/interp/last_position.py`). A decode step's one position is x itself,
+    with none of a Slice's parsing of starts, ends and axes (17 us of a Whisper step, cold)."""
+    if x.ndim < 2:
+        raise RunnxError(f"LastPosition needs a rank of at least 2 (positions, features), got shape {list(x.shape)}")
+    return x if x.shape[-2] == 1 else x[..., -1:, :]
+
+
 @register("RotateHalf", since=1, domain=DOMAIN)
 def RotateHalf(x, cos, sin, negated_starts, negated_ends, negated_axes, negated_steps, kept_starts, kept_ends,
                kept_axes, kept_steps, *, axis: int = -1):

@@ -7,8 +7,8 @@ import pytest
 import runnx
 import runnx.ops.fused as fused_ops
 from runnx.errors import RunnxError
-from runnx.ops.fused import (AddRMSNorm, RepeatedKVAttention, RepeatedKVShape, RMSNorm, RMSNormShape, RopeAppend,
-                             RotateHalf, SiluMul, attend)
+from runnx.ops.fused import (AddRMSNorm, LastPosition, RepeatedKVAttention, RepeatedKVShape, RMSNorm, RMSNormShape,
+                             RopeAppend, RotateHalf, SiluMul, attend)
 from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops.shape import Slice
 
@@ -105,6 +105,21 @@ def test_silu_mul_broadcasts_through_numpy():
     np.testing.assert_allclose(SiluMul(gate, up), gate / (1 + np.exp(-gate)) * up, rtol=1e-6)
     np.testing.assert_allclose(SiluMul(gate[:1], up.reshape(2, 1, 4).repeat(2, 2)).shape, (2, 1, 8))
     np.testing.assert_array_equal(SiluMul(gate.T, gate.T), _unfused_silu(gate.T, gate.T))  # not contiguous
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 3), (1, 1, 4), (3, 0, 2), (4, 6)])
+def test_last_position_is_the_slice_of_the_last_position(shape):
+    x = RNG.standard_normal(shape).astype(np.float32)
+    want = Slice(x, _ints(-1), _ints(2**62), _ints(-2))
+    got = LastPosition(x)
+    assert got.shape == want.shape
+    np.testing.assert_array_equal(got, want)
+    assert np.shares_memory(got, x) or x.size == 0  # a view, as Slice's
+
+
+def test_last_position_of_a_vector_is_an_error():
+    with pytest.raises(RunnxError, match=r"LastPosition needs a rank of at least 2.*\[7\]"):
+        LastPosition(np.zeros(7, np.float32))
 
 
 @pytest.mark.parametrize("negated, kept", [
