@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from runnx.capture.ownership import read_only_view
 from runnx.generate.io_names import DecoderIO, DecoderIOError, KVName, find_decoder_files
 from runnx.generate.kv_cache import SEQUENCE_AXIS, KVCache
 from runnx.interp.dtypes import numpy_dtype
@@ -60,6 +61,19 @@ class DecoderStep:
         self.capacity = capacity
         self.profile = profile
         self._layout = _kv_layout(self.past_model, self.past_io, config or {})
+        past_name = {k.slot: k.past for k in self.past_io.kv}
+        # per step kind (first or not): the outputs to ask for, and the presents that become the self-
+        # attention cache (past name, present name); the first step's cross-attention presents
+        steps = ((True, self.first_io), (False, self.past_io))
+        self._wanted = {first: [io.logits] + [k.present for k in io.kv
+                                              if k.present and (first or not k.is_cross_attention)]
+                        for first, io in steps}
+        self._self_presents = {first: [(past_name[k.slot], k.present) for k in io.kv
+                                       if k.present and not k.is_cross_attention]
+                               for first, io in steps}
+        self._cross_presents = [(past_name[k.slot], k.present) for k in self.first_io.kv
+                                if k.present and k.is_cross_attention]
+        self._cross_pasts = [k.past for k in self.past_io.kv if k.is_cross_attention and k.past]
         self.reset()
 
     @classmethod
@@ -102,7 +116,7 @@ class DecoderStep:
     def kv_arrays(self) -> dict[str, np.ndarray]:
         """Exact-size copies of the KV tensors (self- and cross-attention), keyed by past input name."""
         arrays = self.cache.copy_arrays() if self.cache is not None else {}
-        arrays.update({name: np.ascontiguousarray(a) for name, a in self.cross.items()})
+        arrays.update({name: a.copy() for name, a in self.cross.items()})
         return arrays
 
     def restore(self, arrays: dict[str, np.ndarray], attention_mask: np.ndarray, fixed_feeds=None) -> None:
@@ -119,7 +133,7 @@ class DecoderStep:
         self_names = [k.past for k in self.past_io.kv if not k.is_cross_attention]
         self.cache = KVCache.with_capacity({n: arrays[n] for n in self_names},
                                            max(self.capacity, 2 * attention_mask.shape[1]))
-        self.cross = {k.past: arrays[k.past] for k in self.past_io.kv if k.is_cross_attention}
+        self.cross = {k.past: read_only_view(arrays[k.past]) for k in self.past_io.kv if k.is_cross_attention}
         self.attention_mask = attention_mask
 
     # -- one step ------------------------------------------------------------------------------
@@ -144,16 +158,15 @@ class DecoderStep:
         if io.cache_position:
             feeds[io.cache_position] = np.arange(self.length, self.length + new, dtype=np.int64)
         if io.use_cache_branch:
-            feeds[io.use_cache_branch] = np.array([not first])
+            feeds[io.use_cache_branch] = _USE_CACHE_BRANCH[not first]
         for name in io.other_inputs:
             if name in self.fixed_feeds:
                 feeds[name] = self.fixed_feeds[name]
         feeds.update(self._past_feeds(io, first, new))
 
-        wanted = [io.logits] + [k.present for k in io.kv if k.present and (first or not k.is_cross_attention)]
         run_kwargs = {"profile": self.profile} if self.profile is not None else {}
-        outputs = model.run(feeds, wanted, **run_kwargs)
-        self._take_presents(io, outputs, first)
+        outputs = model.run(feeds, self._wanted[first], **run_kwargs)
+        self._take_presents(outputs, first)
         self.attention_mask = full_mask
         return outputs[io.logits]
 
@@ -162,7 +175,9 @@ class DecoderStep:
             return {}
         if not first:
             feeds = self.cache.handover(new)
-            feeds.update({k.past: self.cross[k.past] for k in io.kv if k.is_cross_attention and k.past})
+            cross = self.cross
+            for name in self._cross_pasts:
+                feeds[name] = cross[name]
             return feeds
         if io.use_cache_branch:  # merged decoder, first step: the past is ignored but must be fed
             return {k.past: self._empty(k) for k in io.kv if k.past}
@@ -174,12 +189,10 @@ class DecoderStep:
         feeds.update({k.past: self._empty(k) for k in io.kv if k.past and k.is_cross_attention})
         return feeds
 
-    def _take_presents(self, io: DecoderIO, outputs: dict, first: bool) -> None:
-        past_name = {k.slot: k.past for k in self.past_io.kv}
-        self_presents = {past_name[k.slot]: outputs[k.present] for k in io.kv
-                         if k.present and not k.is_cross_attention}
-        if first:
-            self.cross = {past_name[k.slot]: outputs[k.present] for k in io.kv if k.present and k.is_cross_attention}
+    def _take_presents(self, outputs: dict, first: bool) -> None:
+        self_presents = {past: outputs[present] for past, present in self._self_presents[first]}
+        if first:  # read-only, so that every step feeds these same arrays (not new read-only views of them)
+            self.cross = {past: read_only_view(outputs[present]) for past, present in self._cross_presents}
         if self.cache is None:  # a prefill without past inputs returned exact-size arrays
             self.cache = KVCache.with_capacity(self_presents, self.capacity)
         else:
@@ -191,6 +204,10 @@ class DecoderStep:
 
     def _empty(self, kv: KVName) -> np.ndarray:
         return np.zeros(self._empty_shape(kv), self._layout[kv.slot][2])
+
+
+# use_cache_branch's feeds: read-only, held by Model.run as they are
+_USE_CACHE_BRANCH = {flag: read_only_view(np.array([flag])) for flag in (False, True)}
 
 
 def load_decoder(path):

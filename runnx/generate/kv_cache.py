@@ -73,7 +73,7 @@ class KVCache:
 
     def accept(self, arrays: dict[str, np.ndarray]) -> None:
         """Take the model's present.* outputs (keyed by past input name) as the new cache."""
-        if set(arrays) != set(self.arrays):
+        if arrays.keys() != self.arrays.keys():
             raise RunnxError(f"KV cache update names {sorted(set(arrays) ^ set(self.arrays))} do not match")
         self.appended_in_place = all(storage_root(array) is storage_root(self.arrays[name])
                                      for name, array in arrays.items())

@@ -120,8 +120,10 @@ def bind_feeds(specs: dict[str, FeedSpec], feeds, check_symbolic_dims: bool = Tr
             value = _as_value(spec, value)  # an array of the input's dtype as it is: a decode step's 62
         if isinstance(value, np.ndarray):
             check_shape(spec, value, symbols)
-            if not owned or not value.flags.writeable:
-                value = read_only_view(value)
+            writeable = value.flags.writeable
+            if not owned or not writeable:
+                if writeable:  # a read-only array is held as it is: runnx never makes an array writeable
+                    value = read_only_view(value)
                 owned = False
         elif isinstance(value, list):
             value = [read_only_view(v) for v in value] if not owned else value

@@ -123,3 +123,30 @@ def test_truncate_keeps_capacity_and_continues_like_a_fresh_run(fixtures_dir):
     fresh.step(np.array([[1, 5, 9]]))
     # the kept rows came from a 5-token prefill, the fresh ones from a 3-token one: BLAS may round differently
     np.testing.assert_allclose(continued, fresh.step(np.array([[40]])), rtol=1e-4, atol=1e-5)
+
+
+def test_cross_attention_keys_are_fed_read_only_and_the_same_arrays_every_step(fixtures_dir):
+    """The first step's encoder keys and values become read-only arrays fed unchanged to every later
+    step (Model.run holds a read-only feed as it is: no new view a step); saved state copies them."""
+    folder = fixtures_dir / "tiny-whisper"
+    decoder = DecoderStep.from_folder(folder, capacity=16)
+    width = next(i.shape[2] for i in decoder.first_model.inputs if i.name == "encoder_hidden_states")
+    hidden = np.random.default_rng(0).standard_normal((1, 30, width)).astype(np.float32)
+    decoder.reset(fixed_feeds={"encoder_hidden_states": hidden})
+    fed, run = [], decoder.past_model.run
+
+    def recording(feeds, *args, **kwargs):
+        fed.append({name: array for name, array in feeds.items() if ".encoder." in name})
+        return run(feeds, *args, **kwargs)
+
+    decoder.past_model.run = recording
+    for ids in ([[1, 2, 3]], [[4]], [[5]]):
+        decoder.step(np.array(ids))
+    _, second, third = fed
+    assert sorted(second) == sorted(decoder.cross) and len(second) > 0
+    for name, array in second.items():
+        assert array is third[name] is decoder.cross[name] and not array.flags.writeable
+    saved = decoder.kv_arrays()
+    for name, array in decoder.cross.items():
+        assert saved[name].flags.writeable and not np.shares_memory(saved[name], array)
+        np.testing.assert_array_equal(saved[name], array)

@@ -62,6 +62,21 @@ def test_a_feed_of_the_shape_checked_last_time_passes_and_any_other_is_checked_a
             with pytest.raises(runnx.InputShapeError, match=r"expects dimension 1 to be 3"):
                 model.run({"x": _ones(*shape)})
 
+def test_a_writeable_feed_is_held_through_a_read_only_view_and_a_read_only_one_as_it_is(model):
+    """runnx never writes a caller's array: a writeable one is held through a read-only view, a
+    read-only one (a decoder's cross-attention keys, fed every step) as it is, with no new view."""
+    from runnx.interp.validation import bind_feeds, feed_specs
+    specs = feed_specs(model.graph)
+    writeable, read_only = _ones(2, 3), _ones(2, 3)
+    read_only.flags.writeable = False
+    bound = bind_feeds(specs, {"x": writeable, "y": runnx.Owned(read_only)})
+    (x, x_owned), (y, y_owned) = bound[specs["x"].vid], bound[specs["y"].vid]
+    assert x is not writeable and np.shares_memory(x, writeable) and not x.flags.writeable and not x_owned
+    assert writeable.flags.writeable
+    assert y is read_only and not y_owned
+    np.testing.assert_array_equal(model.run({"x": writeable, "y": read_only})["n"], -2 * _ones(2, 3))
+
+
 def test_feeds_must_be_a_mapping(model):
     with pytest.raises(runnx.InputTypeError, match="mapping"):
         model.run([_ones(2, 3), _ones(2, 3)])
