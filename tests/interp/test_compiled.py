@@ -181,3 +181,26 @@ def test_a_long_plan_compiles_to_a_function_with_few_locals():
         np.testing.assert_array_equal(model.run({"x0": x})["x600"], x)
     plan = next(iter(model._plans.values()))
     assert plan.state["compiled"].__code__.co_nlocals < 50  # 1,200 with a local per value
+
+
+def test_a_kernels_attributes_become_its_defaults_in_a_compiled_plan():
+    """A kernel taking its attributes as keyword-only parameters runs through a copy of itself whose
+    defaults are the node's attributes, called without keyword arguments (matching each of a fused
+    node's two dozen to its parameters cost 3.5 us a call); the kernel itself keeps its defaults,
+    and another node of the same op its own attributes."""
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0]),
+             helper.make_node("Softmax", ["t"], ["s"], axis=0), helper.make_node("Softmax", ["s"], ["out"], axis=1)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3, 2])])
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), compile_after=1)
+    interpreted = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), compile_after=0)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_array_equal(model.run({"x": x})["out"], interpreted.run({"x": x})["out"])
+    (plan,) = model._plans.values()
+    namespace = plan.state["compiled"].__globals__
+    kernels = [namespace[f"f{i}"] for i in range(len(plan.steps))]
+    assert [{k: v for k, v in kernel.__kwdefaults__.items() if k != "overwrite"} for kernel in kernels] == [
+        {"perm": (1, 0)}, {"axis": 0}, {"axis": 1}]
+    assert not any(f"a{i}" in namespace for i in range(len(plan.steps)))
+    assert all(k is not step.fn and k.__code__ is step.fn.__code__ for k, step in zip(kernels, plan.steps))
+    assert plan.steps[1].fn.__kwdefaults__["axis"] == -1
