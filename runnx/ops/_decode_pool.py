@@ -377,8 +377,11 @@ class DecodePool:
         if not 0 < workers <= MAX_WORKERS:
             raise ValueError(f"a decode pool has 1 to {MAX_WORKERS} workers, not {workers}")
         # compile the workers' loop on this thread first: a process that ends while a worker is
-        # still compiling aborts inside LLVM, and never writes numba's cache for the next one
+        # still compiling aborts inside LLVM, and never writes numba's cache for the next one; and
+        # `_rest`, first called by a multi-threaded BLAS product while workers spin (a Whisper
+        # window's first step after a decode): loading it from numba's cache there took 20 ms
         stopped = np.zeros(_MAILBOX_SIZE, np.int64)
+        _rest(stopped)
         _stop(stopped)
         _serve(stopped, 0)
         self.box = np.zeros(_MAILBOX_SIZE, np.int64)
