@@ -8,15 +8,13 @@ dying inputs whose storage is owned and held once, call the kernel, count the ou
 release dead values. Nothing is decided differently from `Executor.run`'s loop: the ownership
 rules are the same, only the per-step indexing, attribute lookups and tuple unpacking go away. A
 kernel taking its attributes as keyword-only parameters is called through a copy of itself whose
-defaults are the node's attributes (`_with_attributes`): matching a fused node's 24 keyword
+defaults are the node's attributes (`registry.with_attributes`): matching a fused node's 24 keyword
 arguments to its parameters cost 3.5 us a call, warm.
 
 Plans with subgraph nodes (If/Loop/Scan bind a CaptureEnv per call) and instrumented runs
 (profile, trace, in-place checking) keep the interpreted loop; a subgraph's own plan compiles.
 """
 from __future__ import annotations
-
-import types
 
 import numpy as np
 
@@ -25,6 +23,7 @@ from runnx.errors import NodeError
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.node_context import node_error
 from runnx.interp.shape_cache import ShapeGroup
+from runnx.ops.registry import with_attributes
 
 
 def bound_outputs(node, output_count: int, result) -> list:
@@ -157,7 +156,7 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
     namespace[f"f{index}"] = step.fn
     arguments = ["None" if v == MISSING else f"v{names[v]}" for v in step.inputs]
     attrs = {k: v for k, v in step.kwargs.items() if k != "overwrite"}
-    if attrs and (kernel := _with_attributes(step.fn, attrs)) is not None:
+    if attrs and (kernel := with_attributes(step.fn, attrs)) is not None:
         namespace[f"f{index}"] = kernel
     elif attrs:
         namespace[f"a{index}"] = attrs
@@ -220,22 +219,6 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
                   "            drop(k)",
                   f"        v{vid} = None"]
     return lines
-
-
-def _with_attributes(fn, attrs: dict):
-    """A copy of kernel `fn` whose keyword-only parameters named in `attrs` default to their values
-    there (the node's attributes, and its `state`), to be called without them; None when `fn` is not
-    a plain function taking every one of them as keyword-only."""
-    if type(fn) is not types.FunctionType:
-        return None
-    code = fn.__code__
-    keyword_only = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
-    if not all(name in keyword_only for name in attrs):
-        return None
-    kernel = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    kernel.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **attrs}
-    kernel.__qualname__, kernel.__module__, kernel.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
-    return kernel
 
 
 def _inline_ufunc_lines(index: int, ufunc, inputs: list[str], call: str, namespace: dict) -> list[str]:

@@ -27,7 +27,7 @@ from runnx.interp.folding import NONDETERMINISTIC, out_of_place_kwargs
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.interp.read_ahead import AheadState, read_ahead, value_key
 from runnx.ops._remembered import Remembered
-from runnx.ops.registry import Kernel
+from runnx.ops.registry import Kernel, with_attributes
 
 SHAPE_READERS = frozenset({"Shape", "Size"})
 # per group (shared by groups computing the same): a decode step's past length is a new key, seen
@@ -290,7 +290,9 @@ def _group_program(group: ShapeGroup):
         arguments = [names[v] for v in node.inputs]
         namespace[f"f{index}"] = node.kernel.fn
         kwargs = out_of_place_kwargs(node)
-        if kwargs:
+        if kwargs and (kernel := with_attributes(node.kernel.fn, kwargs)) is not None:
+            namespace[f"f{index}"] = kernel
+        elif kwargs:
             namespace[f"k{index}"] = kwargs
             arguments.append(f"**k{index}")
         if node.kernel.wants_ctx:

@@ -50,6 +50,22 @@ def test_shape_nodes_run_once_per_shape_and_results_match():
     assert profile.counters["ShapeMemo.misses"] == 2 and profile.counters["ShapeMemo.hits"] == 2
 
 
+def test_a_memo_programs_kernels_take_their_attributes_as_defaults():
+    """A memo's members run through copies of their kernels whose defaults are their attributes
+    (`registry.with_attributes`, as compiled plans call theirs): the Gathers' and the Concat's axis."""
+    model = runnx.load(_flatten_model())
+    x = np.ones((2, 3, 4), np.float32)
+    model.run({"x": x, "y": x})
+    (group,) = [node.kernel.fn for node in model.graph.nodes if isinstance(node.kernel.fn, shape_cache.ShapeGroup)]
+    namespace = group._program.__globals__
+    kernels = [namespace[f"f{i}"] for i in range(len(group.members))]
+    with_axis = [(kernel, node) for kernel, node in zip(kernels, group.members)
+                 if (kernel.__kwdefaults__ or {}).get("axis") == 0]
+    assert sorted(node.op_type for _, node in with_axis) == ["Concat", "Gather", "Gather"]
+    assert all(kernel is not node.kernel.fn for kernel, node in with_axis)
+    assert not any(key.startswith("k") and key[1:].isdigit() for key in namespace)  # no **k attribute dicts
+
+
 def test_values_read_from_tensor_contents_are_never_cached():
     """The reshape target comes from an input's values: same shapes, other values, other result."""
     nodes = [helper.make_node("Add", ["dims", "zero"], ["target"]),
