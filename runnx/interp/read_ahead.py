@@ -9,8 +9,11 @@ miss by one position (in each dimension that changed), or by one more than it re
 its members also run, while hot, for the next READ_AHEAD steps of one position each: the roots
 stand-ins of those shapes (a memo reads its roots for their shapes only; the stand-ins keep their
 dtypes), each external value (another memo's output) that memo's result for the same step: the
-one it read ahead, or its current one when that memo's key did not change since an earlier run. A
-memo reading any other value does not read ahead. Results are kept under the keys they were
+one it read ahead, or its current one when that memo's key did not change since an earlier run or
+the value is the very array the reading memo had at its last miss (a memo that finds its result
+kept, from another generation, misses no more and its state keeps naming an older key: SmolLM2's
+mask memo had missed cold at every step of a second generation, 338 us at context 512). A memo
+reading any other value does not read ahead. Results are kept under the keys they were
 computed for, so a wrong guess costs only its computation; a memo that misses within what it read
 ahead reads ahead no more. A memo that missed right after everything it read ahead reads twice as
 far the next time, up to MAX_READ_AHEAD: fewer misses, each a cold start, in a long decode, little
@@ -37,13 +40,14 @@ ORIGINS: dict[int, tuple] = {}
 
 class AheadState:
     """What a memo's read-ahead knows: its roots' shapes at its last miss, the run of that miss,
-    the key it missed and the keys it read ahead from there, how many steps its next miss reads
-    ahead (`span`); `off` once a guess failed."""
+    the key it missed and the keys it read ahead from there, its externals then (weakly), how many
+    steps its next miss reads ahead (`span`); `off` once a guess failed."""
 
-    __slots__ = ("shapes", "run", "key", "keys", "span", "off")
+    __slots__ = ("shapes", "run", "key", "keys", "externals", "span", "off")
 
     def __init__(self):
         self.shapes, self.run, self.key, self.keys, self.span, self.off = None, None, None, (), READ_AHEAD, False
+        self.externals = ()
 
 
 def _register(group, key: tuple, result: tuple) -> None:
@@ -63,8 +67,9 @@ def read_ahead(group, key: tuple, result: tuple, args: tuple, ctx) -> None:
     _register(group, key, result)
     state = group.ahead
     count = len(group.roots)
-    shapes, last, covered = key[:count], state.shapes, len(state.keys)
+    shapes, last, covered, seen = key[:count], state.shapes, len(state.keys), state.externals
     state.shapes, state.run, state.key, state.keys = shapes, ctx.serial, key, ()
+    state.externals = tuple([_weak(value) for value in args[count:]])
     if state.off or last is None:
         return
     growing, grown_by = _growing(last, shapes)
@@ -78,7 +83,7 @@ def read_ahead(group, key: tuple, result: tuple, args: tuple, ctx) -> None:
         return
     if covered and grown_by == covered + 1:  # every step it read ahead came: read further
         state.span = min(2 * state.span, MAX_READ_AHEAD)
-    futures = _future_externals(args[count:], ctx.serial, state.span)
+    futures = _future_externals(args[count:], ctx.serial, state.span, seen)
     if futures is None:
         return
     steps = min([len(future) for future in futures], default=state.span)
@@ -135,13 +140,26 @@ def _grown(shape: tuple, axes: tuple, step: int) -> tuple:
     return tuple([size + step if axis in axes else size for axis, size in enumerate(shape)])
 
 
-def _future_externals(externals: tuple, run: int, span: int) -> list | None:
+def _weak(value):
+    try:
+        return weakref.ref(value)
+    except TypeError:  # a value no weak reference can hold (None, a sequence): never the same again
+        return _GONE
+
+
+def _GONE():
+    return None
+
+
+def _future_externals(externals: tuple, run: int, span: int, seen: tuple = ()) -> list | None:
     """For each external value, its values in the next steps (as many as known, at least one):
     what its memo read ahead past its current key, or the value itself (`span` times) when its
-    memo's key has not changed since an earlier run; None when an external is no memo's output
-    or unknown."""
+    memo's key has not changed since an earlier run, or when it is the very array the reading memo
+    had at its last miss (`seen`, weakly: a memo found by its kept result missed no more, and its
+    own state still names an older key, a prefill's, or another generation's); None when an
+    external is no memo's output or unknown."""
     futures = []
-    for value in externals:
+    for position, value in enumerate(externals):
         origin = ORIGINS.get(id(value))
         if origin is None or origin[0]() is not value or value.dtype.kind == "O":
             return None
@@ -154,15 +172,15 @@ def _future_externals(externals: tuple, run: int, span: int) -> list | None:
             keys = state.keys
         elif key in state.keys:
             keys = state.keys[state.keys.index(key) + 1:]
-        else:
-            return None
+        else:  # the producer found this result kept: its state names an older key
+            keys = ()
         if keys:
             results = [producer.results.get(k) for k in keys]
             if None in results:
                 return None
             futures.append([result[index] for result in results])
-        elif state.key == key and state.run != run:  # unchanged since an earlier run: steady
-            futures.append([value] * span)
+        elif (state.key == key and state.run != run) or (position < len(seen) and seen[position]() is value):
+            futures.append([value] * span)  # steady
         else:
             return None
     return futures

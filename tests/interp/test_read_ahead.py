@@ -100,6 +100,21 @@ def test_memos_computing_the_same_find_each_others_results_by_identity(monkeypat
     assert hashed == []
 
 
+def test_a_memo_reads_ahead_with_an_external_found_kept_since_its_producer_last_missed():
+    """A later generation: y's memo finds its result kept (from an earlier generation) and misses
+    no more, its own state naming a prefill's key; the {x, y} memo reads ahead all the same, that
+    external being the very array it had at its last miss (SmolLM2's mask memo had missed, cold,
+    at every step of a second generation)."""
+    model = _model()
+    _decode(model, range(1, 3))  # y of 3 rows: y's memo keeps its result
+    _decode(model, [10], y_rows=lambda length: 5)  # a prefill: y's memo misses on 5 rows
+    counters, same = _decode(model, range(20, 22 + STEPS))  # y of 3 rows again: found kept
+    assert same
+    # lengths 20 and 21: x's memo and {x, y}'s miss, the second time reading ahead; then all hit
+    assert counters["ShapeMemo.misses"] == 2 + 2
+    assert counters["ShapeMemo.read_ahead"] == 2 * STEPS
+
+
 def test_without_read_ahead_every_new_length_misses():
     counters, same = _decode(_model(memo_read_ahead=False), range(1, 3 + STEPS))
     assert same and counters["ShapeMemo.misses"] == 3 + 2 * (1 + STEPS) and not counters["ShapeMemo.read_ahead"]
