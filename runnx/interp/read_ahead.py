@@ -144,10 +144,11 @@ def _weak(value):
     try:
         return weakref.ref(value)
     except TypeError:  # a value no weak reference can hold (None, a sequence): never the same again
-        return _GONE
+        return _dead
 
 
-def _GONE():
+def _dead():
+    """A dead weak reference's stand-in."""
     return None
 
 
