@@ -42,6 +42,7 @@ from runnx.generate.io_names import DecoderIO, DecoderIOError, KVName, find_deco
 from runnx.generate.kv_cache import SEQUENCE_AXIS, KVCache
 from runnx.interp.dtypes import numpy_dtype
 from runnx.interp.model import load as runnx_load
+from runnx.ops import _decode_pool
 
 
 class DecoderStep:
@@ -81,6 +82,7 @@ class DecoderStep:
         """Load the decoder file(s) of an Optimum export folder; `load` defaults to `load_decoder`."""
         load = load or load_decoder
         files = find_decoder_files(folder)
+        _decode_pool.start_in_background()  # beside the loads
         first = load(str(files.first))
         with_past = load(str(files.with_past)) if files.with_past != files.first else None
         config_path = Path(folder) / "config.json"

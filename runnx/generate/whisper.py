@@ -39,6 +39,7 @@ from runnx.generate.generator import Generator
 from runnx.generate.mel import FRAME_SECONDS, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from runnx.generate.tokenizer import Tokenizer
 from runnx.interp.model import load as runnx_load
+from runnx.ops import _decode_pool
 
 TIMESTAMP_SECONDS = 0.02  # one timestamp token step: 2 mel frames (the encoder halves the frames)
 FRAMES_PER_TIMESTAMP = 2
@@ -322,6 +323,7 @@ class Whisper:
         if not encoder_path.is_file():
             raise WhisperError(f"{self.folder} has no encoder_model.onnx (an Optimum Whisper export folder "
                                "holds encoder_model.onnx and decoder_model_merged.onnx)")
+        _decode_pool.start_in_background()  # beside the loads below
         config = _read_json(self.folder / "config.json")
         generation = _read_json(self.folder / "generation_config.json")
         self.tokenizer = (Tokenizer.from_folder(self.folder) if (self.folder / "tokenizer.json").is_file()

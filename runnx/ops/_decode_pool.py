@@ -550,24 +550,40 @@ def alone(job, *arguments):
 
 _pool: DecodePool | None = None
 _workers: int | None = None  # None: the core count's worth, set on first use
+_pool_lock = threading.Lock()  # the pool is made (and replaced) by one thread at a time
+_starting: threading.Thread | None = None
 
 
 def set_workers(count: int | None) -> None:
     """Worker threads from now on (0: none; None: one per core beyond the first), at most
     `MAX_WORKERS` and `ROW_CHUNKS - 1` (more would find no product chunk to take)."""
     global _pool, _workers
-    if _pool is not None and count != _workers:
-        _pool.close()
-        _pool = None
-    _workers = count
+    with _pool_lock:
+        if _pool is not None and count != _workers:
+            _pool.close()
+            _pool = None
+        _workers = count
 
 
 def pool() -> DecodePool | None:
     """The process's pool, started on first use; None when it has no workers."""
     global _pool
     if _pool is None and worker_count() > 0:
-        _pool = DecodePool(worker_count())
+        with _pool_lock:
+            if _pool is None and worker_count() > 0:
+                _pool = DecodePool(worker_count())
     return _pool
+
+
+def start_in_background() -> None:
+    """Start the pool on a thread of its own while the caller loads a decoder: its start loads the
+    workers' loop from numba's cache, the first numba code of a process (~150 ms with numba's own
+    start, in a first Whisper transcription). Not a daemon thread: a process ending while numba
+    loads aborts inside LLVM, so the interpreter waits for it at exit."""
+    global _starting
+    if _pool is None and worker_count() > 0 and (_starting is None or not _starting.is_alive()):
+        _starting = threading.Thread(target=pool, name="runnx-decode-start")
+        _starting.start()
 
 
 def worker_count() -> int:

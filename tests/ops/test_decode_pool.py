@@ -225,6 +225,30 @@ def test_worker_count_follows_the_setting():
         _decode_pool.set_workers(None)
 
 
+def test_a_pool_started_in_the_background_is_the_one_every_caller_gets():
+    """`start_in_background` (a decoder's load) makes the pool on a thread of its own; callers on
+    other threads meanwhile wait for that pool rather than make another; with no workers it does
+    nothing."""
+    try:
+        _decode_pool.set_workers(0)
+        _decode_pool.start_in_background()
+        assert _decode_pool._starting is None or not _decode_pool._starting.is_alive()
+        _decode_pool.set_workers(1)
+        assert _decode_pool._pool is None
+        _decode_pool.start_in_background()
+        starting = _decode_pool._starting
+        assert starting.name == "runnx-decode-start"
+        with ThreadPoolExecutor(4) as callers:
+            pools = list(callers.map(lambda _: _decode_pool.pool(), range(8)))
+        starting.join(timeout=600)
+        assert not starting.is_alive()
+        assert all(p is _decode_pool._pool for p in pools) and len(_decode_pool._pool._threads) == 1
+        _decode_pool.start_in_background()  # started: nothing more
+        assert _decode_pool._starting is starting
+    finally:
+        _decode_pool.set_workers(None)
+
+
 def test_a_pool_of_as_many_workers_as_idle_flags_closes_and_no_more_is_made():
     full = _decode_pool.DecodePool(_decode_pool.MAX_WORKERS)  # the last worker's flag ends the line
     rng = np.random.default_rng(8)
