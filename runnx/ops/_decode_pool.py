@@ -578,12 +578,35 @@ def pool() -> DecodePool | None:
 def start_in_background() -> None:
     """Start the pool on a thread of its own while the caller loads a decoder: its start loads the
     workers' loop from numba's cache, the first numba code of a process (~150 ms with numba's own
-    start, in a first Whisper transcription). Not a daemon thread: a process ending while numba
-    loads aborts inside LLVM, so the interpreter waits for it at exit."""
+    start, in a first Whisper transcription), then the jobs every decoder calls (`_load_jobs`).
+    Not a daemon thread: a process ending while numba loads aborts inside LLVM, so the interpreter
+    waits for it at exit."""
     global _starting
     if _pool is None and worker_count() > 0 and (_starting is None or not _starting.is_alive()):
-        _starting = threading.Thread(target=pool, name="runnx-decode-start")
+        _starting = threading.Thread(target=_start_and_load, name="runnx-decode-start")
         _starting.start()
+
+
+def _start_and_load() -> None:
+    pool()
+    _load_jobs()
+
+
+def _load_jobs() -> None:
+    """The jobs a decoder calls first, loaded from numba's cache (or compiled) for the types its
+    calls give them, each 15-20 ms a first call: one row and a few (a prompt's) times one read-only
+    matrix (an LM head) and three (a layer's projections), a rows' softmax and GELU (the Whisper
+    encoder's, its bias read-only or not). Computed alone, on zeros."""
+    matrix = np.zeros((4, 4), np.float32)
+    matrix.flags.writeable = False
+    for row in (np.zeros(4, np.float32), np.zeros((2, 4), np.float32)):
+        for count in (1, 3):
+            outs = tuple([np.empty(row.size, np.float32) for _ in range(count)])
+            alone(_products, row, (matrix,) * count, outs, np.empty(chunk_count(4) * row.size * count, np.float32))
+    rows = np.zeros((2, 4), np.float32)
+    alone(_softmax, rows, 0.0)
+    for bias in (np.zeros(4, np.float32), matrix[0]):
+        alone(_gelu, rows, bias, 1.0, 1.0, 0.5, np.empty_like(rows))
 
 
 def worker_count() -> int:

@@ -249,6 +249,34 @@ def test_a_pool_started_in_the_background_is_the_one_every_caller_gets():
         _decode_pool.set_workers(None)
 
 
+def test_the_background_start_loads_the_jobs_a_decoder_calls_first():
+    """After `start_in_background`, the products of a read-only matrix (one and three at a time,
+    one row and two) and the rows' softmax and GELU find their compiled code: their first calls
+    add no overload (a fresh process, so that nothing else called them before)."""
+    code = """
+import numpy as np
+from runnx.ops import _decode_pool as d
+d.set_workers(1)
+d.start_in_background()
+d._starting.join()
+jobs = (d._products, d._softmax, d._gelu)
+before = [len(job.overloads) for job in jobs]
+matrix = np.ones((64, 32), np.float32)
+matrix.flags.writeable = False
+for row in (np.ones(64, np.float32), np.ones((2, 64), np.float32)):
+    d.pool().products(row, (matrix,))
+    d.pool().products(row, (matrix,) * 3)
+rows = np.ones((40, 8), np.float32)
+d.softmax_rows(rows, float("nan"))
+for bias in (np.zeros(8, np.float32), matrix[0, :8]):
+    d.gelu_rows(rows, bias, 1.4, 1.0, 0.5, np.empty_like(rows))
+print(before == [len(job.overloads) for job in jobs], min(before) > 0)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
+
+
 def test_a_pool_of_as_many_workers_as_idle_flags_closes_and_no_more_is_made():
     full = _decode_pool.DecodePool(_decode_pool.MAX_WORKERS)  # the last worker's flag ends the line
     rng = np.random.default_rng(8)
