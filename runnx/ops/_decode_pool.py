@@ -595,12 +595,12 @@ def _start_and_load() -> None:
 def _load_jobs() -> None:
     """The jobs a decoder calls first, loaded from numba's cache (or compiled) for the types its
     calls give them, each 15-20 ms a first call: one row and a few (a prompt's) times one read-only
-    matrix (an LM head) and three (a layer's projections), a rows' softmax and GELU (the Whisper
-    encoder's, its bias read-only or not). Computed alone, on zeros."""
+    matrix (an LM head), two (a Llama MLP's gate and up) and three (a layer's projections), a rows'
+    softmax and GELU (the Whisper encoder's, its bias read-only or not). Computed alone, on zeros."""
     matrix = np.zeros((4, 4), np.float32)
     matrix.flags.writeable = False
     for row in (np.zeros(4, np.float32), np.zeros((2, 4), np.float32)):
-        for count in (1, 3):
+        for count in (1, 2, 3):
             outs = tuple([np.empty(row.size, np.float32) for _ in range(count)])
             alone(_products, row, (matrix,) * count, outs, np.empty(chunk_count(4) * row.size * count, np.float32))
     rows = np.zeros((2, 4), np.float32)

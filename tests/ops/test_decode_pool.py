@@ -250,7 +250,7 @@ def test_a_pool_started_in_the_background_is_the_one_every_caller_gets():
 
 
 def test_the_background_start_loads_the_jobs_a_decoder_calls_first():
-    """After `start_in_background`, the products of a read-only matrix (one and three at a time,
+    """After `start_in_background`, the products of a read-only matrix (one to three at a time,
     one row and two) and the rows' softmax and GELU find their compiled code: their first calls
     add no overload (a fresh process, so that nothing else called them before)."""
     code = """
@@ -264,8 +264,8 @@ before = [len(job.overloads) for job in jobs]
 matrix = np.ones((64, 32), np.float32)
 matrix.flags.writeable = False
 for row in (np.ones(64, np.float32), np.ones((2, 64), np.float32)):
-    d.pool().products(row, (matrix,))
-    d.pool().products(row, (matrix,) * 3)
+    for count in (1, 2, 3):
+        d.pool().products(row, (matrix,) * count)
 rows = np.ones((40, 8), np.float32)
 d.softmax_rows(rows, float("nan"))
 for bias in (np.zeros(8, np.float32), matrix[0, :8]):
