@@ -53,7 +53,7 @@ import numpy as np  # noqa: E402
 
 import bench  # noqa: E402
 from runnx.ops import _decode_pool, fused, linalg  # noqa: E402
-from runnx.ops._decode_pool import _MAILBOX_SIZE, _attention, _products  # noqa: E402
+from runnx.ops._decode_mailbox import _MAILBOX_SIZE, _attention, _products  # noqa: E402
 from runnx.ops._kernels_fused import add_rms_norm  # noqa: E402
 
 bench.runnx, bench.np = runnx, np

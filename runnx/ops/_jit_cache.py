@@ -1,7 +1,7 @@
 """Stale compiled kernels out of numba's on-disk cache, before any kernel loads from it.
 
 numba checks a cached function against its own source file only (its time and size). A kernel
-compiled into a function of another module stays there: `_decode_pool.py`'s jobs inline
+compiled into a function of another module stays there: `_decode_mailbox.py`'s jobs inline
 `_kernels_fused.py`'s attention, and after an edit of `_kernels_fused.py` (or a checkout that
 changes it) they kept running the old attention from the cache, without a sign. So the index files
 of the cached modules' `__pycache__` folders older than the newest of those modules' sources are
@@ -16,8 +16,8 @@ from pathlib import Path
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 # the modules with numba functions cached on disk (`cache=True`), which call into one another
-CACHED_MODULES = ("capture/capacity.py", "ops/_decode_blocks.py", "ops/_decode_pool.py", "ops/_kernels_elementwise.py",
-                  "ops/_kernels_fused.py", "ops/_kernels_linalg.py", "ops/_kernels_nn.py", "ops/_kernels_whisper.py")
+CACHED_MODULES = ("capture/capacity.py", "ops/_decode_blocks.py", "ops/_decode_mailbox.py",
+                  "ops/_kernels_elementwise.py", "ops/_kernels_fused.py", "ops/_kernels_linalg.py", "ops/_kernels_nn.py", "ops/_kernels_whisper.py")
 
 
 def drop_stale(sources=tuple(_PACKAGE / module for module in CACHED_MODULES)) -> int:

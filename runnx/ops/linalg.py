@@ -14,7 +14,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _decode_pool
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
-from runnx.ops._decode_pool import few
+from runnx.ops._decode_mailbox import few
 from runnx.ops._kernels_linalg import rows_times_matrix
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends

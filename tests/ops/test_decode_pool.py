@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from _single_node import run_node
 
-from runnx.ops import _decode_pool
+from runnx.ops import _decode_mailbox, _decode_pool
 from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops._kernels_linalg import ROW_CHUNKS, row_times_matrix
 from runnx.ops.linalg import MatMul
@@ -18,7 +18,7 @@ from runnx.ops.linalg import MatMul
 RNG = np.random.default_rng(0)
 # (depth, width): fewer rows than chunks, rows not a multiple of four, wide rows (four per pass), an
 # LM head's width (its partial rows added by the pool in blocks of columns, the last one short)
-SHAPES = [(3, 5), (13, 7), (576, 192), (1537, 96), (64, 1100), (40, 5 * _decode_pool._SUM_BLOCK + 13)]
+SHAPES = [(3, 5), (13, 7), (576, 192), (1537, 96), (64, 1100), (40, 5 * _decode_mailbox._SUM_BLOCK + 13)]
 
 
 @pytest.fixture
@@ -31,9 +31,9 @@ def pool():
 def _asleep(pool, workers: int) -> bool:
     """Whether all `workers` of `pool` are asleep (waiting up to 10 s for their patience to run out)."""
     deadline = time.monotonic() + 10
-    while not all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + workers]) and time.monotonic() < deadline:
+    while not all(pool.box[_decode_mailbox._IDLE:_decode_mailbox._IDLE + workers]) and time.monotonic() < deadline:
         time.sleep(0.001)
-    return all(pool.box[_decode_pool._IDLE:_decode_pool._IDLE + workers])
+    return all(pool.box[_decode_mailbox._IDLE:_decode_mailbox._IDLE + workers])
 
 
 def _chunked_sum(row, matrix):
@@ -78,10 +78,10 @@ def test_pool_is_bitwise_the_loop(pool, shape):
 
 @pytest.mark.parametrize("depth, widths", [
     (384, (384, 64, 1100, 7, 384, 96)),  # more than MAX_MATRICES: two jobs
-    (96, (3 * _decode_pool._SUM_BLOCK + 5, 300, 2 * _decode_pool._SUM_BLOCK - 1)),  # partial rows added by the pool
+    (96, (3 * _decode_mailbox._SUM_BLOCK + 5, 300, 2 * _decode_mailbox._SUM_BLOCK - 1)),  # partial rows added by the pool
 ])
 def test_one_job_takes_several_matrices_of_one_depth(pool, depth, widths):
-    assert len(widths) > _decode_pool.MAX_MATRICES or sum(widths) >= _decode_pool._SHARED_SUMS
+    assert len(widths) > _decode_mailbox.MAX_MATRICES or sum(widths) >= _decode_mailbox._SHARED_SUMS
     row = RNG.standard_normal(depth).astype(np.float32)
     matrices = tuple(RNG.standard_normal((depth, width)).astype(np.float32) for width in widths)
     for _ in range(5):  # the workers awake or asleep
@@ -91,11 +91,11 @@ def test_one_job_takes_several_matrices_of_one_depth(pool, depth, widths):
             np.testing.assert_array_equal(product, row_times_matrix(row, matrix))
 
 
-@pytest.mark.parametrize("height", [2, 3, _decode_pool.FEW_ROWS])
+@pytest.mark.parametrize("height", [2, 3, _decode_mailbox.FEW_ROWS])
 def test_few_rows_in_one_job_are_each_bitwise_the_one_row_loop(pool, height):
     # a short prompt's rows: one pass over each matrix for all of them; the wide product's partial
     # rows (all rows' columns) added by the pool; each row as the one-row loop computes it alone
-    depth, widths = 96, (300, 2 * _decode_pool._SUM_BLOCK + 5)
+    depth, widths = 96, (300, 2 * _decode_mailbox._SUM_BLOCK + 5)
     rows = RNG.standard_normal((height, depth)).astype(np.float32)
     matrices = tuple(RNG.standard_normal((depth, width)).astype(np.float32) for width in widths)
     for _ in range(5):  # the workers awake or asleep
@@ -170,12 +170,12 @@ def test_products_worth_blas_threads_let_spinning_workers_sleep(pool):
     rested = False
     while not rested and time.monotonic() < deadline:  # (unless the workers fell asleep before the product)
         pool.products(row, (matrix,))
-        posted = pool.box[_decode_pool._POSTED]
+        posted = pool.box[_decode_mailbox._POSTED]
         np.testing.assert_array_equal(MatMul(frequencies, positions), frequencies @ positions)
-        assert pool.box[_decode_pool._POSTED] == posted  # no job
+        assert pool.box[_decode_mailbox._POSTED] == posted  # no job
         np.testing.assert_allclose(MatMul(rows, matrix), rows @ matrix, rtol=1e-5, atol=1e-4)
-        rested = pool.box[_decode_pool._POSTED] == posted + 1  # an empty job...
-    assert rested and pool.box[_decode_pool._LINGER] == 0  # ...after which workers sleep at once
+        rested = pool.box[_decode_mailbox._POSTED] == posted + 1  # an empty job...
+    assert rested and pool.box[_decode_mailbox._LINGER] == 0  # ...after which workers sleep at once
     assert _asleep(pool, 2)
     np.testing.assert_array_equal(pool.products(row, (matrix,))[0], row_times_matrix(row, matrix))
 

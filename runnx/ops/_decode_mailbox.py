@@ -1,0 +1,345 @@
+"""The decode pool's native side (`_decode_pool.py` starts the threads and calls the jobs): the
+mailbox, an int64 array every thread reads and writes with the atomic instructions of
+`_atomics.py`; the units a job is cut into; the workers' loop; the jobs that post them.
+
+A job is cut into units that give the same result whoever computes them:
+- products: one row (or a short prompt's few rows) times up to four matrices (a layer's
+  projections of one input); each product in the row chunks of `rows_times_matrix`
+  (`_kernels_linalg.py`), each summed into its own partial rows, the partial rows added in chunk
+  order: bitwise the one-thread loop's;
+- attention: one unit per (batch entry, KV head, span of the cache), `attention_span` of
+  `_kernels_fused.py` as the one-thread `attention` runs it, the caller combining the spans after;
+- rows (a prefill's or the Whisper encoder's attention softmax, the encoder's GELU: row kernels of
+  `_kernels_whisper.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
+  products around them, so after such a job a worker does not spin but sleeps at once.
+Threads claim units with compare-and-swap on a counter tagged with the job's sequence number, so
+the caller never waits for a worker that has not started (it takes the units itself) and a late
+worker cannot claim a later job's unit with an earlier job's fields (the caller retags the counter
+before it rewrites them). The caller waits only for units a worker has claimed, then returns.
+Each job says how long a worker spins after it (`_LINGER`): decode jobs come every few microseconds.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from runnx.ops._atomics import (add, bits_of_float64, compare_and_swap, float32_pointer, float32_view,
+                                float64_from_bits, load, pause, store)
+from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span
+from runnx.ops._kernels_linalg import add_partials_into, chunk_bounds, chunk_count, rows_into
+from runnx.ops._kernels_whisper import gelu_rows_float32, softmax_rows_float32
+
+# mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
+# caller's writes; _IDLE + w is worker w's, so there are at most MAX_WORKERS (one line of flags)
+_POSTED, _CLAIM, _COMPLETED, _IDLE, _STOP, _SHARED, _FIELDS = 0, 8, 16, 24, 32, 40, 48
+MAX_WORKERS = _STOP - _IDLE
+# a job's fields: its kind, unit count and polls a worker spins after it, then the kind's own
+_KIND, _UNITS, _LINGER, _OWN = _FIELDS, _FIELDS + 1, _FIELDS + 2, _FIELDS + 3
+_PRODUCTS, _ATTENTION, _ROWS, _SUMS = 0, 1, 2, 3
+# products: the rows (address, count), then (matrix, width, partial rows, output) for each matrix;
+# a products job's partial rows are then added by a sums job of the same fields when they are wide
+# (an LM head's)
+_ROW, _HEIGHT, _DEPTH, _CHUNKS, _MATRICES = range(_OWN, _OWN + 5)
+MAX_MATRICES = 4  # one job: rows times up to this many matrices (a layer's q, k, v projections)
+# a few rows (a short prompt's) take a products job rather than OpenBLAS, which packs the whole
+# matrix for them: up to FEW_ROWS, their partial sums in one pass over the matrix (rows x columns)
+# up to FEW_ROW_SUMS, a quarter of an L2 cache (2 threads here: 16 rows times 576 x 1536 495 us,
+# OpenBLAS 507; 2 rows times an LM head of 51864 columns 4.0 ms, OpenBLAS 5.9; 4 rows 5.7 and 5.4)
+FEW_ROWS = 16
+FEW_ROW_SUMS = 1 << 17
+_MATRIX, _WIDTH, _PARTIALS, _OUT, _PER_MATRIX = 0, 1, 2, 3, 4  # matrix m's slots start at _MATRICES + 4 m
+# columns per unit of a sums job, and the columns (all products') from which the partial rows are
+# added by the pool: an LM head's 8 partial rows of 50k columns take ~250 us to add on one thread
+_SUM_BLOCK = 4096
+_SHARED_SUMS = 4 * _SUM_BLOCK
+# attention: scale, groups, whether there is a bias, then query, key, value, bias and the spans'
+# partial sums and statistics as (address, 4 dimensions, 4 byte strides)
+_SCALE, _GROUPS, _HAS_BIAS, _ARRAYS = range(_OWN, _OWN + 4)
+_QUERY, _KEY, _VALUE, _BIAS, _PARTIAL_SUMS, _SPAN_STATS = (_ARRAYS + 9 * i for i in range(6))
+# rows: the row kernel, the input's and the output's addresses, rows, columns, then the kernel's own:
+# the softmax's fill; the GELU's bias (address, size), divisor, one, half (floats as float64 bits)
+_ROW_KERNEL, _ROWS_IN, _ROWS_OUT, _ROW_COUNT, _ROW_COLUMNS, _ROW_ARGUMENTS = range(_OWN, _OWN + 6)
+_SOFTMAX_ROWS, _GELU_ROWS = 0, 1
+_ROW_BLOCK = 16  # rows per unit
+_MAILBOX_SIZE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9)
+_INDEX_BITS = 32
+_NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
+_SEQUENCES = (1 << 31) - 1  # job numbers wrap here, so that the tagged counter stays positive
+_PATIENCE = 1 << 16  # polls (each a `pause`) before a worker sleeps: about 2.5 ms here
+
+_jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+
+
+def few(rows: int, columns: int) -> bool:
+    """Whether `rows` rows times a matrix of `columns` columns are one row or few enough for the
+    products loop (`FEW_ROWS`, `FEW_ROW_SUMS`)."""
+    return rows == 1 or (rows <= FEW_ROWS and rows * columns <= FEW_ROW_SUMS)
+
+
+@_jit
+def _product_chunk(box, index):
+    """Unit `index` of a products job: one row chunk of one product into its partial rows."""
+    height, depth, chunks = load(box, _HEIGHT), load(box, _DEPTH), load(box, _CHUNKS)
+    slots = _MATRICES + _PER_MATRIX * (index // chunks)
+    width = load(box, slots + _WIDTH)
+    rows = numba.carray(float32_pointer(load(box, _ROW)), (height, depth))
+    matrix = numba.carray(float32_pointer(load(box, slots + _MATRIX)), (depth, width))
+    partials = numba.carray(float32_pointer(load(box, slots + _PARTIALS)), (chunks, height, width))
+    chunk = index % chunks
+    start, stop = chunk_bounds(depth, chunks, chunk)
+    rows_into(rows, matrix, partials[chunk], start, stop)
+
+
+@_jit
+def _sum_block(box, index):
+    """Unit `index` of a sums job: one block of columns of one product, its partial rows added in
+    chunk order (`add_partials_into`'s order, so the same result as on one thread), each block of a
+    chunk's partial rows (all rows of the product in turn) a contiguous vector."""
+    height, chunks = load(box, _HEIGHT), load(box, _CHUNKS)
+    slots = _MATRICES
+    width = height * load(box, slots + _WIDTH)
+    blocks = (width + _SUM_BLOCK - 1) // _SUM_BLOCK
+    while index >= blocks:  # the units run through the products' blocks in turn
+        index -= blocks
+        slots += _PER_MATRIX
+        width = height * load(box, slots + _WIDTH)
+        blocks = (width + _SUM_BLOCK - 1) // _SUM_BLOCK
+    start = index * _SUM_BLOCK
+    size = min(_SUM_BLOCK, width - start)
+    partials = load(box, slots + _PARTIALS) + 4 * start  # chunk c's columns at 4 * c * width bytes on
+    out = numba.carray(float32_pointer(load(box, slots + _OUT) + 4 * start), (size,))
+    out[:] = numba.carray(float32_pointer(partials), (size,))
+    for chunk in range(1, chunks):
+        part = numba.carray(float32_pointer(partials + 4 * chunk * width), (size,))
+        for n in range(size):
+            out[n] += part[n]
+
+
+@_jit
+def _posted_array(box, slot):
+    shape = (load(box, slot + 1), load(box, slot + 2), load(box, slot + 3), load(box, slot + 4))
+    strides = (load(box, slot + 5), load(box, slot + 6), load(box, slot + 7), load(box, slot + 8))
+    return float32_view(load(box, slot), shape, strides)
+
+
+@_jit
+def _post_array(box, slot, array):
+    store(box, slot, array.ctypes.data)
+    for axis in range(4):
+        store(box, slot + 1 + axis, array.shape[axis])
+        store(box, slot + 5 + axis, array.strides[axis])
+
+
+@_jit
+def _attention_span(box, index):
+    """Unit `index` of an attention job: the query rows of one (batch entry, KV head) against one
+    span of the cache."""
+    groups = load(box, _GROUPS)
+    query, key, value = _posted_array(box, _QUERY), _posted_array(box, _KEY), _posted_array(box, _VALUE)
+    partials, stats = _posted_array(box, _PARTIAL_SUMS), _posted_array(box, _SPAN_STATS)
+    scale = float64_from_bits(load(box, _SCALE))
+    unit, span = index // partials.shape[1], index % partials.shape[1]
+    if load(box, _HAS_BIAS):
+        attention_span(query, key, value, _posted_array(box, _BIAS), scale, partials, stats, unit // groups,
+                       unit % groups, span)
+    else:
+        attention_span(query, key, value, None, scale, partials, stats, unit // groups, unit % groups, span)
+
+
+@_jit
+def _row_block(box, index):
+    """Unit `index` of a rows job: its block of rows."""
+    rows, columns = load(box, _ROW_COUNT), load(box, _ROW_COLUMNS)
+    start = index * _ROW_BLOCK
+    count = min(rows - start, _ROW_BLOCK)
+    out = numba.carray(float32_pointer(load(box, _ROWS_OUT) + 4 * start * columns), (count, columns))
+    if load(box, _ROW_KERNEL) == _SOFTMAX_ROWS:
+        softmax_rows_float32(out, float64_from_bits(load(box, _ROW_ARGUMENTS)))
+        return
+    x = numba.carray(float32_pointer(load(box, _ROWS_IN) + 4 * start * columns), (count, columns))
+    bias = numba.carray(float32_pointer(load(box, _ROW_ARGUMENTS)), (load(box, _ROW_ARGUMENTS + 1),))
+    divisor = np.float32(float64_from_bits(load(box, _ROW_ARGUMENTS + 2)))
+    one = np.float32(float64_from_bits(load(box, _ROW_ARGUMENTS + 3)))
+    half = np.float32(float64_from_bits(load(box, _ROW_ARGUMENTS + 4)))
+    gelu_rows_float32(x, bias, divisor, one, half, out)
+
+
+@_jit
+def _work(box, sequence):
+    """Claim and compute units of job `sequence` until none are left (or a later job is posted);
+    returns how many it computed."""
+    computed = 0
+    while True:
+        claim = load(box, _CLAIM)
+        if claim >> _INDEX_BITS != sequence or (claim & _NOTHING_TO_CLAIM) >= load(box, _UNITS):
+            return computed  # (a later job's unit count read here: its retag fails the swap below)
+        if compare_and_swap(box, _CLAIM, claim, claim + 1):  # the fields stay this job's until it is done
+            kind = load(box, _KIND)
+            if kind == _PRODUCTS:
+                _product_chunk(box, claim & _NOTHING_TO_CLAIM)
+            elif kind == _ATTENTION:
+                _attention_span(box, claim & _NOTHING_TO_CLAIM)
+            elif kind == _SUMS:
+                _sum_block(box, claim & _NOTHING_TO_CLAIM)
+            else:
+                _row_block(box, claim & _NOTHING_TO_CLAIM)
+            add(box, _COMPLETED, 1)
+            computed += 1
+
+
+@_jit
+def _serve(box, worker):
+    """Worker `worker`'s loop: returns True when told to stop, False when it has been idle for as
+    many polls as its last job said (`_LINGER`)."""
+    store(box, _IDLE + worker, 0)
+    handled, polls, patience = -1, 0, 0
+    while not load(box, _STOP):
+        posted = load(box, _POSTED)
+        if posted != handled:
+            computed = _work(box, posted)
+            if computed:
+                add(box, _SHARED, computed)
+            handled, polls, patience = posted, 0, load(box, _LINGER)
+        elif polls < patience:
+            polls += 1
+            pause()
+        else:
+            store(box, _IDLE + worker, 1)
+            if load(box, _POSTED) == handled:  # nothing posted in between: the caller will wake us
+                return False
+            store(box, _IDLE + worker, 0)
+    return True
+
+
+@_jit
+def _begin(box, linger):
+    """The next job's sequence number, its counter retagged so that no unit of it can be claimed
+    (nor one of an earlier job) while the caller writes its fields (`linger` the first)."""
+    sequence = (load(box, _POSTED) + 1) & _SEQUENCES
+    store(box, _CLAIM, (sequence << _INDEX_BITS) | _NOTHING_TO_CLAIM)
+    store(box, _LINGER, linger)
+    return sequence
+
+
+@_jit
+def _run(box, workers, sequence, units):
+    """Open job `sequence` of `units` units, take units of it, wait for those workers claimed;
+    returns whether a worker was idle (asleep or falling asleep) when the job was posted."""
+    store(box, _UNITS, units)
+    store(box, _COMPLETED, 0)
+    store(box, _CLAIM, sequence << _INDEX_BITS)
+    store(box, _POSTED, sequence)
+    idle = False
+    for worker in range(workers):
+        idle |= load(box, _IDLE + worker) != 0
+    _work(box, sequence)
+    while load(box, _COMPLETED) < units:
+        pause()
+    return idle
+
+
+@_jit
+def _products(box, workers, row, matrices, outs, scratch):
+    """row @ matrices[m] into outs[m] for each m, as one job, for C-contiguous float32 `row` of one
+    row (K,) or a few (M, K) and outs[m] of M * N_m elements, the partial rows in `scratch` (room
+    for chunk_count(K) times every output); whether a worker was idle."""
+    depth = matrices[0].shape[0]
+    chunks = chunk_count(depth)
+    partials = []
+    start = 0
+    for out in outs:
+        partials.append(scratch[start:start + chunks * out.size].reshape((chunks, out.size)))
+        start += chunks * out.size
+    sequence = _begin(box, _PATIENCE)
+    store(box, _KIND, _PRODUCTS)
+    store(box, _ROW, row.ctypes.data)
+    store(box, _HEIGHT, row.size // depth)
+    store(box, _DEPTH, depth)
+    store(box, _CHUNKS, chunks)
+    for m in range(len(matrices)):
+        slots = _MATRICES + _PER_MATRIX * m
+        store(box, slots + _MATRIX, matrices[m].ctypes.data)
+        store(box, slots + _WIDTH, matrices[m].shape[1])
+        store(box, slots + _PARTIALS, partials[m].ctypes.data)
+        store(box, slots + _OUT, outs[m].ctypes.data)
+    idle = _run(box, workers, sequence, chunks * len(matrices))
+    columns = 0
+    for out in outs:
+        columns += out.size
+    if workers and chunks > 1 and columns >= _SHARED_SUMS:
+        units = 0
+        for out in outs:
+            units += (out.size + _SUM_BLOCK - 1) // _SUM_BLOCK
+        sequence = _begin(box, _PATIENCE)  # the fields stay the products job's
+        store(box, _KIND, _SUMS)
+        _run(box, workers, sequence, units)
+        return idle
+    for m in range(len(matrices)):
+        add_partials_into(partials[m], outs[m])
+    return idle
+
+
+@_jit
+def _attention(box, workers, query, key, value, bias, scale, fill, out):
+    """`attention` of _kernels_fused.py into out, one unit per (batch entry, KV head, span), as one
+    job, then the spans combined on this thread; whether a worker was idle."""
+    partials, stats = attention_scratch(query, key, value)
+    sequence = _begin(box, _PATIENCE)
+    store(box, _KIND, _ATTENTION)
+    store(box, _SCALE, bits_of_float64(scale))
+    store(box, _GROUPS, key.shape[1])
+    _post_array(box, _QUERY, query)
+    _post_array(box, _KEY, key)
+    _post_array(box, _VALUE, value)
+    _post_array(box, _PARTIAL_SUMS, partials)
+    _post_array(box, _SPAN_STATS, stats)
+    if bias is None:
+        store(box, _HAS_BIAS, 0)
+    else:
+        store(box, _HAS_BIAS, 1)
+        _post_array(box, _BIAS, bias)
+    idle = _run(box, workers, sequence, partials.shape[0] * partials.shape[1])
+    for unit in range(partials.shape[0]):
+        attention_combine(value, partials, stats, fill, out, unit // key.shape[1], unit % key.shape[1])
+    return idle
+
+
+@_jit
+def _rows(box, workers, kernel, x, out):
+    """Row kernel `kernel` from x into out (C-contiguous float32 (rows, columns); its arguments
+    already in the box) as one job of blocks of rows, after which workers sleep at once."""
+    sequence = _begin(box, 0)
+    store(box, _KIND, _ROWS)
+    store(box, _ROW_KERNEL, kernel)
+    store(box, _ROWS_IN, x.ctypes.data)
+    store(box, _ROWS_OUT, out.ctypes.data)
+    store(box, _ROW_COUNT, out.shape[0])
+    store(box, _ROW_COLUMNS, out.shape[1])
+    _run(box, workers, sequence, (out.shape[0] + _ROW_BLOCK - 1) // _ROW_BLOCK)
+
+
+@_jit
+def _softmax(box, workers, scores, fill):
+    store(box, _ROW_ARGUMENTS, bits_of_float64(fill))
+    _rows(box, workers, _SOFTMAX_ROWS, scores, scores)
+
+
+@_jit
+def _gelu(box, workers, x, bias, divisor, one, half, out):
+    store(box, _ROW_ARGUMENTS, bias.ctypes.data)
+    store(box, _ROW_ARGUMENTS + 1, bias.size)
+    store(box, _ROW_ARGUMENTS + 2, bits_of_float64(divisor))
+    store(box, _ROW_ARGUMENTS + 3, bits_of_float64(one))
+    store(box, _ROW_ARGUMENTS + 4, bits_of_float64(half))
+    _rows(box, workers, _GELU_ROWS, x, out)
+
+
+@_jit
+def _rest(box):
+    """An empty job after which workers sleep at once."""
+    _run(box, 0, _begin(box, 0), 0)
+
+
+@_jit
+def _stop(box):
+    store(box, _STOP, 1)
