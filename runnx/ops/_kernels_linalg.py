@@ -9,8 +9,12 @@ apart, not adjacent: four long sequential streams, where adjacent rows of a 576-
 four 2 KiB streams that end and restart every pass (1.3-2x the bandwidth on a Zen 3 for the
 matrices of a decoder layer). The rows are cut into `ROW_CHUNKS` chunks whose partial sums are
 added in chunk order: the chunks are what `_decode_pool.py` shares between threads, and since
-they depend on the matrix's shape only, the pool's result is bitwise this loop's (and the same on
-every machine: no reassociation, so no dependence on the vector width).
+they depend on the matrix's shape only, the pool's result is bitwise this loop's. Each column is
+summed as a chain of fused multiply-adds (`contract`: one rounding a row, as onnxruntime's MLAS
+kernels sum; never reassociated, so no dependence on the vector width): the same result for every
+thread count, on every CPU with FMA. Half the arithmetic instructions of a multiply and an add: a
+Whisper tiny.en decoder step 0.93x the time, its 384 x 51864 LM head 3.3 -> 3.1 ms on one thread
+(an Intel Xeon, two threads, processes taking turns).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import numpy as np
 
 ROW_CHUNKS = 8
 
-_kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
+_kernel = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})
 
 
 @_kernel

@@ -6,6 +6,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import llvmlite.binding as llvm
 import numpy as np
 import pytest
 from _single_node import run_node
@@ -16,6 +17,7 @@ from runnx.ops._kernels_linalg import ROW_CHUNKS, row_times_matrix
 from runnx.ops.linalg import MatMul
 
 RNG = np.random.default_rng(0)
+_HOST_FMA = bool(llvm.get_host_cpu_features().get("fma"))
 # (depth, width): fewer rows than chunks, rows not a multiple of four, wide rows (four per pass), an
 # LM head's width (its partial rows added by the pool in blocks of columns, the last one short)
 SHAPES = [(3, 5), (13, 7), (576, 192), (1537, 96), (64, 1100), (40, 5 * _decode_mailbox._SUM_BLOCK + 13)]
@@ -57,12 +59,31 @@ def _chunked_sum(row, matrix):
     return total
 
 
+def _exact_products(shape, dtype) -> np.ndarray:
+    """Numbers of 7 significant bits over a wide range of exponents: their products are exact, so
+    a fused multiply-add rounds as a product and a sum do, while their sums round, so their order
+    shows in the result."""
+    return (RNG.integers(-127, 128, shape) * np.exp2(RNG.integers(-12, 13, shape))).astype(dtype)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_loop_sums_chunks_of_rows_in_order(shape, dtype):
-    row = RNG.standard_normal(shape[0]).astype(dtype)
-    matrix = RNG.standard_normal(shape).astype(dtype)
+    row, matrix = _exact_products(shape[0], dtype), _exact_products(shape, dtype)
     np.testing.assert_array_equal(row_times_matrix(row, matrix), _chunked_sum(row, matrix))
+    if shape[0] >= 64:  # the order shows: rows summed straight through round otherwise
+        assert not np.array_equal(_chunked_sum(row, matrix), np.cumsum(row[:, None] * matrix, axis=0)[-1])
+
+
+@pytest.mark.skipif(not _HOST_FMA, reason="this CPU has no fused multiply-add: LLVM keeps a product and a sum")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_loop_rounds_each_row_once_as_a_fused_multiply_add(dtype):
+    """Each row's product and sum rounded once (an FMA), as onnxruntime's kernels round them: the
+    first chunk's two rows give -1 + (1 + e)(1 - e) = -e^2, which a rounded product (1) loses."""
+    epsilon = np.finfo(dtype).eps
+    row, matrix = np.zeros(16, dtype), np.zeros((16, 1), dtype)  # 8 chunks of two rows
+    row[:2], matrix[:2, 0] = (1, 1 + epsilon), (-1, 1 - epsilon)
+    assert row_times_matrix(row, matrix)[0] == -epsilon * epsilon
 
 
 @pytest.mark.parametrize("shape", SHAPES)
