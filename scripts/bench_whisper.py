@@ -1,19 +1,20 @@
 """Whisper tiny.en speed, runnx vs onnxruntime at the same thread count: encoder seconds per 30 s
-window, decoder milliseconds per token (a first window, and the same window again: steady), and the
-real-time factor of a whole long clip; with --profile, runnx's time per op type for the encoder and
-the decoder steps.
+window, decoder milliseconds per token (a first window, and the same window again: steady), the
+real-time factor of a whole long clip, and (with --pairs) the time to transcribe the short clips;
+with --profile, runnx's time per op type for the encoder and the decoder steps.
 
-    python scripts/bench_whisper.py [--model DIR] [--audio FILE] [--threads N] [--rounds N] [--repeat N] [--pairs N]
-                                    [--profile]
+    python scripts/bench_whisper.py [--model DIR] [--audio FILE] [--clips FILE ...] [--threads N] [--rounds N]
+                                    [--repeat N] [--pairs N] [--profile]
 
 Each engine runs in its own process (two thread pools in one process, onnxruntime's and OpenBLAS's,
 busy-wait against each other at 2 threads), --rounds times alternating, and the figures are medians
-over the rounds. With --pairs N, both engines then transcribe the clip and decode its first window N
-times each in one process, taking turns (A B B A ...) with a pause between turns so that neither's
-spinning threads overlap the other's run: separate processes minutes apart saw this machine's
-memory bandwidth move by 10-30%, and turns in one process put a slow spell on both. Defaults:
-${RUNNX_CACHE:-~/.cache/runnx}/models/whisper-tiny.en and .../audio/long.wav (built by `make
-models`). onnxruntime is a test dependency; it runs behind the same pipeline code
+over the rounds. With --pairs N, both engines then transcribe the clip, decode its first window and
+transcribe the short clips (--clips: by default the other .wav files beside --audio, which `make
+models` builds) N times each in one process, taking turns (A B B A ...) with a pause between turns
+so that neither's spinning threads overlap the other's run: separate processes minutes apart saw
+this machine's memory bandwidth move by 10-30%, and turns in one process put a slow spell on both.
+Defaults: ${RUNNX_CACHE:-~/.cache/runnx}/models/whisper-tiny.en and .../audio/long.wav (built by
+`make models`). onnxruntime is a test dependency; it runs behind the same pipeline code
 (tests/generate/_ort_whisper.py), so the two columns differ only in the engine. RUNNX_FUSE=0 in the
 environment gives runnx without fusion, for A/B runs.
 """
@@ -39,6 +40,8 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=cache / "models" / "whisper-tiny.en")
     parser.add_argument("--audio", type=Path, default=cache / "audio" / "long.wav")
+    parser.add_argument("--clips", type=Path, nargs="*", default=None,
+                        help="short clips transcribed each turn of --pairs (default: the other .wav files beside --audio)")
     parser.add_argument("--threads", type=int, default=1, help="BLAS/numba threads and onnxruntime intra-op threads")
     parser.add_argument("--rounds", type=int, default=3, help="processes per engine, alternating; medians over them")
     parser.add_argument("--repeat", type=int, default=3, help="timed encoder runs per process (after one warm-up)")
@@ -108,7 +111,7 @@ def _whisper(engine: str):
 def same_process_pairs(count: int) -> str:
     """Real-time factors of both engines transcribing the clip, and their decoder ms/token on its
     first window, in one process, taking turns."""
-    from runnx.generate.audio import load_audio
+    from runnx.generate.audio import SAMPLE_RATE, load_audio
     from runnx.generate.mel import window_features
 
     models = {engine: _whisper(engine) for engine in ENGINES}
@@ -117,16 +120,38 @@ def same_process_pairs(count: int) -> str:
     for engine, model in models.items():  # warm-up
         model.transcribe(samples)
         decoder_ms_per_token(model, hidden[engine])
+    clips = [load_audio(path) for path in short_clips()]
+    for engine, model in models.items():
+        for clip in clips:
+            model.transcribe(clip)
     factors = {engine: [] for engine in ENGINES}
     per_token = {engine: [] for engine in ENGINES}
+    clip_seconds = {engine: [] for engine in ENGINES}
     for turn in range(count):
         for engine in ENGINES if turn % 2 == 0 else ENGINES[::-1]:
             time.sleep(PAUSE_SECONDS)
             factors[engine].append(models[engine].transcribe(samples).timings.real_time_factor)
             time.sleep(PAUSE_SECONDS)
             per_token[engine].append(decoder_ms_per_token(models[engine], hidden[engine], warm_ups=0)[0])
-    return (f"same process, {count} turns each: real-time factor {_paired(factors, '.3f')}; "
+            time.sleep(PAUSE_SECONDS)
+            start = time.perf_counter()
+            for clip in clips:
+                models[engine].transcribe(clip)
+            clip_seconds[engine].append(time.perf_counter() - start)
+    line = (f"same process, {count} turns each: real-time factor {_paired(factors, '.3f')}; "
             f"decoder ms/token {_paired(per_token, '.2f')}")
+    if clips:
+        audio = sum(len(clip) for clip in clips) / SAMPLE_RATE
+        line += (f"; {len(clips)} short clips ({audio:.1f} s of audio), seconds to transcribe them all "
+                 f"{_paired(clip_seconds, '.3f')}")
+    return line
+
+
+def short_clips() -> list[Path]:
+    """--clips, or the .wav files beside --audio but it (`make models` builds three espeak-ng ones)."""
+    if ARGS.clips is not None:
+        return ARGS.clips
+    return sorted(path for path in ARGS.audio.parent.glob("*.wav") if path != ARGS.audio)
 
 
 def _paired(figures: dict, form: str) -> str:
