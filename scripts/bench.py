@@ -362,7 +362,8 @@ Encoder seconds per 30 s window, decoder ms/token (a first window after two shor
 same window again: steady, every length known to runnx's shape memos), and the real-time factor of
 the 68.8 s clip (`long.wav`, 15 espeak-ng sentences), runnx vs onnxruntime behind the same pipeline
 code, at each thread count: medians of processes, then {WHISPER_PAIRS} turns each in one process (a
-transcription and a decode of the clip's first window each turn), the ratio the median of the turns'.
+transcription, a decode of the clip's first window and a transcription of each short clip beside it
+each turn), the ratio the median of the turns'.
 runnx {git_revision()}; {machine()}.
 
 {whisper_blocks}
