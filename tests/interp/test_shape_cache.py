@@ -118,8 +118,9 @@ def test_a_value_inside_a_group_can_still_be_requested():
 
 def test_a_kept_result_never_aliases_a_value_that_is_later_overwritten():
     # kept = Identity(Reshape(a, [Size(y) / 2])) is a memo group whose result would be a view of
-    # a = Shape(x), a plain node's output that Add (reading k's contents) then overwrites in place:
-    # the group keeps a copy instead
+    # a = Shape(x), which Add (reading k's contents) also reads: the group keeps a copy instead (a
+    # alone is a memo too, since another group reads it: its kept result read-only, Add writes a
+    # new array)
     nodes = [
         helper.make_node("Shape", ["x"], ["a"]),
         helper.make_node("Size", ["y"], ["n"]),
@@ -134,7 +135,7 @@ def test_a_kept_result_never_aliases_a_value_that_is_later_overwritten():
         [helper.make_tensor_value_info("kept", I64, None), helper.make_tensor_value_info("bumped", I64, None)],
         [_const("two", 2), _const("axes", [0])])
     model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
-    assert model.memoized == 5
+    assert model.memoized == 6
     for shape in [(2, 3), (2, 3), (4, 5), (4, 5), (6, 7)]:  # interpreted, then compiled (new shapes: misses)
         got = model.run({"x": np.zeros(shape, np.float32), "y": np.zeros(4, np.float32), "k": np.array([1])})
         np.testing.assert_array_equal(got["kept"], shape)
@@ -205,6 +206,35 @@ def test_a_memo_reading_another_memos_results_knows_them_by_identity(monkeypatch
         before = len(hashed)
         got = model.run({"x": np.zeros((rows, 1), np.float32), "y": np.zeros((3, 1), np.float32)})["s"]
         assert got == (rows + 3) * rows
+        assert len(hashed) - before == want_hashed
+
+
+def test_a_lone_shape_node_another_memo_reads_is_a_memo_too(monkeypatch):
+    """s = (dim0(x) + size(y)) * dim0(x): Size(y) alone is the group of roots {y}, which the memo of
+    {x, y} reads, so it becomes a memo of one node, its result kept read-only: a repeated run finds
+    the reading memo's result by identity, without hashing a fresh array's bytes; Shape(z), a lone
+    node that no other group reads, stays a plain node."""
+    nodes = [helper.make_node("Size", ["y"], ["ny"]),
+             helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Gather", ["sx", "zero"], ["dx"], axis=0),
+             helper.make_node("Add", ["dx", "ny"], ["both"]), helper.make_node("Mul", ["both", "dx"], ["s"]),
+             helper.make_node("Shape", ["z"], ["sz"])]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info(name, F, None) for name in ("x", "y", "z")],
+        [helper.make_tensor_value_info("s", I64, None), helper.make_tensor_value_info("sz", I64, None)],
+        [_const("zero", 0)])
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    groups = [n.kernel.fn for n in model.graph.nodes if isinstance(n.kernel.fn, shape_cache.ShapeGroup)]
+    assert sorted(len(g.members) for g in groups) == [1, 2, 2]
+    assert [g.members[0].op_type for g in groups if len(g.members) == 1] == ["Size"]
+    assert [n.op_type for n in model.graph.nodes if not isinstance(n.kernel.fn, shape_cache.ShapeGroup)] == ["Shape"]
+    hashed = []
+    value_key = shape_cache.value_key
+    monkeypatch.setattr(shape_cache, "value_key", lambda v: hashed.append(v) or value_key(v))
+    for rows, want_hashed in ((2, 2), (2, 0), (5, 2), (5, 0)):
+        before = len(hashed)
+        feeds = {"x": np.zeros((rows, 1), np.float32), "y": np.zeros((3, 2), np.float32), "z": np.zeros(4, np.float32)}
+        got = model.run(feeds)
+        assert got["s"] == (rows + 6) * rows and list(got["sz"]) == [4]
         assert len(hashed) - before == want_hashed
 
 
