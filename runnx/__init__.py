@@ -6,7 +6,6 @@
     session = runnx.InferenceSession("model.onnx")       # onnxruntime's API
 """
 from runnx import _openblas  # noqa: F401  (first: OpenBLAS's thread timeout, before numpy loads it)
-from runnx import _allocator  # noqa: F401  (glibc keeps a run's freed temporaries mapped for the next)
 from runnx import ops as _ops  # registers every kernel
 from runnx.capture import Owned, with_capacity
 from runnx.errors import (
