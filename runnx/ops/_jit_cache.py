@@ -7,12 +7,24 @@ changes it) they kept running the old attention from the cache, without a sign. 
 of the cached modules' `__pycache__` folders older than the newest of those modules' sources are
 removed: numba recompiles what they indexed on first use. An install writes every file anew and
 the cache after them, so this only ever removes anything in a working copy whose kernels changed.
+
+numba also saves a new compiled signature without a lock: it reads the function's index, takes the
+first data file number no entry names, writes the index, then the data. Two processes compiling
+two signatures of one function at once (the test suite's two workers, a server's first requests)
+both take number 1: the index ends up naming one signature and the file holding the other's code,
+which a later load runs on the wrong types ("can't unbox array", seen after an edit here).
+`serialize_saves` holds an exclusive lock on a file beside the index for each save.
 """
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on this system: saves stay unlocked, as numba makes them
+    fcntl = None
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 # the modules with numba functions cached on disk (`cache=True`), which call into one another
@@ -47,3 +59,30 @@ def drop_stale(sources=tuple(_PACKAGE / module for module in CACHED_MODULES)) ->
             except OSError:  # removed by another process starting at the same time, or read-only
                 continue
     return removed
+
+
+def serialize_saves() -> bool:
+    """Make numba's cache saves exclusive between processes (and threads): each holds a lock on
+    `<index>.lock` from reading the index to writing the data; whether saves are locked now. Only
+    adds the lock: where it cannot be taken (no fcntl, a folder without write access), numba saves
+    as it would."""
+    try:
+        from numba.core.caching import IndexDataCacheFile
+    except ImportError:
+        return False
+    save = IndexDataCacheFile.save
+    if fcntl is None or getattr(save, "locked", False):
+        return getattr(save, "locked", False)
+
+    def locked_save(self, key, data):
+        try:
+            lock = open(self._index_path + ".lock", "a")
+        except OSError:
+            return save(self, key, data)
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            return save(self, key, data)
+
+    locked_save.locked = True
+    IndexDataCacheFile.save = locked_save
+    return True

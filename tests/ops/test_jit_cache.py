@@ -45,3 +45,41 @@ def test_a_source_dated_in_the_future_removes_nothing(tmp_path):
     later = time.time() + 3600
     os.utime(source, (later, later))
     assert _jit_cache.drop_stale([source]) == 0 and index.exists()
+
+
+def test_two_saves_at_once_keep_each_signatures_own_code(tmp_path, monkeypatch):
+    """Two writers of one function's cache, each saving a new signature: both read the index before
+    either writes it, and the first one's data lands last. Unlocked, both take data file 1 and the
+    index names the second signature while the file holds the first's code; with the lock each
+    signature loads its own."""
+    import threading
+    from numba.core.caching import IndexDataCacheFile
+
+    assert _jit_cache.serialize_saves()
+    index_read = threading.Barrier(2, timeout=1)
+    load_index, save_data = IndexDataCacheFile._load_index, IndexDataCacheFile._save_data
+
+    def racing_load_index(self):
+        overloads = load_index(self)
+        try:
+            index_read.wait()  # both read the empty index first, unless a lock keeps one out
+        except threading.BrokenBarrierError:
+            pass
+        return overloads
+
+    def late_first_data(self, name, data):
+        if data == "first":
+            time.sleep(0.2)
+        save_data(self, name, data)
+
+    monkeypatch.setattr(IndexDataCacheFile, "_load_index", racing_load_index)
+    monkeypatch.setattr(IndexDataCacheFile, "_save_data", late_first_data)
+    files = [IndexDataCacheFile(str(tmp_path), "f-1.py311", "stamp") for _ in range(2)]
+    writers = [threading.Thread(target=f.save, args=(key, key)) for f, key in zip(files, ("first", "second"))]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+    monkeypatch.undo()
+    reader = IndexDataCacheFile(str(tmp_path), "f-1.py311", "stamp")
+    assert reader.load("first") == "first" and reader.load("second") == "second"
