@@ -23,7 +23,7 @@ from runnx.errors import NodeError
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.node_context import node_error
 from runnx.interp.shape_cache import ShapeGroup
-from runnx.ops.registry import with_attributes
+from runnx.ops.registry import bound_kernel
 
 
 def bound_outputs(node, output_count: int, result) -> list:
@@ -153,12 +153,9 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
     """The lines of one step; `keyless` values (memo outputs) are never granted, counted or released."""
     node = step.node
     candidates = [(position, vid) for position, vid in step.candidates if vid not in keyless]
-    namespace[f"f{index}"] = step.fn
     arguments = ["None" if v == MISSING else f"v{names[v]}" for v in step.inputs]
-    attrs = {k: v for k, v in step.kwargs.items() if k != "overwrite"}
-    if attrs and (kernel := with_attributes(step.fn, attrs)) is not None:
-        namespace[f"f{index}"] = kernel
-    elif attrs:
+    namespace[f"f{index}"], attrs = bound_kernel(step.fn, {k: v for k, v in step.kwargs.items() if k != "overwrite"})
+    if attrs:
         namespace[f"a{index}"] = attrs
         arguments.append(f"**a{index}")
     if step.wants_ctx:

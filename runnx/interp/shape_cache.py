@@ -28,7 +28,7 @@ from runnx.interp.folding import NONDETERMINISTIC, out_of_place_kwargs
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.interp.read_ahead import AheadState, read_ahead, value_key
 from runnx.ops._remembered import Remembered
-from runnx.ops.registry import Kernel, with_attributes
+from runnx.ops.registry import Kernel, bound_kernel
 
 SHAPE_READERS = frozenset({"Shape", "Size"})
 # per group (shared by groups computing the same): a decode step's past length is a new key, seen
@@ -142,7 +142,7 @@ def _feeding_other_groups(groups: dict, readers: dict) -> set:
     every step, cold: 120-390 us a step)."""
     group_of = {node.index: key for key, members in groups.items() for node in members}
     return {node.index for key, members in groups.items() for node in members
-            if any(group_of.get(reader, key) != key for vid in node.outputs if vid != MISSING
+            if any(group_of.get(reader) not in (None, key) for vid in node.outputs if vid != MISSING
                    for reader in readers.get(vid, ()))}
 
 
@@ -302,11 +302,8 @@ def _group_program(group: ShapeGroup):
                 names[vid] = f"c{vid}"
                 namespace[names[vid]] = graph.constants[vid]
         arguments = [names[v] for v in node.inputs]
-        namespace[f"f{index}"] = node.kernel.fn
-        kwargs = out_of_place_kwargs(node)
-        if kwargs and (kernel := with_attributes(node.kernel.fn, kwargs)) is not None:
-            namespace[f"f{index}"] = kernel
-        elif kwargs:
+        namespace[f"f{index}"], kwargs = bound_kernel(node.kernel.fn, out_of_place_kwargs(node))
+        if kwargs:
             namespace[f"k{index}"] = kwargs
             arguments.append(f"**k{index}")
         if node.kernel.wants_ctx:

@@ -171,3 +171,10 @@ def with_attributes(fn, attrs: dict):
     kernel.__kwdefaults__ = {**(fn.__kwdefaults__ or {}), **attrs}
     kernel.__qualname__, kernel.__module__, kernel.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
     return kernel
+
+
+def bound_kernel(fn, attrs: dict) -> tuple:
+    """(the kernel to call, the attributes still to pass it): `with_attributes`' copy of `fn` and
+    none, or `fn` itself and all of them (generated code then passes them as **keywords)."""
+    kernel = with_attributes(fn, attrs) if attrs else None
+    return (fn, attrs) if kernel is None else (kernel, {})
