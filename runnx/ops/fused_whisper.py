@@ -30,7 +30,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _decode_blocks
 from runnx.ops._decode_pool import gelu_rows, shared_call, softmax_rows
 from runnx.ops._elementwise_util import binary, erf
-from runnx.ops._kernels_nn import layer_norm_rows
+from runnx.ops._kernels_nn import add_layer_norm_rows
 from runnx.ops._blas_split import split_among_threads
 from runnx.ops._kernels_whisper import softmax_rows_float32, split_heads_into
 from runnx.ops._remembered import Remembered
@@ -318,20 +318,29 @@ def _splits_in_one_pass(x, bias) -> bool:
 @register("AddLayerNorm", since=1, domain=DOMAIN, inplace=(0, 1))
 def AddLayerNorm(a, b, scale, bias, *, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1, overwrite=()):
     """(s, LayerNormalization(s, scale, bias)) with s = a + b: a residual add, kept for the next one,
-    and the norm reading it (onnxruntime's SkipLayerNormalization). float32/float64 rows with a
-    vector scale and bias over the last axis call the LayerNormalization kernel's numba loop
-    directly (the same arithmetic, without its broadcasting and copies); anything else calls it."""
+    and the norm reading it (onnxruntime's SkipLayerNormalization)."""
+    return add_layer_norm(a, b, None, scale, bias, axis, epsilon, stash_type, overwrite)
+
+
+def add_layer_norm(a, b, offset, scale, bias, axis: int, epsilon: float, stash_type: int, overwrite=()):
+    """AddLayerNorm(a, b + offset) (offset None: b; MatMulAddLayerNorm's product and its bias).
+    float32/float64 rows of one shape with vector scale, bias and offset over the last axis are one
+    numba pass (`add_layer_norm_rows`: the sum, written into a or b when granted, and its norm);
+    anything else numpy's adds (broadcasting) and the LayerNormalization kernel."""
+    dtype, columns = a.dtype, a.shape[-1] if a.ndim else 0
+    if (axis in (-1, a.ndim - 1) and dtype in _ROW_DTYPES and a.size and a.shape == b.shape and b.dtype == dtype
+            and a.flags.c_contiguous and b.flags.c_contiguous
+            and all(v is not None and v.shape == (columns,) and v.dtype == dtype for v in (scale, bias))
+            and (offset is None or (offset.shape == (columns,) and offset.dtype == dtype))):
+        summed = a if 0 in overwrite else b if 1 in overwrite else np.empty(a.shape, dtype)
+        out = np.empty(a.shape, dtype)
+        rows = (a.size // columns, columns)
+        add_layer_norm_rows(a.reshape(rows), b.reshape(rows), _NO_BIAS[dtype] if offset is None else offset, scale,
+                            bias, float(epsilon), summed.reshape(rows), out.reshape(rows))
+        return summed, out
+    if offset is not None:
+        b = binary(np.add, b, offset, (0,) if 1 in overwrite else ())
     residual = binary(np.add, a, b, overwrite)
-    columns = residual.shape[-1] if residual.ndim else 0
-    if (axis in (-1, residual.ndim - 1) and residual.dtype in _ROW_DTYPES and residual.size
-            and residual.flags.c_contiguous and scale.shape == (columns,) and scale.dtype == residual.dtype
-            and bias is not None and bias.shape == (columns,) and bias.dtype == residual.dtype):
-        rows = residual.size // columns
-        out = np.empty(residual.shape, residual.dtype)
-        statistics = np.empty((2, rows), residual.dtype)  # mean and 1/std, unused
-        layer_norm_rows(residual.reshape(rows, columns), scale, bias, float(epsilon), out.reshape(rows, columns),
-                        statistics[0], statistics[1])
-        return residual, out
     return residual, LayerNormalization(residual, scale, bias, axis=axis, epsilon=epsilon, stash_type=stash_type)[0]
 
 

@@ -19,7 +19,7 @@ from runnx.ops._kernels_linalg import rows_times_matrix
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, norm_fits
-from runnx.ops.fused_whisper import (AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads, attended_row, attention_row,
+from runnx.ops.fused_whisper import (ErfGelu, HeadsAttention, SplitHeads, add_layer_norm, attended_row, attention_row,
                                      split_shape)
 from runnx.ops.registry import register
 
@@ -309,8 +309,8 @@ def MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, *, axis: int
     if arguments is not None:
         summed, normed = _decode_pool.shared_call(projected_layer_norm, *arguments)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
-    return AddLayerNorm(residual, _product(x, weight, bias), scale, norm_bias, axis=axis, epsilon=epsilon,
-                        stash_type=stash_type, overwrite=(1,))
+    return add_layer_norm(residual, MatMul(x, weight), bias, scale, norm_bias, axis, epsilon, stash_type,
+                          overwrite=(1,))
 
 
 @register("ResidualGeluMLP", since=1, domain=FUSED_DOMAIN)

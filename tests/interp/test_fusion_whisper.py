@@ -436,7 +436,7 @@ def test_a_gelu_mlp_block_rounds_as_its_nodes_whichever_numba_compiles_first():
     code = """
 import numpy as np
 from runnx.ops import linalg, _decode_pool
-from runnx.ops.fused_whisper import ErfGelu
+from runnx.ops.fused_whisper import AddLayerNorm, ErfGelu
 _decode_pool.set_workers(0)
 rng = np.random.default_rng(15)
 f = lambda *shape: rng.standard_normal(shape).astype(np.float32)
@@ -446,8 +446,8 @@ for _ in range(40):
     g, c, g2, c2 = f(96), f(96), f(96), f(96)
     constants = np.float32(2 ** 0.5), np.float32(1), np.float32(0.5)
     block = linalg.ResidualGeluMLP(x, w, None, r, g, c, w1, b1, *constants, w2, None, g2, c2)
-    s, n = linalg.AddLayerNorm(r, linalg.MatMul(x, w), g, c)
-    s2, n2 = linalg.AddLayerNorm(s, linalg.MatMul(ErfGelu(linalg.MatMul(n, w1), b1, *constants), w2), g2, c2)
+    s, n = AddLayerNorm(r, linalg.MatMul(x, w), g, c)
+    s2, n2 = AddLayerNorm(s, linalg.MatMul(ErfGelu(linalg.MatMul(n, w1), b1, *constants), w2), g2, c2)
     differing += not (np.array_equal(block[0], s2) and np.array_equal(block[1], n2))
 print(differing)
 """

@@ -166,6 +166,17 @@ def test_softmax_rows_match_numpy_and_fill_rows_whose_softmax_is_nan():
     np.testing.assert_array_equal(got[[2, 3, 4, 6]], -1.0)
 
 
+@pytest.mark.parametrize("length", [1, 2, 3, 9, 16, 17, 33, 1499, 1500, 1501])
+def test_softmax_rows_sum_every_score_once(length):
+    """The pairwise tree of the row's sum (odd halves fold their last term in) over any length: each
+    row sums to 1 within float32 rounding and matches the float64 softmax."""
+    scores = (RNG.standard_normal((3, length)) * 4).astype(np.float32)
+    want = _softmax(scores.astype(np.float64))
+    softmax_rows_float32(scores, -1.0)
+    np.testing.assert_allclose(scores, want, rtol=3e-6, atol=1e-12)
+    np.testing.assert_allclose(scores.astype(np.float64).sum(axis=1), 1.0, rtol=2e-6)
+
+
 @pytest.mark.parametrize("dtype, shape, vector", [(np.float32, (2, 3, 16), True), (np.float64, (5, 16), True),
                                                   (np.float32, (2, 3, 16), False), (np.float16, (4, 16), True)])
 def test_add_layer_norm_is_the_sum_and_the_layer_normalization_of_it(dtype, shape, vector):
@@ -177,6 +188,37 @@ def test_add_layer_norm_is_the_sum_and_the_layer_normalization_of_it(dtype, shap
     np.testing.assert_array_equal(total, a + b)
     np.testing.assert_array_equal(normalized, LayerNormalization(a + b, scale, bias, epsilon=1e-5)[0])
     assert normalized.dtype == dtype
+
+
+@pytest.mark.parametrize("granted", [(), (0,), (1,)])
+def test_add_layer_norm_writes_its_sum_into_a_granted_input_only(granted):
+    a, b = RNG.standard_normal((2, 3, 5, 16)).astype(np.float32)
+    a_before, b_before = a.copy(), b.copy()
+    scale, bias = RNG.standard_normal((2, 16)).astype(np.float32)
+    total, normalized = AddLayerNorm(a, b, scale, bias, epsilon=1e-5, overwrite=granted)
+    np.testing.assert_array_equal(total, a_before + b_before)
+    np.testing.assert_array_equal(normalized, LayerNormalization(a_before + b_before, scale, bias, epsilon=1e-5)[0])
+    assert (total is a) == (granted == (0,)) and (total is b) == (granted == (1,))
+    for array, before, index in ((a, a_before, 0), (b, b_before, 1)):
+        if index not in granted:
+            np.testing.assert_array_equal(array, before)
+
+
+@pytest.mark.parametrize("offset_shape", [(16,), (1, 16)])
+def test_add_layer_norm_adds_an_offset_to_the_second_input_first(offset_shape):
+    """AddLayerNorm(a, b + offset) as MatMulAddLayerNorm calls it with its product's bias: the sums
+    a + (b + offset) of the unfused Add nodes, a vector offset in the numba pass, others by numpy;
+    and a b broadcasting against a (a positional embedding) by numpy's add."""
+    a, b = (RNG.standard_normal((2, 7, 16)) * 4).astype(np.float32)
+    offset = RNG.standard_normal(offset_shape).astype(np.float32)
+    scale, bias = RNG.standard_normal((2, 16)).astype(np.float32)
+    want = a + (b + offset)
+    total, normalized = fused_whisper.add_layer_norm(a, b.copy(), offset, scale, bias, -1, 1e-5, 1, overwrite=(1,))
+    np.testing.assert_array_equal(total, want)
+    np.testing.assert_array_equal(normalized, LayerNormalization(want, scale, bias, epsilon=1e-5)[0])
+    total, normalized = AddLayerNorm(a, b[0], scale, bias, epsilon=1e-5)
+    np.testing.assert_array_equal(total, a + b[0])
+    np.testing.assert_array_equal(normalized, LayerNormalization(a + b[0], scale, bias, epsilon=1e-5)[0])
 
 
 def _gelu(x, bias):

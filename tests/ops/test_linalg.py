@@ -120,3 +120,24 @@ def test_matmul_many_rows_stay_with_blas(many):
     rows = RNG.standard_normal((height, 1, 4)).astype(F32)
     expected = np.matmul(rows.reshape(-1, 4), matrix).reshape(height, 1, -1)
     np.testing.assert_array_equal(run_node("MatMul", [rows, matrix]), expected)
+
+
+@pytest.mark.parametrize("bias_shape", [(16,), None])
+def test_matmul_add_layer_norm_of_many_rows_is_the_unfused_nodes(bias_shape):
+    """An encoder's rows: the residual + (product + bias) and its norm, the bias and the residual
+    added within the norm's pass (no numpy adds), bitwise what the Add and LayerNormalization nodes
+    give; the caller's residual is left as it was."""
+    from runnx.ops.linalg import MatMulAddLayerNorm
+
+    x = RNG.standard_normal((1, 40, 24)).astype(F32)
+    weight = RNG.standard_normal((24, 16)).astype(F32)
+    bias = None if bias_shape is None else RNG.standard_normal(bias_shape).astype(F32)
+    residual = RNG.standard_normal((1, 40, 16)).astype(F32)
+    before = residual.copy()
+    scale, norm_bias = RNG.standard_normal((2, 16)).astype(F32)
+    summed, normed = MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, epsilon=1e-5)
+    product = run_node("MatMul", [x, weight])
+    want = residual + (product if bias is None else product + bias)
+    np.testing.assert_array_equal(summed, want)
+    np.testing.assert_array_equal(normed, run_node("LayerNormalization", [want, scale, norm_bias], opset=17))
+    np.testing.assert_array_equal(residual, before)

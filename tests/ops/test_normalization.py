@@ -1,9 +1,12 @@
 """Normalisation kernels against their formulas written out directly."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
+from runnx.ops._kernels_nn import _float64_sum
 from tests.ops._single_node import run_node
 
 RNG = np.random.default_rng(2)
@@ -49,6 +52,20 @@ def test_layer_norm_outputs_mean_and_inverse_std(axis):
     np.testing.assert_allclose(y, (x - m) * s * scale + bias, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(mean, m, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(inv_std, s, rtol=1e-5)
+
+
+@pytest.mark.parametrize("length", [1, 2, 7, 8, 9, 13, 17, 100, 383, 384, 385, 1000])
+def test_layer_norm_statistics_are_float64_sums_of_every_element(length):
+    """The pairwise tree over any length (odd halves fold their last term into the first) adds
+    every term once: float64 sums within rounding of the exact ones, float32 terms or float64."""
+    for dtype in (np.float32, np.float64):
+        row = (RNG.standard_normal(length) * 10 + 3).astype(dtype)
+        scratch = np.empty(length)
+        total = _float64_sum(row, 0.0, False, scratch)
+        assert total == pytest.approx(math.fsum(row.astype(np.float64)), rel=1e-13, abs=1e-12)
+        centre = total / length
+        squares = _float64_sum(row, centre, True, scratch)
+        assert squares == pytest.approx(math.fsum((row.astype(np.float64) - centre) ** 2), rel=1e-12, abs=1e-12)
 
 
 def test_layer_norm_float16_computes_statistics_in_float32():
