@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from runnx._allocator import keep_freed
 from runnx.errors import UnknownOutputError
 from runnx.interp.branches import specialize_branches
 from runnx.interp.context import RunContext
@@ -158,6 +159,7 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
     (inplace=False, check_inplace=True, max_tensor_elements=...) build an Options."""
     if option_values:
         options = Options(**option_values) if options is None else _replace(options, option_values)
+    keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runnx/_allocator.py)
     return Model(load_model(source, weights), options)
 
 

@@ -1,0 +1,66 @@
+"""runnx/_allocator.py: once a model loads, glibc keeps a run's freed temporaries mapped, unless the
+user says otherwise; importing runnx alone leaves glibc as it was."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings: Linux only")
+
+# a run's temporaries: four 9 MiB arrays written and freed together, as an encoder window's are;
+# prints whether importing runnx touched the thresholds, whether loading a model set them, and the
+# page faults of the second round
+_ROUNDS = """
+import resource, runnx, runnx._allocator as allocator
+import numpy as np
+from onnx import TensorProto, helper
+
+touched_at_import = allocator._kept is not None
+graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+runnx.load(helper.make_model(graph))
+
+def run():
+    temporaries = [np.ones(9 << 18, np.float32) for _ in range(4)]
+    return sum(float(t[-1]) for t in temporaries)
+
+run()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+run()
+print(touched_at_import, allocator.keep_freed(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _second_round(**environment) -> tuple[bool, bool, int]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
+                                                            "RUNNX_KEEP_FREED")}
+    env.update(environment)
+    out = subprocess.run([sys.executable, "-c", _ROUNDS], env=env, capture_output=True, text=True, check=True)
+    touched, kept, faults = out.stdout.split()
+    return touched == "True", kept == "True", int(faults)
+
+
+def _glibc() -> bool:
+    import ctypes
+    try:
+        ctypes.CDLL(None).gnu_get_libc_version
+    except AttributeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc's malloc settings: not this C library")
+def test_after_a_model_loads_a_second_run_reuses_the_first_runs_freed_pages():
+    touched, kept, faults = _second_round()
+    assert not touched and kept
+    assert faults < 100  # 36 MiB written again in pages already mapped
+    touched, unset, faults_unset = _second_round(RUNNX_KEEP_FREED="0")
+    assert not touched and not unset
+    assert faults_unset > 1000  # glibc's default: pages handed back and faulted in again (2,500 of the 9,216 here)
+
+
+def test_the_users_own_malloc_settings_win():
+    assert _second_round(MALLOC_TRIM_THRESHOLD_="1048576")[1] is False
+    assert _second_round(MALLOC_MMAP_THRESHOLD_="1048576")[1] is False
