@@ -329,9 +329,8 @@ def add_layer_norm(a, b, offset, scale, bias, axis: int, epsilon: float, stash_t
     anything else numpy's adds (broadcasting) and the LayerNormalization kernel."""
     dtype, columns = a.dtype, a.shape[-1] if a.ndim else 0
     if (axis in (-1, a.ndim - 1) and dtype in _ROW_DTYPES and a.size and a.shape == b.shape and b.dtype == dtype
-            and a.flags.c_contiguous and b.flags.c_contiguous
-            and all(v is not None and v.shape == (columns,) and v.dtype == dtype for v in (scale, bias))
-            and (offset is None or (offset.shape == (columns,) and offset.dtype == dtype))):
+            and a.flags.c_contiguous and b.flags.c_contiguous and _row_vector(scale, columns, dtype)
+            and _row_vector(bias, columns, dtype) and (offset is None or _row_vector(offset, columns, dtype))):
         summed = a if 0 in overwrite else b if 1 in overwrite else np.empty(a.shape, dtype)
         out = np.empty(a.shape, dtype)
         rows = (a.size // columns, columns)
@@ -342,6 +341,11 @@ def add_layer_norm(a, b, offset, scale, bias, axis: int, epsilon: float, stash_t
         b = binary(np.add, b, offset, (0,) if 1 in overwrite else ())
     residual = binary(np.add, a, b, overwrite)
     return residual, LayerNormalization(residual, scale, bias, axis=axis, epsilon=epsilon, stash_type=stash_type)[0]
+
+
+def _row_vector(v, columns: int, dtype) -> bool:
+    """Whether v is a vector over a row of `columns` of this dtype (a decode step asks once: no generator)."""
+    return v is not None and v.shape == (columns,) and v.dtype == dtype
 
 
 @register("ErfGelu", since=1, domain=DOMAIN)
