@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnxruntime
-from onnx import helper
+from onnx import helper, numpy_helper
 
 import runnx
 from runnx.interp.dtypes import onnx_type
@@ -19,7 +19,7 @@ def contrib_model(op_type, inputs, outputs, *, domain=MS, initializers=(), **att
     node = helper.make_node(op_type, names, list(outputs), domain=domain, **attributes)
     feeds = [helper.make_tensor_value_info(n, onnx_type(x.dtype), x.shape)
              for i, (n, x) in enumerate(zip(names, inputs)) if n and i not in initializers]
-    weights = [helper.make_tensor(n, onnx_type(x.dtype), x.shape, x.tobytes(), raw=True)
+    weights = [numpy_helper.from_array(x, n)
                for i, (n, x) in enumerate(zip(names, inputs)) if n and i in initializers]
     graph = helper.make_graph([node], "contrib", feeds,
                               [helper.make_value_info(n, helper.TypeProto()) for n in outputs if n], weights)
