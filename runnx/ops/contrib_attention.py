@@ -225,3 +225,123 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
                         softcap, bool(smooth_softmax), head_sink)
     output = output.transpose(0, 2, 1, 3).reshape(batch, steps, num_heads * head_size)
     return (output, present_key, present_value)[:max(output_count, 1)] if output_count > 1 else output
+
+
+def _heads(x, heads: int):
+    """(B, S, N*H) -> (B, N, S, H)."""
+    batch, length, width = x.shape
+    if width % heads:
+        raise RunnxError(f"hidden size {width} is not divisible by {heads} heads")
+    return x.reshape(batch, length, heads, width // heads).transpose(0, 2, 1, 3)
+
+
+def _merged(x):
+    """(B, N, S, H) -> (B, S, N*H)."""
+    batch, heads, length, size = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(batch, length, heads * size)
+
+
+def _key_mask(mask, batch: int, queries: int, keys: int, op: str):
+    """Which keys each query may see (broadcastable to (B, 1, S, T)) by a key padding mask: key
+    lengths (B,), or a 0/1 mask (B, T), or (B, S, T) for Attention (MultiHeadAttention's spec has
+    no per-query mask)."""
+    if mask.ndim == 1 and mask.shape[0] == batch:
+        return (np.arange(keys)[None, :] < mask.reshape(-1, 1))[:, None, None, :]
+    if mask.ndim == 2 and mask.shape == (batch, keys):
+        return (mask != 0)[:, None, None, :]
+    per_query = op == "Attention"
+    if per_query and mask.ndim == 3 and mask.shape == (batch, queries, keys):
+        return (mask != 0)[:, None]
+    raise RunnxError(f"{op}: mask of shape {list(mask.shape)} is not supported (expected key lengths "
+                     f"[{batch}] or a 0/1 mask [{batch}, {keys}]" + (f" or [{batch}, {queries}, {keys}])"
+                                                                       if per_query else ")"))
+
+
+def _masks(batch, queries, keys, past, dtype, key_mask, attention_bias, unidirectional, filter_value, op):
+    """The attention's additive bias (broadcastable to (B, N, S, T)), as onnxruntime's CPU kernels
+    build it: mask_filter_value where a key is padding, -inf where (unidirectional) it is in the
+    future of the query (query i is at position past + i; a query whose keys are all padding
+    then attends to its past ones), plus the given attention bias."""
+    visible = np.ones((1, 1, queries, keys), bool)
+    if key_mask is not None:
+        visible = visible & _key_mask(key_mask, batch, queries, keys, op)
+    bias = np.where(visible, dtype.type(0), dtype.type(filter_value))
+    if unidirectional:
+        future = np.arange(keys)[None, :] > past + np.arange(queries)[:, None]
+        bias = np.where(future, dtype.type(-np.inf), bias)
+    if attention_bias is not None:
+        bias = bias + attention_bias.astype(dtype, copy=False)
+    return bias
+
+
+def _concatenated(past, new):
+    return new if past is None else np.concatenate([past, new], axis=2)
+
+
+@register("MultiHeadAttention", since=1, domain=DOMAIN)
+def MultiHeadAttention(query, key=None, value=None, bias=None, key_padding_mask=None, attention_bias=None,
+                       past_key=None, past_value=None, past_sequence_length=None, cache_indirection=None, *,
+                       num_heads: int, mask_filter_value: float = -10000.0, scale: float = 0.0,
+                       unidirectional: int = 0, output_count):
+    """Multi-head attention of query (B, S, D) over key/value (B, L, D) (biased by `bias` when
+    given), or over key/value already split into heads (B, N, L, H); packed QKV (B, S, N, 3, H) and
+    packed KV (B, L, N, 2, H) too. past_key/past_value (B, N, P, H) come before the new keys."""
+    if cache_indirection is not None or past_sequence_length is not None:
+        raise RunnxError("MultiHeadAttention: past_sequence_length and cache_indirection (beam search buffers) "
+                         "are not supported")
+    if query.ndim == 5:  # packed QKV
+        q, k, v = (query[:, :, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    else:
+        width = query.shape[2]
+        q = _heads(query + bias[:width] if bias is not None else query, num_heads)
+        if key is not None and key.ndim == 5:  # packed KV
+            k, v = key[:, :, :, 0].transpose(0, 2, 1, 3), key[:, :, :, 1].transpose(0, 2, 1, 3)
+        elif key is not None and key.ndim == 4:  # cross attention, keys already in heads
+            k, v = key, value
+        elif key is not None and value is not None:
+            key_width = key.shape[2]
+            k = _heads(key + bias[width:width + key_width] if bias is not None else key, num_heads)
+            v = _heads(value + bias[width + key_width:] if bias is not None else value, num_heads)
+        else:
+            raise RunnxError("MultiHeadAttention needs key and value, packed KV in key, or packed QKV in query")
+    k, v = _concatenated(past_key, k), _concatenated(past_value, v)
+    batch, _, queries, size = q.shape
+    past = 0 if past_key is None else past_key.shape[2]
+    dtype = np.dtype(np.float32) if q.dtype.itemsize < 4 else q.dtype
+    masks = _masks(batch, queries, k.shape[2], past, dtype, key_padding_mask, attention_bias, unidirectional,
+                   mask_filter_value, "MultiHeadAttention")
+    output = _attention(np.ascontiguousarray(q), k, v, masks, scale or 1 / math.sqrt(size))
+    results = (_merged(output), k, v)
+    return results[:output_count] if output_count > 1 else results[0]
+
+
+@register("Attention", since=1, domain=DOMAIN)
+def Attention(x, weights, bias=None, mask_index=None, past=None, attention_bias=None, past_sequence_length=None, *,
+              do_rotary: int = 0, mask_filter_value: float = -10000.0, num_heads: int,
+              past_present_share_buffer: int = 0, qkv_hidden_sizes: tuple[int, ...] | None = None,
+              rotary_embedding_dim: int = 0, scale: float = 0.0, unidirectional: int = 0, output_count):
+    """Self-attention with its own QKV projection: x (B, S, D_in) @ weights (+ bias) split into
+    Q, K, V (qkv_hidden_sizes, equal thirds by default); past (2, B, N, P, H) before the new keys,
+    present (2, B, N, P + S, H)."""
+    if do_rotary or past_present_share_buffer or past_sequence_length is not None:
+        raise RunnxError("Attention (com.microsoft): do_rotary, past_present_share_buffer and "
+                         "past_sequence_length are not supported")
+    sizes = tuple(qkv_hidden_sizes) if qkv_hidden_sizes else (weights.shape[1] // 3,) * 3
+    if len(sizes) != 3 or sum(sizes) != weights.shape[1] or sizes[0] != sizes[1]:
+        raise RunnxError(f"Attention: qkv_hidden_sizes {list(sizes)} do not split the weights' "
+                         f"{weights.shape[1]} columns into Q, K (equal) and V")
+    projected = np.matmul(x, weights)
+    if bias is not None:
+        projected = projected + bias
+    q, k, v = (_heads(part, num_heads) for part in np.split(projected, [sizes[0], sizes[0] + sizes[1]], axis=2))
+    past_length = 0
+    if past is not None:
+        k, v = _concatenated(past[0], k), _concatenated(past[1], v)
+        past_length = past.shape[3]
+    dtype = np.dtype(np.float32) if q.dtype.itemsize < 4 else q.dtype
+    masks = _masks(x.shape[0], x.shape[1], k.shape[2], past_length, dtype, mask_index, attention_bias,
+                   unidirectional, mask_filter_value, "Attention")
+    output = _merged(_attention(np.ascontiguousarray(q), k, v, masks, scale or 1 / math.sqrt(q.shape[3])))
+    if output_count > 1:
+        return output, np.stack([k, v])
+    return output

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import runnx
+from runnx.errors import RunnxError
 from runnx.capture.capacity import with_capacity
 from tests.ops._contrib_node import assert_close, contrib_model, run_both
 
@@ -139,3 +140,70 @@ def test_group_query_attention_writes_a_shared_owned_buffer_in_place():
     assert np.shares_memory(got["present_value"], buffers[1])
     for name in borrowed:
         np.testing.assert_allclose(got[name], borrowed[name], rtol=1e-6)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("mask", [None, "lengths", "2d"])
+@pytest.mark.parametrize("unidirectional", [0, 1])
+def test_multi_head_attention(with_bias, mask, unidirectional):
+    batch, queries, keys, heads, size = 2, 4, 4 if unidirectional else 6, 3, 8
+    width = heads * size
+    masks = {None: None, "lengths": np.array([keys, keys - 2], np.int32),
+             "2d": (RNG.random((batch, keys)) > 0.3).astype(np.int32)}
+    inputs = [_normal(batch, queries, width), _normal(batch, keys, width), _normal(batch, keys, width),
+              _normal(3 * width) if with_bias else None, masks[mask]]
+    got, expected = run_both("MultiHeadAttention", inputs, num_heads=heads, unidirectional=unidirectional)
+    assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_multi_head_attention_past_attention_bias_and_presents():
+    batch, heads, size, past = 2, 2, 8, 5
+    inputs = [_normal(batch, 1, heads * size), _normal(batch, 1, heads * size), _normal(batch, 1, heads * size), None,
+              None, _normal(1, heads, 1, past + 1), _normal(batch, heads, past, size),
+              _normal(batch, heads, past, size)]
+    got, expected = run_both("MultiHeadAttention", inputs, outputs=3, num_heads=heads, scale=0.2)
+    assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_multi_head_attention_cross_attention_and_packed_key_value():
+    batch, heads, size = 2, 2, 8
+    query = _normal(batch, 3, heads * size)
+    keys, values = _normal(batch, heads, 7, size), _normal(batch, heads, 7, size)
+    got, expected = run_both("MultiHeadAttention", [query, keys, values], num_heads=heads)
+    assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    packed = _normal(batch, 5, heads, 2, size)  # onnxruntime's CPU kernel has no packed KV: give it them apart
+    model, feeds = contrib_model("MultiHeadAttention", [query, packed], ["y"], num_heads=heads)
+    got = runnx.load(model).run(feeds)["y"]
+    apart = [packed[:, :, :, i].reshape(batch, 5, heads * size) for i in range(2)]
+    _, expected = run_both("MultiHeadAttention", [query, *apart], num_heads=heads)
+    np.testing.assert_allclose(got, expected[0], rtol=1e-4, atol=1e-5)
+
+
+def test_multi_head_attention_per_query_mask_is_refused():
+    inputs = [_normal(1, 2, 8), _normal(1, 3, 8), _normal(1, 3, 8), None, np.ones((1, 2, 3), np.int32)]
+    model, feeds = contrib_model("MultiHeadAttention", inputs, ["y"], num_heads=2)
+    with pytest.raises(RunnxError, match=r"mask of shape \[1, 2, 3\] is not supported"):
+        runnx.load(model).run(feeds)
+
+
+@pytest.mark.parametrize("mask", [None, "lengths", "2d", "3d"])
+@pytest.mark.parametrize("with_past", [False, True])
+def test_contrib_attention(mask, with_past):
+    batch, queries, heads, size, past = 2, 3, 2, 8, 4
+    width = heads * size
+    keys = queries + (past if with_past else 0)
+    masks = {None: None, "lengths": np.array([keys, keys - 1], np.int32),
+             "2d": (RNG.random((batch, keys)) > 0.3).astype(np.int32),
+             "3d": (RNG.random((batch, queries, keys)) > 0.3).astype(np.int32)}
+    masks["2d"][:, 0] = 1
+    inputs = [_normal(batch, queries, 12), _normal(12, 3 * width), _normal(3 * width), masks[mask],
+              _normal(2, batch, heads, past, size) if with_past else None]
+    got, expected = run_both("Attention", inputs, outputs=2 if with_past else 1, initializers=(1, 2), num_heads=heads,
+                             unidirectional=1 if with_past else 0)
+    assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_contrib_attention_qkv_hidden_sizes():
+    inputs = [_normal(1, 4, 10), _normal(10, 16 + 16 + 24), _normal(16 + 16 + 24)]
+    got, expected = run_both("Attention", inputs, initializers=(1, 2), num_heads=2, qkv_hidden_sizes=[16, 16, 24])
+    assert_close(got, expected, rtol=1e-4, atol=1e-5)
