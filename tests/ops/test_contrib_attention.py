@@ -207,3 +207,11 @@ def test_contrib_attention_qkv_hidden_sizes():
     inputs = [_normal(1, 4, 10), _normal(10, 16 + 16 + 24), _normal(16 + 16 + 24)]
     got, expected = run_both("Attention", inputs, initializers=(1, 2), num_heads=2, qkv_hidden_sizes=[16, 16, 24])
     assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_group_query_attention_head_sinks_and_attention_bias():
+    inputs = _gqa_inputs(2, 1, 5, 5, 4, 2, 8)
+    sinks = _normal(4)
+    bias = _normal(2, 1, 1, 6)
+    _compare_gqa(inputs + [None, None, None, None, sinks], [6, 6], num_heads=4, kv_num_heads=2)
+    _compare_gqa(inputs + [None, None, None, bias], [6, 6], num_heads=4, kv_num_heads=2)
