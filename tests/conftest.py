@@ -1,10 +1,10 @@
 """Session fixtures shared by all tests: where the committed tiny models and the real models are.
 
 - `fixtures_dir`: tests/fixtures (tiny random-weight models, committed; see its README.md).
-- `smollm2_dir`, `whisper_dir`, `audio_dir`: what `make models` (scripts/build_models.py) builds
+- `smollm2_dir`, `smollm2_int4_dir`, `whisper_dir`, `audio_dir`: what `make models` (scripts/build_models.py) builds
   into ${RUNNX_CACHE:-~/.cache/runnx}. When absent the test is skipped ("run `make models`
   first"), except under CI=true, where a missing model is a failure: CI must test them.
-Tests that use these three are marked `real_model` automatically (deselect with -m "not real_model").
+Tests that use these are marked `real_model` automatically (deselect with -m "not real_model").
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
-REAL_MODEL_FIXTURES = ("smollm2_dir", "whisper_dir", "audio_dir")
+REAL_MODEL_FIXTURES = ("smollm2_dir", "smollm2_int4_dir", "whisper_dir", "audio_dir")
 
 
 def cache_root() -> Path:
@@ -52,6 +52,12 @@ def fixtures_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     return built(cache_root() / "models" / "smollm2-135m", "SmolLM2-135M",
+                 ("model.onnx", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_int4_dir() -> Path:
+    return built(cache_root() / "models" / "smollm2-135m-int4", "SmolLM2-135M int4",
                  ("model.onnx", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"))
 
 

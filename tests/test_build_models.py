@@ -52,8 +52,8 @@ def test_publish_replaces_the_final_folder(build_models, tmp_path):
 
 
 def test_all_means_the_cache_targets(build_models):
-    assert build_models.ALL == ("smollm2", "whisper", "audio")
-    assert set(build_models.TARGETS) == {"tiny", "smollm2", "whisper", "audio"}
+    assert build_models.ALL == ("smollm2", "smollm2-int4", "whisper", "audio")
+    assert set(build_models.TARGETS) == {"tiny", "smollm2", "smollm2-int4", "whisper", "audio"}
 
 
 @pytest.mark.skipif(shutil.which("espeak-ng") is None or shutil.which("sox") is None,

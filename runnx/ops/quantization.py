@@ -136,9 +136,11 @@ def DequantizeLinear(x, x_scale, x_zero_point=None, *, axis: int = 1, block_size
 
 @register("DynamicQuantizeLinear", since=11)
 def DynamicQuantizeLinear(x):
-    low = min(float(x.min(initial=0.0)), 0.0)
-    high = max(float(x.max(initial=0.0)), 0.0)
-    scale = np.float32((high - low) / 255.0)
+    # float32 arithmetic throughout, as the spec's reference and onnxruntime compute it (a float64
+    # quotient rounded once can differ from theirs in the last bit)
+    low = np.minimum(x.min(initial=0.0), 0).astype(np.float32)
+    high = np.maximum(x.max(initial=0.0), 0).astype(np.float32)
+    scale = (high - low) / np.float32(255)
     if scale == 0:  # all zeros: any scale reproduces them; keep 0 like the reference
         return np.zeros(x.shape, np.uint8), np.array(scale, np.float32), np.array(0, np.uint8)
     zero_point = np.clip(np.rint(-low / scale), 0, 255)

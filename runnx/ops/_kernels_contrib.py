@@ -1,0 +1,173 @@
+"""numba kernels behind onnxruntime's contrib operators (`contrib_*.py`): the skip-add norms and the
+block-quantized (MatMulNBits) products that read packed weights directly."""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+
+
+@numba.njit(cache=True)
+def skip_norm_rows(x, skip, bias, gamma, beta, epsilon, simplified, out, total, mean, inv_std):
+    """Per row r: s = x[r] + skip[r % len(skip)] + bias (into total[r]), then LayerNorm (mean from
+    E[s] and variance E[s^2] - E[s]^2, as onnxruntime computes it) or RMSNorm (simplified) of s,
+    times gamma plus beta. bias and beta have no elements when absent."""
+    rows, cols = x.shape
+    skip_rows = skip.shape[0]
+    has_bias, has_beta = bias.shape[0] > 0, beta.shape[0] > 0
+    for r in range(rows):
+        s = r % skip_rows if skip_rows else 0
+        acc, squares = 0.0, 0.0
+        for c in range(cols):
+            value = x[r, c]
+            if skip_rows:
+                value += skip[s, c]
+            if has_bias:
+                value += bias[c]
+            total[r, c] = value
+            acc += value
+            squares += value * value
+        average = 0.0 if simplified else acc / cols
+        variance = squares / cols - average * average
+        inverse = 1.0 / math.sqrt(variance + epsilon)
+        mean[r] = average
+        inv_std[r] = inverse
+        for c in range(cols):
+            value = (total[r, c] - average) * inverse * gamma[c]
+            if has_beta:
+                value += beta[c]
+            out[r, c] = value
+
+
+_kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
+_summing = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"reassoc", "contract"})  # vectorised sums
+
+# how a MatMulNBits node gives its zero points
+ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED = 0, 1, 2
+
+
+_ZERO_CHUNK = 64  # columns whose zero points are unpacked at a time (a call a column costs more than its sum)
+
+
+@_kernel
+def _zero_points(packed, typed, mode, bits, first, blocks, out):
+    """out[c, block] = the zero point of block `block` of column first + c: the default 2^(bits-1),
+    an unsigned integer packed 8 // bits to a byte (each column's bytes starting afresh), or a
+    float of the scales' type."""
+    per_byte = 8 // bits
+    row_bytes = (blocks + per_byte - 1) // per_byte
+    mask = (1 << bits) - 1
+    for c in range(out.shape[0]):
+        n = first + c
+        if mode == ZERO_TYPED:
+            for block in range(blocks):
+                out[c, block] = typed[n * blocks + block]
+        elif mode == ZERO_PACKED:
+            for index in range(row_bytes):  # by byte: no division a block
+                byte = np.int32(packed[n * row_bytes + index])
+                for part in range(min(per_byte, blocks - index * per_byte)):
+                    out[c, index * per_byte + part] = (byte >> (part * bits)) & mask
+        else:
+            for block in range(blocks):
+                out[c, block] = 1 << (bits - 1)
+
+
+@_kernel
+def _zero_offsets(packed, typed, mode, bits, first, scales, sums, zeros, offsets):
+    """offsets[c, m] = sum over blocks of zero * scale * sum(a over the block) for column first + c
+    and row m: the zero points' share of the product, subtracted once a column (`nbits_rows`)."""
+    blocks = zeros.shape[1]
+    _zero_points(packed, typed, mode, bits, first, blocks, zeros)
+    for c in range(zeros.shape[0]):
+        n = first + c
+        for m in range(sums.shape[0]):
+            total = 0.0
+            for block in range(blocks):
+                total += zeros[c, block] * scales[n * blocks + block] * sums[m, block]
+            offsets[c, m] = total
+
+
+@_kernel
+def _unpack_block(blob, bits, count, zero, scale, out):
+    """out[:count] = (q_i - zero) * scale for the first `count` values of one block's packed bytes
+    (low bits first in each byte)."""
+    if bits == 4:
+        for j in range(count // 2):
+            byte = blob[j]
+            out[2 * j] = ((byte & 15) - zero) * scale
+            out[2 * j + 1] = ((byte >> 4) - zero) * scale
+        if count % 2:
+            out[count - 1] = ((blob[count // 2] & 15) - zero) * scale
+    elif bits == 8:
+        for i in range(count):
+            out[i] = (blob[i] - zero) * scale
+    else:
+        per_byte = 8 // bits
+        mask = (1 << bits) - 1
+        for i in range(count):
+            out[i] = (((blob[i // per_byte] >> ((i % per_byte) * bits)) & mask) - zero) * scale
+
+
+@_summing
+def nbits_rows(lanes, sums, weights, scales, packed_zeros, typed_zeros, zero_mode, bits, out):
+    """out (M, N) = a @ dequantized(weights).T, streaming the packed weights (N, blocks, blob) once.
+
+    a comes as `lanes` (M, 8 // bits, blocks * blob): lane l holds the values that a byte's bits
+    l*bits.. multiply (a zero-padded to whole blocks, so a last block's tail adds nothing), and
+    `sums` (M, blocks), each block's sum of a. Column n is then
+    sum_i q_i a_i scale_block(i) - sum_blocks zero * scale * sum(a over the block) (`_zero_offsets`):
+    one loop over the column's bytes, unpacked in registers, each lane a contiguous load of a and
+    the scale gathered by i >> log2(blob) (a loop per block of 16-byte blobs is too short to
+    vectorise). For the one-row products of decoding and the few-row ones of short prompts."""
+    rows = lanes.shape[0]
+    columns, blocks, blob = weights.shape
+    shift = 0
+    while (1 << shift) < blob:
+        shift += 1
+    flat = weights.reshape(-1)
+    length = blocks * blob
+    nought = np.zeros(1, out.dtype)[0]  # the sums' type: out's, not float64
+    mask = (1 << bits) - 1
+    zeros = np.empty((_ZERO_CHUNK, blocks), out.dtype)
+    offsets = np.empty((_ZERO_CHUNK, rows), out.dtype)
+    for n in range(columns):
+        if n % _ZERO_CHUNK == 0:
+            count = min(_ZERO_CHUNK, columns - n)
+            _zero_offsets(packed_zeros, typed_zeros, zero_mode, bits, n, scales, sums, zeros[:count], offsets[:count])
+        column = flat[n * length:(n + 1) * length]
+        column_scales = scales[n * blocks:(n + 1) * blocks]
+        for m in range(rows):
+            acc = nought
+            if bits == 4:
+                low, high = lanes[m, 0], lanes[m, 1]
+                for i in range(length):
+                    byte = np.int32(column[i])
+                    acc += (np.float32(byte & 15) * low[i] + np.float32(byte >> 4) * high[i]) * column_scales[i >> shift]
+            elif bits == 8:
+                values = lanes[m, 0]
+                for i in range(length):
+                    acc += np.float32(column[i]) * values[i] * column_scales[i >> shift]
+            else:
+                for lane in range(8 // bits):
+                    values = lanes[m, lane]
+                    for i in range(length):
+                        quantized = (np.int32(column[i]) >> (lane * bits)) & mask
+                        acc += np.float32(quantized) * values[i] * column_scales[i >> shift]
+            out[m, n] = acc - offsets[n % _ZERO_CHUNK, m]  # apart: a loop over blocks here halves the speed
+
+
+@_kernel
+def nbits_dequantize(weights, scales, packed_zeros, typed_zeros, zero_mode, bits, block_size, first, out):
+    """out (P, K) = the dequantized columns first .. first + P of the packed weights: a panel for a
+    BLAS product of many rows."""
+    depth = out.shape[1]
+    blocks = weights.shape[1]
+    zeros = np.empty((out.shape[0], blocks), out.dtype)
+    _zero_points(packed_zeros, typed_zeros, zero_mode, bits, first, blocks, zeros)
+    for p in range(out.shape[0]):
+        n = first + p
+        for block in range(blocks):
+            start = block * block_size
+            count = min(block_size, depth - start)
+            _unpack_block(weights[n, block], bits, count, zeros[p, block], scales[n * blocks + block], out[p, start:])

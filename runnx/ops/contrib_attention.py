@@ -1,0 +1,347 @@
+"""onnxruntime's contrib attention: RotaryEmbedding, GroupQueryAttention, MultiHeadAttention and
+Attention (com.microsoft).
+
+GroupQueryAttention keeps its KV cache as onnxruntime-genai hands it over: past and present either
+share one buffer of the maximum length (the new rows written at each sequence's own length, given
+by `seqlens_k`) or present is past plus the new rows. A granted past (owned, dead after the node)
+is written in place: the shared buffer itself, or past grown into its spare capacity as Concat
+grows a KV cache (`runnx/capture/capacity.py`), so a decode step copies only the new rows.
+Attention itself is `fused.attend` (numba for decode rows, reading the cache in place) with an
+additive mask; softcap and smooth softmax take a numpy path.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from runnx.capture.capacity import append_in_place, concatenate_with_headroom
+from runnx.errors import RunnxError
+from runnx.ops.fused import attend
+from runnx.ops.registry import register
+
+DOMAIN = "com.microsoft"
+
+
+def _rotate(x, positions, cos_cache, sin_cache, interleaved: bool, rotary_dim: int):
+    """Rotary embedding of x (B, S, N, H) at integer positions (B, S), into a new array: the first
+    rotary_dim values of each head turned by the cached angles, the rest passed through. Halves
+    (x1 = first half, x2 = second) or interleaved pairs (x[2i], x[2i+1])."""
+    if positions.size and (positions.min() < 0 or positions.max() >= cos_cache.shape[0]):
+        raise RunnxError(f"rotary position ids must be in [0, {cos_cache.shape[0]}) (the cos/sin cache's rows); "
+                         f"got {int(positions.min())}..{int(positions.max())}")
+    half = rotary_dim // 2
+    if cos_cache.shape[-1] < half:
+        raise RunnxError(f"rotary cos/sin caches have {cos_cache.shape[-1]} columns, need rotary_dim / 2 = {half}")
+    cos = cos_cache[positions, :half][:, :, None, :].astype(x.dtype, copy=False)  # (B, S, 1, half)
+    sin = sin_cache[positions, :half][:, :, None, :].astype(x.dtype, copy=False)
+    out = np.array(x, copy=True)
+    if interleaved:
+        first, second = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+        out[..., 0:rotary_dim:2] = first * cos - second * sin
+        out[..., 1:rotary_dim:2] = second * cos + first * sin
+    else:
+        first, second = x[..., :half], x[..., half:rotary_dim]
+        out[..., :half] = first * cos - second * sin
+        out[..., half:rotary_dim] = second * cos + first * sin
+    return out
+
+
+@register("RotaryEmbedding", since=1, domain=DOMAIN)
+def RotaryEmbedding(x, position_ids, cos_cache, sin_cache, *, interleaved: int = 0, is_packed_batching: int = 0,
+                    num_heads: int = 0, rotary_embedding_dim: int = 0, scale: float = 1.0):
+    """x (B, S, hidden) or (B, N, S, H) rotated at position_ids (B, S), or at offset + s when
+    position_ids holds one offset."""
+    if is_packed_batching:
+        raise RunnxError("RotaryEmbedding: is_packed_batching=1 (variable-length packed batches) is not supported")
+    if x.ndim == 4:
+        heads = x.transpose(0, 2, 1, 3)
+    elif x.ndim == 3:
+        head_size = (x.shape[2] // num_heads if num_heads else 2 * cos_cache.shape[-1])
+        if not head_size or x.shape[2] % head_size:
+            raise RunnxError(f"RotaryEmbedding: hidden size {x.shape[2]} is not a whole number of heads "
+                             f"(num_heads={num_heads}, head size {head_size})")
+        heads = x.reshape(x.shape[0], x.shape[1], -1, head_size)
+    else:
+        raise RunnxError(f"RotaryEmbedding: input must be 3-D (B, S, hidden) or 4-D (B, N, S, H), got "
+                         f"{list(x.shape)}")
+    batch, length = heads.shape[:2]
+    if position_ids.size == 1:
+        positions = np.broadcast_to(int(position_ids.reshape(-1)[0]) + np.arange(length), (batch, length))
+    elif position_ids.shape == (batch, length):
+        positions = position_ids
+    else:
+        raise RunnxError(f"RotaryEmbedding: position_ids must be (batch, sequence) = {[batch, length]} or one "
+                         f"offset, got {list(position_ids.shape)}")
+    rotary_dim = rotary_embedding_dim or heads.shape[3]
+    rotated = _rotate(heads, positions.astype(np.intp), cos_cache, sin_cache, bool(interleaved), rotary_dim)
+    return rotated.transpose(0, 2, 1, 3) if x.ndim == 4 else rotated.reshape(x.shape)
+
+
+def _probabilities(scores, bias, softcap: float, smooth: bool, sink):
+    """softmax of capped scores plus bias over the last axis; smooth softmax (or per-head sinks)
+    adds one more logit (0, or the sink) to the denominator."""
+    if softcap:
+        scores = np.tanh(scores / softcap) * softcap
+    scores = scores + bias
+    top = np.max(scores, axis=-1, keepdims=True)
+    extra = None
+    if sink is not None:
+        extra = sink.reshape(1, -1, 1, 1).astype(scores.dtype)
+    elif smooth:
+        extra = np.zeros_like(top)
+    if extra is not None:
+        top = np.maximum(top, extra)
+    exp = np.exp(scores - top)
+    total = np.sum(exp, axis=-1, keepdims=True)
+    if extra is not None:
+        total = total + np.exp(extra - top)
+    return exp / total
+
+
+def _attention(query, key, value, bias, scale, softcap=0.0, smooth=False, sink=None):
+    """softmax(scale q k^T (capped) + bias) v for query (B, N, S, H), key/value (B, G, T, H)."""
+    if not softcap and not smooth and sink is None:
+        return attend(query, key, value, bias, scale, fill=0.0)
+    group = query.shape[1] // key.shape[1]
+    keys = np.repeat(key, group, axis=1) if group > 1 else key
+    values = np.repeat(value, group, axis=1) if group > 1 else value
+    work = np.dtype(np.float32) if query.dtype.itemsize < 4 else query.dtype
+    scores = np.matmul(query.astype(work), np.swapaxes(keys, 2, 3).astype(work)) * work.type(scale)
+    probabilities = _probabilities(scores, bias.astype(work), softcap, smooth, sink)
+    return np.matmul(probabilities, values.astype(work)).astype(query.dtype, copy=False)
+
+
+def _split_packed(query, key, value, heads: int, kv_heads: int):
+    """(q, k, v) as (B, S, N*H) / (B, S, G*H): given separately, or packed in query when key is absent."""
+    if key is not None:
+        if value is None:
+            raise RunnxError("GroupQueryAttention: key given without value")
+        return query, key, value
+    width = query.shape[2] // (heads + 2 * kv_heads)
+    if width * (heads + 2 * kv_heads) != query.shape[2]:
+        raise RunnxError(f"GroupQueryAttention: packed QKV width {query.shape[2]} is not (num_heads + 2 * "
+                         f"kv_num_heads) * head_size for {heads} and {kv_heads} heads")
+    q, k, v = np.split(query, [heads * width, (heads + kv_heads) * width], axis=2)
+    return q, k, v
+
+
+def _present(past, new, starts, length: int, granted: bool, ctx, what: str):
+    """The present cache (B, G, length, H): past's first starts[b] rows of each sequence, then the
+    new rows (B, G, S, H) at starts[b]. In past itself when past is that buffer (shared) and
+    granted, grown into past's spare capacity when granted and every sequence continues at its end."""
+    batch, groups, steps, size = new.shape
+    if past is None:
+        if length == steps:
+            return new
+        present = np.zeros((batch, groups, length, size), new.dtype)
+        present[:, :, :steps] = new
+        return present
+    uniform = bool(np.all(starts == starts[0]))
+    if past.shape[2] == length:  # one buffer for past and present
+        present = past if granted else past.copy()
+        if granted and ctx is not None:
+            ctx.count("GroupQueryAttention.writes_in_place")
+    elif uniform and int(starts[0]) == past.shape[2] and length == past.shape[2] + steps:
+        grown = append_in_place(past, [new], 2) if granted else None
+        if grown is not None:
+            if ctx is not None:
+                ctx.count("GroupQueryAttention.appends_in_place")
+            return grown
+        return concatenate_with_headroom([past, new], 2) if granted else np.concatenate([past, new], axis=2)
+    else:
+        present = np.zeros((batch, groups, length, size), new.dtype)
+        for b in range(batch):
+            present[b, :, :starts[b]] = past[b, :, :starts[b]]
+    for b in range(batch):
+        start = int(starts[b])
+        if start + steps > length:
+            raise RunnxError(f"GroupQueryAttention: {what} rows {start}..{start + steps} do not fit the present "
+                             f"cache of {length}")
+        present[b, :, start:start + steps] = new[b]
+    return present
+
+
+def _causal_bias(query_positions, total_lengths, kv_length: int, window: int, dtype):
+    """(B, 1, S, T) additive mask: key j visible to the query at position p when j <= p, j below
+    the sequence's total length and, with a local window w, p - j < w."""
+    keys = np.arange(kv_length).reshape(1, 1, -1)
+    positions = query_positions[:, :, None]
+    visible = (keys <= positions) & (keys < total_lengths.reshape(-1, 1, 1))
+    if window > 0:
+        visible &= positions - keys < window
+    return np.where(visible, dtype.type(0), dtype.type(-np.inf))[:, None]
+
+
+@register("GroupQueryAttention", since=1, domain=DOMAIN, inplace=(3, 4))
+def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
+                        cos_cache=None, sin_cache=None, position_ids=None, attention_bias=None, head_sink=None, *,
+                        do_rotary: int = 0, kv_num_heads: int, local_window_size: int = -1, num_heads: int,
+                        qk_output: int = 0, rotary_interleaved: int = 0, scale: float = 0.0, smooth_softmax: int = 0,
+                        softcap: float = 0.0, overwrite=(), ctx=None, output_count):
+    """Grouped-query attention with its KV cache, onnxruntime's semantics: sequence b holds
+    seqlens_k[b] + 1 tokens after this step, its new tokens from seqlens_k[b] + 1 - S on (from 0 on
+    a first prompt, S == total_sequence_length)."""
+    if qk_output:
+        raise RunnxError("GroupQueryAttention: qk_output is not supported")
+    if num_heads % kv_num_heads:
+        raise RunnxError(f"GroupQueryAttention: num_heads {num_heads} is not a multiple of kv_num_heads "
+                         f"{kv_num_heads}")
+    if (past_key is None) != (past_value is None):
+        raise RunnxError("GroupQueryAttention needs past_key and past_value together")
+    q, k, v = _split_packed(query, key, value, num_heads, kv_num_heads)
+    batch, steps = q.shape[:2]
+    head_size = q.shape[2] // num_heads
+    q = q.reshape(batch, steps, num_heads, head_size)
+    k = k.reshape(batch, steps, kv_num_heads, head_size)
+    v = v.reshape(batch, steps, kv_num_heads, head_size)
+    total = int(np.asarray(total_sequence_length).reshape(-1)[0])
+    lengths = np.asarray(seqlens_k).reshape(-1).astype(np.int64) + 1
+    if lengths.shape != (batch,):
+        raise RunnxError(f"GroupQueryAttention: seqlens_k must hold one length per sequence ({batch}), got "
+                         f"{list(np.shape(seqlens_k))}")
+    first_prompt = steps == total
+    starts = np.zeros(batch, np.int64) if first_prompt else lengths - steps
+    if np.any(starts < 0):
+        raise RunnxError(f"GroupQueryAttention: seqlens_k + 1 ({lengths.tolist()}) is shorter than the {steps} new "
+                         f"tokens")
+    positions = starts[:, None] + np.arange(steps) if position_ids is None else position_ids.astype(np.int64)
+    if do_rotary:
+        if cos_cache is None or sin_cache is None:
+            raise RunnxError("GroupQueryAttention: do_rotary=1 needs cos_cache and sin_cache")
+        rotary_dim = 2 * cos_cache.shape[-1]
+        q = _rotate(q, positions.astype(np.intp), cos_cache, sin_cache, bool(rotary_interleaved), rotary_dim)
+        k = _rotate(k, positions.astype(np.intp), cos_cache, sin_cache, bool(rotary_interleaved), rotary_dim)
+    new_key, new_value = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    length = max(total, past_key.shape[2]) if past_key is not None else total
+    present_key = _present(past_key, new_key, starts, length, 3 in overwrite, ctx, "key")
+    present_value = _present(past_value, new_value, starts, length, 4 in overwrite, ctx, "value")
+    dtype = q.dtype
+    bias = _causal_bias(starts[:, None] + np.arange(steps), lengths, length, local_window_size, dtype)
+    if attention_bias is not None:
+        bias = bias + attention_bias[..., :length].astype(dtype)
+    factor = scale or 1 / math.sqrt(head_size)
+    output = _attention(np.ascontiguousarray(q.transpose(0, 2, 1, 3)), present_key, present_value, bias, factor,
+                        softcap, bool(smooth_softmax), head_sink)
+    output = output.transpose(0, 2, 1, 3).reshape(batch, steps, num_heads * head_size)
+    return (output, present_key, present_value)[:max(output_count, 1)] if output_count > 1 else output
+
+
+def _heads(x, heads: int):
+    """(B, S, N*H) -> (B, N, S, H)."""
+    batch, length, width = x.shape
+    if width % heads:
+        raise RunnxError(f"hidden size {width} is not divisible by {heads} heads")
+    return x.reshape(batch, length, heads, width // heads).transpose(0, 2, 1, 3)
+
+
+def _merged(x):
+    """(B, N, S, H) -> (B, S, N*H)."""
+    batch, heads, length, size = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(batch, length, heads * size)
+
+
+def _key_mask(mask, batch: int, queries: int, keys: int, op: str):
+    """Which keys each query may see (broadcastable to (B, 1, S, T)) by a key padding mask: key
+    lengths (B,), or a 0/1 mask (B, T), or (B, S, T) for Attention (MultiHeadAttention's spec has
+    no per-query mask)."""
+    if mask.ndim == 1 and mask.shape[0] == batch:
+        return (np.arange(keys)[None, :] < mask.reshape(-1, 1))[:, None, None, :]
+    if mask.ndim == 2 and mask.shape == (batch, keys):
+        return (mask != 0)[:, None, None, :]
+    per_query = op == "Attention"
+    if per_query and mask.ndim == 3 and mask.shape == (batch, queries, keys):
+        return (mask != 0)[:, None]
+    raise RunnxError(f"{op}: mask of shape {list(mask.shape)} is not supported (expected key lengths "
+                     f"[{batch}] or a 0/1 mask [{batch}, {keys}]" + (f" or [{batch}, {queries}, {keys}])"
+                                                                       if per_query else ")"))
+
+
+def _masks(batch, queries, keys, past, dtype, key_mask, attention_bias, unidirectional, filter_value, op):
+    """The attention's additive bias (broadcastable to (B, N, S, T)), as onnxruntime's CPU kernels
+    build it: mask_filter_value where a key is padding, -inf where (unidirectional) it is in the
+    future of the query (query i is at position past + i; a query whose keys are all padding
+    then attends to its past ones), plus the given attention bias."""
+    visible = np.ones((1, 1, queries, keys), bool)
+    if key_mask is not None:
+        visible = visible & _key_mask(key_mask, batch, queries, keys, op)
+    bias = np.where(visible, dtype.type(0), dtype.type(filter_value))
+    if unidirectional:
+        future = np.arange(keys)[None, :] > past + np.arange(queries)[:, None]
+        bias = np.where(future, dtype.type(-np.inf), bias)
+    if attention_bias is not None:
+        bias = bias + attention_bias.astype(dtype, copy=False)
+    return bias
+
+
+def _concatenated(past, new):
+    return new if past is None else np.concatenate([past, new], axis=2)
+
+
+@register("MultiHeadAttention", since=1, domain=DOMAIN)
+def MultiHeadAttention(query, key=None, value=None, bias=None, key_padding_mask=None, attention_bias=None,
+                       past_key=None, past_value=None, past_sequence_length=None, cache_indirection=None, *,
+                       num_heads: int, mask_filter_value: float = -10000.0, scale: float = 0.0,
+                       unidirectional: int = 0, output_count):
+    """Multi-head attention of query (B, S, D) over key/value (B, L, D) (biased by `bias` when
+    given), or over key/value already split into heads (B, N, L, H); packed QKV (B, S, N, 3, H) and
+    packed KV (B, L, N, 2, H) too. past_key/past_value (B, N, P, H) come before the new keys."""
+    if cache_indirection is not None or past_sequence_length is not None:
+        raise RunnxError("MultiHeadAttention: past_sequence_length and cache_indirection (beam search buffers) "
+                         "are not supported")
+    if query.ndim == 5:  # packed QKV
+        q, k, v = (query[:, :, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    else:
+        width = query.shape[2]
+        q = _heads(query + bias[:width] if bias is not None else query, num_heads)
+        if key is not None and key.ndim == 5:  # packed KV
+            k, v = key[:, :, :, 0].transpose(0, 2, 1, 3), key[:, :, :, 1].transpose(0, 2, 1, 3)
+        elif key is not None and key.ndim == 4:  # cross attention, keys already in heads
+            k, v = key, value
+        elif key is not None and value is not None:
+            key_width = key.shape[2]
+            k = _heads(key + bias[width:width + key_width] if bias is not None else key, num_heads)
+            v = _heads(value + bias[width + key_width:] if bias is not None else value, num_heads)
+        else:
+            raise RunnxError("MultiHeadAttention needs key and value, packed KV in key, or packed QKV in query")
+    k, v = _concatenated(past_key, k), _concatenated(past_value, v)
+    batch, _, queries, size = q.shape
+    past = 0 if past_key is None else past_key.shape[2]
+    dtype = np.dtype(np.float32) if q.dtype.itemsize < 4 else q.dtype
+    masks = _masks(batch, queries, k.shape[2], past, dtype, key_padding_mask, attention_bias, unidirectional,
+                   mask_filter_value, "MultiHeadAttention")
+    output = _attention(np.ascontiguousarray(q), k, v, masks, scale or 1 / math.sqrt(size))
+    results = (_merged(output), k, v)
+    return results[:output_count] if output_count > 1 else results[0]
+
+
+@register("Attention", since=1, domain=DOMAIN)
+def Attention(x, weights, bias=None, mask_index=None, past=None, attention_bias=None, past_sequence_length=None, *,
+              do_rotary: int = 0, mask_filter_value: float = -10000.0, num_heads: int,
+              past_present_share_buffer: int = 0, qkv_hidden_sizes: tuple[int, ...] | None = None,
+              rotary_embedding_dim: int = 0, scale: float = 0.0, unidirectional: int = 0, output_count):
+    """Self-attention with its own QKV projection: x (B, S, D_in) @ weights (+ bias) split into
+    Q, K, V (qkv_hidden_sizes, equal thirds by default); past (2, B, N, P, H) before the new keys,
+    present (2, B, N, P + S, H)."""
+    if do_rotary or past_present_share_buffer or past_sequence_length is not None:
+        raise RunnxError("Attention (com.microsoft): do_rotary, past_present_share_buffer and "
+                         "past_sequence_length are not supported")
+    sizes = tuple(qkv_hidden_sizes) if qkv_hidden_sizes else (weights.shape[1] // 3,) * 3
+    if len(sizes) != 3 or sum(sizes) != weights.shape[1] or sizes[0] != sizes[1]:
+        raise RunnxError(f"Attention: qkv_hidden_sizes {list(sizes)} do not split the weights' "
+                         f"{weights.shape[1]} columns into Q, K (equal) and V")
+    projected = np.matmul(x, weights)
+    if bias is not None:
+        projected = projected + bias
+    q, k, v = (_heads(part, num_heads) for part in np.split(projected, [sizes[0], sizes[0] + sizes[1]], axis=2))
+    past_length = 0
+    if past is not None:
+        k, v = _concatenated(past[0], k), _concatenated(past[1], v)
+        past_length = past.shape[3]
+    dtype = np.dtype(np.float32) if q.dtype.itemsize < 4 else q.dtype
+    masks = _masks(x.shape[0], x.shape[1], k.shape[2], past_length, dtype, mask_index, attention_bias,
+                   unidirectional, mask_filter_value, "Attention")
+    output = _merged(_attention(np.ascontiguousarray(q), k, v, masks, scale or 1 / math.sqrt(q.shape[3])))
+    if output_count > 1:
+        return output, np.stack([k, v])
+    return output

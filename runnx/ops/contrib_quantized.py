@@ -1,0 +1,174 @@
+"""onnxruntime's contrib quantised operators: MatMulNBits (2/4/8-bit block-quantised weights),
+GatherBlockQuantized (a block-quantised embedding table), DynamicQuantizeMatMul and
+MatMulIntegerToFloat.
+
+MatMulNBits never dequantizes its whole matrix: a few rows (decoding, short prompts) stream the
+packed blocks through a numba kernel; many rows dequantize a panel of columns at a time into a
+small buffer and multiply it with BLAS. Integer products are exact: computed in float64, whose
+53-bit mantissa holds any int8 dot product of a realistic depth (255 * 255 * K < 2^53).
+"""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from runnx.errors import RunnxError
+from runnx.ops._kernels_contrib import (ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, nbits_dequantize, nbits_rows)
+from runnx.ops.quantization import DynamicQuantizeLinear
+from runnx.ops.registry import register
+
+DOMAIN = "com.microsoft"
+_STREAMED_ROWS = 8  # up to this many rows of A stream the packed weights; more go through BLAS panels
+_PANEL_BYTES = 1 << 20  # a dequantized panel's size for the BLAS path
+
+
+def _nbits_zero_points(zero_points, columns: int, blocks: int, bits: int, work):
+    """(mode, packed uint8, typed floats) for the kernel, after checking the zero points' size."""
+    empty_packed, empty_typed = np.empty(0, np.uint8), np.empty(0, work)
+    if zero_points is None:
+        return ZERO_DEFAULT, empty_packed, empty_typed
+    if zero_points.dtype == np.uint8:
+        per_byte = 8 // bits
+        expected = columns * ((blocks + per_byte - 1) // per_byte)
+        if zero_points.size != expected:
+            raise RunnxError(f"MatMulNBits: packed zero points have {zero_points.size} bytes, expected {expected} "
+                             f"({columns} columns x {blocks} blocks at {bits} bits)")
+        return ZERO_PACKED, np.ascontiguousarray(zero_points.reshape(-1)), empty_typed
+    if zero_points.size != columns * blocks:
+        raise RunnxError(f"MatMulNBits: zero points of type {zero_points.dtype} have {zero_points.size} values, "
+                         f"expected {columns * blocks} (one per block)")
+    return ZERO_TYPED, empty_packed, np.ascontiguousarray(zero_points.reshape(-1), dtype=work)
+
+
+def _lanes(rows, blocks: int, block_size: int, bits: int):
+    """The rows of A as `nbits_rows` reads them: zero-padded to whole blocks, split into the lanes
+    of a packed byte (lane l: the values at positions l, l + per_byte, ...), and each block's sum."""
+    per_byte = 8 // bits
+    padded = np.zeros((rows.shape[0], blocks * block_size), rows.dtype)
+    padded[:, :rows.shape[1]] = rows
+    lanes = np.ascontiguousarray(padded.reshape(rows.shape[0], -1, per_byte).transpose(0, 2, 1))
+    return lanes, padded.reshape(rows.shape[0], blocks, block_size).sum(axis=2)
+
+
+def _check_g_idx(g_idx, depth: int, block_size: int):
+    """A g_idx that is each row's own block (k // block_size) changes nothing; any other order is refused."""
+    if g_idx is None:
+        return
+    if g_idx.shape != (depth,) or not np.array_equal(g_idx, np.arange(depth) // block_size):
+        raise RunnxError("MatMulNBits: g_idx other than k // block_size (act-order reordered groups) is not "
+                         "supported; re-quantize the model without act-order")
+
+
+@register("MatMulNBits", since=1, domain=DOMAIN)
+def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int, N: int, bits: int = 4,
+                block_size: int, accuracy_level: int = 0):
+    """a (..., K) @ dequantize(b).T (+ bias): b (N, blocks, block_size * bits / 8) uint8, value i of a
+    block in bits i*bits.. of its bytes, dequantized as (q - zero point) * scale per block.
+    accuracy_level (onnxruntime's minimum compute precision) is accepted; runnx always computes in
+    the scales' precision or wider."""
+    if bits not in (2, 4, 8):
+        raise RunnxError(f"MatMulNBits: bits must be 2, 4 or 8, got {bits}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise RunnxError(f"MatMulNBits: block_size must be a power of 2 and at least 16, got {block_size}")
+    blocks = (K + block_size - 1) // block_size
+    blob = block_size * bits // 8
+    if b.dtype != np.uint8 or b.shape != (N, blocks, blob):
+        raise RunnxError(f"MatMulNBits: B must be uint8 of shape [{N}, {blocks}, {blob}] for K={K}, N={N}, "
+                         f"bits={bits}, block_size={block_size}; got {b.dtype} {list(b.shape)}")
+    if a.shape[-1:] != (K,):
+        raise RunnxError(f"MatMulNBits: A's last dimension must be K={K}, got shape {list(a.shape)}")
+    if scales.size != N * blocks:
+        raise RunnxError(f"MatMulNBits: scales have {scales.size} values, expected {N * blocks} (N x blocks)")
+    _check_g_idx(g_idx, K, block_size)
+    work = np.dtype(np.float64) if a.dtype == np.float64 else np.dtype(np.float32)
+    mode, packed, typed = _nbits_zero_points(zero_points, N, blocks, bits, work)
+    rows = np.ascontiguousarray(a.reshape(-1, K), dtype=work)
+    flat_scales = np.ascontiguousarray(scales.reshape(-1), dtype=work)
+    out = np.empty((rows.shape[0], N), work)
+    if rows.shape[0] <= _STREAMED_ROWS:
+        lanes, sums = _lanes(rows, blocks, block_size, bits)
+        nbits_rows(lanes, sums, b, flat_scales, packed, typed, mode, bits, out)
+    else:
+        width = max(1, min(N, _PANEL_BYTES // (K * work.itemsize)))
+        panel = np.empty((width, K), work)
+        for first in range(0, N, width):
+            count = min(width, N - first)
+            nbits_dequantize(b, flat_scales, packed, typed, mode, bits, block_size, first, panel[:count])
+            np.matmul(rows, panel[:count].T, out=out[:, first:first + count])
+    if bias is not None:
+        out += bias.astype(work, copy=False)
+    return out.reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
+
+
+def _unpack_last_axis(data, bits: int, length: int):
+    """uint8 values packed 8 // bits to a byte along the last axis (low bits first), as int32, cut to `length`."""
+    per_byte = 8 // bits
+    shifts = np.arange(per_byte, dtype=np.uint8) * bits
+    values = (data[..., None] >> shifts) & ((1 << bits) - 1)
+    return values.reshape(data.shape[:-1] + (-1,))[..., :length].astype(np.int32)
+
+
+@register("GatherBlockQuantized", since=1, domain=DOMAIN)
+def GatherBlockQuantized(data, indices, scales, zero_points=None, *, bits: int = 4, block_size: int = 128,
+                         gather_axis: int = 0, quantize_axis: int = 1):
+    """Gather(data, indices, gather_axis) dequantized in blocks of `block_size` along quantize_axis
+    (the last): uint8 data packs 8 // bits values a byte (default zero point 2^(bits-1)), int4/uint4
+    data holds one each (default zero point 0). Only the gathered rows are dequantized."""
+    rank = data.ndim
+    gather_axis, quantize_axis = gather_axis % rank, quantize_axis % rank
+    if quantize_axis != rank - 1 or gather_axis == quantize_axis:
+        raise RunnxError(f"GatherBlockQuantized: quantize_axis must be the last axis and differ from gather_axis "
+                         f"(got gather_axis={gather_axis}, quantize_axis={quantize_axis} for rank {rank})")
+    packed = data.dtype == np.uint8
+    if packed and bits not in (2, 4, 8):
+        raise RunnxError(f"GatherBlockQuantized: bits must be 2, 4 or 8 for uint8 data, got {bits}")
+    if not packed and data.dtype not in (np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)):
+        raise RunnxError(f"GatherBlockQuantized: data must be uint8, int4 or uint4, got {data.dtype}")
+    width = data.shape[-1] * (8 // bits if packed else 1)
+    blocks = (width + block_size - 1) // block_size
+    if scales.shape != data.shape[:-1] + (blocks,):
+        raise RunnxError(f"GatherBlockQuantized: scales of shape {list(scales.shape)} do not fit data of logical "
+                         f"shape {list(data.shape[:-1]) + [width]} with block_size {block_size}")
+    positions = np.where(indices < 0, indices + data.shape[gather_axis], indices).astype(np.intp)
+    if positions.size and (positions.min() < 0 or positions.max() >= data.shape[gather_axis]):
+        raise RunnxError(f"GatherBlockQuantized: indices out of range for {data.shape[gather_axis]} rows")
+    gathered = np.take(data, positions, axis=gather_axis)
+    values = _unpack_last_axis(gathered, bits, width) if packed else gathered.astype(np.int32)
+    chosen_scales = np.take(scales, positions, axis=gather_axis)
+    if zero_points is None:
+        zero = np.int32(1 << (bits - 1)) if packed else np.int32(0)
+    else:
+        chosen = np.take(zero_points, positions, axis=gather_axis)
+        zero = _unpack_last_axis(chosen, bits, blocks) if packed else chosen.astype(np.int32)
+        zero = np.repeat(zero, block_size, axis=-1)[..., :width]
+    work = np.float32 if scales.dtype.itemsize < 4 else scales.dtype
+    expanded = np.repeat(chosen_scales.astype(work), block_size, axis=-1)[..., :width]
+    return ((values - zero) * expanded).astype(scales.dtype, copy=False)
+
+
+def _integer_product(a, b, a_zero_point, b_zero_point):
+    """(a - a_zero_point) @ (b - b_zero_point) exactly, as float64 (zero points per tensor, or per column of b)."""
+    left = a.astype(np.float64) - (0 if a_zero_point is None else a_zero_point.astype(np.float64))
+    right = b.astype(np.float64) - (0 if b_zero_point is None else b_zero_point.astype(np.float64))
+    return np.matmul(left, right)
+
+
+def _scaled(product, a_scale, b_scale, bias, dtype):
+    work = np.float32 if np.dtype(dtype).itemsize < 4 else dtype
+    result = (product * (a_scale.astype(np.float64) * b_scale.astype(np.float64))).astype(work)
+    if bias is not None:
+        result += bias.astype(work)
+    return result.astype(dtype, copy=False)
+
+
+@register("MatMulIntegerToFloat", since=1, domain=DOMAIN)
+def MatMulIntegerToFloat(a, b, a_scale, b_scale, a_zero_point=None, b_zero_point=None, bias=None):
+    """(a - a_zero_point) @ (b - b_zero_point) * a_scale * b_scale + bias, integer-exact before the scaling."""
+    return _scaled(_integer_product(a, b, a_zero_point, b_zero_point), a_scale, b_scale, bias, a_scale.dtype)
+
+
+@register("DynamicQuantizeMatMul", since=1, domain=DOMAIN)
+def DynamicQuantizeMatMul(a, b, b_scale, b_zero_point=None, bias=None):
+    """a quantized to uint8 as DynamicQuantizeLinear does, then MatMulIntegerToFloat with b."""
+    quantized, a_scale, a_zero_point = DynamicQuantizeLinear(a)
+    return _scaled(_integer_product(quantized, b, a_zero_point, b_zero_point), a_scale, b_scale, bias, a.dtype)
