@@ -19,7 +19,6 @@ from runnx.batch.runner import run_batch
 from runnx.errors import BatchFileError
 from runnx.generate.chat import Chat
 from runnx.generate.generator import Generator
-from runnx.generate.whisper import Whisper
 
 PROMPTS = [
     {"id": "fox", "prompt": "The quick brown fox"},
@@ -34,8 +33,12 @@ def write_lines(path, values) -> None:
     path.write_text("".join(json.dumps(v) + "\n" for v in values), encoding="utf-8")
 
 
+def timeless(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "seconds"}
+
+
 def without_timing(records: dict) -> dict:
-    return {key: {k: v for k, v in record.items() if k != "seconds"} for key, record in records.items()}
+    return {key: timeless(record) for key, record in records.items()}
 
 
 def run_cli(capsys, *argv):
@@ -133,9 +136,8 @@ def test_results_file_keeps_a_complete_last_line_and_refuses_foreign_lines(tmp_p
 
 # ---------------------------------------------------------------------------------------------- in process
 
-def expected_generation(model_dir, items, settings) -> dict:
+def expected_generation(generator, items, settings) -> dict:
     """What Generator.generate (and Chat.ask for "messages") give for each item, one by one."""
-    generator = Generator.from_folder(model_dir)
     texts = {}
     for item in items:
         options = {**settings, **{("stop_strings" if k == "stop" else k): (tuple(v) if k == "stop" else v)
@@ -154,7 +156,7 @@ def test_generate_batch_equals_generator(capsys, tmp_path, tiny_llama, prompts_f
     assert code == 0 and out == ""
     assert "[5/5]" in err and "5 done, 0 failed, 0 already in the results (of 5)" in err
     records = read_results(output)
-    expected = expected_generation(tiny_llama, read_prompts(prompts_file), {"max_new_tokens": 6})
+    expected = expected_generation(Generator.from_folder(tiny_llama), read_prompts(prompts_file), {"max_new_tokens": 6})
     assert {key: record["text"] for key, record in records.items()} == expected
     assert records["capital"]["new_tokens"] <= 5 and records["fox"]["new_tokens"] <= 6
     assert all(record["prompt_tokens"] > 0 for record in records.values())
@@ -252,22 +254,23 @@ def ray_cluster():
     ray.shutdown()
 
 
-def run_both(job, items, tmp_path, **ray_options) -> tuple[dict, dict]:
-    """(records on Ray, records in process) of the same job and items."""
+def run_both(factory, items, tmp_path, **ray_options) -> tuple[dict, dict, object]:
+    """(records on Ray, records in process, the in-process job) of the same job and items."""
     on_ray, here = tmp_path / "ray.jsonl", tmp_path / "here.jsonl"
-    summary = run_batch(job, items, on_ray, ray_address="local", progress=None, **ray_options)
+    summary = run_batch(factory, items, on_ray, ray_address="local", progress=None, **ray_options)
     assert summary.done + summary.failed == len(items)
-    run_batch(job, items, here, progress=None)
-    return read_results(on_ray), read_results(here)
+    job = factory()
+    run_batch(lambda: job, items, here, progress=None)
+    return read_results(on_ray), read_results(here), job
 
 
 def test_ray_generate_equals_in_process_and_generator(ray_cluster, tmp_path, smollm2_dir, prompts_file):
     items = read_prompts(prompts_file)
-    settings = {"max_new_tokens": 12}
-    job = functools.partial(GenerateJob, str(smollm2_dir), settings)
-    on_ray, here = run_both(job, items, tmp_path, concurrency=2, batch_size=1)
+    settings = {"max_new_tokens": 8}
+    factory = functools.partial(GenerateJob, str(smollm2_dir), settings)
+    on_ray, here, job = run_both(factory, items, tmp_path, concurrency=2, batch_size=1)
     assert without_timing(on_ray) == without_timing(here)
-    assert {key: record["text"] for key, record in on_ray.items()} == expected_generation(smollm2_dir, items, settings)
+    assert {key: record["text"] for key, record in on_ray.items()} == expected_generation(job.generator, items, settings)
     assert "Paris" in on_ray["capital"]["text"]
 
 
@@ -276,41 +279,33 @@ def test_ray_whisper_equals_in_process_and_transcribe(ray_cluster, tmp_path, whi
     listing = tmp_path / "files.txt"
     listing.write_text("".join(f"{clip}\n" for clip in clips) + f"{audio_dir / 'absent.wav'}\n", encoding="utf-8")
     items = read_audio_list(listing)
-    job = functools.partial(WhisperJob, str(whisper_dir))
-    on_ray, here = run_both(job, items, tmp_path, concurrency=2, batch_size=1)
+    on_ray, here, job = run_both(functools.partial(WhisperJob, str(whisper_dir)), items, tmp_path,
+                                 concurrency=2, batch_size=1)
     assert without_timing(on_ray) == without_timing(here)
-    model = Whisper(whisper_dir)
-    expected = json.loads((audio_dir / "transcripts.json").read_text())
     for clip in clips:
-        assert on_ray[str(clip)]["text"] == model.transcribe(str(clip)).text
+        assert on_ray[str(clip)]["text"] == job.model.transcribe(str(clip)).text
         assert on_ray[str(clip)]["audio_seconds"] > 1
+    expected = json.loads((audio_dir / "transcripts.json").read_text())
     assert on_ray[str(clips[0])]["text"] == expected["john.wav"]  # tiny.en hears this one word for word
     assert "audio file not found" in on_ray[str(audio_dir / "absent.wav")]["error"]
 
 
-def test_ray_rerun_skips_what_is_done(ray_cluster, tmp_path, tiny_llama, prompts_file):
-    output = tmp_path / "results.jsonl"
-    output.write_text('{"id": "fox", "text": "KEPT"}\n{"id": "capital", "text": "KEPT"}\n{"id": "ch', encoding="utf-8")
-    items = read_prompts(prompts_file)
-    job = functools.partial(GenerateJob, str(tiny_llama), {"max_new_tokens": 4})
-    summary = run_batch(job, items, output, ray_address="local", concurrency=2, batch_size=2, progress=None)
-    assert (summary.skipped, summary.done) == (2, 3)
-    lines = [json.loads(line) for line in output.read_text().splitlines()]
-    assert sorted(str(record["id"]) for record in lines) == ["3", "7", "capital", "chat", "fox"]
-    assert [r["text"] for r in lines[:2]] == ["KEPT", "KEPT"]
-    expected = expected_generation(tiny_llama, items, {"max_new_tokens": 4})
-    assert all(r["text"] == expected[r["id"]] for r in lines[2:])
-
-
-def test_cli_on_a_running_cluster_by_address(ray_cluster, tmp_path, tiny_llama, prompts_file):
-    """`runnx generate --ray ADDRESS` in its own process joins this cluster: same records as in process."""
+def test_cli_on_a_running_cluster_resumes(ray_cluster, tmp_path, tiny_llama, prompts_file):
+    """`runnx generate --ray ADDRESS` in its own process joins this cluster, skips the records a
+    crashed run left, and computes the rest as the in-process command does."""
     address = ray_cluster.get_runtime_context().gcs_address
     on_ray, here = tmp_path / "ray.jsonl", tmp_path / "here.jsonl"
+    on_ray.write_text('{"id": "fox", "text": "KEPT"}\n{"id": "capital", "text": "KEPT"}\n{"id": "ch',
+                      encoding="utf-8")
     command = [sys.executable, "-m", "runnx.cli", "generate", str(tiny_llama), "--input", str(prompts_file),
                "--max-new-tokens", "5"]
-    done = subprocess.run([*command, "--output", str(on_ray), "--ray", address], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([*command, "--output", str(on_ray), "--ray", address, "--batch-size", "2"],
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "5 done, 0 failed" in done.stderr
+    assert "3 done, 0 failed, 2 already in the results (of 5)" in done.stderr
     assert cli.main([*command[3:], "--output", str(here)]) == 0
-    assert without_timing(read_results(on_ray)) == without_timing(read_results(here))
+    lines = [json.loads(line) for line in on_ray.read_text().splitlines()]
+    assert sorted(str(record["id"]) for record in lines) == ["3", "7", "capital", "chat", "fox"]
+    assert [r["text"] for r in lines[:2]] == ["KEPT", "KEPT"]  # not redone
+    expected = without_timing(read_results(here))
+    assert all(timeless(r) == expected[r["id"]] for r in lines[2:])

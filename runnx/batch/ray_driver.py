@@ -67,9 +67,13 @@ def ray_records(job_factory, items: list[dict], address: str, *, concurrency: in
         results = dataset.map_batches(BatchActor, fn_constructor_args=(job_factory, max(1, math.ceil(cpus_per_worker))),
                                       batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=min(actors, batches)),
                                       num_cpus=cpus_per_worker, batch_format="numpy")
-        for batch in results.iter_batches(batch_size=None, batch_format="numpy"):
-            for text in batch["record"]:
-                yield json.loads(text)
+        try:
+            for batch in results.iter_batches(batch_size=None, batch_format="numpy"):
+                for text in batch["record"]:
+                    yield json.loads(text)
+        except ray.exceptions.RayError as error:  # an actor that died, a lost node: resumable, say so
+            raise RunnxError(f"the Ray job stopped: {' '.join(str(error).split())[:500]}; the records written so "
+                             "far are kept: run the same command again to resume") from error
     finally:
         if started_here:
             ray.shutdown()
