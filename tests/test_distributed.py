@@ -82,6 +82,7 @@ def test_prompts_file_gives_items_with_ids_and_settings(prompts_file):
     ('{"prompt": "x", "max_tokens": 5}', "unknown key(s) max_tokens"),
     ('{"prompt": "x", "messages": []}', 'exactly one of "prompt"'),
     ('{"prompt": "x", "temperature": "hot"}', '"temperature" must be a number'),
+    ('{"prompt": "x", "temperature": 0}', '"temperature" must be above 0, got 0'),
     ('{"id": [1], "prompt": "x"}', '"id" must be a string or an integer'),
     ("[1, 2]", "expected a JSON object"),
 ])

@@ -18,6 +18,10 @@ from runnx.errors import BatchFileError
 SETTINGS = {"max_new_tokens": int, "temperature": float, "top_k": int, "top_p": float, "min_p": float,
             "repetition_penalty": float, "seed": int, "stop": list}
 PROMPT_KEYS = ("id", "prompt", "messages", *SETTINGS)
+RANGES = {"max_new_tokens": ("at least 1", lambda v: v >= 1), "temperature": ("above 0", lambda v: v > 0),
+          "top_k": ("at least 1", lambda v: v >= 1), "top_p": ("in (0, 1]", lambda v: 0 < v <= 1),
+          "min_p": ("in [0, 1]", lambda v: 0 <= v <= 1), "repetition_penalty": ("above 0", lambda v: v > 0),
+          "seed": ("at least 0", lambda v: v >= 0)}
 
 
 def _lines(path) -> list[str]:
@@ -97,6 +101,9 @@ def _setting(name: str, value, where: str):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise BatchFileError(f"{where}: \"{name}\" must be {'an integer' if kind is int else 'a number'}, "
                              f"got {value!r}")
+    expected, holds = RANGES[name]
+    if not holds(value):
+        raise BatchFileError(f"{where}: \"{name}\" must be {expected}, got {value!r}")
     return kind(value)
 
 
