@@ -4,8 +4,9 @@ tiny.en) in this process and on a local Ray cluster (one actor per CPU, one runn
     .venv/bin/python scripts/bench_batch.py [--prompts 12] [--new-tokens 32] [--copies 1]
 
 Prints, per engine, the wall time of the whole job (Ray: starting the cluster and the actors'
-model loads included) and of the work after the first record, as prompts/s (and generated tokens/s)
-and audio seconds per second. The recordings are the clips of `make models` (john, fox, weather,
+model loads included) as prompts/s (and generated tokens/s) and audio seconds per second, and the
+CPU time the items took (the process's CPU time around each item, all its threads): on a machine
+shared with other work, wall time measures the neighbours too, CPU time much less so. The recordings are the clips of `make models` (john, fox, weather,
 long), listed `--copies` times under distinct names (symlinks) so that ids stay unique.
 """
 from __future__ import annotations
@@ -29,27 +30,25 @@ TOPICS = ("rivers", "the moon", "bread", "trains", "winter", "bees", "clocks", "
           "owls", "bridges", "snow", "music", "gardens", "books")
 
 
-class FirstRecordClock:
-    """A progress stream that notes when the first record line arrives."""
+class CpuTimed:
+    """A job whose records also say the CPU time of their item (pickled by value to the actors)."""
 
-    def __init__(self):
-        self.first = None
+    def __init__(self, factory):
+        self.job = factory()
 
-    def write(self, text: str) -> None:
-        if self.first is None and text.startswith("[1/"):
-            self.first = time.perf_counter()
-
-    def flush(self) -> None:
-        pass
+    def __call__(self, item):
+        started = time.process_time()
+        fields = self.job(item)
+        return {**fields, "cpu_seconds": time.process_time() - started}
 
 
 def timed(job, items, output, ray_address):
-    clock = FirstRecordClock()
     started = time.perf_counter()
-    summary = run_batch(job, items, output, ray_address=ray_address, progress=clock)
+    summary = run_batch(functools.partial(CpuTimed, job), items, output, ray_address=ray_address,
+                        batch_size=1)
     total = time.perf_counter() - started
     assert summary.failed == 0, read_results(output)
-    return total, total - (clock.first - started), read_results(output)
+    return total, read_results(output)
 
 
 def main() -> None:
@@ -75,18 +74,22 @@ def main() -> None:
     for name, (job, items) in jobs.items():
         results = {}
         for engine, address in (("in-process", None), ("ray local", "local")):
-            total, after_first, records = timed(job, items, work / f"{name}-{engine.replace(' ', '-')}.jsonl", address)
-            results[engine] = {key: {k: v for k, v in r.items() if k != "seconds"} for key, r in records.items()}
+            total, records = timed(job, items, work / f"{name}-{engine.replace(' ', '-')}.jsonl", address)
+            results[engine] = {key: {k: v for k, v in r.items() if k not in ("seconds", "cpu_seconds")}
+                               for key, r in records.items()}
+            cpu = sum(r["cpu_seconds"] for r in records.values())
             if name == "generate":
                 tokens = sum(r["new_tokens"] for r in records.values())
                 print(f"{name} {engine}: {len(items)} prompts, {tokens} new tokens in {total:.1f} s: "
-                      f"{len(items) / total:.3f} prompts/s ({tokens / total:.1f} tokens/s); after the first "
-                      f"record {(len(items) - 1) / after_first:.3f} prompts/s", flush=True)
+                      f"{len(items) / total:.3f} prompts/s ({tokens / total:.1f} tokens/s); items' CPU time "
+                      f"{cpu:.1f} s: {tokens / cpu:.1f} tokens per CPU second", flush=True)
             else:
                 seconds = sum(r["audio_seconds"] for r in records.values())
                 print(f"{name} {engine}: {len(items)} files, {seconds:.1f} s of audio in {total:.1f} s: "
-                      f"{seconds / total:.2f} audio s/s", flush=True)
+                      f"{seconds / total:.2f} audio s/s; items' CPU time {cpu:.1f} s: {seconds / cpu:.2f} audio "
+                      f"s per CPU second", flush=True)
         print(f"{name}: results identical in both engines: {results['in-process'] == results['ray local']}")
+    print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(json.dumps({"work": str(work)}))
 
 
