@@ -6,8 +6,9 @@ tiny.en) in this process and on a local Ray cluster (one actor per CPU, one runn
 Prints, per engine, the wall time of the whole job (Ray: starting the cluster and the actors'
 model loads included) as prompts/s (and generated tokens/s) and audio seconds per second, and the
 CPU time the items took (the process's CPU time around each item, all its threads): on a machine
-shared with other work, wall time measures the neighbours too, CPU time much less so. The recordings are the clips of `make models` (john, fox, weather,
-long), listed `--copies` times under distinct names (symlinks) so that ids stay unique.
+shared with other work, wall time measures the neighbours too, CPU time much less so.
+The recordings are the clips of `make models` (john, fox, weather, long), listed `--copies` times
+under distinct names (symlinks) so that ids stay unique.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from runnx.batch.inputs import read_audio_list, read_prompts
 from runnx.batch.jobs import GenerateJob, WhisperJob
 from runnx.batch.results import ResultFile, read_results
 from runnx.batch.runner import run_batch
-from runnx.errors import BatchFileError
+from runnx.errors import BatchFileError, RunnxError
 from runnx.generate.chat import Chat
 from runnx.generate.generator import Generator
 
@@ -241,6 +241,13 @@ def test_whisper_batch_writes_error_records_for_unreadable_audio(capsys, tmp_pat
     assert len(output.read_text().splitlines()) == 2  # each id once
 
 
+def test_ray_missing_is_a_runnx_error(monkeypatch, tmp_path, tiny_llama):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as when it is not installed
+    job = functools.partial(GenerateJob, str(tiny_llama))
+    with pytest.raises(RunnxError, match=r"--ray needs Ray Data: pip install 'runnx\[ray\]'"):
+        run_batch(job, [{"id": 1, "prompt": "x", "settings": {}}], tmp_path / "results.jsonl", ray_address="local")
+
+
 # ---------------------------------------------------------------------------------------------- on Ray
 
 @pytest.fixture(scope="module")
@@ -271,7 +278,8 @@ def test_ray_generate_equals_in_process_and_generator(ray_cluster, tmp_path, smo
     factory = functools.partial(GenerateJob, str(smollm2_dir), settings)
     on_ray, here, job = run_both(factory, items, tmp_path, concurrency=2, batch_size=1)
     assert without_timing(on_ray) == without_timing(here)
-    assert {key: record["text"] for key, record in on_ray.items()} == expected_generation(job.generator, items, settings)
+    expected = expected_generation(job.generator, items, settings)
+    assert {key: record["text"] for key, record in on_ray.items()} == expected
     assert "Paris" in on_ray["capital"]["text"]
 
 

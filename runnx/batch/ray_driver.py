@@ -54,18 +54,19 @@ def ray_records(job_factory, items: list[dict], address: str, *, concurrency: in
     if started_here:
         ray.init(address=None if address == LOCAL else address, include_dashboard=False,
                  logging_level="WARNING")
+    context = ray.data.DataContext.get_current()
+    progress_bars, context.enable_progress_bars = context.enable_progress_bars, False  # a line per record instead
     try:
-        context = ray.data.DataContext.get_current()
-        context.enable_progress_bars = False  # the driver prints a line per record
         cpus = ray.cluster_resources().get("CPU", 1)
         batches = math.ceil(len(items) / batch_size)
-        actors = concurrency or max(1, int(cpus // cpus_per_worker))
+        actors = concurrency if concurrency is not None else max(1, int(cpus // cpus_per_worker))
         if actors < 1:
             raise RunnxError(f"--concurrency must be at least 1, got {concurrency}")
         dataset = ray.data.from_items([{"item": json.dumps(item, ensure_ascii=False)} for item in items],
                                       override_num_blocks=batches)  # a block per batch: actors share them out
-        results = dataset.map_batches(BatchActor, fn_constructor_args=(job_factory, max(1, math.ceil(cpus_per_worker))),
-                                      batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=min(actors, batches)),
+        threads = max(1, math.ceil(cpus_per_worker))
+        results = dataset.map_batches(BatchActor, fn_constructor_args=(job_factory, threads), batch_size=batch_size,
+                                      compute=ray.data.ActorPoolStrategy(size=min(actors, batches)),
                                       num_cpus=cpus_per_worker, batch_format="numpy")
         try:
             for batch in results.iter_batches(batch_size=None, batch_format="numpy"):
@@ -75,5 +76,6 @@ def ray_records(job_factory, items: list[dict], address: str, *, concurrency: in
             raise RunnxError(f"the Ray job stopped: {' '.join(str(error).split())[:500]}; the records written so "
                              "far are kept: run the same command again to resume") from error
     finally:
+        context.enable_progress_bars = progress_bars
         if started_here:
             ray.shutdown()
