@@ -135,6 +135,16 @@ def test_results_file_keeps_a_complete_last_line_and_refuses_foreign_lines(tmp_p
         ResultFile(path)
 
 
+def test_one_job_at_a_time_writes_a_results_file(tmp_path):
+    path = tmp_path / "results.jsonl"
+    with ResultFile(path) as first:
+        first.write({"id": "a", "text": "A"})
+        with pytest.raises(BatchFileError, match="is being written by another job"):
+            ResultFile(path)
+    with ResultFile(path) as again:  # released on close
+        assert again.done == {"a"}
+
+
 # ---------------------------------------------------------------------------------------------- in process
 
 def expected_generation(generator, items, settings) -> dict:

@@ -5,9 +5,12 @@ Opening the file reads what is there: records with an "error" are dropped so tha
 retries them, and so is a last line cut short by a crash (it has no newline and does not parse);
 when anything is dropped the file is rewritten without it (to a temporary file, then renamed).
 Any other line that is not a JSON object with an "id" is a BatchFileError: the file is not ours.
+One job at a time writes a results file: it holds an exclusive lock on `results.jsonl.lock` (kept
+beside it) while open, so a second job on the same file stops at once instead of redoing the work.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -23,11 +26,26 @@ class ResultFile:
         self.done: set = set()
         self.dropped_errors = 0
         self.dropped_partial = False  # a last line cut short by a crash
-        kept, clean = self._read_existing()
-        if not clean:
-            self._rewrite(kept)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._lock = self._take_lock()
+        try:
+            kept, clean = self._read_existing()
+            if not clean:
+                self._rewrite(kept)
+            self._file = open(self.path, "a", encoding="utf-8")
+        except BaseException:
+            self._lock.close()
+            raise
+
+    def _take_lock(self):
+        lock = open(self.path.with_name(self.path.name + ".lock"), "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise BatchFileError(f"{self.path} is being written by another job (it holds {lock.name}); "
+                                 "wait for it, or give another --output") from None
+        return lock
 
     def _read_existing(self) -> tuple[list[str], bool]:
         """(the lines to keep, whether the file is exactly those lines)."""
@@ -75,6 +93,7 @@ class ResultFile:
 
     def close(self) -> None:
         self._file.close()
+        self._lock.close()  # releases the lock
 
     def __enter__(self) -> "ResultFile":
         return self
