@@ -84,3 +84,7 @@ class ResourceLimitError(RunnxError):
 class InPlaceMismatchError(RunnxError):
     """Checking mode (check_inplace) found an in-place execution whose result differs from the
     out-of-place one: a bug in a kernel's in-place path."""
+
+
+class BatchFileError(RunnxError, ValueError):
+    """A batch job's prompts file, audio list or results file is malformed (the message names the line)."""

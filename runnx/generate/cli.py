@@ -2,11 +2,16 @@
 
     runnx generate MODEL_DIR "The capital of France is" [--chat] [--max-new-tokens N] [--temperature T]
                    [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--stop TEXT]
+    runnx generate MODEL_DIR --input prompts.jsonl --output results.jsonl [--ray [ADDRESS]] [options]
     runnx chat MODEL_DIR [--system TEXT] [sampling options]     (Ctrl-D leaves)
+
+The batch form (one result per prompt, resumable, optionally on Ray) lives in runnx.batch.
 """
 from __future__ import annotations
 
 import sys
+
+from runnx.batch.cli import add_batch_arguments, batch_requested
 
 
 def register(subparsers) -> None:
@@ -15,12 +20,14 @@ def register(subparsers) -> None:
                                                  "with model.onnx or decoder_model_merged.onnx, config.json, "
                                                  "generation_config.json and tokenizer.json).")
     generate.add_argument("model_dir", metavar="MODEL_DIR")
-    generate.add_argument("prompt", metavar="PROMPT")
+    generate.add_argument("prompt", metavar="PROMPT", nargs="?", help="the prompt (or --input FILE)")
     generate.add_argument("--chat", action="store_true",
                           help="wrap the prompt as a user message in the tokenizer's chat template")
     generate.add_argument("--system", help="system message (with --chat)")
     _add_decoding_arguments(generate)
     generate.add_argument("--profile", action="store_true", help="print runnx's per-op profile afterwards")
+    add_batch_arguments(generate, "--input", 'prompts, one JSON object per line: {"id": ..., "prompt": ...} '
+                                             'or {"id": ..., "messages": [...]}, with optional decoding settings')
     generate.set_defaults(func=command_generate)
 
     chat = subparsers.add_parser("chat", help="interactive multi-turn chat (Ctrl-D to leave)",
@@ -58,6 +65,9 @@ def _load(model_dir, profile=None):
 
 def command_generate(args) -> int:
     import runnx
+    if batch_requested(args, args.prompt is not None, "--input"):
+        from runnx.batch.cli import run_generate_batch
+        return run_generate_batch(args, _settings(args))
     profile = runnx.Profile() if args.profile else None
     generator = _load(args.model_dir, profile)
     if args.chat:

@@ -1,4 +1,6 @@
-"""`runnx whisper MODEL_DIR AUDIO... [--timestamps] [--format txt|srt|vtt|json] [--language L]`.
+"""`runnx whisper MODEL_DIR AUDIO... [--timestamps] [--format txt|srt|vtt|json] [--language L]`,
+and the batch form `runnx whisper MODEL_DIR --input-list files.txt --output results.jsonl [--ray]`
+(runnx.batch: records as `--format json` prints them, resumable, optionally on Ray).
 
 Prints the transcript of each file on stdout (plain text, timed text, SubRip or WebVTT subtitles,
 or one JSON object per file), and on stderr a progress bar for audio longer than one window and
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
+from runnx.batch.cli import add_batch_arguments, batch_requested
 from runnx.generate.mel import CHUNK_SECONDS
 
 FORMATS = ("txt", "srt", "vtt", "json")
@@ -21,7 +24,7 @@ def register(subparsers) -> None:
                     "model exported by Optimum.")
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="folder with encoder_model.onnx, "
                         "decoder_model_merged.onnx, config.json, generation_config.json, tokenizer.json")
-    parser.add_argument("audio", metavar="AUDIO", nargs="+", help="audio file(s)")
+    parser.add_argument("audio", metavar="AUDIO", nargs="*", help="audio file(s) (or --input-list FILE)")
     parser.add_argument("--timestamps", action="store_true",
                         help="decode timestamps and print timed segments (srt/vtt always have them)")
     parser.add_argument("--format", choices=FORMATS, default="txt",
@@ -30,6 +33,8 @@ def register(subparsers) -> None:
                         help="language code for multilingual models (default: detected from the first window)")
     parser.add_argument("--task", choices=("transcribe", "translate"), default="transcribe",
                         help="multilingual models: transcribe, or translate into English")
+    add_batch_arguments(parser, "--input-list", "audio files, one path per line (blank lines and # comments "
+                                                "skipped)")
     parser.set_defaults(func=run)
 
 
@@ -38,6 +43,9 @@ def run(args) -> int:
     command prints them as one line."""
     from runnx.generate.whisper import Whisper
 
+    if batch_requested(args, args.audio, "--input-list"):
+        from runnx.batch.cli import run_whisper_batch
+        return run_whisper_batch(args, True if args.timestamps else None)
     model = Whisper(args.model_dir)
     timestamps = True if args.timestamps or args.format in ("srt", "vtt") else None
     for index, path in enumerate(args.audio):
@@ -67,9 +75,7 @@ def clock(seconds: float, separator: str = ".", hours: bool = True) -> str:
 def render(transcript, fmt: str, timestamps: bool = False, source: str | None = None) -> str:
     segments = transcript.segments
     if fmt == "json":
-        return json.dumps({"file": source, "language": transcript.language, "text": transcript.text,
-                           "segments": [{"start": s.start, "end": s.end, "text": s.text} for s in segments]},
-                          ensure_ascii=False) + "\n"
+        return json.dumps(transcript_fields(transcript, source), ensure_ascii=False) + "\n"
     if fmt == "srt":
         return "".join(f"{i}\n{clock(s.start, ',')} --> {clock(s.end, ',')}\n{s.text}\n\n"
                        for i, s in enumerate(segments, 1))
@@ -78,6 +84,12 @@ def render(transcript, fmt: str, timestamps: bool = False, source: str | None = 
     if timestamps:
         return "".join(f"[{clock(s.start, hours=False)} --> {clock(s.end, hours=False)}]  {s.text}\n" for s in segments)
     return transcript.text + "\n"
+
+
+def transcript_fields(transcript, source: str | None) -> dict:
+    """The JSON form of a transcript (--format json, and the records of batch jobs)."""
+    return {"file": source, "language": transcript.language, "text": transcript.text,
+            "segments": [{"start": s.start, "end": s.end, "text": s.text} for s in transcript.segments]}
 
 
 def timing_line(timings) -> str:
