@@ -8,6 +8,7 @@ compiles the tiny Llama's kernels from an empty cache, about half a minute on tw
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import site
 import stat
@@ -35,9 +36,13 @@ def as_unprivileged() -> list[str]:
     if os.geteuid() != 0:
         return []
     setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("running as root without setpriv: cannot run as a user without write access")
-    return [setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    try:
+        nobody = pwd.getpwnam("nobody")
+    except KeyError:
+        nobody = None
+    if setpriv is None or nobody is None:
+        pytest.skip("running as root without setpriv or a `nobody` user: no user without write access")
+    return [setpriv, f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups"]
 
 
 def make_venv(base: Path) -> tuple[Path, Path]:
