@@ -5,9 +5,10 @@
     outputs = model.run({"x": x})                        # {name: array}
     session = runnx.InferenceSession("model.onnx")       # onnxruntime's API
 """
+__version__ = "0.1.0"  # before any import: the numba cache folder's name reads it (runnx/ops/_jit_cache.py)
+
 from runnx import _openblas  # noqa: F401  (first: OpenBLAS's thread timeout, before numpy loads it)
-from runnx import ops as _ops  # registers every kernel
-from runnx.capture import Owned, with_capacity
+from runnx.capture import Owned
 from runnx.errors import (
     CycleError, ExternalDataError, InPlaceMismatchError, InputError, InputShapeError, InputTypeError, InvalidModelError,
     MissingInputError, MissingValueError, ModelLoadError, NodeError, PlanError, ResourceLimitError,
@@ -18,7 +19,15 @@ from runnx.interp.options import Options
 from runnx.interp.profiler import Profile
 from runnx.interp.session import InferenceSession, NodeArg, SessionOptions
 
-__version__ = "0.1.0"
+
+def __getattr__(name):
+    """`with_capacity` loads numba (its module compiles a kernel): on first use, not at import.
+    Op kernels register when a model first asks for them (`runnx.ops.load_families`)."""
+    if name == "with_capacity":
+        from runnx.capture.capacity import with_capacity
+        return with_capacity
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CycleError", "ExternalDataError", "InPlaceMismatchError", "InferenceSession", "InputError", "InputShapeError", "InputTypeError",

@@ -9,6 +9,7 @@ import numba
 import numpy as np
 
 from runnx.capture.ownership import Owned
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 
 
 @numba.njit(cache=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from runnx.interp.ir import Graph, Node
 from runnx.ops import registry
-from runnx.ops.fused import DOMAIN
+from runnx.ops._fused_common import DOMAIN
 
 
 def keep_last_position(graph: Graph, names) -> int:

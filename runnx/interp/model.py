@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -15,13 +16,15 @@ from runnx.interp.executor import Executor
 from runnx.interp.folding import fold_constants
 from runnx.interp.fusion import fuse
 from runnx.interp.last_position import keep_last_position
-from runnx.interp.loader import LoadedModel, load_model
 from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
 from runnx.interp.profiler import Profile
 from runnx.interp.shape_cache import memoize_shapes
 from runnx.interp.threads import apply_threads, thread_counts
 from runnx.interp.validation import bind_feeds, feed_specs
+
+if TYPE_CHECKING:
+    from runnx.interp.loader import LoadedModel
 
 
 class Model:
@@ -159,6 +162,7 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
     (inplace=False, check_inplace=True, max_tensor_elements=...) build an Options."""
     if option_values:
         options = Options(**option_values) if options is None else _replace(options, option_values)
+    from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
     keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runnx/_allocator.py)
     return Model(load_model(source, weights), options)
 

@@ -29,7 +29,7 @@ import weakref
 
 import numpy as np
 
-from runnx.ops.fused import stand_in
+from runnx.ops._fused_common import stand_in
 
 READ_AHEAD = 8  # decode steps a memo's first miss computes ahead
 MAX_READ_AHEAD = 16  # and its later misses at most, doubling

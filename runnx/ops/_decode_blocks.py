@@ -16,6 +16,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._decode_mailbox import _MAILBOX_SIZE, _attention, _gelu, _products
 from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_gate_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count

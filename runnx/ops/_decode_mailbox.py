@@ -23,6 +23,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._atomics import (add, bits_of_float64, compare_and_swap, float32_pointer, float32_view,
                                 float64_from_bits, load, pause, store)
 from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span

@@ -1,12 +1,20 @@
-"""Stale compiled kernels out of numba's on-disk cache, before any kernel loads from it.
+"""Where numba caches runnx's compiled kernels, and two repairs of its on-disk cache.
 
-numba checks a cached function against its own source file only (its time and size). A kernel
-compiled into a function of another module stays there: `_decode_mailbox.py`'s jobs inline
-`_kernels_fused.py`'s attention, and after an edit of `_kernels_fused.py` (or a checkout that
-changes it) they kept running the old attention from the cache, without a sign. So the index files
-of the cached modules' `__pycache__` folders older than the newest of those modules' sources are
-removed: numba recompiles what they indexed on first use. An install writes every file anew and
-the cache after them, so this only ever removes anything in a working copy whose kernels changed.
+Every module with `cache=True` functions imports this module before decorating them. It puts
+`RunnxCacheLocator` first among numba's cache locators: the kernels of a runnx install go to
+`${RUNNX_CACHE:-~/.cache/runnx}/numba/runnx-<version>-<hash of the install's path>/` (under
+`$NUMBA_CACHE_DIR/runnx/` instead when the user set numba's own variable), never into the source
+tree: a wheel in a site-packages nobody can write caches like an editable install, and two
+installs or working copies never share a folder. A folder that cannot be written leaves the
+choice to numba's own locators.
+
+numba checks a cached function against its own source file only. A kernel compiled into a
+function of another module stays there: `_decode_mailbox.py`'s jobs inline `_kernels_fused.py`'s
+attention, and after an edit of `_kernels_fused.py` (or a checkout that changes it) they kept
+running the old attention from the cache, without a sign. So the index files older than the
+newest of the cached modules' sources are removed: numba recompiles what they indexed on first
+use. An install writes every file anew and the cache after them, so this only ever removes
+anything in a working copy whose kernels changed.
 
 numba also saves a new compiled signature without a lock: it reads the function's index, takes the
 first data file number no entry names, writes the index, then the data. Two processes compiling
@@ -17,9 +25,12 @@ which a later load runs on the wrong types ("can't unbox array", seen after an e
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from pathlib import Path
+
+from numba.core import caching, config
 
 try:
     import fcntl
@@ -31,14 +42,56 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 CACHED_MODULES = ("capture/capacity.py", "ops/_decode_blocks.py", "ops/_decode_mailbox.py",
                   "ops/_kernels_elementwise.py", "ops/_kernels_fused.py", "ops/_kernels_linalg.py",
                   "ops/_kernels_nn.py", "ops/_kernels_whisper.py")
+_SOURCES = tuple(_PACKAGE / module for module in CACHED_MODULES)
 
 
-def drop_stale(sources=tuple(_PACKAGE / module for module in CACHED_MODULES)) -> int:
-    """Remove the numba index files (*.nbi) in the sources' `__pycache__` folders that are older
-    than the newest source; how many. Folders numba cannot write to are left alone (it then
-    caches elsewhere, under the user's cache folder, for files an install wrote at once). A source
-    dated in the future (a skewed clock, a copied tree) removes nothing: every index written
-    before that date would go at every start, and everything would compile again each time."""
+def cache_folder() -> Path:
+    """The folder numba caches this install's kernels in (see the module docstring)."""
+    if config.CACHE_DIR:
+        root = Path(config.CACHE_DIR) / "runnx"
+    else:
+        root = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser() / "numba"
+    from runnx import __version__
+    install = hashlib.sha256(str(_PACKAGE).encode()).hexdigest()[:16]
+    return root / f"runnx-{__version__}-{install}"
+
+
+class RunnxCacheLocator(caching._SourceFileBackedLocatorMixin, caching._CacheLocator):
+    """numba's cache locator for the functions of runnx's own modules: `cache_folder()`."""
+
+    def __init__(self, py_func, py_file):
+        self._py_file = py_file
+        self._lineno = py_func.__code__.co_firstlineno
+        self._cache_path = str(cache_folder())
+
+    def get_cache_path(self):
+        return self._cache_path
+
+    @classmethod
+    def from_function(cls, py_func, py_file):
+        """A locator for a function of a runnx module whose cache folder can be written, else None
+        (numba asks its next locator)."""
+        if not Path(py_file).resolve().is_relative_to(_PACKAGE):
+            return None
+        return super().from_function(py_func, py_file)
+
+
+def locate_in_cache_folder() -> None:
+    """Make `RunnxCacheLocator` numba's first choice (once): before any runnx function is
+    decorated, since numba picks a function's locator then."""
+    locators = getattr(caching, "CacheImpl", None) or caching._CacheImpl  # `_CacheImpl` in older numba
+    if RunnxCacheLocator not in locators._locator_classes:
+        locators._locator_classes.insert(0, RunnxCacheLocator)
+
+
+def drop_stale(sources=_SOURCES, folders=None) -> int:
+    """Remove the numba index files (*.nbi) in `folders` (by default this install's cache folder
+    and the sources' `__pycache__`, where an older runnx cached) that are older than the newest
+    source; how many. Folders numba cannot write to are left alone. A source dated in the future
+    (a skewed clock, a copied tree) removes nothing: every index written before that date would
+    go at every start, and everything would compile again each time."""
+    if folders is None:
+        folders = {cache_folder(), *(Path(source).parent / "__pycache__" for source in sources)}
     try:
         newest = max(os.stat(source).st_mtime for source in sources)
     except (OSError, ValueError):
@@ -46,7 +99,7 @@ def drop_stale(sources=tuple(_PACKAGE / module for module in CACHED_MODULES)) ->
     if newest > time.time():
         return 0
     removed = 0
-    for folder in {Path(source).parent / "__pycache__" for source in sources}:
+    for folder in folders:
         try:
             entries = list(os.scandir(folder))
         except OSError:
@@ -66,10 +119,7 @@ def serialize_saves() -> bool:
     `<index>.lock` from reading the index to writing the data; whether saves are locked now. Only
     adds the lock: where it cannot be taken (no fcntl, a folder without write access), numba saves
     as it would."""
-    try:
-        from numba.core.caching import IndexDataCacheFile
-    except ImportError:
-        return False
+    from numba.core.caching import IndexDataCacheFile
     save = IndexDataCacheFile.save
     if fcntl is None or getattr(save, "locked", False):
         return getattr(save, "locked", False)
@@ -86,3 +136,8 @@ def serialize_saves() -> bool:
     locked_save.locked = True
     IndexDataCacheFile.save = locked_save
     return True
+
+
+locate_in_cache_folder()
+drop_stale()  # before any kernel loads from numba's cache
+serialize_saves()  # before any kernel compiles

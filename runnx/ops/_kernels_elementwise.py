@@ -6,6 +6,8 @@ import math
 import numba
 import numpy as np
 
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+
 # erf(x) ~= x * P(x^2) / Q(x^2) on [-4, 4] (outside, erf is +-1 in float32): the rational minimax
 # fit Eigen and XLA use for float32, within 6 ulp of the exact value; unlike libm's erff it
 # vectorises, which makes it several times faster (numpy's error model: Python's would check the

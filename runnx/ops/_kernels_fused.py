@@ -29,6 +29,7 @@ from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from runnx.capture.capacity import prefix_room
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 
 _REORDER = {"reassoc", "contract", "nsz", "arcp"}
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+
 ROW_CHUNKS = 8
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"contract"})

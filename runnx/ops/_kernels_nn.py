@@ -6,6 +6,8 @@ import math
 import numba
 import numpy as np
 
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+
 
 @numba.njit(cache=True)
 def _bilinear_corners(y, x, height, width):

@@ -19,6 +19,7 @@ import math
 import numba
 import numpy as np
 
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_elementwise import erf_float32
 from runnx.ops._kernels_fused import float32_from_bits
 from runnx.ops._kernels_nn import pairwise_total

@@ -9,7 +9,6 @@ shortest round-trip form.
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 from onnx import TensorProto
 
@@ -17,10 +16,9 @@ from runnx.errors import RunnxError
 from runnx.interp.dtypes import numpy_dtype, onnx_type
 from runnx.ops.registry import register
 
-_SATURATING_FLOAT8 = frozenset(np.dtype(t) for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz,
-                                                      ml_dtypes.float8_e5m2, ml_dtypes.float8_e5m2fnuz))
+# ml_dtypes' types by name: it is imported only once a value of one of them exists
+_SATURATING_FLOAT8 = frozenset(("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"))
 _NUMPY_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-_E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 _E8M0_MAX_EXPONENT = 0xFE  # 0xFF is NaN
 _FLOAT32_EXPONENT_BITS = 0xFF
 
@@ -38,9 +36,10 @@ def cast(x: np.ndarray, to: int, saturate: int = 1, round_mode: str = "up") -> n
     if x.dtype == target:
         return x
     with np.errstate(invalid="ignore", over="ignore"):
-        if target == _E8M0:
+        if target.name == "float8_e8m0fnu":
             return _to_e8m0(x, saturate, round_mode)
-        if saturate and target in _SATURATING_FLOAT8:
+        if saturate and target.name in _SATURATING_FLOAT8:
+            import ml_dtypes  # loaded already: `target` is its type
             info = ml_dtypes.finfo(target)
             wide = x if x.dtype in _NUMPY_FLOATS else x.astype(np.float32)
             # NaN passes through maximum/minimum; infinities clamp like any out-of-range value
@@ -117,7 +116,7 @@ def _to_e8m0(x, saturate, round_mode):
     exponent[special] = _FLOAT32_EXPONENT_BITS
     if saturate:
         exponent[infinite] = _E8M0_MAX_EXPONENT
-    return exponent.astype(np.uint8).view(_E8M0)
+    return exponent.astype(np.uint8).view(numpy_dtype(TensorProto.FLOAT8E8M0))
 
 
 @register("Cast", since=1)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import math
 
-import ml_dtypes
 import numpy as np
 
 from runnx.errors import RunnxError
@@ -19,13 +18,13 @@ from runnx.ops.registry import register
 Ints = tuple[int, ...] | None
 
 
-_NARROW_FLOATS = (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+_NARROW_FLOATS = ("float16", "bfloat16")  # bfloat16: ml_dtypes', by name (it is imported when needed)
 
 
 def _accumulation_dtype(dtype: np.dtype) -> np.dtype:
     """float32 for half-precision inputs: BLAS has no float16 GEMM, and numpy's own float16 matmul
     accumulates in float32 anyway, only much more slowly."""
-    return np.dtype(np.float32) if dtype in _NARROW_FLOATS else dtype
+    return np.dtype(np.float32) if dtype.name in _NARROW_FLOATS else dtype
 
 
 def _add_bias(out: np.ndarray, bias) -> np.ndarray:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 
 from runnx.errors import InvalidModelError, RunnxError
@@ -73,7 +72,7 @@ def Range(start, limit, delta, *, ctx):
 @register("Range", since=27)
 def Range_27(start, limit, delta, *, stash_type: int = 1, ctx):
     """float16 and bfloat16 ranges are computed in the stash type (float32 by default)."""
-    narrow = start.dtype in (np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+    narrow = start.dtype.name in ("float16", "bfloat16")  # bfloat16: ml_dtypes', by name (not imported)
     return _range(start, limit, delta, numpy_dtype(stash_type) if narrow else start.dtype, ctx)
 
 

@@ -31,6 +31,7 @@ from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops import _decode_pool
 from runnx.ops._elementwise_util import binary, sigmoid
+from runnx.ops._fused_common import DOMAIN, stand_in
 from runnx.ops._kernels_fused import (add_rms_norm, attention, rms_norm, rope_append_into, rotate_half,
                                       silu_mul_into)
 from runnx.ops._remembered import Remembered
@@ -40,7 +41,6 @@ from runnx.ops.elementwise import Where
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape, Slice
 
-DOMAIN = "runnx.fused"
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the numba kernels' (others: numpy)
 _FLOAT32 = np.dtype(np.float32)
 
@@ -351,19 +351,6 @@ def RMSNormShape(x, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: 
     ones = np.ones(x.shape, x.dtype)
     normed = AddRMSNorm(ones, ones, epsilon, one, weight, axis=axis, to=to, cast=cast)[1]
     return stand_in(normed.dtype, normed.shape)
-
-
-@functools.lru_cache(maxsize=256)
-def stand_in(dtype, shape: tuple) -> np.ndarray:
-    """A read-only array of this dtype and shape on one element (zero strides): safe to hand out
-    again. A decode step asks for a new length each time: np.broadcast_to's Python cost 3.6 us,
-    the array made directly 0.9."""
-    zero = np.zeros((), dtype)
-    if zero.dtype.hasobject:
-        return np.broadcast_to(zero, shape)
-    array = np.ndarray(shape, zero.dtype, zero, 0, (0,) * len(shape))
-    array.flags.writeable = False
-    return array
 
 
 @register("RepeatedKVAttention", since=1, domain=DOMAIN)

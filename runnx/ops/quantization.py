@@ -6,7 +6,6 @@ points, and only the final requantisation goes through float (round half to even
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from runnx.errors import RunnxError
@@ -15,11 +14,11 @@ from runnx.ops._nn_util import convolve, resolve_padding, spatial_attrs
 from runnx.ops.registry import register
 
 Ints = tuple[int, ...] | None
-_INTEGER_RANGES = {np.dtype(t): (int(ml_dtypes.iinfo(t).min), int(ml_dtypes.iinfo(t).max))
-                   for t in (np.uint8, np.int8, np.uint16, np.int16, ml_dtypes.uint4, ml_dtypes.int4,
-                             ml_dtypes.uint2, ml_dtypes.int2)}
-_FLOAT8 = {np.dtype(t) for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2,
-                                 ml_dtypes.float8_e5m2fnuz)}
+# by dtype name: ml_dtypes' types (int4, float8...) without importing it until a value of one exists
+_INTEGER_RANGES = {**{np.dtype(t).name: (int(np.iinfo(t).min), int(np.iinfo(t).max))
+                      for t in (np.uint8, np.int8, np.uint16, np.int16)},
+                   "uint4": (0, 15), "int4": (-8, 7), "uint2": (0, 3), "int2": (-2, 1)}
+_FLOAT8 = frozenset(("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"))
 
 
 def _broadcastable(value: np.ndarray, shape: tuple[int, ...], axis: int, block_size: int) -> np.ndarray:
@@ -40,7 +39,7 @@ def _broadcastable(value: np.ndarray, shape: tuple[int, ...], axis: int, block_s
 
 def _requantize(real: np.ndarray, zero_point, dtype: np.dtype) -> np.ndarray:
     """round-half-even(real) + zero_point, saturated into integer `dtype`."""
-    low, high = _INTEGER_RANGES[dtype]
+    low, high = _INTEGER_RANGES[dtype.name]
     rounded = np.rint(real)
     if zero_point is not None:
         rounded = rounded + zero_point.astype(np.int64)
@@ -62,14 +61,15 @@ def _quantize(x, scale, zero_point, *, axis=1, saturate=1, block_size=0, output_
         real = x / scale
     if zero_point is not None:
         zero_point = _broadcastable(zero_point, x.shape, axis, block_size)
-    if dtype in _INTEGER_RANGES:
+    if dtype.name in _INTEGER_RANGES:
         return _requantize(real, zero_point, dtype)
-    if dtype in _FLOAT8:  # float8 zero points are zero by definition
+    if dtype.name in _FLOAT8:  # float8 zero points are zero by definition
         if saturate:
+            import ml_dtypes  # loaded already: `dtype` is its type
             info = ml_dtypes.finfo(dtype)
             real = np.clip(real, float(info.min), float(info.max))
         return real.astype(dtype)
-    if dtype == np.dtype(ml_dtypes.float4_e2m1fn):
+    if dtype.name == "float4_e2m1fn":
         if zero_point is not None:
             real = real + zero_point.astype(np.float32)
         return real.astype(dtype)
@@ -108,7 +108,7 @@ def QuantizeLinear(x, y_scale, y_zero_point=None, *, axis: int = 1, block_size: 
 def _dequantize(x, scale, zero_point, *, axis=1, block_size=0, output_dtype=0):
     values = x.astype(np.float32)
     # float8 zero points are zero by definition; float4's is added like an integer one
-    if zero_point is not None and x.dtype not in _FLOAT8:
+    if zero_point is not None and x.dtype.name not in _FLOAT8:
         values = values - _broadcastable(zero_point, x.shape, axis, block_size).astype(np.float32)
     values = values * _broadcastable(scale, x.shape, axis, block_size)
     return values.astype(numpy_dtype(output_dtype) if output_dtype else scale.dtype)

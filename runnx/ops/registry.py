@@ -120,8 +120,15 @@ def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace:
     return decorate
 
 
+def _load_families() -> None:
+    """Every op family registered: they are imported on the first question asked here."""
+    from runnx.ops import load_families
+    load_families()
+
+
 def resolve(domain: str, op_type: str, opset: int) -> Kernel | None:
     """The kernel for this op at this opset, or None when runnx has none."""
+    _load_families()
     versions = _REGISTRY.get((_canonical_domain(domain), op_type), ())
     chosen = None
     for kernel in versions:
@@ -131,11 +138,13 @@ def resolve(domain: str, op_type: str, opset: int) -> Kernel | None:
 
 
 def known_versions(domain: str, op_type: str) -> list[int]:
+    _load_families()
     return [k.since for k in _REGISTRY.get((_canonical_domain(domain), op_type), ())]
 
 
 def all_ops() -> list[tuple[str, str, list[int]]]:
     """(domain, op_type, since-versions) of everything registered, for `runnx inspect` and docs."""
+    _load_families()
     return sorted((d, op, [k.since for k in ks]) for (d, op), ks in _REGISTRY.items())
 
 

@@ -237,8 +237,9 @@ def test_scalars_and_empty_tensors(op, shape):
 
 def test_kernels_declaring_a_ufunc_compute_exactly_it():
     """Compiled plans run a kernel's declared ufunc in place of the kernel (interp/compiled.py)."""
-    from runnx.ops import registry
+    from runnx.ops import load_families, registry
 
+    load_families()  # every family registered, not only those this file imported
     declared = [k for versions in registry._REGISTRY.values() for k in versions if k.ufunc is not None]
     assert {"Add", "Sub", "Mul", "Neg"} <= {k.op_type for k in declared}
     rng = np.random.default_rng(3)

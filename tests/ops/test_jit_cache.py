@@ -1,8 +1,13 @@
-"""Stale numba cache indexes are removed before kernels load: a kernel inlined into another
-module's cached function must not outlive an edit of its own file."""
+"""numba caches runnx's kernels in runnx's cache folder, never beside the sources; stale indexes
+are removed before kernels load (a kernel inlined into another module's cached function must not
+outlive an edit of its own file); saves are locked."""
+import importlib
 import os
 import time
 from pathlib import Path
+
+from numba.core.caching import FunctionCache
+from numba.core.registry import CPUDispatcher
 
 from runnx.ops import _jit_cache
 
@@ -12,6 +17,31 @@ def test_the_cached_modules_are_every_module_caching_numba_functions():
     caching = {str(path.relative_to(package)) for path in package.rglob("*.py")
                if "cache=True" in path.read_text() and path.name != "_jit_cache.py"}
     assert caching == set(_jit_cache.CACHED_MODULES)
+
+
+def test_every_cached_kernel_caches_into_the_cache_folder_of_this_install():
+    """Each cached module imports `_jit_cache` before decorating its kernels (numba picks a
+    function's cache folder then): the folder is under RUNNX_CACHE, keyed by this install."""
+    folder = _jit_cache.cache_folder()
+    assert folder.name.startswith("runnx-") and _jit_cache._PACKAGE not in folder.parents
+    kernels = 0
+    for module in _jit_cache.CACHED_MODULES:
+        namespace = vars(importlib.import_module("runnx." + module.removesuffix(".py").replace("/", ".")))
+        for value in namespace.values():
+            if isinstance(value, CPUDispatcher) and isinstance(value._cache, FunctionCache):
+                assert isinstance(value._cache._impl.locator, _jit_cache.RunnxCacheLocator), value
+                assert Path(value._cache.cache_path) == folder
+                kernels += 1
+    assert kernels >= len(_jit_cache.CACHED_MODULES)
+
+
+def test_the_folder_follows_runnx_cache_and_numba_cache_dir(tmp_path, monkeypatch):
+    from numba.core import config
+    monkeypatch.setenv("RUNNX_CACHE", str(tmp_path / "runnx"))
+    monkeypatch.setattr(config, "CACHE_DIR", "")
+    assert _jit_cache.cache_folder().parent == tmp_path / "runnx" / "numba"
+    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path / "numba"))  # the user's NUMBA_CACHE_DIR wins
+    assert _jit_cache.cache_folder().parent == tmp_path / "numba" / "runnx"
 
 
 def test_indexes_older_than_the_newest_source_are_removed(tmp_path):
@@ -25,15 +55,15 @@ def test_indexes_older_than_the_newest_source_are_removed(tmp_path):
     for path, when in ((sources[0], 100), (files["a.f-1.py311.nbi"], 200), (files["a.f-1.py311.1.nbc"], 200),
                        (sources[1], 300), (files["b.g-2.py311.nbi"], 400)):
         os.utime(path, (when, when))
-    assert _jit_cache.drop_stale(sources) == 1
+    assert _jit_cache.drop_stale(sources, [cache]) == 1
     assert sorted(p.name for p in cache.iterdir()) == ["a.f-1.py311.1.nbc", "b.g-2.py311.nbi"]
-    assert _jit_cache.drop_stale(sources) == 0
+    assert _jit_cache.drop_stale(sources, [cache]) == 0
 
 
 def test_missing_sources_or_folders_remove_nothing(tmp_path):
-    assert _jit_cache.drop_stale([tmp_path / "gone.py"]) == 0
+    assert _jit_cache.drop_stale([tmp_path / "gone.py"], [tmp_path / "cache"]) == 0
     (tmp_path / "a.py").write_text("")
-    assert _jit_cache.drop_stale([tmp_path / "a.py"]) == 0
+    assert _jit_cache.drop_stale([tmp_path / "a.py"], [tmp_path / "cache"]) == 0
 
 
 def test_a_source_dated_in_the_future_removes_nothing(tmp_path):
@@ -44,7 +74,7 @@ def test_a_source_dated_in_the_future_removes_nothing(tmp_path):
     index.write_text("")
     later = time.time() + 3600
     os.utime(source, (later, later))
-    assert _jit_cache.drop_stale([source]) == 0 and index.exists()
+    assert _jit_cache.drop_stale([source], [index.parent]) == 0 and index.exists()
 
 
 def test_two_saves_at_once_keep_each_signatures_own_code(tmp_path, monkeypatch):

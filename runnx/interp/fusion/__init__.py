@@ -11,7 +11,7 @@ from runnx.interp.fusion import decoder, products, whisper
 from runnx.interp.fusion.matcher import Matcher
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.ops import registry
-from runnx.ops.fused import DOMAIN
+from runnx.ops._fused_common import DOMAIN
 
 PATTERNS = decoder.PATTERNS + whisper.PATTERNS + products.PATTERNS  # products last: see products.py
 STAND_INS = (decoder.shape_stand_ins, products.shape_stand_ins)

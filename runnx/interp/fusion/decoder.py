@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from runnx.interp.fusion.matcher import Fused, Matcher
 from runnx.interp.ir import MISSING, Node
-from runnx.ops.fused import DOMAIN
+from runnx.ops._fused_common import DOMAIN
 
 
 def _single_axis(m: Matcher, node: Node) -> int | None:
