@@ -7,6 +7,8 @@ import math
 import numba
 import numpy as np
 
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+
 
 @numba.njit(cache=True)
 def skip_norm_rows(x, skip, bias, gamma, beta, epsilon, simplified, out, total, mean, inv_std):

@@ -9,7 +9,6 @@ small buffer and multiply it with BLAS. Integer products are exact: computed in 
 """
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from runnx.errors import RunnxError
@@ -122,7 +121,7 @@ def GatherBlockQuantized(data, indices, scales, zero_points=None, *, bits: int =
     packed = data.dtype == np.uint8
     if packed and bits not in (2, 4, 8):
         raise RunnxError(f"GatherBlockQuantized: bits must be 2, 4 or 8 for uint8 data, got {bits}")
-    if not packed and data.dtype not in (np.dtype(ml_dtypes.int4), np.dtype(ml_dtypes.uint4)):
+    if not packed and data.dtype.name not in ("int4", "uint4"):
         raise RunnxError(f"GatherBlockQuantized: data must be uint8, int4 or uint4, got {data.dtype}")
     width = data.shape[-1] * (8 // bits if packed else 1)
     blocks = (width + block_size - 1) // block_size
