@@ -7,6 +7,7 @@ the real-time factor split into feature, encoder and decoder time.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from runnx.generate.mel import CHUNK_SECONDS
@@ -30,7 +31,18 @@ def register(subparsers) -> None:
                         help="language code for multilingual models (default: detected from the first window)")
     parser.add_argument("--task", choices=("transcribe", "translate"), default="transcribe",
                         help="multilingual models: transcribe, or translate into English")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, compile_key=_compile_key, compile_argv=_compile_argv)
+
+
+def _compile_key(args) -> list:
+    """What chooses the kernels a transcription calls (`runnx/background_compile.py`): the model."""
+    return ["whisper", os.path.abspath(args.model_dir)]
+
+
+def _compile_argv(args) -> list[str]:
+    """The transcription that compiles them: the first file's."""
+    argv = ["whisper", args.model_dir, args.audio[0], "--task", args.task]
+    return argv + (["--language", args.language] if args.language else [])
 
 
 def run(args) -> int:
