@@ -196,12 +196,12 @@ def finish(first_run: FirstRun | None, code: int) -> None:
         first_run.finish()
 
 
-def show_compiles() -> None:
+def show_compiles():
     """A line on stderr for each kernel numba takes long to compile (or load), so that a first run
-    that compiles never looks hung (once a process)."""
+    that compiles never looks hung (once a process); the numba event listener that prints them."""
     global _showing
     if _showing:
-        return
+        return None
     _showing = True
     from numba.core import event
 
@@ -225,4 +225,6 @@ def show_compiles() -> None:
                 print(f"runnx:   {name} in {elapsed:.1f} s ({time.perf_counter() - state['first']:.1f} s so far)",
                       file=sys.stderr, flush=True)
 
-    event.register("numba:compile", Listener())
+    listener = Listener()
+    event.register("numba:compile", listener)
+    return listener

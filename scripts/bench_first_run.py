@@ -31,12 +31,12 @@ COMMANDS = {
 }
 
 
-def timed(argv: list[str], env: dict) -> tuple[float, float | None, int, str, float]:
+def timed(argv: list[str], env: dict, tree: Path = ROOT) -> tuple[float, float | None, int, str, float]:
     """(wall seconds, seconds to the first byte on stdout or None, exit code, stderr, CPU seconds of
     the process: on a loaded machine the wall time alone says little) of `runnx argv`."""
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "runnx.cli", *argv], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, env=env, cwd=ROOT)
+                               stderr=subprocess.PIPE, env=env, cwd=tree)  # `-m` imports the tree's runnx
     errors = []
     reader = threading.Thread(target=lambda: errors.append(process.stderr.read().decode(errors="replace")))
     reader.start()
@@ -79,15 +79,16 @@ def main() -> int:
     for name in args.only.split(","):
         argv = COMMANDS[name]
         with tempfile.TemporaryDirectory(prefix="runnx-first-run-") as cache:
-            env = dict(os.environ, NUMBA_CACHE_DIR=cache, RUNNX_COMPILE=args.mode, PYTHONPATH=str(args.tree.resolve()))
-            cold, cold_first, code, errors, cpu = timed(argv, env)
+            env = dict(os.environ, NUMBA_CACHE_DIR=cache, RUNNX_COMPILE=args.mode, PYTHONPATH=str(args.tree.resolve()),
+                       PYTHONDONTWRITEBYTECODE="1")
+            cold, cold_first, code, errors, cpu = timed(argv, env, args.tree)
             if code:
                 print(f"{name}: exit code {code}\n{errors}", file=sys.stderr)
                 return 1
             print(f"{name} cold: {cold:.2f} s\n{errors}", file=sys.stderr)
             background = args.mode == "background"
             after = compiled(Path(cache), args.compile_timeout) if background else None
-            warm = [timed(argv, env) for _ in range(args.warm_runs)] if after is not None or not background else []
+            warm = [timed(argv, env, args.tree) for _ in range(args.warm_runs)] if after is not None or not background else []
             best = min(warm, default=None, key=lambda run: run[0])
             rows.append((name, cold, cold_first, cpu, after, best and best[0], best and best[1], best and best[4]))
             if best:

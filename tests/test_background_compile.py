@@ -98,3 +98,22 @@ def test_markers_differ_by_command_and_threads(monkeypatch):
     assert generate != background_compile.stamp(["generate", "/models/b", False])
     monkeypatch.setenv("RUNNX_THREADS", "1")
     assert generate != background_compile.stamp(["generate", "/models/a", False])
+
+
+def test_wait_mode_names_each_kernel_it_compiles(capsys, monkeypatch):
+    import numba
+    monkeypatch.setattr(background_compile, "_SLOW_COMPILE", 0.0)
+    monkeypatch.setattr(background_compile, "_showing", False)  # a listener of this test's own
+    listener = background_compile.show_compiles()
+
+    @numba.njit
+    def doubled(x):
+        return 2 * x
+
+    try:
+        assert doubled(21) == 42
+    finally:
+        numba.core.event.unregister("numba:compile", listener)
+    lines = capsys.readouterr().err.splitlines()
+    assert "runnx: compiling kernels with numba (once: its cache keeps them)" in lines
+    assert any(line.startswith("runnx:   doubled in ") for line in lines)
