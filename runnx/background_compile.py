@@ -41,7 +41,7 @@ _PACKAGE = Path(__file__).resolve().parent
 _MARKER_VARIABLE = "RUNNX_COMPILE_MARKER"  # set for the compiling process: the marker it writes
 _THREAD_VARIABLES = ("RUNNX_THREADS", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 _POLL_SECONDS = 0.2
-_SLOW_COMPILE = 0.5  # seconds from which `wait` mode names a kernel it compiled
+_SLOW_COMPILE = 1.0  # seconds from which a kernel numba compiles (or loads) is named on stderr
 
 
 def mode() -> str:
@@ -159,6 +159,7 @@ def start(args) -> FirstRun | None:
         return None
     marker = folder() / stamp(key_of(args))
     if marker.exists():
+        show_compiles()  # a kernel the compiling run did not call (other types) compiles on first use
         return None
     try:
         marker.parent.mkdir(parents=True, exist_ok=True)
@@ -197,33 +198,39 @@ def finish(first_run: FirstRun | None, code: int) -> None:
 
 
 def show_compiles():
-    """A line on stderr for each kernel numba takes long to compile (or load), so that a first run
-    that compiles never looks hung (once a process); the numba event listener that prints them."""
+    """Lines on stderr for each kernel numba takes long to compile (or load): one when it has taken
+    `_SLOW_COMPILE` seconds, one when it is done, so that a run that compiles never looks hung (once
+    a process; numba compiles one kernel at a time); the numba event listener that prints them."""
     global _showing
     if _showing:
         return None
     _showing = True
     from numba.core import event
 
-    state = {"depth": 0, "started": 0.0, "first": None}
+    state = {"depth": 0, "started": 0.0, "timer": None}
+
+    def name(ev) -> str:
+        return getattr(getattr(ev.data.get("dispatcher"), "py_func", None), "__name__", "a kernel")
+
+    def announce(kernel: str) -> None:
+        print(f"runnx: compiling {kernel} with numba (once: its cache keeps it)", file=sys.stderr, flush=True)
 
     class Listener(event.Listener):
         def on_start(self, ev):
             if state["depth"] == 0:
                 state["started"] = time.perf_counter()
-                if state["first"] is None:
-                    state["first"] = state["started"]
-                    print("runnx: compiling kernels with numba (once: its cache keeps them)", file=sys.stderr,
-                          flush=True)
+                state["timer"] = threading.Timer(_SLOW_COMPILE, announce, (name(ev),))
+                state["timer"].daemon = True
+                state["timer"].start()
             state["depth"] += 1
 
         def on_end(self, ev):
             state["depth"] -= 1
-            elapsed = time.perf_counter() - state["started"]
-            if state["depth"] == 0 and elapsed >= _SLOW_COMPILE:
-                name = getattr(getattr(ev.data.get("dispatcher"), "py_func", None), "__name__", "a kernel")
-                print(f"runnx:   {name} in {elapsed:.1f} s ({time.perf_counter() - state['first']:.1f} s so far)",
-                      file=sys.stderr, flush=True)
+            if state["depth"] == 0:
+                state["timer"].cancel()
+                elapsed = time.perf_counter() - state["started"]
+                if elapsed >= _SLOW_COMPILE:
+                    print(f"runnx:   {name(ev)} ready in {elapsed:.1f} s", file=sys.stderr, flush=True)
 
     listener = Listener()
     event.register("numba:compile", listener)
