@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _native
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "tiny-llama" / "model.onnx"
+SHARE_CORES = background_compile._share_cores  # the fixture below stands it in for every other test
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +23,7 @@ def compiled_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "numba"))
     monkeypatch.setenv("RUNNX_COMPILE", "background")
     monkeypatch.delenv("RUNNX_COMPILE_MARKER", raising=False)
+    monkeypatch.setattr(background_compile, "_share_cores", lambda: None)  # the test process keeps its BLAS threads
     yield
     _native.enable()
 
@@ -116,3 +119,17 @@ def test_wait_mode_names_each_kernel_it_compiles(capsys, monkeypatch):
         numba.core.event.unregister("numba:compile", listener)
     lines = capsys.readouterr().err.splitlines()
     assert any(line.startswith("runnx:   doubled ready in ") for line in lines)
+
+
+def test_blas_leaves_a_core_to_the_compiling_process(monkeypatch):
+    import threadpoolctl
+    limits = []
+    monkeypatch.setattr(threadpoolctl, "threadpool_limits", lambda **kwargs: limits.append(kwargs))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    for variable in ("RUNNX_THREADS", "NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.delenv(variable, raising=False)
+    SHARE_CORES()
+    assert limits == [{"limits": 1, "user_api": "blas"}]
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")  # the user's choice stands
+    SHARE_CORES()
+    assert len(limits) == 1
