@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import os
 import sys
 import time
 from collections import Counter
@@ -230,6 +231,22 @@ def command_run(args) -> int:
     return 0
 
 
+def run_compile_key(args) -> list:
+    """What chooses the kernels `runnx run` calls (`runnx/background_compile.py`): the model and
+    the inputs' files and dimensions."""
+    return ["run", os.path.abspath(args.model), args.input, args.dim, args.output]
+
+
+def run_compile_argv(args) -> list[str]:
+    """The run that compiles them: one iteration, no profile, nothing saved."""
+    argv = ["run", args.model, "--seed", str(args.seed)]
+    for spec in args.input:
+        argv += ["-i", spec]
+    for spec in args.dim:
+        argv += ["--dim", spec]
+    return argv + (["--output", *args.output] if args.output else [])
+
+
 # ---------------------------------------------------------------------------------------------- inspect
 
 def shape_text(value_info) -> str:
@@ -353,7 +370,7 @@ def register(subparsers) -> None:
     run.add_argument("--output", nargs="+", action="extend", metavar="NAME",
                      help="compute only these outputs (intermediate values allowed)")
     run.add_argument("--save", metavar="OUT.npz", help="save the outputs to an .npz file")
-    run.set_defaults(func=command_run)
+    run.set_defaults(func=command_run, compile_key=run_compile_key, compile_argv=run_compile_argv)
 
     inspect = subparsers.add_parser("inspect", help="describe a model: I/O, opsets, parameters, ops, support",
                                     description="Describe MODEL without running it (works on models runnx "
@@ -390,11 +407,15 @@ def _version() -> str:
 
 
 def main(argv=None) -> int:
+    from runnx import background_compile
     from runnx.errors import RunnxError
     parser = build_parser()
     args = parser.parse_args(argv)
+    first_run = None
+    code = EXIT_ERROR
     try:
-        code = args.func(args)
+        first_run = background_compile.start(args)
+        code = args.func(args) or 0
     except (RunnxError, CliError) as error:
         if args.traceback:
             raise
@@ -402,8 +423,11 @@ def main(argv=None) -> int:
         return EXIT_ERROR
     except BrokenPipeError:  # `runnx inspect big.onnx | head`
         sys.stderr.close()
+        code = 0
         return 0
-    return code or 0
+    finally:
+        background_compile.finish(first_run, code)
+    return code
 
 
 def one_line(error: Exception) -> str:

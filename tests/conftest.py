@@ -5,6 +5,7 @@
   into ${RUNNX_CACHE:-~/.cache/runnx}. When absent the test is skipped ("run `make models`
   first"), except under CI=true, where a missing model is a failure: CI must test them.
 Tests that use these are marked `real_model` automatically (deselect with -m "not real_model").
+RUNNX_COMPILE defaults to `wait` here: a CLI command in a test compiles its kernels itself.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from pathlib import Path
 import pytest
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# the CLI's commands called in a test compile on first use: no compiling process of their own
+# (runnx/background_compile.py; tests of that mechanism set it themselves)
+os.environ.setdefault("RUNNX_COMPILE", "wait")
 REAL_MODEL_FIXTURES = ("smollm2_dir", "smollm2_int4_dir", "whisper_dir", "audio_dir")
 
 

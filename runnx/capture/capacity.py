@@ -10,6 +10,21 @@ import numpy as np
 
 from runnx.capture.ownership import Owned
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops import _native
+
+
+def _room(view, buffer, axis, same_start):
+    """`prefix_room` once whether the view starts where the buffer does is known (Python's, while
+    compiled kernels are off: `runnx/ops/_native.py`; compiled into `prefix_room`)."""
+    if not same_start:
+        return -1
+    for a in range(view.ndim):
+        if view.strides[a] != buffer.strides[a] or (a != axis and view.shape[a] != buffer.shape[a]):
+            return -1
+    return buffer.shape[axis] - view.shape[axis]
+
+
+_compiled_room = numba.njit(cache=True)(_room)
 
 
 @numba.njit(cache=True)
@@ -17,12 +32,7 @@ def prefix_room(view, buffer, axis):
     """Rows `view` can grow by along `axis` inside `buffer` when it is a prefix view of it (same
     start, strides and other dimensions), else -1; arrays of one rank and dtype. numba: numpy's own
     `.ctypes.data` costs ~2 us, and fused kernels appending to a cache call this directly."""
-    if view.ctypes.data != buffer.ctypes.data:
-        return -1
-    for a in range(view.ndim):
-        if view.strides[a] != buffer.strides[a] or (a != axis and view.shape[a] != buffer.shape[a]):
-            return -1
-    return buffer.shape[axis] - view.shape[axis]
+    return _compiled_room(view, buffer, axis, view.ctypes.data == buffer.ctypes.data)
 
 
 def _axis(array: np.ndarray, axis: int) -> int:
@@ -55,7 +65,10 @@ def spare_capacity(view: np.ndarray, axis: int) -> int:
     buffer = view.base
     if type(buffer) is not np.ndarray or buffer.ndim != view.ndim or buffer.dtype != view.dtype:
         return 0
-    return max(prefix_room(view, buffer, axis), 0)
+    if _native.enabled:
+        return max(prefix_room(view, buffer, axis), 0)
+    start = view.__array_interface__["data"][0] == buffer.__array_interface__["data"][0]
+    return max(_room(view, buffer, axis, start), 0)
 
 
 def write_rows(buffer: np.ndarray, axis: int, start: int, rows: np.ndarray) -> None:

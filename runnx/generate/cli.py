@@ -9,6 +9,7 @@ The batch form (one result per prompt, resumable, optionally on Ray) lives in ru
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from runnx.batch.cli import add_batch_arguments, batch_requested
@@ -28,7 +29,7 @@ def register(subparsers) -> None:
     generate.add_argument("--profile", action="store_true", help="print runnx's per-op profile afterwards")
     add_batch_arguments(generate, "--input", 'prompts, one JSON object per line: {"id": ..., "prompt": ...} '
                                              'or {"id": ..., "messages": [...]}, with optional decoding settings')
-    generate.set_defaults(func=command_generate)
+    generate.set_defaults(func=command_generate, compile_key=_compile_key, compile_argv=_compile_argv)
 
     chat = subparsers.add_parser("chat", help="interactive multi-turn chat (Ctrl-D to leave)",
                                  description="Chat with an instruction-tuned decoder; earlier turns stay in the "
@@ -36,7 +37,7 @@ def register(subparsers) -> None:
     chat.add_argument("model_dir", metavar="MODEL_DIR")
     chat.add_argument("--system", help="system message")
     _add_decoding_arguments(chat)
-    chat.set_defaults(func=command_chat)
+    chat.set_defaults(func=command_chat, compile_key=_compile_key, compile_argv=_compile_argv)
 
 
 def _add_decoding_arguments(parser) -> None:
@@ -49,6 +50,26 @@ def _add_decoding_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, metavar="S", help="seed of sampling (reproducible)")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop string (repeatable); the output ends right before it")
+
+
+_COMPILING_TOKENS = 8  # a generation that compiles the kernels (`runnx/background_compile.py`): prompt and steps
+
+
+def _compile_key(args) -> list:
+    """What chooses the kernels a generation calls: the model, and whether a chat template wraps it."""
+    return ["generate", os.path.abspath(args.model_dir), bool(getattr(args, "chat", True))]
+
+
+def _compile_argv(args) -> list[str] | None:
+    """The generation that compiles them: this prompt (chat: a short one), a few tokens (a batch
+    job compiles on first use)."""
+    if getattr(args, "batch_input", None) is not None:
+        return None
+    prompt = getattr(args, "prompt", None) or "Hello"
+    chat = getattr(args, "chat", True)
+    system = ["--system", args.system] if args.system else []
+    return ["generate", args.model_dir, prompt, *(["--chat", *system] if chat else []), "--max-new-tokens",
+            str(min(args.max_new_tokens, _COMPILING_TOKENS))]
 
 
 def _settings(args) -> dict:

@@ -9,6 +9,7 @@ the real-time factor split into feature, encoder and decoder time.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from runnx.batch.cli import add_batch_arguments, batch_requested
@@ -35,7 +36,20 @@ def register(subparsers) -> None:
                         help="multilingual models: transcribe, or translate into English")
     add_batch_arguments(parser, "--input-list", "audio files, one path per line (blank lines and # comments "
                                                 "skipped)")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, compile_key=_compile_key, compile_argv=_compile_argv)
+
+
+def _compile_key(args) -> list:
+    """What chooses the kernels a transcription calls (`runnx/background_compile.py`): the model."""
+    return ["whisper", os.path.abspath(args.model_dir)]
+
+
+def _compile_argv(args) -> list[str] | None:
+    """The transcription that compiles them: the first file's (a batch job compiles on first use)."""
+    if not args.audio:
+        return None
+    argv = ["whisper", args.model_dir, args.audio[0], "--task", args.task]
+    return argv + (["--language", args.language] if args.language else [])
 
 
 def run(args) -> int:

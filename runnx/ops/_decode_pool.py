@@ -22,6 +22,7 @@ import threading
 import numba
 import numpy as np
 
+from runnx.ops import _native
 from runnx.ops._decode_mailbox import (_IDLE, _MAILBOX_SIZE, _ROW_BLOCK, _SHARED, MAX_MATRICES, MAX_WORKERS, _attention,
                                        _gelu, _products, _rest, _serve, _softmax, _stop)
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_matrix
@@ -232,8 +233,11 @@ def set_workers(count: int | None) -> None:
 
 
 def pool() -> DecodePool | None:
-    """The process's pool, started on first use; None when it has no workers."""
+    """The process's pool, started on first use; None when it has no workers, or while compiled
+    kernels are off (`_native`: its workers run compiled code)."""
     global _pool
+    if not _native.enabled:
+        return None
     if _pool is None and worker_count() > 0:
         with _pool_lock:
             if _pool is None and worker_count() > 0:
@@ -248,7 +252,7 @@ def start_in_background() -> None:
     Not a daemon thread: a process ending while numba loads aborts inside LLVM, so the interpreter
     waits for it at exit."""
     global _starting
-    if _pool is None and worker_count() > 0 and (_starting is None or not _starting.is_alive()):
+    if _native.enabled and _pool is None and worker_count() > 0 and (_starting is None or not _starting.is_alive()):
         _starting = threading.Thread(target=_start_and_load, name="runnx-decode-start")
         _starting.start()
 

@@ -19,6 +19,7 @@ from operator import is_, itemgetter
 
 import numpy as np
 
+from runnx.ops import _native
 from runnx.ops.fused import repeated_kv_cache, rope_cache_fits
 from runnx.ops.fused_whisper import attended_cache
 from runnx.ops.linalg import append_position
@@ -49,7 +50,7 @@ class _Replay:
 
 def replayed(state, inputs: tuple, ctx=None):
     """This thread's replay of the node (`state`) for `inputs`, when it fits, else None."""
-    replay = getattr(state, "replay", None) if state is not None and enabled else None
+    replay = getattr(state, "replay", None) if state is not None and enabled and _native.enabled else None
     return None if replay is None else replay.arguments_for(inputs, ctx)
 
 

@@ -2,9 +2,13 @@
 and the numeric-stable building blocks (sigmoid) several activations share."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from runnx.ops._kernels_elementwise import erf_float32_into, erf_float64_into
+from runnx.ops import _native
+from runnx.ops._kernels_elementwise import (FOUR, P0, P1, P2, P3, P4, P5, P6, Q0, Q1, Q2, Q3, Q4, erf_float32_into,
+                                            erf_float64_into)
 
 
 # In-place results must be bitwise what copy mode computes, down to the memory layout (a later
@@ -46,6 +50,8 @@ def output_buffer(x: np.ndarray, overwrite=()) -> np.ndarray:
 def erf(x: np.ndarray, overwrite=()) -> np.ndarray:
     """Elementwise erf in x's dtype: float64 through libm; float32 by a rational approximation
     (within 6 ulp); float16/bfloat16 through that float32 result, rounded once."""
+    if not _native.enabled:
+        return _erf_numpy(x)
     kernel = erf_float64_into if x.dtype == np.float64 else erf_float32_into
     converted = x.dtype not in (np.float32, np.float64)
     work = x.astype(np.float32) if converted else x
@@ -56,6 +62,27 @@ def erf(x: np.ndarray, overwrite=()) -> np.ndarray:
     kernel(flat, result)
     result = result.reshape(x.shape)
     return result.astype(x.dtype) if converted else result
+
+
+def _erf_numpy(x: np.ndarray) -> np.ndarray:
+    """`erf` with numpy (the kernels not compiled yet, `_native`): the float32 kernel's rational
+    approximation in numpy's float32 operations (within an ulp of the kernel's, which may fuse a
+    multiply-add), float64 through libm's erf element by element."""
+    if x.dtype == np.float64:
+        return np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64)
+    v = np.clip(x.astype(np.float32), -FOUR, FOUR)
+    squared = v * v
+    p = np.full_like(squared, P0)
+    for c in (P1, P2, P3, P4, P5, P6):
+        p *= squared
+        p += c
+    q = np.full_like(squared, Q0)
+    for c in (Q1, Q2, Q3, Q4):
+        q *= squared
+        q += c
+    p *= v
+    p /= q
+    return p.astype(x.dtype, copy=False)
 
 
 def sigmoid(x: np.ndarray, overwrite=()) -> np.ndarray:

@@ -29,7 +29,7 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
-from runnx.ops import _decode_pool
+from runnx.ops import _decode_pool, _native
 from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._fused_common import DOMAIN, stand_in
 from runnx.ops._kernels_fused import (add_rms_norm, attention, rms_norm, rope_append_into, rotate_half,
@@ -81,12 +81,14 @@ def RMSNorm(x, epsilon, one, weight, *, axis: int = -1, to: int = 0):
 def _norm_kernel_applies(x, epsilon, one, weight, axis: int, to: int) -> bool:
     """Whether RMSNorm of x is the numba kernel's: a C-contiguous float32/64 x normed over its last
     axis by scalars and a vector weight of its dtype (and no Cast to another)."""
-    return x.flags.c_contiguous and norm_fits(x.dtype, x.ndim, x.shape[-1:], epsilon, one, weight, axis, to, 0)
+    return (_native.enabled and x.flags.c_contiguous
+            and norm_fits(x.dtype, x.ndim, x.shape[-1:], epsilon, one, weight, axis, to, 0))
 
 
 def rms_norm_applies(x, epsilon, one, weight, axis: int, to: int, cast: int) -> bool:
     """Whether AddRMSNorm's sum x (Cast to `cast`, 0: none) is normed by the numba kernel."""
-    return x.flags.c_contiguous and norm_fits(x.dtype, x.ndim, x.shape[-1:], epsilon, one, weight, axis, to, cast)
+    return (_native.enabled and x.flags.c_contiguous
+            and norm_fits(x.dtype, x.ndim, x.shape[-1:], epsilon, one, weight, axis, to, cast))
 
 
 def norm_fits(dtype, ndim: int, width: tuple, epsilon, one, weight, axis: int, to: int, cast: int) -> bool:
@@ -122,7 +124,7 @@ def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast:
 @register("SiluMul", since=1, domain=DOMAIN)
 def SiluMul(gate, up):
     """gate * Sigmoid(gate) * up: the SiLU-gated MLP's activation."""
-    if (gate.dtype in _KERNEL_DTYPES and up.dtype == gate.dtype and up.shape == gate.shape
+    if (_native.enabled and gate.dtype in _KERNEL_DTYPES and up.dtype == gate.dtype and up.shape == gate.shape
             and gate.flags.c_contiguous and up.flags.c_contiguous):
         return silu_mul_into(gate, sigmoid_decay(gate), up)
     activated = sigmoid(gate)
@@ -164,8 +166,8 @@ def LastPosition(x):
 def RotateHalf(x, cos, sin, negated_starts, negated_ends, negated_axes, negated_steps, kept_starts, kept_ends,
                kept_axes, kept_steps, *, axis: int = -1):
     """x * cos + Concat(-Slice(x, negated...), Slice(x, kept...)) * sin: rotary embedding."""
-    if (x.ndim == 4 and cos.ndim == 4 and sin.ndim == 4 and x.dtype in _KERNEL_DTYPES and cos.dtype == x.dtype
-            and sin.dtype == x.dtype and axis in (-1, 3)):
+    if (_native.enabled and x.ndim == 4 and cos.ndim == 4 and sin.ndim == 4 and x.dtype in _KERNEL_DTYPES
+            and cos.dtype == x.dtype and sin.dtype == x.dtype and axis in (-1, 3)):
         half = _half_split(x.shape[3], negated_starts, negated_ends, negated_axes, negated_steps, kept_starts,
                            kept_ends, kept_axes, kept_steps)
         if half is not None:
@@ -227,8 +229,9 @@ def rope_append_arguments(query, key, value, past_key, past_value, query_cos, qu
     dtype = query.dtype
     key_buffer, value_buffer = past_key.base, past_value.base
     # spelled out: a generator over the arrays costs ~2 us a call, a fifth of the whole fast path
-    if not (dtype in _KERNEL_DTYPES and query_axis in (-1, 3) and key_axis in (-1, 3) and key_cache_axis in (-2, 2)
-            and value_cache_axis in (-2, 2) and type(key_buffer) is np.ndarray and type(value_buffer) is np.ndarray
+    if not (_native.enabled and dtype in _KERNEL_DTYPES and query_axis in (-1, 3) and key_axis in (-1, 3)
+            and key_cache_axis in (-2, 2) and value_cache_axis in (-2, 2) and type(key_buffer) is np.ndarray
+            and type(value_buffer) is np.ndarray
             and key_buffer is not value_buffer and key.dtype == dtype and value.dtype == dtype
             and key_buffer.dtype == dtype and value_buffer.dtype == dtype and query.ndim == 4 and key.ndim == 4
             and value.ndim == 4 and key_buffer.ndim == 4 and value_buffer.ndim == 4
@@ -392,8 +395,8 @@ def repeated_kv_row(query, key, value, bias, query_scale, key_scale, nan_fill, k
     merged output: a C-contiguous view of the buffer that call fills) when RepeatedKVAttention is a
     decode row (batch 1, one position) of float32 heads over a plain head repeat, merged back;
     else None."""
-    if (merged_target is None or query.dtype != _FLOAT32 or query.ndim != 4 or query.shape[0] != 1
-            or query.shape[2] != 1 or axis % 4 != 3):
+    if (not _native.enabled or merged_target is None or query.dtype != _FLOAT32 or query.ndim != 4
+            or query.shape[0] != 1 or query.shape[2] != 1 or axis % 4 != 3):
         return None
     cache = repeated_kv_cache(query, key, value, bias, key_axes, key_expand, key_target, value_axes, value_expand,
                               value_target, mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then,
@@ -505,7 +508,7 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float):
     """The numba attention for float32/float64 in one dtype, or None (then numpy computes it):
     another dtype, a bias that does not broadcast into the scores, or a long query."""
     dtype = query.dtype
-    if dtype not in _KERNEL_DTYPES or key.dtype != dtype or value.dtype != dtype:
+    if not _native.enabled or dtype not in _KERNEL_DTYPES or key.dtype != dtype or value.dtype != dtype:
         return None
     batch, heads, length, depth = query.shape
     groups, size = key.shape[1], key.shape[2]
@@ -536,7 +539,8 @@ def _attend_numpy(scaled, key, value, bias, fill):
     grouped = scaled.reshape(batch, groups, heads // groups * length, depth)
     _decode_pool.rest_workers(grouped.size * size)
     scores = np.matmul(grouped, np.swapaxes(key, -1, -2)).reshape(batch, heads, length, size)
-    if (scores.dtype == np.float32 and scores.flags.c_contiguous and (bias is None or bias.dtype == np.float32)
+    if (_native.enabled and scores.dtype == np.float32 and scores.flags.c_contiguous
+            and (bias is None or bias.dtype == np.float32)
             and np.size(fill) == 1):
         probabilities = _row_probabilities(scores, bias, float(np.asarray(fill).reshape(-1)[0]))
     else:

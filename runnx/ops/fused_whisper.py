@@ -27,7 +27,7 @@ import numba
 import numpy as np
 
 from runnx.errors import RunnxError
-from runnx.ops import _decode_blocks
+from runnx.ops import _decode_blocks, _native
 from runnx.ops._decode_pool import gelu_rows, shared_call, softmax_rows
 from runnx.ops._elementwise_util import binary, erf
 from runnx.ops._kernels_nn import add_layer_norm_rows
@@ -106,7 +106,7 @@ def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale,
     keys = key.transpose(key_perm)  # (batch, heads, depth, kv length)
     values = value.transpose(value_perm)
     fill = _fill(nan_fill)
-    if not _plain(heads, keys, values, bias, nan_fill):
+    if not (_native.enabled and _plain(heads, keys, values, bias, nan_fill)):
         merged = _unfused(heads, keys, values, bias, nan_fill).transpose(0, 2, 1, 3)
     elif heads.shape[2] > _ATTEND_ROWS and heads.dtype == np.float32:
         merged = _blocked(heads, keys, values, bias, fill)
@@ -133,7 +133,7 @@ def attention_row(x, weight, query_bias, key, value, bias, query_scale, head_sca
                   output_dims: tuple, output_axes: tuple, key_perm: tuple, value_perm: tuple):
     """(the arguments of `_decode_blocks.attended_row` after the mailbox and workers, the attention's
     output: a view of the buffer that call fills) for `attended_row`'s decode case, else None."""
-    if (x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1] or head_scale is not None
+    if (not _native.enabled or x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1] or head_scale is not None
             or key_scale is not None):
         return None
     query = _query_row((x.size,), weight, query_bias, query_scale, nan_fill)
@@ -311,7 +311,7 @@ def _splits_in_one_pass(x, bias) -> bool:
     """Whether `split_heads_into` can split x (batch, length, hidden) with its bias added: more than
     one row (one needs no copy: a decode step's keys and values skip this), float32 or float64,
     C-contiguous, the bias absent or a vector over the hidden axis."""
-    return (x.ndim == 3 and x.shape[1] > 1 and x.dtype in _ROW_DTYPES and x.flags.c_contiguous
+    return (_native.enabled and x.ndim == 3 and x.shape[1] > 1 and x.dtype in _ROW_DTYPES and x.flags.c_contiguous
             and (bias is None or (bias.shape == x.shape[2:] and bias.dtype == x.dtype)))
 
 
@@ -328,7 +328,8 @@ def add_layer_norm(a, b, offset, scale, bias, axis: int, epsilon: float, stash_t
     numba pass (`add_layer_norm_rows`: the sum, written into a or b when granted, and its norm);
     anything else numpy's adds (broadcasting) and the LayerNormalization kernel."""
     dtype, columns = a.dtype, a.shape[-1] if a.ndim else 0
-    if (axis in (-1, a.ndim - 1) and dtype in _ROW_DTYPES and a.size and a.shape == b.shape and b.dtype == dtype
+    if (_native.enabled and axis in (-1, a.ndim - 1) and dtype in _ROW_DTYPES and a.size and a.shape == b.shape
+            and b.dtype == dtype
             and a.flags.c_contiguous and b.flags.c_contiguous and _row_vector(scale, columns, dtype)
             and _row_vector(bias, columns, dtype) and (offset is None or _row_vector(offset, columns, dtype))):
         summed = a if 0 in overwrite else b if 1 in overwrite else np.empty(a.shape, dtype)
@@ -352,7 +353,7 @@ def _row_vector(v, columns: int, dtype) -> bool:
 def ErfGelu(x, bias, divisor, one, half):
     """((v * (Erf(v / divisor) + one)) * half with v = x + bias (bias absent: v = x): the erf GELU
     and the bias add of the linear layer before it."""
-    fast = (x.dtype == np.float32 and x.ndim >= 1 and x.size
+    fast = (_native.enabled and x.dtype == np.float32 and x.ndim >= 1 and x.size
             and all(c.dtype == np.float32 and c.size == 1 for c in (divisor, one, half))
             and (bias is None or (bias.dtype == np.float32 and bias.shape in ((x.shape[-1],), (1, x.shape[-1])))))
     if not fast:

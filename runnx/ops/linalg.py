@@ -11,7 +11,7 @@ import numpy as np
 
 from runnx.capture.capacity import prefix_room
 from runnx.errors import RunnxError
-from runnx.ops import _decode_pool
+from runnx.ops import _decode_pool, _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
 from runnx.ops._decode_mailbox import few
@@ -40,7 +40,7 @@ def _in_dtype(result, dtype):
 def _few_rows(a, b) -> bool:
     """Whether a @ b is one row (decoding) or a few (a short prompt, see `few`) times a float,
     C-contiguous matrix."""
-    return (b.ndim == 2 and a.ndim and a.shape[-1] == b.shape[0] and a.size and a.dtype == b.dtype
+    return (_native.enabled and b.ndim == 2 and a.ndim and a.shape[-1] == b.shape[0] and a.size and a.dtype == b.dtype
             and a.dtype in _ROW_KERNEL_DTYPES and b.flags.c_contiguous and few(a.size // b.shape[0], b.shape[1]))
 
 
@@ -135,7 +135,8 @@ def append_arguments(x, past_key, past_value, query_weight, key_weight, value_we
     case: one float32 row of batch 1 (x, read for its shape and dtype only), C-contiguous float32
     matrices, caches of 4 float32 dimensions growing along axis 2, prefix views of buffers with room
     for the row, whose heads split as the caches hold them. None when any of that does not hold."""
-    if key_axis not in (2, -2) or value_axis not in (2, -2) or past_key.base is past_value.base:
+    if (not _native.enabled or key_axis not in (2, -2) or value_axis not in (2, -2)
+            or past_key.base is past_value.base):
         return None
     shapes = _split_shapes(x, (key_weight, value_weight), ((key_target, key_source, key_dims, key_axes),
                                                            (value_target, value_source, value_dims, value_axes)))
@@ -259,7 +260,8 @@ def _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_we
     """(`projected_gate`'s arguments, `gated_down`'s numbers) when ResidualGatedMLP is a decode block:
     one float32 row through C-contiguous float32 matrices whose sizes chain, no biases, onto a
     residual of the products' shape, both norms the numba kernel's; else None."""
-    if (bias is not None or down_bias is not None or x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1]
+    if (not _native.enabled or bias is not None or down_bias is not None or x.dtype != _FLOAT32 or not x.ndim
+            or x.size != x.shape[-1]
             or residual.dtype != _FLOAT32 or not residual.ndim or not residual.flags.c_contiguous
             or residual.shape != x.shape[:-1] + residual.shape[-1:]):
         return None
@@ -371,7 +373,8 @@ def _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis: int, epsi
     """MatMulAddLayerNorm's arguments as `projected_layer_norm` takes them when it is one float32
     row through a C-contiguous float32 matrix onto a residual of the product's shape, its bias,
     scale and norm bias float32 vectors over the last axis; else None."""
-    if x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1] or residual.dtype != _FLOAT32 or not residual.ndim:
+    if (not _native.enabled or x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1]
+            or residual.dtype != _FLOAT32 or not residual.ndim):
         return None
     width = residual.shape[-1]
     if not (residual.shape == x.shape[:-1] + (width,) and axis in (-1, residual.ndim - 1)

@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from runnx.errors import RunnxError
+from runnx.ops import _native
 from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops.registry import register
 
@@ -102,7 +103,7 @@ def _fused_layer_norm(x, scale, bias, axis, epsilon):
 @register("LayerNormalization", since=17)
 def LayerNormalization(x, scale, bias=None, *, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1):
     axis = axis + x.ndim if axis < 0 else axis
-    if x.dtype in (np.float32, np.float64) and x.size and scale.ndim <= x.ndim - axis and (
+    if _native.enabled and x.dtype in (np.float32, np.float64) and x.size and scale.ndim <= x.ndim - axis and (
             bias is None or bias.ndim <= x.ndim - axis):
         return _fused_layer_norm(x, scale, bias, axis, epsilon)
     normalized, mean, inv_std = _normalize(x, tuple(range(axis, x.ndim)), epsilon, _stash_dtype(x.dtype, stash_type))
