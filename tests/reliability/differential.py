@@ -63,6 +63,23 @@ def assert_runs_agree(plain, optimized, feeds, outputs=None) -> dict:
     return expected
 
 
+def fused_ops(model) -> set[str]:
+    """The fused op types of a loaded model's graphs, shape memos' members and shape stand-ins included."""
+    from runnx.interp.shape_cache import ShapeGroup
+    found, graphs = set(), [model.graph]
+    while graphs:
+        nodes = list(graphs.pop().nodes)
+        while nodes:
+            node = nodes.pop()
+            if node.domain == "runnx.fused":
+                found.add(node.op_type)
+            if isinstance(getattr(node.kernel, "fn", None), ShapeGroup):
+                nodes += node.kernel.fn.members
+            for sub in node.subgraphs.values():
+                graphs += sub if isinstance(sub, list) else [sub]
+    return found
+
+
 # -- decoder-like graphs -------------------------------------------------------------------------
 
 
@@ -83,6 +100,7 @@ class DecoderShape:
     nan_fill: float
     masked: tuple  # Where(mask, then, else)'s (then, else)
     gelu: tuple  # (divisor, one, half): (sqrt 2, 1, 0.5) as exported
+    shape_readers: bool = False  # fused values also read for their shape (shape stand-ins), as exports do
     overridable: tuple = ()  # initializer names also listed as graph inputs
     seed: int = 0
     constants: dict = field(default_factory=dict)
@@ -106,7 +124,7 @@ def random_shape(rng: np.random.Generator, style: str, usual: bool) -> DecoderSh
         nan_fill=0.0 if usual else float(rng.choice([np.nan, 7.0])),
         masked=(0.0, float("-inf")) if usual else ((-1e4, 0.0) if rng.random() < 0.5 else (float("-inf"), 2.0)),
         gelu=(float(np.sqrt(2)), 1.0, 0.5) if usual else (float(rng.choice([1.3, 2.0])), float(rng.choice([0.5, 2.0])), 0.7),
-        seed=int(rng.integers(2**31)))
+        shape_readers=bool(rng.random() < 0.5), seed=int(rng.integers(2**31)))
 
 
 class DecoderGraph:
@@ -120,6 +138,7 @@ class DecoderGraph:
         self.rng = np.random.default_rng(shape.seed)
         self.nodes, self.initializers = [], {}
         self.count = 0
+        self.shape_outputs: list[str] = []  # Shape(...) of fused values, extra outputs
 
     def fresh(self, prefix: str) -> str:
         self.count += 1
@@ -213,7 +232,12 @@ class DecoderGraph:
         p = self.node("Softmax", [self.node("Add", [scores, bias])], axis=-1)
         filled = self.node("Where", [self.node("IsNaN", [p]), self.f32("fill", s.nan_fill), p])
         heads = self.node("MatMul", [filled, self.repeat(values)])
-        merged = self.node("Reshape", [self.node("Transpose", [heads], perm=[0, 2, 1, 3]), self.ints("merged", [0, 0, -1])])
+        target = self.ints("merged", [0, 0, -1])
+        if s.shape_readers:  # the merged heads' target from the norm's shape, as Optimum's exports read it
+            batch_and_length = self.node("Slice", [self.node("Shape", [x]), self.ints("zero", [0]), self.ints("two", [2])])
+            target = self.node("Concat", [batch_and_length, self.ints("minus_one", [-1])], axis=0)
+            self.shape_outputs += [self.node("Shape", [self.repeat(keys)]), self.node("Shape", [query])]
+        merged = self.node("Reshape", [self.node("Transpose", [heads], perm=[0, 2, 1, 3]), target])
         return self.linear(merged, s.hidden, s.hidden, bias=s.style == "gpt")
 
     def mlp(self, x: str) -> str:
@@ -244,7 +268,11 @@ class DecoderGraph:
     def finish(self, h: str) -> onnx.ModelProto:
         """The model of the nodes so far, its logits the head of the norm of `h`."""
         s = self.shape
-        self.named("MatMul", [self.norm(h), self.weight(s.hidden, s.vocab)], "logits")
+        if s.style == "gpt":  # a biased head
+            self.named("Add", [self.linear(self.norm(h), s.hidden, s.vocab),
+                               self.constant("b", (0.1 * self.rng.standard_normal(s.vocab)).astype(np.float32))], "logits")
+        else:
+            self.named("MatMul", [self.norm(h), self.weight(s.hidden, s.vocab)], "logits")
         kv = [(f"{kind}.{layer}", s.groups) for layer in range(s.layers) for kind in ("past_key", "past_value")]
         inputs = [helper.make_tensor_value_info("hidden", F, [1, "s", s.hidden]),
                   helper.make_tensor_value_info("mask", BOOL, [1, 1, "s", "t"]),
@@ -257,6 +285,7 @@ class DecoderGraph:
             inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype), value.shape))
         outputs = [helper.make_tensor_value_info("logits", F, [1, "s", s.vocab])]
         outputs += [helper.make_tensor_value_info(name.replace("past", "present"), F, None) for name, _ in kv]
+        outputs += [helper.make_tensor_value_info(name, I64, None) for name in self.shape_outputs]
         graph = helper.make_graph(self.nodes, f"decoder_{s.style}", inputs, outputs,
                                   [numpy_helper.from_array(v, k) for k, v in self.initializers.items()])
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)

@@ -23,7 +23,7 @@ from onnx import helper, numpy_helper
 import runnx
 import runnx.backend
 from differential import (
-    BOOL, F, I64, TOLERANCE, assert_runs_agree, assert_same, decode_and_compare, decoder, kv_names, load_both,
+    BOOL, F, I64, TOLERANCE, assert_runs_agree, assert_same, decode_and_compare, decoder, fused_ops, kv_names, load_both,
     random_shape, step_feeds,
 )
 from test_random_graphs import RandomGraph
@@ -163,6 +163,21 @@ def test_generated_decoders_agree_over_decode_steps(style, usual, seed):
     ours = optimized.run(feeds)
     for name, value in theirs.items():
         np.testing.assert_allclose(ours[name], value, **TOLERANCE, equal_nan=True, err_msg=name)
+
+
+def test_every_fusion_pattern_is_met_by_the_fixtures_or_the_generated_decoders():
+    """So that each fused kernel is held to plain interpretation above (a new pattern must be met too)."""
+    import re
+    patterns = set()
+    for source in (Path(runnx.__file__).parent / "interp" / "fusion").glob("*.py"):
+        patterns |= set(re.findall(r'Fused\(\s*"(\w+)"', source.read_text()))
+    met = set()
+    models = [runnx.load(path) for path in sorted(FIXTURES.glob("*/*.onnx"))]
+    models += [runnx.load(decoder(random_shape(np.random.default_rng(seed), style, True))[0])
+               for seed in range(3) for style in ("llama", "gpt")]
+    for model in models:  # those a later pattern absorbed are counted in model.fused
+        met |= set(model.fused) | fused_ops(model)
+    assert patterns and patterns <= met, sorted(patterns - met)
 
 
 def test_generated_decoders_fed_new_values_of_their_honoured_overridable_constants_agree():
