@@ -291,12 +291,12 @@ class DecoderGraph:
         return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
-def decoder(shape: DecoderShape, overridable_prefixes: tuple = ()) -> tuple[onnx.ModelProto, dict]:
-    """(model, its constants); initializers whose name starts with one of `overridable_prefixes`
-    are also graph inputs."""
+def decoder(shape: DecoderShape, overridable: tuple = ()) -> tuple[onnx.ModelProto, dict]:
+    """(model, its constants); initializers of the kinds named in `overridable` (their names'
+    prefixes: "epsilon", "w", ...) are also graph inputs."""
     builder = DecoderGraph(shape)
     builder.model()
-    names = tuple(n for n in builder.initializers if n.startswith(tuple(overridable_prefixes))) if overridable_prefixes else ()
+    names = tuple(n for n in builder.initializers if n.rsplit("_", 1)[0] in overridable)
     shape.overridable = names
     builder = DecoderGraph(shape)
     return builder.model(), builder.constants

@@ -180,23 +180,39 @@ def test_every_fusion_pattern_is_met_by_the_fixtures_or_the_generated_decoders()
     assert patterns and patterns <= met, sorted(patterns - met)
 
 
-def test_generated_decoders_fed_new_values_of_their_honoured_overridable_constants_agree():
-    """Weights and epsilons listed as graph inputs too, fed: fused kernels read them at run time."""
-    shape = random_shape(np.random.default_rng(11), "llama", True)
-    model, constants = decoder(shape, ("w_", "epsilon", "norm_weight"))
+HONOURED = {"llama": ("w", "epsilon", "norm_weight", "one", "scale", "fill", "then", "else", "split"),
+            "gpt": ("w", "b", "ln_scale", "ln_bias", "scale", "fill", "then", "else", "divisor", "one",
+                    "half")}
+
+
+def _fed(name: str, value: np.ndarray) -> np.ndarray:
+    """A new value for an overridable constant: floats scaled and shifted; the rotary split moved."""
+    if name.startswith("split"):
+        return np.array([1])
+    return (value * np.float32(1.7) + np.float32(0.3)).astype(value.dtype)
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt"])
+def test_generated_decoders_fed_new_values_of_overridable_constants_their_kernels_read_agree(style):
+    """Weights, biases, epsilons, scales, fills, mask values, GELU constants, the rotary split:
+    listed as graph inputs too and fed new values, which fused kernels read at run time."""
+    shape = random_shape(np.random.default_rng(11), style, True)
+    model, constants = decoder(shape, HONOURED[style])
+    assert {name.rsplit("_", 1)[0] for name in shape.overridable} == set(HONOURED[style])
     plain, optimized = load_both(model)
-    rng = np.random.default_rng(3)
-    fed = {name: (constants[name] * rng.uniform(0.5, 2)).astype(constants[name].dtype) for name in shape.overridable}
+    fed = {name: _fed(name, constants[name]) for name in shape.overridable}
     decode_and_compare(plain, optimized, shape, 2, steps=3, extra=fed)
 
 
 @OVERRIDE_XFAIL
-def test_a_generated_decoder_fed_a_new_rms_norm_exponent_agrees():
+@pytest.mark.parametrize("prefix, value", [("exponent", np.float32(3.0)), ("axes", np.array([1]))])
+def test_a_generated_decoder_fed_a_new_rms_norm_exponent_or_axis_agrees(prefix, value):
+    """The RMSNorm matcher checks the exponent (2) and reads the ReduceMean axes at load."""
     shape = random_shape(np.random.default_rng(12), "llama", True)
-    model, constants = decoder(shape, ("exponent",))
+    model, constants = decoder(shape, (prefix,))
+    assert shape.overridable
     plain, optimized = load_both(model)
-    fed = {name: np.float32(3.0) for name in shape.overridable}
-    decode_and_compare(plain, optimized, shape, 4, steps=2, extra=fed)
+    decode_and_compare(plain, optimized, shape, 4, steps=2, extra={name: value for name in shape.overridable})
 
 
 # -- hazards ---------------------------------------------------------------------------------------
