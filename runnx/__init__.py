@@ -10,8 +10,7 @@ from runnx import ops as _ops  # registers every kernel
 from runnx.capture import Owned, with_capacity
 from runnx.errors import (
     CycleError, ExternalDataError, InPlaceMismatchError, InputError, InputShapeError, InputTypeError, InvalidModelError,
-    InvalidOptionError,
-    MissingInputError, MissingValueError, ModelLoadError, NodeError, PlanError, ResourceLimitError,
+    InvalidOptionError, MissingInputError, MissingValueError, ModelLoadError, NodeError, PlanError, ResourceLimitError,
     RunnxError, UnknownInputError, UnknownOutputError, UnsupportedOpError,
 )
 from runnx.interp.model import Model, load
@@ -22,8 +21,9 @@ from runnx.interp.session import GraphOptimizationLevel, InferenceSession, NodeA
 __version__ = "0.1.0"
 
 __all__ = [
-    "CycleError", "ExternalDataError", "GraphOptimizationLevel", "InPlaceMismatchError", "InferenceSession", "InputError", "InputShapeError", "InputTypeError",
-    "InvalidModelError", "InvalidOptionError", "MissingInputError", "MissingValueError", "Model", "ModelLoadError", "NodeArg",
+    "CycleError", "ExternalDataError", "GraphOptimizationLevel", "InPlaceMismatchError", "InferenceSession", "InputError",
+    "InputShapeError", "InputTypeError", "InvalidModelError", "InvalidOptionError", "MissingInputError",
+    "MissingValueError", "Model", "ModelLoadError", "NodeArg",
     "NodeError", "Options", "Owned", "PlanError", "Profile", "ResourceLimitError", "RunnxError",
     "SessionOptions", "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "load", "with_capacity",
 ]
