@@ -341,3 +341,19 @@ def decode_and_compare(plain, optimized, shape: DecoderShape, seed: int, steps: 
         for name, expected in results[id(plain)].items():
             assert_same(expected, results[id(optimized)][name], f"step {step}: {name}")
         past, new = past + new, 1
+
+
+def mask_rewritten_in_place() -> tuple[onnx.ModelProto, DecoderShape]:
+    """Two attention layers: the first reads mask m = Not(mask); then m's object is written in
+    place by Xor(m, True) (its last reader, run after the first layer: it reads that layer's sum),
+    whose value, the fed mask again, the second layer reads. Both layers' Where(Slice(m)) biases
+    are made by the fused attention (`_mask_bias`, kept per run by identity)."""
+    shape = random_shape(np.random.default_rng(7), "llama", usual=True)
+    shape.layers = 2
+    b = DecoderGraph(shape)
+    inverted = b.node("Not", ["mask"])
+    h = b.node("Add", ["hidden", b.attention(b.norm("hidden"), 0, mask=inverted)])
+    flip = b.node("Less", [b.node("ReduceMax", [h], keepdims=0), b.f32("huge", 1e30)])
+    again = b.node("Xor", [inverted, flip])
+    h = b.node("Add", [h, b.attention(b.norm(h), 1, mask=again)])
+    return b.finish(h), shape

@@ -23,8 +23,8 @@ from onnx import helper, numpy_helper
 import runnx
 import runnx.backend
 from differential import (
-    BOOL, F, I64, TOLERANCE, assert_runs_agree, assert_same, decode_and_compare, decoder, fused_ops, kv_names, load_both,
-    random_shape, step_feeds,
+    BOOL, F, I64, TOLERANCE, assert_runs_agree, assert_same, decode_and_compare, decoder, fused_ops, kv_names,
+    load_both, mask_rewritten_in_place, random_shape, step_feeds,
 )
 from test_random_graphs import RandomGraph
 from test_random_graphs import _feeds as random_graph_feeds
@@ -274,8 +274,7 @@ def test_a_callers_read_only_view_changed_between_runs_agrees():
 
 
 def test_a_mask_computed_in_place_after_its_first_reader_agrees():
-    from test_identity_caches import _mask_rewritten_after_its_first_reader
-    model, shape = _mask_rewritten_after_its_first_reader()
+    model, shape = mask_rewritten_in_place()
     plain, optimized = load_both(model)
     decode_and_compare(plain, optimized, shape, 5, steps=3)
 

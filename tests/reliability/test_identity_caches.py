@@ -3,33 +3,17 @@ an in-place op writes a new value into the mask's object, and a caller's read-on
 buffer the caller changes between runs is read afresh each run."""
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 import runnx
-from differential import DecoderGraph, assert_same, load_both, random_shape, step_feeds
+from differential import assert_same, load_both, mask_rewritten_in_place, step_feeds
 from runnx.ops import _shape_util
 
-F = 1  # TensorProto.FLOAT
-
-
-def _mask_rewritten_after_its_first_reader():
-    """Two attention layers: the first reads mask m = Not(mask); then m's object is written in
-    place by Xor(m, True) (its last reader, run after the first layer: it reads that layer's sum),
-    whose value, the fed mask again, the second layer reads. Both layers' Where(Slice(m)) biases
-    are made by the fused attention (`_mask_bias`, kept per run by identity)."""
-    shape = random_shape(np.random.default_rng(7), "llama", usual=True)
-    shape.layers = 2
-    b = DecoderGraph(shape)
-    inverted = b.node("Not", ["mask"])
-    h = b.node("Add", ["hidden", b.attention(b.norm("hidden"), 0, mask=inverted)])
-    flip = b.node("Less", [b.node("ReduceMax", [h], keepdims=0), b.f32("huge", 1e30)])
-    again = b.node("Xor", [inverted, flip])
-    h = b.node("Add", [h, b.attention(b.norm(h), 1, mask=again)])
-    return b.finish(h), shape
+F = TensorProto.FLOAT
 
 
 def test_a_kept_attention_bias_is_forgotten_when_its_mask_is_overwritten_in_place():
-    model, shape = _mask_rewritten_after_its_first_reader()
+    model, shape = mask_rewritten_in_place()
     plain, optimized = load_both(model)
     assert optimized.fused.get("RepeatedKVAttention", 0) + optimized.fused.get("AttentionGatedMLP", 0) >= 2
     rng = np.random.default_rng(0)
@@ -50,7 +34,7 @@ def test_a_kept_attention_bias_is_forgotten_when_its_mask_is_overwritten_in_plac
 
 def _reshape_model():
     graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", F, None), helper.make_tensor_value_info("shape", 7, [2])],
+                              [helper.make_tensor_value_info("x", F, None), helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
                               [helper.make_tensor_value_info("y", F, None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
