@@ -11,13 +11,13 @@ from runnx import _openblas  # noqa: F401  (first: OpenBLAS's thread timeout, be
 from runnx.capture import Owned
 from runnx.errors import (
     CycleError, ExternalDataError, InPlaceMismatchError, InputError, InputShapeError, InputTypeError, InvalidModelError,
-    MissingInputError, MissingValueError, ModelLoadError, NodeError, PlanError, ResourceLimitError,
+    InvalidOptionError, MissingInputError, MissingValueError, ModelLoadError, NodeError, PlanError, ResourceLimitError,
     RunnxError, UnknownInputError, UnknownOutputError, UnsupportedOpError,
 )
 from runnx.interp.model import Model, load
 from runnx.interp.options import Options
 from runnx.interp.profiler import Profile
-from runnx.interp.session import InferenceSession, NodeArg, SessionOptions
+from runnx.interp.session import GraphOptimizationLevel, InferenceSession, NodeArg, SessionOptions
 
 
 def __getattr__(name):
@@ -30,8 +30,9 @@ def __getattr__(name):
 
 
 __all__ = [
-    "CycleError", "ExternalDataError", "InPlaceMismatchError", "InferenceSession", "InputError", "InputShapeError", "InputTypeError",
-    "InvalidModelError", "MissingInputError", "MissingValueError", "Model", "ModelLoadError", "NodeArg",
+    "CycleError", "ExternalDataError", "GraphOptimizationLevel", "InPlaceMismatchError", "InferenceSession", "InputError",
+    "InputShapeError", "InputTypeError", "InvalidModelError", "InvalidOptionError", "MissingInputError",
+    "MissingValueError", "Model", "ModelLoadError", "NodeArg",
     "NodeError", "Options", "Owned", "PlanError", "Profile", "ResourceLimitError", "RunnxError",
     "SessionOptions", "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "load", "with_capacity",
 ]

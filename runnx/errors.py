@@ -81,6 +81,11 @@ class ResourceLimitError(RunnxError):
     """A tensor or loop would exceed the session's configured limits."""
 
 
+class InvalidOptionError(RunnxError, ValueError):
+    """An option (`runnx.Options`, its environment variable, SessionOptions) has a value runnx does
+    not know."""
+
+
 class InPlaceMismatchError(RunnxError):
     """Checking mode (check_inplace) found an in-place execution whose result differs from the
     out-of-place one: a bug in a kernel's in-place path."""

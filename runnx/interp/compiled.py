@@ -166,7 +166,9 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
         for position, vid in candidates:
             lines += [f"        k = k{names[vid]}",
                       "        if len(k) == 1 and cnt_get(k[0]) == 1 and own_get(k[0]) or len(k) > 1 and excl(k):",
-                      f"            g += ({position},)"]
+                      f"            g += ({position},)",
+                      "            if ctx.kept_storages and not ctx.kept_storages.isdisjoint(k):",
+                      "                ctx.overwriting(k)"]
         arguments.append("overwrite=g")
     elif "overwrite" in step.kwargs:
         arguments.append("overwrite=()")

@@ -97,6 +97,9 @@ class Executor:
                 granted = tuple(position for position, vid in step.candidates if exclusive(keys[vid]))
                 if granted:
                     kwargs = {**kwargs, "overwrite": granted}
+                    if ctx.kept_storages:  # values derived from what is written, kept this run, go
+                        for position in granted:
+                            _overwriting(ctx, keys[step.inputs[position]])
             if node.subgraphs:
                 kwargs = self._bind_subgraphs(graph, node, step, kwargs, values, keys, table, inplace_on, ctx)
             if step.wants_ctx:
@@ -195,6 +198,12 @@ class Executor:
             else:
                 bound[attr_name] = Subgraph(sub, env, runner)
         return bound
+
+def _overwriting(ctx, keys: tuple) -> None:
+    """Tell `ctx` of an in-place write granted into storages `keys` when it keeps something of theirs."""
+    if not ctx.kept_storages.isdisjoint(keys):
+        ctx.overwriting(keys)
+
 
 def _out_of_place(fn, args, kwargs) -> list:
     """Checking mode: the node's outputs computed without reusing any input, snapshotted."""

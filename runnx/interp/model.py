@@ -31,7 +31,7 @@ class Model:
     def __init__(self, loaded: LoadedModel, options: Options | None = None):
         self.loaded = loaded
         self.graph = loaded.graph
-        self.options = options or Options()
+        self.options = (options or Options()).effective()  # the switches its optimization level allows
         self.folded = fold_constants(self.graph, self.options) if self.options.fold_constants else 0
         # after folding (a head's weight may be a Transpose of the embedding, or read by If branches)
         self.last_position = keep_last_position(self.graph, self.options.last_position)

@@ -2,7 +2,21 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from runnx.errors import InvalidOptionError
+
+# The optimization levels, least to most, and the switches each one allows (a level allows its
+# own and every lower level's). "disabled" is plain interpretation: each node run as the model
+# states it, in place where its input dies (`inplace` is the design and result-identical, its own
+# switch). Decode replay (ops/_decode_replay.py) lives in the fused kernels: it goes with `fuse`.
+LEVELS = ("disabled", "basic", "extended", "all")
+_ALLOWED = {
+    "disabled": (),
+    "basic": ("fold_constants", "shape_cache", "memo_read_ahead"),
+    "extended": ("fuse", "compile_after", "specialize_branches"),
+    "all": ("last_position",),
+}
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -44,7 +58,11 @@ class Options:
     runs the branch that input picks as a graph of its own (interp/branches.py;
     RUNNX_SPECIALIZE_BRANCHES=0 runs the If).
     last_position: outputs (an LM head's logits) computed for the last position only
-    (interp/last_position.py; RUNNX_LAST_POSITION, comma-separated names; none by default)."""
+    (interp/last_position.py; RUNNX_LAST_POSITION, comma-separated names; none by default).
+    optimization_level: "disabled" / "basic" / "extended" / "all" (RUNNX_OPTIMIZATION_LEVEL, default
+    "all"; onnxruntime's GraphOptimizationLevel through SessionOptions). The level caps the
+    switches above (`LEVELS`): a switch beyond it is off whatever its own value, and a switch set
+    off stays off at any level; `effective()` is the options a model runs with."""
 
     fold_constants: bool = field(default_factory=lambda: _env_flag("RUNNX_FOLD_CONSTANTS", True))
     inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_INPLACE", True))
@@ -61,3 +79,19 @@ class Options:
     compile_after: int = field(default_factory=lambda: _env_int("RUNNX_COMPILE_AFTER", 2))
     specialize_branches: bool = field(default_factory=lambda: _env_flag("RUNNX_SPECIALIZE_BRANCHES", True))
     last_position: tuple[str, ...] = field(default_factory=lambda: _env_names("RUNNX_LAST_POSITION"))
+    optimization_level: str = field(default_factory=lambda: os.environ.get("RUNNX_OPTIMIZATION_LEVEL") or "all")
+
+    def __post_init__(self):
+        if self.optimization_level not in LEVELS:
+            raise InvalidOptionError(f"optimization_level {self.optimization_level!r} is not one of "
+                                     f"{', '.join(LEVELS)} (Options.optimization_level / RUNNX_OPTIMIZATION_LEVEL)")
+
+    def effective(self) -> "Options":
+        """These options with every switch beyond the level turned off (the level itself kept)."""
+        beyond = LEVELS[LEVELS.index(self.optimization_level) + 1:]
+        off = {name: _OFF[name] for level in beyond for name in _ALLOWED[level]}
+        return replace(self, **off) if off else self
+
+
+_OFF = {"fold_constants": False, "shape_cache": False, "memo_read_ahead": False, "fuse": False, "compile_after": 0,
+        "specialize_branches": False, "last_position": ()}

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 
+from runnx.errors import InvalidOptionError
 from runnx.interp.dtypes import type_name
 from runnx.interp.model import Model, load
 from runnx.interp.options import Options
@@ -27,6 +29,19 @@ def _node_arg(info) -> NodeArg:
     return NodeArg(info.name, shape, tensor_type)
 
 
+class GraphOptimizationLevel(IntEnum):
+    """onnxruntime's levels, with its values; each maps to Options.optimization_level."""
+
+    ORT_DISABLE_ALL = 0
+    ORT_ENABLE_BASIC = 1
+    ORT_ENABLE_EXTENDED = 2
+    ORT_ENABLE_ALL = 99
+
+
+_LEVELS = {GraphOptimizationLevel.ORT_DISABLE_ALL: "disabled", GraphOptimizationLevel.ORT_ENABLE_BASIC: "basic",
+           GraphOptimizationLevel.ORT_ENABLE_EXTENDED: "extended", GraphOptimizationLevel.ORT_ENABLE_ALL: "all"}
+
+
 class SessionOptions:
     """The onnxruntime.SessionOptions fields runnx reads; anything else is accepted and ignored."""
 
@@ -34,6 +49,16 @@ class SessionOptions:
         self.intra_op_num_threads = 0
         self.inter_op_num_threads = 0
         self.enable_profiling = False
+        self.graph_optimization_level = None  # None: Options' default (RUNNX_OPTIMIZATION_LEVEL, else all)
+
+
+def _optimization_level(level) -> dict:
+    """graph_optimization_level (onnxruntime's enum, or its int value) as Options' level."""
+    try:
+        return {"optimization_level": _LEVELS[GraphOptimizationLevel(int(level))]}
+    except (TypeError, ValueError):
+        known = ", ".join(f"{member.name} ({member.value})" for member in GraphOptimizationLevel)
+        raise InvalidOptionError(f"SessionOptions.graph_optimization_level {level!r} is not one of {known}") from None
 
 
 def _threads(count) -> dict:
@@ -48,6 +73,9 @@ class InferenceSession:
             chosen = _threads(getattr(sess_options, "intra_op_num_threads", 0))
             if getattr(sess_options, "enable_profiling", False):
                 chosen["profile"] = True
+            level = getattr(sess_options, "graph_optimization_level", None)
+            if level is not None:
+                chosen.update(_optimization_level(level))
             options = Options(**chosen)
         self._model: Model = load(path_or_bytes, weights=weights, options=options)
 

@@ -120,10 +120,11 @@ def bind_feeds(specs: dict[str, FeedSpec], feeds, check_symbolic_dims: bool = Tr
             value = _as_value(spec, value)  # an array of the input's dtype as it is: a decode step's 62
         if isinstance(value, np.ndarray):
             check_shape(spec, value, symbols)
-            writeable = value.flags.writeable
-            if not owned or not writeable:
-                if writeable:  # a read-only array is held as it is: runnx never makes an array writeable
-                    value = read_only_view(value)
+            if not owned or not value.flags.writeable:
+                # a view of its own each run, even of a read-only array: what runnx remembers by an
+                # array's identity (ops/_remembered.py) is then never found again for the caller's
+                # object, whose buffer the caller may change between runs
+                value = read_only_view(value)
                 owned = False
         elif isinstance(value, list):
             value = [read_only_view(v) for v in value] if not owned else value

@@ -6,6 +6,9 @@ fast path's checks find from them, with the shapes of the step's own arrays, hol
 the same objects. Finding it again every step is not free: between kernels streaming megabytes of
 weights each Python object a check reads is a cache miss, so a check costing 2-6 us in a loop costs
 15-20 us a layer in a decode step (SmolLM2, two threads, per-step A/B in docs/benchmarks.md).
+Read-only is trusted as unchanging: runnx's own read-only arrays never change, and a caller's
+array reaches kernels only as a view made for its run (validation.bind_feeds), so an entry is
+never found again for an object the caller may write through between runs.
 """
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import numpy as np
 
@@ -25,13 +26,15 @@ def normalize_axes(axes, rank: int, what: str = "axes") -> list[int]:
 
 
 _REMEMBERED_SIZE = 64  # elements: shape-like inputs
-_remembered: dict[int, tuple] = {}  # id -> (array, values) of small read-only arrays
+_remembered: dict[int, tuple] = {}  # id -> (weak reference to the array, its values) of small read-only arrays
 
 
 def int_values(tensor) -> list[int] | None:
     """A 0-D or 1-D integer tensor input (shape, axes, pads, ...) as Python ints; None stays None.
     The values of small read-only arrays (constants, shape memos' results: the same arrays step
-    after step) are remembered by identity, holding the array so that its id stays its own."""
+    after step) are remembered by identity, while the array lives (the entry goes with it, before
+    its id can be another's). A caller's array reaches kernels as a view made for its run
+    (validation.bind_feeds), never as the object the caller may write through between runs."""
     return None if tensor is None else list(int_tuple(tensor))
 
 
@@ -39,7 +42,7 @@ def int_tuple(tensor) -> tuple[int, ...]:
     """`int_values` of a tensor as a tuple: the remembered one itself, no copy (fused kernels'
     hashable keys)."""
     known = _remembered.get(id(tensor))
-    if known is not None and known[0] is tensor:
+    if known is not None and known[0]() is tensor:
         return known[1]
     array = np.asarray(tensor)
     values = array.reshape(-1).tolist()  # Python ints for integer tensors, in one C call
@@ -47,7 +50,8 @@ def int_tuple(tensor) -> tuple[int, ...]:
     if array is tensor and not array.flags.writeable and array.size <= _REMEMBERED_SIZE:
         if len(_remembered) >= 4096:
             _remembered.clear()
-        _remembered[id(tensor)] = (tensor, values)
+        identity = id(tensor)
+        _remembered[identity] = (weakref.ref(tensor, lambda _: _remembered.pop(identity, None)), values)
     return values
 
 

@@ -62,9 +62,10 @@ def test_a_feed_of_the_shape_checked_last_time_passes_and_any_other_is_checked_a
             with pytest.raises(runnx.InputShapeError, match=r"expects dimension 1 to be 3"):
                 model.run({"x": _ones(*shape)})
 
-def test_a_writeable_feed_is_held_through_a_read_only_view_and_a_read_only_one_as_it_is(model):
-    """runnx never writes a caller's array: a writeable one is held through a read-only view, a
-    read-only one (a decoder's cross-attention keys, fed every step) as it is, with no new view."""
+def test_every_feed_not_handed_over_is_held_through_a_read_only_view_of_its_own(model):
+    """runnx never writes a caller's array: a writeable one is held through a read-only view; so is
+    a read-only one, a new view each run: what runnx remembers by identity is never found again
+    for the caller's object, whose buffer may change between runs."""
     from runnx.interp.validation import bind_feeds, feed_specs
     specs = feed_specs(model.graph)
     writeable, read_only = _ones(2, 3), _ones(2, 3)
@@ -73,7 +74,8 @@ def test_a_writeable_feed_is_held_through_a_read_only_view_and_a_read_only_one_a
     (x, x_owned), (y, y_owned) = bound[specs["x"].vid], bound[specs["y"].vid]
     assert x is not writeable and np.shares_memory(x, writeable) and not x.flags.writeable and not x_owned
     assert writeable.flags.writeable
-    assert y is read_only and not y_owned
+    assert y is not read_only and np.shares_memory(y, read_only) and not y.flags.writeable and not y_owned
+    assert bind_feeds(specs, {"y": read_only})[specs["y"].vid][0] is not y
     np.testing.assert_array_equal(model.run({"x": writeable, "y": read_only})["n"], -2 * _ones(2, 3))
 
 
