@@ -11,7 +11,7 @@ from runnx.capture import Owned, with_capacity
 from runnx.errors import (
     CycleError, ExternalDataError, InPlaceMismatchError, InputError, InputShapeError, InputTypeError, InvalidModelError,
     MissingInputError, MissingValueError, ModelLoadError, NodeError, PlanError, ResourceLimitError,
-    RunnxError, UnknownInputError, UnknownOutputError, UnsupportedOpError,
+    RunnxError, UnknownInputError, UnknownOutputError, UnsupportedOpError, UnsupportedOpsetError,
 )
 from runnx.interp.model import Model, load
 from runnx.interp.options import Options
@@ -24,5 +24,5 @@ __all__ = [
     "CycleError", "ExternalDataError", "InPlaceMismatchError", "InferenceSession", "InputError", "InputShapeError", "InputTypeError",
     "InvalidModelError", "MissingInputError", "MissingValueError", "Model", "ModelLoadError", "NodeArg",
     "NodeError", "Options", "Owned", "PlanError", "Profile", "ResourceLimitError", "RunnxError",
-    "SessionOptions", "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "load", "with_capacity",
+    "SessionOptions", "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "UnsupportedOpsetError", "load", "with_capacity",
 ]

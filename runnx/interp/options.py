@@ -44,7 +44,9 @@ class Options:
     runs the branch that input picks as a graph of its own (interp/branches.py;
     RUNNX_SPECIALIZE_BRANCHES=0 runs the If).
     last_position: outputs (an LM head's logits) computed for the last position only
-    (interp/last_position.py; RUNNX_LAST_POSITION, comma-separated names; none by default)."""
+    (interp/last_position.py; RUNNX_LAST_POSITION, comma-separated names; none by default).
+    allow_newer_opset: load a model importing a domain at a version newer than runnx's kernels
+    know (runs the newest kernels; RUNNX_ALLOW_NEWER_OPSET=1). Refused by default."""
 
     fold_constants: bool = field(default_factory=lambda: _env_flag("RUNNX_FOLD_CONSTANTS", True))
     inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_INPLACE", True))
@@ -61,3 +63,4 @@ class Options:
     compile_after: int = field(default_factory=lambda: _env_int("RUNNX_COMPILE_AFTER", 2))
     specialize_branches: bool = field(default_factory=lambda: _env_flag("RUNNX_SPECIALIZE_BRANCHES", True))
     last_position: tuple[str, ...] = field(default_factory=lambda: _env_names("RUNNX_LAST_POSITION"))
+    allow_newer_opset: bool = field(default_factory=lambda: _env_flag("RUNNX_ALLOW_NEWER_OPSET", False))
