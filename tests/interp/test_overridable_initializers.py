@@ -274,3 +274,21 @@ def test_a_declared_symbolic_dimension_lets_a_fed_initializer_change_size():
     _assert_same_as_onnxruntime(model, {"h": h}, {"w": [np.arange(4 * 6, dtype=np.float32) / 7]})
     wide = np.ones((4, 9), np.float32)
     np.testing.assert_array_equal(runnx.load(model).run({"h": h, "w": wide})["logits"], h @ wide)
+
+
+def test_a_loop_body_input_that_is_also_its_initializer_keeps_its_position_and_is_fed():
+    """The Loop feeds its body's inputs by position: one that has an initializer too gets the
+    carried value, the initializer is only a default (onnxruntime refuses such a body; runnx had
+    dropped the input from the body's positions and read the default every iteration)."""
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]), helper.make_node("Add", ["acc_in", "c"], ["acc_out"])],
+        "body", [helper.make_tensor_value_info("i", I64, []), helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+                 helper.make_tensor_value_info("acc_in", I64, [1])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []), helper.make_tensor_value_info("acc_out", I64, [1])],
+        [numpy_helper.from_array(np.array([7], np.int64), "acc_in"), numpy_helper.from_array(np.array([2], np.int64), "c")])
+    graph = helper.make_graph([helper.make_node("Loop", ["trips", "", "acc"], ["y"], body=body)], "g",
+                              [helper.make_tensor_value_info("acc", I64, [1])], [helper.make_tensor_value_info("y", I64, None)],
+                              [numpy_helper.from_array(np.array(3, np.int64), "trips")])
+    model = runnx.load(_overridable(helper.make_model(graph, opset_imports=OPSET, ir_version=9)))
+    assert model.run({"acc": np.array([100])})["y"].tolist() == [106]
+    assert model.run({"acc": np.array([1]), "trips": np.array(2)})["y"].tolist() == [5]
