@@ -12,7 +12,7 @@ from runnx.capture import Owned
 from runnx.errors import (
     CycleError, ExternalDataError, InPlaceMismatchError, InputError, InputShapeError, InputTypeError, InvalidModelError,
     InvalidOptionError, MissingInputError, MissingValueError, ModelLoadError, NodeError, PlanError, ResourceLimitError,
-    RunnxError, UnknownInputError, UnknownOutputError, UnsupportedOpError,
+    RunnxError, UnknownInputError, UnknownOutputError, UnsupportedOpError, UnsupportedOpsetError,
 )
 from runnx.interp.model import Model, load
 from runnx.interp.options import Options
@@ -34,5 +34,5 @@ __all__ = [
     "InputShapeError", "InputTypeError", "InvalidModelError", "InvalidOptionError", "MissingInputError",
     "MissingValueError", "Model", "ModelLoadError", "NodeArg",
     "NodeError", "Options", "Owned", "PlanError", "Profile", "ResourceLimitError", "RunnxError",
-    "SessionOptions", "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "load", "with_capacity",
+    "SessionOptions", "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "UnsupportedOpsetError", "load", "with_capacity",
 ]

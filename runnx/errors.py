@@ -21,6 +21,11 @@ class UnsupportedOpError(ModelLoadError):
     """One or more (domain, op, opset) have no kernel; the message lists all of them."""
 
 
+class UnsupportedOpsetError(ModelLoadError):
+    """The model imports a domain at a version newer than runnx's kernels for it (allowed with
+    Options.allow_newer_opset)."""
+
+
 class ExternalDataError(ModelLoadError):
     """External tensor data or a weights file is missing, malformed or points outside the model folder."""
 

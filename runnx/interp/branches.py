@@ -64,7 +64,8 @@ def specialize_branches(graph: Graph) -> BranchChoice | None:
 
 def _as_model_graph(graph: Graph, node, sub: Graph | None) -> Branch | None:
     """The If branch `sub` as a graph with the model's inputs and outputs: its captures of the
-    model's inputs become its inputs, its captures of initializers its constants."""
+    model's inputs become its inputs (of overridable initializers, inputs with their default),
+    its captures of initializers its constants."""
     if sub is None or sub.inputs:
         return None
     names, ids = list(sub.names), dict(sub.ids)
@@ -73,12 +74,13 @@ def _as_model_graph(graph: Graph, node, sub: Graph | None) -> Branch | None:
     mapping = {}
     for name, local in captured.items():
         outer = graph.ids.get(name)
-        if outer is None or (outer not in graph.inputs and outer not in graph.constants):
+        if outer is None or (outer not in graph.inputs and outer not in graph.constants
+                             and outer not in graph.defaults):
             return None  # read from a scope above the model's graph, or computed by a node
         if outer in graph.constants:
             constants[local] = graph.constants[outer]
         mapping[outer] = local
-    for vid in graph.inputs:
+    for vid in (*graph.inputs, *graph.defaults):
         if vid not in mapping:  # an input the branch does not read (the condition, at least)
             mapping[vid] = len(names)
             names.append(graph.names[vid])
@@ -88,6 +90,7 @@ def _as_model_graph(graph: Graph, node, sub: Graph | None) -> Branch | None:
         name=f"{graph.name} ({sub.name})", names=names, inputs=tuple(mapping[v] for v in graph.inputs),
         input_info=graph.input_info, outputs=tuple(mapping[v] for v in graph.outputs),
         output_info=graph.output_info, constants=constants, nodes=sub.nodes,
-        optional_inputs=frozenset(mapping[v] for v in graph.optional_inputs if v in mapping),
+        defaults={mapping[v]: default for v, default in graph.defaults.items()},
+        default_info={mapping[v]: info for v, info in graph.default_info.items()},
         ids=ids, producer=sub.producer)
     return Branch(specialized, mapping)

@@ -25,7 +25,7 @@ SHARED_BYTES = 4096  # read-only constants up to this size with equal dtype, sha
 def _foldable(graph: Graph, node) -> bool:
     return (node.kernel is not None and not node.subgraphs and not node.captures
             and node.op_type not in NONDETERMINISTIC
-            and all(v == MISSING or (v in graph.constants and v not in graph.optional_inputs) for v in node.inputs))
+            and all(v == MISSING or v in graph.constants for v in node.inputs))
 
 
 def out_of_place_kwargs(node) -> dict:
@@ -116,7 +116,7 @@ def _share_equal_constants(graph: Graph, shared: dict) -> None:
     """Each small read-only constant replaced by the first array of its value seen in the model."""
     for vid, value in graph.constants.items():
         if (type(value) is np.ndarray and value.nbytes <= SHARED_BYTES and not value.flags.writeable
-                and not value.dtype.hasobject and vid not in graph.optional_inputs):
+                and not value.dtype.hasobject):
             graph.constants[vid] = shared.setdefault((value.dtype, value.shape, value.tobytes()), value)
 
 
@@ -127,7 +127,7 @@ def _inline_constant_captures(parent: Graph, subgraph: Graph) -> None:
     kept = []
     for name, local in zip(subgraph.captures, subgraph.capture_ids):
         outer = parent.ids[name]
-        if outer in parent.constants and outer not in parent.optional_inputs:
+        if outer in parent.constants:
             subgraph.constants[local] = parent.constants[outer]
         else:
             kept.append((name, local))

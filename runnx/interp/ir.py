@@ -64,7 +64,12 @@ class Graph:
     nodes: tuple[Node, ...]
     captures: tuple[str, ...] = ()  # names read from enclosing scopes
     capture_ids: tuple[int, ...] = ()
-    optional_inputs: frozenset = frozenset()  # inputs that have an initializer as default
+    # Initializers also listed as inputs: the caller may feed them, the initializer is only their
+    # default. They are inputs, never constants, so no load-time pass (folding, shape memos,
+    # fusion, read-ahead, last position) can bake their default in; a plan reads the default of
+    # one not fed (planner.py). value id -> default (read-only array); the declared types below.
+    defaults: dict = field(default_factory=dict)
+    default_info: dict = field(default_factory=dict)  # value id -> ValueInfo
     ids: dict = field(default_factory=dict)  # name -> value id
     producer: dict = field(default_factory=dict)  # value id -> Node
 

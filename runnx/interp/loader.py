@@ -12,7 +12,8 @@ import numpy as np
 import onnx
 from onnx import AttributeProto
 
-from runnx.errors import InvalidModelError, ModelLoadError, RunnxError, UnsupportedOpError
+from runnx.errors import InvalidModelError, ModelLoadError, RunnxError, UnsupportedOpError, UnsupportedOpsetError
+from runnx.interp.dtypes import onnx_type, type_name
 from runnx.interp.external_data import ExternalData, read_safetensors
 from runnx.interp.ir import MISSING, Graph, Node, ValueInfo
 from runnx.interp.model_file import read_model_file
@@ -58,9 +59,13 @@ def read_model(source, skip=frozenset()) -> tuple[onnx.ModelProto, str | None, d
         raise ModelLoadError(f"'{path}' is not an ONNX model: {error}") from None
 
 
-def load_model(source, weights=None) -> LoadedModel:
+def load_model(source, weights=None, allow_newer_opset=False) -> LoadedModel:
     overrides = read_safetensors(os.fspath(weights)) if weights is not None else {}
     proto, path, raw = read_model(source, frozenset(overrides))
+    if not proto.HasField("graph"):
+        where = (f"'{path}' ({os.path.getsize(path)} bytes)" if path else "the ModelProto given"
+                 if isinstance(source, onnx.ModelProto) else f"the bytes given ({len(source)})")
+        raise ModelLoadError(f"{where} has no graph: an empty or truncated file is not an ONNX model")
     if proto.functions:
         try:
             proto = onnx.inliner.inline_local_functions(proto)
@@ -71,6 +76,8 @@ def load_model(source, weights=None) -> LoadedModel:
         opsets[registry._canonical_domain(entry.domain)] = entry.version
     if "" not in opsets and proto.ir_version < 3:
         opsets[""] = 1
+    if not allow_newer_opset:
+        check_opsets(opsets)
     external = ExternalData(os.path.dirname(os.path.abspath(path))) if path else None
     builder = _GraphBuilder(opsets, external, overrides, raw)
     graph = builder.build(proto.graph, top=True)
@@ -79,6 +86,18 @@ def load_model(source, weights=None) -> LoadedModel:
     if unused:
         raise InvalidModelError(f"weights file has tensors the model does not use: {sorted(unused)[:10]}")
     return LoadedModel(graph, opsets, proto.ir_version, proto.producer_name, path)  # the protobuf is freed
+
+
+def check_opsets(opsets: dict) -> None:
+    """Refuse a domain imported at a version newer than runnx's kernels know: its ops may mean
+    something else there, and the newest kernels would run silently (domains runnx has no kernel
+    for are left to the unsupported-operator check)."""
+    for domain, version in sorted(opsets.items()):
+        newest = registry.newest_opset(domain)
+        if newest is not None and version > newest:
+            raise UnsupportedOpsetError(
+                f"the model imports {domain or 'ai.onnx'} opset {version}, but runnx supports it up to opset "
+                f"{newest} (allow_newer_opset=True or RUNNX_ALLOW_NEWER_OPSET=1 runs it with the newest kernels)")
 
 
 def value_info(proto) -> ValueInfo:
@@ -175,10 +194,16 @@ class _GraphBuilder:
             vid = define(name, f"sparse initializer '{name}'")
             initializer_names.add(name)
             constants[vid] = _sparse_to_dense(sparse)
-        inputs, input_info, optional = [], [], set()
+        inputs, input_info, defaults, default_info = [], [], {}, {}
         for info in proto.input:
-            if info.name in initializer_names:
-                optional.add(ids[info.name])
+            if info.name in initializer_names:  # overridable: an input with a default, never a constant
+                vid = ids[info.name]
+                defaults[vid] = constants.pop(vid)
+                default_info[vid] = _default_info(info, defaults[vid])
+                if top:  # a subgraph's formal inputs are positional: the op feeds this one too
+                    continue
+                input_info.append(default_info[vid])
+                inputs.append(vid)
                 continue
             inputs.append(define(info.name, f"input '{info.name}'"))
             input_info.append(value_info(info))
@@ -190,7 +215,7 @@ class _GraphBuilder:
             name=proto.name, names=names, inputs=tuple(inputs), input_info=tuple(input_info), outputs=outputs,
             output_info=tuple(value_info(o) for o in proto.output), constants=constants, nodes=(),
             captures=tuple(captures), capture_ids=tuple(ids[c] for c in captures),
-            optional_inputs=frozenset(optional), ids=ids)
+            defaults=defaults, default_info=default_info, ids=ids)
         self._fold_constants(graph, nodes)
         if top and captures:
             missing = captures[0]
@@ -303,6 +328,26 @@ class _GraphBuilder:
         except ModelLoadError as error:  # a tensor attribute that cannot be decoded
             raise type(error)(f"{label}: attribute '{attribute.name}': {error}") from None
         raise InvalidModelError(f"{label}: attribute '{attribute.name}' has an unknown or unset type ({kind})")
+
+
+def _default_info(info, default: np.ndarray) -> ValueInfo:
+    """The declared type of an overridable initializer, which its default must have: a feed is
+    checked against it. Undeclared, the default's dtype and shape."""
+    declared = value_info(info)
+    elem_type = _elem_type(default.dtype)
+    if declared.kind != "tensor" or declared.elem_type is None:
+        return ValueInfo(info.name, "tensor", elem_type, default.shape)
+    if elem_type is not None and declared.elem_type != elem_type:
+        raise InvalidModelError(f"input '{info.name}' is declared {type_name(declared.elem_type)}, but its "
+                                f"initializer (its default) is {type_name(elem_type)}")
+    return declared
+
+
+def _elem_type(dtype):
+    try:
+        return onnx_type(dtype)
+    except KeyError:
+        return None
 
 
 def _check_text(text, where) -> None:

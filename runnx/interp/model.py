@@ -94,7 +94,7 @@ class Model:
         if plan is None:
             graph = self.graph if branch is None else branch.graph
             if branch is None and any(v not in graph.producer and v not in graph.constants and v not in provided
-                                      for v in outputs):
+                                      and v not in graph.defaults for v in outputs):
                 graph = self._unrewritten
             plan = self._plans[key] = make_plan(graph, provided, outputs)
         return plan
@@ -162,9 +162,10 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
     (inplace=False, check_inplace=True, max_tensor_elements=...) build an Options."""
     if option_values:
         options = Options(**option_values) if options is None else _replace(options, option_values)
+    options = options or Options()
     from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
     keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runnx/_allocator.py)
-    return Model(load_model(source, weights), options)
+    return Model(load_model(source, weights, options.allow_newer_opset), options)
 
 
 def _replace(options: Options, values: dict) -> Options:

@@ -62,7 +62,9 @@ class Options:
     optimization_level: "disabled" / "basic" / "extended" / "all" (RUNNX_OPTIMIZATION_LEVEL, default
     "all"; onnxruntime's GraphOptimizationLevel through SessionOptions). The level caps the
     switches above (`LEVELS`): a switch beyond it is off whatever its own value, and a switch set
-    off stays off at any level; `effective()` is the options a model runs with."""
+    off stays off at any level; `effective()` is the options a model runs with.
+    allow_newer_opset: load a model importing a domain at a version newer than runnx's kernels
+    know (runs the newest kernels; RUNNX_ALLOW_NEWER_OPSET=1). Refused by default."""
 
     fold_constants: bool = field(default_factory=lambda: _env_flag("RUNNX_FOLD_CONSTANTS", True))
     inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_INPLACE", True))
@@ -80,6 +82,7 @@ class Options:
     specialize_branches: bool = field(default_factory=lambda: _env_flag("RUNNX_SPECIALIZE_BRANCHES", True))
     last_position: tuple[str, ...] = field(default_factory=lambda: _env_names("RUNNX_LAST_POSITION"))
     optimization_level: str = field(default_factory=lambda: os.environ.get("RUNNX_OPTIMIZATION_LEVEL") or "all")
+    allow_newer_opset: bool = field(default_factory=lambda: _env_flag("RUNNX_ALLOW_NEWER_OPSET", False))
 
     def __post_init__(self):
         if self.optimization_level not in LEVELS:

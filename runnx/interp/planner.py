@@ -60,20 +60,22 @@ def _consumes(node: Node) -> bool:
 
 
 def make_plan(graph: Graph, provided: frozenset, outputs: tuple[int, ...]) -> Plan:
-    """The execution plan computing `outputs` from the `provided` value ids and the constants."""
-    needed = _needed_nodes(graph, provided, outputs)
-    order = _forward_order(graph, needed, provided)
-    return _liveness(graph, order, provided, outputs)
+    """The execution plan computing `outputs` from the `provided` value ids and the constants
+    (with the defaults of the overridable initializers not provided: constants of this plan only)."""
+    fixed = {**{v: d for v, d in graph.defaults.items() if v not in provided}, **graph.constants}
+    needed = _needed_nodes(graph, provided, outputs, fixed)
+    order = _forward_order(graph, needed, provided, fixed)
+    return _liveness(graph, order, provided, outputs, fixed)
 
 
-def _needed_nodes(graph: Graph, provided: frozenset, outputs) -> list[Node]:
+def _needed_nodes(graph: Graph, provided: frozenset, outputs, fixed: dict) -> list[Node]:
     """Iterative DFS backwards from the outputs; detects cycles and missing values."""
     state: dict[int, int] = {}  # node index -> 1 visiting, 2 done
     needed: list[Node] = []
     by_index = {node.index: node for node in graph.nodes}
 
     def producer_of(vid: int, user: str):
-        if vid in provided or vid in graph.constants:
+        if vid in provided or vid in fixed:
             return None
         node = graph.producer.get(vid)
         if node is None:
@@ -112,14 +114,14 @@ def _needed_nodes(graph: Graph, provided: frozenset, outputs) -> list[Node]:
     return needed
 
 
-def _forward_order(graph: Graph, needed: list[Node], provided: frozenset) -> list[Node]:
+def _forward_order(graph: Graph, needed: list[Node], provided: frozenset, fixed: dict) -> list[Node]:
     """Topological order over the frontier, readers (non-consuming nodes) first, then model order."""
     waiting: dict[int, int] = {}
     consumers: dict[int, list[Node]] = {}
     in_plan = {node.index for node in needed}
     for node in needed:
         deps = {vid for vid in _reads(node)
-                if vid not in provided and vid not in graph.constants and graph.producer[vid].index in in_plan}
+                if vid not in provided and vid not in fixed and graph.producer[vid].index in in_plan}
         waiting[node.index] = len(deps)
         for vid in deps:
             consumers.setdefault(vid, []).append(node)
@@ -137,7 +139,7 @@ def _forward_order(graph: Graph, needed: list[Node], provided: frozenset) -> lis
     return order
 
 
-def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> Plan:
+def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs, fixed: dict) -> Plan:
     requested = set(outputs)
     last_use: dict[int, int] = {}  # released after this step
     last_data_use: dict[int, int] = {}  # later steps read its shape only: its data may be overwritten here
@@ -147,7 +149,7 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> 
             if not node.reads_shape_only(vid):
                 last_data_use[vid] = position
     # constants are read-only, never owned: never candidates, never released (held all run for free)
-    read_only = graph.constants.keys() - provided
+    read_only = fixed.keys() - provided
     steps = []
     for position, node in enumerate(order):
         reads = list(_reads(node))
@@ -173,10 +175,10 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs) -> 
         steps.append(Step(node, node.inputs, node.outputs, candidates, movable, released + unused, kernel.fn,
                           kwargs, kernel.wants_ctx, len(node.outputs) == 1 and node.outputs[0] != MISSING))
     read = set(last_use) | requested
-    constants = tuple(sorted(v for v in graph.constants if v in read and v not in provided))
+    constants = tuple(sorted(v for v in fixed if v in read and v not in provided))
     values, keys = [None] * (len(graph.names) + 1), [()] * (len(graph.names) + 1)
     for vid in constants:
-        values[vid] = graph.constants[vid]
+        values[vid] = fixed[vid]
         keys[vid] = storage_keys(values[vid])
     return Plan(
         steps=tuple(steps),

@@ -28,21 +28,12 @@ class FeedSpec:
 
 
 def feed_specs(graph: Graph) -> dict[str, FeedSpec]:
+    """A spec per input, overridable initializers included (checked against their declared type)."""
     specs = {graph.names[vid]: FeedSpec(graph.names[vid], vid, info)
              for vid, info in zip(graph.inputs, graph.input_info)}
-    for vid in graph.optional_inputs:  # initializers that a feed may override
-        constant = graph.constants[vid]
-        name = graph.names[vid]
-        specs[name] = FeedSpec(name, vid, ValueInfo(name, "tensor", _elem_type(constant.dtype), constant.shape))
+    for vid, info in graph.default_info.items():
+        specs[graph.names[vid]] = FeedSpec(graph.names[vid], vid, info)
     return specs
-
-
-def _elem_type(dtype):
-    from runnx.interp.dtypes import onnx_type
-    try:
-        return onnx_type(dtype)
-    except KeyError:
-        return None
 
 
 def _as_value(spec: FeedSpec, raw):

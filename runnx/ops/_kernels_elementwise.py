@@ -19,19 +19,28 @@ _ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -
 P0, P1, P2, P3, P4, P5, P6 = (np.float32(c) for c in _ERF_P)
 Q0, Q1, Q2, Q3, Q4 = (np.float32(c) for c in _ERF_Q)
 FOUR = np.float32(4.0)
+ONE = np.float32(1.0)
+SATURATED = np.float32(3.919206)  # the least float32 whose erf rounds to 1: erf is +-1 from here on
+# reordering and reciprocals only: fast-math's no-NaN/no-inf/no-signed-zero flags would let the
+# compiler drop the NaN test below and give erf(-0.0) = +0.0
+_REORDER = {"reassoc", "contract", "arcp"}
 
 
-@numba.njit(cache=True, fastmath=True, error_model="numpy")
+@numba.njit(cache=True, fastmath=_REORDER, error_model="numpy")
 def erf_float32(x):
-    """erf(x) of a float32 by the rational approximation above (inlined into loops, it vectorises)."""
-    x = min(max(x, -FOUR), FOUR)
-    x2 = x * x
-    p = ((((((P0 * x2 + P1) * x2 + P2) * x2 + P3) * x2 + P4) * x2 + P5) * x2 + P6) * x
+    """erf(x) of a float32 by the rational approximation above (inlined into loops, it vectorises),
+    as libm's: NaN stays NaN, +-inf and all from SATURATED on give exactly +-1, -0.0 stays -0.0."""
+    clamped = min(max(x, -FOUR), FOUR)
+    x2 = clamped * clamped
+    p = ((((((P0 * x2 + P1) * x2 + P2) * x2 + P3) * x2 + P4) * x2 + P5) * x2 + P6) * clamped
     q = (((Q0 * x2 + Q1) * x2 + Q2) * x2 + Q3) * x2 + Q4
-    return p / q
+    result = p / q
+    if abs(x) >= SATURATED:  # the fit's value there is 1 ulp below 1, which v * (erf + 1) would show
+        result = math.copysign(ONE, x)
+    return x if x != x else result
 
 
-@numba.njit(cache=True, fastmath=True, error_model="numpy")
+@numba.njit(cache=True, fastmath=_REORDER, error_model="numpy")
 def erf_float32_into(flat_in, flat_out):
     """flat_out[i] = erf(flat_in[i]) for 1-D float32 arrays."""
     for i in range(flat_in.shape[0]):

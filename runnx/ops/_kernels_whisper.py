@@ -9,8 +9,9 @@ float32 exp is 2^n * 2^f, with 2^f (|f| <= 1/2) a degree-6 polynomial (error bel
 put into the exponent bits; the float32 rounding of the scaled argument dominates (a few 1e-6
 relative, 20 below the peak), as in numpy's float32 softmax. Unlike libm's expf (numba calls it
 per element without SVML) it vectorises.
-The GELU's arithmetic may be reordered (`_REORDER`: float rounding only; NaN and inf keep their
-meaning); the softmax's sum is not (see softmax_rows_float32).
+The GELU's arithmetic may be reordered (`_REORDER_SIGNED`: float rounding only; NaN, inf and
+the sign of zero keep their meaning, gelu(-0.0) is -0.0); the softmax's sum is not (see
+softmax_rows_float32).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from runnx.ops._kernels_fused import float32_from_bits
 from runnx.ops._kernels_nn import pairwise_total
 
 _REORDER = {"reassoc", "contract", "nsz", "arcp"}
+_REORDER_SIGNED = {"reassoc", "contract", "arcp"}
 _LOG2E = np.float32(1.4426950408889634)
 # Taylor coefficients of 2^f = exp(f ln 2): the degree-7 term is below 2e-7 for |f| <= 1/2
 _E0, _E1, _E2, _E3, _E4, _E5, _E6 = (np.float32(math.log(2) ** k / math.factorial(k)) for k in range(7))
@@ -103,7 +105,7 @@ def softmax_rows_float32(scores, fill):
             row[j] = row[j] * inverse
 
 
-@numba.njit(cache=True, fastmath=_REORDER, error_model="numpy")
+@numba.njit(cache=True, fastmath=_REORDER_SIGNED, error_model="numpy")
 def gelu_rows_float32(x, bias, divisor, one, half, out):
     """out = ((v * (erf(v / divisor) + one)) * half, v = x + bias, for every row of x (rows, columns);
     an empty bias adds nothing. One loop, the erf inlined (an encoder's 1500 x 1536: 0.89 ms, where

@@ -142,6 +142,13 @@ def known_versions(domain: str, op_type: str) -> list[int]:
     return [k.since for k in _REGISTRY.get((_canonical_domain(domain), op_type), ())]
 
 
+def newest_opset(domain: str) -> int | None:
+    """The newest opset of `domain` that runnx's kernels know: their newest since-version (each
+    change of an op's semantics gets a kernel of its own), or None when runnx has no kernel there."""
+    domain = _canonical_domain(domain)
+    return max((k.since for (d, _), kernels in _REGISTRY.items() if d == domain for k in kernels), default=None)
+
+
 def all_ops() -> list[tuple[str, str, list[int]]]:
     """(domain, op_type, since-versions) of everything registered, for `runnx inspect` and docs."""
     _load_families()

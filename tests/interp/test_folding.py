@@ -84,7 +84,7 @@ def test_equal_small_constants_become_one_array_and_others_stay_apart():
                               [helper.make_tensor_value_info(f"out_{n}", 0, None) for n in names],
                               [constant(n, *inputs[n]) for n in names])
     model = runnx.load(helper.make_model(graph, opset_imports=OPSET))
-    constant_of = {n: model.graph.constants[model.graph.ids[n]] for n in names}
+    constant_of = {n: {**model.graph.constants, **model.graph.defaults}[model.graph.ids[n]] for n in names}
     assert constant_of["a"] is constant_of["b"]
     others = [constant_of[n] for n in ("a", "c", "d", "e", "f", "big", "big2", "fed")]
     assert len({id(value) for value in others}) == len(others)

@@ -192,6 +192,44 @@ def test_model_files_and_bytes_that_are_not_onnx_are_refused(tmp_path):
         runnx.load(b"\x0a\xff\xff\xff\xff\x0f")
 
 
+def test_an_empty_file_or_bytes_are_refused_as_having_no_graph(tmp_path):
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    with pytest.raises(runnx.ModelLoadError, match=r"empty.onnx' \(0 bytes\) has no graph"):
+        runnx.load(tmp_path / "empty.onnx")
+    with pytest.raises(runnx.ModelLoadError, match=r"the bytes given \(0\) has no graph"):
+        runnx.load(b"")
+    with pytest.raises(runnx.ModelLoadError, match="has no graph"):
+        runnx.InferenceSession(b"")
+
+
+@pytest.mark.parametrize("domain, offset", [("", 1), ("", 71), ("ai.onnx.ml", 1)])
+def test_a_domain_imported_past_the_newest_opset_runnx_knows_is_refused_unless_allowed(domain, offset, monkeypatch):
+    newest = registry.newest_opset(domain)
+    model = _proto()
+    if domain:
+        model.opset_import.append(helper.make_opsetid(domain, newest + offset))
+    else:
+        model.opset_import[0].version = newest + offset
+    shown = domain or "ai.onnx"
+    with pytest.raises(runnx.UnsupportedOpsetError,
+                       match=rf"imports {shown} opset {newest + offset}, but runnx supports it up to opset {newest} "
+                             r"\(allow_newer_opset=True or RUNNX_ALLOW_NEWER_OPSET=1"):
+        runnx.load(model)
+    x = np.ones((3, 4), np.float32)
+    np.testing.assert_array_equal(runnx.load(model, allow_newer_opset=True).run({"x": x})["y"], x + WEIGHT)
+    monkeypatch.setenv("RUNNX_ALLOW_NEWER_OPSET", "1")
+    np.testing.assert_array_equal(runnx.load(model).run({"x": x})["y"], x + WEIGHT)
+
+
+def test_the_newest_opsets_are_those_of_the_kernels_and_other_domains_are_left_to_the_op_check():
+    assert registry.newest_opset("") == registry.newest_opset("ai.onnx") == max(
+        since for domain, _, versions in registry.all_ops() if domain == "" for since in versions)
+    assert registry.newest_opset("com.example") is None
+    model = _proto()
+    model.opset_import.append(helper.make_opsetid("com.example", 1000))  # imported, not used
+    assert runnx.load(model).run({"x": np.zeros((3, 4), np.float32)})["y"].tolist() == WEIGHT.tolist()
+
+
 @pytest.mark.parametrize("location", ["w\0.bin", "."])
 def test_external_data_paths_that_are_not_plain_file_names_are_refused(tmp_path, location):
     with pytest.raises(runnx.ExternalDataError, match="tensor 'w'"):

@@ -83,6 +83,29 @@ def test_erf_matches_math_erf_in_float32_and_float16():
     np.testing.assert_array_equal(half, np.array([math.erf(v) for v in half_x.tolist()], dtype=np.float16))
 
 
+SPECIAL = np.array([np.nan, np.inf, -np.inf, 3e38, -3e38, 4.0, -4.0, 3.919206, -3.9192057, 1e-40, -1e-40, 1e-45,
+                    0.0, -0.0, 0.5, -2.0], F32)
+
+
+def exact_erf(x: np.ndarray) -> np.ndarray:
+    """libm's erf of each element (NaN for NaN), rounded once to x's dtype."""
+    flat = [math.erf(v) if v == v else math.nan for v in x.astype(np.float64).ravel().tolist()]
+    return np.array(flat).astype(x.dtype).reshape(x.shape)
+
+
+@pytest.mark.parametrize("repeat", [1, 8])  # alone, and in vectorised loops
+def test_erf_of_nan_infinities_huge_denormal_and_signed_zero_is_libms(repeat):
+    x = np.tile(SPECIAL, repeat)
+    got, want = run_node("Erf", [x]), exact_erf(x)
+    assert np.isnan(got[0::len(SPECIAL)]).all()
+    finite = ~np.isnan(want)
+    np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))  # -0.0 stays -0.0
+    # a denormal result is right to a few denormal steps (x * P(x^2) is a smaller denormal first)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-43)
+    saturated = np.abs(x) >= F32(3.919206)  # erf is exactly +-1 there in float32 (and +-inf)
+    np.testing.assert_array_equal(got[saturated], np.sign(x[saturated]))
+
+
 def test_clip_versions():
     x = np.array([-5, 0, 5], dtype=F32)
     np.testing.assert_array_equal(run_node("Clip", [x], opset=6, min=-1.0, max=2.0), [-1, 0, 2])

@@ -243,3 +243,23 @@ def test_erf_gelu_of_float64_and_of_a_broadcasting_bias_takes_the_unfused_operat
     column = RNG.standard_normal((3, 1)).astype(np.float32)
     got = ErfGelu(x.astype(np.float32), column, *(c.astype(np.float32) for c in constants))
     np.testing.assert_allclose(got, _gelu(x.astype(np.float32), column), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_erf_gelu_of_nan_infinities_huge_denormal_and_signed_zero_is_the_unfused_nodes(with_bias):
+    """As Add, Div, Erf, Add, Mul, Mul give in float32 with libm's erf: NaN for NaN and for -inf
+    (-inf * 0), +inf for +inf and for a huge x (x * 2 overflows), -0.0 for a huge negative x and
+    for -0.0 (+0.0 once a zero bias is added)."""
+    from test_elementwise import SPECIAL, exact_erf
+
+    x = np.tile(SPECIAL, (3, 4))  # rows of 64: the vectorised loop
+    bias = np.zeros(x.shape[-1], np.float32) if with_bias else None
+    divisor, one, half = (np.array(np.float32(v)) for v in (math.sqrt(2), 1, 0.5))
+    got = ErfGelu(x, bias, divisor, one, half)
+    v = x + bias if with_bias else x
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = (v * (exact_erf(v / divisor) + one)) * half
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)
+    np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6)  # erf's ulps, near -1
