@@ -31,7 +31,6 @@ from test_random_graphs import _feeds as random_graph_feeds
 from test_random_graphs import _runnx_feeds as random_graph_runnx_feeds
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-OVERRIDE_XFAIL = pytest.mark.xfail(strict=True, reason="overridable initializers baked in: fixed on branch override")
 
 
 # -- fixtures: several decode steps ---------------------------------------------------------------
@@ -204,7 +203,6 @@ def test_generated_decoders_fed_new_values_of_overridable_constants_their_kernel
     decode_and_compare(plain, optimized, shape, 2, steps=3, extra=fed)
 
 
-@OVERRIDE_XFAIL
 @pytest.mark.parametrize("prefix, value", [("exponent", np.float32(3.0)), ("axes", np.array([1]))])
 def test_a_generated_decoder_fed_a_new_rms_norm_exponent_or_axis_agrees(prefix, value):
     """The RMSNorm matcher checks the exponent (2) and reads the ReduceMean axes at load."""
@@ -226,7 +224,6 @@ def _model(nodes, inputs, outputs, initializers=(), overridable=()):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
-@OVERRIDE_XFAIL
 @pytest.mark.parametrize("fed", [10, -1, 0])
 def test_an_overridable_constant_added_to_a_shape_agrees(fed):
     model = _model([helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Add", ["s", "k"], ["y"])],
