@@ -21,6 +21,7 @@ from runnx.serve.scheduler import Failed, Finished, Job, Piece
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions; chat runs to the context
 MAX_FORM_FIELDS = 32
+DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting non-streaming request checks its client
 
 
 # -- requests to the decode loop --------------------------------------------------------------------
@@ -61,6 +62,19 @@ class JobStream:
             else:
                 return "".join(pieces), event
         raise ApiError("generation ended without a result", status=500, kind="server_error")
+
+
+async def _collect_while_connected(request: Request, stream: JobStream) -> tuple[str, Finished]:
+    """The whole result; a client that hangs up before it is ready cancels the job (a streaming
+    response notices that by itself)."""
+    result = asyncio.ensure_future(stream.collect())
+    while not result.done():
+        await asyncio.wait({result}, timeout=DISCONNECT_POLL_SECONDS)
+        if not result.done() and await request.is_disconnected():
+            stream.job.cancel()
+            result.cancel()
+            raise ApiError("the client disconnected", status=499, code="client_disconnected")
+    return result.result()
 
 
 def sse(data) -> str:
@@ -112,16 +126,17 @@ async def get_model(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     text_request = schemas.parse_chat(await read_json(request))
     model = find_model(request, text_request.model, "text")
-    return await _generate(model, text_request, model.chat_prompt(text_request.prompt), chat=True)
+    return await _generate(request, model, text_request, model.chat_prompt(text_request.prompt), chat=True)
 
 
 async def completions(request: Request) -> Response:
     text_request = schemas.parse_completion(await read_json(request))
     model = find_model(request, text_request.model, "text")
-    return await _generate(model, text_request, model.text_prompt(text_request.prompt), chat=False)
+    return await _generate(request, model, text_request, model.text_prompt(text_request.prompt), chat=False)
 
 
-async def _generate(model, text_request: schemas.TextRequest, prompt_ids: list[int], *, chat: bool) -> Response:
+async def _generate(request: Request, model, text_request: schemas.TextRequest, prompt_ids: list[int], *,
+                    chat: bool) -> Response:
     """Queue the request on the model's decode loop; answer with one JSON body or a stream of events."""
     max_tokens = model.budget(prompt_ids, text_request.sampling.max_tokens,
                               None if chat else COMPLETION_DEFAULT_TOKENS,
@@ -131,7 +146,7 @@ async def _generate(model, text_request: schemas.TextRequest, prompt_ids: list[i
     if text_request.stream:
         events = _chat_events if chat else _completion_events
         return _event_stream(events(stream, request_id, model.id, text_request.include_usage))
-    text, finished = await stream.collect()
+    text, finished = await _collect_while_connected(request, stream)
     body = schemas.chat_completion if chat else schemas.completion
     return JSONResponse(body(request_id, model.id, text, finished.reason, _usage(finished)))
 

@@ -114,15 +114,26 @@ def test_16_concurrent_streams_equal_their_sequential_results(real_server, clien
 
 
 def test_client_leaving_mid_stream_frees_its_row(real_server):
-    body = {"model": "smollm2-135m", "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 2000, "stream": True}
+    body = {"model": "smollm2-135m", "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 4000, "stream": True}
     with httpx.Client(base_url=real_server.url, timeout=600) as http:
         with http.stream("POST", "/v1/completions", json=body) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-        # 2000 tokens would take minutes; the row must go at the next step boundary
-        deadline = time.monotonic() + 60
+        # 4000 tokens would take minutes; the row must go at the next step boundary
+        deadline = time.monotonic() + 20
         while http.get("/health").json()["models"]["smollm2-135m"]["active"]:
             assert time.monotonic() < deadline, "the abandoned stream still holds its row"
             time.sleep(0.2)
         reply = http.post("/v1/completions", json={"model": "smollm2-135m", "prompt": "Hi", "max_tokens": 2})
         assert reply.status_code == 200
+
+
+def test_client_leaving_before_a_whole_response_frees_its_row(real_server):
+    body = {"model": "smollm2-135m", "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 4000}
+    with httpx.Client(base_url=real_server.url, timeout=600) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body, timeout=3)
+        deadline = time.monotonic() + 20
+        while http.get("/health").json()["models"]["smollm2-135m"]["active"]:
+            assert time.monotonic() < deadline, "the abandoned request still holds its row"
+            time.sleep(0.2)
