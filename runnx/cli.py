@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-PLUGINS = ("runnx.generate.cli", "runnx.generate.whisper_cli")
+PLUGINS = ("runnx.generate.cli", "runnx.generate.whisper_cli", "runnx.serve.cli")
 EXIT_ERROR = 2
 
 
