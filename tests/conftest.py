@@ -22,6 +22,7 @@ import pytest
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 REAL_MODEL_FIXTURES = ("smollm2_dir", "whisper_dir", "audio_dir")
 ALLOWED_SKIPS_FILE = Path(__file__).with_name("allowed_skips.txt")
+ALLOWED_SKIPS = pytest.StashKey[list]()  # the file's entries, read once per session
 
 
 def under_ci() -> bool:
@@ -45,7 +46,8 @@ def read_allowed_skips(path: Path = ALLOWED_SKIPS_FILE) -> list[AllowedSkip]:
         if line and not line.startswith("#"):
             pattern, separator, reason = (part.strip() for part in line.partition(" | "))
             if not separator or not pattern or not reason:
-                raise pytest.UsageError(f"{path}:{number}: expected `NODE_ID_GLOB | SKIP_REASON_FRAGMENT`, got {line!r}")
+                raise pytest.UsageError(f"{path}:{number}: expected `NODE_ID_GLOB | SKIP_REASON_FRAGMENT`, "
+                                        f"got {line!r}")
             entries.append(AllowedSkip(pattern, reason))
     return entries
 
@@ -65,7 +67,7 @@ def ci_verdict(node_id: str, report, allowed: list[AllowedSkip]) -> str | None:
             return (f"skipped under CI=true ({reason}), and {ALLOWED_SKIPS_FILE.name} does not allow it: "
                     f"make it run, or list it there with its reason")
     if report.passed and hasattr(report, "wasxfail"):
-        return f"expected to fail ({report.wasxfail}) but passed: fix the xfail marker (make it strict)"
+        return f"expected to fail ({report.wasxfail}) but passed: remove the xfail marker, or make it strict"
     return None
 
 
@@ -77,9 +79,6 @@ def pytest_runtest_makereport(item, call):
         verdict = ci_verdict(item.nodeid, report, item.config.stash[ALLOWED_SKIPS])
         if verdict is not None:
             report.outcome, report.longrepr = "failed", verdict
-
-
-ALLOWED_SKIPS = pytest.StashKey[list]()
 
 
 def cache_root() -> Path:
