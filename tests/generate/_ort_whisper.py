@@ -5,11 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pytest
+import onnxruntime as ort
 
 from runnx.capture import Owned
-
-ort = pytest.importorskip("onnxruntime")
 
 _ELEM_TYPES = {"tensor(float)": 1, "tensor(int64)": 7, "tensor(bool)": 9, "tensor(int32)": 6}
 

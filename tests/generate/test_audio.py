@@ -3,13 +3,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 
 from runnx.errors import RunnxError
 from runnx.generate import audio
 from runnx.generate.audio import AudioError, load_audio
-
-soundfile = pytest.importorskip("soundfile")
-pytest.importorskip("soxr")
 
 CLIP = Path(__file__).resolve().parents[1] / "fixtures" / "whisper_features" / "clip.wav"
 

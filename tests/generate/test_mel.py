@@ -13,7 +13,6 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "whisper_features"
 
 @pytest.mark.parametrize("n_mels", [80, 128])
 def test_features_match_transformers(n_mels):
-    pytest.importorskip("soundfile")
     expected = np.load(FIXTURE / "features.npz")[f"mel{n_mels}"]
     features = mel.window_features(load_audio(FIXTURE / "clip.wav"), n_mels)
     assert features.shape == expected.shape == (1, n_mels, 3000)

@@ -86,7 +86,6 @@ def _plans_compiled(model) -> list[bool]:
     return [callable(plan.state.get("compiled")) for plan in model._plans.values()]
 
 
-@pytest.mark.skipif(not MERGED.exists(), reason="tiny-llama-merged fixture not built (scripts/build_fixtures.py)")
 def test_a_merged_decoder_prefills_and_decodes_bitwise_as_through_its_if():
     models = runnx.load(MERGED), runnx.load(MERGED, **AS_NODE)
     past = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
