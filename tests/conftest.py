@@ -92,8 +92,9 @@ def cache_root() -> Path:
 
 def pytest_configure(config):
     config.stash[ALLOWED_SKIPS] = read_allowed_skips()
-    config.addinivalue_line("markers", "real_model: needs a real model built by `make models` (SmolLM2-135M, "
-                                       "Whisper tiny.en); skipped when absent")
+    config.addinivalue_line("markers", "real_model: needs a real model built by `make models` (SmolLM2-135M "
+                                       "and its int4 file, Whisper tiny.en); skipped when absent, a failure "
+                                       "under CI=true")
 
 
 def pytest_collection_modifyitems(config, items):
