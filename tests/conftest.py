@@ -85,6 +85,17 @@ def pytest_runtest_makereport(item, call):
             report.outcome, report.longrepr = "failed", verdict
 
 
+
+@pytest.fixture(autouse=True)
+def compiled_kernels_on():
+    """Every test starts with numba's kernels on (`runnx/ops/_native.py`): a test of the numpy
+    paths or of the first-run switch that left them off would change what later tests in its
+    worker compare (the pool's bitwise checks against one-thread jobs)."""
+    from runnx.ops import _native
+    _native.enable()
+    yield
+
+
 def cache_root() -> Path:
     """The same rule as scripts/build_models.py."""
     return Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
