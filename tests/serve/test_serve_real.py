@@ -3,13 +3,12 @@ concurrent streaming httpx clients: every concurrent response complete and equal
 sequential result."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
 import pytest
 
-from conftest import serve
+from _server import run_concurrently, serve
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -105,11 +104,7 @@ def test_16_concurrent_streams_equal_their_sequential_results(real_server, clien
     scheduler = real_server.models["smollm2-135m"].scheduler
     scheduler.widest = 0
 
-    async def all_at_once():
-        async with httpx.AsyncClient(base_url=real_server.url, timeout=600) as http:
-            return await asyncio.gather(*(_stream_chat(http, t, n) for t, n in zip(TOPICS, limits)))
-
-    assert asyncio.run(all_at_once()) == sequential
+    assert run_concurrently(real_server.url, _stream_chat, zip(TOPICS, limits), 600) == sequential
     assert scheduler.widest >= 8  # the streams shared decode steps
 
 

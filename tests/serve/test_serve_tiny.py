@@ -2,14 +2,13 @@
 continuous batching giving each request its solo result, errors, API key."""
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 
 import numpy as np
 import pytest
 
-from conftest import serve
+from _server import run_concurrently, serve
 
 httpx = pytest.importorskip("httpx")
 
@@ -112,11 +111,7 @@ def test_concurrent_requests_share_steps_and_match_their_solo_results(tiny_serve
     scheduler = tiny_server.models["tiny-llama"].scheduler
     scheduler.widest = 0
 
-    async def all_at_once():
-        async with httpx.AsyncClient(base_url=tiny_server.url, timeout=300) as http:
-            return await asyncio.gather(*(_stream_text(http, p, n) for p, n in zip(PROMPTS, lengths)))
-
-    assert asyncio.run(all_at_once()) == solo
+    assert run_concurrently(tiny_server.url, _stream_text, zip(PROMPTS, lengths), 300) == solo
     assert scheduler.widest > 1  # decode steps ran several requests' rows at once
 
 
