@@ -78,8 +78,9 @@ class GenerationStats:
         return (self.new_tokens - 1) / seconds if self.new_tokens > 1 and seconds > 0 else 0.0
 
 
-class _RowText:
-    """Decoded text of one row's generated tokens, cut at the first stop string."""
+class RowText:
+    """Decoded text of one row's generated tokens, cut at the first stop string (the Generator's
+    rows, and each request of the server's batches: runnx/serve/scheduler.py)."""
 
     def __init__(self, tokenizer: Tokenizer, stop_strings: tuple[str, ...]):
         self.stream = TextStream(tokenizer)
@@ -183,7 +184,7 @@ class Generator:
             raise RunnxError("stop strings need a tokenizer")
         self.generated: list[list[int]] = [[] for _ in range(batch)]
         self.done = np.zeros(batch, bool)
-        self._texts = [_RowText(self.tokenizer, tuple(options.stop_strings)) for _ in range(batch)] \
+        self._texts = [RowText(self.tokenizer, tuple(options.stop_strings)) for _ in range(batch)] \
             if self.tokenizer is not None else None
         self._next = np.zeros(batch, np.int64)
         self._started_at = None

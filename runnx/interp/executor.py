@@ -199,6 +199,7 @@ class Executor:
                 bound[attr_name] = Subgraph(sub, env, runner)
         return bound
 
+
 def _overwriting(ctx, keys: tuple) -> None:
     """Tell `ctx` of an in-place write granted into storages `keys` when it keeps something of theirs."""
     if not ctx.kept_storages.isdisjoint(keys):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runnx.generate.decoder import DecoderStep
-from runnx.generate.generator import _RowText
+from runnx.generate.generator import RowText
 from runnx.generate.sampling import Multinomial, apply_processors, argmax, build_processors
 from runnx.serve.kv_rows import keep_rows, stack_rows
 from runnx.serve.schemas import Sampling
@@ -77,7 +77,7 @@ class _Row:
         self.job = job
         self.processors, self.sampler = decoding_rules(job.sampling, generation_config)
         self.stop_ids = stop_ids
-        self.text = _RowText(tokenizer, job.sampling.stop)
+        self.text = RowText(tokenizer, job.sampling.stop)
         self.generated: list[int] = []
         self.finish: str | None = None
 
