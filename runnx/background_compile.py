@@ -33,6 +33,7 @@ try:
 except ImportError:  # no flock here: every first run starts its own compiling process
     fcntl = None
 
+from runnx._cache_dirs import compiled_code_root
 from runnx.errors import RunnxError
 from runnx.ops import _native
 
@@ -53,11 +54,8 @@ def mode() -> str:
 
 
 def folder() -> Path:
-    """Where the markers go: beside numba's cache (NUMBA_CACHE_DIR when set, else
-    ${RUNNX_CACHE:-~/.cache/runnx}/numba), in `ready`."""
-    root = os.environ.get("NUMBA_CACHE_DIR") or Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache/runnx",
-                                                     "numba")
-    return Path(root).expanduser() / "ready"
+    """Where the markers go: `ready` beside numba's cache of runnx's kernels (`runnx/_cache_dirs.py`)."""
+    return compiled_code_root(os.environ.get("NUMBA_CACHE_DIR")) / "ready"
 
 
 def stamp(key: list) -> str:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 from numba.core import caching, config
 
+from runnx._cache_dirs import compiled_code_root
+
 try:
     import fcntl
 except ImportError:  # not on this system: saves stay unlocked, as numba makes them
@@ -47,10 +49,7 @@ _SOURCES = tuple(_PACKAGE / module for module in CACHED_MODULES)
 
 def cache_folder() -> Path:
     """The folder numba caches this install's kernels in (see the module docstring)."""
-    if config.CACHE_DIR:
-        root = Path(config.CACHE_DIR) / "runnx"
-    else:
-        root = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser() / "numba"
+    root = compiled_code_root(config.CACHE_DIR)
     from runnx import __version__
     install = hashlib.sha256(str(_PACKAGE).encode()).hexdigest()[:16]
     return root / f"runnx-{__version__}-{install}"
