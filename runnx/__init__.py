@@ -30,9 +30,10 @@ def __getattr__(name):
 
 
 __all__ = [
-    "CycleError", "ExternalDataError", "GraphOptimizationLevel", "InPlaceMismatchError", "InferenceSession", "InputError",
-    "InputShapeError", "InputTypeError", "InvalidModelError", "InvalidOptionError", "MissingInputError",
-    "MissingValueError", "Model", "ModelLoadError", "NodeArg",
-    "NodeError", "Options", "Owned", "PlanError", "Profile", "ResourceLimitError", "RunnxError",
-    "SessionOptions", "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "UnsupportedOpsetError", "load", "with_capacity",
+    "CycleError", "ExternalDataError", "GraphOptimizationLevel", "InPlaceMismatchError", "InferenceSession",
+    "InputError", "InputShapeError", "InputTypeError", "InvalidModelError", "InvalidOptionError",
+    "MissingInputError", "MissingValueError", "Model", "ModelLoadError", "NodeArg", "NodeError", "Options",
+    "Owned", "PlanError", "Profile", "ResourceLimitError", "RunnxError", "SessionOptions",
+    "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "UnsupportedOpsetError", "load",
+    "with_capacity",
 ]

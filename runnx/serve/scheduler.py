@@ -13,8 +13,8 @@ Between two steps the thread admits waiting requests and lets finished ones go:
 Each row keeps its own sampler (a seeded `Multinomial` per request) and stop rules, and padding
 does not change what the model computes for a row (positions come from the mask), so a request
 gets the tokens it gets when served alone: its logits agree to rounding (padding and batch size
-reorder float sums), which keeps greedy ids equal unless two candidates are that close. Results go back through `Job.deliver`, called on this
-thread (the web side hands them to its event loop).
+reorder float sums), which keeps greedy ids equal unless two candidates are that close. Results go
+back through `Job.deliver`, called on this thread (the web side hands them to its event loop).
 """
 from __future__ import annotations
 
