@@ -19,7 +19,7 @@ from runnx.ops._kernels_linalg import rows_times_matrix
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, norm_fits
-from runnx.ops.fused_whisper import (ErfGelu, HeadsAttention, SplitHeads, add_layer_norm, attended_row, attention_row,
+from runnx.ops.fused_layer_norm_blocks import (ErfGelu, HeadsAttention, SplitHeads, add_layer_norm, attended_row, attention_row,
                                      split_shape)
 from runnx.ops.registry import register
 

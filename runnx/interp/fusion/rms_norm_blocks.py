@@ -1,4 +1,4 @@
-"""Fusion patterns of exported decoder LMs (Llama-style): RMSNorm, the SiLU-gated MLP activation,
+"""Fusion patterns of RMSNorm decoder blocks (e.g. Llama's exports): RMSNorm, the SiLU-gated MLP activation,
 rotary embedding (rotate-half), attention over a grouped-query KV cache (the head repeat by
 Unsqueeze/Expand/Reshape is what it removes) and the residual add feeding an RMSNorm.
 Kernels: `runnx/ops/fused.py`.

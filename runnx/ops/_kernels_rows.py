@@ -1,5 +1,5 @@
-"""numba kernels of the fused Whisper ops (`runnx/ops/fused_whisper.py`): a row softmax for long
-attention (scores computed by BLAS a block of rows at a time) and the erf GELU, over cache-resident
+"""Row kernels in numba for the fused LayerNorm-block ops (`runnx/ops/fused_layer_norm_blocks.py`): a
+row softmax for long attention (scores computed by BLAS a block of rows at a time) and the erf GELU, over cache-resident
 rows. They are not numba parallel loops: between BLAS calls, numba's spinning threads and
 OpenBLAS's took the cores from each other (the encoder ran 5-20x slower). Their blocks of rows are
 shared with the decode pool's workers instead, which sleep right after (`_decode_pool.softmax_rows`,

@@ -1,5 +1,6 @@
-"""Fused kernels for the patterns `runnx.interp.fusion.whisper` finds in Whisper exports (private
-domain `runnx.fused`; never in a model file).
+"""Fused kernels for the patterns `runnx.interp.fusion.layer_norm_blocks` finds (e.g. in Whisper's
+exports): split-heads attention, erf GELU, residual add with LayerNormalization (private domain
+`runnx.fused`; never in a model file).
 
 - HeadsAttention: attention whose heads are split from (batch, length, hidden) by Reshape and
   Transpose, and merged back the same way, the Reshape targets built from other values' shapes.
@@ -32,7 +33,7 @@ from runnx.ops._decode_pool import gelu_rows, shared_call, softmax_rows
 from runnx.ops._elementwise_util import binary, erf
 from runnx.ops._kernels_nn import add_layer_norm_rows
 from runnx.ops._blas_split import split_among_threads
-from runnx.ops._kernels_whisper import softmax_rows_float32, split_heads_into
+from runnx.ops._kernels_rows import softmax_rows_float32, split_heads_into
 from runnx.ops._remembered import Remembered
 from runnx.ops.fused import DOMAIN, attend, stand_in
 from runnx.ops.normalization import LayerNormalization
