@@ -9,7 +9,7 @@ A job is cut into units that give the same result whoever computes them:
   order: bitwise the one-thread loop's;
 - attention: one unit per (batch entry, KV head, span of the cache), `attention_span` of
   `_kernels_fused.py` as the one-thread `attention` runs it, the caller combining the spans after;
-- rows (a prefill's or the Whisper encoder's attention softmax, the encoder's GELU: row kernels of
+- rows (a prefill's or an encoder's attention softmax, the encoder's GELU: row kernels of
   `_kernels_rows.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
   products around them, so after such a job a worker does not spin but sleeps at once.
 Threads claim units with compare-and-swap on a counter tagged with the job's sequence number, so
