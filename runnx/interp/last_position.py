@@ -1,8 +1,8 @@
 """Outputs for the last position only: a decoder's logits when only the next token is wanted.
 
 Generation reads the logits of the last position, but Optimum's decoders compute the LM head for
-every position of the prompt: 29 GFLOP of SmolLM2's 512-token prefill, about a sixth of it (and
-100 MB of logits), and Whisper's head over its prompt rows on every window's first step. With
+every position of the prompt: a sixth of a small LM's 512-token prefill (e.g. SmolLM2's), and a
+speech decoder's head over its prompt rows on every window's first step. With
 `Options.last_position` naming such outputs (`generate.decoder.load_decoder` names "logits"), a
 named graph output computed by MatMul(h, W) from a constant matrix W (in the graph itself, or in
 each branch of the If producing it) and read by no node reads LastPosition(h) instead (h[..., -1:, :],

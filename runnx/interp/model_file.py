@@ -1,14 +1,13 @@
 """Reading a model file without copying its weights through protobuf.
 
 `onnx.load` reads the whole file into a bytes object, then protobuf parses it, copying every
-initializer's raw_data once more, and reading `raw_data` copies it a third time: for SmolLM2's
-540 MB file 1.2-1.9 s and as many page faults, most of a load. Here the file is memory-mapped and
-its wire format walked just deep enough to find the top-level graph's initializers (ModelProto
-field 7, GraphProto field 5): the protobuf parsed is the file without their raw_data (field 9 of
-TensorProto), a few MB of nodes and names, and each initializer's bytes are read from the file
-once, straight into its own aligned slice of one anonymous map (`weight_arena`, then huge pages:
-`settle`; the file's map is closed after the walk, so the arrays do not pin the file nor count
-its pages twice).
+initializer's raw_data once more, and reading `raw_data` copies it a third time: for a model of
+hundreds of MB, most of a load. Here the file is memory-mapped and its wire format walked just deep
+enough to find the top-level graph's initializers (ModelProto field 7, GraphProto field 5): the
+protobuf parsed is the file without their raw_data (field 9 of TensorProto), a few MB of nodes and
+names, and each initializer's bytes are read from the file once, straight into its own aligned slice
+of one anonymous map (`weight_arena`, then huge pages: `settle`; the file's map is closed after the
+walk, so the arrays do not pin the file nor count its pages twice).
 
 Anything unexpected in the wire format (a truncated field, a group, a repeated name) gives None:
 the caller then parses the file the usual way and reports its errors.
@@ -64,8 +63,8 @@ def read_model_file(path: str, skip=frozenset()) -> tuple[bytes, dict[str, np.nd
 def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], np.ndarray | None]:
     """(byte buffers of these lengths, 64-byte aligned slices of one zeroed anonymous map, the map's
     bytes): faulted in 4 KiB pages while they are read (fast: a huge page at fault time may wait for
-    the kernel to compact memory, 0.5-1.3 s for SmolLM2's weights after another process freed its
-    own), then `settle`d into huge pages. None for the map where there are no anonymous maps."""
+    the kernel to compact memory, up to seconds for a small LM's weights after another process freed
+    its own), then `settle`d into huge pages. None for the map where there are no anonymous maps."""
     starts, total = [], 0
     for length in lengths:
         starts.append(total)
@@ -85,10 +84,9 @@ _MADV_COLLAPSE = 25  # Linux 6.1 (Python 3.11's mmap does not name it)
 def settle(mapped: np.ndarray | None) -> None:
     """Move the read weights (`mapped`: a whole anonymous map's bytes) into transparent huge pages
     (where THP is `madvise`, as on these machines): a decode step then streams them through 2 MiB
-    pages, fewer TLB misses, SmolLM2 decoding 1.05-1.07x on one thread and 1.00-1.02x on two. The
-    kernel's collapse copies them (0.1-1.3 s, as much as memory needs compacting), on a thread of
-    its own while the load goes on: ctypes' call leaves the GIL, readers see the same bytes
-    throughout. Best effort: older kernels and other systems keep 4 KiB pages."""
+    pages, fewer TLB misses. The kernel's collapse copies them (as long as memory needs compacting),
+    on a thread of its own while the load goes on: ctypes' call leaves the GIL, readers see the same
+    bytes throughout. Best effort: older kernels and other systems keep 4 KiB pages."""
     if mapped is None or not hasattr(mmap, "MADV_HUGEPAGE"):
         return
     try:

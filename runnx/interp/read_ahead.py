@@ -1,27 +1,23 @@
 """Shape memos read ahead: a decode step's growing shapes computed for the next steps at once.
 
-A decode step's past length is a new key for every memo whose roots grow with the cache (the
-causal mask, the cache's reshape targets): SmolLM2 misses 5 memos a step, Whisper 5. A miss runs
-its members cold, between kernels that stream megabytes of weights through the caches: SmolLM2's
-layer cache group took 96 us there and 3 us when run again right away, its causal mask 124 against
-28, Whisper's position group 84 against 25. So when a memo misses on roots grown since its last
-miss by one position (in each dimension that changed), or by one more than it read ahead then,
-its members also run, while hot, for the next READ_AHEAD steps of one position each: the roots
-stand-ins of those shapes (a memo reads its roots for their shapes only; the stand-ins keep their
-dtypes), each external value (another memo's output) that memo's result for the same step: the
-one it read ahead, or its current one when that memo's key did not change since an earlier run or
-the value is the very array the reading memo had at its last miss (a memo that finds its result
-kept, from another generation, misses no more and its state keeps naming an older key: SmolLM2's
-mask memo had missed cold at every step of a second generation, 338 us at context 512). A memo
-reading any other value does not read ahead. Results are kept under the keys they were
-computed for, so a wrong guess costs only its computation; a memo that misses within what it read
-ahead reads ahead no more. A memo that missed right after everything it read ahead reads twice as
-far the next time, up to MAX_READ_AHEAD: fewer misses, each a cold start, in a long decode, little
-computed for a short one (a Whisper window's misses, `ShapeGroup._kept` timed, fresh models taking
-turns: 8 steps each time 20.5 ms, 8 then 16 16.1, 8 up to 32 19.3 (more computed past the window's
-end), 16 each time 17.4, 32 each time 15.6). Each step read ahead is also known by its externals'
-identity (they are the arrays the step will be handed), so that step need not hash their bytes to
-find its result.
+A decode step's past length is a new key for every memo whose roots grow with the cache (the causal
+mask, the cache's reshape targets): a few memos a step. A miss runs its members cold, between
+kernels that stream megabytes of weights through the caches, several times slower than when run
+again right away. So when a memo misses on roots grown since its last miss by one position (in each
+dimension that changed), or by one more than it read ahead then, its members also run, while hot,
+for the next READ_AHEAD steps of one position each: the roots stand-ins of those shapes (a memo
+reads its roots for their shapes only; the stand-ins keep their dtypes), each external value
+(another memo's output) that memo's result for the same step: the one it read ahead, or its current
+one when that memo's key did not change since an earlier run or the value is the very array the
+reading memo had at its last miss (a memo that finds its result kept, from another generation,
+misses no more and its state keeps naming an older key: a causal mask's memo would otherwise miss
+cold at every step of a second generation). A memo reading any other value does not read ahead.
+Results are kept under the keys they were computed for, so a wrong guess costs only its computation;
+a memo that misses within what it read ahead reads ahead no more. A memo that missed right after
+everything it read ahead reads twice as far the next time, up to MAX_READ_AHEAD: fewer misses, each
+a cold start, in a long decode, little computed for a short one.
+Each step read ahead is also known by its externals' identity (they are the arrays the step will be
+handed), so that step need not hash their bytes to find its result.
 """
 from __future__ import annotations
 

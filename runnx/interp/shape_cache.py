@@ -1,10 +1,10 @@
 """Shape-computation caching: bookkeeping that depends only on tensor shapes runs once per shape.
 
 Exporters compute reshape targets, masks and positions with chains of Shape/Gather/Unsqueeze/
-Concat/... nodes: in SmolLM2's decoder most of the nodes of a step. A value is *shape-derived*
-when it is the output of Shape/Size, or of a deterministic node whose inputs are all shape-derived
-or constants: it is then a function of the shapes that its Shape/Size nodes read (its *roots*)
-and never of any tensor's contents.
+Concat/... nodes: in an exported decoder (e.g. SmolLM2's) most of the nodes of a step. A value is
+*shape-derived* when it is the output of Shape/Size, or of a deterministic node whose inputs are all
+shape-derived or constants: it is then a function of the shapes that its Shape/Size nodes read (its
+*roots*) and never of any tensor's contents.
 
 Fused nodes count when their kernel declares the inputs it reads only for their shape (a memo node
 itself, a shape stand-in such as RepeatedKVShape) and their other inputs are shape-derived: the
@@ -138,8 +138,8 @@ def _feeding_other_groups(groups: dict, readers: dict) -> set:
     """Indices of nodes whose outputs another group's members read. A lone shape-derived node is
     not worth a memo of its own (its kernel costs about what a lookup does), unless another group
     reads it: that group then gets a memo's output, kept read-only and known by identity, which it
-    can read ahead (SmolLM2's position bookkeeping, 3 nodes reading two such values, had computed at
-    every step, cold: 120-390 us a step)."""
+    can read ahead (a decoder's position bookkeeping, a few nodes reading two such values, would
+    otherwise compute at every step, cold)."""
     group_of = {node.index: key for key, members in groups.items() for node in members}
     return {node.index for key, members in groups.items() for node in members
             if any(group_of.get(reader) not in (None, key) for vid in node.outputs if vid != MISSING
@@ -150,7 +150,7 @@ def _structure(group) -> tuple:
     """What the group computes, independent of value names: groups with equal structure compute
     the same function of their inputs (e.g. the same bookkeeping in every layer) and share their
     kept results, and what their externals' identities found (a layer's memo then finds by identity
-    what the first layer's read ahead, where it hashed bytes: 20 us a layer a step in a first Whisper
+    what the first layer's read ahead, where it would hash bytes once a layer a step in a first
     window)."""
     slots = {v: ("in", i) for i, v in enumerate(group.roots + group.external)}
     parts = []
@@ -220,8 +220,8 @@ class ShapeGroup:
         self.external = external
         self.outputs = outputs
         self.results = KeptResults()
-        # hashing an external's bytes cost ~20 us a memo in a Whisper step (6 a step): the same
-        # read-only arrays as before give the same result
+        # hashing an external's bytes costs more than the lookup saves: the same read-only arrays
+        # as before give the same result
         self._by_identity = Remembered()
         self._program = None
         self.ahead = AheadState()
@@ -287,9 +287,9 @@ def _group_program(group: ShapeGroup):
     """A function (args, ctx) -> the group's output values: its members as straight-line Python, as
     plans are compiled (compiled.py), values locals and kernels, attribute dicts and constants
     globals. A new key then costs the kernels and little else: looping over the steps, gathering
-    each one's inputs into a list and storing its outputs in one cost as much as the kernels
-    (Whisper's position group, 21 nodes: 87 us a miss, 37 of them kernels), and a decode step's new
-    past length misses in a first window, and in every step of a SmolLM2 generation."""
+    each one's inputs into a list and storing its outputs in one cost as much as the kernels (a
+    decoder's position group of ~20 nodes), and a decode step's new past length misses in a first
+    window, and in every step of a decoder-only LM's generation."""
     graph = group.graph
     names = {MISSING: "None"}
     for position, vid in enumerate(group.roots + group.external):
@@ -339,7 +339,7 @@ def _kept_value(value, args: tuple):
     an external), so that kept results never alias a graph value and a compiled plan need not count
     their storage (compiled.py). An array owning its memory shares it with none but itself; a view shares its
     root's (the object the ownership counts know storage by), found without numpy's overlap test
-    (np.may_share_memory: ~0.7 us an argument, 7 arguments in Whisper's position group)."""
+    (np.may_share_memory, a cost on every argument of every miss)."""
     if type(value) is not np.ndarray:
         if type(value) is list:  # a sequence: its arrays as kept (compiled plans do not count them either)
             return [_kept_value(v, args) for v in value]

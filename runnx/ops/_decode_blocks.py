@@ -1,11 +1,11 @@
 """Decoder blocks of several fused nodes as native calls that post the decode pool's jobs, so that a
 decode step runs their products, residual adds and norms with no Python between them (each node's
-Python, its checks and its hand-off to the pool cost ~10-30 us, a few percent of a SmolLM2 step).
+Python, its checks and its hand-off to the pool cost a few percent of a decode step).
 
 A block is cut where numpy must compute: the SiLU gate's exp is numpy's (numba's differs from it
 by up to 2 ulp on a third of float32 inputs), so that a block's results are bitwise those of its
 nodes run one by one, but for a block that holds an attention (whose kernels are not bitwise the
-nodes' anyway: AttentionGatedMLP's is one call, its SiLU gate natively vectorised); Whisper's
+nodes' anyway: AttentionGatedMLP's is one call, its SiLU gate natively vectorised); LayerNorm
 blocks (LayerNorm, erf GELU) call what their nodes call: `layer_norm_rows`, and ErfGelu's pool job
 (`_gelu`) on a mailbox of their own. Called through
 `_decode_pool.shared_call` (the pool's workers, or alone on a mailbox of the call: the same compiled
@@ -71,7 +71,7 @@ def gated_down(box, workers, gate, decay, up, weight, residual, epsilon, one, no
 @_jit
 def projected_layer_norm(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon):
     """(s, LayerNorm(s)) for s = residual + (x @ weight + bias) (bias empty: none), float32 rows and
-    a C-contiguous matrix: a Whisper layer's output projections and second MLP product with the
+    a C-contiguous matrix: a LayerNorm layer's output projections and second MLP product with the
     residual add and the next LayerNormalization (MatMulAddLayerNorm's nodes, the same sums)."""
     summed = _product(box, workers, x, weight)
     if bias.size:
@@ -90,7 +90,7 @@ def projected_layer_norm(box, workers, x, weight, bias, residual, scale, norm_bi
 def gelu_mlp(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon, up_weight, up_bias, divisor, one,
              half, down_weight, down_bias, down_scale, down_norm_bias, down_epsilon):
     """`projected_layer_norm` (s, n), then (s2, LayerNorm(s2)) for s2 = s + (ErfGelu(n @ up_weight +
-    up_bias) @ down_weight + down_bias) (empty biases: none): a Whisper layer from its last
+    up_bias) @ down_weight + down_bias) (empty biases: none): a LayerNorm layer from its last
     attention's output projection to the next layer's norm. The GELU is ErfGelu's job run alone on a
     mailbox of its own (as `_decode_pool.alone` runs it for ErfGelu's node)."""
     summed, normed = projected_layer_norm(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon)
@@ -106,7 +106,7 @@ def attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, k
     """Attention of one query row into out (batch 1, heads, 1, width): row = x @ weight (weight
     empty: x), + query_bias, * query_scale (each empty: none), its heads `heads` (a view of row),
     then `_attention` of the heads against key (batch, heads, length, depth) and value, scale 1:
-    a Whisper decode step's HeadsAttention (with its query projection, ProjectedHeadsAttention),
+    a decode step's HeadsAttention (with its query projection, ProjectedHeadsAttention),
     the same sums as its nodes."""
     if weight.size:
         _products(box, workers, x, (weight,), (row,), np.empty(chunk_count(x.size) * row.size, np.float32))
@@ -169,7 +169,7 @@ def attended_gelu_mlp(box, workers, x, weight, query_bias, query_scale, row, hea
 def attended_layer_norm_gelu_mlp(box, workers, *parts):
     """`attended_layer_norm(box, workers, *parts[:18])` giving (s, n), then `attended_gelu_mlp` of
     the norm n, whose other arguments are parts[18:28] (an `attended_row`'s but its x) and parts[28:]
-    (a `gelu_mlp`'s, whose residual parts[31] stands for s): a Whisper decoder layer from its
+    (a `gelu_mlp`'s, whose residual parts[31] stands for s): a LayerNorm decoder layer from its
     self-attention to the next layer's norm (AttentionLayerNormGeluMLP's nodes)."""
     summed, normed = attended_layer_norm(box, workers, *parts[:18])
     mlp = parts[28:]
@@ -179,7 +179,7 @@ def attended_layer_norm_gelu_mlp(box, workers, *parts):
 @_jit
 def attended_layer_norm_gelu_mlp_append(box, workers, *parts):
     """`attended_layer_norm_gelu_mlp(box, workers, *parts[:45])` giving (s, n), then `appended_products`
-    of the norm n with parts[45:] (its other arguments): a Whisper decoder layer from its
+    of the norm n with parts[45:] (its other arguments): a LayerNorm decoder layer from its
     self-attention to the next layer's norm, and the next layer's projections and KV cache growth
     (AttentionLayerNormGeluMLPAppend's nodes); (s, the next layer's query row)."""
     summed, normed = attended_layer_norm_gelu_mlp(box, workers, *parts[:45])
@@ -203,7 +203,7 @@ def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, 
 @_jit
 def projected_rope_append(box, workers, x, weights, rows, *rope):
     """x @ weights[m] into rows[m] (the query's, key's and value's heads, as views), one job, then
-    `rope_append_into(*rope)` reading them: a Llama layer's projections, rotary embedding and KV
+    `rope_append_into(*rope)` reading them: an RMSNorm layer's projections, rotary embedding and KV
     cache growth (ProjectedRopeAppend's nodes); rope_append_into's (done, rotated query)."""
     size = 0
     for row in rows:

@@ -9,8 +9,8 @@ A job is cut into units that give the same result whoever computes them:
   order: bitwise the one-thread loop's;
 - attention: one unit per (batch entry, KV head, span of the cache), `attention_span` of
   `_kernels_fused.py` as the one-thread `attention` runs it, the caller combining the spans after;
-- rows (a prefill's or the Whisper encoder's attention softmax, the encoder's GELU: row kernels of
-  `_kernels_whisper.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
+- rows (a prefill's or an encoder's attention softmax, the encoder's GELU: row kernels of
+  `_kernels_rows.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
   products around them, so after such a job a worker does not spin but sleeps at once.
 Threads claim units with compare-and-swap on a counter tagged with the job's sequence number, so
 the caller never waits for a worker that has not started (it takes the units itself) and a late
@@ -28,7 +28,7 @@ from runnx.ops._atomics import (add, bits_of_float64, compare_and_swap, float32_
                                 float64_from_bits, load, pause, store)
 from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span
 from runnx.ops._kernels_linalg import add_partials_into, chunk_bounds, chunk_count, rows_into
-from runnx.ops._kernels_whisper import gelu_rows_float32, softmax_rows_float32
+from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
 
 # mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
 # caller's writes; _IDLE + w is worker w's, so there are at most MAX_WORKERS (one line of flags)

@@ -30,7 +30,7 @@ from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_matrix
 _SHARED_ROWS = 2 * _ROW_BLOCK  # fewer rows (a decode step's GELU) run the job alone, never the pool
 _BLAS_THREADED = 1 << 20  # multiply-adds from which a product is worth OpenBLAS's threads
 # multiply-adds of a products job (an LM head's) from which sleeping workers are woken before it is
-# posted, not after: a worker up within ~0.1 ms still takes half of a 5 ms product (Whisper's
+# posted, not after: a worker woken late still takes half of the product (an encoder-decoder's
 # first step, its LM head right after BLAS's cross-attention products put the workers to sleep)
 _WAKE_FIRST = 1 << 22
 BUSY = object()  # what `DecodePool.call` returns when another thread has the pool
@@ -45,8 +45,9 @@ class DecodePool:
             raise ValueError(f"a decode pool has 1 to {MAX_WORKERS} workers, not {workers}")
         # compile the workers' loop on this thread first: a process that ends while a worker is
         # still compiling aborts inside LLVM, and never writes numba's cache for the next one; and
-        # `_rest`, first called by a multi-threaded BLAS product while workers spin (a Whisper
-        # window's first step after a decode): loading it from numba's cache there took 20 ms
+        # `_rest`, first called by a multi-threaded BLAS product while workers spin (an
+        # encoder-decoder window's first step after a decode): loading it from numba's cache there
+        # would stall that step
         stopped = np.zeros(_MAILBOX_SIZE, np.int64)
         _rest(stopped)
         _stop(stopped)
@@ -104,8 +105,8 @@ class DecodePool:
 
     def _scratch(self, size: int) -> np.ndarray:
         """The partial rows' buffer, kept between jobs (under the lock): an LM head's are 1.5 MB, and
-        freeing and allocating them every step sent glibc's heap into trim-and-fault cycles (800
-        page faults a SmolLM2 step)."""
+        freeing and allocating them every step sent glibc's heap into trim-and-fault cycles
+        (hundreds of page faults a decode step)."""
         if self._partials.size < size:
             self._partials = np.empty(size, np.float32)
         return self._partials
@@ -137,9 +138,8 @@ class DecodePool:
 
     def rest(self):
         """Let workers spinning after a decode job sleep now: a multi-threaded BLAS product is
-        about to run, and OpenBLAS's threads need their cores (Whisper's first decoder step, its
-        cross-attention keys and values of 1500 rows between pool jobs: 40.3 -> 37.7 ms with 2
-        threads on a Zen 3, in-process A/B)."""
+        about to run, and OpenBLAS's threads need their cores (e.g. Whisper's first decoder step,
+        its cross-attention keys and values of 1500 encoder rows between pool jobs)."""
         if not all(self.box[_IDLE:_IDLE + self._workers]) and self._lock.acquire(blocking=False):
             try:
                 _rest(self.box)
@@ -169,9 +169,9 @@ def attention_job(query, key, value, bias, scale: float, fill: float):
 
 
 def rest_workers(multiply_adds: int | None = None) -> None:
-    """`DecodePool.rest` when the process has a pool and a BLAS product of `multiply_adds` is
-    about to run that is worth OpenBLAS's threads (the rotary MatMul of every SmolLM2 step, 32 of
-    them, must not put the workers to sleep), or (None) other threads' work that needs the cores."""
+    """`DecodePool.rest` when the process has a pool and a BLAS product of `multiply_adds` is about
+    to run that is worth OpenBLAS's threads (the rotary MatMuls of every decode step, one a layer,
+    must not put the workers to sleep), or (None) other threads' work that needs the cores."""
     if _pool is not None and (multiply_adds is None or multiply_adds >= _BLAS_THREADED):
         _pool.rest()
 
@@ -247,8 +247,8 @@ def pool() -> DecodePool | None:
 
 def start_in_background() -> None:
     """Start the pool on a thread of its own while the caller loads a decoder: its start loads the
-    workers' loop from numba's cache, the first numba code of a process (~150 ms with numba's own
-    start, in a first Whisper transcription), then the jobs every decoder calls (`_load_jobs`).
+    workers' loop from numba's cache, the first numba code of a process (with numba's own start,
+    a noticeable part of a first transcription), then the jobs every decoder calls (`_load_jobs`).
     Not a daemon thread: a process ending while numba loads aborts inside LLVM, so the interpreter
     waits for it at exit."""
     global _starting
@@ -264,9 +264,9 @@ def _start_and_load() -> None:
 
 def _load_jobs() -> None:
     """The jobs a decoder calls first, loaded from numba's cache (or compiled) for the types its
-    calls give them, each 15-20 ms a first call: one row and a few (a prompt's) times one read-only
-    matrix (an LM head), two (a Llama MLP's gate and up) and three (a layer's projections), a rows'
-    softmax and GELU (the Whisper encoder's, its bias read-only or not). Computed alone, on zeros."""
+    calls give them, each slow on a first call: one row and a few (a prompt's) times one read-only
+    matrix (an LM head), two (a gated MLP's gate and up) and three (a layer's projections), a rows'
+    softmax and GELU (an encoder's, its bias read-only or not). Computed alone, on zeros."""
     matrix = np.zeros((4, 4), np.float32)
     matrix.flags.writeable = False
     for row in (np.zeros(4, np.float32), np.zeros((2, 4), np.float32)):

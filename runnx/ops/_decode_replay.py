@@ -3,8 +3,8 @@
 A decode step hands a layer's fused node (`decoder_layers.py`) the same weights and kept shape-memo
 results as the step before, and a few arrays of its own: the query row, the residual, the grown
 caches, the mask, the rotary tables. Checking all of its inputs and making the native call's
-arguments from them cost ~30 us of Python a node in a Whisper step (18 in a loop; four nodes
-prepared back to back after a cold start cost as much as apart: the cost is the Python itself). So
+arguments from them cost tens of microseconds of Python a node in a decode step (nodes prepared
+back to back after a cold start cost as much as apart: the cost is the Python itself). So
 a node keeps, in its `state` (the registry's per-node, per-thread slot), a replay of its last decode
 row: the native arguments and the inputs they came from. A later step whose other inputs are the
 same objects (their checks hold) makes anew only what a step changes, checked as the first step
@@ -21,7 +21,7 @@ import numpy as np
 
 from runnx.ops import _native
 from runnx.ops.fused import repeated_kv_cache, rope_cache_fits
-from runnx.ops.fused_whisper import attended_cache
+from runnx.ops.fused_layer_norm_blocks import attended_cache
 from runnx.ops.linalg import append_position
 
 enabled = True
@@ -60,7 +60,7 @@ def remember(state, replay) -> None:
         state.replay = replay
 
 
-# -- a Whisper layer chain (AttentionLayerNormGeluMLP[Append]) --------------------------------------
+# -- a LayerNorm layer chain (AttentionLayerNormGeluMLP[Append]) ------------------------------------
 _CHAINED_ARGUMENTS = 45  # attended_layer_norm_gelu_mlp's, then appended_products' (its mailbox and workers aside)
 # where those hold what a step changes: `attention_row`'s x row, heads (of its query row) and cache (keys,
 # values, bias), `_layer_norm_row`'s residual row, the second `attention_row`'s heads and keys and values
@@ -74,7 +74,7 @@ _CHANGING, _CHANGING_CACHES = (0, 3, 4, 5, 16, 21, 22), (45, 46)
 
 
 class ChainReplay(_Replay):
-    """A Whisper layer chain's decode row (`attended_layer_norm_gelu_mlp[_append]`'s arguments):
+    """A LayerNorm layer chain's decode row (`attended_layer_norm_gelu_mlp[_append]`'s arguments):
     made anew are the query and residual rows (of the shapes they had), the self-attention's and
     the cross-attention's keys, values and bias (`attended_cache`), and the next layer's caches'
     position (`append_position`; views of the same buffers)."""
@@ -119,7 +119,7 @@ class ChainReplay(_Replay):
                 *arguments[_CROSS_CACHE + 2:_CHAINED_ARGUMENTS], *appended)
 
 
-# -- a Llama layer boundary (AttentionGatedMLPRopeAppend) ----------------------------------------------
+# -- an RMSNorm layer boundary (AttentionGatedMLPRopeAppend) -----------------------------------------
 # its inputs a decode step changes: the query heads, the caches, the bias and everything the repeat and
 # the mask are made from (`repeated_kv_cache` reads them), the residual; the next layer's caches and
 # rotary tables
@@ -130,8 +130,8 @@ _BIAS, _OUT, _ROW, _PAST, _TABLES = 3, 6, 9, 24, 28
 
 
 class GatedRopeReplay(_Replay):
-    """A Llama layer boundary's decode row (`attended_gated_mlp_rope_append`'s arguments): made anew
-    are the attention's query, caches and bias (`repeated_kv_cache`: a plain head repeat, the
+    """An RMSNorm layer boundary's decode row (`attended_gated_mlp_rope_append`'s arguments): made
+    anew are the attention's query, caches and bias (`repeated_kv_cache`: a plain head repeat, the
     mask's bias), the residual row (of the shape it had) and the next layer's caches and rotary
     tables (`rope_cache_fits`; views of the same buffers). `heads` are the split heads the call
     writes, for RopeAppend's kernel when the call finds no room to append."""

@@ -5,16 +5,15 @@ Dot products and sums are vectorised in any order (`_REORDER`: float rounding on
 keep their meaning, since masked scores are -inf and fully masked rows are found by their NaN.
 Attention reads four cache rows per pass (a quarter of the loads and stores of the accumulators),
 a quarter of the rows apart: four long sequential streams keep more reads in flight than one,
-whose hardware prefetch stops at every page (a SmolLM2 step's attention over 2000 cached
-positions, 92 MB from memory: 13.8 -> 6.2 ms with one thread, 10.0 -> 5.0 with two, on a Zen 3).
-Each stream also asks for its rows `PREFETCH_ROWS` ahead (`_prefetch`): the rows' arithmetic
-leaves the hardware prefetchers behind, and a layer's attention at 2000 positions waited on
-memory: 390 -> 240 us a layer on one thread, 190 -> 125 on two (an Intel Xeon with AVX-512).
+whose hardware prefetch stops at every page (a decode step's attention over thousands of cached
+positions reads tens of MB from memory). Each stream also asks for its rows `PREFETCH_ROWS` ahead
+(`_prefetch`): the rows' arithmetic leaves the hardware prefetchers behind, and a layer's attention
+over a long cache would wait on memory.
 A long cache is cut into spans of `ATTENTION_SPAN` positions, each (batch entry, KV head, span) a
 unit of work whose softmax maximum, sum and weighted values are combined after, rescaled to the
-row's largest maximum (flash decoding): the decode pool's two threads then share SmolLM2's three
-KV heads evenly at 2000 positions (1.1-1.2x the attention's speed; on one thread 0.92x, from
-shorter streams). Up to one span, the combination is the plain division, exactly.
+row's largest maximum (flash decoding): the decode pool's threads then share a grouped-query
+decoder's few KV heads evenly over a long cache (at the price of shorter streams). Up to one span,
+the combination is the plain division, exactly.
 float32 exp is a vectorisable polynomial within 1 ulp of the true value (`_exp32`).
 """
 from __future__ import annotations

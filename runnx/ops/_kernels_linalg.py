@@ -1,20 +1,18 @@
 """numba kernels of the linear-algebra family: the one-row matrix product of decoding (and the
 few-row product of a short prompt, the same loop serving every row from one pass over the matrix).
 
-A decode step multiplies one row by each weight matrix. OpenBLAS's one-row kernel spends a good
-part of its time outside the memory stream (measured in scripts/bench_gemv.py); a plain loop that
-streams the matrix four rows per pass, the output row held in L1, keeps up with memory instead
-(four rows: a quarter of the output's loads and stores). The four rows are a quarter of the rows
-apart, not adjacent: four long sequential streams, where adjacent rows of a 576-wide matrix make
-four 2 KiB streams that end and restart every pass (1.3-2x the bandwidth on a Zen 3 for the
-matrices of a decoder layer). The rows are cut into `ROW_CHUNKS` chunks whose partial sums are
-added in chunk order: the chunks are what `_decode_pool.py` shares between threads, and since
-they depend on the matrix's shape only, the pool's result is bitwise this loop's. Each column is
-summed as a chain of fused multiply-adds (`contract`: one rounding a row, as onnxruntime's MLAS
-kernels sum; never reassociated, so no dependence on the vector width): the same result for every
-thread count, on every CPU with FMA. Half the arithmetic instructions of a multiply and an add
-(on an Intel Xeon): a Whisper tiny.en decoder step with two threads 0.93x the time (processes
-taking turns), its 384 x 51864 LM head on one thread 3.3 -> 3.1 ms.
+A decode step multiplies one row by each weight matrix. OpenBLAS's one-row kernel spends a good part
+of its time outside the memory stream (measured in scripts/bench_gemv.py); a plain loop that streams
+the matrix four rows per pass, the output row held in L1, keeps up with memory instead (four rows: a
+quarter of the output's loads and stores). The four rows are a quarter of the rows apart, not
+adjacent: four long sequential streams, where adjacent rows of a 576-wide matrix make four 2 KiB
+streams that end and restart every pass (less bandwidth for the matrices of a decoder layer). The
+rows are cut into `ROW_CHUNKS` chunks whose partial sums are added in chunk order: the chunks are
+what `_decode_pool.py` shares between threads, and since they depend on the matrix's shape only, the
+pool's result is bitwise this loop's. Each column is summed as a chain of fused multiply-adds
+(`contract`: one rounding a row, as onnxruntime's MLAS kernels sum; never reassociated, so no
+dependence on the vector width): the same result for every thread count, on every CPU with FMA, in
+half the arithmetic instructions of a multiply and an add.
 """
 from __future__ import annotations
 

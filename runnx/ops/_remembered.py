@@ -4,8 +4,8 @@ A decode step hands each fused node the same constants (weights, a norm's epsilo
 kept results of shape memos (reshape targets, slice bounds) step after step, all read-only. What a
 fast path's checks find from them, with the shapes of the step's own arrays, holds while they are
 the same objects. Finding it again every step is not free: between kernels streaming megabytes of
-weights each Python object a check reads is a cache miss, so a check costing 2-6 us in a loop costs
-15-20 us a layer in a decode step (SmolLM2, two threads, per-step A/B in docs/benchmarks.md).
+weights each Python object a check reads is a cache miss, so a check costs several times more a
+layer in a decode step than in a loop.
 Read-only is trusted as unchanging: runnx's own read-only arrays never change, and a caller's
 array reaches kernels only as a view made for its run (validation.bind_feeds), so an entry is
 never found again for an object the caller may write through between runs.

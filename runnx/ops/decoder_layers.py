@@ -1,9 +1,9 @@
-"""Decoder layers' fused nodes that span several blocks (`runnx/interp/fusion/products.py`): a Llama
-layer's projections, rotary embedding and KV cache growth (ProjectedRopeAppend), its attention to
-the next layer's norm (AttentionGatedMLP), and the two across a layer boundary
-(AttentionGatedMLPRopeAppend); a Whisper layer from its self-attention to the next layer's norm
-(AttentionLayerNormGeluMLP), with the next layer's projections and KV cache growth
-(AttentionLayerNormGeluMLPAppend). A decode step's row runs each as one native call of
+"""Decoder layers' fused nodes that span several blocks (`runnx/interp/fusion/products.py`): an
+RMSNorm layer's projections, rotary embedding and KV cache growth (ProjectedRopeAppend), its
+attention to the next layer's norm (AttentionGatedMLP), and the two across a layer boundary
+(AttentionGatedMLPRopeAppend); a LayerNorm decoder layer (e.g. Whisper's) from its self-attention to
+the next layer's norm (AttentionLayerNormGeluMLP), with the next layer's projections and KV cache
+growth (AttentionLayerNormGeluMLPAppend). A decode step's row runs each as one native call of
 `_decode_blocks.py`; anything else (a prefill, biases, caches not granted) runs the kernels of the
 nodes they replaced.
 """
@@ -20,7 +20,7 @@ from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rop
 from runnx.ops.cache import count_appends
 from runnx.ops.fused import (DOMAIN, RepeatedKVAttention, RopeAppend, appended_caches, repeated_kv_row,
                              rope_append_arguments)
-from runnx.ops.fused_whisper import attention_row
+from runnx.ops.fused_layer_norm_blocks import attention_row
 from runnx.ops.linalg import (AttentionGeluMLP, AttentionLayerNorm, ProjectedAppend, ResidualGatedMLP,
                               SharedInputMatMul, _attention_attrs, _gated_mlp_row, _gelu_mlp_row, _layer_norm_row,
                               _split_shapes, append_arguments, appended_outputs)
@@ -41,9 +41,9 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
                         value_axes: tuple[int, ...] = (), query_axis: int = -1, key_axis: int = -1,
                         key_cache_axis: int, value_cache_axis: int, overwrite=(), ctx=None):
     """RopeAppend(*SharedInputMatMul(x, query_weight, key_weight, value_weight, ...; each split into
-    heads), past_key, past_value, ...): a Llama layer's projections, rotary embedding and KV cache
-    growth. A decode step's float32 row without biases, both caches granted, is one native call
-    (`projected_rope_append`) writing the new rows in place."""
+    heads), past_key, past_value, ...): an RMSNorm layer's projections, rotary embedding and KV
+    cache growth. A decode step's float32 row without biases, both caches granted, is one native
+    call (`projected_rope_append`) writing the new rows in place."""
     rope = (query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias, key_target,
             key_source, value_bias, value_target, value_source, past_key, past_value, query_cos, query_sin, qns, qne,
             qna, qnst, qks, qke, qka, qkst, key_cos, key_sin, kns, kne, kna, knst, kks, kke, kka, kkst)
@@ -181,7 +181,7 @@ def AttentionLayerNormGeluMLP(*inputs, query_dims: tuple[int, ...] = (), query_a
                               cross_key_perm: tuple[int, ...], cross_value_perm: tuple[int, ...],
                               cross_norm: tuple = (-1, 1e-5, 1), down_norm: tuple = (-1, 1e-5, 1), state=None):
     """AttentionGeluMLP(n, *inputs[19:34], s, *inputs[34:]) (its attention's attributes cross_*) for
-    (s, n) = AttentionLayerNorm(*inputs[:19]): a Whisper decoder layer from its self-attention to
+    (s, n) = AttentionLayerNorm(*inputs[:19]): a LayerNorm decoder layer from its self-attention to
     the next layer's norm. The norm n has the residual's shape and dtype (its readers elsewhere read
     a LayerNormShape stand-in). A decode step's row is one native call (`attended_layer_norm_gelu_mlp`:
     the two nodes' native calls with no Python between them), its arguments the last step's but
@@ -274,7 +274,7 @@ def AttentionLayerNormGeluMLPAppend(*inputs, query_dims: tuple[int, ...] = (), q
                                     value_axes: tuple[int, ...] = (), key_axis: int, value_axis: int, overwrite=(),
                                     ctx=None, state=None):
     """(s, *ProjectedAppend(n, *inputs[45:])) for (s, n) = AttentionLayerNormGeluMLP(*inputs[:45]): a
-    Whisper decoder layer from its self-attention to the next layer's norm, and the next layer's
+    LayerNorm decoder layer from its self-attention to the next layer's norm, and the next layer's
     projections and KV cache growth. The norm n has the residual's shape and dtype (its readers
     elsewhere read a LayerNormShape stand-in). A decode step's row, both caches granted, is one
     native call (`attended_layer_norm_gelu_mlp_append`) writing the new cache rows in place, its

@@ -100,7 +100,7 @@ def norm_fits(dtype, ndim: int, width: tuple, epsilon, one, weight, axis: int, t
 
 
 def _casts_to_itself(to: int, dtype) -> bool:
-    """Whether Cast(to) (0: no Cast) leaves a `dtype` value as it is (float32 Llama exports cast
+    """Whether Cast(to) (0: no Cast) leaves a `dtype` value as it is (float32 exports may cast
     float32 to float32)."""
     return to == 0 or ONNX_TO_NUMPY.get(to) == dtype
 
@@ -156,7 +156,7 @@ def exp_in_place(x, largest: float):
 def LastPosition(x):
     """x[..., -1:, :], as Slice(x, -1, end, axis -2) would take it: an LM head's input for the next
     token's logits only (`runnx/interp/last_position.py`). A decode step's one position is x itself,
-    with none of a Slice's parsing of starts, ends and axes (17 us of a Whisper step, cold)."""
+    with none of a Slice's parsing of starts, ends and axes."""
     if x.ndim < 2:
         raise RunnxError(f"LastPosition needs a rank of at least 2 (positions, features), got shape {list(x.shape)}")
     return x if x.shape[-2] == 1 else x[..., -1:, :]
@@ -377,9 +377,9 @@ def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fil
 
 def _mask_bias(mask, starts, ends, axes, steps, then, otherwise, ctx=None):
     """RepeatedKVAttention's additive mask from its Slice/Where inputs, made once a run (with ctx) for
-    the same input arrays: every layer of a decode step reads the same (np.where 30 times a SmolLM2
-    step cost 0.6-0.7 ms of 28-37 in per-step A/B). Known by identity, not by the slice's and
-    scalars' values (8 us a layer between kernels streaming weights: cache misses)."""
+    the same input arrays: every layer of a decode step reads the same (np.where once a layer a
+    step was a measurable part of it). Known by identity, not by the slice's and scalars' values
+    (reading them a layer between kernels streaming weights costs cache misses)."""
     if ctx is None or then.size > 1 or otherwise.size > 1:
         return Where(_slice(mask, starts, ends, axes, steps), then, otherwise)
     arrays = (mask, starts, ends, axes, steps, then, otherwise)  # the same objects: the same bias

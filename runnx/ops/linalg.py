@@ -1,6 +1,6 @@
 """Linear algebra: MatMul, Gemm, MatMulInteger, Einsum, Det (BLAS/LAPACK through numpy), and the
 fused nodes built around one-row products (`runnx/interp/fusion/products.py`), whose decode rows
-are native calls of `_decode_blocks.py` (a Llama layer's own two: `decoder_layers.py`).
+are native calls of `_decode_blocks.py` (an RMSNorm layer's own two: `decoder_layers.py`).
 
 Results keep the input dtype: numpy returns float32 for bfloat16 products (it accumulates in
 float32), which is rounded back once, as the ONNX reference does.
@@ -19,7 +19,7 @@ from runnx.ops._kernels_linalg import rows_times_matrix
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, norm_fits
-from runnx.ops.fused_whisper import (ErfGelu, HeadsAttention, SplitHeads, add_layer_norm, attended_row, attention_row,
+from runnx.ops.fused_layer_norm_blocks import (ErfGelu, HeadsAttention, SplitHeads, add_layer_norm, attended_row, attention_row,
                                      split_shape)
 from runnx.ops.registry import register
 
@@ -111,7 +111,7 @@ def ProjectedAppend(x, past_key, past_value, query_weight, key_weight, value_wei
                     value_axes: tuple[int, ...] = (), key_axis: int, value_axis: int, overwrite=(), ctx=None):
     """(x @ query_weight, Concat(past_key, SplitHeads(x @ key_weight, key_bias, ...)),
     Concat(past_value, SplitHeads(x @ value_weight, value_bias, ...))): a decoder layer's projections
-    and its KV cache growth (Whisper's self-attention; `runnx/interp/fusion/products.py`). A decode
+    and its KV cache growth (a self-attention's; `runnx/interp/fusion/products.py`). A decode
     step's float32 row with both caches granted and room in their buffers is one native call
     (`appended_products`) writing the new rows in place; anything else the nodes' kernels."""
     if 1 in overwrite and 2 in overwrite:
@@ -320,11 +320,11 @@ def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_b
                     down_bias, down_scale, down_norm_bias, *, norm: tuple = (-1, 1e-5, 1),
                     down_norm: tuple = (-1, 1e-5, 1)):
     """(s, n) = MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias), then
-    MatMulAddLayerNorm(ErfGelu(n @ up_weight, up_bias, divisor, one, half), down_weight, down_bias, s,
-    down_scale, down_norm_bias): a Whisper layer from its last attention's output projection to the
-    next layer's norm (`runnx/interp/fusion/products.py`); norm and down_norm are the norms' (axis,
-    epsilon, stash_type). A decode step's float32 row is one native call (`_decode_blocks.py`); other
-    rows (the encoder's) run the four nodes' kernels in turn."""
+    MatMulAddLayerNorm(ErfGelu(n @ up_weight, up_bias, divisor, one, half), down_weight, down_bias,
+    s, down_scale, down_norm_bias): a LayerNorm layer from its last attention's output projection to
+    the next layer's norm (`runnx/interp/fusion/products.py`); norm and down_norm are the norms'
+    (axis, epsilon, stash_type). A decode step's float32 row is one native call
+    (`_decode_blocks.py`); other rows (the encoder's) run the four nodes' kernels in turn."""
     arguments = _gelu_mlp_row(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half,
                               down_weight, down_bias, down_scale, down_norm_bias, norm, down_norm)
     if arguments is not None:
@@ -400,7 +400,7 @@ def ProjectedHeadsAttention(x, weight, query_bias, key, value, bias, query_scale
                             output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
                             key_perm: tuple[int, ...], value_perm: tuple[int, ...]):
     """HeadsAttention(MatMul(x, weight), ...): attention with its query projection
-    (`runnx/interp/fusion/products.py`; Whisper's cross-attention). A decode step's float32 row is
+    (`runnx/interp/fusion/products.py`; a decoder's cross-attention). A decode step's float32 row is
     one native call, the product, the query's bias and scale and the attention (`attended_row`)."""
     inputs = (query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target, query_source,
               output_target, output_source)
@@ -415,8 +415,8 @@ def AttentionLayerNorm(query, query_weight, query_bias, key, value, bias, query_
                        norm_bias, *, query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
                        output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
                        key_perm: tuple[int, ...], value_perm: tuple[int, ...], norm: tuple = (-1, 1e-5, 1)):
-    """MatMulAddLayerNorm(a, weight, out_bias, residual, scale, norm_bias) of the attention
-    a = HeadsAttention(query [@ query_weight], ...) (`runnx/interp/fusion/products.py`; Whisper's
+    """MatMulAddLayerNorm(a, weight, out_bias, residual, scale, norm_bias) of the attention a =
+    HeadsAttention(query [@ query_weight], ...) (`runnx/interp/fusion/products.py`; a decoder's
     self-attention, its output projection and the cross-attention's norm); norm is the norm's (axis,
     epsilon, stash_type). A decode step's float32 row is one native call (`attended_layer_norm`)."""
     attention = (query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
@@ -442,7 +442,7 @@ def AttentionGeluMLP(query, query_weight, query_bias, key, value, bias, query_sc
                      down_norm: tuple = (-1, 1e-5, 1)):
     """ResidualGeluMLP(a, weight, out_bias, residual, scale, norm_bias, up_weight, ...) of the
     attention a = HeadsAttention(query [@ query_weight], ...) (`runnx/interp/fusion/products.py`;
-    Whisper's cross-attention and the rest of its layer, the encoder's attention and MLP). A decode
+    a decoder's cross-attention and the rest of its layer, an encoder's attention and MLP). A decode
     step's float32 row is one native call (`attended_gelu_mlp`)."""
     attention = (query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
                  query_target, query_source, output_target, output_source)

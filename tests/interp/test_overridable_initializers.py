@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import runnx
 import test_fusion
-import test_fusion_whisper
+import test_fusion_layer_norm_blocks
 from runnx.errors import InputShapeError, InputTypeError, InvalidModelError
 
 ort = pytest.importorskip("onnxruntime")
@@ -158,7 +158,7 @@ def test_products_pattern_reads_fed_matrices():
 
 
 def test_erf_gelu_whisper_pattern_reads_fed_constants_and_bias():
-    plain = test_fusion_whisper._gelu_model()
+    plain = test_fusion_layer_norm_blocks._gelu_model()
     assert _fused_ops(plain) == ["MatMul", "ErfGelu"]
     x = np.random.default_rng(5).standard_normal((2, 3, 8)).astype(np.float32)
     _assert_same_as_onnxruntime(_overridable(plain), {"x": x}, {"sqrt2": [1.0, math.sqrt(2)], "half": [0.25]})
@@ -169,7 +169,7 @@ def test_add_layer_norm_whisper_pattern_reads_fed_scale_and_bias():
     nodes = [helper.make_node("Add", ["x", "r"], ["s"]),
              helper.make_node("LayerNormalization", ["s", "w", "b"], ["y"], axis=-1, epsilon=1e-5),
              helper.make_node("Add", ["s", "y"], ["next"])]
-    plain = test_fusion_whisper._model(nodes, ["x", "r"], ["next"], {
+    plain = test_fusion_layer_norm_blocks._model(nodes, ["x", "r"], ["next"], {
         "w": rng.standard_normal(16).astype(np.float32), "b": rng.standard_normal(16).astype(np.float32)})
     assert _fused_ops(plain) == ["AddLayerNorm", "Add"]
     feeds = {n: rng.standard_normal((2, 3, 16)).astype(np.float32) for n in "xr"}

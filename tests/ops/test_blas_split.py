@@ -11,7 +11,7 @@ import pytest
 import threadpoolctl
 
 from runnx import _openblas
-from runnx.ops import _blas_split, fused_whisper
+from runnx.ops import _blas_split, fused_layer_norm_blocks
 
 
 @pytest.fixture
@@ -67,13 +67,13 @@ def test_encoder_attention_split_by_heads_is_bitwise_the_one_thread_result(sleep
     keys = rng.standard_normal((1, 6, 16, 300)).astype(np.float32)
     values = rng.standard_normal((1, 6, 300, 16)).astype(np.float32)
     bias = rng.standard_normal((1, 1, 1, 300)).astype(np.float32)
-    monkeypatch.setattr(fused_whisper, "_BLOCK_SCORES", 64 * 300)  # blocks of 64 rows, the last short
-    split = fused_whisper._blocked(heads, keys, values, bias, np.nan)
+    monkeypatch.setattr(fused_layer_norm_blocks, "_BLOCK_SCORES", 64 * 300)  # blocks of 64 rows, the last short
+    split = fused_layer_norm_blocks._blocked(heads, keys, values, bias, np.nan)
     threads = numba.get_num_threads()
     numba.set_num_threads(1)
     try:
         with threadpoolctl.threadpool_limits(1, user_api="blas"):
-            alone = fused_whisper._blocked(heads, keys, values, bias, np.nan)
+            alone = fused_layer_norm_blocks._blocked(heads, keys, values, bias, np.nan)
     finally:
         numba.set_num_threads(threads)
     assert split.tobytes() == alone.tobytes()

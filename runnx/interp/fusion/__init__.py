@@ -7,14 +7,14 @@ order, each over the graph the previous ones left.
 """
 from __future__ import annotations
 
-from runnx.interp.fusion import decoder, products, whisper
+from runnx.interp.fusion import layer_norm_blocks, products, rms_norm_blocks
 from runnx.interp.fusion.matcher import Matcher
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.ops import registry
 from runnx.ops._fused_common import DOMAIN
 
-PATTERNS = decoder.PATTERNS + whisper.PATTERNS + products.PATTERNS  # products last: see products.py
-STAND_INS = (decoder.shape_stand_ins, products.shape_stand_ins)
+PATTERNS = rms_norm_blocks.PATTERNS + layer_norm_blocks.PATTERNS + products.PATTERNS  # products last: see products.py
+STAND_INS = (rms_norm_blocks.shape_stand_ins, products.shape_stand_ins)
 
 
 def fuse(graph: Graph) -> dict[str, int]:

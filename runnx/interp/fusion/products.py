@@ -2,25 +2,26 @@
 decoder layer's query, key and value projections; its gate and up projections) become one
 SharedInputMatMul node (kernel in `runnx/ops/linalg.py`), so that a decode step hands the decode
 pool one job for them, and runs one node, not three. A product whose only reader splits its heads
-(SplitHeads, whisper.py's pattern) gives the split heads itself, and a SiluMul of two of them (the
-gate and up products) gives its gated product instead of the two. A product read (with or
+(SplitHeads, layer_norm_blocks.py's pattern) gives the split heads itself, and a SiluMul of two of
+them (the gate and up products) gives its gated product instead of the two. A product read (with or
 without a constant bias added) only by a residual add and norm becomes a MatMulAddRMSNorm or
-MatMulAddLayerNorm node; one whose only reader adds a constant bias, a BiasedMatMul node. An
-output projection's MatMulAddRMSNorm, the gated products reading its norm and the down product's
-MatMulAddRMSNorm become one ResidualGatedMLP node (a decode step runs it natively); Whisper's
-MatMulAddLayerNorm, first MLP product, ErfGelu and MatMulAddLayerNorm one ResidualGeluMLP node. A
-query projection read only by its attention joins it (ProjectedHeadsAttention), and q/k/v products
-whose key and value are appended to caches join the appends (ProjectedAppend), and an attention
-joins the MatMulAddLayerNorm or ResidualGeluMLP after it (AttentionLayerNorm, AttentionGeluMLP):
-Whisper's layers, which a decode step runs as three native calls; a Llama layer's attention joins
-its ResidualGatedMLP (AttentionGatedMLP) and its q/k/v products its RopeAppend (ProjectedRopeAppend,
-with SplitHeadsShape stand-ins for the shape memos reading the heads), and an AttentionGatedMLP the
-next layer's ProjectedRopeAppend reading its norm (AttentionGatedMLPRopeAppend, an RMSNormShape
-stand-in for the norm's shape): a decode step then runs one native call per layer boundary, not
-two. A Whisper layer's AttentionLayerNorm and the AttentionGeluMLP reading its norm become one
-AttentionLayerNormGeluMLP node (a LayerNormShape stand-in for the norm's shape), and that node the
-next layer's ProjectedAppend reading its norm (AttentionLayerNormGeluMLPAppend): one native call per
-layer boundary, as for Llama. Runs after the other patterns: a MatMul they take stays theirs.
+MatMulAddLayerNorm node; one whose only reader adds a constant bias, a BiasedMatMul node. An output
+projection's MatMulAddRMSNorm, the gated products reading its norm and the down product's
+MatMulAddRMSNorm become one ResidualGatedMLP node (a decode step runs it natively); a LayerNorm
+block's MatMulAddLayerNorm, first MLP product, ErfGelu and MatMulAddLayerNorm one ResidualGeluMLP
+node. A query projection read only by its attention joins it (ProjectedHeadsAttention), and q/k/v
+products whose key and value are appended to caches join the appends (ProjectedAppend), and an
+attention joins the MatMulAddLayerNorm or ResidualGeluMLP after it (AttentionLayerNorm,
+AttentionGeluMLP): a LayerNorm decoder layer (e.g. Whisper's), which a decode step runs as three
+native calls; an RMSNorm decoder layer's attention joins its ResidualGatedMLP (AttentionGatedMLP)
+and its q/k/v products its RopeAppend (ProjectedRopeAppend, with SplitHeadsShape stand-ins for the
+shape memos reading the heads), and an AttentionGatedMLP the next layer's ProjectedRopeAppend
+reading its norm (AttentionGatedMLPRopeAppend, an RMSNormShape stand-in for the norm's shape): a
+decode step then runs one native call per layer boundary, not two. A LayerNorm decoder layer's
+AttentionLayerNorm and the AttentionGeluMLP reading its norm become one AttentionLayerNormGeluMLP
+node (a LayerNormShape stand-in for the norm's shape), and that node the next layer's
+ProjectedAppend reading its norm (AttentionLayerNormGeluMLPAppend): one native call per layer
+boundary, as for RMSNorm layers. Runs after the other patterns: a MatMul they take stays theirs.
 """
 from __future__ import annotations
 
@@ -183,7 +184,7 @@ def _residual_gated_mlp(m: Matcher, down: Node) -> Fused | None:
 def _residual_gelu_mlp(m: Matcher, down: Node) -> Fused | None:
     """MatMulAddLayerNorm(ErfGelu(MatMul(n, up weight), ...), down weight, s) after (s, n) =
     MatMulAddLayerNorm(x, ...), the first's outputs and the GELU's input and output read only there:
-    a Whisper layer from its last attention's output projection to the next layer's norm."""
+    a LayerNorm layer from its last attention's output projection to the next layer's norm."""
     gelu = m.graph.producer.get(down.inputs[0])
     if gelu is None or gelu.op_type != "ErfGelu" or gelu.domain != DOMAIN or gelu.index in m.taken:
         return None
@@ -206,7 +207,7 @@ def _residual_gelu_mlp(m: Matcher, down: Node) -> Fused | None:
 def _appended(m: Matcher, shared: Node) -> Fused | None:
     """SharedInputMatMul(x; three products, two split into heads) whose split products are each
     read only by a Concat appending them to a cache: a layer's query, key and value projections and
-    its KV cache growth as one ProjectedAppend node (Whisper's self-attention), which a decode step
+    its KV cache growth as one ProjectedAppend node (a decoder's self-attention), which a decode step
     runs natively, writing the new rows into the caches' buffers."""
     splits = shared.attrs.get("splits", ())
     if (shared.domain != DOMAIN or len(shared.inputs) != 10 or shared.attrs.get("gated") or len(splits) != 2
@@ -237,8 +238,8 @@ def _appended(m: Matcher, shared: Node) -> Fused | None:
 
 def _projected_query(m: Matcher, attention: Node) -> Fused | None:
     """HeadsAttention(MatMul(x, W), ...) with constant W, the product read only as its query (the
-    targets from another value's shape, as Whisper's from the norm before the projection): attention
-    with its query projection, one node (Whisper's cross-attention; a decode step runs it natively)."""
+    targets from another value's shape, e.g. the norm's before the projection): attention with its
+    query projection, one node (a decoder's cross-attention; a decode step runs it natively)."""
     if attention.domain != DOMAIN:
         return None
     matmul = m.graph.producer.get(attention.inputs[0])
@@ -254,8 +255,8 @@ _ATTENDED = {"MatMulAddLayerNorm": "AttentionLayerNorm", "ResidualGeluMLP": "Att
 
 def _attended(m: Matcher, block: Node) -> Fused | None:
     """MatMulAddLayerNorm / ResidualGeluMLP whose row is a (Projected)HeadsAttention's output read
-    only there: an attention and the block after it as one node (Whisper's decoder layers: a decode
-    step runs the two as one native call)."""
+    only there: an attention and the block after it as one node (a LayerNorm decoder layer's: a
+    decode step runs the two as one native call)."""
     attention = m.graph.producer.get(block.inputs[0])
     if (block.domain != DOMAIN or attention is None or attention.domain != DOMAIN or attention.index in m.taken
             or attention.op_type not in ("HeadsAttention", "ProjectedHeadsAttention")
@@ -285,7 +286,7 @@ def _attended_gated(m: Matcher, block: Node) -> Fused | None:
 
 def _rope_projected(m: Matcher, rope: Node) -> Fused | None:
     """RopeAppend whose query, key and value are the three products of one SharedInputMatMul, each
-    split into heads and read only there: a Llama layer's projections, rotary embedding and KV
+    split into heads and read only there: an RMSNorm layer's projections, rotary embedding and KV
     cache growth as one ProjectedRopeAppend node (a decode step runs it natively)."""
     shared = m.graph.producer.get(rope.inputs[0])
     if (rope.domain != DOMAIN or shared is None or shared.op_type != "SharedInputMatMul" or shared.domain != DOMAIN
@@ -331,7 +332,7 @@ def _norm_read_next(m: Matcher, reader: Node, sizes: tuple, op_type: str) -> Fus
 
 def _layer_norm_chained(m: Matcher, gelu: Node) -> Fused | None:
     """AttentionGeluMLP whose query is an AttentionLayerNorm's norm and whose residual is its sum, the
-    norm read elsewhere only for its shape: a Whisper decoder layer from its self-attention to the
+    norm read elsewhere only for its shape: a LayerNorm decoder layer from its self-attention to the
     next layer's norm as one AttentionLayerNormGeluMLP node (a decode step runs the two as one native
     call; the norm's shape readers get a LayerNormShape stand-in)."""
     layer = m.graph.producer.get(gelu.inputs[0])
@@ -349,7 +350,7 @@ def _layer_norm_chained(m: Matcher, gelu: Node) -> Fused | None:
 
 def _append_chained(m: Matcher, append: Node) -> Fused | None:
     """ProjectedAppend whose x is an AttentionLayerNormGeluMLP's norm, read elsewhere only for its
-    shape: a Whisper decoder layer from its self-attention to the next layer's norm and the next
+    shape: a LayerNorm decoder layer from its self-attention to the next layer's norm and the next
     layer's projections and KV cache growth as one AttentionLayerNormGeluMLPAppend node (a decode step
     runs them as one native call; the norm's shape readers get a LayerNormShape stand-in)."""
     return _norm_read_next(m, append, ("AttentionLayerNormGeluMLP", 45, 12), "AttentionLayerNormGeluMLPAppend")

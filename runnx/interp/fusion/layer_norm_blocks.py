@@ -1,9 +1,10 @@
-"""Fusion patterns of Whisper exports (Optimum; transformers' eager attention), encoder and
-decoder alike: attention whose heads are split from (batch, length, hidden) by Reshape/Transpose
-and merged back, with the Reshape targets that Shape/Gather/Unsqueeze/Concat chains build from
-other values' shapes (those chains stop running), the erf GELU with the bias add before it, and
-the residual add with the LayerNormalization reading it.
-Kernels: `runnx/ops/fused_whisper.py`.
+"""Fusion patterns of LayerNorm transformer blocks as Optimum exports them with transformers' eager
+attention (e.g. Whisper's encoder and decoder): attention whose heads are split from (batch, length,
+hidden) by Reshape/Transpose and merged back, with the Reshape targets that
+Shape/Gather/Unsqueeze/Concat chains build from other values' shapes (those chains stop running),
+the erf GELU with the bias add before it, and the residual add with the LayerNormalization reading
+it.
+Kernels: `runnx/ops/fused_layer_norm_blocks.py`.
 """
 from __future__ import annotations
 

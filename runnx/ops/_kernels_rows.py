@@ -1,5 +1,5 @@
-"""numba kernels of the fused Whisper ops (`runnx/ops/fused_whisper.py`): a row softmax for long
-attention (scores computed by BLAS a block of rows at a time) and the erf GELU, over cache-resident
+"""Row kernels in numba for the fused LayerNorm-block ops (`runnx/ops/fused_layer_norm_blocks.py`): a
+row softmax for long attention (scores computed by BLAS a block of rows at a time) and the erf GELU, over cache-resident
 rows. They are not numba parallel loops: between BLAS calls, numba's spinning threads and
 OpenBLAS's took the cores from each other (the encoder ran 5-20x slower). Their blocks of rows are
 shared with the decode pool's workers instead, which sleep right after (`_decode_pool.softmax_rows`,
@@ -42,10 +42,9 @@ _PLUS_INF_KEY, _MINUS_INF_KEY = np.int32(0x7F800000), np.int32(-0x7F800001)
 @numba.njit(cache=True, error_model="numpy")
 def _row_peak(bits):
     """The largest float32 of a row given as int32 bits; NaN when it holds a NaN, as numpy's maximum.
-    Integer max and min reductions vectorise where NaN-aware float ones do not (1.0 ms a Whisper
-    encoder head against numpy's 0.18), and the row is read while in L1, not in a pass of its own
-    (the encoder's attention layer 11.6-11.7 -> 11.1-11.2 ms). Every step is cast to int32: numba
-    widens int32 arithmetic to int64, which halved the lanes (a 1500-score row 290 -> 105 ns)."""
+    Integer max and min reductions vectorise where NaN-aware float ones do not, and the row is read
+    while in L1, not in a pass of its own. Every step is cast to int32: numba widens int32
+    arithmetic to int64, which halves the lanes."""
     high, low = np.int32(-0x80000000), np.int32(0x7FFFFFFF)
     for j in range(bits.shape[0]):
         b = bits[j]
@@ -90,8 +89,7 @@ def softmax_rows_float32(scores, fill):
     whose softmax is NaN (a NaN or +inf score, or every score -inf) becomes `fill`. Its sum has no
     fast-math flags (`_row_total`), so every compiled copy rounds alike (the decode pool's worker
     loop has its own): with them, a worker's copy rounded some rows 1 ulp apart from the caller's
-    in some processes, and a row's softmax depended on which thread took its block. A Whisper
-    encoder row of 1500 scores: 0.60 us, in cache (peak 0.11, exp 0.34, sum 0.11, scale 0.05)."""
+    in some processes, and a row's softmax depended on which thread took its block."""
     scratch = np.empty(scores.shape[1] // 2 + 1, np.float32)
     bits = scores.view(np.int32)
     for r in range(scores.shape[0]):

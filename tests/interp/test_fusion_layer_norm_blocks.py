@@ -1,4 +1,4 @@
-"""Whisper's fusion patterns (runnx/interp/fusion/whisper.py): attention with heads split and merged
+"""Fusion patterns of LayerNorm blocks (runnx/interp/fusion/layer_norm_blocks.py): attention with heads split and merged
 by Reshape targets built from shapes, and the erf GELU, as Optimum exports them; fused outputs
 against the unfused graph, on small graphs, the tiny fixture and (when built) whisper tiny.en."""
 import math
@@ -165,11 +165,11 @@ def test_a_query_projection_joins_its_attention_and_a_decode_row_is_one_native_c
     """Whisper's cross-attention: its query projection and the attention as one node; a decode step's
     row (batch 1, one position) runs the product, the query's bias and scale and the attention as one
     native call (`_decode_blocks.attended_row`), longer queries the MatMul then HeadsAttention."""
-    from runnx.ops import _decode_blocks, _decode_pool, fused_whisper
+    from runnx.ops import _decode_blocks, _decode_pool, fused_layer_norm_blocks
 
     calls = []
-    shared_call = fused_whisper.shared_call
-    monkeypatch.setattr(fused_whisper, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    shared_call = fused_layer_norm_blocks.shared_call
+    monkeypatch.setattr(fused_layer_norm_blocks, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
     model = _projected_model("a")
     rng = np.random.default_rng(8)
     try:
@@ -436,7 +436,7 @@ def test_a_gelu_mlp_block_rounds_as_its_nodes_whichever_numba_compiles_first():
     code = """
 import numpy as np
 from runnx.ops import linalg, _decode_pool
-from runnx.ops.fused_whisper import AddLayerNorm, ErfGelu
+from runnx.ops.fused_layer_norm_blocks import AddLayerNorm, ErfGelu
 _decode_pool.set_workers(0)
 rng = np.random.default_rng(15)
 f = lambda *shape: rng.standard_normal(shape).astype(np.float32)

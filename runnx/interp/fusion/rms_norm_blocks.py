@@ -1,6 +1,6 @@
-"""Fusion patterns of exported decoder LMs (Llama-style): RMSNorm, the SiLU-gated MLP activation,
-rotary embedding (rotate-half), attention over a grouped-query KV cache (the head repeat by
-Unsqueeze/Expand/Reshape is what it removes) and the residual add feeding an RMSNorm.
+"""Fusion patterns of RMSNorm decoder blocks (e.g. Llama's exports): RMSNorm, the SiLU-gated MLP
+activation, rotary embedding (rotate-half), attention over a grouped-query KV cache (the head repeat
+by Unsqueeze/Expand/Reshape is what it removes) and the residual add feeding an RMSNorm.
 Kernels: `runnx/ops/fused.py`.
 """
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Fused kernels for the patterns `runnx.interp.fusion.whisper` finds in Whisper exports (private
-domain `runnx.fused`; never in a model file).
+"""Fused kernels for the patterns `runnx.interp.fusion.layer_norm_blocks` finds (e.g. in Whisper's
+exports): split-heads attention, erf GELU, residual add with LayerNormalization (private domain
+`runnx.fused`; never in a model file).
 
 - HeadsAttention: attention whose heads are split from (batch, length, hidden) by Reshape and
   Transpose, and merged back the same way, the Reshape targets built from other values' shapes.
@@ -16,7 +17,7 @@ domain `runnx.fused`; never in a model file).
 - AddLayerNorm: the residual add and the LayerNormalization reading it, the sum kept as an output.
 
 Scale factors other than the query's own are applied to the (small) query instead of the keys,
-as in fused.py (the matcher leaves out factors of exactly 1, as Whisper's are). Anything the fast paths do not cover
+as in fused.py (the matcher leaves out factors of exactly 1). Anything the fast paths do not cover
 (other dtypes, broadcasting between query and keys) takes the unfused nodes' operations.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from runnx.ops._decode_pool import gelu_rows, shared_call, softmax_rows
 from runnx.ops._elementwise_util import binary, erf
 from runnx.ops._kernels_nn import add_layer_norm_rows
 from runnx.ops._blas_split import split_among_threads
-from runnx.ops._kernels_whisper import softmax_rows_float32, split_heads_into
+from runnx.ops._kernels_rows import softmax_rows_float32, split_heads_into
 from runnx.ops._remembered import Remembered
 from runnx.ops.fused import DOMAIN, attend, stand_in
 from runnx.ops.normalization import LayerNormalization
@@ -46,9 +47,9 @@ _NO_BIAS = {dtype: np.zeros(0, dtype) for dtype in _ROW_DTYPES}  # split_heads_i
 _FLOAT32 = np.dtype(np.float32)
 _NO_WEIGHT = np.zeros((0, 0), np.float32)  # attended_row without a query projection
 _ATTEND_ROWS = 16  # query rows up to which `attend` (numba, decoding) beats BLAS products a block at a time
-# scores per block of query rows at most: 16 MiB of float32, a whole head of Whisper's 1500 frames (blocks
-# of 1 MiB, an L2 cache, were 1.07x the encoder's time on an Intel Xeon with 2 threads, 1.09x with 1:
-# OpenBLAS packs the keys and values again for every block)
+# scores per block of query rows at most: 16 MiB of float32, a whole head of an encoder's 1500-row
+# attention (blocks the size of an L2 cache were slower: OpenBLAS packs the keys and values again
+# for every block)
 _BLOCK_SCORES = 1 << 22
 
 

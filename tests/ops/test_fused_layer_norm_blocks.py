@@ -1,12 +1,12 @@
-"""Fused Whisper kernels against numpy written the unfused way (runnx/ops/fused_whisper.py)."""
+"""Fused LayerNorm-block kernels against numpy written the unfused way (runnx/ops/fused_layer_norm_blocks.py)."""
 import math
 
 import numpy as np
 import pytest
 
-from runnx.ops import fused_whisper
-from runnx.ops._kernels_whisper import softmax_rows_float32
-from runnx.ops.fused_whisper import AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads
+from runnx.ops import fused_layer_norm_blocks
+from runnx.ops._kernels_rows import softmax_rows_float32
+from runnx.ops.fused_layer_norm_blocks import AddLayerNorm, ErfGelu, HeadsAttention, SplitHeads
 from runnx.ops.normalization import LayerNormalization
 
 RNG = np.random.default_rng(0)
@@ -66,8 +66,8 @@ def test_a_decode_row_attends_in_one_native_call_as_the_nodes_do(workers, monkey
     from runnx.ops import _decode_pool
 
     calls = []
-    shared_call = fused_whisper.shared_call
-    monkeypatch.setattr(fused_whisper, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    shared_call = fused_layer_norm_blocks.shared_call
+    monkeypatch.setattr(fused_layer_norm_blocks, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
     query = RNG.standard_normal((1, 1, 32)).astype(np.float32)
     key, value = RNG.standard_normal((2, 1, 4, 700, 8)).astype(np.float32)
     query_bias = RNG.standard_normal(32).astype(np.float32)
@@ -78,7 +78,7 @@ def test_a_decode_row_attends_in_one_native_call_as_the_nodes_do(workers, monkey
             got, want = _attend(query, key, value, bias, nan_fill=0.25, query_bias=query_bias)
             assert len(calls) == 1
             with monkeypatch.context() as patch:
-                patch.setattr(fused_whisper, "attended_row", lambda *a, **k: None)
+                patch.setattr(fused_layer_norm_blocks, "attended_row", lambda *a, **k: None)
                 apart, _ = _attend(query, key, value, bias, nan_fill=0.25, query_bias=query_bias)
             assert len(calls) == 1
             calls.clear()
@@ -92,7 +92,7 @@ def test_a_decode_row_attends_in_one_native_call_as_the_nodes_do(workers, monkey
 def test_heads_attention_in_the_encoder_layout_a_block_of_rows_at_a_time(monkeypatch):
     """Keys (batch, kv, heads, depth) transposed (0, 2, 3, 1), values transposed (0, 2, 1, 3); blocks
     of 7 query rows (the last one short)."""
-    monkeypatch.setattr(fused_whisper, "_BLOCK_SCORES", 7 * 50)
+    monkeypatch.setattr(fused_layer_norm_blocks, "_BLOCK_SCORES", 7 * 50)
     query = RNG.standard_normal((1, 50, 24)).astype(np.float32) * 4
     key, value = RNG.standard_normal((2, 1, 50, 3, 8)).astype(np.float32)
     query_bias = RNG.standard_normal(24).astype(np.float32)
@@ -213,7 +213,7 @@ def test_add_layer_norm_adds_an_offset_to_the_second_input_first(offset_shape):
     offset = RNG.standard_normal(offset_shape).astype(np.float32)
     scale, bias = RNG.standard_normal((2, 16)).astype(np.float32)
     want = a + (b + offset)
-    total, normalized = fused_whisper.add_layer_norm(a, b.copy(), offset, scale, bias, -1, 1e-5, 1, overwrite=(1,))
+    total, normalized = fused_layer_norm_blocks.add_layer_norm(a, b.copy(), offset, scale, bias, -1, 1e-5, 1, overwrite=(1,))
     np.testing.assert_array_equal(total, want)
     np.testing.assert_array_equal(normalized, LayerNormalization(want, scale, bias, epsilon=1e-5)[0])
     total, normalized = AddLayerNorm(a, b[0], scale, bias, epsilon=1e-5)
