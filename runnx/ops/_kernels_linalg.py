@@ -38,10 +38,9 @@ def rows_into(rows, matrix, partial, start, stop):
     matrix rows in four quarters read side by side (rows k, k + q, k + 2q, k + 3q per pass, then
     the rest one by one), each pass serving every row of `rows`, each column summed in that fixed
     order. Four long sequential streams keep more memory reads in flight than four adjacent rows,
-    whose streams end every few KiB: on a Zen 3 1.3-2x the bandwidth for the 384- and 576-wide
-    matrices of decoding (scripts/bench_gemv.py), the same for wide ones. A few rows (a short
-    prompt's) cost about one row's memory traffic, where OpenBLAS packs the whole matrix for them
-    (2 rows times 384 x 1536 on one thread: 180 us here, OpenBLAS 670); a row's sums do not depend
+    whose streams end every few KiB (narrow decoding matrices gain most; scripts/bench_gemv.py
+    measures it). A few rows (a short prompt's) cost about one row's memory traffic, where
+    OpenBLAS packs the whole matrix for them; a row's sums do not depend
     on the rows beside it, so every row comes out bitwise as it would alone."""
     partial[:] = 0
     quarter = (stop - start) // 4

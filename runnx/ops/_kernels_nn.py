@@ -87,7 +87,7 @@ def pairwise_total(terms, n):
     terms[j] += terms[j + half] (an odd one out joins the first) down to 8, then those in order.
     Each step is element by element, so it vectorises without fast-math flags and every compiled
     copy of a caller (a decode block's, a pool worker's) rounds alike; eight running sums, whose
-    order no flag may change, stay scalar (a 1500 x 384 LayerNorm: 0.40 ms against 0.78)."""
+    order no flag may change, stay scalar."""
     while n > 8:
         half = n // 2
         for j in range(half):
