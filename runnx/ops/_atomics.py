@@ -111,3 +111,16 @@ def float32_pointer(typingctx, address):
         return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.float32)))
 
     return types.CPointer(types.float32)(types.int64), codegen
+
+
+@intrinsic
+def call_units(typingctx, address, box, sequence):
+    """The function at `address`, `int64 (int64 *box, int64 sequence)`, called with box's data: the
+    decode pool's unit loop, one compiled copy that every thread calls (`_decode_mailbox.py`)."""
+    def codegen(context, builder, signature, args):
+        word = ir.IntType(64)
+        function = builder.inttoptr(args[0], ir.FunctionType(word, [word.as_pointer(), word]).as_pointer())
+        array = context.make_array(signature.args[1])(context, builder, args[1])
+        return builder.call(function, [array.data, args[2]])
+
+    return types.int64(types.int64, box, types.int64), codegen

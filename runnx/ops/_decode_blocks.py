@@ -17,7 +17,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._decode_mailbox import _MAILBOX_SIZE, _attention, _gelu, _products
+from runnx.ops._decode_mailbox import _attention, _gelu, _products, own_box
 from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_gate_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
@@ -96,7 +96,7 @@ def gelu_mlp(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon,
     summed, normed = projected_layer_norm(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon)
     up = _product(box, workers, normed[0], up_weight)
     activated = np.empty((1, up.size), np.float32)
-    _gelu(np.zeros(_MAILBOX_SIZE, np.int64), 0, up.reshape((1, up.size)), up_bias, divisor, one, half, activated)
+    _gelu(own_box(box), 0, up.reshape((1, up.size)), up_bias, divisor, one, half, activated)
     return projected_layer_norm(box, workers, activated[0], down_weight, down_bias, summed, down_scale,
                                 down_norm_bias, down_epsilon)
 

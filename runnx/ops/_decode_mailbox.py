@@ -16,6 +16,9 @@ Threads claim units with compare-and-swap on a counter tagged with the job's seq
 the caller never waits for a worker that has not started (it takes the units itself) and a late
 worker cannot claim a later job's unit with an earlier job's fields (the caller retags the counter
 before it rewrites them). The caller waits only for units a worker has claimed, then returns.
+Every thread, the caller as well as the workers, computes units through one compiled copy of the
+unit loop (`_units_entry`, called by the address in the mailbox): a result never depends on which
+thread took which unit.
 Each job says how long a worker spins after it (`_LINGER`): decode jobs come every few microseconds.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._atomics import (add, bits_of_float64, compare_and_swap, float32_pointer, float32_view,
+from runnx.ops._atomics import (add, bits_of_float64, call_units, compare_and_swap, float32_pointer, float32_view,
                                 float64_from_bits, load, pause, store)
 from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span
 from runnx.ops._kernels_linalg import add_partials_into, chunk_bounds, chunk_count, rows_into
@@ -62,7 +65,9 @@ _QUERY, _KEY, _VALUE, _BIAS, _PARTIAL_SUMS, _SPAN_STATS = (_ARRAYS + 9 * i for i
 _ROW_KERNEL, _ROWS_IN, _ROWS_OUT, _ROW_COUNT, _ROW_COLUMNS, _ROW_ARGUMENTS = range(_OWN, _OWN + 6)
 _SOFTMAX_ROWS, _GELU_ROWS = 0, 1
 _ROW_BLOCK = 16  # rows per unit
-_MAILBOX_SIZE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9)
+# the address of `_units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
+_UNITS_CODE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9)
+_MAILBOX_SIZE = _UNITS_CODE + 1
 _INDEX_BITS = 32
 _NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
 _SEQUENCES = (1 << 31) - 1  # job numbers wrap here, so that the tagged counter stays positive
@@ -188,6 +193,42 @@ def _work(box, sequence):
             computed += 1
 
 
+def _units_entry(box_data, sequence):
+    """`_work` on the mailbox at box_data: compiled once, as a C function (`_units_address`)."""
+    return _work(numba.carray(box_data, (_MAILBOX_SIZE,)), sequence)
+
+
+_units_compiled = None
+
+
+def _units_address() -> int:
+    """The address of `_units_entry`, compiled (or loaded from numba's cache) on first use. Every
+    thread computes a job's units through it, the caller as well as the workers: numba inlines a
+    kernel into each function that calls it, and LLVM may vectorise the copies differently (with
+    the kernels' reassociating float flags, 1 ulp apart on some rows, depending on the CPU and on
+    what was compiled first), so which thread took a unit would change the result."""
+    global _units_compiled
+    if _units_compiled is None:
+        signature = numba.types.int64(numba.types.CPointer(numba.types.int64), numba.types.int64)
+        _units_compiled = numba.cfunc(signature, cache=True, error_model="numpy")(_units_entry)
+    return _units_compiled.address
+
+
+def new_box() -> np.ndarray:
+    """A mailbox for a pool of workers or for a job run alone."""
+    box = np.zeros(_MAILBOX_SIZE, np.int64)
+    box[_UNITS_CODE] = _units_address()
+    return box
+
+
+@_jit
+def own_box(box):
+    """A new mailbox that calls the same unit code as `box` (a job run alone inside another)."""
+    alone = np.zeros(_MAILBOX_SIZE, np.int64)
+    alone[_UNITS_CODE] = box[_UNITS_CODE]
+    return alone
+
+
 @_jit
 def _serve(box, worker):
     """Worker `worker`'s loop: returns True when told to stop, False when it has been idle for as
@@ -197,7 +238,7 @@ def _serve(box, worker):
     while not load(box, _STOP):
         posted = load(box, _POSTED)
         if posted != handled:
-            computed = _work(box, posted)
+            computed = call_units(load(box, _UNITS_CODE), box, posted)
             if computed:
                 add(box, _SHARED, computed)
             handled, polls, patience = posted, 0, load(box, _LINGER)
@@ -233,7 +274,7 @@ def _run(box, workers, sequence, units):
     idle = False
     for worker in range(workers):
         idle |= load(box, _IDLE + worker) != 0
-    _work(box, sequence)
+    call_units(load(box, _UNITS_CODE), box, sequence)
     while load(box, _COMPLETED) < units:
         pause()
     return idle

@@ -23,8 +23,8 @@ import numba
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_mailbox import (_IDLE, _MAILBOX_SIZE, _ROW_BLOCK, _SHARED, MAX_MATRICES, MAX_WORKERS, _attention,
-                                       _gelu, _products, _rest, _serve, _softmax, _stop)
+from runnx.ops._decode_mailbox import (_IDLE, _ROW_BLOCK, _SHARED, MAX_MATRICES, MAX_WORKERS, _attention, _gelu,
+                                       _products, _rest, _serve, _softmax, _stop, new_box)
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_matrix
 
 _SHARED_ROWS = 2 * _ROW_BLOCK  # fewer rows (a decode step's GELU) run the job alone, never the pool
@@ -48,11 +48,11 @@ class DecodePool:
         # `_rest`, first called by a multi-threaded BLAS product while workers spin (an
         # encoder-decoder window's first step after a decode): loading it from numba's cache there
         # would stall that step
-        stopped = np.zeros(_MAILBOX_SIZE, np.int64)
+        stopped = new_box()
         _rest(stopped)
         _stop(stopped)
         _serve(stopped, 0)
-        self.box = np.zeros(_MAILBOX_SIZE, np.int64)
+        self.box = new_box()
         self._workers = workers
         self._partials = np.empty(0, np.float32)
         self._lock = threading.Lock()
@@ -212,7 +212,7 @@ def alone(job, *arguments):
     rather than a direct call, which numba may compile apart from the job's copy: with their
     reassociating float flags the two copies rounded some rows 1 ulp apart, depending on which the
     process compiled or loaded first (a row's softmax then depended on how many rows came with it)."""
-    return job(np.zeros(_MAILBOX_SIZE, np.int64), 0, *arguments)
+    return job(new_box(), 0, *arguments)
 
 
 _pool: DecodePool | None = None

@@ -30,6 +30,14 @@ def pool():
     _decode_pool.set_workers(None)
 
 
+def _some_awake(pool, workers: int) -> bool:
+    """Whether one of `workers` is awake (spinning), waiting up to a second for a woken one to run."""
+    deadline = time.monotonic() + 1
+    while all(pool.box[_decode_mailbox._IDLE:_decode_mailbox._IDLE + workers]) and time.monotonic() < deadline:
+        time.sleep(0.0001)
+    return not all(pool.box[_decode_mailbox._IDLE:_decode_mailbox._IDLE + workers])
+
+
 def _asleep(pool, workers: int) -> bool:
     """Whether all `workers` of `pool` are asleep (waiting up to 10 s for their patience to run out)."""
     deadline = time.monotonic() + 10
@@ -148,6 +156,29 @@ def test_attention_by_kv_heads_is_bitwise_the_one_thread_job(pool, bias, size):
     np.testing.assert_allclose(expected, weights @ np.repeat(value, 2, axis=1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["_serve", "_rest", "_attention", "_products"])
+def test_every_thread_computes_units_through_one_compiled_copy(name):
+    """The workers' loop and the callers' jobs call the unit loop through the address in the mailbox
+    (`_units_address`) instead of inlining it: inlined copies of a reassociating kernel may round
+    apart (a unit's result would depend on the thread that took it). Compiled afresh here, since
+    numba shows no code for cached functions."""
+    import re
+
+    import numba
+    box = _decode_mailbox.new_box()
+    row, matrix = np.ones(4, np.float32), np.ones((4, 3), np.float32)
+    query, key = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 3, 4), np.float32)
+    arguments = {"_serve": (box, 0), "_rest": (box,),
+                 "_attention": (box, 1, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32)),
+                 "_products": (box, 1, row, (matrix,), (np.empty(3, np.float32),), np.empty(3 * 8, np.float32))}[name]
+    fresh = numba.njit(nogil=True, error_model="numpy")(getattr(_decode_mailbox, name).py_func)
+    fresh.compile(tuple(numba.typeof(argument) for argument in arguments))
+    code = next(iter(fresh.inspect_llvm().values()))
+    assert "call_units" not in code and re.search(r"inttoptr", code)
+    units = r"\d(?:_work|_attention_span|attention_span|_product_chunk|softmax_rows_float32|gelu_rows_float32)(?![a-z_])"
+    assert not re.search(units, code)  # (mangled names: the name after its length)
+
+
 def _attention_alone(query, key, value, bias):
     return _decode_pool.attention_job(query, key, value, bias, 0.25, np.nan)
 
@@ -187,10 +218,11 @@ def test_products_worth_blas_threads_let_spinning_workers_sleep(pool):
     row = RNG.standard_normal(512).astype(np.float32)
     rows = RNG.standard_normal((64, 512)).astype(np.float32)
     frequencies, positions = RNG.standard_normal((1, 32, 1)).astype(np.float32), np.ones((1, 1, 1), np.float32)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a loaded machine may give the woken workers no core for a while
     rested = False
     while not rested and time.monotonic() < deadline:  # (unless the workers fell asleep before the product)
         pool.products(row, (matrix,))
+        _some_awake(pool, 2)
         posted = pool.box[_decode_mailbox._POSTED]
         np.testing.assert_array_equal(MatMul(frequencies, positions), frequencies @ positions)
         assert pool.box[_decode_mailbox._POSTED] == posted  # no job
