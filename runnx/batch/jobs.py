@@ -26,9 +26,10 @@ class GenerateJob:
     With `chat`, a "prompt" is sent as a user message (after `system`) through the chat template,
     as `runnx generate --chat` does; "messages" always are."""
 
-    def __init__(self, model_dir, settings: dict | None = None, *, chat: bool = False, system: str | None = None):
+    def __init__(self, model_dir, settings: dict | None = None, *, chat: bool = False, system: str | None = None,
+                 variant: str | None = None):
         from runnx.generate.generator import Generator
-        self.generator = Generator.from_folder(model_dir)
+        self.generator = Generator.from_folder(model_dir, variant=variant)
         self.settings = dict(settings or {})
         self.chat = chat
         self.system = system

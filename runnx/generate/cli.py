@@ -1,4 +1,5 @@
-"""`runnx generate` and `runnx chat`: text generation from an Optimum export folder in the terminal.
+"""`runnx generate` and `runnx chat`: text generation from a model folder in the terminal (an Optimum
+export, a transformers.js download with its `--variant`, an onnxruntime-genai folder: layouts.py).
 
     runnx generate MODEL_DIR "The capital of France is" [--chat] [--max-new-tokens N] [--temperature T]
                    [--top-k K] [--top-p P] [--min-p P] [--repetition-penalty R] [--seed S] [--stop TEXT]
@@ -17,9 +18,10 @@ from runnx.batch.cli import add_batch_arguments, batch_requested
 
 def register(subparsers) -> None:
     generate = subparsers.add_parser("generate", help="generate text from a prompt (streams it, then the speed)",
-                                     description="Generate text with a decoder exported by Optimum (a folder "
-                                                 "with model.onnx or decoder_model_merged.onnx, config.json, "
-                                                 "generation_config.json and tokenizer.json).")
+                                     description="Generate text with a decoder: an Optimum export (model.onnx or "
+                                                 "decoder_model_merged.onnx, config.json, generation_config.json, "
+                                                 "tokenizer.json), a transformers.js download (onnx/model*.onnx: "
+                                                 "--variant) or an onnxruntime-genai folder (genai_config.json).")
     generate.add_argument("model_dir", metavar="MODEL_DIR")
     generate.add_argument("prompt", metavar="PROMPT", nargs="?", help="the prompt (or --input FILE)")
     generate.add_argument("--chat", action="store_true",
@@ -41,6 +43,9 @@ def register(subparsers) -> None:
 
 
 def _add_decoding_arguments(parser) -> None:
+    parser.add_argument("--variant", metavar="NAME",
+                        help="which onnx/model_*.onnx of a transformers.js folder: fp32 (model.onnx, the default), "
+                             "fp16, int8 (model_int8 or model_quantized), q4, q4f16, ... (the file's suffix)")
     parser.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="default 256")
     parser.add_argument("--temperature", type=float, metavar="T", help="sample with this temperature")
     parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens")
@@ -57,7 +62,7 @@ _COMPILING_TOKENS = 8  # a generation that compiles the kernels (`runnx/backgrou
 
 def _compile_key(args) -> list:
     """What chooses the kernels a generation calls: the model, and whether a chat template wraps it."""
-    return ["generate", os.path.abspath(args.model_dir), bool(getattr(args, "chat", True))]
+    return ["generate", os.path.abspath(args.model_dir), bool(getattr(args, "chat", True)), args.variant]
 
 
 def _compile_argv(args) -> list[str] | None:
@@ -68,7 +73,8 @@ def _compile_argv(args) -> list[str] | None:
     prompt = getattr(args, "prompt", None) or "Hello"
     chat = getattr(args, "chat", True)
     system = ["--system", args.system] if args.system else []
-    return ["generate", args.model_dir, prompt, *(["--chat", *system] if chat else []), "--max-new-tokens",
+    variant = ["--variant", args.variant] if args.variant else []
+    return ["generate", args.model_dir, prompt, *variant, *(["--chat", *system] if chat else []), "--max-new-tokens",
             str(min(args.max_new_tokens, _COMPILING_TOKENS))]
 
 
@@ -78,10 +84,10 @@ def _settings(args) -> dict:
             "seed": args.seed, "stop_strings": tuple(args.stop)}
 
 
-def _load(model_dir, profile=None):
+def _load(model_dir, profile=None, variant=None):
     # imported here, not at module level: `runnx` imports every plug-in at start-up
     from runnx.generate.generator import Generator
-    return Generator.from_folder(model_dir, profile=profile)
+    return Generator.from_folder(model_dir, profile=profile, variant=variant)
 
 
 def command_generate(args) -> int:
@@ -90,7 +96,7 @@ def command_generate(args) -> int:
         from runnx.batch.cli import run_generate_batch
         return run_generate_batch(args, _settings(args))
     profile = runnx.Profile() if args.profile else None
-    generator = _load(args.model_dir, profile)
+    generator = _load(args.model_dir, profile, args.variant)
     if args.chat:
         from runnx.generate.chat import Chat
         pieces = Chat(generator, system=args.system).send(args.prompt, **_settings(args))
@@ -114,7 +120,7 @@ def describe_stats(stats) -> str:
 
 def command_chat(args) -> int:
     from runnx.generate.chat import Chat
-    chat = Chat(_load(args.model_dir), system=args.system, **_settings(args))
+    chat = Chat(_load(args.model_dir, variant=args.variant), system=args.system, **_settings(args))
     print("runnx chat: type a message; Ctrl-D leaves.", file=sys.stderr)
     while True:
         try:

@@ -11,6 +11,8 @@ Usage (any Optimum decoder export; Whisper's decoder the same way)::
 
 What it does for you:
 
+- Folders: `from_folder` reads any layout `layouts.py` knows (Optimum, transformers.js with a
+  `variant`, onnxruntime-genai: names from genai_config.json, its shared KV buffer).
 - Names: inputs/outputs are discovered by `DecoderIO` (io_names.py) for the three export shapes
   (`model.onnx`; `decoder_model_merged.onnx`, where it feeds `use_cache_branch` False on the first
   step and True afterwards; `decoder_model.onnx` for the first step + `decoder_with_past_model.onnx`).
@@ -32,13 +34,12 @@ What it does for you:
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import numpy as np
 
 from runnx.capture.ownership import read_only_view
-from runnx.generate.io_names import DecoderIO, DecoderIOError, KVName, find_decoder_files
+from runnx.generate.io_names import DecoderIO, DecoderIOError, KVName
+from runnx.generate.layouts import FolderLayout, read_folder
 from runnx.generate.kv_cache import SEQUENCE_AXIS, KVCache
 from runnx.interp.dtypes import numpy_dtype
 from runnx.interp.model import load as runnx_load
@@ -48,15 +49,25 @@ from runnx.ops import _decode_pool
 class DecoderStep:
     """Runs a decoder one step at a time and owns its KV cache (see the module docstring)."""
 
-    def __init__(self, model, with_past=None, *, capacity: int = 256, config: dict | None = None, profile=None):
+    def __init__(self, model, with_past=None, *, capacity: int = 256, config: dict | None = None, profile=None,
+                 io: DecoderIO | None = None, share_buffer: bool = False, context_length: int | None = None,
+                 padding: bool = True):
         """`model` runs the first step (and every step when `with_past` is None); `config` (the
         model's config.json) is only needed when the past inputs do not declare heads/head_dim.
         Load merged decoders with `runnx.load(path, check_symbolic_dims=False)` (or use
-        `load_decoder`): their attention_mask and input_ids share a misnamed symbolic length."""
+        `load_decoder`): their attention_mask and input_ids share a misnamed symbolic length.
+        `io` gives the roles of the inputs and outputs when a config names them (layouts.py);
+        `share_buffer` feeds each whole KV buffer as past, which the model writes in place and
+        returns as present (onnxruntime-genai's past_present_share_buffer); `context_length`
+        bounds the tokens a step may reach; `padding=False` refuses padded rows (GroupQueryAttention
+        models find each row's length from the mask, so rows must not be left-padded)."""
         self.first_model = model
         self.past_model = with_past if with_past is not None else model
-        self.first_io = DecoderIO.of(model)
-        self.past_io = DecoderIO.of(self.past_model)
+        self.first_io = io or DecoderIO.of(model)
+        self.past_io = io or DecoderIO.of(self.past_model)
+        self.share_buffer = share_buffer
+        self.context_length = context_length
+        self.padding = padding
         if not self.past_io.takes_past:
             raise DecoderIOError("the decoder takes no past_key_values: it cannot be run step by step with a cache")
         self.capacity = capacity
@@ -78,16 +89,21 @@ class DecoderStep:
         self.reset()
 
     @classmethod
-    def from_folder(cls, folder, *, capacity: int = 256, profile=None, load=None) -> "DecoderStep":
-        """Load the decoder file(s) of an Optimum export folder; `load` defaults to `load_decoder`."""
+    def from_folder(cls, folder, *, capacity: int = 256, profile=None, load=None, variant: str | None = None,
+                    share_buffer: bool | None = None, layout: FolderLayout | None = None) -> "DecoderStep":
+        """Load the decoder of a folder in any layout `layouts.read_folder` reads (Optimum,
+        transformers.js with its `variant`, onnxruntime-genai); `load` defaults to `load_decoder`;
+        `share_buffer` None: as the folder's config says."""
         load = load or load_decoder
-        files = find_decoder_files(folder)
+        layout = layout or read_folder(folder, variant)
+        files = layout.files
         _decode_pool.start_in_background()  # beside the loads
         first = load(str(files.first))
         with_past = load(str(files.with_past)) if files.with_past != files.first else None
-        config_path = Path(folder) / "config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-        return cls(first, with_past, capacity=capacity, config=config, profile=profile)
+        genai = layout.kind == "onnxruntime-genai"
+        return cls(first, with_past, capacity=capacity, config=layout.config, profile=profile,
+                   io=layout.decoder_io(first), share_buffer=layout.share_buffer if share_buffer is None else share_buffer,
+                   context_length=layout.context_length if genai else None, padding=not genai)
 
     # -- state -------------------------------------------------------------------------------
     def reset(self, batch_size: int = 1, fixed_feeds: dict | None = None) -> None:
@@ -134,7 +150,7 @@ class DecoderStep:
                                      f"takes {dtype}[batch, {heads}, length, {head_dim}]")
         self_names = [k.past for k in self.past_io.kv if not k.is_cross_attention]
         self.cache = KVCache.with_capacity({n: arrays[n] for n in self_names},
-                                           max(self.capacity, 2 * attention_mask.shape[1]))
+                                           max(self.capacity, 2 * attention_mask.shape[1]), zeroed=self.share_buffer)
         self.cross = {k.past: read_only_view(arrays[k.past]) for k in self.past_io.kv if k.is_cross_attention}
         self.attention_mask = attention_mask
 
@@ -151,6 +167,12 @@ class DecoderStep:
         first = not self.started
         model, io = (self.first_model, self.first_io) if first else (self.past_model, self.past_io)
         full_mask = np.concatenate([self.attention_mask, new_mask], axis=1)
+        if self.context_length is not None and full_mask.shape[1] > self.context_length:
+            raise DecoderIOError(f"{full_mask.shape[1]} tokens exceed the model's context length of "
+                                 f"{self.context_length}")
+        if not self.padding and not new_mask.all():
+            raise DecoderIOError("this model finds each row's length from the attention mask (GroupQueryAttention): "
+                                 "rows cannot be padded; run prompts of unequal length one by one")
 
         feeds = {io.input_ids: input_ids}
         if io.attention_mask:
@@ -168,7 +190,7 @@ class DecoderStep:
 
         run_kwargs = {"profile": self.profile} if self.profile is not None else {}
         outputs = model.run(feeds, self._wanted[first], **run_kwargs)
-        self._take_presents(outputs, first)
+        self._take_presents(outputs, first, full_mask.shape[1])
         self.attention_mask = full_mask
         return outputs[io.logits]
 
@@ -176,7 +198,7 @@ class DecoderStep:
         if not io.takes_past:
             return {}
         if not first:
-            feeds = self.cache.handover(new)
+            feeds = self.cache.handover(new, whole=self.share_buffer)
             cross = self.cross
             for name in self._cross_pasts:
                 feeds[name] = cross[name]
@@ -186,19 +208,20 @@ class DecoderStep:
         # model.onnx: the prefill appends into the reserved buffers already
         self_attention = [k for k in io.kv if k.past and not k.is_cross_attention]
         self.cache = KVCache.empty({k.past: self._empty_shape(k) for k in self_attention},
-                                   {k.past: self._layout[k.slot][2] for k in self_attention}, self.capacity)
-        feeds = self.cache.handover(new)
+                                   {k.past: self._layout[k.slot][2] for k in self_attention}, self.capacity,
+                                   zeroed=self.share_buffer)
+        feeds = self.cache.handover(new, whole=self.share_buffer)
         feeds.update({k.past: self._empty(k) for k in io.kv if k.past and k.is_cross_attention})
         return feeds
 
-    def _take_presents(self, outputs: dict, first: bool) -> None:
+    def _take_presents(self, outputs: dict, first: bool, length: int) -> None:
         self_presents = {past: outputs[present] for past, present in self._self_presents[first]}
         if first:  # read-only, so that every step feeds these same arrays (not new read-only views of them)
             self.cross = {past: read_only_view(outputs[present]) for past, present in self._cross_presents}
         if self.cache is None:  # a prefill without past inputs returned exact-size arrays
-            self.cache = KVCache.with_capacity(self_presents, self.capacity)
+            self.cache = KVCache.with_capacity(self_presents, self.capacity, zeroed=self.share_buffer)
         else:
-            self.cache.accept(self_presents)
+            self.cache.accept(self_presents, length if self.share_buffer else None)
 
     def _empty_shape(self, kv: KVName) -> tuple:
         heads, head_dim, _ = self._layout[kv.slot]

@@ -17,15 +17,14 @@ a saved state can continue from exactly there). Rows of a batch are left-padded 
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.generate.decoder import DecoderStep
+from runnx.generate.layouts import read_folder
 from runnx.generate.sampling import Multinomial, apply_processors, argmax, build_processors
 from runnx.generate.tokenizer import TextStream, Tokenizer, as_tokenizer
 
@@ -138,12 +137,16 @@ class Generator:
         self.reset()
 
     @classmethod
-    def from_folder(cls, folder, *, capacity: int = 256, profile=None, load=None) -> "Generator":
-        """An Optimum export folder: ONNX file(s), config.json, generation_config.json, tokenizer.json."""
-        folder = Path(folder)
-        decoder = DecoderStep.from_folder(folder, capacity=capacity, profile=profile, load=load)
-        tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
-        return cls(decoder, tokenizer, _read_json(folder / "generation_config.json"))
+    def from_folder(cls, folder, *, capacity: int = 256, profile=None, load=None, variant: str | None = None,
+                    share_buffer: bool | None = None) -> "Generator":
+        """A model folder with its tokenizer: an Optimum export, a transformers.js download (its
+        onnx/ `variant`: fp32, fp16, int8, q4, ...) or an onnxruntime-genai folder (layouts.py);
+        `share_buffer` None: the KV buffer is shared between past and present as genai_config.json says."""
+        layout = read_folder(folder, variant)
+        decoder = DecoderStep.from_folder(layout.folder, capacity=capacity, profile=profile, load=load,
+                                          share_buffer=share_buffer, layout=layout)
+        tokenizer = Tokenizer.from_folder(layout.folder) if (layout.folder / "tokenizer.json").is_file() else None
+        return cls(decoder, tokenizer, layout.generation_config)
 
     @classmethod
     def from_model(cls, model, tokenizer=None, *, with_past=None, config: dict | None = None,
@@ -366,7 +369,3 @@ class Generator:
         if self._texts is None:
             raise RunnxError("generate_batch returns text: it needs a tokenizer (use the step API for ids)")
         return [self.text(row, final=True) for row in range(len(rows))]
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
