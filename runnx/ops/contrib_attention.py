@@ -173,6 +173,21 @@ def _causal_bias(query_positions, total_lengths, kv_length: int, window: int, dt
     return np.where(visible, dtype.type(0), dtype.type(-np.inf))[:, None]
 
 
+def _attend_rows(queries, present_key, present_value, starts, lengths, reach: int, window: int, attention_bias,
+                 factor: float, softcap: float, smooth_softmax: int, head_sink):
+    """Attention of queries (B, N, S, H) over the first `reach` rows of the present cache, the rows
+    every sequence of the batch has: the rows past a sequence's length are never read (a shared
+    buffer's spare rows may hold anything, NaN included, which no mask could hide), and a decode
+    step reads its filled rows, not the whole buffer."""
+    dtype = queries.dtype
+    steps = queries.shape[2]
+    bias = _causal_bias(starts[:, None] + np.arange(steps), lengths, reach, window, dtype)
+    if attention_bias is not None:
+        bias = bias + attention_bias[..., :reach].astype(dtype)
+    return _attention(queries, present_key[:, :, :reach], present_value[:, :, :reach], bias, factor, softcap,
+                      bool(smooth_softmax), head_sink)
+
+
 @register("GroupQueryAttention", since=1, domain=DOMAIN, inplace=(3, 4))
 def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
                         cos_cache=None, sin_cache=None, position_ids=None, attention_bias=None, head_sink=None, *,
@@ -216,13 +231,17 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
     length = max(total, past_key.shape[2]) if past_key is not None else total
     present_key = _present(past_key, new_key, starts, length, 3 in overwrite, ctx, "key")
     present_value = _present(past_value, new_value, starts, length, 4 in overwrite, ctx, "value")
-    dtype = q.dtype
-    bias = _causal_bias(starts[:, None] + np.arange(steps), lengths, length, local_window_size, dtype)
-    if attention_bias is not None:
-        bias = bias + attention_bias[..., :length].astype(dtype)
     factor = scale or 1 / math.sqrt(head_size)
-    output = _attention(np.ascontiguousarray(q.transpose(0, 2, 1, 3)), present_key, present_value, bias, factor,
-                        softcap, bool(smooth_softmax), head_sink)
+    queries = np.ascontiguousarray(q.transpose(0, 2, 1, 3))
+    if np.all(lengths == lengths[0]):
+        output = _attend_rows(queries, present_key, present_value, starts, lengths, int(lengths[0]), local_window_size,
+                              attention_bias, factor, softcap, smooth_softmax, head_sink)
+    else:  # each sequence over its own rows
+        output = np.concatenate([
+            _attend_rows(queries[b:b + 1], present_key[b:b + 1], present_value[b:b + 1], starts[b:b + 1],
+                         lengths[b:b + 1], int(lengths[b]), local_window_size,
+                         None if attention_bias is None else attention_bias[b:b + 1] if attention_bias.shape[0] > 1
+                         else attention_bias, factor, softcap, smooth_softmax, head_sink) for b in range(batch)])
     output = output.transpose(0, 2, 1, 3).reshape(batch, steps, num_heads * head_size)
     return (output, present_key, present_value)[:max(output_count, 1)] if output_count > 1 else output
 

@@ -126,6 +126,26 @@ def test_group_query_attention_grows_an_owned_cache_in_place():
     assert feeds["in3"].shape == (1, 2, 6, 8)  # the caller's arrays are untouched
 
 
+@pytest.mark.parametrize("lengths", [[6, 6], [3, 9]])
+def test_group_query_attention_never_reads_a_shared_buffer_past_each_length(lengths):
+    """A shared buffer's rows past each sequence's length are not the model's (onnxruntime never
+    reads them): NaN there changes nothing, in a batch of equal or unequal lengths."""
+    inputs = _gqa_inputs(2, 1, 0, 16, 4, 2, 8, lengths=lengths)
+    clean = [x.copy() if isinstance(x, np.ndarray) else x for x in inputs]
+    for b, n in enumerate(lengths):
+        inputs[3][b, :, n:] = np.nan
+        inputs[4][b, :, n:] = np.nan
+    model, feeds = contrib_model("GroupQueryAttention", inputs, ["y", "present_key", "present_value"], num_heads=4,
+                                 kv_num_heads=2)
+    _, clean_feeds = contrib_model("GroupQueryAttention", clean, ["y", "present_key", "present_value"], num_heads=4,
+                                   kv_num_heads=2)
+    session = runnx.load(model)
+    got, expected = session.run(feeds), session.run(clean_feeds)
+    assert np.isfinite(got["y"]).all()
+    np.testing.assert_array_equal(got["y"], expected["y"])
+    _compare_gqa(clean, [n + 1 for n in lengths], num_heads=4, kv_num_heads=2)
+
+
 def test_group_query_attention_writes_a_shared_owned_buffer_in_place():
     inputs = _gqa_inputs(2, 1, 0, 12, 4, 2, 8, lengths=[5, 9])
     model, feeds = contrib_model("GroupQueryAttention", inputs, ["y", "present_key", "present_value"], num_heads=4,
