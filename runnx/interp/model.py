@@ -14,7 +14,7 @@ from runnx.interp.context import RunContext
 from runnx.interp.dtypes import type_name
 from runnx.interp.executor import Executor
 from runnx.interp.folding import fold_constants
-from runnx.interp.fusion import fuse
+from runnx.interp.fusion import fuse, quantizes_computed_values
 from runnx.interp.last_position import keep_last_position
 from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
@@ -40,8 +40,10 @@ class Model:
         # reads its roots for their shapes only, so it never holds back an in-place KV append.
         self.memoized = sum(memoize_shapes(graph) for graph in _graphs(self.graph)) if self.options.shape_cache else 0
         self.fused = {}
+        # a quantizer anywhere may read what any graph computes (a branch's captures): all fuse bitwise
+        self.fuses_bitwise = self.options.fuse and any(quantizes_computed_values(g) for g in _graphs(self.graph))
         for graph in _graphs(self.graph) if self.options.fuse else ():
-            for op, count in fuse(graph).items():
+            for op, count in fuse(graph, bitwise=self.fuses_bitwise).items():
                 self.fused[op] = self.fused.get(op, 0) + count
         if self.fused and self.options.shape_cache:  # fused shape stand-ins join the memos around them
             self.memoized += sum(memoize_shapes(graph) for graph in _graphs(self.graph))

@@ -65,19 +65,19 @@ def _load_unoptimized(path):
 
 
 @pytest.mark.parametrize("variant, file, load", [
-    ("fp32", "model.onnx", None), ("q4", "model_q4.onnx", None),
-    # plain interpretation: the int8 graph under the optimizations is the xfail below
-    ("int8", "model_quantized.onnx", _load_unoptimized),
-    pytest.param("int8", "model_quantized.onnx", None, marks=pytest.mark.xfail(
-        strict=True, reason="optimization_level all changes the int8 (DynamicQuantizeLinear + MatMulInteger) "
-                            "SmolLM2's logits by up to 4.6 (first token 4723, not 7042); disabled matches"))])
+    ("fp32", "model.onnx", None), ("q4", "model_q4.onnx", None), ("int8", "model_quantized.onnx", None),
+    ("int8", "model_quantized.onnx", _load_unoptimized)], ids=["fp32", "q4", "int8", "int8-disabled"])
 def test_transformers_js_variant_greedy_equals_onnxruntime(smollm2_tjs_dir, variant, file, load):
+    """int8 (quantize_dynamic's DynamicQuantizeLinear -> MatMulInteger): its graph fuses only
+    kernels bitwise their nodes (a fused attention rounding apart moved quantized values and the
+    first token, 4723 for onnxruntime's 7042). Its decode steps' logits are up to 2.4 from
+    onnxruntime's (each rounds its float attention its own way before the quantizers), and the 16th
+    token of "def fibonacci(n):" is where that shows: onnxruntime 365 by 0.44 over 304, runnx 304 by
+    0.60 over 365 (the 15 before equal; "The capital of France is": 24 of 24)."""
     generator = Generator.from_folder(smollm2_tjs_dir, variant=variant, load=load)
     model = smollm2_tjs_dir / "onnx" / file
     assert read_folder(smollm2_tjs_dir, variant).files.first == model
-    # int8: 12 tokens; the 16th of "def fibonacci(n):" is a near-tie that the order of the scales'
-    # products decides (onnxruntime 365, runnx 304, the 15 before equal)
-    tokens = 12 if variant == "int8" else 16
+    tokens = 15 if variant == "int8" else 16
     for prompt in PROMPTS:
         expected = ort_greedy(model, model, generator.tokenizer.encode(prompt), tokens)
         generator.generate(prompt, max_new_tokens=tokens, stop_token_ids=())

@@ -6,7 +6,9 @@ Comparison: bitwise for everything but floats, and for floats within TOLERANCE. 
 may sum in another order than the nodes it replaces (a norm's mean, attention's softmax and
 products, BLAS blocking for one row against many), so float32 results may differ by a few units
 in the last place, amplified by the layers after; integers, booleans, shapes, NaN/inf positions
-and dtypes must be identical.
+and dtypes must be identical. A model quantizing values it computes (DynamicQuantizeLinear, ...)
+is compared bitwise: a unit in the last place there moves a quantized value a whole step now and
+then, so runnx fuses only kernels bitwise their nodes in such a graph (interp/fusion/__init__.py).
 """
 from __future__ import annotations
 
@@ -28,12 +30,13 @@ def load_both(model, **options) -> tuple:
             runnx.load(model, optimization_level="all", **options))
 
 
-def assert_same(plain, optimized, what: str = "output") -> None:
-    """`optimized` equals `plain`: bitwise but for floats (TOLERANCE), NaN where NaN, same dtype and shape."""
+def assert_same(plain, optimized, what: str = "output", bitwise: bool = False) -> None:
+    """`optimized` equals `plain`: bitwise but for floats (TOLERANCE unless `bitwise`), NaN where NaN,
+    same dtype and shape."""
     if isinstance(plain, list) or isinstance(optimized, list):
         assert isinstance(plain, list) and isinstance(optimized, list) and len(plain) == len(optimized), what
         for index, (a, b) in enumerate(zip(plain, optimized)):
-            assert_same(a, b, f"{what}[{index}]")
+            assert_same(a, b, f"{what}[{index}]", bitwise)
         return
     if plain is None or optimized is None:
         assert plain is None and optimized is None, what
@@ -41,7 +44,9 @@ def assert_same(plain, optimized, what: str = "output") -> None:
     plain, optimized = np.asarray(plain), np.asarray(optimized)
     assert plain.dtype == optimized.dtype and plain.shape == optimized.shape, \
         f"{what}: {optimized.dtype}{optimized.shape} optimized, {plain.dtype}{plain.shape} plain"
-    if plain.dtype.kind == "f" or plain.dtype.kind == "c" or plain.dtype.kind == "V":
+    if bitwise:
+        np.testing.assert_array_equal(optimized, plain, err_msg=what)
+    elif plain.dtype.kind == "f" or plain.dtype.kind == "c" or plain.dtype.kind == "V":
         wide_plain, wide_optimized = plain.astype(np.complex128 if plain.dtype.kind == "c" else np.float64), \
             optimized.astype(np.complex128 if plain.dtype.kind == "c" else np.float64)
         tolerance = TOLERANCE if plain.dtype.itemsize >= 4 else {"rtol": 1e-2, "atol": 1e-2}
@@ -101,6 +106,11 @@ class DecoderShape:
     masked: tuple  # Where(mask, then, else)'s (then, else)
     gelu: tuple  # (divisor, one, half): (sqrt 2, 1, 0.5) as exported
     shape_readers: bool = False  # fused values also read for their shape (shape stand-ins), as exports do
+    # products as onnxruntime.quantization.quantize_dynamic writes them (DynamicQuantizeLinear ->
+    # MatMulInteger -> Cast -> Mul by the scales), and a token embedding DequantizeLinear(int8 table)
+    # -> Gather(ids) added to the hidden input: "" none, "all" every product, "attention" the
+    # attention's (the MLP's left float, as nodes_to_exclude leaves them)
+    quantized: str = ""
     overridable: tuple = ()  # initializer names also listed as graph inputs
     seed: int = 0
     constants: dict = field(default_factory=dict)
@@ -110,8 +120,9 @@ class DecoderShape:
         return self.heads * self.head_size
 
 
-def random_shape(rng: np.random.Generator, style: str, usual: bool) -> DecoderShape:
-    """Random sizes; with usual=False, constants the fusion matchers do not expect."""
+def random_shape(rng: np.random.Generator, style: str, usual: bool, quantized: str = "") -> DecoderShape:
+    """Random sizes; with usual=False, constants the fusion matchers do not expect (and quantized
+    weights with per-column zero points)."""
     groups = int(rng.choice([1, 2]))
     heads = groups * int(rng.choice([1, 2, 3]))
     head_size = int(rng.choice([4, 8]))
@@ -124,7 +135,7 @@ def random_shape(rng: np.random.Generator, style: str, usual: bool) -> DecoderSh
         nan_fill=0.0 if usual else float(rng.choice([np.nan, 7.0])),
         masked=(0.0, float("-inf")) if usual else ((-1e4, 0.0) if rng.random() < 0.5 else (float("-inf"), 2.0)),
         gelu=(float(np.sqrt(2)), 1.0, 0.5) if usual else (float(rng.choice([1.3, 2.0])), float(rng.choice([0.5, 2.0])), 0.7),
-        shape_readers=bool(rng.random() < 0.5), seed=int(rng.integers(2**31)))
+        shape_readers=bool(rng.random() < 0.5), seed=int(rng.integers(2**31)), quantized=quantized)
 
 
 class DecoderGraph:
@@ -184,11 +195,44 @@ class DecoderGraph:
     def norm(self, x: str) -> str:
         return self.rms_norm(x) if self.shape.style == "llama" else self.layer_norm(x)
 
-    def linear(self, x: str, rows: int, columns: int, bias: bool = False) -> str:
-        y = self.node("MatMul", [x, self.weight(rows, columns)])
+    def linear(self, x: str, rows: int, columns: int, bias: bool = False, part: str = "") -> str:
+        quantized = self.shape.quantized == "all" and part or self.shape.quantized == part == "attention"
+        if quantized:
+            y = self.quantized_product(x, rows, columns)
+        else:
+            y = self.node("MatMul", [x, self.weight(rows, columns)])
         if bias:
             y = self.node("Add", [y, self.constant("b", (0.1 * self.rng.standard_normal(columns)).astype(np.float32))])
         return y
+
+    def quantized_product(self, x: str, rows: int, columns: int) -> str:
+        """x @ W as quantize_dynamic(weight_type=QInt8, reduce_range=True) writes it: x quantized to
+        uint8 with its scale and zero point, W int8 in 7 bits (a zero point of 0; per column when
+        the constants are unexpected), the int32 product cast and scaled by x's scale times W's."""
+        w = self.rng.standard_normal((rows, columns)) / np.sqrt(rows)
+        usual = self.shape.epsilon < 0.1
+        zero = np.int8(0) if usual else self.rng.integers(-3, 4, columns).astype(np.int8)
+        scale = (np.abs(w).max() if usual else np.abs(w).max(axis=0)) / 63
+        w_q = np.clip(np.round(w / scale) + zero, -64, 63).astype(np.int8)
+        quantized, x_scale, x_zero = self.fresh("x_q"), self.fresh("x_scale"), self.fresh("x_zero")
+        self.nodes.append(helper.make_node("DynamicQuantizeLinear", [x], [quantized, x_scale, x_zero],
+                                           name=quantized))
+        product = self.node("MatMulInteger", [quantized, self.constant("w_q", w_q), x_zero,
+                                              self.constant("w_zero", zero)])
+        scales = self.node("Mul", [x_scale, self.constant("w_scale", np.asarray(scale, np.float32))])
+        return self.node("Mul", [self.node("Cast", [product], to=F), scales])
+
+    def embedded(self, h: str) -> str:
+        """h + Gather(DequantizeLinear(table), ids): a quantized token embedding (uint8, a zero point)."""
+        s = self.shape
+        table = self.rng.standard_normal((s.vocab, s.hidden)).astype(np.float32)
+        scale = np.float32((table.max() - table.min()) / 255)
+        zero = np.uint8(np.clip(np.round(-table.min() / scale), 0, 255))
+        table_q = np.clip(np.round(table / scale) + zero, 0, 255).astype(np.uint8)
+        dequantized = self.node("DequantizeLinear", [self.constant("table_q", table_q),
+                                                     self.constant("table_scale", scale),
+                                                     self.constant("table_zero", zero)])
+        return self.node("Add", [h, self.node("Gather", [dequantized, "ids"], axis=0)])
 
     def split_heads(self, x: str, heads: int) -> str:
         shaped = self.node("Reshape", [x, self.ints("heads_shape", [1, -1, heads, self.shape.head_size])])
@@ -217,9 +261,9 @@ class DecoderGraph:
 
     def attention(self, x: str, layer: int, mask: str = "mask") -> str:
         s = self.shape
-        query = self.split_heads(self.linear(x, s.hidden, s.hidden), s.heads)
-        key = self.split_heads(self.linear(x, s.hidden, s.groups * s.head_size), s.groups)
-        value = self.split_heads(self.linear(x, s.hidden, s.groups * s.head_size), s.groups)
+        query = self.split_heads(self.linear(x, s.hidden, s.hidden, part="attention"), s.heads)
+        key = self.split_heads(self.linear(x, s.hidden, s.groups * s.head_size, part="attention"), s.groups)
+        value = self.split_heads(self.linear(x, s.hidden, s.groups * s.head_size, part="attention"), s.groups)
         if s.style == "llama":
             query, key = self.rotary(query), self.rotary(key)
         keys = self.named("Concat", [f"past_key.{layer}", key], f"present_key.{layer}", axis=2)
@@ -238,28 +282,29 @@ class DecoderGraph:
             target = self.node("Concat", [batch_and_length, self.ints("minus_one", [-1])], axis=0)
             self.shape_outputs += [self.node("Shape", [self.repeat(keys)]), self.node("Shape", [query])]
         merged = self.node("Reshape", [self.node("Transpose", [heads], perm=[0, 2, 1, 3]), target])
-        return self.linear(merged, s.hidden, s.hidden, bias=s.style == "gpt")
+        return self.linear(merged, s.hidden, s.hidden, bias=s.style == "gpt", part="attention")
 
     def mlp(self, x: str) -> str:
         s = self.shape
         inner = 2 * s.hidden
         if s.style == "llama":
-            gate = self.linear(x, s.hidden, inner)
+            gate = self.linear(x, s.hidden, inner, part="mlp")
             silu = self.node("Mul", [gate, self.node("Sigmoid", [gate])])
-            return self.linear(self.node("Mul", [silu, self.linear(x, s.hidden, inner)]), inner, s.hidden)
+            return self.linear(self.node("Mul", [silu, self.linear(x, s.hidden, inner, part="mlp")]), inner, s.hidden,
+                               part="mlp")
         divisor, one, half = s.gelu
-        v = self.linear(x, s.hidden, inner, bias=True)
+        v = self.linear(x, s.hidden, inner, bias=True, part="mlp")
         erf = self.node("Erf", [self.node("Div", [v, self.f32("divisor", divisor)])])
         gelu = self.node("Mul", [self.node("Mul", [v, self.node("Add", [erf, self.f32("one", one)])]),
                                  self.f32("half", half)])
-        return self.linear(gelu, inner, s.hidden, bias=True)
+        return self.linear(gelu, inner, s.hidden, bias=True, part="mlp")
 
     def named(self, op: str, inputs: list, output: str, **attrs) -> str:
         self.nodes.append(helper.make_node(op, inputs, [output], name=output, **attrs))
         return output
 
     def model(self) -> onnx.ModelProto:
-        h = "hidden"
+        h = self.embedded("hidden") if self.shape.quantized else "hidden"
         for layer in range(self.shape.layers):
             h = self.node("Add", [h, self.attention(self.norm(h), layer)])
             h = self.node("Add", [h, self.mlp(self.norm(h))])
@@ -279,6 +324,8 @@ class DecoderGraph:
                   helper.make_tensor_value_info("cos", F, [1, 1, "s", s.head_size]),
                   helper.make_tensor_value_info("sin", F, [1, 1, "s", s.head_size])]
         inputs += [helper.make_tensor_value_info(name, F, [1, groups, "p", s.head_size]) for name, groups in kv]
+        if s.quantized:
+            inputs.append(helper.make_tensor_value_info("ids", I64, [1, "s"]))
         self.constants = dict(self.initializers)
         for name in s.overridable:
             value = self.initializers[name]
@@ -311,7 +358,8 @@ def step_feeds(shape: DecoderShape, rng, past: int, new: int) -> dict:
     if past and rng.random() < 0.5:
         causal[:, 0] = False
     angles = np.outer(np.arange(past, total), 1.0 / (10000 ** (np.arange(s.head_size) / s.head_size)))
-    return {"hidden": rng.standard_normal((1, new, s.hidden)).astype(np.float32),
+    ids = {"ids": rng.integers(0, s.vocab, (1, new))} if s.quantized else {}
+    return {**ids, "hidden": rng.standard_normal((1, new, s.hidden)).astype(np.float32),
             "mask": causal.reshape(1, 1, new, total),
             "cos": np.cos(angles).astype(np.float32).reshape(1, 1, new, s.head_size),
             "sin": np.sin(angles).astype(np.float32).reshape(1, 1, new, s.head_size)}
@@ -324,7 +372,8 @@ def kv_names(shape: DecoderShape) -> list[str]:
 def decode_and_compare(plain, optimized, shape: DecoderShape, seed: int, steps: int = 4, extra=None) -> None:
     """A prompt after a random past, then `steps` one-position steps, on both models: each model's
     caches its own presents handed back as runnx.Owned (the first in capacity buffers, as
-    runnx.generate does); every step's outputs compared. `extra` feeds are added to every step."""
+    runnx.generate does); every step's outputs compared (bitwise when the decoder is quantized).
+    `extra` feeds are added to every step."""
     rng = np.random.default_rng(seed)
     past, new = int(rng.integers(0, 4)), int(rng.integers(1, 4))
     first = {n: rng.standard_normal((1, shape.groups, past, shape.head_size)).astype(np.float32)
@@ -339,7 +388,7 @@ def decode_and_compare(plain, optimized, shape: DecoderShape, seed: int, steps: 
             caches[id(model)] = {n: runnx.Owned(outputs[n.replace("past", "present")]) for n in kv_names(shape)}
             results[id(model)] = outputs
         for name, expected in results[id(plain)].items():
-            assert_same(expected, results[id(optimized)][name], f"step {step}: {name}")
+            assert_same(expected, results[id(optimized)][name], f"step {step}: {name}", bitwise=bool(shape.quantized))
         past, new = past + new, 1
 
 

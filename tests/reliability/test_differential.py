@@ -3,7 +3,8 @@
 which a fused kernel may sum in another order). Cases: every fixture model over several decode
 steps (KV handed back as runnx.Owned, first in capacity buffers), the official ONNX backend
 suite's models on their own inputs, generated decoder-like graphs hitting every decoder fusion
-pattern with usual and unexpected constants, and hazards: overridable initializers fed new
+pattern with usual and unexpected constants (and dynamically quantized ones, compared bitwise),
+and hazards: overridable initializers fed new
 values, masks computed in place after their first reader, callers' read-only views of buffers
 changed between runs, If/Loop captures."""
 from __future__ import annotations
@@ -140,6 +141,19 @@ def test_backend_suite_cases_agree(name):
 # -- generated decoders --------------------------------------------------------------------------
 
 
+def _agrees_with_onnxruntime(model, optimized, shape, seed: int) -> None:
+    """A prompt after a past: the optimized model's outputs as onnxruntime computes them."""
+    rng = np.random.default_rng(seed)
+    feeds = step_feeds(shape, rng, 2, 3)
+    feeds.update({n: rng.standard_normal((1, shape.groups, 2, shape.head_size)).astype(np.float32)
+                  for n in kv_names(shape)})
+    session = onnxruntime.InferenceSession(model.SerializeToString())
+    theirs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    ours = optimized.run(feeds)
+    for name, value in theirs.items():
+        np.testing.assert_allclose(ours[name], value, **TOLERANCE, equal_nan=True, err_msg=name)
+
+
 @pytest.mark.parametrize("usual", [True, False], ids=["usual", "unexpected"])
 @pytest.mark.parametrize("style", ["llama", "gpt"])
 @pytest.mark.parametrize("seed", range(3))
@@ -153,15 +167,26 @@ def test_generated_decoders_agree_over_decode_steps(style, usual, seed):
                     "gpt": {"RepeatedKVAttention", "ErfGelu", "AddLayerNorm", "ResidualGeluMLP"}}[style]
         assert expected <= set(optimized.fused), optimized.fused
     decode_and_compare(plain, optimized, shape, seed, steps=5)
-    rng = np.random.default_rng(seed)  # a prompt after a past, as onnxruntime computes it
-    feeds = step_feeds(shape, rng, 2, 3)
-    feeds.update({n: rng.standard_normal((1, shape.groups, 2, shape.head_size)).astype(np.float32)
-                  for n in kv_names(shape)})
-    session = onnxruntime.InferenceSession(model.SerializeToString())
-    theirs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-    ours = optimized.run(feeds)
-    for name, value in theirs.items():
-        np.testing.assert_allclose(ours[name], value, **TOLERANCE, equal_nan=True, err_msg=name)
+    _agrees_with_onnxruntime(model, optimized, shape, seed)
+
+
+@pytest.mark.parametrize("quantized", ["all", "attention"])
+@pytest.mark.parametrize("usual", [True, False], ids=["usual", "unexpected"])
+@pytest.mark.parametrize("style", ["llama", "gpt"])
+@pytest.mark.parametrize("seed", range(3))
+def test_generated_quantized_decoders_are_bitwise_plain_interpretation(style, usual, quantized, seed):
+    """Products as quantize_dynamic writes them (DynamicQuantizeLinear -> MatMulInteger with zero
+    points -> Cast -> Mul by the scales; or the attention's only, the MLP float) and a
+    DequantizeLinear embedding table read by Gather: every output bitwise over decode steps, and
+    onnxruntime's on a prompt after a past."""
+    shape = random_shape(np.random.default_rng(seed), style, usual, quantized)
+    model, _ = decoder(shape)
+    plain, optimized = load_both(model)
+    if usual:  # the patterns bitwise their nodes still fuse
+        expected = {"llama": {"RotateHalf", "AddRMSNorm", "SiluMul"}, "gpt": {"AddLayerNorm"}}[style]
+        assert expected <= set(optimized.fused), optimized.fused
+    decode_and_compare(plain, optimized, shape, seed, steps=5)
+    _agrees_with_onnxruntime(model, optimized, shape, seed)
 
 
 def test_every_fusion_pattern_is_met_by_the_fixtures_or_the_generated_decoders():

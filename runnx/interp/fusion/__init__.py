@@ -4,6 +4,14 @@ Pattern modules each give PATTERNS, (anchor op, matcher) pairs, the anchor a sta
 one that an earlier pattern made; a matcher returns a `Fused` whose kernel (domain `runnx.fused`,
 `runnx/ops/fused*.py`, `linalg.py`) computes what the replaced nodes computed. Patterns run in
 order, each over the graph the previous ones left.
+
+Most fused kernels compute bitwise what their nodes do; those listed in a module's ROUNDS_APART
+(attention, GELU, the blocks holding them) sum in another order, a few units in the last place
+apart. A graph that quantizes values it computes (`quantizes_computed_values`) takes only the
+bitwise patterns: a quantizer rounds a tensor to a grid whose step is its range / 255, so a
+difference of one unit in the last place moves a value a whole step now and then, and each such
+step is an error as large as the quantization's own, which the layers after amplify (a dynamically
+quantized decoder's greedy tokens change).
 """
 from __future__ import annotations
 
@@ -14,13 +22,27 @@ from runnx.ops import registry
 from runnx.ops._fused_common import DOMAIN
 
 PATTERNS = rms_norm_blocks.PATTERNS + layer_norm_blocks.PATTERNS + products.PATTERNS  # products last: see products.py
+ROUNDS_APART = frozenset(rms_norm_blocks.ROUNDS_APART + layer_norm_blocks.ROUNDS_APART + products.ROUNDS_APART)
 STAND_INS = (rms_norm_blocks.shape_stand_ins, products.shape_stand_ins)
+# Ops rounding a float input they may be given computed to an integer grid: (domain, op type)
+QUANTIZERS = frozenset({("", "QuantizeLinear"), ("", "DynamicQuantizeLinear"), ("com.microsoft", "QuantizeLinear"),
+                        ("com.microsoft", "DynamicQuantizeMatMul"), ("com.microsoft", "DynamicQuantizeLSTM"),
+                        ("com.microsoft", "QAttention")})
 
 
-def fuse(graph: Graph) -> dict[str, int]:
-    """Rewrite the patterns of `graph` (not of its subgraphs) into fused nodes; returns {fused op: count}."""
+def quantizes_computed_values(graph: Graph) -> bool:
+    """Whether a quantizer of `graph` reads a value that is not a constant (an activation)."""
+    return any((node.domain, node.op_type) in QUANTIZERS and node.inputs and node.inputs[0] != MISSING
+               and node.inputs[0] not in graph.constants for node in graph.nodes)
+
+
+def fuse(graph: Graph, bitwise: bool = False) -> dict[str, int]:
+    """Rewrite the patterns of `graph` (not of its subgraphs) into fused nodes; returns {fused op: count}.
+    bitwise: only the patterns whose kernels compute bitwise what their nodes do (not ROUNDS_APART)."""
     counts: dict[str, int] = {}
     for anchor_op, matcher in PATTERNS:
+        if bitwise and matcher in ROUNDS_APART:
+            continue
         m = Matcher(graph)
         found = []
         for node in graph.nodes:

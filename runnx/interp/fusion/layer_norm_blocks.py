@@ -236,3 +236,6 @@ def _add_layer_norm(m: Matcher, norm: Node) -> Fused | None:
 
 PATTERNS = (("Softmax", _attention), ("Transpose", _split_heads), ("Erf", _gelu),
             ("LayerNormalization", _add_layer_norm))
+# Kernels that round apart from the nodes they replace (attention's blocked products and softmax,
+# GELU's erf); the split heads and the residual add + LayerNorm are bitwise their nodes.
+ROUNDS_APART = (_attention, _gelu)

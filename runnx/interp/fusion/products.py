@@ -400,3 +400,7 @@ PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
             ("MatMulAddLayerNorm", _attended), ("ResidualGeluMLP", _attended), ("ResidualGatedMLP", _attended_gated),
             ("RopeAppend", _rope_projected), ("ProjectedRopeAppend", _layers_chained),
             ("AttentionGeluMLP", _layer_norm_chained), ("ProjectedAppend", _append_chained))
+# The blocks holding an attention round as their attention does, apart from the nodes they replace
+# (a GELU MLP's as its ErfGelu); the products, biases and norms round as numpy does.
+ROUNDS_APART = (_residual_gelu_mlp, _projected_query, _attended, _attended_gated, _layers_chained,
+                _layer_norm_chained, _append_chained)

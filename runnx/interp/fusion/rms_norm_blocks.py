@@ -291,3 +291,6 @@ def _masked_attention(m: Matcher, where: Node) -> Fused | None:
 PATTERNS = (("Pow", _rms_norm), ("Sigmoid", _silu_mul), ("Concat", _rotate_half), ("Softmax", _attention),
             ("Add", _add_rms_norm), ("Concat", _rope_append), ("Transpose", _merged_heads),
             ("Where", _masked_attention))
+# Kernels that round apart from the nodes they replace (the scales folded into one, grouped heads, a
+# softmax of its own); every other pattern here computes bitwise what its nodes do.
+ROUNDS_APART = (_attention,)
