@@ -354,7 +354,9 @@ def build_smollm2_int4(cache: Cache, force: bool) -> None:
     say(f"built {final} ({(final / 'model.onnx').stat().st_size / 1e6:.0f} MB)")
 
 
-GENAI_PACKAGES = ("torch==2.13.0", "transformers", "onnx_ir", "onnxruntime-genai")  # the builder needs transformers 5
+# the builder needs transformers 5; pinned, so that a new release cannot change the reference ids
+GENAI_PACKAGES = ("torch==2.13.0", "transformers==5.24.0", "onnx_ir==1.1.0", "onnxruntime==1.32.0",
+                  "onnxruntime-genai==0.18.0")
 GENAI_REFERENCE = EXPORT_SCRIPTS / "genai_reference.py"
 GENAI_PROMPTS = ("What is the capital of France?", "Write a haiku about rivers.", "How many legs does a spider have?",
                  "Give me three tips for staying healthy.")
@@ -366,7 +368,7 @@ GENAI_BUILDS = {"smollm2-135m-genai-fp32": ("-p", "fp32", "-e", "cpu"),
 
 
 def ensure_genai_venv(cache: Cache) -> Path:
-    """The onnxruntime-genai venv (unpinned but for torch: the builder follows transformers' releases)."""
+    """The onnxruntime-genai venv (GENAI_PACKAGES)."""
     venv = cache.root / "genai-venv"
     python = venv / "bin" / "python"
     marker = venv / ".runnx-requirements"
