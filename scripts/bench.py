@@ -30,11 +30,10 @@ from report import THREAD_VARIABLES, git_revision, machine, update_section  # sc
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
 SMOLLM2 = CACHE / "models" / "smollm2-135m" / "model.onnx"
-# onnxruntime-genai needs transformers 5 for its model builder, so it lives in its own venv:
-#   python3 -m venv $CACHE/genai-venv && $CACHE/genai-venv/bin/pip install torch==2.13.0 transformers onnx_ir onnxruntime-genai
-#   $CACHE/genai-venv/bin/python -m onnxruntime_genai.models.builder -i HF_SMOLLM2_DIR -o $CACHE/genai/smollm2-135m -p fp32 -e cpu
+# onnxruntime-genai (its own venv: its model builder needs transformers 5) and its fp32 build of
+# SmolLM2, both made by `make models` (scripts/build_models.py, target smollm2-genai)
 GENAI_PYTHON = CACHE / "genai-venv" / "bin" / "python"
-GENAI_MODEL = CACHE / "genai" / "smollm2-135m"
+GENAI_MODEL = CACHE / "models" / "smollm2-135m-genai-fp32"
 PREFILL_LENGTH = 512
 DECODE_STEPS = 8
 WHISPER_PAIRS = 6  # turns per engine in bench_whisper.py's same process (a transcription and a decode each)
