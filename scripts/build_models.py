@@ -24,6 +24,9 @@ user cache, ${RUNNX_CACHE:-~/.cache/runnx}:
                         (smollm2-135m's), onnx/model_q4.onnx (smollm2-135m-int4's), both hard links, and
                         onnx/model_quantized.onnx (onnxruntime's quantize_dynamic, int8, reduce_range)
     models/whisper-tiny.en/  encoder_model.onnx, decoder_model_merged.onnx + HF config files
+    models/whisper-tiny.en-tjs/  the transformers.js layout: configs and tokenizer at the top,
+                        onnx/encoder_model.onnx and onnx/decoder_model_merged.onnx (whisper-tiny.en's, hard
+                        links) and their _int8 variants (onnxruntime's quantize_dynamic, int8, reduce_range)
     audio/              john.wav and other clips (16 kHz mono 16-bit) + transcripts.json
     logs/               one log per long step
     work/               intermediate Hugging Face folders (removed after a successful build)
@@ -450,6 +453,33 @@ def build_smollm2_tjs(cache: Cache, force: bool) -> None:
     say(f"built {final}")
 
 
+def build_whisper_tjs(cache: Cache, force: bool) -> None:
+    """The transformers.js layout of Whisper tiny.en from what whisper built, plus its int8 encoder and decoder."""
+    TARGETS["whisper"](cache, False)
+    fp32 = cache.models / "whisper-tiny.en"
+    final = cache.models / "whisper-tiny.en-tjs"
+    onnx_files = ("encoder_model.onnx", "decoder_model_merged.onnx")
+    files = read_stamp(fp32)["files"]
+    recipe = recipe_digest(REQUIREMENTS, INT8_QUANTIZER, *(files[name] for name in onnx_files))
+    if not force and is_current(final, recipe):
+        say(f"whisper-tjs: up to date ({final})")
+        return
+    say("whisper-tjs: Whisper tiny.en in the transformers.js layout, its int8 variant quantized (a few seconds)")
+    ensure_export_venv(cache)
+    staging = fresh_dir(final.with_name(final.name + ".partial"))
+    (staging / "onnx").mkdir()
+    for name in (*HF_METADATA, "preprocessor_config.json"):
+        link_or_copy(fp32 / name, staging / name)
+    for name in onnx_files:
+        link_or_copy(fp32 / name, staging / "onnx" / name)
+        run_step(cache, f"whisper-tjs-int8-{name.split('_')[0]}",
+                 [cache.python, INT8_QUANTIZER, fp32 / name, staging / "onnx" / name.replace(".onnx", "_int8.onnx")],
+                 env=export_env())
+    write_stamp(staging, recipe, details={"source": "whisper-tiny.en"})
+    publish(staging, final)
+    say(f"built {final}")
+
+
 def link_or_copy(source: Path, destination: Path) -> None:
     """A hard link (no second copy of a model on disk), a copy across file systems."""
     try:
@@ -547,8 +577,8 @@ def fresh_dir(path: Path) -> Path:
 
 TARGETS = {"tiny": build_tiny, **{model.target: partial(build_real, model) for model in REAL_MODELS},
            "smollm2-int4": build_smollm2_int4, "smollm2-genai": build_smollm2_genai, "smollm2-tjs": build_smollm2_tjs,
-           "audio": build_audio}
-ALL = ("smollm2", "smollm2-int4", "smollm2-genai", "smollm2-tjs", "whisper", "audio")
+           "whisper-tjs": build_whisper_tjs, "audio": build_audio}
+ALL = ("smollm2", "smollm2-int4", "smollm2-genai", "smollm2-tjs", "whisper", "whisper-tjs", "audio")
 
 
 def main(argv=None) -> int:

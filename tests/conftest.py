@@ -2,10 +2,10 @@
 
 - `fixtures_dir`: tests/fixtures (tiny random-weight models, committed; see its README.md).
 - `smollm2_dir`, `smollm2_int4_dir`, `smollm2_genai_fp32_dir`, `smollm2_genai_int4_dir` (onnxruntime-genai
-  folders), `smollm2_tjs_dir` (transformers.js layout), `whisper_dir`, `audio_dir`: what `make models`
-  (scripts/build_models.py) builds
-  into ${RUNNX_CACHE:-~/.cache/runnx}. When absent the test is skipped ("run `make models`
-  first"), except under CI=true, where a missing model is a failure: CI must test them.
+  folders), `smollm2_tjs_dir`, `whisper_tjs_dir` (transformers.js layout), `whisper_dir`, `audio_dir`: what
+  `make models` (scripts/build_models.py) builds into ${RUNNX_CACHE:-~/.cache/runnx}. When absent the test
+  is skipped ("run `make models` first"), except under CI=true, where a missing model is a failure: CI
+  must test them.
 Tests that use these are marked `real_model` automatically (deselect with -m "not real_model").
 RUNNX_COMPILE defaults to `wait` here: a CLI command in a test compiles its kernels itself.
 
@@ -27,7 +27,7 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # (runnx/background_compile.py; tests of that mechanism set it themselves)
 os.environ.setdefault("RUNNX_COMPILE", "wait")
 REAL_MODEL_FIXTURES = ("smollm2_dir", "smollm2_int4_dir", "smollm2_genai_fp32_dir", "smollm2_genai_int4_dir",
-                       "smollm2_tjs_dir", "whisper_dir", "audio_dir")
+                       "smollm2_tjs_dir", "whisper_dir", "whisper_tjs_dir", "audio_dir")
 ALLOWED_SKIPS_FILE = Path(__file__).with_name("allowed_skips.txt")
 ALLOWED_SKIPS = pytest.StashKey[list]()  # the file's entries, read once per session
 
@@ -172,6 +172,14 @@ def whisper_dir() -> Path:
     return built(cache_root() / "models" / "whisper-tiny.en", "Whisper tiny.en",
                  ("encoder_model.onnx", "decoder_model_merged.onnx", "config.json", "generation_config.json",
                   "tokenizer.json", "preprocessor_config.json"))
+
+
+@pytest.fixture(scope="session")
+def whisper_tjs_dir() -> Path:
+    return built(cache_root() / "models" / "whisper-tiny.en-tjs", "Whisper tiny.en in the transformers.js layout",
+                 ("onnx/encoder_model.onnx", "onnx/decoder_model_merged.onnx", "onnx/encoder_model_int8.onnx",
+                  "onnx/decoder_model_merged_int8.onnx", "config.json", "generation_config.json", "tokenizer.json",
+                  "preprocessor_config.json"))
 
 
 @pytest.fixture(scope="session")

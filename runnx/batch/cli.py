@@ -67,7 +67,7 @@ def run_whisper_batch(args, timestamps: bool | None) -> int:
                        "files given on the command line")
     items = read_audio_list(args.batch_input)
     job = functools.partial(WhisperJob, str(args.model_dir), language=args.language, task=args.task,
-                            timestamps=timestamps)
+                            timestamps=timestamps, variant=args.variant)
     return _run(job, items, args)
 
 

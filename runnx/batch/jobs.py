@@ -71,9 +71,9 @@ class WhisperJob:
     """Speech to text: each item's "path" transcribed as `runnx whisper --format json` does."""
 
     def __init__(self, model_dir, *, language: str | None = None, task: str = "transcribe",
-                 timestamps: bool | None = None):
+                 timestamps: bool | None = None, variant: str | None = None):
         from runnx.generate.whisper import Whisper
-        self.model = Whisper(model_dir)
+        self.model = Whisper(model_dir, variant=variant)
         self.options = {"language": language, "task": task, "timestamps": timestamps}
 
     def __call__(self, item: dict) -> dict:

@@ -8,13 +8,16 @@ which input/output names, with what KV layout and stop ids.
   top, the decoder in `onnx/` in variants `model.onnx` (fp32), `model_fp16.onnx`,
   `model_quantized.onnx` (q8), `model_int8.onnx`, `model_uint8.onnx`, `model_q4.onnx`,
   `model_q4f16.onnx`, `model_bnb4.onnx` (or `decoder_model_merged*.onnx`); `variant=` picks one.
+  Whisper folders add `onnx/encoder_model*.onnx` in the same variants: `whisper_encoder` picks the
+  encoder of the decoder's variant.
 - onnxruntime-genai: `genai_config.json` names the file, its inputs and outputs (KV names with %d),
   the KV heads and head size, eos/pad ids, the context length and `past_present_share_buffer`
   (one KV buffer fed as past and written in place as present, GroupQueryAttention finding each
   sequence's length from the attention mask); the chat template comes with the tokenizer files.
 
-`read_folder(folder, variant=None)` returns a `FolderLayout`. Whisper folders in the two
-downloaded layouts are not read here yet: their encoder files keep the Optimum names only.
+`read_folder(folder, variant=None)` returns a `FolderLayout`; for Whisper, `whisper_encoder(layout)`
+gives the encoder file beside its decoder (Optimum: `encoder_model.onnx` at the top). onnxruntime-genai
+Whisper folders are not read.
 """
 from __future__ import annotations
 
@@ -29,11 +32,11 @@ from runnx.generate.io_names import DecoderFiles, DecoderIO, KVName, find_decode
 GENAI_CONFIG = "genai_config.json"
 TRANSFORMERS_JS_DIR = "onnx"
 DECODER_BASES = ("model", "decoder_model_merged")  # transformers.js file names before the variant suffix
+ENCODER_BASES = ("encoder_model",)  # Whisper's encoder, in the same variants
 # variant -> file suffixes tried in order ("" is the fp32 file); q8 is transformers.js's name for model_quantized
 VARIANTS = {"fp32": ("",), "fp16": ("_fp16",), "quantized": ("_quantized",), "q8": ("_quantized",),
             "int8": ("_int8", "_quantized"), "uint8": ("_uint8",), "q4": ("_q4",), "q4f16": ("_q4f16",),
             "bnb4": ("_bnb4",)}
-_VARIANT_FILE = re.compile(r"^(?:%s)(_[a-z0-9]+)?\.onnx$" % "|".join(DECODER_BASES))
 # genai_config.json's search options that Generator reads as generation_config.json's
 _SEARCH_SETTINGS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
 
@@ -126,7 +129,7 @@ def parse_genai_config(data: dict, where: str = GENAI_CONFIG) -> GenaiConfig:
     model = section(data, "model", "")
     if "encoder" in model or model.get("type") == "whisper":
         raise LayoutError(f"{where}: an encoder-decoder ({model.get('type')}) onnxruntime-genai folder; runnx reads "
-                          "decoder-only genai folders (Whisper: use an Optimum export)")
+                          "decoder-only genai folders (Whisper: use an Optimum export or the transformers.js layout)")
     decoder = section(model, "decoder", "model")
     inputs = decoder.get("inputs", {})
     outputs = decoder.get("outputs", {})
@@ -251,20 +254,38 @@ def read_folder(folder, variant: str | None = None) -> FolderLayout:
     return FolderLayout("optimum", folder, find_decoder_files(folder), config, generation_config)
 
 
-def transformers_js_variants(folder) -> dict[str, Path]:
-    """The decoder variants in a folder's onnx/ subfolder: variant name -> file ('fp32' for model.onnx)."""
+def transformers_js_variants(folder, bases=DECODER_BASES) -> dict[str, Path]:
+    """The variants of a folder's onnx/ files named `base[_variant].onnx` for one of `bases`
+    (default: the decoder's): variant name -> file ('fp32' for the file without a suffix)."""
     subfolder = Path(folder) / TRANSFORMERS_JS_DIR
     if not subfolder.is_dir():
         return {}
+    pattern = re.compile(r"^(?:%s)(_[a-z0-9]+)?\.onnx$" % "|".join(bases))
     found = {}
     for path in sorted(subfolder.iterdir()):
-        match = _VARIANT_FILE.match(path.name)
+        match = pattern.match(path.name)
         if match and path.is_file():
             found.setdefault((match.group(1) or "_fp32")[1:], path)
     return found
 
 
-def _variant_file(folder: Path, variant: str, present: dict[str, Path]) -> Path:
+def whisper_encoder(layout: FolderLayout) -> Path:
+    """The encoder that goes with a Whisper folder's decoder: `encoder_model.onnx` beside an Optimum
+    export, the same variant's `onnx/encoder_model[_variant].onnx` in a transformers.js folder."""
+    if layout.kind == "transformers.js":
+        encoders = transformers_js_variants(layout.folder, ENCODER_BASES)
+        if not encoders:
+            raise LayoutError(f"{layout.folder / TRANSFORMERS_JS_DIR} has no encoder_model*.onnx (a transformers.js "
+                              "Whisper folder holds encoder_model[_variant].onnx beside "
+                              "decoder_model_merged[_variant].onnx)")
+        return _variant_file(layout.folder, layout.variant, encoders, "encoder ")
+    if layout.kind != "optimum":
+        raise LayoutError(f"{layout.folder} is an {layout.kind} folder: runnx reads Whisper from Optimum exports and "
+                          "the transformers.js layout")
+    return layout.folder / "encoder_model.onnx"
+
+
+def _variant_file(folder: Path, variant: str, present: dict[str, Path], what: str = "") -> Path:
     if variant in present:
         return present[variant]
     suffixes = VARIANTS.get(variant)
@@ -274,8 +295,8 @@ def _variant_file(folder: Path, variant: str, present: dict[str, Path]) -> Path:
             if name in present:
                 return present[name]
     known = "" if suffixes is not None else f" ('{variant}' is not a variant runnx knows: {', '.join(VARIANTS)})"
-    raise LayoutError(f"{folder / TRANSFORMERS_JS_DIR} has no {variant} variant{known}; the variants present: "
-                      f"{', '.join(present)}")
+    raise LayoutError(f"{folder / TRANSFORMERS_JS_DIR} has no {what}{variant} variant{known}; the {what}variants "
+                      f"present: {', '.join(present)}")
 
 
 def _read_json(path: Path) -> dict:

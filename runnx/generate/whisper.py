@@ -1,5 +1,6 @@
 """Speech to text with Whisper, from an Optimum export folder (`encoder_model.onnx` +
-`decoder_model_merged.onnx`, config.json, generation_config.json, tokenizer.json).
+`decoder_model_merged.onnx`, config.json, generation_config.json, tokenizer.json) or a folder in
+the transformers.js layout (the same files in `onnx/`, in variants chosen by `variant=`: layouts.py).
 
     from runnx.generate.whisper import transcribe
     transcript = transcribe("speech.wav", "whisper-tiny.en", timestamps=True)
@@ -36,6 +37,7 @@ from runnx.errors import RunnxError
 from runnx.generate.audio import SAMPLE_RATE, load_audio
 from runnx.generate.decoder import DecoderStep
 from runnx.generate.generator import Generator
+from runnx.generate.layouts import ENCODER_BASES, read_folder, transformers_js_variants, whisper_encoder
 from runnx.generate.mel import FRAME_SECONDS, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from runnx.generate.tokenizer import Tokenizer
 from runnx.interp.model import load as runnx_load
@@ -315,14 +317,19 @@ class Decoded:
 class Whisper:
     """An encoder and a step-wise decoder loaded once, for any number of transcriptions.
 
-    `load` loads one ONNX file (default `runnx.load`; tests pass an onnxruntime-backed one)."""
+    `load` loads one ONNX file (default `runnx.load`; tests pass an onnxruntime-backed one);
+    `variant` chooses the files of a transformers.js folder (fp32 by default: layouts.VARIANTS)."""
 
-    def __init__(self, folder, *, load=None):
+    def __init__(self, folder, *, load=None, variant: str | None = None):
         self.folder = Path(folder)
-        encoder_path = self.folder / "encoder_model.onnx"
-        if not encoder_path.is_file():
-            raise WhisperError(f"{self.folder} has no encoder_model.onnx (an Optimum Whisper export folder "
-                               "holds encoder_model.onnx and decoder_model_merged.onnx)")
+        encoders = transformers_js_variants(self.folder, ENCODER_BASES)
+        if not encoders and not (self.folder / "encoder_model.onnx").is_file():
+            raise WhisperError(f"{self.folder} has no encoder_model.onnx (an Optimum Whisper export folder holds "
+                               "encoder_model.onnx and decoder_model_merged.onnx; a transformers.js one holds them "
+                               "in onnx/, with variants such as encoder_model_int8.onnx)")
+        layout = read_folder(self.folder, variant)
+        encoder_path = whisper_encoder(layout)
+        self.variant = layout.variant
         _decode_pool.start_in_background()  # beside the loads below
         config = _read_json(self.folder / "config.json")
         generation = _read_json(self.folder / "generation_config.json")
@@ -334,7 +341,7 @@ class Whisper:
         self.max_positions = int(config.get("max_target_positions", 448))
         self.encoder = (load or runnx_load)(str(encoder_path))
         # load=None: DecoderStep's own loader (it knows what a merged decoder's feeds look like)
-        self.decoder = DecoderStep.from_folder(self.folder, capacity=self.max_positions, load=load)
+        self.decoder = DecoderStep.from_folder(self.folder, capacity=self.max_positions, load=load, layout=layout)
         # greedy; Whisper's own rules as processors; text is made per segment, so no tokenizer here
         self.generator = Generator(self.decoder, None, generation)
         self.n_mels = _mel_bins(self.encoder, config)
@@ -469,8 +476,9 @@ class Whisper:
 def transcribe(audio, model_dir, **options) -> Transcript:
     """Transcribe `audio` (a path or an array) with the Whisper export in `model_dir` (or a loaded
     `Whisper`). Options: sample_rate, language, task ('transcribe'/'translate'), timestamps,
-    max_new_tokens, progress."""
-    model = model_dir if isinstance(model_dir, Whisper) else Whisper(model_dir)
+    max_new_tokens, progress; `variant` for a transformers.js folder."""
+    variant = options.pop("variant", None)
+    model = model_dir if isinstance(model_dir, Whisper) else Whisper(model_dir, variant=variant)
     return model.transcribe(audio, **options)
 
 

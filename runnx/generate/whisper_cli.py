@@ -1,4 +1,4 @@
-"""`runnx whisper MODEL_DIR AUDIO... [--timestamps] [--format txt|srt|vtt|json] [--language L]`,
+"""`runnx whisper MODEL_DIR AUDIO... [--timestamps] [--format txt|srt|vtt|json] [--language L] [--variant V]`,
 and the batch form `runnx whisper MODEL_DIR --input-list files.txt --output results.jsonl [--ray]`
 (runnx.batch: records as `--format json` prints them, resumable, optionally on Ray).
 
@@ -22,9 +22,11 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "whisper", help="transcribe speech with a Whisper export (encoder_model.onnx + decoder_model_merged.onnx)",
         description="Transcribe audio files (WAV/FLAC/OGG, any rate, mixed down to 16 kHz mono) with a Whisper "
-                    "model exported by Optimum.")
+                    "model exported by Optimum or downloaded in the transformers.js layout (onnx/ subfolder, "
+                    "--variant).")
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="folder with encoder_model.onnx, "
-                        "decoder_model_merged.onnx, config.json, generation_config.json, tokenizer.json")
+                        "decoder_model_merged.onnx (at the top, or in onnx/ with their variants), config.json, "
+                        "generation_config.json, tokenizer.json")
     parser.add_argument("audio", metavar="AUDIO", nargs="*", help="audio file(s) (or --input-list FILE)")
     parser.add_argument("--timestamps", action="store_true",
                         help="decode timestamps and print timed segments (srt/vtt always have them)")
@@ -34,6 +36,9 @@ def register(subparsers) -> None:
                         help="language code for multilingual models (default: detected from the first window)")
     parser.add_argument("--task", choices=("transcribe", "translate"), default="transcribe",
                         help="multilingual models: transcribe, or translate into English")
+    parser.add_argument("--variant", metavar="NAME",
+                        help="transformers.js folder: which onnx/encoder_model_*.onnx + decoder_model_merged_*.onnx "
+                             "pair (fp32 (default), fp16, int8, quantized, q4, ...)")
     add_batch_arguments(parser, "--input-list", "audio files, one path per line (blank lines and # comments "
                                                 "skipped)")
     parser.set_defaults(func=run, compile_key=_compile_key, compile_argv=_compile_argv)
@@ -41,7 +46,7 @@ def register(subparsers) -> None:
 
 def _compile_key(args) -> list:
     """What chooses the kernels a transcription calls (`runnx/background_compile.py`): the model."""
-    return ["whisper", os.path.abspath(args.model_dir)]
+    return ["whisper", os.path.abspath(args.model_dir), args.variant]
 
 
 def _compile_argv(args) -> list[str] | None:
@@ -49,7 +54,8 @@ def _compile_argv(args) -> list[str] | None:
     if not args.audio:
         return None
     argv = ["whisper", args.model_dir, args.audio[0], "--task", args.task]
-    return argv + (["--language", args.language] if args.language else [])
+    return argv + (["--language", args.language] if args.language else []) + (
+        ["--variant", args.variant] if args.variant else [])
 
 
 def run(args) -> int:
@@ -60,7 +66,7 @@ def run(args) -> int:
     if batch_requested(args, args.audio, "--input-list"):
         from runnx.batch.cli import run_whisper_batch
         return run_whisper_batch(args, True if args.timestamps else None)
-    model = Whisper(args.model_dir)
+    model = Whisper(args.model_dir, variant=args.variant)
     timestamps = True if args.timestamps or args.format in ("srt", "vtt") else None
     for index, path in enumerate(args.audio):
         bar = ProgressBar(path)

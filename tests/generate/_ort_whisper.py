@@ -42,15 +42,16 @@ class OrtModel:
 
 class OrtGreedy:
     """Greedy decoding exactly as the recipe's ort_whisper_transcribe.py does it (no timestamps),
-    with the encoder and merged decoder sessions of `folder` loaded once."""
+    with the encoder and merged decoder sessions of `folder` loaded once (`encoder`, `decoder`: other
+    files, e.g. a transformers.js folder's variants; config.json stays `folder`'s)."""
 
-    def __init__(self, folder, threads: int = 1):
+    def __init__(self, folder, threads: int = 1, *, encoder=None, decoder=None):
         import json
         config = json.loads((folder / "config.json").read_text())
         self.layers, self.heads = config["decoder_layers"], config["decoder_attention_heads"]
         self.head_dim = config["d_model"] // self.heads
-        self.encoder = session(folder / "encoder_model.onnx", threads)
-        self.decoder = session(folder / "decoder_model_merged.onnx", threads)
+        self.encoder = session(encoder or folder / "encoder_model.onnx", threads)
+        self.decoder = session(decoder or folder / "decoder_model_merged.onnx", threads)
         self.output_names = [o.name for o in self.decoder.get_outputs()]
 
     def __call__(self, features: np.ndarray, prompt: list[int], *, eos: int, suppress=(), begin_suppress=(),

@@ -1,0 +1,108 @@
+"""Whisper in the transformers.js layout (`onnx/encoder_model[_variant].onnx` +
+`onnx/decoder_model_merged[_variant].onnx`, layouts.py): the variant chooses both files, a missing
+variant is a clear error, and the real tiny.en in that layout transcribes john.wav exactly in fp32
+and int8, the int8 token ids equal to onnxruntime's on the same files."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import pytest
+
+from runnx.generate import mel
+from runnx.generate.audio import load_audio
+from runnx.generate.layouts import LayoutError, read_folder, whisper_encoder
+from runnx.generate.whisper import Whisper
+from runnx.generate.whisper_cli import register
+
+JOHN = "Hello, my name is John and I live in London."
+METADATA = ("config.json", "generation_config.json", "preprocessor_config.json", "tokenizer.json")
+
+
+@pytest.fixture
+def tiny_tjs(tmp_path, fixtures_dir):
+    """tiny-whisper in the transformers.js layout: fp32 and a `_q4` pair (the same files, linked)."""
+    source = fixtures_dir / "tiny-whisper"
+    (tmp_path / "onnx").mkdir()
+    for name in METADATA:
+        if (source / name).is_file():
+            os.link(source / name, tmp_path / name)
+    for base in ("encoder_model", "decoder_model_merged"):
+        for suffix in ("", "_q4"):
+            os.link(source / f"{base}.onnx", tmp_path / "onnx" / f"{base}{suffix}.onnx")
+    return tmp_path
+
+
+def test_the_variant_chooses_the_encoder_and_the_decoder(tiny_tjs, fixtures_dir):
+    onnx = tiny_tjs / "onnx"
+    layout = read_folder(tiny_tjs, "q4")
+    assert (layout.kind, layout.files.first, whisper_encoder(layout)) == (
+        "transformers.js", onnx / "decoder_model_merged_q4.onnx", onnx / "encoder_model_q4.onnx")
+    assert whisper_encoder(read_folder(tiny_tjs)) == onnx / "encoder_model.onnx"  # fp32 by default
+    optimum = read_folder(fixtures_dir / "tiny-whisper")
+    assert (optimum.kind, whisper_encoder(optimum)) == ("optimum", fixtures_dir / "tiny-whisper" / "encoder_model.onnx")
+
+
+def test_a_transformers_js_variant_decodes_as_the_optimum_folder(tiny_tjs, fixtures_dir):
+    features = np.random.default_rng(0).standard_normal((1, 80, 3000)).astype(np.float32)
+    optimum = Whisper(fixtures_dir / "tiny-whisper")
+    expected = optimum.decode(optimum.encode(features), max_new_tokens=20).tokens
+    model = Whisper(tiny_tjs, variant="q4")
+    assert model.variant == "q4" and len(expected) > 0
+    assert model.decode(model.encode(features), max_new_tokens=20).tokens == expected
+
+
+def test_a_missing_variant_lists_the_variants_present(tiny_tjs, fixtures_dir):
+    with pytest.raises(LayoutError) as error:
+        Whisper(tiny_tjs, variant="int8")
+    assert str(error.value) == f"{tiny_tjs / 'onnx'} has no int8 variant; the variants present: fp32, q4"
+    (tiny_tjs / "onnx" / "encoder_model_q4.onnx").unlink()  # a decoder variant without its encoder
+    with pytest.raises(LayoutError) as error:
+        Whisper(tiny_tjs, variant="q4")
+    assert str(error.value) == f"{tiny_tjs / 'onnx'} has no encoder q4 variant; the encoder variants present: fp32"
+    with pytest.raises(LayoutError, match="tiny-whisper has none"):  # an Optimum folder has no variants
+        Whisper(fixtures_dir / "tiny-whisper", variant="q4")
+
+
+def test_the_cli_passes_the_variant(tiny_tjs, capsys):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["whisper", str(tiny_tjs), "missing.wav", "--variant", "fp16"])
+    assert args.compile_key(args) == ["whisper", os.path.abspath(tiny_tjs), "fp16"]
+    assert args.compile_argv(args)[-2:] == ["--variant", "fp16"]
+    with pytest.raises(LayoutError, match="has no fp16 variant; the variants present: fp32, q4"):
+        args.func(args)
+
+
+# -- the real tiny.en in the transformers.js layout -------------------------------------------------
+@pytest.fixture(scope="module")
+def tjs_int8(whisper_tjs_dir):
+    return Whisper(whisper_tjs_dir, variant="int8")
+
+
+def test_fp32_transcribes_john_as_the_optimum_folder(whisper_tjs_dir, whisper_dir, audio_dir):
+    tjs = Whisper(whisper_tjs_dir)
+    assert tjs.variant == "fp32"
+    transcript = tjs.transcribe(audio_dir / "john.wav")
+    expected = Whisper(whisper_dir).transcribe(audio_dir / "john.wav")
+    assert transcript.text == expected.text == JOHN
+    assert transcript.segments[0].tokens == expected.segments[0].tokens
+
+
+def test_int8_transcribes_john_exactly(tjs_int8, audio_dir):
+    assert tjs_int8.transcribe(audio_dir / "john.wav").text == JOHN
+
+
+@pytest.mark.parametrize("clip", ["john.wav", "fox.wav", "weather.wav"])
+def test_int8_token_ids_equal_onnxruntime(tjs_int8, whisper_tjs_dir, audio_dir, clip):
+    from _ort_whisper import OrtGreedy
+    onnx = whisper_tjs_dir / "onnx"
+    reference = OrtGreedy(whisper_tjs_dir, encoder=onnx / "encoder_model_int8.onnx",
+                          decoder=onnx / "decoder_model_merged_int8.onnx")
+    features = mel.window_features(load_audio(audio_dir / clip))
+    tokens = tjs_int8.tokens
+    decoded = tjs_int8.decode(tjs_int8.encode(features)).tokens
+    expected = reference(features, tokens.prompt(None, "transcribe", False), eos=tokens.end_of_text,
+                         suppress=tokens.suppress, begin_suppress=tokens.suppress_at_begin)
+    assert decoded == expected and len(expected) > 5
