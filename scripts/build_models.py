@@ -22,7 +22,8 @@ user cache, ${RUNNX_CACHE:-~/.cache/runnx}:
                         genai_reference.json, onnxruntime-genai's greedy ids on GENAI_PROMPTS
     models/smollm2-135m-tjs/  the transformers.js layout: configs and tokenizer at the top, onnx/model.onnx
                         (smollm2-135m's), onnx/model_q4.onnx (smollm2-135m-int4's), both hard links, and
-                        onnx/model_quantized.onnx (onnxruntime's quantize_dynamic, int8, reduce_range)
+                        onnx/model_quantized.onnx (onnxruntime's quantize_dynamic, int8, reduce_range) and
+                        onnx/model_fp16.onnx (onnxruntime's convert_float_to_float16, float16 inputs/outputs)
     models/whisper-tiny.en/  encoder_model.onnx, decoder_model_merged.onnx + HF config files
     models/whisper-tiny.en-tjs/  the transformers.js layout: configs and tokenizer at the top,
                         onnx/encoder_model.onnx and onnx/decoder_model_merged.onnx (whisper-tiny.en's, hard
@@ -426,19 +427,20 @@ def build_smollm2_genai(cache: Cache, force: bool) -> None:
 
 
 INT8_QUANTIZER = EXPORT_SCRIPTS / "quantize_int8.py"
+FP16_CONVERTER = EXPORT_SCRIPTS / "convert_fp16.py"
 
 
 def build_smollm2_tjs(cache: Cache, force: bool) -> None:
-    """The transformers.js layout of SmolLM2 from what smollm2 and smollm2-int4 built, plus an int8 file."""
+    """The transformers.js layout of SmolLM2 from what smollm2 and smollm2-int4 built, plus int8 and fp16 files."""
     TARGETS["smollm2-int4"](cache, False)  # builds smollm2 first
     fp32, int4 = cache.models / "smollm2-135m", cache.models / "smollm2-135m-int4"
     final = cache.models / "smollm2-135m-tjs"
-    recipe = recipe_digest(REQUIREMENTS, INT8_QUANTIZER, read_stamp(fp32)["files"]["model.onnx"],
+    recipe = recipe_digest(REQUIREMENTS, INT8_QUANTIZER, FP16_CONVERTER, read_stamp(fp32)["files"]["model.onnx"],
                            read_stamp(int4)["files"]["model.onnx"])
     if not force and is_current(final, recipe):
         say(f"smollm2-tjs: up to date ({final})")
         return
-    say("smollm2-tjs: SmolLM2-135M in the transformers.js layout, its int8 variant quantized (about 30 seconds)")
+    say("smollm2-tjs: SmolLM2-135M in the transformers.js layout, its int8 and fp16 variants made (about 45 seconds)")
     ensure_export_venv(cache)
     staging = fresh_dir(final.with_name(final.name + ".partial"))
     (staging / "onnx").mkdir()
@@ -448,6 +450,8 @@ def build_smollm2_tjs(cache: Cache, force: bool) -> None:
     link_or_copy(int4 / "model.onnx", staging / "onnx" / "model_q4.onnx")
     run_step(cache, "smollm2-tjs-int8", [cache.python, INT8_QUANTIZER, fp32 / "model.onnx",
                                          staging / "onnx" / "model_quantized.onnx"], env=export_env())
+    run_step(cache, "smollm2-tjs-fp16", [cache.python, FP16_CONVERTER, fp32 / "model.onnx",
+                                         staging / "onnx" / "model_fp16.onnx"], env=export_env())
     write_stamp(staging, recipe, details={"source": "smollm2-135m, smollm2-135m-int4"})
     publish(staging, final)
     say(f"built {final}")

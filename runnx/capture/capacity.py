@@ -35,6 +35,12 @@ def prefix_room(view, buffer, axis):
     return _compiled_room(view, buffer, axis, view.ctypes.data == buffer.ctypes.data)
 
 
+# dtypes numba types arrays of; `spare_capacity` reads others (float16, ml_dtypes' narrow floats) as the
+# unsigned integers of their size, the layout being all it compares
+_NUMBA_TYPED = frozenset("?bBhHiIlLqQefdFD") - {"e"}
+_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def _axis(array: np.ndarray, axis: int) -> int:
     if not -array.ndim <= axis < array.ndim:
         raise ValueError(f"axis {axis} out of range for a tensor of rank {array.ndim}")
@@ -66,6 +72,8 @@ def spare_capacity(view: np.ndarray, axis: int) -> int:
     if type(buffer) is not np.ndarray or buffer.ndim != view.ndim or buffer.dtype != view.dtype:
         return 0
     if _native.enabled:
+        if view.dtype.char not in _NUMBA_TYPED:  # float16, bfloat16, ...: the same bytes as integers
+            view, buffer = view.view(_UINTS[view.itemsize]), buffer.view(_UINTS[view.itemsize])
         return max(prefix_room(view, buffer, axis), 0)
     start = view.__array_interface__["data"][0] == buffer.__array_interface__["data"][0]
     return max(_room(view, buffer, axis, start), 0)

@@ -2,7 +2,8 @@
 
 Optimum exports compute things like the transposed tied embedding (lm_head) from initializers on
 every run; folding turns them into contiguous read-only constants. Random ops are never folded,
-and a fold that would blow up memory (e.g. Expand of a scalar to a huge tensor) is left to run.
+and a fold that would blow up memory (e.g. Expand of a scalar to a huge tensor) is left to run; a
+Cast of float16 weights to float32 (twice their bytes, `float16.py`) is folded.
 
 Small constants of equal value then become one array: every layer of an export has its own copy
 of the same slice bounds and scalars, and the facts kernels remember about constants by identity
@@ -58,6 +59,8 @@ def _evaluate(graph: Graph, node, ctx) -> list | None:
     if not all(isinstance(o, (np.ndarray, np.generic)) for o in outputs):
         return None
     budget = max(SMALL_RESULT, sum(a.nbytes for a in args if isinstance(a, np.ndarray)))
+    if node.op_type == "Cast" and args[0].dtype == np.float16:  # float16 weights widened (interp/float16.py)
+        budget *= 2
     if sum(np.asarray(o).nbytes for o in outputs) > budget:
         return None
     folded = []

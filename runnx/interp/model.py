@@ -13,6 +13,7 @@ from runnx.interp.branches import specialize_branches
 from runnx.interp.context import RunContext
 from runnx.interp.dtypes import type_name
 from runnx.interp.executor import Executor
+from runnx.interp.float16 import widen_float16
 from runnx.interp.folding import fold_constants
 from runnx.interp.fusion import fuse, quantizes_computed_values
 from runnx.interp.last_position import keep_last_position
@@ -32,6 +33,7 @@ class Model:
         self.loaded = loaded
         self.graph = loaded.graph
         self.options = (options or Options()).effective()  # the switches its optimization level allows
+        self.widened = widen_float16(self.graph)  # float16 arithmetic in float32 at every level: float16.py
         self.folded = fold_constants(self.graph, self.options) if self.options.fold_constants else 0
         # after folding (a head's weight may be a Transpose of the embedding, or read by If branches)
         self.last_position = keep_last_position(self.graph, self.options.last_position)

@@ -7,6 +7,9 @@ import numpy as np
 import onnxruntime as ort
 
 
+_DTYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}  # past key/values as the model declares
+
+
 def session(path) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
@@ -18,7 +21,7 @@ def ort_greedy(first_path, with_past_path, prompt_ids, new_tokens: int) -> list[
     file for model.onnx and decoder_model_merged.onnx)."""
     first = session(first_path)
     with_past = first if str(with_past_path) == str(first_path) else session(with_past_path)
-    cache = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float32)
+    cache = {i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), _DTYPES[i.type])
              for i in with_past.get_inputs() if i.name.startswith("past_key_values.")}
     ids, seen, out = list(prompt_ids), 0, []
     for step in range(new_tokens):

@@ -5,11 +5,12 @@ through their fixtures):
   onnxruntime-genai's own, recorded at build time in genai_reference.json on chat prompts, with the
   KV buffer shared between past and present as genai_config.json says and growing in place;
 - the transformers.js layout: each variant chosen by `variant=` greedy-decodes as onnxruntime
-  does on the same file."""
+  does on the same file (fp16 included: float16 weights, KV cache and logits)."""
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 import runnx
@@ -66,7 +67,8 @@ def _load_unoptimized(path):
 
 @pytest.mark.parametrize("variant, file, load", [
     ("fp32", "model.onnx", None), ("q4", "model_q4.onnx", None), ("int8", "model_quantized.onnx", None),
-    ("int8", "model_quantized.onnx", _load_unoptimized)], ids=["fp32", "q4", "int8", "int8-disabled"])
+    ("int8", "model_quantized.onnx", _load_unoptimized), ("fp16", "model_fp16.onnx", None)],
+    ids=["fp32", "q4", "int8", "int8-disabled", "fp16"])
 def test_transformers_js_variant_greedy_equals_onnxruntime(smollm2_tjs_dir, variant, file, load):
     """int8 (quantize_dynamic's DynamicQuantizeLinear -> MatMulInteger): its graph fuses only
     kernels bitwise their nodes (a fused attention rounding apart moved quantized values and the
@@ -87,4 +89,26 @@ def test_transformers_js_variant_greedy_equals_onnxruntime(smollm2_tjs_dir, vari
 def test_transformers_js_missing_variant_lists_those_present(smollm2_tjs_dir):
     with pytest.raises(runnx.RunnxError) as error:
         Generator.from_folder(smollm2_tjs_dir, variant="q4f16")
-    assert str(error.value).endswith("has no q4f16 variant; the variants present: fp32, q4, quantized")
+    assert str(error.value).endswith("has no q4f16 variant; the variants present: fp32, fp16, q4, quantized")
+
+
+def test_transformers_js_fp16_logits_and_cache_stay_float16(smollm2_tjs_dir):
+    """convert_float_to_float16's file: float16 past key/values in, logits and presents out, its
+    arithmetic in float32 (interp/float16.py) as onnxruntime's CPU provider computes it; the float16
+    KV cache grows in place."""
+    from generate_reference import session
+    generator = Generator.from_folder(smollm2_tjs_dir, variant="fp16")
+    generator.generate(PROMPTS[0], max_new_tokens=8, stop_token_ids=())
+    cache = generator.decoder.cache
+    assert cache.appended_in_place and cache.regrowths == 0
+    assert {a.dtype for a in cache.arrays.values()} == {np.dtype(np.float16)}
+    model = smollm2_tjs_dir / "onnx" / "model_fp16.onnx"
+    ids = np.array([generator.tokenizer.encode(PROMPTS[0])], np.int64)
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None]}
+    reference = session(model)
+    feeds.update({i.name: np.zeros((1, i.shape[1], 0, i.shape[3]), np.float16)
+                  for i in reference.get_inputs() if i.name.startswith("past_key_values.")})
+    expected = reference.run(["logits"], feeds)[0]
+    got = runnx.load(model, check_symbolic_dims=False).run(feeds, ["logits"])["logits"]
+    assert got.dtype == np.float16 and got.shape == expected.shape
+    np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), atol=0.1, rtol=0.01)  # 6 of 245,760 prompt logits 0.06 apart

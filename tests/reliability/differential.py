@@ -369,19 +369,21 @@ def kv_names(shape: DecoderShape) -> list[str]:
     return [f"{kind}.{layer}" for layer in range(shape.layers) for kind in ("past_key", "past_value")]
 
 
-def decode_and_compare(plain, optimized, shape: DecoderShape, seed: int, steps: int = 4, extra=None) -> None:
+def decode_and_compare(plain, optimized, shape: DecoderShape, seed: int, steps: int = 4, extra=None,
+                       dtype=np.float32) -> None:
     """A prompt after a random past, then `steps` one-position steps, on both models: each model's
     caches its own presents handed back as runnx.Owned (the first in capacity buffers, as
     runnx.generate does); every step's outputs compared (bitwise when the decoder is quantized).
-    `extra` feeds are added to every step."""
+    `extra` feeds are added to every step; float feeds and caches in `dtype` (a float16 model's)."""
     rng = np.random.default_rng(seed)
     past, new = int(rng.integers(0, 4)), int(rng.integers(1, 4))
-    first = {n: rng.standard_normal((1, shape.groups, past, shape.head_size)).astype(np.float32)
+    first = {n: rng.standard_normal((1, shape.groups, past, shape.head_size)).astype(dtype)
              for n in kv_names(shape)}
     caches = {id(plain): {n: runnx.with_capacity(v, 2, 64) for n, v in first.items()},
               id(optimized): {n: runnx.with_capacity(v.copy(), 2, 64) for n, v in first.items()}}
     for step in range(steps + 1):
         feeds = {**step_feeds(shape, rng, past, new), **(extra or {})}
+        feeds = {n: v.astype(dtype) if v.dtype == np.float32 else v for n, v in feeds.items()}
         results = {}
         for model in (plain, optimized):
             outputs = model.run({**feeds, **caches[id(model)]})

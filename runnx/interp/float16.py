@@ -1,0 +1,113 @@
+"""Float16 arithmetic computes in float32: float16 is how a model stores values, not how runnx sums.
+
+A float16 model (onnxruntime's `convert_float_to_float16`, an Optimum `--dtype fp16` export) says
+every value is float16, squares in a norm included: SmolLM2's hidden states pass 256, whose square
+overflows float16 (65504) and turns a whole row into NaN. onnxruntime's CPU provider has no float16
+kernel for most arithmetic and computes it in float32 between Casts it inserts, removing the Casts
+between two such nodes. runnx does the same at load, before any other pass: each arithmetic node
+(`WIDENED`) reading float16 reads it cast to float32 (or its float16 producer's float32 result
+directly) and its result is rounded to float16 only where another node reads it as float16: data
+movement (Reshape, Transpose, Concat into a float16 KV cache, ...), a graph output, any other op.
+Weights cast to float32 are constants that folding computes once; so a float16 file decodes at
+float32 speed, with its values rounded where onnxruntime rounds them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from runnx.interp.ir import MISSING, Graph, Node
+from runnx.ops import registry
+
+FLOAT, FLOAT16 = 1, 10  # ONNX element types
+# arithmetic whose every output has its float inputs' type: computed in float32 when they are float16
+WIDENED = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Abs", "Exp", "Log", "Tanh", "Sigmoid",
+    "Softmax", "LogSoftmax", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp",
+    "MatMul", "Gemm", "Sin", "Cos", "Erf", "Relu", "LeakyRelu", "Elu", "Gelu", "HardSigmoid", "Softplus",
+    "Sum", "Mean", "Conv", "ConvTranspose", "LayerNormalization", "InstanceNormalization",
+    "BatchNormalization"})
+# ops whose first output is float16 when the input at (index) is: data movement and selection
+_PASSES = {"Reshape": 0, "Transpose": 0, "Squeeze": 0, "Unsqueeze": 0, "Flatten": 0, "Slice": 0, "Gather": 0,
+           "GatherElements": 0, "GatherND": 0, "Concat": 0, "Split": 0, "Expand": 0, "Identity": 0, "Tile": 0,
+           "Pad": 0, "Where": 1, "Min": 0, "Max": 0, "ReduceMax": 0, "ReduceMin": 0, "Clip": 0, "Floor": 0,
+           "Ceil": 0, "Round": 0, "ScatterElements": 0, "ScatterND": 0, "Trilu": 0}
+
+
+def widen_float16(graph: Graph, outer: frozenset = frozenset()) -> int:
+    """Rewrite `graph` and its subgraphs as above; `outer`: names of float16 values a subgraph
+    captures. Returns how many nodes compute in float32 instead of float16."""
+    half = {vid for vid, info in zip(graph.inputs, graph.input_info) if info.elem_type == FLOAT16}
+    half |= {vid for vid, value in {**graph.constants, **graph.defaults}.items() if value.dtype == np.float16}
+    half |= {vid for vid in graph.capture_ids if graph.names[vid] in outer}
+    wide: dict[int, int] = {}  # float16 value id -> the float32 value it was rounded from
+    casts: dict[int, int] = {}  # float16 value id -> a float32 copy made for widened readers
+    new_nodes: list[Node] = []
+    rounding: set[int] = set()  # indices of the Casts back to float16 added here
+    next_index = max((n.index for n in graph.nodes), default=-1) + 1
+    widened = 0
+
+    def add_cast(source: int, to: int, target: int | None = None) -> int:
+        nonlocal next_index
+        if target is None:
+            target = len(graph.names)
+            graph.names.append(f"{graph.names[source]}/float32")
+            graph.ids[graph.names[target]] = target
+        kernel = registry.resolve("", "Cast", 13)
+        if to == FLOAT16:
+            rounding.add(next_index)
+        new_nodes.append(Node(next_index, f"Cast({graph.names[source]})", "Cast", "", (source,), (target,),
+                              {"to": to}, {}, (), kernel, kernel.since))
+        next_index += 1
+        return target
+
+    def as_float32(vid: int) -> int:
+        if vid in wide:
+            return wide[vid]
+        if vid not in casts:
+            casts[vid] = add_cast(vid, FLOAT)
+        return casts[vid]
+
+    for node in graph.nodes:
+        for sub in node.subgraphs.values():
+            for g in sub if isinstance(sub, list) else [sub]:
+                widened += widen_float16(g, frozenset(graph.names[v] for v in half))
+        if node.domain != "" or node.kernel is None:
+            new_nodes.append(node)
+            continue
+        reads_half = [vid for vid in node.inputs if vid in half]
+        if node.op_type in WIDENED and reads_half and sum(o != MISSING for o in node.outputs) == 1:
+            node.inputs = tuple(as_float32(vid) if vid in half else vid for vid in node.inputs)
+            out = next(o for o in node.outputs if o != MISSING)
+            twin = len(graph.names)
+            graph.names.append(f"{graph.names[out]}/float32")
+            graph.ids[graph.names[twin]] = twin
+            node.outputs = tuple(twin if o == out else o for o in node.outputs)
+            new_nodes.append(node)
+            add_cast(twin, FLOAT16, out)
+            wide[out] = twin
+            half.add(out)
+            widened += 1
+            continue
+        new_nodes.append(node)
+        if node.op_type == "Cast":
+            if node.attrs.get("to") == FLOAT16:
+                half.add(node.outputs[0])
+        elif node.op_type in _PASSES and len(node.inputs) > _PASSES[node.op_type] \
+                and node.inputs[_PASSES[node.op_type]] in half:
+            half.update(o for o in node.outputs if o != MISSING)
+        elif node.op_type in WIDENED and reads_half:  # float16 still (several outputs)
+            half.update(o for o in node.outputs if o != MISSING)
+    if widened:
+        graph.nodes = _without_unread(graph, new_nodes, rounding)
+        graph.producer = {vid: node for node in graph.nodes for vid in node.outputs if vid != MISSING}
+    return widened
+
+
+def _without_unread(graph: Graph, nodes: list[Node], rounding: set[int]) -> tuple[Node, ...]:
+    """The nodes but the Casts back to float16 that nothing reads any more (their widened readers
+    take the float32 value): fusion takes a value read outside its pattern for one it must keep."""
+    read = set(graph.outputs)
+    for node in nodes:
+        read.update(node.inputs)
+        read.update(node.captures)
+    return tuple(n for n in nodes if n.index not in rounding or n.outputs[0] in read)
