@@ -20,10 +20,11 @@ from runnx.ops import registry
 
 FLOAT, FLOAT16 = 1, 10  # ONNX element types
 # arithmetic whose every output has its float inputs' type: computed in float32 when they are float16
+# (not Relu, Abs, Neg: exact in float16, their float16 kernels keep numpy's signed zeros)
 WIDENED = frozenset({
-    "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Neg", "Abs", "Exp", "Log", "Tanh", "Sigmoid",
+    "Add", "Sub", "Mul", "Div", "Pow", "Sqrt", "Reciprocal", "Exp", "Log", "Tanh", "Sigmoid",
     "Softmax", "LogSoftmax", "ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2", "ReduceLogSumExp",
-    "MatMul", "Gemm", "Sin", "Cos", "Erf", "Relu", "LeakyRelu", "Elu", "Gelu", "HardSigmoid", "Softplus",
+    "MatMul", "Gemm", "Sin", "Cos", "Erf", "LeakyRelu", "Elu", "Gelu", "HardSigmoid", "Softplus",
     "Sum", "Mean", "Conv", "ConvTranspose", "LayerNormalization", "InstanceNormalization",
     "BatchNormalization"})
 # ops whose first output is float16 when the input at (index) is: data movement and selection
