@@ -21,6 +21,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from runnx._cache_dirs import compiled_code_root  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
 COMMANDS = {
@@ -54,7 +57,7 @@ def timed(argv: list[str], env: dict, tree: Path = ROOT) -> tuple[float, float |
 def compiled(cache: Path, timeout: float) -> float | None:
     """Seconds until the background compile of a first run wrote its marker (None: not in `timeout`)."""
     start = time.perf_counter()
-    ready = cache / "ready"
+    ready = compiled_code_root(str(cache)) / "ready"  # where runnx puts its markers under NUMBA_CACHE_DIR
     while time.perf_counter() - start < timeout:
         if ready.is_dir() and any(p.suffix == "" for p in ready.iterdir()):
             return time.perf_counter() - start
