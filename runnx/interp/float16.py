@@ -1,7 +1,7 @@
 """Float16 arithmetic computes in float32: float16 is how a model stores values, not how runnx sums.
 
 A float16 model (onnxruntime's `convert_float_to_float16`, an Optimum `--dtype fp16` export) says
-every value is float16, squares in a norm included: SmolLM2's hidden states pass 256, whose square
+every value is float16, squares in a norm included: a small LM's hidden states pass 256, whose square
 overflows float16 (65504) and turns a whole row into NaN. onnxruntime's CPU provider has no float16
 kernel for most arithmetic and computes it in float32 between Casts it inserts, removing the Casts
 between two such nodes. runnx does the same at load, before any other pass: each arithmetic node

@@ -1,7 +1,7 @@
 """Outputs for the last position only: a decoder's logits when only the next token is wanted.
 
 Generation reads the logits of the last position, but Optimum's decoders compute the LM head for
-every position of the prompt: a sixth of a small LM's 512-token prefill (e.g. SmolLM2's), and a
+every position of the prompt: a sixth of a small LM's 512-token prefill, and a
 speech decoder's head over its prompt rows on every window's first step. With
 `Options.last_position` naming such outputs (`generate.decoder.load_decoder` names "logits"), a
 named graph output computed by MatMul(h, W) from a constant matrix W (in the graph itself, or in

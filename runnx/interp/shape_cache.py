@@ -1,7 +1,7 @@
 """Shape-computation caching: bookkeeping that depends only on tensor shapes runs once per shape.
 
 Exporters compute reshape targets, masks and positions with chains of Shape/Gather/Unsqueeze/
-Concat/... nodes: in an exported decoder (e.g. SmolLM2's) most of the nodes of a step. A value is
+Concat/... nodes: in an exported decoder most of the nodes of a step. A value is
 *shape-derived* when it is the output of Shape/Size, or of a deterministic node whose inputs are all
 shape-derived or constants: it is then a function of the shapes that its Shape/Size nodes read (its
 *roots*) and never of any tensor's contents.

@@ -138,7 +138,7 @@ class DecodePool:
 
     def rest(self):
         """Let workers spinning after a decode job sleep now: a multi-threaded BLAS product is
-        about to run, and OpenBLAS's threads need their cores (e.g. Whisper's first decoder step,
+        about to run, and OpenBLAS's threads need their cores (an encoder-decoder's first decoder step,
         its cross-attention keys and values of 1500 encoder rows between pool jobs)."""
         if not all(self.box[_IDLE:_IDLE + self._workers]) and self._lock.acquire(blocking=False):
             try:

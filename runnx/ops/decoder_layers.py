@@ -1,7 +1,7 @@
 """Decoder layers' fused nodes that span several blocks (`runnx/interp/fusion/products.py`): an
 RMSNorm layer's projections, rotary embedding and KV cache growth (ProjectedRopeAppend), its
 attention to the next layer's norm (AttentionGatedMLP), and the two across a layer boundary
-(AttentionGatedMLPRopeAppend); a LayerNorm decoder layer (e.g. Whisper's) from its self-attention to
+(AttentionGatedMLPRopeAppend); a LayerNorm decoder layer (an encoder-decoder's) from its self-attention to
 the next layer's norm (AttentionLayerNormGeluMLP), with the next layer's projections and KV cache
 growth (AttentionLayerNormGeluMLPAppend). A decode step's row runs each as one native call of
 `_decode_blocks.py`; anything else (a prefill, biases, caches not granted) runs the kernels of the

@@ -1,4 +1,4 @@
-"""Fused kernels for the patterns `runnx.interp.fusion.layer_norm_blocks` finds (e.g. in Whisper's
+"""Fused kernels for the patterns `runnx.interp.fusion.layer_norm_blocks` finds (e.g. in encoder-decoder
 exports): split-heads attention, erf GELU, residual add with LayerNormalization (private domain
 `runnx.fused`; never in a model file).
 

@@ -1,6 +1,6 @@
 """Fusion patterns of LayerNorm transformer blocks as Optimum exports them with transformers' eager
-attention (e.g. Whisper's encoder and decoder): attention whose heads are split from (batch, length,
-hidden) by Reshape/Transpose and merged back, with the Reshape targets that
+attention (speech encoders, cross-attending decoders): attention whose heads are split from (batch,
+length, hidden) by Reshape/Transpose and merged back, with the Reshape targets that
 Shape/Gather/Unsqueeze/Concat chains build from other values' shapes (those chains stop running),
 the erf GELU with the bias add before it, and the residual add with the LayerNormalization reading
 it.

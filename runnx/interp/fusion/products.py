@@ -12,7 +12,7 @@ block's MatMulAddLayerNorm, first MLP product, ErfGelu and MatMulAddLayerNorm on
 node. A query projection read only by its attention joins it (ProjectedHeadsAttention), and q/k/v
 products whose key and value are appended to caches join the appends (ProjectedAppend), and an
 attention joins the MatMulAddLayerNorm or ResidualGeluMLP after it (AttentionLayerNorm,
-AttentionGeluMLP): a LayerNorm decoder layer (e.g. Whisper's), which a decode step runs as three
+AttentionGeluMLP): a LayerNorm decoder layer (an encoder-decoder's), which a decode step runs as three
 native calls; an RMSNorm decoder layer's attention joins its ResidualGatedMLP (AttentionGatedMLP)
 and its q/k/v products its RopeAppend (ProjectedRopeAppend, with SplitHeadsShape stand-ins for the
 shape memos reading the heads), and an AttentionGatedMLP the next layer's ProjectedRopeAppend

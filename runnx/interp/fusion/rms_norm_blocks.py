@@ -1,5 +1,5 @@
-"""Fusion patterns of RMSNorm decoder blocks (e.g. Llama's exports): RMSNorm, the SiLU-gated MLP
-activation, rotary embedding (rotate-half), attention over a grouped-query KV cache (the head repeat
+"""Fusion patterns of RMSNorm decoder blocks (pre-norm decoders with rotary attention): RMSNorm, the
+SiLU-gated MLP activation, rotary embedding (rotate-half), attention over a grouped-query KV cache (the head repeat
 by Unsqueeze/Expand/Reshape is what it removes) and the residual add feeding an RMSNorm.
 Kernels: `runnx/ops/fused.py`.
 """
