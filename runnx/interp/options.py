@@ -20,14 +20,15 @@ _ALLOWED = {
     "all": ("last_position",),
 }
 
-# Every RUNNX_* variable runnx or its test suite reads. Options reads the first group; the
-# `runnx` command, the numba cache, the allocator and the server the second; tests the third.
-ENVIRONMENT = (
+# Every RUNNX_* variable runnx or its test suite reads. Documented (README's Options): the ones
+# Options reads, then the `runnx` command's, the cache folder's, the allocator's and the server's.
+# Then the background compile's own (set for the process it starts) and the test suite's.
+DOCUMENTED = (
     "RUNNX_OPTIMIZATION_LEVEL", "RUNNX_THREADS", "RUNNX_CHECK_INPLACE", "RUNNX_PROFILE", "RUNNX_TRACE",
     "RUNNX_MAX_TENSOR_ELEMENTS", "RUNNX_MAX_LOOP_ITERATIONS", "RUNNX_CHECK_SYMBOLIC_DIMS", "RUNNX_ALLOW_NEWER_OPSET",
-    "RUNNX_CACHE", "RUNNX_COMPILE", "RUNNX_COMPILE_MARKER", "RUNNX_KEEP_FREED", "RUNNX_API_KEY",
-    "RUNNX_FIXTURES", "RUNNX_BACKEND_INCLUDE",
+    "RUNNX_CACHE", "RUNNX_COMPILE", "RUNNX_KEEP_FREED", "RUNNX_API_KEY",
 )
+ENVIRONMENT = DOCUMENTED + ("RUNNX_COMPILE_MARKER", "RUNNX_FIXTURES", "RUNNX_BACKEND_INCLUDE")
 # Switches of result-identical optimizations that are Options fields only: the level is their
 # environment knob. A variable here is ignored with a warning saying what replaces it.
 _BASIC = "RUNNX_OPTIMIZATION_LEVEL=disabled turns off the 'basic' optimizations"
@@ -54,8 +55,8 @@ def warn_unknown_environment(environ=os.environ) -> None:
         if not name.startswith("RUNNX_") or name in ENVIRONMENT or name in _warned:
             continue
         _warned.add(name)
-        why = REMOVED.get(name) or f"runnx reads only {', '.join(ENVIRONMENT[:9])} (see the README's Options)"
-        warnings.warn(f"runnx ignores {name}: {why}", UserWarning, stacklevel=3)
+        why = REMOVED.get(name) or f"not a runnx variable; the README's Options lists them ({', '.join(DOCUMENTED)})"
+        warnings.warn(f"runnx ignores {name}: {why}", UserWarning, stacklevel=4)  # at the caller of Options()
 
 
 def _env_flag(name: str, default: bool) -> bool:
