@@ -4,6 +4,7 @@
     model = runnx.load("model.onnx")
     outputs = model.run({"x": x})                        # {name: array}
     session = runnx.InferenceSession("model.onnx")       # onnxruntime's API
+    runnx.set_threads(2)                                 # BLAS, numba and decode-pool threads
 """
 __version__ = "0.1.0"  # before any import: the numba cache folder's name reads it (runnx/ops/_jit_cache.py)
 
@@ -18,6 +19,15 @@ from runnx.interp.model import Model, load
 from runnx.interp.options import Options
 from runnx.interp.profiler import Profile
 from runnx.interp.session import GraphOptimizationLevel, InferenceSession, NodeArg, SessionOptions
+
+
+def set_threads(count: int) -> None:
+    """Use `count` threads from now on: BLAS's, numba's and the decode pool's (count - 1 workers),
+    for the whole process, as `Options.threads` / SessionOptions.intra_op_num_threads do at load."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise InvalidOptionError(f"runnx.set_threads takes a thread count of 1 or more, got {count!r}")
+    from runnx.interp.threads import apply_threads  # loads numba and threadpoolctl: on first use
+    apply_threads(count)
 
 
 def __getattr__(name):
@@ -35,5 +45,5 @@ __all__ = [
     "MissingInputError", "MissingValueError", "Model", "ModelLoadError", "NodeArg", "NodeError", "Options",
     "Owned", "PlanError", "Profile", "ResourceLimitError", "RunnxError", "SessionOptions",
     "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "UnsupportedOpsetError", "load",
-    "with_capacity",
+    "set_threads", "with_capacity",
 ]

@@ -4,9 +4,9 @@ scripts/bench_pairs.py alternates runners), their greedy tokens compared. Prints
 
     .venv/bin/python scripts/bench_option.py SETTING [--threads 2] [--contexts 32,2000] [--blocks 10]
 
-SETTING is a boolean runnx.Options field (`inplace`, `shape_cache`, ...), or `pattern:NAME` for one
-fusion pattern (a matcher of runnx.interp.fusion's PATTERNS, e.g. `pattern:_layers_chained`), left
-out when off. Ratios are on / off decode speed per pair of blocks (median and range). With more
+SETTING is a boolean runnx.Options field (`inplace`, `shape_cache`, ...), `level:LEVEL` for an
+optimization level (off: that level, on: `all`), or `pattern:NAME` for one fusion pattern (a
+matcher of runnx.interp.fusion's PATTERNS, e.g. `pattern:_layers_chained`), left out when off. Ratios are on / off decode speed per pair of blocks (median and range). With more
 than one thread it also gives each setting's median time a step spends outside the decode pool's
 native calls (Python: the plan, the kernels' checks, shape memos), which end-to-end noise hides.
 """
@@ -22,7 +22,7 @@ from report import set_threads  # scripts/: this script's folder
 
 def _parse():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("setting", help="a boolean runnx.Options field, or pattern:NAME (a fusion pattern)")
+    parser.add_argument("setting", help="a boolean runnx.Options field, level:LEVEL or pattern:NAME (a fusion pattern)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--contexts", default="32,2000")
     parser.add_argument("--blocks", type=int, default=10, help="blocks per setting and context")
@@ -69,6 +69,8 @@ class _Setting(bench._Runnx):
                 self.model = runnx.load(path)
             finally:
                 fusion.PATTERNS = patterns
+        elif ARGS.setting.startswith("level:"):
+            self.model = runnx.load(path, optimization_level="all" if on else ARGS.setting.removeprefix("level:"))
         else:
             self.model = runnx.load(path, **{ARGS.setting: on})
         self.kv = [(i.name, i.shape) for i in self.model.inputs if i.name.startswith("past_key_values.")]

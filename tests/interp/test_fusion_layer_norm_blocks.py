@@ -495,21 +495,22 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
                              "AttentionLayerNormGeluMLPAppend": 1}
 
 
-def _greedy(folder, monkeypatch, fuse, features):
+def _greedy(folder, fuse, features):
     from runnx.generate.whisper import Whisper
-    monkeypatch.setenv("RUNNX_FUSE", "1" if fuse else "0")
-    model = Whisper(folder)
+    def load(path):  # the generation API's decoder options (load_decoder), fusing or not
+        return runnx.load(path, check_symbolic_dims=False, last_position=("logits",), fuse=fuse)
+    model = Whisper(folder, load=load)
     assert bool(model.encoder.fused) == fuse
     return [model.decode(model.encode(window)).tokens for window in features]
 
 
-def test_tiny_whisper_greedy_tokens_are_identical_fused_and_not(fixtures_dir, monkeypatch):
+def test_tiny_whisper_greedy_tokens_are_identical_fused_and_not(fixtures_dir):
     features = [_features(seed)[None, 0] for seed in range(3)]
     folder = fixtures_dir / "tiny-whisper"
-    assert _greedy(folder, monkeypatch, True, features) == _greedy(folder, monkeypatch, False, features)
+    assert _greedy(folder, True, features) == _greedy(folder, False, features)
 
 
-def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whisper_dir, audio_dir, monkeypatch):
+def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whisper_dir, audio_dir):
     from runnx.generate.audio import load_audio
     from runnx.generate.mel import window_features
     features = [window_features(load_audio(audio_dir / clip), 80) for clip in ("john.wav", "long.wav")]
@@ -519,8 +520,8 @@ def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whispe
     want = plain.run({"input_features": features[1]})["last_hidden_state"]
     got = fused.run({"input_features": features[1]})["last_hidden_state"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-4)
-    tokens = _greedy(whisper_dir, monkeypatch, True, features)
-    assert tokens == _greedy(whisper_dir, monkeypatch, False, features) and all(len(t) > 5 for t in tokens)
+    tokens = _greedy(whisper_dir, True, features)
+    assert tokens == _greedy(whisper_dir, False, features) and all(len(t) > 5 for t in tokens)
 
 
 def test_a_whisper_decode_step_runs_one_native_call_per_layer_boundary(fixtures_dir, monkeypatch):

@@ -54,6 +54,10 @@ def _hidden_size(model):
     return shape[2]
 
 
-def test_the_environment_names_outputs_too(fixtures_dir, monkeypatch):
-    monkeypatch.setenv("RUNNX_LAST_POSITION", " logits, other")
-    assert runnx.load(fixtures_dir / "tiny-llama" / "model.onnx").last_position == 1
+def test_only_the_option_names_outputs_the_environment_is_ignored_with_a_warning(fixtures_dir, monkeypatch):
+    from runnx.interp import options
+    monkeypatch.setattr(options, "_warned", set())
+    monkeypatch.setenv("RUNNX_LAST_POSITION", "logits")
+    with pytest.warns(UserWarning, match=r"runnx ignores RUNNX_LAST_POSITION: runnx.load\(\.\.\., last_position="):
+        assert runnx.load(fixtures_dir / "tiny-llama" / "model.onnx").last_position == 0
+    assert runnx.load(fixtures_dir / "tiny-llama" / "model.onnx", last_position=("logits",)).last_position == 1

@@ -1,5 +1,11 @@
 """Options.optimization_level: one switch capping every optimization, "disabled" being plain
-interpretation; onnxruntime's GraphOptimizationLevel maps to it."""
+interpretation; onnxruntime's GraphOptimizationLevel maps to it. The switches it replaced are
+Options fields only: in the environment they warn."""
+import os
+import re
+import warnings
+from pathlib import Path
+
 import numpy as np
 import onnxruntime
 import pytest
@@ -105,3 +111,59 @@ def test_session_options_refuse_an_unknown_graph_optimization_level():
     settings.graph_optimization_level = 7
     with pytest.raises(runnx.InvalidOptionError, match="ORT_ENABLE_EXTENDED \\(2\\)"):
         runnx.InferenceSession(_model().SerializeToString(), settings)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """The process has not warned about any variable yet, and no RUNNX_* variable is set."""
+    from runnx.interp import options
+    monkeypatch.setattr(options, "_warned", set())
+    for name in [name for name in os.environ if name.startswith("RUNNX_")]:
+        monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("name, replacement", [
+    ("RUNNX_FUSE", "RUNNX_OPTIMIZATION_LEVEL=basic"), ("RUNNX_FOLD_CONSTANTS", "RUNNX_OPTIMIZATION_LEVEL=disabled"),
+    ("RUNNX_SHAPE_CACHE", "RUNNX_OPTIMIZATION_LEVEL=disabled"), ("RUNNX_INPLACE", "inplace=False"),
+])
+def test_a_removed_switch_in_the_environment_warns_once_and_changes_nothing(fresh_warnings, monkeypatch, name,
+                                                                            replacement):
+    monkeypatch.setenv(name, "0")
+    with pytest.warns(UserWarning, match=f"runnx ignores {name}: .*{replacement}"):
+        model = runnx.load(_model(), last_position=("logits",))
+    assert _applied(model) == dict.fromkeys(_applied(model), True) and model.options.inplace
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: a second load is silent
+        runnx.load(_model())
+
+
+def test_an_unknown_runnx_variable_warns_naming_it_and_the_known_ones(fresh_warnings, monkeypatch):
+    monkeypatch.setenv("RUNNX_THREDS", "1")
+    with pytest.warns(UserWarning, match=r"runnx ignores RUNNX_THREDS: not a runnx variable; .*\(RUNNX_OPTIMIZATION_LEVEL, "
+                                         "RUNNX_THREADS, "):
+        runnx.Options()
+
+
+def test_known_variables_load_silently(fresh_warnings, monkeypatch):
+    monkeypatch.setenv("RUNNX_OPTIMIZATION_LEVEL", "basic")
+    monkeypatch.setenv("RUNNX_CHECK_INPLACE", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert runnx.load(_model()).options.check_inplace
+
+
+def test_every_runnx_variable_the_project_reads_is_known():
+    """A variable read anywhere (package, scripts, tests, CI) is in ENVIRONMENT, or it would warn;
+    the README's table lists the documented ones."""
+    from runnx.interp.options import DOCUMENTED, ENVIRONMENT, REMOVED
+    root = Path(__file__).parents[2]
+    files = [p for folder in ("runnx", "scripts", "tests") for p in (root / folder).rglob("*.py")]
+    files += [root / "Makefile", *(root / ".ci").glob("*")]
+    named = {name for path in files if path.is_file() and path != Path(__file__) and path.name != "options.py"
+             for name in re.findall(r"RUNNX_[A-Z_]*[A-Z]", path.read_text(errors="replace"))}
+    assert named and named - set(REMOVED) <= set(ENVIRONMENT), named - set(ENVIRONMENT)
+    assert not set(REMOVED) & set(ENVIRONMENT)
+    readme = (root / "README.md").read_text()
+    table = readme[readme.index("| environment variable | what |"):]
+    table = table[:table.index("\n\n")]
+    assert set(re.findall(r"RUNNX_[A-Z_]*[A-Z]", table)) == set(DOCUMENTED)

@@ -1,11 +1,14 @@
-"""Options.threads: BLAS, numba and decode-pool threads set at load and reported in the profile."""
+"""Options.threads and runnx.set_threads: BLAS, numba and decode-pool threads set at load (or at
+once) and reported in the profile."""
 import os
 
 import numpy as np
+import pytest
 import threadpoolctl
 from onnx import TensorProto, helper
 
 import runnx
+from runnx.interp.threads import thread_counts
 from runnx.ops import _decode_pool
 
 
@@ -53,3 +56,19 @@ def test_importing_runnx_first_makes_openblas_threads_sleep_after_each_call():
             env["OPENBLAS_THREAD_TIMEOUT"] = given
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert done.stdout.split() == [expected], done.stderr
+
+
+def test_set_threads_sets_blas_numba_and_the_decode_pool_now():
+    with threadpoolctl.threadpool_limits(limits=None):
+        try:
+            for count in (1, 2):
+                runnx.set_threads(count)
+                assert thread_counts() == {"blas": count, "numba": count, "decode": count}
+        finally:
+            _decode_pool.set_workers(None)
+
+
+@pytest.mark.parametrize("count", [0, -1, 1.5, "2", True])
+def test_set_threads_refuses_a_count_that_is_not_a_positive_int(count):
+    with pytest.raises(runnx.InvalidOptionError, match="thread count of 1 or more"):
+        runnx.set_threads(count)
