@@ -10,7 +10,8 @@ from runnx.errors import RunnxError
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve", help="serve models over an OpenAI-compatible HTTP API (chat, completions, transcriptions)",
-        description="Serve language models (Optimum decoder exports with tokenizer.json) and Whisper exports "
+        description="Serve language models (Optimum exports, transformers.js folders, onnxruntime-genai folders, "
+                    "each with tokenizer.json) and Whisper exports "
                     "over OpenAI's API: /v1/chat/completions, /v1/completions, /v1/audio/transcriptions, "
                     "/v1/models, /health. A model's id is its folder name. Concurrent requests to one "
                     "language model share its decode steps (continuous batching).")
@@ -21,6 +22,9 @@ def register(subparsers) -> None:
                         help="require 'Authorization: Bearer KEY' (default: $RUNNX_API_KEY, else no key)")
     parser.add_argument("--max-batch", type=int, default=16, metavar="N",
                         help="most requests decoded together per model (default 16; more wait their turn)")
+    parser.add_argument("--variant", metavar="NAME",
+                        help="the onnx/ file of transformers.js folders: fp32 (default), fp16, int8, q4, ... "
+                             "(other folders hold one model and ignore it)")
     parser.add_argument("--max-body-mb", type=float, default=25.0, metavar="MB",
                         help="largest request body, an audio upload included (default 25)")
     parser.set_defaults(func=command_serve)
@@ -35,10 +39,12 @@ def command_serve(args) -> int:
         raise RunnxError("--max-batch must be at least 1")
     from runnx.serve.app import create_app
     from runnx.serve.models import load_models
-    models = load_models(args.model_dirs, max_batch=args.max_batch)
+    models = load_models(args.model_dirs, max_batch=args.max_batch, variant=args.variant)
     for model in models.values():
+        batch = "" if model.kind == "audio" or model.max_batch == args.max_batch else (
+            f", {model.max_batch} request at a time: its attention cannot take left-padded rows")
         print(f"runnx serve: {model.id} ({'Whisper' if model.kind == 'audio' else 'language model'}) "
-              f"from {model.folder}")
+              f"from {model.folder}{batch}")
     app = create_app(models, api_key=args.api_key, max_body_bytes=int(args.max_body_mb * 1024 * 1024))
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0

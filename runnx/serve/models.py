@@ -1,7 +1,9 @@
-"""The models a server holds, one per folder, named by the folder: a language model (an Optimum
-decoder export with tokenizer.json) served by a `BatchScheduler`, or a Whisper export
-(encoder_model.onnx + decoder_model_merged.onnx, or config.json's model_type "whisper") whose
-transcriptions run one at a time."""
+"""The models a server holds, one per folder, named by the folder: a language model with
+tokenizer.json served by a `BatchScheduler`, or a Whisper export (encoder_model.onnx +
+decoder_model_merged.onnx, or config.json's model_type "whisper") whose transcriptions run one at
+a time. Folders are read as `generate/layouts.py` reads them (Optimum, transformers.js with a
+variant, onnxruntime-genai), so the server stops, pads and bounds the context as `runnx generate`
+does on the same folder."""
 from __future__ import annotations
 
 import json
@@ -11,6 +13,7 @@ from pathlib import Path
 from runnx.errors import RunnxError
 from runnx.generate.chat import compile_template
 from runnx.generate.decoder import DecoderStep
+from runnx.generate.layouts import ENCODER_BASES, read_folder, transformers_js_variants
 from runnx.generate.tokenizer import Tokenizer
 from runnx.serve.errors import ApiError
 from runnx.serve.scheduler import BatchScheduler
@@ -25,21 +28,32 @@ class LanguageModel:
 
     kind = "text"
 
-    def __init__(self, folder: Path, *, max_batch: int = 16):
+    def __init__(self, folder: Path, *, max_batch: int = 16, variant: str | None = None):
+        """`variant` chooses a transformers.js folder's onnx/ file (layouts.VARIANTS)."""
         self.folder = folder
         self.id = folder.name
         if not (folder / "tokenizer.json").is_file():
             raise RunnxError(f"{folder} has no tokenizer.json: the server takes and returns text")
+        layout = read_folder(folder, variant)
+        self.layout = layout
         self.tokenizer = Tokenizer.from_folder(folder)
         self.config = _read_json(folder / "config.json")
-        self.generation_config = _read_json(folder / "generation_config.json")
+        self.generation_config = layout.generation_config
         self.template = compile_template(self.tokenizer.chat_template) if self.tokenizer.chat_template else None
-        self.context = next((int(self.config[key]) for key in CONTEXT_KEYS if self.config.get(key)), None)
-        decoder = DecoderStep.from_folder(folder, capacity=BATCH_CAPACITY)
+        self.context = layout.genai.context_length if layout.genai is not None else None
+        self.context = self.context or next((int(self.config[key]) for key in CONTEXT_KEYS if self.config.get(key)),
+                                            None)
+        # A batch grows and shrinks by stacking and cutting KV rows, so each row keeps a cache of its own
+        # (never a shared past/present buffer); a model that cannot take left-padded rows (its
+        # attention finds each row's length from the mask) decodes one request at a time.
+        decoder = DecoderStep.from_folder(folder, capacity=BATCH_CAPACITY, layout=layout, share_buffer=False)
         with_past = decoder.past_model if decoder.past_model is not decoder.first_model else None
-        prefill = DecoderStep(decoder.first_model, with_past, capacity=1, config=self.config)
+        prefill = DecoderStep(decoder.first_model, with_past, capacity=1, config=layout.config,
+                              io=layout.decoder_io(decoder.first_model), context_length=decoder.context_length,
+                              padding=decoder.padding)
+        self.max_batch = max_batch if decoder.padding else 1
         self.scheduler = BatchScheduler(decoder, prefill, self.tokenizer, self.generation_config,
-                                        self._stop_ids(), max_batch=max_batch, name=self.id)
+                                        self._stop_ids(), max_batch=self.max_batch, name=self.id)
 
     def _stop_ids(self) -> set[int]:
         """generation_config.json's eos_token_id(s) and the tokenizer's eos_token."""
@@ -100,11 +114,11 @@ class SpeechModel:
 
     kind = "audio"
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, *, variant: str | None = None):
         from runnx.generate.whisper import Whisper
         self.folder = folder
         self.id = folder.name
-        self.whisper = Whisper(folder)
+        self.whisper = Whisper(folder, variant=variant)
         self.lock = threading.Lock()
 
     def transcribe(self, path: str, *, language: str | None, timestamps: bool | None):
@@ -126,8 +140,9 @@ def is_whisper(folder: Path) -> bool:
     return (folder / "encoder_model.onnx").is_file() or _read_json(folder / "config.json").get("model_type") == "whisper"
 
 
-def load_models(folders, *, max_batch: int = 16) -> dict[str, LanguageModel | SpeechModel]:
-    """The models of these folders by id (the folder name)."""
+def load_models(folders, *, max_batch: int = 16, variant: str | None = None) -> dict[str, LanguageModel | SpeechModel]:
+    """The models of these folders by id (the folder name); `variant` chooses the file of every
+    transformers.js folder among them (other folders have one model and ignore it)."""
     models = {}
     for folder in map(Path, folders):
         if not folder.is_dir():
@@ -136,7 +151,9 @@ def load_models(folders, *, max_batch: int = 16) -> dict[str, LanguageModel | Sp
         if folder.name in models:
             raise RunnxError(f"two model folders are named '{folder.name}': model ids are folder names, "
                              "so they must differ")
-        models[folder.name] = SpeechModel(folder) if is_whisper(folder) else LanguageModel(folder, max_batch=max_batch)
+        chosen = variant if transformers_js_variants(folder) or transformers_js_variants(folder, ENCODER_BASES) else None
+        models[folder.name] = (SpeechModel(folder, variant=chosen) if is_whisper(folder)
+                               else LanguageModel(folder, max_batch=max_batch, variant=chosen))
     return models
 
 
