@@ -3,6 +3,7 @@ and the numeric-stable building blocks (sigmoid) several activations share."""
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 
@@ -97,13 +98,20 @@ def sigmoid(x: np.ndarray, overwrite=()) -> np.ndarray:
     return np.reciprocal(out, out=out)
 
 
+@lru_cache(maxsize=4096)
+def broadcast_shape(*shapes: tuple) -> tuple:
+    """np.broadcast_shapes, remembered per shapes (a model meets few; it costs microseconds a call)."""
+    return np.broadcast_shapes(*shapes)
+
+
 def broadcast_fold(ufunc, inputs, overwrite=()) -> np.ndarray:
     """ufunc folded left over variadic broadcasting inputs (Sum, Max, Min), into input 0 if granted."""
-    shape = np.broadcast_shapes(*(x.shape for x in inputs))
+    shape = broadcast_shape(*(x.shape for x in inputs))
     first = inputs[0]
     if len(inputs) == 1:
         return first
-    if 0 in overwrite and first.shape == shape and all(x.dtype == first.dtype for x in inputs):
+    if (0 in overwrite and first.shape == shape and first.flags.c_contiguous
+            and all(x.dtype == first.dtype for x in inputs)):
         out = first
         ufunc(out, inputs[1], out=out)
     else:

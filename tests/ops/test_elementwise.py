@@ -337,3 +337,27 @@ def test_shapes_that_do_not_broadcast_fail_as_numpy_does_whatever_is_granted():
     with pytest.raises(ValueError, match="broadcast"):
         elementwise.Add(a, b, overwrite=(0, 1))
     np.testing.assert_array_equal(a, _wide(2, 3))
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_where_and_sum_write_a_granted_input_only_when_it_fits_and_is_c_contiguous(strided):
+    """Where writes x (or y) and Sum its first input when granted, of the broadcast shape and
+    dtype, and C-contiguous; a strided or growing input is left as it is and the result is a
+    fresh array, bitwise copy mode's down to its strides."""
+    from runnx.ops import elementwise
+    x = _wide(4, 3).T if strided else _wide(3, 4)
+    y, condition = _wide(4, start=3), (np.arange(12).reshape(3, 4) % 3 == 0)
+    for name, call in (("Where", lambda granted: elementwise.Where(condition, x, y, overwrite=granted)),
+                       ("Sum", lambda granted: elementwise.Sum(x, y, y, overwrite=granted))):
+        before = x.copy()
+        expected = call(())
+        result = call((0, 1) if name == "Sum" else (1, 2))
+        assert result.tobytes() == expected.tobytes() and result.strides == expected.strides, name
+        assert (result is x) == (not strided), name
+        if strided:
+            np.testing.assert_array_equal(x, before)
+        x[...] = before
+    small = _wide(1, 4)  # would have to grow to (3, 4): never written
+    assert not np.shares_memory(elementwise.Where(condition, small, y, overwrite=(1,)), small)
+    assert not np.shares_memory(elementwise.Sum(small, x, overwrite=(0,)), small)
+    np.testing.assert_array_equal(small, _wide(1, 4))
