@@ -9,9 +9,10 @@ executor's hot loop and the elementwise kernels' per-call work:
 - broadcast: Add/Mul/Sub on x [1, 8, 64], the second input of every other node a constant [64], a
   graph input [1, 1, 64] or a scalar constant (in turn), of the others a graph input [1, 8, 64];
 - computed: Add/Sub/Mul on [1, 8, 64], both inputs computed values: v[i] = op(v[i-2], v[i-1]).
-runnx is timed three ways: a first run after loading (planning included), interpreted (every run
-through the executor's loop, `compile_after=0`) and as a compiled plan (interp/compiled.py, from a
-plan's 2nd run on: the default). With --json the figures are printed as one JSON object (keys
+runnx is timed four ways: a first run after loading (planning included), the second run (which
+compiles the plan to Python first), interpreted (every run through the executor's loop,
+`compile_after=0`) and as a compiled plan (interp/compiled.py, from a plan's 2nd run on: the
+default). With --json the figures are printed as one JSON object (keys
 "<chain>: <runner>"; scripts/bench.py runs this once per round).
 """
 from __future__ import annotations
@@ -101,15 +102,17 @@ def per_node_us(run, count: int, repeat: int, warm: int = 2) -> float:
     return statistics.median(times) / count * 1e6
 
 
-def first_run_us(model, feeds, count: int, loads: int) -> float:
-    """Median over fresh loads of the first run's CPU time per node (planning included)."""
-    times = []
+def first_runs_us(model, feeds, count: int, loads: int) -> tuple[float, float]:
+    """Medians over fresh loads of the first run's CPU time per node (planning included) and the
+    second's (the plan compiled to Python first)."""
+    first, second = [], []
     for _ in range(loads):
         runner = runnx.load(model)
-        start = time.process_time()
-        runner.run(feeds)
-        times.append(time.process_time() - start)
-    return statistics.median(times) / count * 1e6
+        for times in (first, second):
+            start = time.process_time()
+            runner.run(feeds)
+            times.append(time.process_time() - start)
+    return statistics.median(first) / count * 1e6, statistics.median(second) / count * 1e6
 
 
 def measure(name: str, model, feeds: dict, args, results: dict, ways: bool) -> None:
@@ -118,7 +121,9 @@ def measure(name: str, model, feeds: dict, args, results: dict, ways: bool) -> N
     runner = runnx.load(model)
     expected = runner.run(feeds)["out"]
     if ways:
-        results[f"{prefix}runnx first run"] = first_run_us(model, feeds, args.nodes, 5)
+        first, second = first_runs_us(model, feeds, args.nodes, 5)
+        results[f"{prefix}runnx first run"] = first
+        results[f"{prefix}runnx second run (compiles)"] = second
         interpreted = runnx.load(model, compile_after=0)
         np.testing.assert_array_equal(interpreted.run(feeds)["out"], expected)
         results[f"{prefix}runnx interpreted"] = per_node_us(lambda: interpreted.run(feeds), args.nodes, args.repeat)
