@@ -6,14 +6,14 @@ onnxruntime (1 thread) and onnx's ReferenceEvaluator; medians of several runs.
 Three chains, none with shape bookkeeping to cache or anything to fuse, so they measure the
 executor's hot loop and the elementwise kernels' per-call work:
 - tiny: Add/Mul/Neg/Relu on 4 floats, the second input of Add/Mul a graph input of the same shape;
-- broadcast: Add/Mul/Sub on x [1, 8, 64], the second input of every other node a constant [64], a
+- bcast: Add/Mul/Sub on x [1, 8, 64], the second input of every other node a constant [64], a
   graph input [1, 1, 64] or a scalar constant (in turn), of the others a graph input [1, 8, 64];
-- computed: Add/Sub/Mul on [1, 8, 64], both inputs computed values: v[i] = op(v[i-2], v[i-1]).
-runnx is timed four ways: a first run after loading (planning included), the second run (which
-compiles the plan to Python first), interpreted (every run through the executor's loop,
-`compile_after=0`) and as a compiled plan (interp/compiled.py, from a plan's 2nd run on: the
-default). With --json the figures are printed as one JSON object (keys
-"<chain>: <runner>"; scripts/bench.py runs this once per round).
+- comp: Add/Sub/Mul on [1, 8, 64], both inputs computed values: v[i] = op(v[i-2], v[i-1]).
+runnx is timed four ways: a first run after loading (planning included), the second run (the
+compiling run: the plan is compiled to Python first), interpreted (every run through the
+executor's loop, `compile_after=0`) and as a compiled plan (interp/compiled.py, from a plan's 2nd
+run on: the default). With --json the figures are printed as one JSON object (keys "<chain>:
+<runner>", onnxruntime with 1 thread; scripts/bench.py runs this once per round).
 """
 from __future__ import annotations
 
@@ -117,13 +117,13 @@ def first_runs_us(model, feeds, count: int, loads: int) -> tuple[float, float]:
 
 def measure(name: str, model, feeds: dict, args, results: dict, ways: bool) -> None:
     """Time `model` in each runner, runnx's result checked against onnxruntime's."""
-    prefix = f"{name}: " if ways else ""
+    prefix = f"{name}: " if ways else ""  # names of at most 26 characters: bench.py's table column
     runner = runnx.load(model)
     expected = runner.run(feeds)["out"]
     if ways:
         first, second = first_runs_us(model, feeds, args.nodes, 5)
         results[f"{prefix}runnx first run"] = first
-        results[f"{prefix}runnx second run (compiles)"] = second
+        results[f"{prefix}runnx compiling run"] = second
         interpreted = runnx.load(model, compile_after=0)
         np.testing.assert_array_equal(interpreted.run(feeds)["out"], expected)
         results[f"{prefix}runnx interpreted"] = per_node_us(lambda: interpreted.run(feeds), args.nodes, args.repeat)
@@ -139,8 +139,8 @@ def measure(name: str, model, feeds: dict, args, results: dict, ways: bool) -> N
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every node
     session = onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-6)
-    results[f"{prefix}onnxruntime (1 thread)"] = per_node_us(lambda: session.run(None, feeds), args.nodes,
-                                                            args.repeat)
+    results[f"{prefix}onnxruntime" if ways else "onnxruntime (1 thread)"] = per_node_us(
+        lambda: session.run(None, feeds), args.nodes, args.repeat)
 
 
 def main():
@@ -161,9 +161,9 @@ def main():
         results["onnx ReferenceEvaluator"] = per_node_us(lambda: evaluator.run(None, tiny_feeds), args.nodes,
                                                          max(3, args.repeat // 10), warm=1)
     wide = {"x": rng.uniform(0.5, 1, WIDE).astype(np.float32), "y": rng.uniform(0.5, 1, WIDE).astype(np.float32)}
-    measure("broadcast", broadcast_chain(args.nodes, rng), {**wide, "b": rng.uniform(0.5, 1, (1, 1, 64))
+    measure("bcast", broadcast_chain(args.nodes, rng), {**wide, "b": rng.uniform(0.5, 1, (1, 1, 64))
                                                            .astype(np.float32)}, args, results, ways=True)
-    measure("computed", computed_chain(args.nodes), wide, args, results, ways=True)
+    measure("comp", computed_chain(args.nodes), wide, args, results, ways=True)
     if args.json:
         print(json.dumps(results))
         return
