@@ -129,6 +129,24 @@ def test_an_owned_input_broadcasting_would_grow_is_left_as_it_is(compile_after):
         np.testing.assert_array_equal(out, (x + y) * c)
 
 
+@pytest.mark.parametrize("compile_after", [1, 0])
+@pytest.mark.parametrize("shape", [(), (0, 64), (2, 0)])
+def test_0d_and_empty_values_run_in_place_through_ufunc_kernels(compile_after, shape):
+    """Neg, Add of a 0-d input and Mul of a [64]-or-0-d input on a 0-d or empty x handed over:
+    every node writes x (a 0-d ufunc result is an array, never a numpy scalar), as numpy computes."""
+    model = runnx.load(float_model([helper.make_node("Neg", ["x"], ["a"]),
+                                    helper.make_node("Add", ["a", "s"], ["b"]),
+                                    helper.make_node("Mul", ["b", "c"], ["out"])], ["x", "s", "c"], ["out"]),
+                       compile_after=compile_after)
+    s, c = np.array(0.5, np.float32), np.full(shape[-1:] if shape[-1:] == (64,) else (), 3, np.float32)
+    for _ in range(3):
+        x = np.full(shape, 2, np.float32)
+        out = model.run({"x": runnx.Owned(x), "s": s, "c": c})["out"]
+        assert type(out) is np.ndarray and out.shape == shape and out.dtype == np.float32
+        assert out.tobytes() == ((-np.full(shape, 2, np.float32) + s) * c).tobytes()
+        assert out.__array_interface__["data"][0] == x.__array_interface__["data"][0]  # x itself (even empty)
+
+
 def test_a_live_view_blocks_the_in_place_write():
     """a = Neg(x); v = Reshape(a) is requested; Add may not write a's storage while v lives."""
     shape = helper.make_tensor("shape", TensorProto.INT64, [1], [8])
