@@ -23,7 +23,7 @@ from runnx.errors import NodeError
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.node_context import node_error
 from runnx.interp.shape_cache import ShapeGroup
-from runnx.ops.registry import bound_kernel
+from runnx.ops.registry import bound_kernel, inplace_target
 
 
 def bound_outputs(node, output_count: int, result) -> list:
@@ -120,7 +120,8 @@ def compile_plan(graph: Graph, plan):
         return None
     names = _names(plan)
     keyless = {vid for step in plan.steps if isinstance(step.fn, ShapeGroup) for vid in step.outputs}
-    namespace = {"nd": np.ndarray, "root": storage_root, "bind": bound_outputs, "bind_one": bound_output}
+    namespace = {"nd": np.ndarray, "root": storage_root, "bind": bound_outputs, "bind_one": bound_output,
+                 "target": inplace_target}
     lines = ["def run(V, K, table, ctx):",
              "    cnt, own = table.count, table.owned",
              "    cnt_get, own_get, excl, drop, hold = cnt.get, own.get, table.exclusive, table.drop, table.hold"]
@@ -176,8 +177,8 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
     ufunc = node.kernel.ufunc if node.kernel is not None and step.fn is node.kernel.fn else None
     if isinstance(step.fn, ShapeGroup) and MISSING not in step.inputs:
         lines += _memo_lines_found(index, step, names, call, namespace)
-    elif ufunc is not None and candidates and len(step.inputs) in (1, 2) and MISSING not in step.inputs:
-        lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], call, namespace)
+    elif ufunc is not None and len(step.inputs) in (1, 2) and MISSING not in step.inputs:
+        lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], bool(candidates), namespace)
     else:
         lines.append(f"        r = {call}")
     outputs = [(j, names[v]) for j, v in enumerate(step.outputs) if v != MISSING]
@@ -220,18 +221,24 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
     return lines
 
 
-def _inline_ufunc_lines(index: int, ufunc, inputs: list[str], call: str, namespace: dict) -> list[str]:
-    """A kernel registered as `binary`/`unary` of a ufunc (registry.py), its first input granted:
-    the ufunc writes it in place inline when `binary`/`unary` would (the other input of its shape
-    and dtype, C-contiguous), else the kernel is called. On a chain of tiny ops the two calls
-    around the ufunc cost as much as the plan's bookkeeping."""
+def _inline_ufunc_lines(index: int, ufunc, inputs: list[str], granting: bool, namespace: dict) -> list[str]:
+    """A kernel registered as `binary`/`unary` of a ufunc (registry.py) called as the ufunc itself:
+    into the granted input `binary`/`unary` would write (`inplace_target`, C-contiguity), else
+    into a fresh array (a 0-d result comes back a numpy scalar: binding makes it an array, as the
+    kernel would). On a chain of small ops the two calls around the ufunc cost as much as the
+    plan's bookkeeping."""
     namespace[f"u{index}"] = ufunc
     a = inputs[0]
     if len(inputs) == 1:
-        fits, inline = f"{a}.flags.c_contiguous", f"u{index}({a}, {a})"
-    else:
-        b = inputs[1]
-        fits = f"{a}.shape == {b}.shape and {a}.dtype == {b}.dtype and {a}.flags.c_contiguous"
-        inline = f"u{index}({a}, {b}, {a})"
-    return [f"        if g and g[0] == 0 and {fits}:", f"            r = {inline}", "        else:",
-            f"            r = {call}"]
+        if not granting:
+            return [f"        r = u{index}({a})"]
+        return [f"        r = u{index}({a}, {a}) if g and {a}.flags.c_contiguous else u{index}({a})"]
+    b = inputs[1]
+    if not granting:
+        return [f"        r = u{index}({a}, {b})"]
+    # first the case of equal operands, as `inplace_target` decides it (a tenth of a tiny node's cost)
+    fits = f"{a}.shape == {b}.shape and {a}.dtype == {b}.dtype and {a}.flags.c_contiguous"
+    return [f"        if g and g[0] == 0 and {fits}:",
+            f"            r = u{index}({a}, {b}, {a})",
+            "        else:",
+            f"            r = u{index}({a}, {b}, target({a}, {b}, g) if g else None)"]

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from runnx.capture.env import CaptureEnv, Subgraph
-from runnx.capture.ownership import StorageTable, storage_keys
+from runnx.capture.ownership import StorageTable, storage_keys, storage_root
 from runnx.errors import InPlaceMismatchError
 from runnx.interp.compiled import bound_outputs, compile_plan
 from runnx.interp.node_context import describe_value, node_error
@@ -75,6 +75,7 @@ class Executor:
         instrumented = profile is not None or checking or trace
         table = StorageTable(track_bytes=profile is not None)
         hold, drop, exclusive = table.hold, table.drop, table.exclusive
+        count_get, owned_get = table.count.get, table.owned.get
         # the common case runs compiled (interp/compiled.py); the loop below serves first runs,
         # instrumented runs and plans holding subgraph nodes
         if not instrumented and inplace_on and (compiled := self._compiled(graph, plan, options)) is not None:
@@ -94,7 +95,10 @@ class Executor:
             kwargs = step.kwargs
             granted = ()
             if step.candidates and inplace_on:
-                granted = tuple(position for position, vid in step.candidates if exclusive(keys[vid]))
+                for position, vid in step.candidates:  # `exclusive`, a single storage's case inline
+                    k = keys[vid]
+                    if len(k) == 1 and count_get(k[0]) == 1 and owned_get(k[0]) or len(k) > 1 and exclusive(k):
+                        granted += (position,)
                 if granted:
                     kwargs = {**kwargs, "overwrite": granted}
                     if ctx.kept_storages:  # values derived from what is written, kept this run, go
@@ -117,7 +121,13 @@ class Executor:
                 if wrapped is error:
                     raise
                 raise wrapped from error
-            self._bind_outputs(node, step, result, values, keys, hold)
+            if step.single and type(result) is np.ndarray:  # `_bind_outputs`' common case inline
+                vid = step.outputs[0]
+                values[vid] = result
+                keys[vid] = k = (id(result) if result.base is None else id(storage_root(result)),)
+                hold(k, None, result)
+            else:
+                self._bind_outputs(node, step, result, values, keys, hold)
             if instrumented:
                 self._instrument(graph, node, step, granted, start, values, keys, profile, trace)
             for vid in step.releases:

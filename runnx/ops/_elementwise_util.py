@@ -3,12 +3,14 @@ and the numeric-stable building blocks (sigmoid) several activations share."""
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 
 from runnx.ops import _native
 from runnx.ops._kernels_elementwise import (FOUR, P0, P1, P2, P3, P4, P5, P6, Q0, Q1, Q2, Q3, Q4, erf_float32_into,
                                             erf_float64_into)
+from runnx.ops.registry import inplace_target
 
 
 # In-place results must be bitwise what copy mode computes, down to the memory layout (a later
@@ -16,19 +18,12 @@ from runnx.ops._kernels_elementwise import (FOUR, P0, P1, P2, P3, P4, P5, P6, Q0
 
 
 def binary(ufunc, a: np.ndarray, b: np.ndarray, overwrite=()) -> np.ndarray:
-    """ufunc(a, b), written into a (or b) when granted, C-contiguous, and its shape and dtype fit
-    (the output passed by position: a keyword costs numpy 50 ns more to parse, of ~0.4 us on a
-    decode step's tiny operands)."""
-    if overwrite and a.dtype == b.dtype:
-        if a.shape == b.shape:
-            fits_a = fits_b = True
-        else:
-            shape = np.broadcast_shapes(a.shape, b.shape)
-            fits_a, fits_b = a.shape == shape, b.shape == shape
-        if fits_a and 0 in overwrite and a.flags.c_contiguous:
-            return ufunc(a, b, a)
-        if fits_b and 1 in overwrite and b.flags.c_contiguous:
-            return ufunc(a, b, b)
+    """ufunc(a, b), written into a granted input when it fits (`inplace_target`; the output
+    passed by position: a keyword costs numpy 50 ns more to parse)."""
+    if overwrite:
+        target = inplace_target(a, b, overwrite)
+        if target is not None:
+            return ufunc(a, b, target)
     result = ufunc(a, b)
     return result if type(result) is np.ndarray else np.asarray(result)
 
@@ -103,13 +98,20 @@ def sigmoid(x: np.ndarray, overwrite=()) -> np.ndarray:
     return np.reciprocal(out, out=out)
 
 
+@lru_cache(maxsize=4096)
+def broadcast_shape(*shapes: tuple) -> tuple:
+    """np.broadcast_shapes, remembered per shapes (a model meets few; it costs microseconds a call)."""
+    return np.broadcast_shapes(*shapes)
+
+
 def broadcast_fold(ufunc, inputs, overwrite=()) -> np.ndarray:
     """ufunc folded left over variadic broadcasting inputs (Sum, Max, Min), into input 0 if granted."""
-    shape = np.broadcast_shapes(*(x.shape for x in inputs))
+    shape = broadcast_shape(*(x.shape for x in inputs))
     first = inputs[0]
     if len(inputs) == 1:
         return first
-    if 0 in overwrite and first.shape == shape and all(x.dtype == first.dtype for x in inputs):
+    if (0 in overwrite and first.shape == shape and first.flags.c_contiguous
+            and all(x.dtype == first.dtype for x in inputs)):
         out = first
         ufunc(out, inputs[1], out=out)
     else:

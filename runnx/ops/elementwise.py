@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.errors import RunnxError
-from runnx.ops._elementwise_util import binary, broadcast_fold, erf, unary
+from runnx.ops._elementwise_util import binary, broadcast_fold, broadcast_shape, erf, unary
 from runnx.ops.registry import register
 
 # --- arithmetic -----------------------------------------------------------------------------------
@@ -303,11 +303,11 @@ def Min(*inputs, overwrite=()):
 @register("Where", since=9, inplace=(1, 2))
 def Where(condition, x, y, *, overwrite=()):
     if overwrite:
-        shape = np.broadcast_shapes(condition.shape, x.shape, y.shape)
-        if 1 in overwrite and x.shape == shape and x.dtype == y.dtype:
+        shape = broadcast_shape(condition.shape, x.shape, y.shape)
+        if 1 in overwrite and x.shape == shape and x.dtype == y.dtype and x.flags.c_contiguous:
             np.copyto(x, y, where=~condition)
             return x
-        if 2 in overwrite and y.shape == shape and x.dtype == y.dtype:
+        if 2 in overwrite and y.shape == shape and x.dtype == y.dtype and y.flags.c_contiguous:
             np.copyto(y, x, where=condition)
             return y
     return np.where(condition, x, y)

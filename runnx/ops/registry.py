@@ -17,9 +17,9 @@ signature. Four keyword names are reserved:
 planner lets an earlier node overwrite such an input's data in place.
 
 ``ufunc=`` declares a kernel that is exactly `binary` or `unary` of that numpy ufunc
-(`_elementwise_util.py`): a compiled plan writes its granted first input in place inline, as those
-would, without the two calls around the ufunc (half a tiny node's cost), and calls the kernel for
-anything else.
+(`_elementwise_util.py`): a compiled plan calls the ufunc inline, into the granted input
+`inplace_target` (`binary`'s rule) or `unary` picks, without the two calls around it (half a
+tiny node's cost).
 
 A kernel returns one value, or a tuple for several outputs (a list is a sequence value). It must
 never return a writeable array that it keeps a reference to (module caches must be read-only).
@@ -31,6 +31,7 @@ import inspect
 import types
 import typing
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -194,3 +195,31 @@ def bound_kernel(fn, attrs: dict) -> tuple:
     none, or `fn` itself and all of them (generated code then passes them as **keywords)."""
     kernel = with_attributes(fn, attrs) if attrs else None
     return (fn, attrs) if kernel is None else (kernel, {})
+
+
+@lru_cache(maxsize=4096)
+def _unchanged_by_broadcast(shape_a: tuple, shape_b: tuple) -> int:
+    """Which of two shapes their broadcast leaves as it is: bit 0 for a, bit 1 for b (0 also when
+    they do not broadcast: the ufunc then raises). Cached: a model meets few shape pairs, and
+    numpy's broadcast_shapes costs microseconds a call."""
+    try:
+        shape = np.broadcast_shapes(shape_a, shape_b)
+    except ValueError:
+        return 0
+    return (shape == shape_a) | (shape == shape_b) << 1
+
+
+def inplace_target(a: np.ndarray, b: np.ndarray, overwrite) -> np.ndarray | None:
+    """The granted input (`overwrite`: positions) a ufunc(a, b) may write its result into: a
+    (else b) when granted, C-contiguous (the layout copy mode gives: a later reduction's summation
+    order follows it) and of the result's shape (broadcasting leaves it as it is) and dtype (both
+    inputs of one dtype); None when neither fits."""
+    if a.dtype != b.dtype:
+        return None
+    shape_a, shape_b = a.shape, b.shape
+    fits = 3 if shape_a == shape_b else _unchanged_by_broadcast(shape_a, shape_b)
+    if fits & 1 and 0 in overwrite and a.flags.c_contiguous:
+        return a
+    if fits & 2 and 1 in overwrite and b.flags.c_contiguous:
+        return b
+    return None

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import runnx
-from _graphs import F, chain, float_model
+from _graphs import F, broadcast_chain, chain, float_model
 from runnx.errors import RunnxError
 
 
@@ -47,10 +47,10 @@ def test_an_owned_input_is_consumed_in_place_and_a_borrowed_one_never_written():
 
 
 def test_inline_ufuncs_write_only_where_their_kernels_would():
-    """Kernels registered with a ufunc run it inline in compiled plans when their first input is
-    granted and fits (same shape and dtype as the other, C-contiguous), else the kernel: a
-    transposed view is not written (its result C-ordered, as copy mode makes it), a broadcast
-    input is not written, and a grant of the second input alone goes to the kernel."""
+    """Kernels registered with a ufunc run it inline in compiled plans, into a granted input only
+    where the kernel would write it (the result's shape and dtype, C-contiguous): a transposed
+    view is not written (its result C-ordered, as copy mode makes it), nor an input broadcasting
+    would grow; a grant of the second input alone writes it when it fits."""
     nodes = [
         helper.make_node("Neg", ["x"], ["a"]),                              # inline, into x
         helper.make_node("Add", ["a", "y"], ["b"]),                         # inline, into a
@@ -75,7 +75,76 @@ def test_inline_ufuncs_write_only_where_their_kernels_would():
         np.testing.assert_array_equal(x, -np.arange(8, dtype=np.float32).reshape(2, 4) + y)  # written twice
         np.testing.assert_array_equal(w, np.linspace(-2, 2, 8, dtype=np.float32).reshape(4, 2))  # borrowed
     (function,) = _compiled(compiled)
-    assert {"u0", "u1"} <= set(function.__globals__)  # Neg and Add inline; Sub and Mul may fall back
+    assert {f"u{i}" for i in (0, 1, 3, 4, 5)} <= set(function.__globals__)  # every ufunc kernel inline
+
+
+def _broadcast_chain_reference(x, y, b, constants, count):
+    """The chain of `_graphs.broadcast_chain` in numpy, one op at a time."""
+    seconds = (constants[0], y, b, y, constants[1], y)
+    value = x.copy()
+    for index in range(count):
+        value = (np.add, np.multiply, np.subtract)[index % 3](value, seconds[index % 6])
+    return value
+
+
+@pytest.mark.parametrize("mode", [{"compile_after": 1}, {"compile_after": 0}, {"check_inplace": True}])
+def test_a_broadcasting_chain_runs_in_the_buffer_handed_over(mode):
+    """Add/Mul/Sub whose second input is a [64] constant, a [1, 1, 64] input, a 0-d constant or an
+    input of x's shape: every node writes the running value in place, so the whole chain ends in
+    the caller's Owned buffer, bitwise numpy's result; borrowed inputs and constants untouched
+    (compiled, interpreted, and checked against out-of-place runs)."""
+    model_proto, constants = broadcast_chain(30)
+    model = runnx.load(model_proto, **mode)
+    rng = np.random.default_rng(0)
+    y = rng.uniform(0.5, 1, (1, 8, 64)).astype(np.float32)
+    b = rng.uniform(0.5, 1, (1, 1, 64)).astype(np.float32)
+    y_before, b_before = y.copy(), b.copy()
+    for _ in range(3):
+        x = rng.uniform(0.5, 1, (1, 8, 64)).astype(np.float32)
+        expected = _broadcast_chain_reference(x, y, b, constants, 30)
+        borrowed, start = x.copy(), x.copy()
+        out = model.run({"x": runnx.Owned(x), "y": y, "b": b})["out"]
+        assert np.shares_memory(out, x)
+        assert out.tobytes() == expected.tobytes()
+        out = model.run({"x": borrowed, "y": y, "b": b})["out"]
+        assert not np.shares_memory(out, borrowed) and out.tobytes() == expected.tobytes()
+        np.testing.assert_array_equal(borrowed, start)
+        np.testing.assert_array_equal(y, y_before)
+        np.testing.assert_array_equal(b, b_before)
+
+
+@pytest.mark.parametrize("compile_after", [1, 0])
+def test_an_owned_input_broadcasting_would_grow_is_left_as_it_is(compile_after):
+    """Add(x [1, 1, 64], y [1, 8, 64]) with x handed over: the result is a fresh [1, 8, 64] array
+    and x keeps its values; the next node (Mul by a [64] input) then writes that fresh array."""
+    model = runnx.load(float_model([helper.make_node("Add", ["x", "y"], ["a"]),
+                                    helper.make_node("Mul", ["a", "c"], ["out"])], ["x", "y", "c"], ["out"]),
+                       compile_after=compile_after)
+    y, c = np.full((1, 8, 64), 2, np.float32), np.linspace(0, 1, 64, dtype=np.float32)
+    for _ in range(3):
+        x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 1, 64)
+        out = model.run({"x": runnx.Owned(x), "y": y, "c": c})["out"]
+        assert out.shape == (1, 8, 64) and not np.shares_memory(out, x)
+        np.testing.assert_array_equal(x, np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 1, 64))
+        np.testing.assert_array_equal(out, (x + y) * c)
+
+
+@pytest.mark.parametrize("compile_after", [1, 0])
+@pytest.mark.parametrize("shape", [(), (0, 64), (2, 0)])
+def test_0d_and_empty_values_run_in_place_through_ufunc_kernels(compile_after, shape):
+    """Neg, Add of a 0-d input and Mul of a [64]-or-0-d input on a 0-d or empty x handed over:
+    every node writes x (a 0-d ufunc result is an array, never a numpy scalar), as numpy computes."""
+    model = runnx.load(float_model([helper.make_node("Neg", ["x"], ["a"]),
+                                    helper.make_node("Add", ["a", "s"], ["b"]),
+                                    helper.make_node("Mul", ["b", "c"], ["out"])], ["x", "s", "c"], ["out"]),
+                       compile_after=compile_after)
+    s, c = np.array(0.5, np.float32), np.full(shape[-1:] if shape[-1:] == (64,) else (), 3, np.float32)
+    for _ in range(3):
+        x = np.full(shape, 2, np.float32)
+        out = model.run({"x": runnx.Owned(x), "s": s, "c": c})["out"]
+        assert type(out) is np.ndarray and out.shape == shape and out.dtype == np.float32
+        assert out.tobytes() == ((-np.full(shape, 2, np.float32) + s) * c).tobytes()
+        assert out.__array_interface__["data"][0] == x.__array_interface__["data"][0]  # x itself (even empty)
 
 
 def test_a_live_view_blocks_the_in_place_write():

@@ -275,3 +275,89 @@ def test_kernels_declaring_a_ufunc_compute_exactly_it():
         for overwrite in ((), (0,)):
             copies = [a.copy() for a in inputs]
             np.testing.assert_array_equal(kernel.fn(*copies, overwrite=overwrite), ufunc(*inputs))
+
+
+def _wide(*shape, dtype=F32, start=1):
+    return (np.arange(math.prod(shape), dtype=np.float64).reshape(shape) % 7 + start).astype(dtype)
+
+
+# (a, b, granted positions, the input expected to hold the result: 0, 1 or None for a fresh array)
+_BROADCAST_CASES = {
+    "equal shapes": (_wide(2, 3), _wide(2, 3, start=2), (0,), 0),
+    "b a suffix": (_wide(1, 8, 64), _wide(64), (0,), 0),
+    "b ones and a suffix": (_wide(1, 8, 64), _wide(1, 1, 64), (0,), 0),
+    "b a 0-d scalar": (_wide(2, 3), np.array(0.75, F32), (0,), 0),
+    "b a middle one": (_wide(2, 3, 4), _wide(2, 1, 4), (0,), 0),
+    "a would grow": (_wide(64), _wide(1, 8, 64), (0,), None),
+    "a would grow in a dim of 1": (_wide(1, 1, 64), _wide(1, 8, 64), (0,), None),
+    "a would grow, b granted too": (_wide(1, 1, 64), _wide(1, 8, 64), (0, 1), 1),
+    "only b granted, it fits": (_wide(64), _wide(3, 64), (1,), 1),
+    "only b granted, it would grow": (_wide(3, 64), _wide(64), (1,), None),
+    "both would grow": (_wide(3, 1), _wide(1, 4), (0, 1), None),
+    "dtypes differ": (_wide(2, 3), _wide(3, dtype=np.float64), (0, 1), None),
+    "dtypes differ, equal shapes": (_wide(2, 3, dtype=np.float16), _wide(2, 3), (0, 1), None),
+    "both 0-d": (np.array(1.5, F32), np.array(0.25, F32), (0,), 0),
+    "a 0-d would grow": (np.array(1.5, F32), _wide(3), (0,), None),
+    "a 0-d, b granted": (np.array(1.5, F32), _wide(3), (0, 1), 1),
+    "a empty, b a suffix": (_wide(0, 64), _wide(64), (0,), 0),
+    "a would become empty": (_wide(1, 64), _wide(0, 64), (0,), None),
+    "a empty, b 0-d": (_wide(2, 0), np.array(2, F32), (0,), 0),
+    "int32 broadcast": (_wide(4, 5, dtype=np.int32), _wide(5, dtype=np.int32), (0,), 0),
+    "a strided view": (_wide(4, 3).T, _wide(4), (0,), None),
+    "nothing granted": (_wide(2, 3), _wide(3), (), None),
+}
+
+
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul"])
+@pytest.mark.parametrize("case", list(_BROADCAST_CASES))
+def test_a_granted_input_holds_the_result_exactly_when_it_has_its_shape_and_dtype(op, case):
+    """binary's rule (registry.inplace_target): a granted, C-contiguous input of the result's shape
+    and dtype is written; one that would have to grow, or of another dtype, is left untouched and
+    the result is a fresh array; either way bitwise the out-of-place result."""
+    from runnx.ops import elementwise
+    a, b, granted, holder = _BROADCAST_CASES[case]
+    a, b = a.copy() if a.flags.c_contiguous else a.T.copy().T, b.copy()
+    a_before, b_before = a.copy(), b.copy()
+    expected = np.asarray(getattr(elementwise, op)(a_before, b_before))
+    result = getattr(elementwise, op)(a, b, overwrite=granted)
+    assert type(result) is np.ndarray and result.dtype == expected.dtype and result.shape == expected.shape
+    np.testing.assert_array_equal(result, expected)
+    assert result.tobytes() == expected.tobytes()
+    for position, (array, before) in enumerate(((a, a_before), (b, b_before))):
+        if position == holder:
+            assert result is array  # written in place (np.shares_memory is true of empty arrays too)
+        else:
+            assert not (array.size and np.shares_memory(result, array))
+            np.testing.assert_array_equal(array, before)  # untouched
+
+
+def test_shapes_that_do_not_broadcast_fail_as_numpy_does_whatever_is_granted():
+    from runnx.ops import elementwise
+    a, b = _wide(2, 3), _wide(4)
+    with pytest.raises(ValueError, match="broadcast"):
+        elementwise.Add(a, b, overwrite=(0, 1))
+    np.testing.assert_array_equal(a, _wide(2, 3))
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_where_and_sum_write_a_granted_input_only_when_it_fits_and_is_c_contiguous(strided):
+    """Where writes x (or y) and Sum its first input when granted, of the broadcast shape and
+    dtype, and C-contiguous; a strided or growing input is left as it is and the result is a
+    fresh array, bitwise copy mode's down to its strides."""
+    from runnx.ops import elementwise
+    x = _wide(4, 3).T if strided else _wide(3, 4)
+    y, condition = _wide(4, start=3), (np.arange(12).reshape(3, 4) % 3 == 0)
+    for name, call in (("Where", lambda granted: elementwise.Where(condition, x, y, overwrite=granted)),
+                       ("Sum", lambda granted: elementwise.Sum(x, y, y, overwrite=granted))):
+        before = x.copy()
+        expected = call(())
+        result = call((0, 1) if name == "Sum" else (1, 2))
+        assert result.tobytes() == expected.tobytes() and result.strides == expected.strides, name
+        assert (result is x) == (not strided), name
+        if strided:
+            np.testing.assert_array_equal(x, before)
+        x[...] = before
+    small = _wide(1, 4)  # would have to grow to (3, 4): never written
+    assert not np.shares_memory(elementwise.Where(condition, small, y, overwrite=(1,)), small)
+    assert not np.shares_memory(elementwise.Sum(small, x, overwrite=(0,)), small)
+    np.testing.assert_array_equal(small, _wide(1, 4))
