@@ -140,6 +140,20 @@ def test_matmul_bnb4_few_rows_never_dequantize(monkeypatch):
     assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+def test_matmul_bnb4_float16_activations():
+    """onnxruntime's CPU kernel takes float32 only: float16 A (and absmax) is the float32 product of
+    the same values, rounded to float16 once."""
+    K, N, block_size = 128, 24, 32
+    a, b, absmax = _bnb4_inputs((3,), K, N, block_size)
+    a16, absmax16 = a.astype(np.float16), absmax.astype(np.float16)
+    _, expected = run_both("MatMulBnb4", [a16.astype(np.float32), b, absmax16.astype(np.float32)],
+                           initializers=(1, 2), K=K, N=N, block_size=block_size, quant_type=0)
+    model, feeds = contrib_model("MatMulBnb4", [a16, b, absmax16], ["y"], initializers=(1, 2), K=K, N=N,
+                                 block_size=block_size, quant_type=0)
+    got = runnx.load(model).run(feeds)["y"]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), expected[0], rtol=2e-3, atol=2e-3)
+
 @pytest.mark.parametrize("attributes, inputs, message", [
     ({"quant_type": 2}, None, "quant_type must be 0 \\(FP4\\) or 1 \\(NF4\\), got 2"),
     ({"block_size": 48}, None, "block_size must be a power of 2"),
