@@ -193,22 +193,38 @@ def bnb4_rows(rows, high, low, weights, absmax, table, log_block, out):
     The weight is (N, K) flattened, two codes a byte: flat position f is byte f >> 1, its high
     nibble when f is even, scaled by absmax[f >> log_block]. For an even K column n is the bytes
     n*K/2 .. (n+1)*K/2, whose high nibbles multiply `high` (a's even positions) and low ones `low`
-    (the odd ones); an odd K reads nibble by nibble from `rows`."""
+    (the odd ones): one row looks its codes up as it sums (gathers from the 16-entry table), more
+    rows dequantize the column once into two small buffers and sum each row against them. An odd
+    K reads nibble by nibble from `rows`."""
     count, depth = rows.shape
     columns = out.shape[1]
     nought = np.zeros(1, out.dtype)[0]  # the sums' type: out's, not float64
     if depth % 2 == 0:
         half = depth // 2
         shift = log_block - 1  # bytes to blocks
+        even_values = np.empty(half, out.dtype)
+        odd_values = np.empty(half, out.dtype)
         for n in range(columns):
             start = n * half
             column = weights[start:start + half]
-            for m in range(count):
-                even, odd = high[m], low[m]
+            if count == 1:
+                even, odd = high[0], low[0]
                 acc = nought
                 for i in range(half):
                     byte = np.int32(column[i])
                     acc += (table[byte >> 4] * even[i] + table[byte & 15] * odd[i]) * absmax[(start + i) >> shift]
+                out[0, n] = acc
+                continue
+            for i in range(half):
+                byte = np.int32(column[i])
+                scale = absmax[(start + i) >> shift]
+                even_values[i] = table[byte >> 4] * scale
+                odd_values[i] = table[byte & 15] * scale
+            for m in range(count):
+                even, odd = high[m], low[m]
+                acc = nought
+                for i in range(half):
+                    acc += even_values[i] * even[i] + odd_values[i] * odd[i]
                 out[m, n] = acc
         return
     for n in range(columns):
@@ -226,8 +242,20 @@ def bnb4_rows(rows, high, low, weights, absmax, table, log_block, out):
 @_kernel
 def bnb4_dequantize(weights, absmax, table, log_block, first, out):
     """out (P, K) = the dequantized columns first .. first + P of the packed weights (`bnb4_rows`'
-    layout): a panel for a BLAS product of many rows."""
+    layout): a panel for a BLAS product of many rows. An even K goes byte by byte."""
     depth = out.shape[1]
+    if depth % 2 == 0:
+        half = depth // 2
+        shift = log_block - 1
+        for p in range(out.shape[0]):
+            start = (first + p) * half
+            row = out[p]
+            for i in range(half):
+                byte = np.int32(weights[start + i])
+                scale = absmax[(start + i) >> shift]
+                row[2 * i] = table[byte >> 4] * scale
+                row[2 * i + 1] = table[byte & 15] * scale
+        return
     for p in range(out.shape[0]):
         base = (first + p) * depth
         for k in range(depth):
