@@ -22,8 +22,11 @@ user cache, ${RUNNX_CACHE:-~/.cache/runnx}:
                         genai_reference.json, onnxruntime-genai's greedy ids on GENAI_PROMPTS
     models/smollm2-135m-tjs/  the transformers.js layout: configs and tokenizer at the top, onnx/model.onnx
                         (smollm2-135m's), onnx/model_q4.onnx (smollm2-135m-int4's), both hard links, and
-                        onnx/model_quantized.onnx (onnxruntime's quantize_dynamic, int8, reduce_range) and
-                        onnx/model_fp16.onnx (onnxruntime's convert_float_to_float16, float16 inputs/outputs)
+                        onnx/model_quantized.onnx (onnxruntime's quantize_dynamic, int8, reduce_range),
+                        onnx/model_fp16.onnx (onnxruntime's convert_float_to_float16, float16 inputs/outputs),
+                        onnx/model_q4f16.onnx (matmul_nbits_quantizer over model_fp16.onnx, block 32,
+                        float16 scales) and onnx/model_bnb4.onnx (onnxruntime's matmul_bnb4_quantizer over
+                        model.onnx: NF4, block 64, as transformers.js's quantize script makes it)
     models/whisper-tiny.en/  encoder_model.onnx, decoder_model_merged.onnx + HF config files
     models/whisper-tiny.en-tjs/  the transformers.js layout: configs and tokenizer at the top,
                         onnx/encoder_model.onnx and onnx/decoder_model_merged.onnx (whisper-tiny.en's, hard
@@ -415,30 +418,41 @@ def build_smollm2_genai(cache: Cache, force: bool) -> None:
 
 INT8_QUANTIZER = EXPORT_SCRIPTS / "quantize_int8.py"
 FP16_CONVERTER = EXPORT_SCRIPTS / "convert_fp16.py"
+BNB4_QUANTIZER = EXPORT_SCRIPTS / "quantize_bnb4.py"
+Q4F16_BLOCK_SIZE = 32  # matmul_nbits_quantizer over model_fp16.onnx: float16 scales
+BNB4_OPTIONS = ("--quant-type", "nf4", "--block-size", "64")  # transformers.js's bnb4 defaults
 
 
 def build_smollm2_tjs(cache: Cache, force: bool) -> None:
-    """The transformers.js layout of SmolLM2 from what smollm2 and smollm2-int4 built, plus int8 and fp16 files."""
+    """The transformers.js layout of SmolLM2 from what smollm2 and smollm2-int4 built, plus int8, fp16,
+    q4f16 and bnb4 files."""
     TARGETS["smollm2-int4"](cache, False)  # builds smollm2 first
     fp32, int4 = cache.models / "smollm2-135m", cache.models / "smollm2-135m-int4"
     final = cache.models / "smollm2-135m-tjs"
-    recipe = recipe_digest(REQUIREMENTS, INT8_QUANTIZER, FP16_CONVERTER, read_stamp(fp32)["files"]["model.onnx"],
-                           read_stamp(int4)["files"]["model.onnx"])
+    recipe = recipe_digest(REQUIREMENTS, INT8_QUANTIZER, FP16_CONVERTER, QUANTIZER, Q4F16_BLOCK_SIZE, BNB4_QUANTIZER,
+                           BNB4_OPTIONS, read_stamp(fp32)["files"]["model.onnx"], read_stamp(int4)["files"]["model.onnx"])
     if not force and is_current(final, recipe):
         say(f"smollm2-tjs: up to date ({final})")
         return
-    say("smollm2-tjs: SmolLM2-135M in the transformers.js layout, its int8 and fp16 variants made (about 45 seconds)")
+    say("smollm2-tjs: SmolLM2-135M in the transformers.js layout, its int8, fp16, q4f16 and bnb4 variants made "
+        "(about a minute)")
     ensure_export_venv(cache)
     staging = fresh_dir(final.with_name(final.name + ".partial"))
-    (staging / "onnx").mkdir()
+    onnx_dir = staging / "onnx"
+    onnx_dir.mkdir()
     for name in HF_METADATA:
         link_or_copy(fp32 / name, staging / name)
-    link_or_copy(fp32 / "model.onnx", staging / "onnx" / "model.onnx")
-    link_or_copy(int4 / "model.onnx", staging / "onnx" / "model_q4.onnx")
+    link_or_copy(fp32 / "model.onnx", onnx_dir / "model.onnx")
+    link_or_copy(int4 / "model.onnx", onnx_dir / "model_q4.onnx")
     run_step(cache, "smollm2-tjs-int8", [cache.python, INT8_QUANTIZER, fp32 / "model.onnx",
-                                         staging / "onnx" / "model_quantized.onnx"], env=export_env())
+                                         onnx_dir / "model_quantized.onnx"], env=export_env())
     run_step(cache, "smollm2-tjs-fp16", [cache.python, FP16_CONVERTER, fp32 / "model.onnx",
-                                         staging / "onnx" / "model_fp16.onnx"], env=export_env())
+                                         onnx_dir / "model_fp16.onnx"], env=export_env())
+    run_step(cache, "smollm2-tjs-q4f16", [cache.python, QUANTIZER, onnx_dir / "model_fp16.onnx",
+                                          onnx_dir / "model_q4f16.onnx", "--block-size", Q4F16_BLOCK_SIZE],
+             env=export_env())
+    run_step(cache, "smollm2-tjs-bnb4", [cache.python, BNB4_QUANTIZER, fp32 / "model.onnx",
+                                         onnx_dir / "model_bnb4.onnx", *BNB4_OPTIONS], env=export_env())
     write_stamp(staging, recipe, details={"source": "smollm2-135m, smollm2-135m-int4"})
     publish(staging, final)
     say(f"built {final}")

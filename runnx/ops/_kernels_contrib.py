@@ -1,5 +1,5 @@
 """numba kernels behind onnxruntime's contrib operators (`contrib_*.py`): the skip-add norms and the
-block-quantized (MatMulNBits) products that read packed weights directly."""
+block-quantized (MatMulNBits, MatMulBnb4) products that read packed weights directly."""
 from __future__ import annotations
 
 import math
@@ -173,3 +173,93 @@ def nbits_dequantize(weights, scales, packed_zeros, typed_zeros, zero_mode, bits
             start = block * block_size
             count = min(block_size, depth - start)
             _unpack_block(weights[n, block], bits, count, zeros[p, block], scales[n * blocks + block], out[p, start:])
+
+
+# MatMulBnb4's 4-bit codes (bitsandbytes' FP4 with a bias of 3, and NormalFloat4), as onnxruntime's
+# blockwise_quant_block_bnb4.h tabulates them, indexed by quant_type
+BNB4_TABLES = np.array([
+    [0.0, 5.208333333e-03, 0.66666667, 1.0, 0.33333333, 0.5, 0.16666667, 0.25,
+     -0.0, -5.208333333e-03, -0.66666667, -1.0, -0.33333333, -0.5, -0.16666667, -0.25],
+    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+     -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+     0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+     0.7229568362236023, 1.0]], dtype=np.float32)
+
+
+@_summing
+def bnb4_rows(rows, high, low, weights, absmax, table, log_block, out):
+    """out (M, N) = rows @ dequantized(weights).T, streaming the packed weights once.
+
+    The weight is (N, K) flattened, two codes a byte: flat position f is byte f >> 1, its high
+    nibble when f is even, scaled by absmax[f >> log_block]. For an even K column n is the bytes
+    n*K/2 .. (n+1)*K/2, whose high nibbles multiply `high` (a's even positions) and low ones `low`
+    (the odd ones): one row looks its codes up as it sums (gathers from the 16-entry table), more
+    rows dequantize the column once into two small buffers and sum each row against them. An odd
+    K reads nibble by nibble from `rows`."""
+    count, depth = rows.shape
+    columns = out.shape[1]
+    nought = np.zeros(1, out.dtype)[0]  # the sums' type: out's, not float64
+    if depth % 2 == 0:
+        half = depth // 2
+        shift = log_block - 1  # bytes to blocks
+        even_values = np.empty(half, out.dtype)
+        odd_values = np.empty(half, out.dtype)
+        for n in range(columns):
+            start = n * half
+            column = weights[start:start + half]
+            if count == 1:
+                even, odd = high[0], low[0]
+                acc = nought
+                for i in range(half):
+                    byte = np.int32(column[i])
+                    acc += (table[byte >> 4] * even[i] + table[byte & 15] * odd[i]) * absmax[(start + i) >> shift]
+                out[0, n] = acc
+                continue
+            for i in range(half):
+                byte = np.int32(column[i])
+                scale = absmax[(start + i) >> shift]
+                even_values[i] = table[byte >> 4] * scale
+                odd_values[i] = table[byte & 15] * scale
+            for m in range(count):
+                even, odd = high[m], low[m]
+                acc = nought
+                for i in range(half):
+                    acc += even_values[i] * even[i] + odd_values[i] * odd[i]
+                out[m, n] = acc
+        return
+    for n in range(columns):
+        base = n * depth
+        for m in range(count):
+            acc = nought
+            for k in range(depth):
+                f = base + k
+                byte = np.int32(weights[f >> 1])
+                code = byte & 15 if f & 1 else byte >> 4
+                acc += table[code] * absmax[f >> log_block] * rows[m, k]
+            out[m, n] = acc
+
+
+@_kernel
+def bnb4_dequantize(weights, absmax, table, log_block, first, out):
+    """out (P, K) = the dequantized columns first .. first + P of the packed weights (`bnb4_rows`'
+    layout): a panel for a BLAS product of many rows. An even K goes byte by byte."""
+    depth = out.shape[1]
+    if depth % 2 == 0:
+        half = depth // 2
+        shift = log_block - 1
+        for p in range(out.shape[0]):
+            start = (first + p) * half
+            row = out[p]
+            for i in range(half):
+                byte = np.int32(weights[start + i])
+                scale = absmax[(start + i) >> shift]
+                row[2 * i] = table[byte >> 4] * scale
+                row[2 * i + 1] = table[byte & 15] * scale
+        return
+    for p in range(out.shape[0]):
+        base = (first + p) * depth
+        for k in range(depth):
+            f = base + k
+            byte = np.int32(weights[f >> 1])
+            code = byte & 15 if f & 1 else byte >> 4
+            out[p, k] = table[code] * absmax[f >> log_block]

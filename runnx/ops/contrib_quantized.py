@@ -1,8 +1,8 @@
 """onnxruntime's contrib quantised operators: MatMulNBits (2/4/8-bit block-quantised weights),
-GatherBlockQuantized (a block-quantised embedding table), DynamicQuantizeMatMul and
+MatMulBnb4 (bitsandbytes' FP4/NF4 codes), GatherBlockQuantized (a block-quantised embedding table), DynamicQuantizeMatMul and
 MatMulIntegerToFloat.
 
-MatMulNBits never dequantizes its whole matrix: a few rows (decoding, short prompts) stream the
+MatMulNBits and MatMulBnb4 never dequantize their whole matrix: a few rows (decoding, short prompts) stream the
 packed blocks through a numba kernel; many rows dequantize a panel of columns at a time into a
 small buffer and multiply it with BLAS. Integer products are exact: computed in float64, whose
 53-bit mantissa holds any int8 dot product of a realistic depth (255 * 255 * K < 2^53).
@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.errors import RunnxError
-from runnx.ops._kernels_contrib import (ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, nbits_dequantize, nbits_rows)
+from runnx.ops import _native
+from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, bnb4_dequantize, bnb4_rows,
+                                        nbits_dequantize, nbits_rows)
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import register
 
@@ -96,6 +98,66 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
             np.matmul(rows, panel[:count].T, out=out[:, first:first + count])
     if bias is not None:
         out += bias.astype(work, copy=False)
+    return out.reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
+
+
+def _bnb4_panel_numpy(b, absmax, table, block_size: int, first: int, out) -> None:
+    """`bnb4_dequantize` in numpy (the kernels not compiled yet, `_native`): columns first .. first
+    + len(out) of the flattened weight, nibbles unpacked high first, times their blocks' absmax."""
+    count, depth = out.shape
+    start, stop = first * depth, (first + count) * depth
+    chunk = b[start >> 1:(stop + 1) >> 1]
+    codes = np.stack([chunk >> 4, chunk & 15], axis=-1).reshape(-1)[(start & 1):(start & 1) + stop - start]
+    scales = absmax[np.arange(start, stop) // block_size]
+    np.multiply(table[codes], scales, out=out.reshape(-1))
+
+
+@register("MatMulBnb4", since=1, domain=DOMAIN)
+def MatMulBnb4(a, b, absmax, *, K: int, N: int, block_size: int, quant_type: int, training_mode: int = 0,
+               transB: int = 1):
+    """a (..., K) @ W.T with W (N, K) stored flattened as 4-bit codes, two a byte (the even flat
+    position in the high nibble): code q at flat position f is table[q] * absmax[f // block_size],
+    the table FP4 (quant_type 0) or NF4 (1). Blocks run over the flattened W, so a block spans two
+    columns when block_size does not divide K. training_mode only matters to training."""
+    if quant_type not in (0, 1):
+        raise RunnxError(f"MatMulBnb4: quant_type must be 0 (FP4) or 1 (NF4), got {quant_type}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise RunnxError(f"MatMulBnb4: block_size must be a power of 2 and at least 16, got {block_size}")
+    if transB != 1:
+        raise RunnxError(f"MatMulBnb4: only transB=1 (B stored as [N, K], as the quantizer writes it) is "
+                         f"supported, got transB={transB}")
+    total = K * N
+    if b.dtype != np.uint8 or b.size != (total + 1) // 2:
+        raise RunnxError(f"MatMulBnb4: B must be uint8 with {(total + 1) // 2} bytes (K={K} x N={N} codes, two a "
+                         f"byte); got {b.dtype} of shape {list(b.shape)}")
+    blocks = (total + block_size - 1) // block_size
+    if absmax.size != blocks:
+        raise RunnxError(f"MatMulBnb4: absmax has {absmax.size} values, expected {blocks} (K x N / block_size, "
+                         f"rounded up)")
+    if a.shape[-1:] != (K,):
+        raise RunnxError(f"MatMulBnb4: A's last dimension must be K={K}, got shape {list(a.shape)}")
+    work = np.dtype(np.float64) if a.dtype == np.float64 else np.dtype(np.float32)
+    table = BNB4_TABLES[quant_type].astype(work)
+    weights = np.ascontiguousarray(b.reshape(-1))
+    scales = np.ascontiguousarray(absmax.reshape(-1), dtype=work)
+    rows = np.ascontiguousarray(a.reshape(-1, K), dtype=work)
+    out = np.empty((rows.shape[0], N), work)
+    if _native.enabled and rows.shape[0] <= _STREAMED_ROWS:
+        if K % 2 == 0:  # the values that a byte's high and low nibbles multiply
+            even, odd = np.ascontiguousarray(rows[:, 0::2]), np.ascontiguousarray(rows[:, 1::2])
+        else:
+            even = odd = np.empty((rows.shape[0], 0), work)
+        bnb4_rows(rows, even, odd, weights, scales, table, block_size.bit_length() - 1, out)
+    else:
+        width = max(1, min(N, _PANEL_BYTES // (K * work.itemsize)))
+        panel = np.empty((width, K), work)
+        for first in range(0, N, width):
+            count = min(width, N - first)
+            if _native.enabled:
+                bnb4_dequantize(weights, scales, table, block_size.bit_length() - 1, first, panel[:count])
+            else:
+                _bnb4_panel_numpy(weights, scales, table, block_size, first, panel[:count])
+            np.matmul(rows, panel[:count].T, out=out[:, first:first + count])
     return out.reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
 
 

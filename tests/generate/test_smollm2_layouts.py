@@ -5,7 +5,8 @@ through their fixtures):
   onnxruntime-genai's own, recorded at build time in genai_reference.json on chat prompts, with the
   KV buffer shared between past and present as genai_config.json says and growing in place;
 - the transformers.js layout: each variant chosen by `variant=` greedy-decodes as onnxruntime
-  does on the same file (fp16 included: float16 weights, KV cache and logits)."""
+  does on the same file (fp16 included: float16 weights, KV cache and logits; q4f16: MatMulNBits
+  with float16 scales; bnb4: MatMulBnb4's NF4 codes)."""
 from __future__ import annotations
 
 import json
@@ -67,8 +68,9 @@ def _load_unoptimized(path):
 
 @pytest.mark.parametrize("variant, file, load", [
     ("fp32", "model.onnx", None), ("q4", "model_q4.onnx", None), ("int8", "model_quantized.onnx", None),
-    ("int8", "model_quantized.onnx", _load_unoptimized), ("fp16", "model_fp16.onnx", None)],
-    ids=["fp32", "q4", "int8", "int8-disabled", "fp16"])
+    ("int8", "model_quantized.onnx", _load_unoptimized), ("fp16", "model_fp16.onnx", None),
+    ("q4f16", "model_q4f16.onnx", None), ("bnb4", "model_bnb4.onnx", None)],
+    ids=["fp32", "q4", "int8", "int8-disabled", "fp16", "q4f16", "bnb4"])
 def test_transformers_js_variant_greedy_equals_onnxruntime(smollm2_tjs_dir, variant, file, load):
     """int8 (quantize_dynamic's DynamicQuantizeLinear -> MatMulInteger): its graph fuses only
     kernels bitwise their nodes (a fused attention rounding apart moved quantized values and the
@@ -88,8 +90,9 @@ def test_transformers_js_variant_greedy_equals_onnxruntime(smollm2_tjs_dir, vari
 
 def test_transformers_js_missing_variant_lists_those_present(smollm2_tjs_dir):
     with pytest.raises(runnx.RunnxError) as error:
-        Generator.from_folder(smollm2_tjs_dir, variant="q4f16")
-    assert str(error.value).endswith("has no q4f16 variant; the variants present: fp32, fp16, q4, quantized")
+        Generator.from_folder(smollm2_tjs_dir, variant="uint8")
+    assert str(error.value).endswith("has no uint8 variant; the variants present: fp32, bnb4, fp16, q4, q4f16, "
+                                     "quantized")
 
 
 def test_transformers_js_fp16_logits_and_cache_stay_float16(smollm2_tjs_dir):

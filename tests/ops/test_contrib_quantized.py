@@ -1,5 +1,6 @@
 """onnxruntime's contrib quantised operators against onnxruntime: MatMulNBits (bits, block sizes,
-odd K tails, packed and typed zero points, streamed and BLAS-panel row counts), GatherBlockQuantized,
+odd K tails, packed and typed zero points, streamed and BLAS-panel row counts), MatMulBnb4 (FP4 and
+NF4, blocks spanning columns, odd K and odd code counts, compiled and numpy paths), GatherBlockQuantized,
 DynamicQuantizeMatMul and MatMulIntegerToFloat."""
 from __future__ import annotations
 
@@ -90,6 +91,85 @@ def test_matmul_nbits_wrong_weight_shape_is_refused():
     model, feeds = contrib_model("MatMulNBits", [a, b[:, :1], scales], ["y"], initializers=(1, 2), K=64, N=4,
                                  block_size=32)
     with pytest.raises(RunnxError, match=r"B must be uint8 of shape \[4, 2, 16\]"):
+        runnx.load(model).run(feeds)
+
+
+def _bnb4_inputs(rows, K, N, block_size):
+    """A, packed codes (every byte value: all 16 codes in both nibbles) and absmax of random values."""
+    a = RNG.standard_normal(rows + (K,)).astype(np.float32)
+    b = RNG.integers(0, 256, (K * N + 1) // 2, dtype=np.uint8)
+    absmax = (RNG.random((K * N + block_size - 1) // block_size) + 0.05).astype(np.float32)
+    return a, b, absmax
+
+
+BNB4_SHAPES = [(64, 33, 16), (67, 33, 32), (200, 31, 64), (131, 17, 128), (300, 9, 256), (576, 40, 64)]
+
+
+@pytest.mark.parametrize("quant_type", [0, 1], ids=["fp4", "nf4"])
+@pytest.mark.parametrize("K,N,block_size", BNB4_SHAPES)  # odd K; K not a multiple of the block; K*N odd
+@pytest.mark.parametrize("rows", [(1,), (2, 3), (19,)])  # streamed (one and few rows) and BLAS panels
+def test_matmul_bnb4(quant_type, K, N, block_size, rows):
+    a, b, absmax = _bnb4_inputs(rows, K, N, block_size)
+    got, expected = run_both("MatMulBnb4", [a, b, absmax], initializers=(1, 2), K=K, N=N, block_size=block_size,
+                             quant_type=quant_type)
+    assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("K,N,block_size", [(67, 33, 32), (200, 31, 64)])
+@pytest.mark.parametrize("rows", [(1,), (19,)])
+def test_matmul_bnb4_numpy_path(monkeypatch, K, N, block_size, rows):
+    """With the kernels off (`_native`) every row count goes through numpy-dequantized panels."""
+    from runnx.ops import _native
+    monkeypatch.setattr(_native, "enabled", False)
+    a, b, absmax = _bnb4_inputs(rows, K, N, block_size)
+    got, expected = run_both("MatMulBnb4", [a, b, absmax], initializers=(1, 2), K=K, N=N, block_size=block_size,
+                             quant_type=1)
+    assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_matmul_bnb4_few_rows_never_dequantize(monkeypatch):
+    """Decoding's one-row products stream the packed codes: no panel is dequantized."""
+    from runnx.ops import contrib_quantized
+
+    def refuse(*args):
+        raise AssertionError("a panel was dequantized for one row")
+    monkeypatch.setattr(contrib_quantized, "bnb4_dequantize", refuse)
+    a, b, absmax = _bnb4_inputs((1,), 128, 16, 64)
+    got, expected = run_both("MatMulBnb4", [a, b, absmax], initializers=(1, 2), K=128, N=16, block_size=64,
+                             quant_type=1)
+    assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_matmul_bnb4_float16_activations():
+    """onnxruntime's CPU kernel takes float32 only: float16 A (and absmax) is the float32 product of
+    the same values, rounded to float16 once."""
+    K, N, block_size = 128, 24, 32
+    a, b, absmax = _bnb4_inputs((3,), K, N, block_size)
+    a16, absmax16 = a.astype(np.float16), absmax.astype(np.float16)
+    _, expected = run_both("MatMulBnb4", [a16.astype(np.float32), b, absmax16.astype(np.float32)],
+                           initializers=(1, 2), K=K, N=N, block_size=block_size, quant_type=0)
+    model, feeds = contrib_model("MatMulBnb4", [a16, b, absmax16], ["y"], initializers=(1, 2), K=K, N=N,
+                                 block_size=block_size, quant_type=0)
+    got = runnx.load(model).run(feeds)["y"]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), expected[0], rtol=2e-3, atol=2e-3)
+
+@pytest.mark.parametrize("attributes, inputs, message", [
+    ({"quant_type": 2}, None, "quant_type must be 0 \\(FP4\\) or 1 \\(NF4\\), got 2"),
+    ({"block_size": 48}, None, "block_size must be a power of 2"),
+    ({"transB": 0}, None, "only transB=1"),
+    ({}, "short_b", "B must be uint8 with 2048 bytes"),
+    ({}, "short_absmax", "absmax has 63 values, expected 64"),
+])
+def test_matmul_bnb4_bad_input_is_refused(attributes, inputs, message):
+    a, b, absmax = _bnb4_inputs((2,), 64, 64, 64)
+    if inputs == "short_b":
+        b = b[:-1]
+    if inputs == "short_absmax":
+        absmax = absmax[:-1]
+    model, feeds = contrib_model("MatMulBnb4", [a, b, absmax], ["y"], initializers=(1, 2),
+                                 **{"K": 64, "N": 64, "block_size": 64, "quant_type": 1, **attributes})
+    with pytest.raises(RunnxError, match=message):
         runnx.load(model).run(feeds)
 
 
