@@ -52,8 +52,9 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench  # noqa: E402
-from runnx.ops import _decode_pool, fused, linalg  # noqa: E402
-from runnx.ops._decode_mailbox import _MAILBOX_SIZE, _attention, _products  # noqa: E402
+from runnx.ops import fused, linalg
+from runnx.runtime import pool as decode_pool  # noqa: E402
+from runnx.runtime.mailbox import _MAILBOX_SIZE, _attention, _products  # noqa: E402
 from runnx.ops._kernels_fused import add_rms_norm  # noqa: E402
 
 bench.runnx, bench.np = runnx, np
@@ -83,18 +84,18 @@ def _timed(part: str, fn, matrices=None):
 @contextlib.contextmanager
 def _instrumented():
     """The products' and the attention's entry points timed, while inside."""
-    originals = (_decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
-                 _decode_pool.shared_call)
-    _decode_pool.DecodePool.products = _timed("products", originals[0], lambda a: a[2])
+    originals = (decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
+                 decode_pool.shared_call)
+    decode_pool.DecodePool.products = _timed("products", originals[0], lambda a: a[2])
     linalg.rows_times_matrix = _timed("products", originals[1], lambda a: a[1:2])
     fused._attend_kernel = _timed("attention", originals[2])
-    _decode_pool.shared_call = _timed("products", originals[3],  # native blocks (ResidualGatedMLP)
+    decode_pool.shared_call = _timed("products", originals[3],  # native blocks (ResidualGatedMLP)
                                       lambda a: [m for m in a if getattr(m, "ndim", 0) == 2])
     try:
         yield
     finally:
-        (_decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
-         _decode_pool.shared_call) = originals
+        (decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
+         decode_pool.shared_call) = originals
 
 
 LAYERS, HIDDEN, KV_HEADS, HEADS, DEPTH, INNER, VOCAB = 30, 576, 3, 9, 64, 1536, 49152
@@ -152,7 +153,7 @@ class NativeBound:
         self.context = context
 
     def step(self) -> None:
-        pool = _decode_pool.pool()
+        pool = decode_pool.pool()
         arguments = (self.x, self.weights, self.keys, self.values, self.head, self.norm, self.scratch, self.context)
         if pool is None:
             native_step(np.zeros(_MAILBOX_SIZE, np.int64), 0, *arguments)

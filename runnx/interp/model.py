@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runnx._allocator import keep_freed
 from runnx.errors import UnknownOutputError
 from runnx.interp.branches import specialize_branches
 from runnx.interp.context import RunContext
@@ -21,8 +20,9 @@ from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
 from runnx.interp.profiler import Profile
 from runnx.interp.shape_cache import memoize_shapes
-from runnx.interp.threads import apply_threads, thread_counts
 from runnx.interp.validation import bind_feeds, feed_specs
+from runnx.runtime.allocator import keep_freed
+from runnx.runtime.threads import apply_threads, thread_counts
 
 if TYPE_CHECKING:
     from runnx.interp.loader import LoadedModel
@@ -168,7 +168,7 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
         options = Options(**option_values) if options is None else _replace(options, option_values)
     options = options or Options()
     from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
-    keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runnx/_allocator.py)
+    keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runnx/runtime/allocator.py)
     return Model(load_model(source, weights, options.allow_newer_opset), options)
 
 

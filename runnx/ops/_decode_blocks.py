@@ -8,7 +8,7 @@ nodes run one by one, but for a block that holds an attention (whose kernels are
 nodes' anyway: AttentionGatedMLP's is one call, its SiLU gate natively vectorised); LayerNorm
 blocks (LayerNorm, erf GELU) call what their nodes call: `layer_norm_rows`, and ErfGelu's pool job
 (`_gelu`) on a mailbox of their own. Called through
-`_decode_pool.shared_call` (the pool's workers, or alone on a mailbox of the call: the same compiled
+`runtime.pool.shared_call` (the pool's workers, or alone on a mailbox of the call: the same compiled
 code, so the same results); each returns what it computed.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._decode_mailbox import _attention, _gelu, _products, own_box
 from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_gate_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
+from runnx.runtime.mailbox import _attention, _gelu, _products, own_box
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -92,7 +92,7 @@ def gelu_mlp(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon,
     """`projected_layer_norm` (s, n), then (s2, LayerNorm(s2)) for s2 = s + (ErfGelu(n @ up_weight +
     up_bias) @ down_weight + down_bias) (empty biases: none): a LayerNorm layer from its last
     attention's output projection to the next layer's norm. The GELU is ErfGelu's job run alone on a
-    mailbox of its own (as `_decode_pool.alone` runs it for ErfGelu's node)."""
+    mailbox of its own (as `runtime.pool.alone` runs it for ErfGelu's node)."""
     summed, normed = projected_layer_norm(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon)
     up = _product(box, workers, normed[0], up_weight)
     activated = np.empty((1, up.size), np.float32)

@@ -6,7 +6,7 @@ import threadpoolctl
 from onnx import TensorProto, helper
 
 import runnx
-from runnx.ops import _decode_pool
+from runnx.runtime import pool as decode_pool
 
 
 def _matmul_model():
@@ -24,9 +24,9 @@ def test_threads_are_applied_and_reported(monkeypatch):
                 _, profile = model.run({"a": np.eye(3, dtype=np.float32)}, profile=True)
                 assert profile.threads == {"blas": count, "numba": count, "decode": count}
                 assert f"threads: BLAS {count}, numba {count}, decode pool {count}" in profile.summary()
-                assert _decode_pool.worker_count() == count - 1
+                assert decode_pool.worker_count() == count - 1
         finally:
-            _decode_pool.set_workers(None)
+            decode_pool.set_workers(None)
         monkeypatch.setenv("RUNNX_THREADS", "1")
         assert runnx.Options().threads == 1
         monkeypatch.delenv("RUNNX_THREADS")

@@ -6,7 +6,7 @@ microseconds of streaming weights from memory, and one attention per layer strea
 One core does not saturate memory on most machines (scripts/bench_gemv.py: 18 GB/s from one thread,
 29 from two on the first one), but handing each kernel to a thread pool costs more than it gains:
 numba's parallel regions and a Python-level hand-off take 30-50 us each. So the workers here never
-leave native code while a decode is running: each spins on a shared mailbox (`_decode_mailbox.py`:
+leave native code while a decode is running: each spins on a shared mailbox (`mailbox.py`:
 its layout, units and jobs) for a few milliseconds after its last job, then sleeps on its own Event
 (a shared one, cleared by whichever worker wakes first, could leave another asleep through a
 wake-up meant for it). Workers found asleep are woken for the next job; the current one runs on the
@@ -23,9 +23,9 @@ import numba
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_mailbox import (_IDLE, _ROW_BLOCK, _SHARED, MAX_MATRICES, MAX_WORKERS, _attention, _gelu,
-                                       _products, _rest, _serve, _softmax, _stop, new_box)
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_matrix
+from runnx.runtime.mailbox import (_IDLE, _ROW_BLOCK, _SHARED, MAX_MATRICES, MAX_WORKERS, _attention, _gelu,
+                                   _products, _rest, _serve, _softmax, _stop, new_box)
 
 _SHARED_ROWS = 2 * _ROW_BLOCK  # fewer rows (a decode step's GELU) run the job alone, never the pool
 _BLAS_THREADED = 1 << 20  # multiply-adds from which a product is worth OpenBLAS's threads
@@ -126,7 +126,7 @@ class DecodePool:
 
     def call(self, job, *arguments):
         """job(box, workers, *arguments), a numba function posting this pool's jobs (`_softmax`,
-        `_gelu`, a decoder block of `_decode_blocks.py`), with sleeping workers woken first (native
+        `_gelu`, a decoder block of `ops/_decode_blocks.py`), with sleeping workers woken first (native
         code cannot wake them); its result, or BUSY when the pool is busy (nothing done)."""
         if not self._lock.acquire(blocking=False):
             return BUSY
@@ -159,7 +159,7 @@ class DecodePool:
 
 
 def attention_job(query, key, value, bias, scale: float, fill: float):
-    """`attention(query, key, value, bias, scale, fill)` of _kernels_fused.py for float32 arrays of
+    """`attention(query, key, value, bias, scale, fill)` of ops/_kernels_fused.py for float32 arrays of
     4 dimensions (bias too, or None), computed as the pool computes it (the same compiled code:
     with its reassociating float flags, `attention` compiled for other array layouts may round
     differently), on this thread; `pool().attention` shares it with the workers."""

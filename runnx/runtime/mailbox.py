@@ -1,16 +1,16 @@
-"""The decode pool's native side (`_decode_pool.py` starts the threads and calls the jobs): the
+"""The decode pool's native side (`pool.py` starts the threads and calls the jobs): the
 mailbox, an int64 array every thread reads and writes with the atomic instructions of
-`_atomics.py`; the units a job is cut into; the workers' loop; the jobs that post them.
+`atomics.py`; the units a job is cut into; the workers' loop; the jobs that post them.
 
 A job is cut into units that give the same result whoever computes them:
 - products: one row (or a short prompt's few rows) times up to four matrices (a layer's
   projections of one input); each product in the row chunks of `rows_times_matrix`
-  (`_kernels_linalg.py`), each summed into its own partial rows, the partial rows added in chunk
+  (`ops/_kernels_linalg.py`), each summed into its own partial rows, the partial rows added in chunk
   order: bitwise the one-thread loop's;
 - attention: one unit per (batch entry, KV head, span of the cache), `attention_span` of
-  `_kernels_fused.py` as the one-thread `attention` runs it, the caller combining the spans after;
+  `ops/_kernels_fused.py` as the one-thread `attention` runs it, the caller combining the spans after;
 - rows (a prefill's or an encoder's attention softmax, the encoder's GELU: row kernels of
-  `_kernels_rows.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
+  `ops/_kernels_rows.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
   products around them, so after such a job a worker does not spin but sleeps at once.
 Threads claim units with compare-and-swap on a counter tagged with the job's sequence number, so
 the caller never waits for a worker that has not started (it takes the units itself) and a late
@@ -27,11 +27,11 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._atomics import (add, bits_of_float64, call_units, compare_and_swap, float32_pointer, float32_view,
-                                float64_from_bits, load, pause, store)
 from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span
 from runnx.ops._kernels_linalg import add_partials_into, chunk_bounds, chunk_count, rows_into
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
+from runnx.runtime.atomics import (add, bits_of_float64, call_units, compare_and_swap, float32_pointer,
+                                   float32_view, float64_from_bits, load, pause, store)
 
 # mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
 # caller's writes; _IDLE + w is worker w's, so there are at most MAX_WORKERS (one line of flags)
@@ -323,7 +323,7 @@ def _products(box, workers, row, matrices, outs, scratch):
 
 @_jit
 def _attention(box, workers, query, key, value, bias, scale, fill, out):
-    """`attention` of _kernels_fused.py into out, one unit per (batch entry, KV head, span), as one
+    """`attention` of ops/_kernels_fused.py into out, one unit per (batch entry, KV head, span), as one
     job, then the spans combined on this thread; whether a worker was idle."""
     partials, stats = attention_scratch(query, key, value)
     sequence = _begin(box, _PATIENCE)
