@@ -1,11 +1,17 @@
-"""Options.threads: BLAS, numba and decode-pool threads set at load and reported in the profile."""
+"""runnx.runtime's thread settings: `set_threads` and `threads`, Options.threads applying them at
+load and the profile reporting them; OpenBLAS's timeout set before numpy loads; the layers above
+calling only runtime's public names."""
+import ast
 import os
+from pathlib import Path
 
 import numpy as np
+import pytest
 import threadpoolctl
 from onnx import TensorProto, helper
 
 import runnx
+from runnx import runtime
 from runnx.runtime import pool as decode_pool
 
 
@@ -53,3 +59,50 @@ def test_importing_runnx_first_makes_openblas_threads_sleep_after_each_call():
             env["OPENBLAS_THREAD_TIMEOUT"] = given
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
         assert done.stdout.split() == [expected], done.stderr
+
+
+def test_set_threads_sets_every_pool_and_threads_reports_them():
+    import numba
+    numba_threads = numba.get_num_threads()
+    with threadpoolctl.threadpool_limits(limits=None):
+        try:
+            for count in (2, 1):
+                runtime.set_threads(count)
+                assert runtime.threads() == {"blas": count, "numba": count, "decode": count}
+            runtime.set_threads(0)  # leaves them as they are
+            assert runtime.threads() == {"blas": 1, "numba": 1, "decode": 1}
+        finally:
+            decode_pool.set_workers(None)
+            numba.set_num_threads(numba_threads)
+
+
+@pytest.mark.parametrize("count", [-1, 1.5, "2", True, None])
+def test_set_threads_refuses_what_is_not_a_thread_count(count):
+    with pytest.raises(runnx.InvalidOptionError, match="threads must be a whole number >= 0"):
+        runtime.set_threads(count)
+
+
+def test_import_runnx_sets_the_timeout_before_numpy_loads_openblas():
+    """runnx imports runtime.openblas first: OpenBLAS has not read its variables yet then."""
+    import subprocess
+    import sys
+    code = "import runnx.runtime.openblas as o; print(o.THREADS_SLEEP)"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["True"], done.stderr
+
+
+def test_interp_and_generate_import_only_runtimes_public_names():
+    """The layers above the runtime call `runnx.runtime`'s names, never one of its modules."""
+    package = Path(runnx.__file__).parent
+    reaching = []
+    for path in [*package.glob("interp/**/*.py"), *package.glob("generate/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("runnx.runtime."):
+                reaching.append(f"{path.relative_to(package)}: from {node.module}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "runnx.runtime":
+                reaching += [f"{path.relative_to(package)}: {a.name}" for a in node.names if a.name not in runtime.__all__]
+            elif isinstance(node, ast.Import):
+                reaching += [f"{path.relative_to(package)}: {a.name}" for a in node.names
+                             if a.name.startswith("runnx.runtime.")]
+    assert reaching == []

@@ -1,5 +1,5 @@
-"""Thread settings: how many threads BLAS (through threadpoolctl), numba and runnx's decode pool
-(`runtime/pool.py`: threads - 1 workers) may use.
+"""How many threads BLAS (through threadpoolctl), numba and runnx's decode pool (`pool.py`:
+threads - 1 workers) may use: `runtime.set_threads` and `runtime.threads`.
 
 These pools are per process, so `Options.threads` (RUNNX_THREADS) is applied when a model is
 loaded, and the counts in effect are reported in the profile. 0 leaves the libraries' defaults
