@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from runnx.ops._kernels_fused import ATTENTION_SPAN
-from runnx.ops._kernels_linalg import ROW_CHUNKS, row_times_matrix
+from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, row_times_matrix
 from runnx.ops.linalg import MatMul
 from runnx.runtime import mailbox
 from runnx.runtime import pool as decode_pool
@@ -156,7 +156,7 @@ def test_attention_by_kv_heads_is_bitwise_the_one_thread_job(pool, bias, size):
     np.testing.assert_allclose(expected, weights @ np.repeat(value, 2, axis=1), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["_serve", "_rest", "_attention", "_products"])
+@pytest.mark.parametrize("name", ["_serve", "_rest", "post_attention", "post_products"])
 def test_every_thread_computes_units_through_one_compiled_copy(name):
     """The workers' loop and the callers' jobs call the unit loop through the address in the mailbox
     (`_units_address`) instead of inlining it: inlined copies of a reassociating kernel may round
@@ -169,8 +169,9 @@ def test_every_thread_computes_units_through_one_compiled_copy(name):
     row, matrix = np.ones(4, np.float32), np.ones((4, 3), np.float32)
     query, key = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 3, 4), np.float32)
     arguments = {"_serve": (box, 0), "_rest": (box,),
-                 "_attention": (box, 1, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32)),
-                 "_products": (box, 1, row, (matrix,), (np.empty(3, np.float32),), np.empty(3 * 8, np.float32))}[name]
+                 "post_attention": (box, 1, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32)),
+                 "post_products": (box, 1, row, (matrix,), (np.empty(3, np.float32),),
+                                   np.empty(3 * 8, np.float32))}[name]
     fresh = numba.njit(nogil=True, error_model="numpy")(getattr(mailbox, name).py_func)
     fresh.compile(tuple(numba.typeof(argument) for argument in arguments))
     code = next(iter(fresh.inspect_llvm().values()))
@@ -312,7 +313,7 @@ from runnx.runtime import pool as d
 d.set_workers(1)
 d.start_in_background()
 d._starting.join()
-jobs = (d._products, d._softmax, d._gelu)
+jobs = (d.post_products, d.post_softmax, d.post_gelu)
 before = [len(job.overloads) for job in jobs]
 matrix = np.ones((64, 32), np.float32)
 matrix.flags.writeable = False
@@ -463,3 +464,86 @@ def test_a_native_block_wakes_sleeping_workers_and_computes_alone_when_the_pool_
         for mine, expected in zip(block(), alone):
             np.testing.assert_array_equal(mine, expected)
     np.testing.assert_array_equal(residual, kept)  # the block sums into its own arrays
+
+
+def test_a_job_is_complete_when_its_poster_returns(pool):
+    """The workers read a job's arrays by address: memory safety rests on the poster, which holds
+    them as its arguments, returning only when no unit is left to compute or being computed."""
+    matrix = RNG.standard_normal((64, mailbox._SHARED_SUMS)).astype(np.float32)  # its sums a job too
+    row = RNG.standard_normal(64).astype(np.float32)
+    query = RNG.standard_normal((1, 4, 1, 16)).astype(np.float32)
+    cache = RNG.standard_normal((1, 2, 3 * ATTENTION_SPAN, 16)).astype(np.float32)
+    for _ in range(50):
+        for job in (lambda: pool.products(row, (matrix,)), lambda: pool.attention(query, cache, cache, None, 1.0, 0.0)):
+            job()
+            units = pool.box[mailbox._UNITS]
+            assert units > 0 and pool.box[mailbox._COMPLETED] == units
+            assert pool.box[mailbox._CLAIM] & mailbox._NOTHING_TO_CLAIM >= units  # nothing left to claim
+
+
+def _products_arguments(height=1, depth=8, width=6):
+    return (np.ones(height * depth, np.float32), (np.ones((depth, width), np.float32),),
+            (np.empty(height * width, np.float32),), np.empty(chunk_count(depth) * height * width, np.float32))
+
+
+@pytest.mark.parametrize("change", ["depth", "short output", "short scratch", "an output missing", "transposed matrix"])
+def test_a_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+    """Each poster checks what it turns into addresses: a wrong array raises, nothing posted
+    (unchecked, a short output was written past its end, a transposed matrix read as C-ordered)."""
+    row, matrices, outs, scratch = _products_arguments()
+    if change == "depth":
+        row = np.ones(7, np.float32)
+    elif change == "short output":
+        outs = (np.empty(5, np.float32),)
+    elif change == "short scratch":
+        scratch = scratch[:-1]
+    elif change == "an output missing":
+        matrices = matrices * 2
+    else:
+        matrices = (np.ones((6, 8), np.float32).T,)
+    box = mailbox.new_box()
+    with pytest.raises(ValueError, match="a products job"):
+        mailbox.post_products(box, 0, row, matrices, outs, scratch)
+    assert box[mailbox._POSTED] == 0 and box[mailbox._KIND] == 0
+
+
+def test_attention_and_rows_jobs_refuse_arrays_that_do_not_fit_before_posting():
+    query, key = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 3, 4), np.float32)
+    box = mailbox.new_box()
+    with pytest.raises(ValueError, match="an attention job"):  # out's last axis is not value's
+        mailbox.post_attention(box, 0, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 3), np.float32))
+    with pytest.raises(ValueError, match="H a multiple of G"):  # 2 query heads over 3 KV heads
+        three = np.ones((1, 3, 3, 4), np.float32)
+        mailbox.post_attention(box, 0, query, three, three, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32))
+    rows = np.ones((4, 8), np.float32)
+    with pytest.raises(ValueError, match="a rows job"):
+        mailbox.post_gelu(box, 0, rows, np.empty(0, np.float32), 1.0, 1.0, 0.5, np.empty((3, 8), np.float32))
+    with pytest.raises(ValueError, match="bias"):
+        mailbox.post_gelu(box, 0, rows, np.ones(7, np.float32), 1.0, 1.0, 0.5, np.empty_like(rows))
+    assert box[mailbox._POSTED] == 0
+
+
+def test_only_the_mailbox_turns_arrays_into_addresses():
+    """No module but `runtime/mailbox.py` imports the address intrinsics, and there only the posting
+    functions (which check their arrays first) take an array's address."""
+    import ast
+    from pathlib import Path
+
+    import runnx
+    package = Path(runnx.__file__).parent
+    importers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                       if "runnx.runtime.atomics" in path.read_text() and path.name != "atomics.py")
+    assert importers == ["runtime/mailbox.py"]
+    source = (package / "runtime" / "mailbox.py").read_text()
+    functions = {node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+
+    def using(text):
+        return {name for name, node in functions.items()
+                if text in ast.get_source_segment(source, node).split(":", 1)[1]}  # (after its signature)
+
+    assert using("ctypes.data") == {"post_products", "post_gelu", "_rows", "_post_array"}
+    assert using("_post_array(") == {"post_attention"}
+    for name in (using("ctypes.data") | using("_post_array(")) - {"_post_array"}:
+        first_call = next(node for node in functions[name].body
+                          if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call))
+        assert first_call.value.func.id.startswith("_check_"), name  # before any store
