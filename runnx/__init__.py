@@ -8,7 +8,7 @@
 """
 __version__ = "0.1.0"  # before any import: the numba cache folder's name reads it (runnx/ops/_jit_cache.py)
 
-from runnx import _openblas  # noqa: F401  (first: OpenBLAS's thread timeout, before numpy loads it)
+from runnx.runtime import openblas  # noqa: F401  (first: OpenBLAS's thread timeout, before numpy loads it)
 from runnx.capture import Owned
 from runnx.errors import (
     CycleError, ExternalDataError, InPlaceMismatchError, InputError, InputShapeError, InputTypeError, InvalidModelError,
@@ -19,15 +19,7 @@ from runnx.interp.model import Model, load
 from runnx.interp.options import Options
 from runnx.interp.profiler import Profile
 from runnx.interp.session import GraphOptimizationLevel, InferenceSession, NodeArg, SessionOptions
-
-
-def set_threads(count: int) -> None:
-    """Use `count` threads from now on: BLAS's, numba's and the decode pool's (count - 1 workers),
-    for the whole process, as `Options.threads` / SessionOptions.intra_op_num_threads do at load."""
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise InvalidOptionError(f"runnx.set_threads takes a thread count of 1 or more, got {count!r}")
-    from runnx.interp.threads import apply_threads  # loads numba and threadpoolctl: on first use
-    apply_threads(count)
+from runnx.runtime import set_threads
 
 
 def __getattr__(name):

@@ -63,7 +63,8 @@ def stamp(key: list) -> str:
     time: a checkout or an edit compiles them again), numba's and Python's versions and the thread
     settings, which choose the kernels a run calls. numba's version from its metadata: a first run
     need not import numba at all."""
-    sources = max(path.stat().st_mtime for pattern in ("ops/*.py", "capture/*.py") for path in _PACKAGE.glob(pattern))
+    sources = max(path.stat().st_mtime for pattern in ("ops/*.py", "capture/*.py", "runtime/*.py")
+                  for path in _PACKAGE.glob(pattern))
     identity = [key, sources, version("numba"), sys.version, [os.environ.get(v) for v in _THREAD_VARIABLES]]
     return hashlib.sha1(json.dumps(identity, default=str).encode()).hexdigest()[:20]
 

@@ -26,7 +26,7 @@ set_threads(ARGS.threads)
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runnx.ops import _decode_pool  # noqa: E402
+from runnx.runtime import pool as decode_pool  # noqa: E402
 from runnx.ops._kernels_fused import attention  # noqa: E402
 
 HEADS, KV_HEADS, DEPTH = 9, 3, 64  # SmolLM2-135M's
@@ -35,8 +35,8 @@ STREAM_BYTES = 96 << 20  # > the L3 cache
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    _decode_pool.set_workers(ARGS.threads - 1)
-    pool = _decode_pool.pool()
+    decode_pool.set_workers(ARGS.threads - 1)
+    pool = decode_pool.pool()
     run = attention if pool is None else pool.attention
     print(f"{ARGS.threads} thread(s); SmolLM2-135M's attention of one query row (9 heads over 3 KV heads of 64), "
           f"best of {ARGS.rounds} rounds")

@@ -1,6 +1,6 @@
 """One row times a weight matrix, as a decode step does it: OpenBLAS (numpy.matmul) against runnx's
 numba loop on one thread (`runnx.ops._kernels_linalg.row_times_matrix`) and shared with the
-decode-pool's workers (`runnx.ops._decode_pool`, threads - 1 of them), for the weight shapes of
+decode-pool's workers (`runnx.runtime.pool`, threads - 1 of them), for the weight shapes of
 SmolLM2-135M and Whisper tiny.en. Weights are read from memory, not cache: each timing runs
 through more copies of the matrix than the L3 cache holds.
 
@@ -29,7 +29,7 @@ set_threads(ARGS.threads)
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runnx.ops import _decode_pool  # noqa: E402
+from runnx.runtime import pool as decode_pool  # noqa: E402
 from runnx.ops._kernels_linalg import row_times_matrix  # noqa: E402
 
 SHAPES = {"SmolLM2 q/o": (576, 576), "SmolLM2 k/v": (576, 192), "SmolLM2 gate/up": (576, 1536),
@@ -49,8 +49,8 @@ def best_of(function, rounds: int) -> float:
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    _decode_pool.set_workers(ARGS.threads - 1)
-    pool = _decode_pool.pool()
+    decode_pool.set_workers(ARGS.threads - 1)
+    pool = decode_pool.pool()
     runners = {"numba loop": row_times_matrix}
     if pool is not None:
         runners["decode pool"] = lambda row, matrix: pool.products(row, (matrix,))[0]

@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 import bench  # noqa: E402
 from runnx.interp import fusion  # noqa: E402
-from runnx.ops import _decode_pool  # noqa: E402
+from runnx.runtime import pool as decode_pool  # noqa: E402
 
 bench.runnx, bench.np = runnx, np
 NATIVE = [0.0]  # seconds inside the decode pool's native calls so far
@@ -103,7 +103,7 @@ def main() -> None:
         sys.exit(f"{bench.SMOLLM2} is missing: run `make models` first")
     engines = {"on": _Setting(bench.SMOLLM2, True), "off": _Setting(bench.SMOLLM2, False)}
     same = _greedy_tokens(engines["on"]) == _greedy_tokens(engines["off"])
-    pool = _decode_pool.DecodePool
+    pool = decode_pool.DecodePool
     pool.call, pool.products = _count_native(pool.call), _count_native(pool.products)
     print(f"SmolLM2-135M decode, {ARGS.setting} on / off, {ARGS.threads} thread(s), {ARGS.blocks} alternating "
           f"blocks of {ARGS.steps} steps; greedy tokens identical: {same}")

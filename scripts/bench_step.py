@@ -12,7 +12,7 @@ GB/s is the matrices' bytes over that time. The attention counts from the numba
 kernel's entry (`_attend_kernel`) on.
 
 The bound: all 30 layers' products, KV appends, attention, residual adds, RMSNorms and SiLU gates
-in one numba loop that posts the pool's own compiled jobs (`_products`, `_attention`), on random
+in one numba loop that posts the pool's own compiled jobs (`post_products`, `post_attention`), on random
 weights of the real shapes, timed in alternating blocks against runnx's real step. Not a runner:
 no rotary embedding, no mask, numba's exponentials in the SiLU, no shape bookkeeping; a product
 costs what it costs in runnx, only the Python around them is gone. A job posted from native code
@@ -52,8 +52,9 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench  # noqa: E402
-from runnx.ops import _decode_pool, fused, linalg  # noqa: E402
-from runnx.ops._decode_mailbox import _MAILBOX_SIZE, _attention, _products  # noqa: E402
+from runnx.ops import fused, linalg
+from runnx.runtime import pool as decode_pool  # noqa: E402
+from runnx.runtime.mailbox import _MAILBOX_SIZE, post_attention, post_products  # noqa: E402
 from runnx.ops._kernels_fused import add_rms_norm  # noqa: E402
 
 bench.runnx, bench.np = runnx, np
@@ -83,18 +84,18 @@ def _timed(part: str, fn, matrices=None):
 @contextlib.contextmanager
 def _instrumented():
     """The products' and the attention's entry points timed, while inside."""
-    originals = (_decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
-                 _decode_pool.shared_call)
-    _decode_pool.DecodePool.products = _timed("products", originals[0], lambda a: a[2])
+    originals = (decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
+                 decode_pool.shared_call)
+    decode_pool.DecodePool.products = _timed("products", originals[0], lambda a: a[2])
     linalg.rows_times_matrix = _timed("products", originals[1], lambda a: a[1:2])
     fused._attend_kernel = _timed("attention", originals[2])
-    _decode_pool.shared_call = _timed("products", originals[3],  # native blocks (ResidualGatedMLP)
+    decode_pool.shared_call = _timed("products", originals[3],  # native blocks (ResidualGatedMLP)
                                       lambda a: [m for m in a if getattr(m, "ndim", 0) == 2])
     try:
         yield
     finally:
-        (_decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
-         _decode_pool.shared_call) = originals
+        (decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
+         decode_pool.shared_call) = originals
 
 
 LAYERS, HIDDEN, KV_HEADS, HEADS, DEPTH, INNER, VOCAB = 30, 576, 3, 9, 64, 1536, 49152
@@ -115,23 +116,23 @@ def native_step(box, workers, x, weights, keys, values, head, norm, scratch, len
     attended = np.empty((1, HEADS, 1, DEPTH), np.float32)
     for layer in range(LAYERS):
         w = 7 * layer
-        _products(box, workers, hidden, (weights[w], weights[w + 1], weights[w + 2]), (q, k, v), scratch)
+        post_products(box, workers, hidden, (weights[w], weights[w + 1], weights[w + 2]), (q, k, v), scratch)
         key_cache, value_cache = keys[layer], values[layer]
         for head_index in range(KV_HEADS):
             for j in range(DEPTH):
                 key_cache[0, head_index, length, j] = k[head_index * DEPTH + j]
                 value_cache[0, head_index, length, j] = v[head_index * DEPTH + j]
-        _attention(box, workers, q.reshape((1, HEADS, 1, DEPTH)), key_cache[:, :, :length + 1],
-                   value_cache[:, :, :length + 1], None, 0.125, np.nan, attended)
-        _products(box, workers, attended.reshape(HIDDEN), (weights[w + 3],), (o,), scratch)
+        post_attention(box, workers, q.reshape((1, HEADS, 1, DEPTH)), key_cache[:, :, :length + 1],
+                       value_cache[:, :, :length + 1], None, 0.125, np.nan, attended)
+        post_products(box, workers, attended.reshape(HIDDEN), (weights[w + 3],), (o,), scratch)
         hidden = add_rms_norm(residual, o, residual, 1e-5, 1.0, norm)
-        _products(box, workers, hidden, (weights[w + 4], weights[w + 5]), (gate, up), scratch)
+        post_products(box, workers, hidden, (weights[w + 4], weights[w + 5]), (gate, up), scratch)
         for j in range(INNER):
             gate[j] = gate[j] / (np.float32(1) + np.exp(-gate[j])) * up[j]
-        _products(box, workers, gate, (weights[w + 6],), (d,), scratch)
+        post_products(box, workers, gate, (weights[w + 6],), (d,), scratch)
         hidden = add_rms_norm(residual, d, residual, 1e-5, 1.0, norm)
     logits = np.empty(VOCAB, np.float32)
-    _products(box, workers, hidden, (head,), (logits,), scratch)
+    post_products(box, workers, hidden, (head,), (logits,), scratch)
     return logits.argmax()
 
 
@@ -152,7 +153,7 @@ class NativeBound:
         self.context = context
 
     def step(self) -> None:
-        pool = _decode_pool.pool()
+        pool = decode_pool.pool()
         arguments = (self.x, self.weights, self.keys, self.values, self.head, self.norm, self.scratch, self.context)
         if pool is None:
             native_step(np.zeros(_MAILBOX_SIZE, np.int64), 0, *arguments)

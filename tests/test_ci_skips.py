@@ -69,9 +69,9 @@ def test_passes():
 @pytest.fixture
 def suite(pytester):
     pytester.makeconftest(HOOK)
-    pytester.mkpydir("tests")  # node ids tests/ops/..., as in the allow-list
-    (pytester.path / "tests" / "ops").mkdir()
-    (pytester.path / "tests" / "ops" / "test_decode_pool.py").write_text(LISTED)
+    pytester.mkpydir("tests")  # node ids tests/runtime/..., as in the allow-list
+    (pytester.path / "tests" / "runtime").mkdir()
+    (pytester.path / "tests" / "runtime" / "test_decode_pool.py").write_text(LISTED)
     (pytester.path / "tests" / "test_unlisted.py").write_text(UNLISTED)
     return pytester
 

@@ -43,7 +43,7 @@ from runnx.generate.layouts import FolderLayout, read_folder
 from runnx.generate.kv_cache import SEQUENCE_AXIS, KVCache
 from runnx.interp.dtypes import numpy_dtype
 from runnx.interp.model import load as runnx_load
-from runnx.ops import _decode_pool
+from runnx.runtime import start_pool_in_background
 
 
 class DecoderStep:
@@ -97,7 +97,7 @@ class DecoderStep:
         load = load or load_decoder
         layout = layout or read_folder(folder, variant)
         files = layout.files
-        _decode_pool.start_in_background()  # beside the loads
+        start_pool_in_background()  # beside the loads
         first = load(str(files.first))
         with_past = load(str(files.with_past)) if files.with_past != files.first else None
         genai = layout.kind == "onnxruntime-genai"

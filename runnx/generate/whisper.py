@@ -41,7 +41,7 @@ from runnx.generate.layouts import ENCODER_BASES, read_folder, transformers_js_v
 from runnx.generate.mel import FRAME_SECONDS, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from runnx.generate.tokenizer import Tokenizer
 from runnx.interp.model import load as runnx_load
-from runnx.ops import _decode_pool
+from runnx.runtime import start_pool_in_background
 
 TIMESTAMP_SECONDS = 0.02  # one timestamp token step: 2 mel frames (the encoder halves the frames)
 FRAMES_PER_TIMESTAMP = 2
@@ -330,7 +330,7 @@ class Whisper:
         layout = read_folder(self.folder, variant)
         encoder_path = whisper_encoder(layout)
         self.variant = layout.variant
-        _decode_pool.start_in_background()  # beside the loads below
+        start_pool_in_background()  # beside the loads below
         config = _read_json(self.folder / "config.json")
         generation = _read_json(self.folder / "generation_config.json")
         self.tokenizer = (Tokenizer.from_folder(self.folder) if (self.folder / "tokenizer.json").is_file()

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runnx._allocator import keep_freed
 from runnx.errors import UnknownOutputError
 from runnx.interp.branches import specialize_branches
 from runnx.interp.context import RunContext
@@ -21,8 +20,8 @@ from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
 from runnx.interp.profiler import Profile
 from runnx.interp.shape_cache import memoize_shapes
-from runnx.interp.threads import apply_threads, thread_counts
 from runnx.interp.validation import bind_feeds, feed_specs
+from runnx.runtime import keep_freed, set_threads, threads
 
 if TYPE_CHECKING:
     from runnx.interp.loader import LoadedModel
@@ -49,7 +48,7 @@ class Model:
                 self.fused[op] = self.fused.get(op, 0) + count
         if self.fused and self.options.shape_cache:  # fused shape stand-ins join the memos around them
             self.memoized += sum(memoize_shapes(graph) for graph in _graphs(self.graph))
-        apply_threads(self.options.threads)
+        set_threads(self.options.threads)
         self._threads = None  # counts in effect, looked up when first profiled
         self.opsets = dict(loaded.opsets)
         self.path = loaded.path
@@ -126,7 +125,7 @@ class Model:
             bound.pop(vid, None)
         record = profile if isinstance(profile, Profile) else (Profile() if profile or self.options.profile else None)
         if record is not None:
-            self._threads = self._threads or thread_counts()
+            self._threads = self._threads or threads()
             record.threads = self._threads
         ctx = RunContext(self.options, record)
         values, _ = self._executor.run(graph, plan, bound, ctx, owned=False)  # (an unrewritten graph shares ids)
@@ -168,7 +167,7 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
         options = Options(**option_values) if options is None else _replace(options, option_values)
     options = options or Options()
     from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
-    keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runnx/_allocator.py)
+    keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runtime/allocator.py)
     return Model(load_model(source, weights, options.allow_newer_opset), options)
 
 

@@ -7,8 +7,8 @@ by up to 2 ulp on a third of float32 inputs), so that a block's results are bitw
 nodes run one by one, but for a block that holds an attention (whose kernels are not bitwise the
 nodes' anyway: AttentionGatedMLP's is one call, its SiLU gate natively vectorised); LayerNorm
 blocks (LayerNorm, erf GELU) call what their nodes call: `layer_norm_rows`, and ErfGelu's pool job
-(`_gelu`) on a mailbox of their own. Called through
-`_decode_pool.shared_call` (the pool's workers, or alone on a mailbox of the call: the same compiled
+(`post_gelu`) on a mailbox of their own. Called through
+`runtime.pool.shared_call` (the pool's workers, or alone on a mailbox of the call: the same compiled
 code, so the same results); each returns what it computed.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._decode_mailbox import _attention, _gelu, _products, own_box
 from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_gate_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
+from runnx.runtime.mailbox import own_box, post_attention, post_gelu, post_products
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -29,7 +29,7 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 def _product(box, workers, row, matrix):
     """row @ matrix as one pool job."""
     out = np.empty(matrix.shape[1], np.float32)
-    _products(box, workers, row, (matrix,), (out,), np.empty(chunk_count(row.size) * out.size, np.float32))
+    post_products(box, workers, row, (matrix,), (out,), np.empty(chunk_count(row.size) * out.size, np.float32))
     return out
 
 
@@ -40,8 +40,8 @@ def _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, g
     summed = _product(box, workers, x, weight)
     normed = add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
     gate, up = np.empty(gate_weight.shape[1], np.float32), np.empty(up_weight.shape[1], np.float32)
-    _products(box, workers, normed, (gate_weight, up_weight), (gate, up),
-              np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32))
+    post_products(box, workers, normed, (gate_weight, up_weight), (gate, up),
+                  np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32))
     return summed, gate, up
 
 
@@ -92,11 +92,11 @@ def gelu_mlp(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon,
     """`projected_layer_norm` (s, n), then (s2, LayerNorm(s2)) for s2 = s + (ErfGelu(n @ up_weight +
     up_bias) @ down_weight + down_bias) (empty biases: none): a LayerNorm layer from its last
     attention's output projection to the next layer's norm. The GELU is ErfGelu's job run alone on a
-    mailbox of its own (as `_decode_pool.alone` runs it for ErfGelu's node)."""
+    mailbox of its own (as `runtime.pool.alone` runs it for ErfGelu's node)."""
     summed, normed = projected_layer_norm(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon)
     up = _product(box, workers, normed[0], up_weight)
     activated = np.empty((1, up.size), np.float32)
-    _gelu(own_box(box), 0, up.reshape((1, up.size)), up_bias, divisor, one, half, activated)
+    post_gelu(own_box(box), 0, up.reshape((1, up.size)), up_bias, divisor, one, half, activated)
     return projected_layer_norm(box, workers, activated[0], down_weight, down_bias, summed, down_scale,
                                 down_norm_bias, down_epsilon)
 
@@ -105,11 +105,11 @@ def gelu_mlp(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon,
 def attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out):
     """Attention of one query row into out (batch 1, heads, 1, width): row = x @ weight (weight
     empty: x), + query_bias, * query_scale (each empty: none), its heads `heads` (a view of row),
-    then `_attention` of the heads against key (batch, heads, length, depth) and value, scale 1:
+    then `post_attention` of the heads against key (batch, heads, length, depth) and value, scale 1:
     a decode step's HeadsAttention (with its query projection, ProjectedHeadsAttention),
     the same sums as its nodes."""
     if weight.size:
-        _products(box, workers, x, (weight,), (row,), np.empty(chunk_count(x.size) * row.size, np.float32))
+        post_products(box, workers, x, (weight,), (row,), np.empty(chunk_count(x.size) * row.size, np.float32))
     else:
         row[:] = x
     if query_bias.size:
@@ -118,7 +118,7 @@ def attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, k
     if query_scale.size:
         for i in range(row.size):
             row[i] = row[i] * query_scale[0]
-    _attention(box, workers, heads, key, value, bias, 1.0, fill, out)
+    post_attention(box, workers, heads, key, value, bias, 1.0, fill, out)
 
 
 @_jit
@@ -129,8 +129,8 @@ def appended_products(box, workers, x, weights, key_bias, value_bias, key_buffer
     growth, the values SplitHeads and Concat give (ProjectedAppend's nodes)."""
     query = np.empty(weights[0].shape[1], np.float32)
     key, value = np.empty(weights[1].shape[1], np.float32), np.empty(weights[2].shape[1], np.float32)
-    _products(box, workers, x, weights, (query, key, value),
-              np.empty(chunk_count(x.size) * (query.size + key.size + value.size), np.float32))
+    post_products(box, workers, x, weights, (query, key, value),
+                  np.empty(chunk_count(x.size) * (query.size + key.size + value.size), np.float32))
     _append_row(key, key_bias, key_buffer, position)
     _append_row(value, value_bias, value_buffer, position)
     return query
@@ -189,11 +189,11 @@ def attended_layer_norm_gelu_mlp_append(box, workers, *parts):
 @_jit
 def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual, epsilon, one,
                        norm_weight, gate_weight, up_weight, down_weight, down_epsilon, down_one, down_norm_weight):
-    """`_attention` into out, then on its merged output x (a view of out) the output projection,
+    """`post_attention` into out, then on its merged output x (a view of out) the output projection,
     the residual add, the MLP's norm, its gate and up products, the SiLU gate (`silu_gate_into`, not
     numpy's exp: the attention before it is not bitwise the nodes' either), the down product, the
     residual add and the next norm: AttentionGatedMLP's nodes, (s, RMSNorm(s)) of the last sum."""
-    _attention(box, workers, query, key, value, bias, scale, fill, out)
+    post_attention(box, workers, query, key, value, bias, scale, fill, out)
     summed, gate, up = _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight,
                                     up_weight)
     down = _product(box, workers, silu_gate_into(gate, up), down_weight)
@@ -208,7 +208,7 @@ def projected_rope_append(box, workers, x, weights, rows, *rope):
     size = 0
     for row in rows:
         size += row.size
-    _products(box, workers, x, weights, rows, np.empty(chunk_count(x.size) * size, np.float32))
+    post_products(box, workers, x, weights, rows, np.empty(chunk_count(x.size) * size, np.float32))
     return rope_append_into(*rope)
 
 

@@ -9,7 +9,7 @@ installs or working copies never share a folder. A folder that cannot be written
 choice to numba's own locators.
 
 numba checks a cached function against its own source file only. A kernel compiled into a
-function of another module stays there: `_decode_mailbox.py`'s jobs inline `_kernels_fused.py`'s
+function of another module stays there: `runtime/mailbox.py`'s jobs inline `_kernels_fused.py`'s
 attention, and after an edit of `_kernels_fused.py` (or a checkout that changes it) they kept
 running the old attention from the cache, without a sign. So the index files older than the
 newest of the cached modules' sources are removed: numba recompiles what they indexed on first
@@ -41,9 +41,9 @@ except ImportError:  # not on this system: saves stay unlocked, as numba makes t
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 # the modules with numba functions cached on disk (`cache=True`), which call into one another
-CACHED_MODULES = ("capture/capacity.py", "ops/_decode_blocks.py", "ops/_decode_mailbox.py", "ops/_kernels_contrib.py",
+CACHED_MODULES = ("capture/capacity.py", "ops/_decode_blocks.py", "ops/_kernels_contrib.py",
                   "ops/_kernels_elementwise.py", "ops/_kernels_fused.py", "ops/_kernels_linalg.py",
-                  "ops/_kernels_nn.py", "ops/_kernels_rows.py")
+                  "ops/_kernels_nn.py", "ops/_kernels_rows.py", "runtime/mailbox.py")
 _SOURCES = tuple(_PACKAGE / module for module in CACHED_MODULES)
 
 

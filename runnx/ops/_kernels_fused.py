@@ -244,7 +244,7 @@ def attention_span(query, key, value, bias, scale, partials, stats, b, g, span):
     """The query rows of KV head g of batch entry b (its heads x query positions) against span
     `span` of the cache: each row's softmax numerators' maximum and sum into stats[b * G + g,
     span, row] and their weighted sum of the span's values into partials[b * G + g, span, row]
-    (C-contiguous arrays): the unit `_decode_pool.py` shares between threads."""
+    (C-contiguous arrays): the unit `runtime/pool.py` shares between threads."""
     heads, length, depth = query.shape[1], query.shape[2], query.shape[3]
     groups, count = key.shape[1], key.shape[2]
     repeat = heads // groups

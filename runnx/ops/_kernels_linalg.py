@@ -8,7 +8,7 @@ quarter of the output's loads and stores). The four rows are a quarter of the ro
 adjacent: four long sequential streams, where adjacent rows of a 576-wide matrix make four 2 KiB
 streams that end and restart every pass (less bandwidth for the matrices of a decoder layer). The
 rows are cut into `ROW_CHUNKS` chunks whose partial sums are added in chunk order: the chunks are
-what `_decode_pool.py` shares between threads, and since they depend on the matrix's shape only, the
+what `runtime/pool.py` shares between threads, and since they depend on the matrix's shape only, the
 pool's result is bitwise this loop's. Each column is summed as a chain of fused multiply-adds
 (`contract`: one rounding a row, as onnxruntime's MLAS kernels sum; never reassociated, so no
 dependence on the vector width): the same result for every thread count, on every CPU with FMA, in

@@ -2,7 +2,7 @@
 row softmax for long attention (scores computed by BLAS a block of rows at a time) and the erf GELU, over cache-resident
 rows. They are not numba parallel loops: between BLAS calls, numba's spinning threads and
 OpenBLAS's took the cores from each other (the encoder ran 5-20x slower). Their blocks of rows are
-shared with the decode pool's workers instead, which sleep right after (`_decode_pool.softmax_rows`,
+shared with the decode pool's workers instead, which sleep right after (`runtime.pool.softmax_rows`,
 `gelu_rows`).
 
 float32 exp is 2^n * 2^f, with 2^f (|f| <= 1/2) a degree-6 polynomial (error below 2e-7) and 2^n

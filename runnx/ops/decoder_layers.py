@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from runnx.ops import _decode_pool
 from runnx.ops._decode_replay import ChainReplay, GatedRopeReplay, remember, replayed
 from runnx.errors import RunnxError
 from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rope_append,
@@ -25,6 +24,7 @@ from runnx.ops.linalg import (AttentionGeluMLP, AttentionLayerNorm, ProjectedApp
                               SharedInputMatMul, _attention_attrs, _gated_mlp_row, _gelu_mlp_row, _layer_norm_row,
                               _split_shapes, append_arguments, appended_outputs)
 from runnx.ops.registry import register
+from runnx.runtime import pool as decode_pool
 
 _ROPE_ATTRIBUTES = ("query_dims", "query_axes", "key_dims", "key_axes", "value_dims", "value_axes", "query_axis",
                     "key_axis", "key_cache_axis", "value_cache_axis")
@@ -53,8 +53,8 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
     if planned is None:
         return _rope_appended(False, None, None, x, rope, attributes, overwrite, ctx)
     heads, arguments = planned
-    done, rotated = _decode_pool.shared_call(projected_rope_append, np.ascontiguousarray(x.reshape(-1)), rope[:3],
-                                             tuple([h.reshape(-1) for h in heads]), *arguments)
+    done, rotated = decode_pool.shared_call(projected_rope_append, np.ascontiguousarray(x.reshape(-1)), rope[:3],
+                                            tuple([h.reshape(-1) for h in heads]), *arguments)
     return _rope_appended(done, rotated, heads, x, rope, attributes, overwrite, ctx)
 
 
@@ -116,7 +116,7 @@ def _attended_gated(block: tuple, arguments, axis: int, norm: tuple, down_norm: 
     or (None) the kernels of the nodes it replaced."""
     if arguments:
         residual = block[23]
-        summed, normed = _decode_pool.shared_call(attended_gated_mlp, *arguments)
+        summed, normed = decode_pool.shared_call(attended_gated_mlp, *arguments)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return ResidualGatedMLP(RepeatedKVAttention(*block[:21], axis=axis, ctx=ctx), *block[21:], norm=norm,
                             down_norm=down_norm)
@@ -161,7 +161,7 @@ def AttentionGatedMLPRopeAppend(*inputs, axis: int = -1, norm: tuple = (-1, 0, 0
         heads, rope_arguments = planned
         native = (*arguments, rope[:3], tuple([h.reshape(-1) for h in heads]), *rope_arguments)
         remember(state, GatedRopeReplay(inputs, native, heads))
-    summed, done, rotated = _decode_pool.shared_call(attended_gated_mlp_rope_append, *native)
+    summed, done, rotated = decode_pool.shared_call(attended_gated_mlp_rope_append, *native)
     return (summed.reshape(residual.shape),
             *_rope_appended(done, rotated, heads, None, rope, attributes, rope_overwrite, ctx))
 
@@ -247,7 +247,7 @@ class _Chain:
 
 def _chained(arguments: tuple, residual) -> tuple:
     """(s, n) of one `attended_layer_norm_gelu_mlp` call with `arguments`, shaped as the residual."""
-    summed, normed = _decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
+    summed, normed = decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
 
 
@@ -295,7 +295,7 @@ def AttentionLayerNormGeluMLPAppend(*inputs, query_dims: tuple[int, ...] = (), q
             return _apart(chain, row, append, attributes, overwrite, ctx)
         arguments = (*row, *appended)
         remember(state, ChainReplay(inputs, arguments, (key_perm, value_perm, cross_key_perm, cross_value_perm)))
-    summed, query = _decode_pool.shared_call(attended_layer_norm_gelu_mlp_append, *arguments)
+    summed, query = decode_pool.shared_call(attended_layer_norm_gelu_mlp_append, *arguments)
     residual = inputs[16]
     return (summed.reshape(residual.shape),
             *appended_outputs(query, residual.shape, arguments[-_APPEND_ARGUMENTS:], ctx))

@@ -29,7 +29,7 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
-from runnx.ops import _decode_pool, _native
+from runnx.ops import _native
 from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._fused_common import DOMAIN, stand_in
 from runnx.ops._kernels_fused import (add_rms_norm, attention, rms_norm, rope_append_into, rotate_half,
@@ -40,6 +40,7 @@ from runnx.ops.cache import Concat, count_appends
 from runnx.ops.elementwise import Where
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape, Slice
+from runnx.runtime import pool as decode_pool
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the numba kernels' (others: numpy)
 _FLOAT32 = np.dtype(np.float32)
@@ -391,7 +392,7 @@ def repeated_kv_row(query, key, value, bias, query_scale, key_scale, nan_fill, k
                     value_axes, value_expand, value_target, merged_target=None, mask=None, mask_starts=None,
                     mask_ends=None, mask_axes=None, mask_steps=None, masked_then=None, masked_else=None, *,
                     axis: int = -1, ctx=None) -> tuple | None:
-    """(the arguments of `_decode_mailbox._attention` after the mailbox and workers, RepeatedKVAttention's
+    """(the arguments of `runtime.mailbox.post_attention` after the mailbox and workers, RepeatedKVAttention's
     merged output: a C-contiguous view of the buffer that call fills) when RepeatedKVAttention is a
     decode row (batch 1, one position) of float32 heads over a plain head repeat, merged back;
     else None."""
@@ -525,8 +526,8 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float):
                 and (shape[2] == 1 or shape[2] == length) and (shape[3] == 1 or shape[3] == size)):
             return None
     if dtype == np.float32:  # the decode pool's workers take KV heads: same results with or without them
-        workers = _decode_pool.pool()
-        run = workers.attention if workers is not None and batch * groups > 1 else _decode_pool.attention_job
+        workers = decode_pool.pool()
+        run = workers.attention if workers is not None and batch * groups > 1 else decode_pool.attention_job
         return run(query, key, value, bias, scale, fill)
     return attention(query, key, value, bias, scale, fill)
 
@@ -537,7 +538,7 @@ def _attend_numpy(scaled, key, value, bias, fill):
     batch, heads, length, depth = scaled.shape
     groups, size = key.shape[1], key.shape[2]
     grouped = scaled.reshape(batch, groups, heads // groups * length, depth)
-    _decode_pool.rest_workers(grouped.size * size)
+    decode_pool.rest_workers(grouped.size * size)
     scores = np.matmul(grouped, np.swapaxes(key, -1, -2)).reshape(batch, heads, length, size)
     if (_native.enabled and scores.dtype == np.float32 and scores.flags.c_contiguous
             and (bias is None or bias.dtype == np.float32)
@@ -557,7 +558,7 @@ def _row_probabilities(scores, bias, fill: float):
     gives it."""
     if bias is not None:
         scores = np.add(scores, bias, out=scores if _fits(bias, scores) else None)
-    _decode_pool.softmax_rows(scores.reshape(-1, scores.shape[-1]), fill)
+    decode_pool.softmax_rows(scores.reshape(-1, scores.shape[-1]), fill)
     return scores
 
 

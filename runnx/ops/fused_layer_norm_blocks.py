@@ -29,10 +29,8 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.ops import _decode_blocks, _native
-from runnx.ops._decode_pool import gelu_rows, shared_call, softmax_rows
 from runnx.ops._elementwise_util import binary, erf
 from runnx.ops._kernels_nn import add_layer_norm_rows
-from runnx.ops._blas_split import split_among_threads
 from runnx.ops._kernels_rows import softmax_rows_float32, split_heads_into
 from runnx.ops._remembered import Remembered
 from runnx.ops.fused import DOMAIN, attend, stand_in
@@ -41,6 +39,8 @@ from runnx.ops.registry import register
 from runnx.ops._shape_util import int_tuple
 from runnx.ops.shape import reshape_target
 from runnx.ops.softmax import Softmax_13
+from runnx.runtime.blas_split import split_among_threads
+from runnx.runtime.pool import gelu_rows, shared_call, softmax_rows
 
 _ROW_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the LayerNormalization kernel's numba loop
 _NO_BIAS = {dtype: np.zeros(0, dtype) for dtype in _ROW_DTYPES}  # split_heads_into without a bias
@@ -219,7 +219,7 @@ def _plain(heads, keys, values, bias, nan_fill) -> bool:
 def _blocked(heads, keys, values, bias, fill: float):
     """(batch, length, heads, width) attention output, head by head in blocks of query rows (whole
     heads up to `_BLOCK_SCORES` scores), the heads shared among BLAS's threads, each running BLAS alone
-    (`_blas_split`). When BLAS has one thread, or another caller is splitting, one head after the
+    (`runtime/blas_split.py`). When BLAS has one thread, or another caller is splitting, one head after the
     other: with one thread in blocks, with more whole heads, since every BLAS product wakes BLAS's
     threads and many short ones between softmaxes thrash (measured 5-20x)."""
     batch, count, length, _ = heads.shape

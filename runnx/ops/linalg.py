@@ -11,10 +11,9 @@ import numpy as np
 
 from runnx.capture.capacity import prefix_room
 from runnx.errors import RunnxError
-from runnx.ops import _decode_pool, _native
+from runnx.ops import _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
-from runnx.ops._decode_mailbox import few
 from runnx.ops._kernels_linalg import rows_times_matrix
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
@@ -22,6 +21,8 @@ from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_
 from runnx.ops.fused_layer_norm_blocks import (ErfGelu, HeadsAttention, SplitHeads, add_layer_norm, attended_row, attention_row,
                                      split_shape)
 from runnx.ops.registry import register
+from runnx.runtime import pool as decode_pool
+from runnx.runtime.mailbox import few
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
 # decode-pool's workers when there are any (float32, this many elements on: smaller products are done
@@ -66,12 +67,12 @@ def _rows(x):
 
 @register("MatMul", since=1)
 def MatMul(a, b):
-    if (workers := _decode_pool.pool()) is not None and _pooled_rows(a, (b,)):
+    if (workers := decode_pool.pool()) is not None and _pooled_rows(a, (b,)):
         (product,) = workers.products(_rows(a), (b,))
         return product.reshape(a.shape[:-1] + b.shape[1:])
     if _few_rows(a, b):
         return rows_times_matrix(np.ascontiguousarray(a).reshape(-1, b.shape[0]), b).reshape(a.shape[:-1] + b.shape[1:])
-    _decode_pool.rest_workers(a.size * b.shape[-1])
+    decode_pool.rest_workers(a.size * b.shape[-1])
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # one GEMM over all leading rows instead of numpy's GEMM (or GEMV) per batch entry
         rows = np.matmul(a.reshape(-1, a.shape[-1]), b)
@@ -89,7 +90,7 @@ def SharedInputMatMul(x, *inputs, splits: tuple = (), gated: tuple = ()):
     products come out as one, SiluMul(gate, up), after the others."""
     count = len(inputs) - 3 * len(splits)
     weights = inputs[:count]
-    if (workers := _decode_pool.pool()) is not None and _pooled_rows(x, weights):
+    if (workers := decode_pool.pool()) is not None and _pooled_rows(x, weights):
         lead = x.shape[:-1]
         products = [product.reshape(lead + w.shape[1:]) for product, w in zip(workers.products(_rows(x), weights),
                                                                                weights)]
@@ -119,7 +120,7 @@ def ProjectedAppend(x, past_key, past_value, query_weight, key_weight, value_wei
                                     key_target, key_source, value_bias, value_target, value_source, key_dims, key_axes,
                                     value_dims, value_axes, key_axis, value_axis)
         if appended is not None:
-            query = _decode_pool.shared_call(appended_products, np.ascontiguousarray(x.reshape(-1)), *appended)
+            query = decode_pool.shared_call(appended_products, np.ascontiguousarray(x.reshape(-1)), *appended)
             return appended_outputs(query, x.shape, appended, ctx)
     query, key, value = SharedInputMatMul(x, query_weight, key_weight, value_weight, key_bias, key_target, key_source,
                                           value_bias, value_target, value_source,
@@ -244,7 +245,7 @@ def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_
     block = _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                            down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:
-        return _gated_down(_decode_pool.shared_call(projected_gate, *block[0]), residual, down_weight, block[1],
+        return _gated_down(decode_pool.shared_call(projected_gate, *block[0]), residual, down_weight, block[1],
                            down_norm_weight)
     axis, to, cast = norm
     summed, normed = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, axis=axis, to=to,
@@ -293,8 +294,8 @@ def _gated_block_numbers(values: tuple, weight, epsilon, one, norm_weight, gate_
 def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight):
     """ResidualGatedMLP's outputs from `projected_gate`'s results: numpy's exp, then `gated_down`."""
     summed, gate, decay, up, largest = first
-    summed, normed = _decode_pool.shared_call(gated_down, gate, exp_in_place(decay, largest), up, down_weight, summed,
-                                              *down_numbers, down_norm_weight)
+    summed, normed = decode_pool.shared_call(gated_down, gate, exp_in_place(decay, largest), up, down_weight, summed,
+                                             *down_numbers, down_norm_weight)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
 
 
@@ -309,7 +310,7 @@ def MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, *, axis: int
     float32 row is one native call posting the product to the decode pool (`_decode_blocks.py`)."""
     arguments = _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis, epsilon)
     if arguments is not None:
-        summed, normed = _decode_pool.shared_call(projected_layer_norm, *arguments)
+        summed, normed = decode_pool.shared_call(projected_layer_norm, *arguments)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return add_layer_norm(residual, MatMul(x, weight), bias, scale, norm_bias, axis, epsilon, stash_type,
                           overwrite=(1,))
@@ -328,7 +329,7 @@ def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_b
     arguments = _gelu_mlp_row(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half,
                               down_weight, down_bias, down_scale, down_norm_bias, norm, down_norm)
     if arguments is not None:
-        summed, normed = _decode_pool.shared_call(gelu_mlp, *arguments)
+        summed, normed = decode_pool.shared_call(gelu_mlp, *arguments)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
     (axis, epsilon, stash_type), (down_axis, down_epsilon, down_stash_type) = norm, down_norm
     summed, normed = MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, axis=axis, epsilon=epsilon,
@@ -426,7 +427,7 @@ def AttentionLayerNorm(query, query_weight, query_bias, key, value, bias, query_
     row = attention_row(*attention, **attrs)
     block = row and _layer_norm_row(row[1], weight, out_bias, residual, scale, norm_bias, axis, epsilon)
     if block and row[1].flags.c_contiguous:  # the block's row is then a view of the attention's output
-        summed, normed = _decode_pool.shared_call(attended_layer_norm, *row[0], *block)
+        summed, normed = decode_pool.shared_call(attended_layer_norm, *row[0], *block)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return MatMulAddLayerNorm(_heads_attention(*attention, **attrs), weight, out_bias, residual, scale, norm_bias,
                               axis=axis, epsilon=epsilon, stash_type=stash_type)
@@ -452,7 +453,7 @@ def AttentionGeluMLP(query, query_weight, query_bias, key, value, bias, query_sc
     row = attention_row(*attention, **attrs)
     block = row and _gelu_mlp_row(row[1], *mlp, norm, down_norm)
     if block and row[1].flags.c_contiguous:  # the block's row is then a view of the attention's output
-        summed, normed = _decode_pool.shared_call(attended_gelu_mlp, *row[0], *block)
+        summed, normed = decode_pool.shared_call(attended_gelu_mlp, *row[0], *block)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return ResidualGeluMLP(_heads_attention(*attention, **attrs), *mlp, norm=norm, down_norm=down_norm)
 

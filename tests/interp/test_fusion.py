@@ -176,7 +176,7 @@ def test_fully_masked_attention_rows_give_the_fill_value():
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("workers", [0, 1])
 def test_products_of_one_input_become_one_node(rows, workers):
-    from runnx.ops import _decode_pool
+    from runnx.runtime import pool as decode_pool
 
     rng = np.random.default_rng(0)
     weights = {name: rng.standard_normal((256, width)).astype(np.float32)
@@ -188,10 +188,10 @@ def test_products_of_one_input_become_one_node(rows, workers):
     feeds = {"x": rng.standard_normal((1, rows, 256)).astype(np.float32),
              "m": rng.standard_normal((256, 8)).astype(np.float32)}
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         fused, plain, ops = _both(model, feeds)
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
     assert sorted(ops) == ["MatMul", "MatMul", "SharedInputMatMul"]
     for name in plain:  # the same products, the pool's included (one job for the three)
         np.testing.assert_array_equal(fused[name], plain[name])
@@ -245,11 +245,11 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
 
 
 def _spied_jobs(monkeypatch) -> list:
-    """The native jobs `_decode_pool.shared_call` runs from now on, in order."""
-    from runnx.ops import _decode_pool
+    """The native jobs `decode_pool.shared_call` runs from now on, in order."""
+    from runnx.runtime import pool as decode_pool
     calls = []
-    shared_call = _decode_pool.shared_call
-    monkeypatch.setattr(_decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    shared_call = decode_pool.shared_call
+    monkeypatch.setattr(decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
     return calls
 
 
@@ -286,7 +286,8 @@ def test_a_layers_projections_join_its_rotary_embedding_and_cache_growth(fixture
     rows into the caches' buffers (the query and key heads' shapes, read by shape memos, come from
     SplitHeadsShape stand-ins); a prefill takes the nodes' kernels. Bitwise the two nodes apart."""
     from runnx.interp.fusion import products
-    from runnx.ops import _decode_blocks, _decode_pool
+    from runnx.ops import _decode_blocks
+    from runnx.runtime import pool as decode_pool
 
     calls = _spied_jobs(monkeypatch)
     fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._rope_projected, monkeypatch)
@@ -295,7 +296,7 @@ def test_a_layers_projections_join_its_rotary_embedding_and_cache_growth(fixture
     assert memoized.count("SplitHeadsShape") == 4  # the query's and the key's in each layer, joined to memos
     rng = np.random.default_rng(7)
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         for new in (1, 3):
             past, feeds = _tiny_llama_step(fused, rng, new)
             owned = {n: runnx.with_capacity(v, 2, 16) for n, v in past.items()}
@@ -307,7 +308,7 @@ def test_a_layers_projections_join_its_rotary_embedding_and_cache_growth(fixture
             want = apart.run({**feeds, **{n: runnx.with_capacity(v, 2, 16) for n, v in past.items()}})
             _assert_equal_and_grown_in_place(got, want, buffers)
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -316,7 +317,8 @@ def test_an_attention_and_the_gated_mlp_after_it_become_one_node(fixtures_dir, w
     block as one native call (`attended_gated_mlp`), a prefill the two nodes' kernels; the logits as
     with the two nodes apart (within the attention kernels' and the native SiLU's last bits)."""
     from runnx.interp.fusion import products
-    from runnx.ops import _decode_blocks, _decode_pool
+    from runnx.ops import _decode_blocks
+    from runnx.runtime import pool as decode_pool
 
     calls = _spied_jobs(monkeypatch)
     fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._attended_gated, monkeypatch)
@@ -324,7 +326,7 @@ def test_an_attention_and_the_gated_mlp_after_it_become_one_node(fixtures_dir, w
     assert "AttentionGatedMLP" not in apart.fused and apart.fused["ResidualGatedMLP"] == 2
     rng = np.random.default_rng(6)
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         for new in (1, 3):
             past, feeds = _tiny_llama_step(fused, rng, new)
             calls.clear()
@@ -334,7 +336,7 @@ def test_an_attention_and_the_gated_mlp_after_it_become_one_node(fixtures_dir, w
             want = apart.run({**feeds, **past})
             np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -347,7 +349,8 @@ def test_a_layers_last_block_and_the_next_layers_projections_become_one_node(fix
     an RMSNormShape stand-in); a prefill, or caches not handed over, take the two nodes' kernels.
     Bitwise the two nodes apart."""
     from runnx.interp.fusion import products
-    from runnx.ops import _decode_blocks, _decode_pool
+    from runnx.ops import _decode_blocks
+    from runnx.runtime import pool as decode_pool
 
     calls = _spied_jobs(monkeypatch)
     fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._layers_chained, monkeypatch)
@@ -356,7 +359,7 @@ def test_a_layers_last_block_and_the_next_layers_projections_become_one_node(fix
     assert memoized.count("RMSNormShape") == 1
     rng = np.random.default_rng(8)
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         for new in (1, 3):
             past, feeds = _tiny_llama_step(fused, rng, new)
             handed = {n: runnx.with_capacity(v, 2, 16) for n, v in past.items()} if granted else past
@@ -370,7 +373,7 @@ def test_a_layers_last_block_and_the_next_layers_projections_become_one_node(fix
                                           if granted else past)})
             _assert_equal_and_grown_in_place(got, want, buffers)
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 
@@ -432,7 +435,7 @@ def test_a_replayed_decode_row_keeps_no_cache_alive(fixtures_dir):
 def test_products_whose_heads_are_split_give_the_split_heads_themselves(workers):
     """q, k and v of one input, each reshaped to heads and transposed (SplitHeads): one node gives
     the split heads; a product read elsewhere too keeps its own output."""
-    from runnx.ops import _decode_pool
+    from runnx.runtime import pool as decode_pool
 
     rng = np.random.default_rng(1)
     weights = {w: rng.standard_normal((256, 256)).astype(np.float32) for w in ("wq", "wk", "wv")}
@@ -445,10 +448,10 @@ def test_products_whose_heads_are_split_give_the_split_heads_themselves(workers)
     model = _model(nodes, [("x", F)], outputs, {**weights, "heads": np.array([1, -1, 4, 64])})
     feeds = {"x": rng.standard_normal((1, 1, 256)).astype(np.float32)}
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         fused, plain, ops = _both(model, feeds)
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
     assert sorted(ops) == ["SharedInputMatMul", "SplitHeads"]  # q and k split inside, v by its own node
     for name in plain:
         np.testing.assert_array_equal(fused[name], plain[name])
@@ -500,7 +503,7 @@ def test_a_product_read_only_by_a_residual_add_and_rms_norm_joins_them():
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_gate_and_up_products_give_their_silu_gate_as_one_node(workers):
-    from runnx.ops import _decode_pool
+    from runnx.runtime import pool as decode_pool
 
     rng = np.random.default_rng(7)
     nodes = [helper.make_node("MatMul", ["x", "wg"], ["g"]),
@@ -511,20 +514,20 @@ def test_gate_and_up_products_give_their_silu_gate_as_one_node(workers):
     model = _model(nodes, [("x", F)], [("y", F)], {w: rng.standard_normal((256, 512)).astype(np.float32)
                                                    for w in ("wg", "wu")})
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         for rows in (1, 3):
             fused, plain, ops = _both(model, {"x": rng.standard_normal((1, rows, 256)).astype(np.float32)})
             assert ops == ["SharedInputMatMul"]
             np.testing.assert_array_equal(fused["y"], plain["y"])
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_biased_product_read_only_by_a_residual_add_and_layer_norm_joins_them(workers):
     """A decoding row runs as one native call posting the product to the decode pool (or alone):
     bitwise the unfused nodes, as other rows are."""
-    from runnx.ops import _decode_pool
+    from runnx.runtime import pool as decode_pool
 
     rng = np.random.default_rng(8)
     nodes = [helper.make_node("MatMul", ["h", "w"], ["p"]),
@@ -535,7 +538,7 @@ def test_a_biased_product_read_only_by_a_residual_add_and_layer_norm_joins_them(
         "w": rng.standard_normal((256, 384)).astype(np.float32), "b": rng.standard_normal(384).astype(np.float32),
         "scale": rng.standard_normal(384).astype(np.float32), "shift": rng.standard_normal(384).astype(np.float32)})
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         for rows in (1, 4):
             feeds = {"h": rng.standard_normal((1, rows, 256)).astype(np.float32),
                      "r": rng.standard_normal((1, rows, 384)).astype(np.float32)}
@@ -544,7 +547,7 @@ def test_a_biased_product_read_only_by_a_residual_add_and_layer_norm_joins_them(
             for name in plain:
                 np.testing.assert_array_equal(fused[name], plain[name])
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 def _norm_nodes(x: str, y: str, tag: str) -> list:
@@ -583,11 +586,11 @@ def _residual_gated_mlp_model(dtype=np.float32, extra_output=None):
 def test_an_output_projection_and_gated_mlp_up_to_the_next_norm_become_one_node(workers, dtype):
     """Decoding (one row, float32) runs it as native calls posting the decode pool's jobs; other
     rows and dtypes run the nodes' kernels in turn: bitwise the unfused graph either way."""
-    from runnx.ops import _decode_pool
+    from runnx.runtime import pool as decode_pool
 
     rng = np.random.default_rng(10)
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         for rows in (1, 3):
             feeds = {"a": rng.standard_normal((1, rows, 256)).astype(dtype),
                      "r": rng.standard_normal((1, rows, 384)).astype(dtype)}
@@ -601,7 +604,7 @@ def test_an_output_projection_and_gated_mlp_up_to_the_next_norm_become_one_node(
             gates = runnx.load(_residual_gated_mlp_model(dtype, extra_output="gate"), fuse=False).run(feeds)["gate"]
             assert (gates < -89).any() and (gates > 0).any()  # exp(-gate) overflows for some, not all
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 def test_a_gated_mlp_whose_first_residual_is_read_elsewhere_keeps_its_nodes():

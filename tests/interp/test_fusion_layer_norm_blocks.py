@@ -165,7 +165,8 @@ def test_a_query_projection_joins_its_attention_and_a_decode_row_is_one_native_c
     """Whisper's cross-attention: its query projection and the attention as one node; a decode step's
     row (batch 1, one position) runs the product, the query's bias and scale and the attention as one
     native call (`_decode_blocks.attended_row`), longer queries the MatMul then HeadsAttention."""
-    from runnx.ops import _decode_blocks, _decode_pool, fused_layer_norm_blocks
+    from runnx.ops import _decode_blocks, fused_layer_norm_blocks
+    from runnx.runtime import pool as decode_pool
 
     calls = []
     shared_call = fused_layer_norm_blocks.shared_call
@@ -173,7 +174,7 @@ def test_a_query_projection_joins_its_attention_and_a_decode_row_is_one_native_c
     model = _projected_model("a")
     rng = np.random.default_rng(8)
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         for length in (1, 3):
             calls.clear()
             feeds = {"a": rng.standard_normal((1, length, 12)).astype(np.float32),
@@ -185,7 +186,7 @@ def test_a_query_projection_joins_its_attention_and_a_decode_row_is_one_native_c
             assert fused["y"].shape == (1, length, HEADS * DEPTH)
             np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 def test_a_query_projection_whose_shape_sets_the_targets_stays_a_matmul():
@@ -221,18 +222,19 @@ def test_projections_and_kv_appends_become_one_node_writing_a_decode_row_in_plac
     value's bias and both appends are one native call writing the new rows into the caches'
     buffers; other rows (and caches not handed over) take SharedInputMatMul and Concat. The same
     values as the unfused nodes either way, and a caller's caches are never written."""
-    from runnx.ops import _decode_blocks, _decode_pool
+    from runnx.ops import _decode_blocks
+    from runnx.runtime import pool as decode_pool
 
     calls = []
-    shared_call = _decode_pool.shared_call
-    monkeypatch.setattr(_decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    shared_call = decode_pool.shared_call
+    monkeypatch.setattr(decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
     model = _appending_model()
     fused = runnx.load(model, shape_cache=False)
     plain = runnx.load(model, shape_cache=False, fuse=False)
     assert [n.op_type for n in fused.plan()] == ["ProjectedAppend"]
     rng = np.random.default_rng(11)
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         for rows in (1, 3):
             x = rng.standard_normal((1, rows, HEADS * DEPTH)).astype(np.float32)
             past = {name: rng.standard_normal((1, HEADS, 5, DEPTH)).astype(np.float32) for name in ("past_k", "past_v")}
@@ -255,7 +257,7 @@ def test_projections_and_kv_appends_become_one_node_writing_a_decode_row_in_plac
             for name, cache in past.items():
                 np.testing.assert_array_equal(cache, kept[name])
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 def _gelu_model(extra_reader=False):
@@ -332,13 +334,13 @@ def test_an_output_projection_and_gelu_mlp_up_to_the_next_norm_become_one_node(w
     GELU ErfGelu's own job: bitwise the four fused nodes it replaces, rows or not, pool or not."""
     from runnx.interp import fusion
     from runnx.interp.fusion import products
-    from runnx.ops import _decode_pool
+    from runnx.runtime import pool as decode_pool
 
     model = _gelu_mlp_model()
     four_nodes = [p for p in fusion.PATTERNS if p[1] is not products._residual_gelu_mlp]
     rng = np.random.default_rng(13)
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         for rows in (1, 3):
             feeds = {"a": rng.standard_normal((1, rows, 256)).astype(np.float32),
                      "r": (rng.standard_normal((1, rows, 384)) * 10).astype(np.float32)}
@@ -355,7 +357,7 @@ def test_an_output_projection_and_gelu_mlp_up_to_the_next_norm_become_one_node(w
                 np.testing.assert_array_equal(fused[name], apart[name])
                 np.testing.assert_allclose(fused[name], plain[name], rtol=1e-4, atol=1e-4)
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 def _attended_model(block):
@@ -384,16 +386,17 @@ def test_an_attention_and_the_block_after_it_become_one_node(block, fused_op, jo
     the two fused nodes apart (within the attention kernels' last bit) and as the unfused graph."""
     from runnx.interp import fusion
     from runnx.interp.fusion import products
-    from runnx.ops import _decode_blocks, _decode_pool
+    from runnx.ops import _decode_blocks
+    from runnx.runtime import pool as decode_pool
 
     calls = []
-    shared_call = _decode_pool.shared_call
-    monkeypatch.setattr(_decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    shared_call = decode_pool.shared_call
+    monkeypatch.setattr(decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
     model = _attended_model(block)
     apart_patterns = [p for p in fusion.PATTERNS if p[1] is not products._attended]
     rng = np.random.default_rng(17)
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         for rows in (1, 3):
             feeds = {"k": rng.standard_normal((1, HEADS, 600, DEPTH)).astype(np.float32),
                      "v": rng.standard_normal((1, HEADS, 600, DEPTH)).astype(np.float32),
@@ -417,7 +420,7 @@ def test_an_attention_and_the_block_after_it_become_one_node(block, fused_op, jo
                 np.testing.assert_allclose(fused[name], apart[name], rtol=1e-5, atol=1e-5)
                 np.testing.assert_allclose(fused[name], plain[name], rtol=1e-4, atol=1e-4)
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 def test_a_gelu_mlp_whose_first_residual_is_read_elsewhere_keeps_its_nodes():
@@ -435,9 +438,10 @@ def test_a_gelu_mlp_block_rounds_as_its_nodes_whichever_numba_compiles_first():
     the GELU it compiled must still round as the standalone job (as the LayerNorm as its kernel)."""
     code = """
 import numpy as np
-from runnx.ops import linalg, _decode_pool
+from runnx.ops import linalg
+from runnx.runtime import pool as decode_pool
 from runnx.ops.fused_layer_norm_blocks import AddLayerNorm, ErfGelu
-_decode_pool.set_workers(0)
+decode_pool.set_workers(0)
 rng = np.random.default_rng(15)
 f = lambda *shape: rng.standard_normal(shape).astype(np.float32)
 differing = 0
@@ -533,12 +537,13 @@ def test_a_whisper_decode_step_runs_one_native_call_per_layer_boundary(fixtures_
     from runnx.generate.whisper import Whisper
     from runnx.interp import fusion
     from runnx.interp.fusion import products
-    from runnx.ops import _decode_blocks, _decode_pool
+    from runnx.ops import _decode_blocks
+    from runnx.runtime import pool as decode_pool
 
     folder = fixtures_dir / "tiny-whisper"
     calls = []
-    shared_call = _decode_pool.shared_call
-    monkeypatch.setattr(_decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
+    shared_call = decode_pool.shared_call
+    monkeypatch.setattr(decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
     model = Whisper(folder)
     assert model.decoder.past_model.fused["AttentionLayerNormGeluMLPAppend"] == 1
     with monkeypatch.context() as patch:

@@ -63,7 +63,7 @@ def test_a_decode_row_attends_in_one_native_call_as_the_nodes_do(workers, monkey
     """Batch 1, one query position (a Whisper decode step's self-attention over its cache, a mask
     row, the query's bias): `attended_row` (one native call) against the nodes' operations and the
     path that does without it; a fully masked row gives fill times the values' sum there too."""
-    from runnx.ops import _decode_pool
+    from runnx.runtime import pool as decode_pool
 
     calls = []
     shared_call = fused_layer_norm_blocks.shared_call
@@ -72,7 +72,7 @@ def test_a_decode_row_attends_in_one_native_call_as_the_nodes_do(workers, monkey
     key, value = RNG.standard_normal((2, 1, 4, 700, 8)).astype(np.float32)
     query_bias = RNG.standard_normal(32).astype(np.float32)
     try:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
         for masked in (0.3, 1.0):
             bias = np.where(RNG.random((1, 1, 1, 700)) < masked, -np.inf, 0).astype(np.float32)
             got, want = _attend(query, key, value, bias, nan_fill=0.25, query_bias=query_bias)
@@ -86,7 +86,7 @@ def test_a_decode_row_attends_in_one_native_call_as_the_nodes_do(workers, monkey
             np.testing.assert_allclose(got, apart, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(got.reshape(4, 8), 0.25 * value[0, :, :].sum(axis=1), rtol=1e-5)
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 def test_heads_attention_in_the_encoder_layout_a_block_of_rows_at_a_time(monkeypatch):

@@ -113,7 +113,7 @@ def test_matmul_few_rows_take_the_loop_each_row_as_alone(shape):
 @pytest.mark.parametrize("many", ["rows", "sums"])
 def test_matmul_many_rows_stay_with_blas(many):
     # more rows than FEW_ROWS, or few rows whose partial sums would not stay in cache (an LM head's)
-    from runnx.ops._decode_mailbox import FEW_ROW_SUMS, FEW_ROWS
+    from runnx.runtime.mailbox import FEW_ROW_SUMS, FEW_ROWS
 
     height, matrix = (FEW_ROWS + 1, B) if many == "rows" else (2, RNG.standard_normal((4, FEW_ROW_SUMS // 2 + 1)))
     matrix = matrix.astype(F32)
@@ -141,3 +141,20 @@ def test_matmul_add_layer_norm_of_many_rows_is_the_unfused_nodes(bias_shape):
     np.testing.assert_array_equal(summed, want)
     np.testing.assert_array_equal(normed, run_node("LayerNormalization", [want, scale, norm_bias], opset=17))
     np.testing.assert_array_equal(residual, before)
+
+
+def test_matmul_one_row_result_does_not_depend_on_workers():
+    from runnx.runtime import pool as decode_pool
+    row = np.random.default_rng(1).standard_normal((1, 1, 512)).astype(np.float32)
+    matrix = np.random.default_rng(2).standard_normal((512, 320)).astype(np.float32)  # pooled: >= 64 Ki elements
+    try:
+        results = []
+        for workers in (0, 1, 3):
+            decode_pool.set_workers(workers)
+            results.append(run_node("MatMul", [row, matrix]))
+    finally:
+        decode_pool.set_workers(None)
+    assert results[0].shape == (1, 1, 320)
+    np.testing.assert_array_equal(results[1], results[0])
+    np.testing.assert_array_equal(results[2], results[0])
+    np.testing.assert_allclose(results[0], np.matmul(row, matrix), rtol=1e-4, atol=1e-4)

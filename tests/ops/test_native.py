@@ -19,7 +19,8 @@ from runnx.generate.audio import load_audio
 from runnx.generate.generator import Generator
 from runnx.generate.mel import window_features
 from runnx.generate.whisper import Whisper
-from runnx.ops import _decode_pool, _native, fused
+from runnx.ops import _native, fused
+from runnx.runtime import pool as decode_pool
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,7 +87,7 @@ def test_the_switch_takes_effect_at_the_next_op(monkeypatch, native_off):
     x = np.random.default_rng(1).standard_normal((2, 3, 8)).astype(np.float32)
     epsilon, one, weight = np.float32(1e-6), np.float32(1.0), np.linspace(0.5, 1.5, 8, dtype=np.float32)
     numpy = fused.RMSNorm(x, np.asarray(epsilon), np.asarray(one), weight)
-    assert not calls and _decode_pool.pool() is None
+    assert not calls and decode_pool.pool() is None
     _native.enable()
     compiled = fused.RMSNorm(x, np.asarray(epsilon), np.asarray(one), weight)
     assert calls == [1]

@@ -1,5 +1,5 @@
-"""Thread settings: how many threads BLAS (through threadpoolctl), numba and runnx's decode pool
-(`runnx/ops/_decode_pool.py`: threads - 1 workers) may use.
+"""How many threads BLAS (through threadpoolctl), numba and runnx's decode pool (`pool.py`:
+threads - 1 workers) may use: `runtime.set_threads` and `runtime.threads`.
 
 These pools are per process, so `Options.threads` (RUNNX_THREADS) is applied when a model is
 loaded, and the counts in effect are reported in the profile. 0 leaves the libraries' defaults
@@ -14,11 +14,11 @@ def apply_threads(count: int) -> None:
         import numba
         import threadpoolctl
 
-        from runnx.ops import _decode_pool
+        from runnx.runtime import pool as decode_pool
 
         threadpoolctl.threadpool_limits(limits=count, user_api="blas")
         numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
-        _decode_pool.set_workers(count - 1)
+        decode_pool.set_workers(count - 1)
 
 
 def thread_counts() -> dict:
@@ -27,8 +27,8 @@ def thread_counts() -> dict:
     import numba
     import threadpoolctl
 
-    from runnx.ops import _decode_pool
+    from runnx.runtime import pool as decode_pool
 
     blas = sorted({pool["num_threads"] for pool in threadpoolctl.threadpool_info() if pool["user_api"] == "blas"})
     return {"blas": blas[0] if len(blas) == 1 else blas, "numba": numba.get_num_threads(),
-            "decode": 1 + _decode_pool.worker_count()}
+            "decode": 1 + decode_pool.worker_count()}

@@ -1,4 +1,4 @@
-"""The decode pool (runnx/ops/_decode_pool.py): one-row products and attention shared with
+"""The decode pool (runnx/runtime/pool.py): one-row products and attention shared with
 spinning worker threads, bitwise what one thread computes, safe when the pool is busy or asleep."""
 import subprocess
 import sys
@@ -9,41 +9,41 @@ from concurrent.futures import ThreadPoolExecutor
 import llvmlite.binding as llvm
 import numpy as np
 import pytest
-from _single_node import run_node
 
-from runnx.ops import _decode_mailbox, _decode_pool
 from runnx.ops._kernels_fused import ATTENTION_SPAN
-from runnx.ops._kernels_linalg import ROW_CHUNKS, row_times_matrix
+from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, row_times_matrix
 from runnx.ops.linalg import MatMul
+from runnx.runtime import mailbox
+from runnx.runtime import pool as decode_pool
 
 RNG = np.random.default_rng(0)
 _HOST_FMA = bool(llvm.get_host_cpu_features().get("fma"))
 # (depth, width): fewer rows than chunks, rows not a multiple of four, wide rows (four per pass), an
 # LM head's width (its partial rows added by the pool in blocks of columns, the last one short)
-SHAPES = [(3, 5), (13, 7), (576, 192), (1537, 96), (64, 1100), (40, 5 * _decode_mailbox._SUM_BLOCK + 13)]
+SHAPES = [(3, 5), (13, 7), (576, 192), (1537, 96), (64, 1100), (40, 5 * mailbox._SUM_BLOCK + 13)]
 
 
 @pytest.fixture
 def pool():
-    _decode_pool.set_workers(2)
-    yield _decode_pool.pool()
-    _decode_pool.set_workers(None)
+    decode_pool.set_workers(2)
+    yield decode_pool.pool()
+    decode_pool.set_workers(None)
 
 
 def _some_awake(pool, workers: int) -> bool:
     """Whether one of `workers` is awake (spinning), waiting up to a second for a woken one to run."""
     deadline = time.monotonic() + 1
-    while all(pool.box[_decode_mailbox._IDLE:_decode_mailbox._IDLE + workers]) and time.monotonic() < deadline:
+    while all(pool.box[mailbox._IDLE:mailbox._IDLE + workers]) and time.monotonic() < deadline:
         time.sleep(0.0001)
-    return not all(pool.box[_decode_mailbox._IDLE:_decode_mailbox._IDLE + workers])
+    return not all(pool.box[mailbox._IDLE:mailbox._IDLE + workers])
 
 
 def _asleep(pool, workers: int) -> bool:
     """Whether all `workers` of `pool` are asleep (waiting up to 10 s for their patience to run out)."""
     deadline = time.monotonic() + 10
-    while not all(pool.box[_decode_mailbox._IDLE:_decode_mailbox._IDLE + workers]) and time.monotonic() < deadline:
+    while not all(pool.box[mailbox._IDLE:mailbox._IDLE + workers]) and time.monotonic() < deadline:
         time.sleep(0.001)
-    return all(pool.box[_decode_mailbox._IDLE:_decode_mailbox._IDLE + workers])
+    return all(pool.box[mailbox._IDLE:mailbox._IDLE + workers])
 
 
 def _chunked_sum(row, matrix):
@@ -107,10 +107,10 @@ def test_pool_is_bitwise_the_loop(pool, shape):
 
 @pytest.mark.parametrize("depth, widths", [
     (384, (384, 64, 1100, 7, 384, 96)),  # more than MAX_MATRICES: two jobs
-    (96, (3 * _decode_mailbox._SUM_BLOCK + 5, 300, 2 * _decode_mailbox._SUM_BLOCK - 1)),  # partial rows added by the pool
+    (96, (3 * mailbox._SUM_BLOCK + 5, 300, 2 * mailbox._SUM_BLOCK - 1)),  # partial rows added by the pool
 ])
 def test_one_job_takes_several_matrices_of_one_depth(pool, depth, widths):
-    assert len(widths) > _decode_mailbox.MAX_MATRICES or sum(widths) >= _decode_mailbox._SHARED_SUMS
+    assert len(widths) > mailbox.MAX_MATRICES or sum(widths) >= mailbox._SHARED_SUMS
     row = RNG.standard_normal(depth).astype(np.float32)
     matrices = tuple(RNG.standard_normal((depth, width)).astype(np.float32) for width in widths)
     for _ in range(5):  # the workers awake or asleep
@@ -120,11 +120,11 @@ def test_one_job_takes_several_matrices_of_one_depth(pool, depth, widths):
             np.testing.assert_array_equal(product, row_times_matrix(row, matrix))
 
 
-@pytest.mark.parametrize("height", [2, 3, _decode_mailbox.FEW_ROWS])
+@pytest.mark.parametrize("height", [2, 3, mailbox.FEW_ROWS])
 def test_few_rows_in_one_job_are_each_bitwise_the_one_row_loop(pool, height):
     # a short prompt's rows: one pass over each matrix for all of them; the wide product's partial
     # rows (all rows' columns) added by the pool; each row as the one-row loop computes it alone
-    depth, widths = 96, (300, 2 * _decode_mailbox._SUM_BLOCK + 5)
+    depth, widths = 96, (300, 2 * mailbox._SUM_BLOCK + 5)
     rows = RNG.standard_normal((height, depth)).astype(np.float32)
     matrices = tuple(RNG.standard_normal((depth, width)).astype(np.float32) for width in widths)
     for _ in range(5):  # the workers awake or asleep
@@ -156,7 +156,7 @@ def test_attention_by_kv_heads_is_bitwise_the_one_thread_job(pool, bias, size):
     np.testing.assert_allclose(expected, weights @ np.repeat(value, 2, axis=1), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["_serve", "_rest", "_attention", "_products"])
+@pytest.mark.parametrize("name", ["_serve", "_rest", "post_attention", "post_products"])
 def test_every_thread_computes_units_through_one_compiled_copy(name):
     """The workers' loop and the callers' jobs call the unit loop through the address in the mailbox
     (`_units_address`) instead of inlining it: inlined copies of a reassociating kernel may round
@@ -165,13 +165,14 @@ def test_every_thread_computes_units_through_one_compiled_copy(name):
     import re
 
     import numba
-    box = _decode_mailbox.new_box()
+    box = mailbox.new_box()
     row, matrix = np.ones(4, np.float32), np.ones((4, 3), np.float32)
     query, key = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 3, 4), np.float32)
     arguments = {"_serve": (box, 0), "_rest": (box,),
-                 "_attention": (box, 1, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32)),
-                 "_products": (box, 1, row, (matrix,), (np.empty(3, np.float32),), np.empty(3 * 8, np.float32))}[name]
-    fresh = numba.njit(nogil=True, error_model="numpy")(getattr(_decode_mailbox, name).py_func)
+                 "post_attention": (box, 1, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32)),
+                 "post_products": (box, 1, row, (matrix,), (np.empty(3, np.float32),),
+                                   np.empty(3 * 8, np.float32))}[name]
+    fresh = numba.njit(nogil=True, error_model="numpy")(getattr(mailbox, name).py_func)
     fresh.compile(tuple(numba.typeof(argument) for argument in arguments))
     code = next(iter(fresh.inspect_llvm().values()))
     assert "call_units" not in code and re.search(r"inttoptr", code)
@@ -180,7 +181,7 @@ def test_every_thread_computes_units_through_one_compiled_copy(name):
 
 
 def _attention_alone(query, key, value, bias):
-    return _decode_pool.attention_job(query, key, value, bias, 0.25, np.nan)
+    return decode_pool.attention_job(query, key, value, bias, 0.25, np.nan)
 
 
 def test_workers_take_chunks_and_sleep_when_idle(pool):
@@ -197,7 +198,7 @@ def test_workers_take_chunks_and_sleep_when_idle(pool):
 
 def test_a_product_as_large_as_an_lm_head_wakes_sleeping_workers_before_its_job(pool):
     # woken after it (as smaller jobs wake them), the workers would sleep through the whole product
-    depth, width = 1024, _decode_pool._WAKE_FIRST // 1024
+    depth, width = 1024, decode_pool._WAKE_FIRST // 1024
     matrix = RNG.standard_normal((depth, width)).astype(np.float32)
     row = RNG.standard_normal(depth).astype(np.float32)
     expected = row_times_matrix(row, matrix)
@@ -223,12 +224,12 @@ def test_products_worth_blas_threads_let_spinning_workers_sleep(pool):
     while not rested and time.monotonic() < deadline:  # (unless the workers fell asleep before the product)
         pool.products(row, (matrix,))
         _some_awake(pool, 2)
-        posted = pool.box[_decode_mailbox._POSTED]
+        posted = pool.box[mailbox._POSTED]
         np.testing.assert_array_equal(MatMul(frequencies, positions), frequencies @ positions)
-        assert pool.box[_decode_mailbox._POSTED] == posted  # no job
+        assert pool.box[mailbox._POSTED] == posted  # no job
         np.testing.assert_allclose(MatMul(rows, matrix), rows @ matrix, rtol=1e-5, atol=1e-4)
-        rested = pool.box[_decode_mailbox._POSTED] == posted + 1  # an empty job...
-    assert rested and pool.box[_decode_mailbox._LINGER] == 0  # ...after which workers sleep at once
+        rested = pool.box[mailbox._POSTED] == posted + 1  # an empty job...
+    assert rested and pool.box[mailbox._LINGER] == 0  # ...after which workers sleep at once
     assert _asleep(pool, 2)
     np.testing.assert_array_equal(pool.products(row, (matrix,))[0], row_times_matrix(row, matrix))
 
@@ -236,7 +237,7 @@ def test_products_worth_blas_threads_let_spinning_workers_sleep(pool):
 def test_a_pool_of_sleeping_workers_closes():
     # close() wakes every sleeping worker (each sleeps on its own Event: a shared one, cleared by
     # the first worker woken, once left another asleep and close() waiting for it forever)
-    pool = _decode_pool.DecodePool(3)
+    pool = decode_pool.DecodePool(3)
     matrix = RNG.standard_normal((512, 256)).astype(np.float32)
     pool.products(RNG.standard_normal(512).astype(np.float32), (matrix,))
     _asleep(pool, 3)
@@ -264,18 +265,18 @@ def test_callers_on_many_threads_get_their_own_products(pool):
 
 def test_worker_count_follows_the_setting():
     try:
-        _decode_pool.set_workers(0)
-        assert _decode_pool.pool() is None and _decode_pool.worker_count() == 0
-        _decode_pool.set_workers(100)
-        most = min(_decode_pool.MAX_WORKERS, ROW_CHUNKS - 1)  # the idle flags' line; a chunk each
-        assert _decode_pool.worker_count() == most
-        first = _decode_pool.pool()
-        assert len(first._threads) == most and _decode_pool.pool() is first
-        _decode_pool.set_workers(1)
+        decode_pool.set_workers(0)
+        assert decode_pool.pool() is None and decode_pool.worker_count() == 0
+        decode_pool.set_workers(100)
+        most = min(decode_pool.MAX_WORKERS, ROW_CHUNKS - 1)  # the idle flags' line; a chunk each
+        assert decode_pool.worker_count() == most
+        first = decode_pool.pool()
+        assert len(first._threads) == most and decode_pool.pool() is first
+        decode_pool.set_workers(1)
         assert all(not thread.is_alive() for thread in first._threads)  # the old pool's workers stopped
-        assert len(_decode_pool.pool()._threads) == 1
+        assert len(decode_pool.pool()._threads) == 1
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 def test_a_pool_started_in_the_background_is_the_one_every_caller_gets():
@@ -283,23 +284,23 @@ def test_a_pool_started_in_the_background_is_the_one_every_caller_gets():
     other threads meanwhile wait for that pool rather than make another; with no workers it does
     nothing."""
     try:
-        _decode_pool.set_workers(0)
-        _decode_pool.start_in_background()
-        assert _decode_pool._starting is None or not _decode_pool._starting.is_alive()
-        _decode_pool.set_workers(1)
-        assert _decode_pool._pool is None
-        _decode_pool.start_in_background()
-        starting = _decode_pool._starting
+        decode_pool.set_workers(0)
+        decode_pool.start_in_background()
+        assert decode_pool._starting is None or not decode_pool._starting.is_alive()
+        decode_pool.set_workers(1)
+        assert decode_pool._pool is None
+        decode_pool.start_in_background()
+        starting = decode_pool._starting
         assert starting.name == "runnx-decode-start"
         with ThreadPoolExecutor(4) as callers:
-            pools = list(callers.map(lambda _: _decode_pool.pool(), range(8)))
+            pools = list(callers.map(lambda _: decode_pool.pool(), range(8)))
         starting.join(timeout=600)
         assert not starting.is_alive()
-        assert all(p is _decode_pool._pool for p in pools) and len(_decode_pool._pool._threads) == 1
-        _decode_pool.start_in_background()  # started: nothing more
-        assert _decode_pool._starting is starting
+        assert all(p is decode_pool._pool for p in pools) and len(decode_pool._pool._threads) == 1
+        decode_pool.start_in_background()  # started: nothing more
+        assert decode_pool._starting is starting
     finally:
-        _decode_pool.set_workers(None)
+        decode_pool.set_workers(None)
 
 
 def test_the_background_start_loads_the_jobs_a_decoder_calls_first():
@@ -308,11 +309,11 @@ def test_the_background_start_loads_the_jobs_a_decoder_calls_first():
     add no overload (a fresh process, so that nothing else called them before)."""
     code = """
 import numpy as np
-from runnx.ops import _decode_pool as d
+from runnx.runtime import pool as d
 d.set_workers(1)
 d.start_in_background()
 d._starting.join()
-jobs = (d._products, d._softmax, d._gelu)
+jobs = (d.post_products, d.post_softmax, d.post_gelu)
 before = [len(job.overloads) for job in jobs]
 matrix = np.ones((64, 32), np.float32)
 matrix.flags.writeable = False
@@ -331,7 +332,7 @@ print(before == [len(job.overloads) for job in jobs], min(before) > 0)
 
 
 def test_a_pool_of_as_many_workers_as_idle_flags_closes_and_no_more_is_made():
-    full = _decode_pool.DecodePool(_decode_pool.MAX_WORKERS)  # the last worker's flag ends the line
+    full = decode_pool.DecodePool(decode_pool.MAX_WORKERS)  # the last worker's flag ends the line
     rng = np.random.default_rng(8)
     row = rng.standard_normal(64).astype(np.float32)
     matrix = rng.standard_normal((64, 1100)).astype(np.float32)
@@ -341,23 +342,7 @@ def test_a_pool_of_as_many_workers_as_idle_flags_closes_and_no_more_is_made():
     closing.join(timeout=30)
     assert not closing.is_alive() and not any(thread.is_alive() for thread in full._threads)
     with pytest.raises(ValueError, match="workers"):
-        _decode_pool.DecodePool(_decode_pool.MAX_WORKERS + 1)
-
-
-def test_matmul_one_row_result_does_not_depend_on_workers():
-    row = RNG.standard_normal((1, 1, 512)).astype(np.float32)
-    matrix = RNG.standard_normal((512, 320)).astype(np.float32)  # pooled: >= 64 Ki elements
-    try:
-        results = []
-        for workers in (0, 1, 3):
-            _decode_pool.set_workers(workers)
-            results.append(run_node("MatMul", [row, matrix]))
-    finally:
-        _decode_pool.set_workers(None)
-    assert results[0].shape == (1, 1, 320)
-    np.testing.assert_array_equal(results[1], results[0])
-    np.testing.assert_array_equal(results[2], results[0])
-    np.testing.assert_allclose(results[0], np.matmul(row, matrix), rtol=1e-4, atol=1e-4)
+        decode_pool.DecodePool(decode_pool.MAX_WORKERS + 1)
 
 
 def test_the_workers_loop_is_compiled_before_any_worker_starts():
@@ -365,7 +350,7 @@ def test_the_workers_loop_is_compiled_before_any_worker_starts():
     numba's cache; now the pool compiles (or loads) it on the thread that starts the pool. So it
     does `_rest`, which a multi-threaded BLAS product first calls while workers spin: loading it
     then cost a Whisper window's first step 20 ms."""
-    code = ("from runnx.ops import _decode_pool as d; d.set_workers(1); d.pool(); "
+    code = ("from runnx.runtime import pool as d; d.set_workers(1); d.pool(); "
             "print(len(d._serve.signatures), len(d._rest.signatures))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -374,12 +359,12 @@ def test_the_workers_loop_is_compiled_before_any_worker_starts():
 
 def _one_threads(kernel, *arguments):
     """kernel(*arguments) with no decode pool: what one thread computes (the pool's setting restored)."""
-    workers = _decode_pool.worker_count()
-    _decode_pool.set_workers(0)
+    workers = decode_pool.worker_count()
+    decode_pool.set_workers(0)
     try:
         kernel(*arguments)
     finally:
-        _decode_pool.set_workers(workers)
+        decode_pool.set_workers(workers)
 
 
 @pytest.mark.parametrize("shape", [(100, 37), (5, 1500), (1, 3), (0, 4)])
@@ -391,10 +376,10 @@ def test_pool_softmax_rows_are_bitwise_one_threads(pool, shape):
         scores[1] = -np.inf
         scores[2, 1] = np.nan
     alone = scores.copy()
-    _one_threads(_decode_pool.softmax_rows, alone, -1.0)
+    _one_threads(decode_pool.softmax_rows, alone, -1.0)
     for _ in range(5):
         shared = scores.copy()
-        _decode_pool.softmax_rows(shared, -1.0)
+        decode_pool.softmax_rows(shared, -1.0)
         np.testing.assert_array_equal(shared, alone)
     if shape[0] > 3:
         np.testing.assert_array_equal(alone[[1, 2]], -1.0)
@@ -411,7 +396,7 @@ def test_a_rows_softmax_and_gelu_do_not_depend_on_the_rows_computed_with_it():
     from the 64-row call here; 8 of 60 in a fresh clone's CI)."""
     code = """
 import numpy as np
-from runnx.ops import _decode_pool as d
+from runnx.runtime import pool as d
 d.set_workers(0)
 rng = np.random.default_rng(3)
 differing = 0
@@ -442,10 +427,10 @@ def test_pool_gelu_rows_are_bitwise_one_threads(pool, rows, with_bias):
     bias = RNG.standard_normal(70).astype(np.float32) if with_bias else np.zeros(0, np.float32)
     constants = np.float32(np.sqrt(2)), np.float32(1), np.float32(0.5)
     alone = np.empty_like(x)
-    _one_threads(_decode_pool.gelu_rows, x, bias, *constants, alone)
+    _one_threads(decode_pool.gelu_rows, x, bias, *constants, alone)
     for _ in range(5):
         shared = np.full_like(x, np.nan)
-        _decode_pool.gelu_rows(x, bias, *constants, shared)
+        decode_pool.gelu_rows(x, bias, *constants, shared)
         np.testing.assert_array_equal(shared, alone)
     v = x.astype(np.float64) + (bias if with_bias else 0)
     from math import erf
@@ -464,9 +449,9 @@ def test_a_native_block_wakes_sleeping_workers_and_computes_alone_when_the_pool_
     kept = residual.copy()
 
     def block():
-        return _decode_pool.shared_call(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm)
+        return decode_pool.shared_call(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm)
 
-    alone = _decode_pool.alone(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm)
+    alone = decode_pool.alone(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm)
     assert _asleep(pool, 2)
     shared_before = pool.shared_units
     deadline = time.monotonic() + 10  # a woken worker joins once its core is free (the suite runs two processes)
@@ -475,7 +460,90 @@ def test_a_native_block_wakes_sleeping_workers_and_computes_alone_when_the_pool_
             np.testing.assert_array_equal(mine, expected)
     assert pool.shared_units > shared_before  # woken, the workers took units of the block's jobs
     with pool._lock:  # another caller has the pool
-        assert pool.call(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm) is _decode_pool.BUSY
+        assert pool.call(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm) is decode_pool.BUSY
         for mine, expected in zip(block(), alone):
             np.testing.assert_array_equal(mine, expected)
     np.testing.assert_array_equal(residual, kept)  # the block sums into its own arrays
+
+
+def test_a_job_is_complete_when_its_poster_returns(pool):
+    """The workers read a job's arrays by address: memory safety rests on the poster, which holds
+    them as its arguments, returning only when no unit is left to compute or being computed."""
+    matrix = RNG.standard_normal((64, mailbox._SHARED_SUMS)).astype(np.float32)  # its sums a job too
+    row = RNG.standard_normal(64).astype(np.float32)
+    query = RNG.standard_normal((1, 4, 1, 16)).astype(np.float32)
+    cache = RNG.standard_normal((1, 2, 3 * ATTENTION_SPAN, 16)).astype(np.float32)
+    for _ in range(50):
+        for job in (lambda: pool.products(row, (matrix,)), lambda: pool.attention(query, cache, cache, None, 1.0, 0.0)):
+            job()
+            units = pool.box[mailbox._UNITS]
+            assert units > 0 and pool.box[mailbox._COMPLETED] == units
+            assert pool.box[mailbox._CLAIM] & mailbox._NOTHING_TO_CLAIM >= units  # nothing left to claim
+
+
+def _products_arguments(height=1, depth=8, width=6):
+    return (np.ones(height * depth, np.float32), (np.ones((depth, width), np.float32),),
+            (np.empty(height * width, np.float32),), np.empty(chunk_count(depth) * height * width, np.float32))
+
+
+@pytest.mark.parametrize("change", ["depth", "short output", "short scratch", "an output missing", "transposed matrix"])
+def test_a_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+    """Each poster checks what it turns into addresses: a wrong array raises, nothing posted
+    (unchecked, a short output was written past its end, a transposed matrix read as C-ordered)."""
+    row, matrices, outs, scratch = _products_arguments()
+    if change == "depth":
+        row = np.ones(7, np.float32)
+    elif change == "short output":
+        outs = (np.empty(5, np.float32),)
+    elif change == "short scratch":
+        scratch = scratch[:-1]
+    elif change == "an output missing":
+        matrices = matrices * 2
+    else:
+        matrices = (np.ones((6, 8), np.float32).T,)
+    box = mailbox.new_box()
+    with pytest.raises(ValueError, match="a products job"):
+        mailbox.post_products(box, 0, row, matrices, outs, scratch)
+    assert box[mailbox._POSTED] == 0 and box[mailbox._KIND] == 0
+
+
+def test_attention_and_rows_jobs_refuse_arrays_that_do_not_fit_before_posting():
+    query, key = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 3, 4), np.float32)
+    box = mailbox.new_box()
+    with pytest.raises(ValueError, match="an attention job"):  # out's last axis is not value's
+        mailbox.post_attention(box, 0, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 3), np.float32))
+    with pytest.raises(ValueError, match="H a multiple of G"):  # 2 query heads over 3 KV heads
+        three = np.ones((1, 3, 3, 4), np.float32)
+        mailbox.post_attention(box, 0, query, three, three, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32))
+    rows = np.ones((4, 8), np.float32)
+    with pytest.raises(ValueError, match="a rows job"):
+        mailbox.post_gelu(box, 0, rows, np.empty(0, np.float32), 1.0, 1.0, 0.5, np.empty((3, 8), np.float32))
+    with pytest.raises(ValueError, match="bias"):
+        mailbox.post_gelu(box, 0, rows, np.ones(7, np.float32), 1.0, 1.0, 0.5, np.empty_like(rows))
+    assert box[mailbox._POSTED] == 0
+
+
+def test_only_the_mailbox_turns_arrays_into_addresses():
+    """No module but `runtime/mailbox.py` imports the address intrinsics, and there only the posting
+    functions (which check their arrays first) take an array's address."""
+    import ast
+    from pathlib import Path
+
+    import runnx
+    package = Path(runnx.__file__).parent
+    importers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                       if "runnx.runtime.atomics" in path.read_text() and path.name != "atomics.py")
+    assert importers == ["runtime/mailbox.py"]
+    source = (package / "runtime" / "mailbox.py").read_text()
+    functions = {node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+
+    def using(text):
+        return {name for name, node in functions.items()
+                if text in ast.get_source_segment(source, node).split(":", 1)[1]}  # (after its signature)
+
+    assert using("ctypes.data") == {"post_products", "post_gelu", "_rows", "_post_array"}
+    assert using("_post_array(") == {"post_attention"}
+    for name in (using("ctypes.data") | using("_post_array(")) - {"_post_array"}:
+        first_call = next(node for node in functions[name].body
+                          if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call))
+        assert first_call.value.func.id.startswith("_check_"), name  # before any store

@@ -6,15 +6,15 @@ product with the values) runs better as whole parts per thread, each thread with
 no barrier inside every product, and each thread's scores stay in its own cache. BLAS's thread
 count is the process's, so it is lowered to one for the duration, by one caller at a time; the
 numeric kernels run between products must release the GIL (numba's nogil). OpenBLAS's own
-threads must sleep right after their calls (`runnx/_openblas.py`): spinning beside the helpers
+threads must sleep right after their calls (`openblas.py`): spinning beside the helpers
 they made the same attention 1.5x slower than BLAS's threads alone, so it is not split then.
 """
 from __future__ import annotations
 
 import threading
 
-from runnx import _openblas
-from runnx.ops import _decode_pool
+from runnx.runtime import openblas
+from runnx.runtime import pool as decode_pool
 
 _lock = threading.Lock()
 _controllers = None  # threadpoolctl's BLAS libraries, found once
@@ -34,7 +34,7 @@ def split_among_threads(work, parts: list) -> bool:
     helpers) as BLAS has, BLAS single-threaded meanwhile. False, having run nothing, when BLAS has
     one thread (or none is known), there is one part, OpenBLAS's threads spin after their calls, or
     another caller is splitting (the BLAS setting is the process's)."""
-    if not _openblas.THREADS_SLEEP:
+    if not openblas.THREADS_SLEEP:
         return False
     blas = _blas()
     count = min(min((c.num_threads for c in blas), default=1), len(parts))
@@ -51,7 +51,7 @@ def split_among_threads(work, parts: list) -> bool:
 
     previous = [c.num_threads for c in blas]
     try:
-        _decode_pool.rest_workers()  # spinning decode workers would hold the cores
+        decode_pool.rest_workers()  # spinning decode workers would hold the cores
         for c in blas:
             c.set_num_threads(1)
         helpers = [threading.Thread(target=share, args=(index,), daemon=True) for index in range(1, count)]

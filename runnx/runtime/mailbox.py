@@ -1,16 +1,16 @@
-"""The decode pool's native side (`_decode_pool.py` starts the threads and calls the jobs): the
+"""The decode pool's native side (`pool.py` starts the threads and calls the jobs): the
 mailbox, an int64 array every thread reads and writes with the atomic instructions of
-`_atomics.py`; the units a job is cut into; the workers' loop; the jobs that post them.
+`atomics.py`; the units a job is cut into; the workers' loop; the jobs that post them.
 
 A job is cut into units that give the same result whoever computes them:
 - products: one row (or a short prompt's few rows) times up to four matrices (a layer's
   projections of one input); each product in the row chunks of `rows_times_matrix`
-  (`_kernels_linalg.py`), each summed into its own partial rows, the partial rows added in chunk
+  (`ops/_kernels_linalg.py`), each summed into its own partial rows, the partial rows added in chunk
   order: bitwise the one-thread loop's;
 - attention: one unit per (batch entry, KV head, span of the cache), `attention_span` of
-  `_kernels_fused.py` as the one-thread `attention` runs it, the caller combining the spans after;
+  `ops/_kernels_fused.py` as the one-thread `attention` runs it, the caller combining the spans after;
 - rows (a prefill's or an encoder's attention softmax, the encoder's GELU: row kernels of
-  `_kernels_rows.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
+  `ops/_kernels_rows.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
   products around them, so after such a job a worker does not spin but sleeps at once.
 Threads claim units with compare-and-swap on a counter tagged with the job's sequence number, so
 the caller never waits for a worker that has not started (it takes the units itself) and a late
@@ -20,6 +20,8 @@ Every thread, the caller as well as the workers, computes units through one comp
 unit loop (`_units_entry`, called by the address in the mailbox): a result never depends on which
 thread took which unit.
 Each job says how long a worker spins after it (`_LINGER`): decode jobs come every few microseconds.
+A job's arrays are posted by address, by the `post_*` functions only, each checking its arrays first
+and returning when every unit is complete (the memory rule in `pool.py`).
 """
 from __future__ import annotations
 
@@ -27,11 +29,11 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._atomics import (add, bits_of_float64, call_units, compare_and_swap, float32_pointer, float32_view,
-                                float64_from_bits, load, pause, store)
 from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span
 from runnx.ops._kernels_linalg import add_partials_into, chunk_bounds, chunk_count, rows_into
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
+from runnx.runtime.atomics import (add, bits_of_float64, call_units, compare_and_swap, float32_pointer,
+                                   float32_view, float64_from_bits, load, pause, store)
 
 # mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
 # caller's writes; _IDLE + w is worker w's, so there are at most MAX_WORKERS (one line of flags)
@@ -281,10 +283,33 @@ def _run(box, workers, sequence, units):
 
 
 @_jit
-def _products(box, workers, row, matrices, outs, scratch):
+def _check_products(row, matrices, outs, scratch):
+    """ValueError unless the arrays are what `post_products` reads and writes by address."""
+    if len(matrices) == 0 or len(matrices) > MAX_MATRICES or len(outs) != len(matrices):
+        raise ValueError("a products job takes 1 to MAX_MATRICES matrices and an output for each")
+    depth = matrices[0].shape[0]
+    if (depth == 0 or row.size % depth != 0 or not row.flags.c_contiguous or row.itemsize != 4
+            or not scratch.flags.c_contiguous or scratch.itemsize != 4):
+        raise ValueError("a products job takes C-contiguous float32 rows of the matrices' depth and scratch")
+    height = row.size // depth
+    room = 0
+    for m in range(len(matrices)):
+        matrix, out = matrices[m], outs[m]
+        if (matrix.shape[0] != depth or not matrix.flags.c_contiguous or matrix.itemsize != 4
+                or out.size != height * matrix.shape[1] or not out.flags.c_contiguous or out.itemsize != 4):
+            raise ValueError("a products job takes C-contiguous float32 matrices (K, N) and outputs of rows x N")
+        room += out.size
+    if scratch.size < chunk_count(depth) * room:
+        raise ValueError("a products job needs scratch of chunk_count(K) times its outputs' elements")
+
+
+@_jit
+def post_products(box, workers, row, matrices, outs, scratch):
     """row @ matrices[m] into outs[m] for each m, as one job, for C-contiguous float32 `row` of one
     row (K,) or a few (M, K) and outs[m] of M * N_m elements, the partial rows in `scratch` (room
-    for chunk_count(K) times every output); whether a worker was idle."""
+    for chunk_count(K) times every output); whether a worker was idle. Arrays that do not fit raise
+    ValueError before anything is posted."""
+    _check_products(row, matrices, outs, scratch)
     depth = matrices[0].shape[0]
     chunks = chunk_count(depth)
     partials = []
@@ -322,9 +347,30 @@ def _products(box, workers, row, matrices, outs, scratch):
 
 
 @_jit
-def _attention(box, workers, query, key, value, bias, scale, fill, out):
-    """`attention` of _kernels_fused.py into out, one unit per (batch entry, KV head, span), as one
-    job, then the spans combined on this thread; whether a worker was idle."""
+def _check_attention(query, key, value, bias, out):
+    """ValueError unless the arrays are what `post_attention` reads and writes."""
+    batch, heads, length, depth = query.shape
+    groups, size = key.shape[1], key.shape[2]
+    if (key.shape[0] != batch or key.shape[3] != depth or value.shape[0] != batch or value.shape[1] != groups
+            or value.shape[2] != size or groups == 0 or heads % groups != 0):
+        raise ValueError("an attention job takes query (B, H, Q, D), key (B, G, K, D), value (B, G, K, W), "
+                         "H a multiple of G")
+    if (out.shape[0] != batch or out.shape[1] != heads or out.shape[2] != length or out.shape[3] != value.shape[3]
+            or query.itemsize != 4 or key.itemsize != 4 or value.itemsize != 4 or out.itemsize != 4):
+        raise ValueError("an attention job takes float32 arrays and an output (B, H, Q, W)")
+    if bias is not None:
+        if ((bias.shape[0] != 1 and bias.shape[0] != batch) or (bias.shape[1] != 1 and bias.shape[1] != heads)
+                or (bias.shape[2] != 1 and bias.shape[2] != length) or (bias.shape[3] != 1 and bias.shape[3] != size)
+                or bias.itemsize != 4):
+            raise ValueError("an attention job's bias is float32 and broadcasts to (B, H, Q, K)")
+
+
+@_jit
+def post_attention(box, workers, query, key, value, bias, scale, fill, out):
+    """`attention` of ops/_kernels_fused.py into out, one unit per (batch entry, KV head, span), as one
+    job, then the spans combined on this thread; whether a worker was idle. Arrays that do not fit
+    raise ValueError before anything is posted."""
+    _check_attention(query, key, value, bias, out)
     partials, stats = attention_scratch(query, key, value)
     sequence = _begin(box, _PATIENCE)
     store(box, _KIND, _ATTENTION)
@@ -347,9 +393,18 @@ def _attention(box, workers, query, key, value, bias, scale, fill, out):
 
 
 @_jit
+def _check_rows(x, out):
+    """ValueError unless x and out are what a rows job reads and writes by address."""
+    if (x.shape[0] != out.shape[0] or x.shape[1] != out.shape[1] or not x.flags.c_contiguous
+            or not out.flags.c_contiguous or x.itemsize != 4 or out.itemsize != 4):
+        raise ValueError("a rows job takes C-contiguous float32 input and output rows of one shape")
+
+
+@_jit
 def _rows(box, workers, kernel, x, out):
     """Row kernel `kernel` from x into out (C-contiguous float32 (rows, columns); its arguments
     already in the box) as one job of blocks of rows, after which workers sleep at once."""
+    _check_rows(x, out)
     sequence = _begin(box, 0)
     store(box, _KIND, _ROWS)
     store(box, _ROW_KERNEL, kernel)
@@ -361,13 +416,19 @@ def _rows(box, workers, kernel, x, out):
 
 
 @_jit
-def _softmax(box, workers, scores, fill):
+def post_softmax(box, workers, scores, fill):
+    """Softmax of each row of scores (rows, columns), in place, NaN rows set to `fill`, as a rows job."""
+    _check_rows(scores, scores)
     store(box, _ROW_ARGUMENTS, bits_of_float64(fill))
     _rows(box, workers, _SOFTMAX_ROWS, scores, scores)
 
 
 @_jit
-def _gelu(box, workers, x, bias, divisor, one, half, out):
+def post_gelu(box, workers, x, bias, divisor, one, half, out):
+    """The erf GELU of x + bias (an empty bias: none) into out, (rows, columns), as a rows job."""
+    _check_rows(x, out)
+    if (bias.size != 0 and bias.size != x.shape[1]) or not bias.flags.c_contiguous or bias.itemsize != 4:
+        raise ValueError("a GELU job's bias is a C-contiguous float32 vector of one value a column, or empty")
     store(box, _ROW_ARGUMENTS, bias.ctypes.data)
     store(box, _ROW_ARGUMENTS + 1, bias.size)
     store(box, _ROW_ARGUMENTS + 2, bits_of_float64(divisor))

@@ -1,4 +1,4 @@
-"""numba intrinsics for threads sharing memory without locks (`_decode_pool.py`): atomic loads,
+"""numba intrinsics for threads sharing memory without locks (`pool.py`): atomic loads,
 stores, compare-and-swap and add on an int64 array, the spin-wait hint, and arrays viewed from an
 address posted as an integer."""
 from __future__ import annotations
@@ -116,7 +116,7 @@ def float32_pointer(typingctx, address):
 @intrinsic
 def call_units(typingctx, address, box, sequence):
     """The function at `address`, `int64 (int64 *box, int64 sequence)`, called with box's data: the
-    decode pool's unit loop, one compiled copy that every thread calls (`_decode_mailbox.py`)."""
+    decode pool's unit loop, one compiled copy that every thread calls (`mailbox.py`)."""
     def codegen(context, builder, signature, args):
         word = ir.IntType(64)
         function = builder.inttoptr(args[0], ir.FunctionType(word, [word.as_pointer(), word]).as_pointer())

@@ -10,20 +10,21 @@ import numpy as np
 import pytest
 import threadpoolctl
 
-from runnx import _openblas
-from runnx.ops import _blas_split, fused_layer_norm_blocks
+from runnx.ops import fused_layer_norm_blocks
+from runnx.runtime import blas_split
+from runnx.runtime import openblas
 
 
 @pytest.fixture
 def sleeping_blas(monkeypatch):
     """As in a process that imported runnx before numpy (OpenBLAS's threads sleep after a call)."""
-    monkeypatch.setattr(_openblas, "THREADS_SLEEP", True)
+    monkeypatch.setattr(openblas, "THREADS_SLEEP", True)
     with threadpoolctl.threadpool_limits(2, user_api="blas"):
         yield
 
 
 def _blas_threads() -> list:
-    return [c.num_threads for c in _blas_split._blas()]
+    return [c.num_threads for c in blas_split._blas()]
 
 
 def test_every_part_runs_once_on_two_threads_with_blas_single_threaded_meanwhile(sleeping_blas):
@@ -33,7 +34,7 @@ def test_every_part_runs_once_on_two_threads_with_blas_single_threaded_meanwhile
         with lock:
             seen.append((part, threading.get_ident(), tuple(_blas_threads())))
 
-    assert _blas_split.split_among_threads(work, list(range(7)))
+    assert blas_split.split_among_threads(work, list(range(7)))
     assert sorted(part for part, _, _ in seen) == list(range(7))
     assert len({ident for _, ident, _ in seen}) == 2
     assert all(set(threads) == {1} for _, _, threads in seen)
@@ -46,18 +47,18 @@ def test_a_failing_part_raises_on_the_caller_and_blas_gets_its_threads_back(slee
             raise ValueError("part 3 failed")
 
     with pytest.raises(ValueError, match="part 3 failed"):
-        _blas_split.split_among_threads(work, list(range(6)))
+        blas_split.split_among_threads(work, list(range(6)))
     assert set(_blas_threads()) == {2}
-    assert _blas_split.split_among_threads(lambda part: None, [0, 1])  # not left locked
+    assert blas_split.split_among_threads(lambda part: None, [0, 1])  # not left locked
 
 
 def test_nothing_is_split_when_openblas_threads_spin_or_blas_has_one_thread(monkeypatch):
     ran = []
-    monkeypatch.setattr(_openblas, "THREADS_SLEEP", False)
-    assert not _blas_split.split_among_threads(ran.append, [0, 1])
-    monkeypatch.setattr(_openblas, "THREADS_SLEEP", True)
+    monkeypatch.setattr(openblas, "THREADS_SLEEP", False)
+    assert not blas_split.split_among_threads(ran.append, [0, 1])
+    monkeypatch.setattr(openblas, "THREADS_SLEEP", True)
     with threadpoolctl.threadpool_limits(1, user_api="blas"):
-        assert not _blas_split.split_among_threads(ran.append, [0, 1])
+        assert not blas_split.split_among_threads(ran.append, [0, 1])
     assert ran == []
 
 

@@ -6,7 +6,7 @@ microseconds of streaming weights from memory, and one attention per layer strea
 One core does not saturate memory on most machines (scripts/bench_gemv.py: 18 GB/s from one thread,
 29 from two on the first one), but handing each kernel to a thread pool costs more than it gains:
 numba's parallel regions and a Python-level hand-off take 30-50 us each. So the workers here never
-leave native code while a decode is running: each spins on a shared mailbox (`_decode_mailbox.py`:
+leave native code while a decode is running: each spins on a shared mailbox (`mailbox.py`:
 its layout, units and jobs) for a few milliseconds after its last job, then sleeps on its own Event
 (a shared one, cleared by whichever worker wakes first, could leave another asleep through a
 wake-up meant for it). Workers found asleep are woken for the next job; the current one runs on the
@@ -14,6 +14,14 @@ caller's thread. Before a rows job (half a millisecond of rows is worth the wake
 wakes sleeping workers; fewer rows than two blocks (a decode step's GELU) run the job alone on a
 mailbox of their own (`alone`), never the pool's, so they never set its linger to zero under a
 decode's spinning workers.
+
+Memory: the workers read and write a job's arrays through addresses in the mailbox, so every job is
+synchronous. Only the posting functions of `mailbox.py` (`post_products`, `post_attention`,
+`post_softmax`, `post_gelu`) take an array's address: they take arrays, check each one's dtype,
+layout and shape against what the units read (ValueError, nothing posted), and return only once
+every unit of the job is complete. The poster holds the arrays as its arguments all that time, so
+no address outlives its array; Python code here never handles one (the one address a mailbox gets
+from Python, in `new_box`, is the compiled unit loop's).
 """
 from __future__ import annotations
 
@@ -23,9 +31,9 @@ import numba
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_mailbox import (_IDLE, _ROW_BLOCK, _SHARED, MAX_MATRICES, MAX_WORKERS, _attention, _gelu,
-                                       _products, _rest, _serve, _softmax, _stop, new_box)
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_matrix
+from runnx.runtime.mailbox import (_IDLE, _ROW_BLOCK, _SHARED, MAX_MATRICES, MAX_WORKERS, _rest, _serve, _stop,
+                                   new_box, post_attention, post_gelu, post_products, post_softmax)
 
 _SHARED_ROWS = 2 * _ROW_BLOCK  # fewer rows (a decode step's GELU) run the job alone, never the pool
 _BLAS_THREADED = 1 << 20  # multiply-adds from which a product is worth OpenBLAS's threads
@@ -93,7 +101,7 @@ class DecodePool:
             if height * sum([matrix.size for matrix in matrices]) >= _WAKE_FIRST:
                 self._wake_sleeping()
             outs = tuple([np.empty(height * matrix.shape[1], np.float32) for matrix in matrices])
-            idle = _products(self.box, self._workers, row, matrices, outs,
+            idle = post_products(self.box, self._workers, row, matrices, outs,
                              self._scratch(chunk_count(row.shape[-1]) * sum([out.size for out in outs])))
         finally:
             self._lock.release()
@@ -117,7 +125,7 @@ class DecodePool:
             return attention_job(query, key, value, bias, scale, fill)
         try:
             out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
-            idle = _attention(self.box, self._workers, query, key, value, bias, scale, fill, out)
+            idle = post_attention(self.box, self._workers, query, key, value, bias, scale, fill, out)
         finally:
             self._lock.release()
         if idle:
@@ -125,8 +133,8 @@ class DecodePool:
         return out
 
     def call(self, job, *arguments):
-        """job(box, workers, *arguments), a numba function posting this pool's jobs (`_softmax`,
-        `_gelu`, a decoder block of `_decode_blocks.py`), with sleeping workers woken first (native
+        """job(box, workers, *arguments), a numba function posting this pool's jobs (`post_softmax`,
+        `post_gelu`, a decoder block of `ops/_decode_blocks.py`), with sleeping workers woken first (native
         code cannot wake them); its result, or BUSY when the pool is busy (nothing done)."""
         if not self._lock.acquire(blocking=False):
             return BUSY
@@ -159,12 +167,12 @@ class DecodePool:
 
 
 def attention_job(query, key, value, bias, scale: float, fill: float):
-    """`attention(query, key, value, bias, scale, fill)` of _kernels_fused.py for float32 arrays of
+    """`attention(query, key, value, bias, scale, fill)` of ops/_kernels_fused.py for float32 arrays of
     4 dimensions (bias too, or None), computed as the pool computes it (the same compiled code:
     with its reassociating float flags, `attention` compiled for other array layouts may round
     differently), on this thread; `pool().attention` shares it with the workers."""
     out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
-    alone(_attention, query, key, value, bias, scale, fill, out)
+    alone(post_attention, query, key, value, bias, scale, fill, out)
     return out
 
 
@@ -180,9 +188,9 @@ def softmax_rows(scores, fill: float) -> None:
     """Softmax along the last axis of C-contiguous float32 scores (rows, columns), in place, rows
     whose softmax is NaN set to `fill` (`softmax_rows_float32`)."""
     if scores.shape[0] < _SHARED_ROWS:
-        alone(_softmax, scores, fill)
+        alone(post_softmax, scores, fill)
     else:
-        shared_call(_softmax, scores, fill)
+        shared_call(post_softmax, scores, fill)
 
 
 def gelu_rows(x, bias, divisor, one, half, out) -> None:
@@ -190,9 +198,9 @@ def gelu_rows(x, bias, divisor, one, half, out) -> None:
     vector (empty: none), divisor, one and half float32 numbers."""
     arguments = (x, bias, float(divisor), float(one), float(half), out)
     if x.shape[0] < _SHARED_ROWS:
-        alone(_gelu, *arguments)
+        alone(post_gelu, *arguments)
     else:
-        shared_call(_gelu, *arguments)
+        shared_call(post_gelu, *arguments)
 
 
 def shared_call(job, *arguments):
@@ -272,11 +280,11 @@ def _load_jobs() -> None:
     for row in (np.zeros(4, np.float32), np.zeros((2, 4), np.float32)):
         for count in (1, 2, 3):
             outs = tuple([np.empty(row.size, np.float32) for _ in range(count)])
-            alone(_products, row, (matrix,) * count, outs, np.empty(chunk_count(4) * row.size * count, np.float32))
+            alone(post_products, row, (matrix,) * count, outs, np.empty(chunk_count(4) * row.size * count, np.float32))
     rows = np.zeros((2, 4), np.float32)
-    alone(_softmax, rows, 0.0)
+    alone(post_softmax, rows, 0.0)
     for bias in (np.zeros(4, np.float32), matrix[0]):
-        alone(_gelu, rows, bias, 1.0, 1.0, 0.5, np.empty_like(rows))
+        alone(post_gelu, rows, bias, 1.0, 1.0, 0.5, np.empty_like(rows))
 
 
 def worker_count() -> int:

@@ -14,5 +14,5 @@ _loaded = "numpy" in sys.modules  # OpenBLAS has read the variable already
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 # whether OpenBLAS's threads sleep right after a call in this process (when they spin, other
-# threads running BLAS alongside them share the cores with them: `ops/_blas_split.py`)
+# threads running BLAS alongside them share the cores with them: `blas_split.py`)
 THREADS_SLEEP = int(_given) <= 8 if _given and _given.strip().isdigit() else not _loaded

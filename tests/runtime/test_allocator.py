@@ -1,5 +1,5 @@
-"""runnx/_allocator.py: once a model loads, glibc keeps a run's freed temporaries mapped, unless the
-user says otherwise; importing runnx alone leaves glibc as it was."""
+"""runnx/runtime/allocator.py: once a model loads, glibc keeps a run's freed temporaries mapped,
+unless the user says otherwise; importing runnx alone leaves glibc as it was."""
 import os
 import subprocess
 import sys
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 # prints whether importing runnx touched the thresholds, whether loading a model set them, and the
 # page faults of the second round
 _ROUNDS = """
-import resource, runnx, runnx._allocator as allocator
+import resource, runnx, runnx.runtime.allocator as allocator
 import numpy as np
 from onnx import TensorProto, helper
 

@@ -1,0 +1,48 @@
+"""The process's machinery under the interpreter: threads (BLAS's, numba's and the decode pool's
+workers), the decode pool itself, glibc's malloc thresholds and OpenBLAS's spin timeout.
+
+These settings belong to the process, not to a model, so they live apart from `interp` (which
+applies a model's options through the functions below) and from `ops` (whose decode kernels post
+jobs to the pool, `pool.py` and `mailbox.py`). `interp` and `generate` call only the names here.
+Importing this package loads neither numpy nor numba: `import runnx` imports `runtime.openblas`
+before numpy loads OpenBLAS.
+"""
+from __future__ import annotations
+
+import operator
+
+from runnx.runtime.allocator import keep_freed
+
+
+def set_threads(count: int) -> None:
+    """Let BLAS, numba and the decode pool (count - 1 workers) use `count` threads from now on, for
+    the whole process; 0 leaves the libraries' own counts (OPENBLAS_NUM_THREADS, NUMBA_NUM_THREADS,
+    ... or the core count)."""
+    from runnx.errors import InvalidOptionError
+    try:
+        whole = operator.index(count)
+    except TypeError:
+        whole = -1
+    if isinstance(count, bool) or whole < 0:
+        raise InvalidOptionError(f"threads must be a whole number >= 0 (0 leaves the libraries' own counts), "
+                                 f"not {count!r} (runnx.runtime.set_threads, Options.threads, RUNNX_THREADS)")
+    from runnx.runtime.thread_limits import apply_threads
+    apply_threads(whole)
+
+
+def threads() -> dict:
+    """The thread counts in effect now: {'blas': threads (a list when BLAS libraries differ),
+    'numba': threads, 'decode': the decode pool's (the caller's and its workers')}."""
+    from runnx.runtime.thread_limits import thread_counts
+    return thread_counts()
+
+
+def start_pool_in_background() -> None:
+    """Start the decode pool on a thread of its own, beside a decoder's load (the first numba code a
+    process loads carries numba's own start); nothing when the process runs one thread or the pool
+    is there already (`pool.start_in_background`)."""
+    from runnx.runtime.pool import start_in_background
+    start_in_background()
+
+
+__all__ = ["keep_freed", "set_threads", "start_pool_in_background", "threads"]
