@@ -66,7 +66,8 @@ def _gate_up():
              helper.make_node("Mul", ["gate", "sig"], ["silu"]),
              helper.make_node("Mul", ["up", "silu"], ["y"])]
     return _model(nodes, [("x", F)], ["y"], {"W": w, "last": np.array([-1]), "one": np.array([1]),
-                                              "two": np.array([2]), "zero": np.array([0])})
+                                              "two": np.array([2]), "zero": np.array([0])},
+                  shapes={"x": [1, "s", K]})
 
 
 def _split(sizes=(8, 8, 8), axis=-1):
@@ -165,3 +166,41 @@ def test_products_read_otherwise_stay_whole(model):
 
 def test_levels_without_fusion_keep_the_product():
     assert not runnx.load(_sliced([(0, 8), (8, 24)]), optimization_level="basic").rewritten
+
+
+def _rotated_prefix(width):
+    """Neg over x[..., :r] and x[..., r:] passed through, r read from another input's shape (as an
+    export rotates the first r columns of each head, r the cos table's width)."""
+    nodes = [helper.make_node("Shape", ["cos"], ["shape"]),
+             helper.make_node("Gather", ["shape", "minus_one"], ["r0"], axis=0),
+             helper.make_node("Unsqueeze", ["r0", "zero"], ["r"]),
+             helper.make_node("Slice", ["x", "zero", "r", "last"], ["rotated"]),
+             helper.make_node("Slice", ["x", "r", "end", "last"], ["passed"]),
+             helper.make_node("Neg", ["rotated"], ["negated"]),
+             helper.make_node("Concat", ["negated", "passed"], ["y"], axis=-1)]
+    return _model(nodes, [("x", F), ("cos", F)], ["y"], {"last": np.array([-1]), "zero": np.array([0]),
+                                                         "minus_one": np.array(-1),
+                                                         "end": np.array([2 ** 63 - 1])},
+                  shapes={"x": [1, 2, "s", 8], "cos": [1, 1, "s", width]})
+
+
+def test_a_whole_slice_and_an_empty_concat_input_go():
+    model = _rotated_prefix(8)
+    loaded = runnx.load(model, optimization_level="all")
+    assert loaded.rewritten == {"drop_identity_cuts": 2}  # the whole Slice, the Concat (an output: kept, one input)
+    assert [n.op_type for n in loaded.plan()] == ["Neg", "Concat"]
+    assert len(loaded.plan()[1].inputs) == 1
+    feeds = {"x": np.random.default_rng(2).standard_normal((1, 2, 3, 8)).astype(np.float32),
+             "cos": np.zeros((1, 1, 3, 8), np.float32)}
+    _compare(model, feeds, bitwise=True)
+
+
+@pytest.mark.parametrize("width", [4, "d"])
+def test_cuts_of_part_of_an_axis_or_of_an_unknown_width_stay(width):
+    model = _rotated_prefix(width)
+    loaded = runnx.load(model, optimization_level="all")
+    assert not loaded.rewritten
+    assert sum(n.op_type == "Slice" for n in loaded.graph.nodes) == 2
+    feeds = {"x": np.random.default_rng(2).standard_normal((1, 2, 3, 8)).astype(np.float32),
+             "cos": np.zeros((1, 1, 3, 4), np.float32)}
+    _compare(model, feeds, bitwise=True)

@@ -16,6 +16,7 @@ quantized decoder's greedy tokens change).
 from __future__ import annotations
 
 from runnx.interp.fusion import layer_norm_blocks, products, rms_norm_blocks, split_products
+from runnx.interp.fusion.identity_cuts import drop_identity_cuts
 from runnx.interp.fusion.matcher import Matcher
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.ops import registry
@@ -26,7 +27,7 @@ ROUNDS_APART = frozenset(rms_norm_blocks.ROUNDS_APART + layer_norm_blocks.ROUNDS
                          + split_products.ROUNDS_APART)
 # Rewrites into standard ops, run before the shape memos (which would hide the shape nodes they
 # evaluate) so that the patterns then match the graph they leave
-REWRITES = (split_products.split_products,)
+REWRITES = (split_products.split_products, drop_identity_cuts)
 STAND_INS = (rms_norm_blocks.shape_stand_ins, products.shape_stand_ins)
 # Ops rounding a float input they may be given computed to an integer grid: (domain, op type)
 QUANTIZERS = frozenset({("", "QuantizeLinear"), ("", "DynamicQuantizeLinear"), ("com.microsoft", "QuantizeLinear"),
