@@ -29,6 +29,8 @@ ARITHMETIC = frozenset({"Add", "Sub", "Mul", "Div", "Equal", "Where", "Cast", "G
                         "Squeeze", "Reshape", "Slice", "Neg", "Abs", "Max", "Min", "Mod", "Less", "Greater",
                         "Identity", "ConstantOfShape", "Range", "Not", "And", "Or"})
 SMALL = 1024  # integer values worked out here have at most this many elements
+# what a malformed graph (or a deep one) may raise while its dims are worked out: then they are unknown
+UNSURE = (RecursionError, TypeError, ValueError, IndexError, KeyError, ZeroDivisionError, OverflowError)
 
 
 class StaticDims:
@@ -44,14 +46,14 @@ class StaticDims:
         """The value's dims (None where unknown), or None when its rank is unknown."""
         try:
             return self._memo(self._dims, vid, self._find_dims)
-        except RecursionError:
+        except UNSURE:
             return None
 
     def ints(self, vid: int):
         """The integer value as an object array (None where unknown), or None when unknown."""
         try:
             return self._memo(self._ints, vid, self._find_ints)
-        except RecursionError:
+        except UNSURE:
             return None
 
     @staticmethod
@@ -120,10 +122,10 @@ class StaticDims:
             return _reshaped(self.dims(ins[0]), target, node.attrs.get("allowzero", 0))
         if op == "Expand":
             target = self.ints(ins[1])
-            return None if target is None else _broadcast([self.dims(ins[0]), tuple(target.tolist())])
+            return None if target is None else _broadcast([self.dims(ins[0]), tuple(target.reshape(-1).tolist())])
         if op == "ConstantOfShape":
             target = self.ints(ins[0])
-            return None if target is None else tuple(target.tolist())
+            return None if target is None else tuple(target.reshape(-1).tolist())
         if op == "Gather":
             data, indices = self.dims(ins[0]), self.dims(ins[1])
             if data is None or indices is None:
@@ -140,10 +142,10 @@ class StaticDims:
         starts, ends, axes, steps = bounds
         if own is None or starts is None or ends is None:
             return None
-        axes = list(range(len(starts))) if axes is None else axes.tolist()
-        steps = [1] * len(starts) if steps is None else steps.tolist()
+        axes = list(range(starts.size)) if axes is None else axes.reshape(-1).tolist()
+        steps = [1] * starts.size if steps is None else steps.reshape(-1).tolist()
         dims = list(own)
-        for start, end, axis, step in zip(starts.tolist(), ends.tolist(), axes, steps):
+        for start, end, axis, step in zip(starts.reshape(-1).tolist(), ends.reshape(-1).tolist(), axes, steps):
             if axis is None:
                 return None
             axis %= len(own)
@@ -243,7 +245,7 @@ def _axes(static: StaticDims, node):
         return tuple(node.attrs["axes"])
     if len(node.inputs) > 1 and node.inputs[1] != MISSING:
         value = static.ints(node.inputs[1])
-        return None if value is None or None in value.tolist() else tuple(int(a) for a in value.reshape(-1))
+        return None if value is None or None in value.reshape(-1).tolist() else tuple(int(a) for a in value.reshape(-1))
     return ()
 
 
@@ -281,7 +283,7 @@ def _reshaped(own, target, allowzero):
     if target is None:
         return None
     dims = []
-    for i, d in enumerate(target.tolist()):
+    for i, d in enumerate(target.reshape(-1).tolist()):
         if d == 0 and not allowzero:
             d = own[i] if own is not None and i < len(own) else None
         dims.append(d)
