@@ -6,7 +6,7 @@ three, one gate/up product cut in halves) then reads as one with separate projec
 patterns of the other modules (shared-input products, attention, rotary embedding, the layer
 blocks) match it alike.
 
-A rewrite into standard ops that runs before the shape memos (`rewrite_products` in __init__.py):
+A rewrite into standard ops that runs before the shape memos (`rewrite` in __init__.py):
 exporters compute a piece's bounds from the product's shape (Shape, Gather(-1), arithmetic), which
 the memos would hide. Those bounds are worked out from the graph's static dims (static_dims.py: the
 product's last dim is W's), and the shape nodes computing them go with the product. A Slice axis
@@ -49,7 +49,7 @@ def split_products(graph: Graph) -> int:
         return 0
     next_index = max(n.index for n in graph.nodes) + 1
     new_nodes = []
-    for removed, matmul, add, pieces in plans:
+    for _, matmul, add, pieces in plans:
         weight = graph.constants[matmul.inputs[1]]
         bias = graph.constants[add.inputs[1] if add.inputs[0] == matmul.outputs[0] else add.inputs[0]] if add else None
         for output, start, end in pieces:
