@@ -14,7 +14,7 @@ from runnx.interp.dtypes import type_name
 from runnx.interp.executor import Executor
 from runnx.interp.float16 import widen_float16
 from runnx.interp.folding import fold_constants
-from runnx.interp.fusion import fuse, quantizes_computed_values
+from runnx.interp.fusion import fuse, quantizes_computed_values, rewrite
 from runnx.interp.last_position import keep_last_position
 from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
@@ -37,12 +37,16 @@ class Model:
         # after folding (a head's weight may be a Transpose of the embedding, or read by If branches)
         self.last_position = keep_last_position(self.graph, self.options.last_position)
         self._unrewritten = replace(self.graph)  # for plans requesting values a rewrite removed
-        # Both rewrites apply to subgraphs too (an Optimum merged decoder's branches). A memo node
+        # a quantizer anywhere may read what any graph computes (a branch's captures): all fuse bitwise
+        self.fuses_bitwise = self.options.fuse and any(quantizes_computed_values(g) for g in _graphs(self.graph))
+        self.rewritten = {}  # standard-op rewrites for the fusion patterns, before the memos hide shapes
+        for graph in _graphs(self.graph) if self.options.fuse else ():
+            for name, count in rewrite(graph, bitwise=self.fuses_bitwise).items():
+                self.rewritten[name] = self.rewritten.get(name, 0) + count
+        # All these rewrites apply to subgraphs too (an Optimum merged decoder's branches). A memo node
         # reads its roots for their shapes only, so it never holds back an in-place KV append.
         self.memoized = sum(memoize_shapes(graph) for graph in _graphs(self.graph)) if self.options.shape_cache else 0
         self.fused = {}
-        # a quantizer anywhere may read what any graph computes (a branch's captures): all fuse bitwise
-        self.fuses_bitwise = self.options.fuse and any(quantizes_computed_values(g) for g in _graphs(self.graph))
         for graph in _graphs(self.graph) if self.options.fuse else ():
             for op, count in fuse(graph, bitwise=self.fuses_bitwise).items():
                 self.fused[op] = self.fused.get(op, 0) + count

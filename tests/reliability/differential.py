@@ -112,6 +112,10 @@ class DecoderShape:
     # attention's (the MLP's left float, as nodes_to_exclude leaves them)
     quantized: str = ""
     overridable: tuple = ()  # initializer names also listed as graph inputs
+    # one product per layer for q/k/v and one for the MLP's first products, cut into pieces (llama:
+    # Slices, the MLP's bounds from the product's shape, the rotary over the first Shape(cos)[-1]
+    # columns; gpt: a biased product and a Split), as exports of fused projections write them
+    fused_projections: bool = False
     seed: int = 0
     constants: dict = field(default_factory=dict)
 
@@ -259,13 +263,51 @@ class DecoderGraph:
         unsqueezed = self.node("Unsqueeze", [cache, self.ints("axis", [2])])
         return self.node("Reshape", [self.node("Expand", [unsqueezed, expand]), target])
 
+    def cut(self, product: str, bounds: list) -> list[str]:
+        """Slices of the product's columns (axis 2: its rank is known), one per (start, end)."""
+        return [self.node("Slice", [product, self.ints("start", [a]), self.ints("stop", [b]), self.ints("axis", [2])])
+                for a, b in bounds]
+
+    def halves(self, product: str) -> list[str]:
+        """The product's two halves, the bounds computed from its shape as Optimum's exports do."""
+        last = self.ints("last", [-1])
+        width = self.node("Gather", [self.node("Shape", [product]), last], axis=0)
+        half = self.node("Div", [self.node("Add", [width, self.ints("one", [1])]), self.ints("two", [2])])
+        middle, end = self.node("Mul", [half, self.ints("one", [1])]), self.node("Mul", [half, self.ints("two", [2])])
+        return [self.node("Slice", [product, self.ints("zero", [0]), middle, last]),
+                self.node("Slice", [product, middle, end, last])]
+
+    def projections(self, x: str) -> list[str]:
+        """The query, key and value products."""
+        s = self.shape
+        kv = s.groups * s.head_size
+        if not s.fused_projections:
+            return [self.linear(x, s.hidden, columns, part="attention") for columns in (s.hidden, kv, kv)]
+        product = self.linear(x, s.hidden, s.hidden + 2 * kv, bias=s.style == "gpt", part="attention")
+        if s.style == "gpt":
+            pieces = [self.fresh("piece") for _ in range(3)]
+            self.nodes.append(helper.make_node("Split", [product, self.ints("sizes", [s.hidden, kv, kv])], pieces,
+                                               name=pieces[0], axis=-1))
+            return pieces
+        return self.cut(product, [(0, s.hidden), (s.hidden, s.hidden + kv), (s.hidden + kv, 2**62)])
+
+    def rotary_prefix(self, x: str) -> str:
+        """The rotary embedding of x's first Shape(cos)[-1] columns, the rest (none) passed through."""
+        width = self.node("Gather", [self.node("Shape", ["cos"]), self.constant("minus_one", np.array(-1))], axis=0)
+        width = self.node("Unsqueeze", [width, self.ints("zero", [0])])
+        last = self.ints("last", [-1])
+        rotated = self.rotary(self.node("Slice", [x, self.ints("zero", [0]), width, last]))
+        passed = self.node("Slice", [x, width, self.ints("end", [2**62]), last])
+        return self.node("Concat", [rotated, passed], axis=-1)
+
     def attention(self, x: str, layer: int, mask: str = "mask") -> str:
         s = self.shape
-        query = self.split_heads(self.linear(x, s.hidden, s.hidden, part="attention"), s.heads)
-        key = self.split_heads(self.linear(x, s.hidden, s.groups * s.head_size, part="attention"), s.groups)
-        value = self.split_heads(self.linear(x, s.hidden, s.groups * s.head_size, part="attention"), s.groups)
+        query, key, value = self.projections(x)
+        query = self.split_heads(query, s.heads)
+        key, value = (self.split_heads(v, s.groups) for v in (key, value))
         if s.style == "llama":
-            query, key = self.rotary(query), self.rotary(key)
+            rotary = self.rotary_prefix if s.fused_projections else self.rotary
+            query, key = rotary(query), rotary(key)
         keys = self.named("Concat", [f"past_key.{layer}", key], f"present_key.{layer}", axis=2)
         values = self.named("Concat", [f"past_value.{layer}", value], f"present_value.{layer}", axis=2)
         scale = self.f32("scale", s.scale)
@@ -288,10 +330,12 @@ class DecoderGraph:
         s = self.shape
         inner = 2 * s.hidden
         if s.style == "llama":
-            gate = self.linear(x, s.hidden, inner, part="mlp")
+            if s.fused_projections:
+                gate, up = self.halves(self.linear(x, s.hidden, 2 * inner, part="mlp"))
+            else:
+                gate, up = (self.linear(x, s.hidden, inner, part="mlp") for _ in range(2))
             silu = self.node("Mul", [gate, self.node("Sigmoid", [gate])])
-            return self.linear(self.node("Mul", [silu, self.linear(x, s.hidden, inner, part="mlp")]), inner, s.hidden,
-                               part="mlp")
+            return self.linear(self.node("Mul", [silu, up]), inner, s.hidden, part="mlp")
         divisor, one, half = s.gelu
         v = self.linear(x, s.hidden, inner, bias=True, part="mlp")
         erf = self.node("Erf", [self.node("Div", [v, self.f32("divisor", divisor)])])

@@ -10,6 +10,7 @@ changed between runs, If/Loop captures."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +169,20 @@ def test_generated_decoders_agree_over_decode_steps(style, usual, seed):
         assert expected <= set(optimized.fused), optimized.fused
     decode_and_compare(plain, optimized, shape, seed, steps=5)
     _agrees_with_onnxruntime(model, optimized, shape, seed)
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt"])
+@pytest.mark.parametrize("seed", range(3))
+def test_generated_decoders_of_fused_projections_agree_and_fuse_alike(style, seed):
+    """One product for q/k/v and one for the MLP's gate/up, cut into pieces (and a rotary embedding
+    over the first Shape(cos)[-1] columns): cut into separate products at load, they fuse into the
+    same nodes as the separate-projection decoder, and agree with plain interpretation."""
+    shape = random_shape(np.random.default_rng(seed), style, True)
+    plain, optimized = load_both(decoder(replace(shape, fused_projections=True))[0])
+    assert optimized.rewritten["split_products"] == shape.layers * (2 if style == "llama" else 1)
+    separate = load_both(decoder(shape)[0])[1]
+    assert optimized.fused == separate.fused
+    decode_and_compare(plain, optimized, shape, seed, steps=5)
 
 
 @pytest.mark.parametrize("quantized", ["all", "attention"])

@@ -15,14 +15,19 @@ quantized decoder's greedy tokens change).
 """
 from __future__ import annotations
 
-from runnx.interp.fusion import layer_norm_blocks, products, rms_norm_blocks
+from runnx.interp.fusion import layer_norm_blocks, products, rms_norm_blocks, split_products
+from runnx.interp.fusion.identity_cuts import drop_identity_cuts
 from runnx.interp.fusion.matcher import Matcher
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.ops import registry
 from runnx.ops._fused_common import DOMAIN
 
 PATTERNS = rms_norm_blocks.PATTERNS + layer_norm_blocks.PATTERNS + products.PATTERNS  # products last: see products.py
-ROUNDS_APART = frozenset(rms_norm_blocks.ROUNDS_APART + layer_norm_blocks.ROUNDS_APART + products.ROUNDS_APART)
+ROUNDS_APART = frozenset(rms_norm_blocks.ROUNDS_APART + layer_norm_blocks.ROUNDS_APART + products.ROUNDS_APART
+                         + split_products.ROUNDS_APART)
+# Rewrites into standard ops, run before the shape memos (which would hide the shape nodes they
+# evaluate) so that the patterns then match the graph they leave
+REWRITES = (split_products.split_products, drop_identity_cuts)
 STAND_INS = (rms_norm_blocks.shape_stand_ins, products.shape_stand_ins)
 # Ops rounding a float input they may be given computed to an integer grid: (domain, op type)
 QUANTIZERS = frozenset({("", "QuantizeLinear"), ("", "DynamicQuantizeLinear"), ("com.microsoft", "QuantizeLinear"),
@@ -34,6 +39,16 @@ def quantizes_computed_values(graph: Graph) -> bool:
     """Whether a quantizer of `graph` reads a value that is not a constant (an activation)."""
     return any((node.domain, node.op_type) in QUANTIZERS and node.inputs and node.inputs[0] != MISSING
                and node.inputs[0] not in graph.constants for node in graph.nodes)
+
+
+def rewrite(graph: Graph, bitwise: bool = False) -> dict[str, int]:
+    """Apply REWRITES to `graph` (not to its subgraphs); returns {rewrite: count}. bitwise: only
+    those computing bitwise what the graph did (not ROUNDS_APART)."""
+    counts = {}
+    for apply in REWRITES:
+        if not (bitwise and apply in ROUNDS_APART) and (count := apply(graph)):
+            counts[apply.__name__] = count
+    return counts
 
 
 def fuse(graph: Graph, bitwise: bool = False) -> dict[str, int]:
