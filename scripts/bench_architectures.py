@@ -24,7 +24,7 @@ from report import THREAD_VARIABLES, git_revision, machine, update_section  # sc
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser() / "models"
 ARCHITECTURES = {"smollm2": "smollm2-135m", "qwen2": "qwen2-smollm2-135m", "phi3": "phi3-smollm2-135m"}
-PROMPT_TOKENS, NEW_TOKENS = 32, 48
+PROMPT_TOKENS, NEW_TOKENS, REPEATS = 32, 48, 3
 
 
 def run_json(script: str, arguments: list, threads: int) -> dict:
@@ -42,36 +42,43 @@ def measure(folder: Path, args) -> dict:
                                           "--contexts", *args.contexts.split(","), "--steps", args.steps,
                                           "--rounds", args.rounds], args.threads)
     generate = run_json("bench_generate.py", [folder, "--json", "--threads", args.threads, "--prompt-tokens",
-                                              PROMPT_TOKENS, "--new-tokens", NEW_TOKENS], args.threads)
+                                              PROMPT_TOKENS, "--new-tokens", NEW_TOKENS, "--repeats", REPEATS],
+                        args.threads)
     return {"decode": decode, "generate": generate}
 
 
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
 def table(results: dict, contexts: list[str]) -> str:
-    header = ["model"]
+    """Decode from random past KV, then end to end: two tables, one row per model."""
+    header, rows = ["model"], []
     for context in contexts:
         header += [f"runnx tok/s @{context}", f"onnxruntime tok/s @{context}", f"ratio @{context}"]
-    header += ["nodes/step", "same ids"]
-    for runner in ("runnx", "onnxruntime"):
-        header += [f"{runner} e2e tok/s", f"{runner} first token ms (first run / steady)"]
-    header += ["e2e ratio", "e2e same ids"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for name, result in results.items():
-        decode, generate = result["decode"]["contexts"], result["generate"]
+        decode = result["decode"]["contexts"]
         cells = [name]
         for context in contexts:
             speeds = decode[context]["tokens_per_second"]
             cells += [f"{speeds['runnx']:.1f}", f"{speeds['onnxruntime']:.1f}",
                       f"{speeds['runnx'] / speeds['onnxruntime']:.2f}x"]
-        cells += ["/".join(str(decode[c]["nodes_per_step"]) for c in contexts),
-                  str(all(decode[c]["same_ids"] for c in contexts))]
+        rows.append(cells + ["/".join(str(decode[c]["nodes_per_step"]) for c in contexts),
+                             str(all(decode[c]["same_ids"] for c in contexts))])
+    decode_table = markdown(header + ["runnx nodes/step", "same ids"], rows)
+    header, rows = ["model"], []
+    for runner in ("runnx", "onnxruntime"):
+        header += [f"{runner} e2e tok/s", f"{runner} first token ms (first run / steady)"]
+    for name, result in results.items():
+        generate, cells = result["generate"], [name]
         for runner in ("runnx", "onnxruntime"):
             figures = generate[runner]
             cells += [f"{figures['decode_tps']:.1f}",
                       f"{figures['cold_first_token_s'] * 1e3:.0f} / {figures['first_token_s'] * 1e3:.0f}"]
-        cells += [f"{generate['runnx']['decode_tps'] / generate['onnxruntime']['decode_tps']:.2f}x",
-                  str(generate["same_ids"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells + [f"{generate['runnx']['decode_tps'] / generate['onnxruntime']['decode_tps']:.2f}x",
+                             str(generate["same_ids"])])
+    return decode_table + "\n\n" + markdown(header + ["e2e ratio", "same ids"], rows)
 
 
 def op_differences(results: dict, context: str) -> str:
@@ -102,14 +109,15 @@ def main() -> None:
                if not (MODELS / folder / "model.onnx").exists()]
     if missing:
         sys.exit(f"missing {', '.join(missing)}: run `make models` first")
-    results = {}
+    results, load_before = {}, os.getloadavg()[0]
     for name, folder in ARCHITECTURES.items():
         print(f"{name}: {MODELS / folder}", flush=True)
         results[name] = measure(MODELS / folder, args)
         print(f"  {json.dumps(results[name]['generate'])}", flush=True)
     text = table(results, contexts)
     ops = op_differences(results, contexts[-1])
-    print(text + "\n\n" + ops)
+    load = f"load average {load_before:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    print(text + "\n\n" + ops + "\n" + load)
     if args.no_write:
         return
     command = (f".venv/bin/python scripts/bench_architectures.py --threads {args.threads} --contexts {args.contexts} "
@@ -118,12 +126,13 @@ def main() -> None:
 
 SmolLM2-135M's weights exported by Optimum as Llama (smollm2), Qwen2 (zero q/k/v biases: bias Adds)
 and Phi-3 (fused qkv_proj and gate_up_proj products), `scripts/build_models.py` targets smollm2,
-qwen2 and phi3. runnx {git_revision()}; {machine()}; {args.threads} thread(s).
+qwen2 and phi3. runnx {git_revision()}; {machine()}; {args.threads} thread(s); {load}.
 Decode at a context: median tokens/s of {args.steps} steps x {args.rounds} rounds from random past KV of
 that length (`scripts/bench_decode.py`), runnx and onnxruntime interleaved in one process; nodes/step:
 runnx node executions in a step at each context. End to end (e2e): greedy {NEW_TOKENS} new tokens from a
-{PROMPT_TOKENS}-token prompt (`scripts/bench_generate.py`, its own process); first token: prefill and first
-sampling, in the process's first run after loading and in a later run.
+{PROMPT_TOKENS}-token prompt (`scripts/bench_generate.py`, its own process, the best of {REPEATS} runs after a
+warm-up); first token: prefill and first sampling, in the process's first run after loading (the
+warm-up) and steady.
 Command: `{command}`.
 
 {text}
