@@ -6,11 +6,13 @@ same Optimum `model.onnx`, the same thread count, interleaved rounds so both see
 The past is random (shape-correct) KV of `context` tokens; each step feeds one token and its own
 outputs back, as greedy decoding does (runnx: KV in capacity buffers handed over as runnx.Owned;
 onnxruntime: the present outputs). Reports median tokens/s, runnx node executions per step, and
-whether the greedy ids of runnx and onnxruntime agree.
+whether the greedy ids of runnx and onnxruntime agree; --json prints them as one JSON line instead,
+with the op types runnx executed in a step (scripts/bench_architectures.py reads it).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -29,6 +31,7 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=16, help="decode steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-baseline", action="store_true", help="skip runnx with shape_cache and fuse off")
+    parser.add_argument("--json", action="store_true", help="one JSON line: tokens/s, nodes and op types per step")
     return parser.parse_args()
 
 
@@ -61,7 +64,7 @@ def runnx_decoder(model, context: int, steps: int, past: dict):
             token = int(outputs["logits"][0, -1].argmax())
             ids.append(token)
             cache = {n: runnx.Owned(outputs[n.replace("past_key_values.", "present.")]) for n in names}
-        return ids, times, sum(profile.op_calls.values())
+        return ids, times, dict(profile.op_calls)
 
     return run
 
@@ -100,9 +103,11 @@ def main():
     session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     model = runners["runnx"]
     spec = {i.name: i for i in session.get_inputs()}
-    print(f"{path}, {ARGS.threads} thread(s), {ARGS.steps} decode steps x {ARGS.rounds} rounds, median tokens/s")
-    print(f"{'context':>8}" + "".join(f"{name:>26}" for name in [*runners, "onnxruntime"]) + f"{'nodes/step':>12}"
-          f"{'same ids':>10}")
+    report = {"model": str(path), "threads": ARGS.threads, "contexts": {}}
+    if not ARGS.json:
+        print(f"{path}, {ARGS.threads} thread(s), {ARGS.steps} decode steps x {ARGS.rounds} rounds, median tokens/s")
+        print(f"{'context':>8}" + "".join(f"{name:>26}" for name in [*runners, "onnxruntime"]) + f"{'nodes/step':>12}"
+              f"{'same ids':>10}")
     rng = np.random.default_rng(0)
     for context in ARGS.contexts:
         past = {n: rng.standard_normal((1, spec[n].shape[1], context, spec[n].shape[3])).astype(np.float32)
@@ -110,7 +115,7 @@ def main():
         runs = {name: runnx_decoder(m, context, ARGS.steps, past) for name, m in runners.items()}
         runs["onnxruntime"] = ort_decoder(session, context, ARGS.steps, past)
         times = {name: [] for name in runs}
-        ids, nodes = {}, None
+        ids, op_calls = {}, None
         for name, run in runs.items():
             run()  # warm-up
         for _ in range(ARGS.rounds):
@@ -118,10 +123,17 @@ def main():
                 ids[name], step_times, counted = run()
                 times[name] += step_times
                 if name == "runnx":
-                    nodes = counted
+                    op_calls = counted
         same = ids["runnx"] == ids["onnxruntime"]
-        print(f"{context:>8}" + "".join(f"{1 / statistics.median(times[name]):>26.1f}" for name in runs)
-              + f"{nodes:>12}{str(same):>10}")
+        speeds = {name: 1 / statistics.median(times[name]) for name in runs}
+        nodes = sum(op_calls.values())
+        report["contexts"][context] = {"tokens_per_second": speeds, "nodes_per_step": nodes, "op_calls": op_calls,
+                                       "same_ids": same}
+        if not ARGS.json:
+            print(f"{context:>8}" + "".join(f"{speed:>26.1f}" for speed in speeds.values()) + f"{nodes:>12}"
+                  f"{str(same):>10}")
+    if ARGS.json:
+        print(json.dumps(report))
 
 
 if __name__ == "__main__":

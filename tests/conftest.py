@@ -1,7 +1,8 @@
 """Session fixtures shared by all tests: where the committed tiny models and the real models are.
 
 - `fixtures_dir`: tests/fixtures (tiny random-weight models, committed; see its README.md).
-- `smollm2_dir`, `smollm2_int4_dir`, `smollm2_genai_fp32_dir`, `smollm2_genai_int4_dir` (onnxruntime-genai
+- `smollm2_dir`, `qwen2_dir`, `phi3_dir` (SmolLM2's weights as Qwen2 and Phi-3 exports),
+  `smollm2_int4_dir`, `smollm2_genai_fp32_dir`, `smollm2_genai_int4_dir` (onnxruntime-genai
   folders), `smollm2_tjs_dir`, `whisper_tjs_dir` (transformers.js layout), `whisper_dir`, `audio_dir`: what
   `make models` (scripts/build_models.py) builds into ${RUNNX_CACHE:-~/.cache/runnx}. When absent the test
   is skipped ("run `make models` first"), except under CI=true, where a missing model is a failure: CI
@@ -26,8 +27,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # the CLI's commands called in a test compile on first use: no compiling process of their own
 # (runnx/background_compile.py; tests of that mechanism set it themselves)
 os.environ.setdefault("RUNNX_COMPILE", "wait")
-REAL_MODEL_FIXTURES = ("smollm2_dir", "smollm2_int4_dir", "smollm2_genai_fp32_dir", "smollm2_genai_int4_dir",
-                       "smollm2_tjs_dir", "whisper_dir", "whisper_tjs_dir", "audio_dir")
+REAL_MODEL_FIXTURES = ("smollm2_dir", "qwen2_dir", "phi3_dir", "smollm2_int4_dir", "smollm2_genai_fp32_dir",
+                       "smollm2_genai_int4_dir", "smollm2_tjs_dir", "whisper_dir", "whisper_tjs_dir", "audio_dir")
 ALLOWED_SKIPS_FILE = Path(__file__).with_name("allowed_skips.txt")
 ALLOWED_SKIPS = pytest.StashKey[list]()  # the file's entries, read once per session
 
@@ -107,8 +108,8 @@ def cache_root() -> Path:
 def pytest_configure(config):
     config.stash[ALLOWED_SKIPS] = read_allowed_skips()
     config.addinivalue_line("markers", "real_model: needs a real model built by `make models` (SmolLM2-135M "
-                                       "and its int4, onnxruntime-genai and transformers.js folders, Whisper "
-                                       "tiny.en); skipped when absent, a failure under CI=true")
+                                       "and its int4, onnxruntime-genai, transformers.js, Qwen2 and Phi-3 folders, "
+                                       "Whisper tiny.en); skipped when absent, a failure under CI=true")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -137,6 +138,19 @@ def fixtures_dir() -> Path:
 def smollm2_dir() -> Path:
     return built(cache_root() / "models" / "smollm2-135m", "SmolLM2-135M",
                  ("model.onnx", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"))
+
+
+DECODER_FILES = ("model.onnx", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir() -> Path:
+    return built(cache_root() / "models" / "qwen2-smollm2-135m", "SmolLM2-135M as Qwen2", DECODER_FILES)
+
+
+@pytest.fixture(scope="session")
+def phi3_dir() -> Path:
+    return built(cache_root() / "models" / "phi3-smollm2-135m", "SmolLM2-135M as Phi-3", DECODER_FILES)
 
 
 @pytest.fixture(scope="session")
