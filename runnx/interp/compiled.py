@@ -50,22 +50,20 @@ def bound_output(value) -> tuple:
     return value, storage_keys(value)
 
 
-def _count(r, cnt: dict, own: dict) -> tuple:
-    """The storage keys of a fresh kernel output (an ndarray), one more live value counted on its
-    storage, owned when the storage is new and writeable: `StorageTable.hold`'s rule for it."""
-    key = id(r) if r.base is None else id(storage_root(r))
-    h = cnt.get(key)
-    if h is None:
-        cnt[key] = 1
-        own[key] = r.flags.writeable
-    else:
-        cnt[key] = h + 1
-    return (key,)
-
-
-def _bind_other(r, table, node) -> tuple:
-    """(value, keys) of a single output that is not a plain ndarray, held in `table`."""
-    value, keys = bound_outputs(node, 1, r)[0]
+def _bind_one(r, table, step) -> tuple:
+    """(value, keys) of a single output, held in `table`: an ndarray counted inline (its storage
+    owned when new and writeable: `StorageTable.hold`'s rule), anything else as the executor binds it."""
+    if type(r) is np.ndarray:
+        key = id(r) if r.base is None else id(storage_root(r))
+        count = table.count
+        h = count.get(key)
+        if h is None:
+            count[key] = 1
+            table.owned[key] = r.flags.writeable
+        else:
+            count[key] = h + 1
+        return r, (key,)
+    value, keys = bound_outputs(step.node, 1, r)[0]
     table.hold(keys, None, value)
     return value, keys
 
@@ -80,7 +78,7 @@ def _bind_many(r, table, step) -> list:
             if vid == MISSING:
                 bound.append((None, ()))
             elif type(value) is np.ndarray:
-                bound.append((value, _count(value, table.count, table.owned)))
+                bound.append(_bind_one(value, table, step))
             else:
                 value, keys = bound_output(value)
                 table.hold(keys, None, value)
@@ -162,11 +160,10 @@ def compile_plan(graph: Graph, plan):
         return None
     names = _names(plan)
     keyless = {vid for step in plan.steps if isinstance(step.fn, ShapeGroup) for vid in step.outputs}
-    namespace = {"nd": np.ndarray, "count": _count, "other": _bind_other, "many": _bind_many, "grant": _grant,
+    namespace = {"one": _bind_one, "many": _bind_many, "grant": _grant,
                  "target": inplace_target}
     lines = ["def run(V, K, table, ctx):",
-             "    cnt, own = table.count, table.owned",
-             "    cnt_get, own_get, drop = cnt.get, own.get, table.drop"]
+             "    cnt_get, own_get, drop = table.count.get, table.owned.get, table.drop"]
     for vid in plan.inputs:
         lines.append(f"    v{names[vid]} = V[{vid}]; k{names[vid]} = K[{vid}]")
     for vid in plan.constants:  # globals: never assigned in the function
@@ -226,7 +223,8 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
     if isinstance(step.fn, ShapeGroup) and MISSING not in step.inputs:
         lines += _memo_lines_found(index, step, names, call, namespace)
     elif ufunc is not None and len(step.inputs) in (1, 2) and MISSING not in step.inputs:
-        lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], bool(candidates), namespace)
+        lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], [p for p, _ in candidates],
+                                     namespace)
     else:
         lines.append(f"        r = {call}")
     outputs = [(j, names[v]) for j, v in enumerate(step.outputs) if v != MISSING]
@@ -239,10 +237,8 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
         for n, (_, vid) in enumerate(candidates):
             lines += [f"        {'elif' if n else 'if'} r is v{names[vid]}:",
                       f"            v{out} = r; k{out} = k{names[vid]}; k{names[vid]} = ()"]
-        lines += [f"        {'elif' if candidates else 'if'} type(r) is nd:",
-                  f"            v{out} = r; k{out} = count(r, cnt, own)",
-                  "        else:",
-                  f"            v{out}, k{out} = other(r, table, STEPS[{index}].node)"]
+        bind = f"v{out}, k{out} = one(r, table, STEPS[{index}])"
+        lines += ["        else:", f"            {bind}"] if candidates else [f"        {bind}"]
     elif outputs:
         targets = ", ".join("(_, _)" if v == MISSING else f"(v{names[v]}, k{names[v]})" for v in step.outputs)
         lines.append(f"        {targets}, = many(r, table, STEPS[{index}])")
@@ -253,12 +249,12 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
     return lines
 
 
-def _inline_ufunc_lines(index: int, ufunc, inputs: list[str], granting: bool, namespace: dict) -> list[str]:
+def _inline_ufunc_lines(index: int, ufunc, inputs: list[str], granting: list, namespace: dict) -> list[str]:
     """A kernel registered as `binary`/`unary` of a ufunc (registry.py) called as the ufunc itself:
     into the granted input `binary`/`unary` would write (`inplace_target`, C-contiguity), else
     into a fresh array (a 0-d result comes back a numpy scalar: binding makes it an array, as the
-    kernel would). On a chain of small ops the two calls around the ufunc cost as much as the
-    plan's bookkeeping."""
+    kernel would). `granting`: the positions that may be granted. On a chain of small ops the two
+    calls around the ufunc cost as much as the plan's bookkeeping."""
     namespace[f"u{index}"] = ufunc
     a = inputs[0]
     if len(inputs) == 1:
@@ -268,9 +264,13 @@ def _inline_ufunc_lines(index: int, ufunc, inputs: list[str], granting: bool, na
     b = inputs[1]
     if not granting:
         return [f"        r = u{index}({a}, {b})"]
+    fallback = f"r = u{index}({a}, {b}, target({a}, {b}, g) if g else None)"
+    if 0 not in granting:
+        return [f"        {fallback}"]
     # first the case of equal operands, as `inplace_target` decides it (a tenth of a tiny node's cost)
+    first = "g" if granting == [0] else "g and g[0] == 0"  # g is (0,) when granted
     fits = f"{a}.shape == {b}.shape and {a}.dtype == {b}.dtype and {a}.flags.c_contiguous"
-    return [f"        if g and g[0] == 0 and {fits}:",
+    return [f"        if {first} and {fits}:",
             f"            r = u{index}({a}, {b}, {a})",
             "        else:",
-            f"            r = u{index}({a}, {b}, target({a}, {b}, g) if g else None)"]
+            f"            {fallback}"]
