@@ -193,6 +193,13 @@ def compile_plan(graph: Graph, plan):
     return namespace["run"]
 
 
+def _grant_test(keys: str, position: int, inline_only: bool = False) -> str:
+    """An expression true when the dying input whose keys are local `keys` is granted: a single
+    owned storage it alone holds, nothing kept this run, decided inline; else by `_grant`."""
+    test = f"len({keys}) == 1 and cnt_get({keys}[0]) == 1 and own_get({keys}[0]) and not ctx.kept_storages"
+    return test if inline_only else f"{test} or grant({keys}, {position}, table, ctx)"
+
+
 def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyless: set) -> list[str]:
     """The lines of one step; `keyless` values (memo outputs) are never granted, counted or released.
     The common path is inline (a single owned storage granted, an ndarray output counted, a
@@ -208,25 +215,29 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
     if step.wants_ctx:
         arguments.append("ctx=ctx")
     lines = [f"        # {node.describe()}"]
-    if candidates:
-        grants = []
-        for position, vid in candidates:
-            k = f"k{names[vid]}"
-            grants.append(f"(({position},) if len({k}) == 1 and cnt_get({k}[0]) == 1 and own_get({k}[0]) and not "
-                          f"ctx.kept_storages else grant({k}, {position}, table, ctx))")
-        lines.append(f"        g = {' + '.join(grants)}")
-        arguments.append("overwrite=g")
-    elif "overwrite" in step.kwargs:
-        arguments.append("overwrite=()")
-    call = f"f{index}({', '.join(arguments)})"
     ufunc = node.kernel.ufunc if node.kernel is not None and step.fn is node.kernel.fn else None
-    if isinstance(step.fn, ShapeGroup) and MISSING not in step.inputs:
-        lines += _memo_lines_found(index, step, names, call, namespace)
-    elif ufunc is not None and len(step.inputs) in (1, 2) and MISSING not in step.inputs:
-        lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], [p for p, _ in candidates],
-                                     namespace)
+    inline_ufunc = (ufunc is not None and not isinstance(step.fn, ShapeGroup) and len(step.inputs) in (1, 2)
+                    and MISSING not in step.inputs)
+    if inline_ufunc and len(candidates) == 1:  # the grant decided inside the ufunc call's arguments
+        position, vid = candidates[0]
+        lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], [position], namespace,
+                                     _grant_test(f"k{names[vid]}", position))
     else:
-        lines.append(f"        r = {call}")
+        if candidates:
+            grants = [f"(({position},) if {_grant_test(f'k{names[vid]}', position, inline_only=True)} else "
+                      f"grant(k{names[vid]}, {position}, table, ctx))" for position, vid in candidates]
+            lines.append(f"        g = {' + '.join(grants)}")
+            arguments.append("overwrite=g")
+        elif "overwrite" in step.kwargs:
+            arguments.append("overwrite=()")
+        call = f"f{index}({', '.join(arguments)})"
+        if isinstance(step.fn, ShapeGroup) and MISSING not in step.inputs:
+            lines += _memo_lines_found(index, step, names, call, namespace)
+        elif inline_ufunc:
+            lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], [p for p, _ in candidates],
+                                         namespace)
+        else:
+            lines.append(f"        r = {call}")
     outputs = [(j, names[v]) for j, v in enumerate(step.outputs) if v != MISSING]
     if isinstance(step.fn, ShapeGroup):
         lines += _memo_lines([name for _, name in outputs])
@@ -249,27 +260,34 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
     return lines
 
 
-def _inline_ufunc_lines(index: int, ufunc, inputs: list[str], granting: list, namespace: dict) -> list[str]:
+def _inline_ufunc_lines(index: int, ufunc, inputs: list[str], granting: list, namespace: dict,
+                        test: str | None = None) -> list[str]:
     """A kernel registered as `binary`/`unary` of a ufunc (registry.py) called as the ufunc itself:
     into the granted input `binary`/`unary` would write (`inplace_target`, C-contiguity), else
     into a fresh array (a 0-d result comes back a numpy scalar: binding makes it an array, as the
-    kernel would). `granting`: the positions that may be granted. On a chain of small ops the two
-    calls around the ufunc cost as much as the plan's bookkeeping."""
+    kernel would). `granting`: the positions that may be granted, in local `g`; or, with `test`
+    (an expression true when the one position in `granting` is granted), decided in the call.
+    On a chain of small ops the two calls around the ufunc cost as much as the plan's bookkeeping."""
     namespace[f"u{index}"] = ufunc
     a = inputs[0]
+    granted = "g" if test is None else f"({test})"
     if len(inputs) == 1:
         if not granting:
             return [f"        r = u{index}({a})"]
-        return [f"        r = u{index}({a}, {a}) if g and {a}.flags.c_contiguous else u{index}({a})"]
+        return [f"        r = u{index}({a}, {a}) if {granted} and {a}.flags.c_contiguous else u{index}({a})"]
     b = inputs[1]
     if not granting:
         return [f"        r = u{index}({a}, {b})"]
+    # first the case of equal operands, as `inplace_target` decides it (a tenth of a tiny node's cost)
+    fits = f"{a}.shape == {b}.shape and {a}.dtype == {b}.dtype and {a}.flags.c_contiguous"
+    if test is not None:
+        position = granting[0]
+        into = f"{a} if {fits} else target({a}, {b}, (0,))" if position == 0 else f"target({a}, {b}, ({position},))"
+        return [f"        r = u{index}({a}, {b}, ({into}) if {test} else None)"]
     fallback = f"r = u{index}({a}, {b}, target({a}, {b}, g) if g else None)"
     if 0 not in granting:
         return [f"        {fallback}"]
-    # first the case of equal operands, as `inplace_target` decides it (a tenth of a tiny node's cost)
     first = "g" if granting == [0] else "g and g[0] == 0"  # g is (0,) when granted
-    fits = f"{a}.shape == {b}.shape and {a}.dtype == {b}.dtype and {a}.flags.c_contiguous"
     return [f"        if {first} and {fits}:",
             f"            r = u{index}({a}, {b}, {a})",
             "        else:",
