@@ -8,8 +8,9 @@ its own, and BLAS/numba/onnxruntime thread counts are set before anything starts
 Sections: SmolLM2-135M decode tokens/s at each context (random past KV of that length, median of
 the steps) and prefill tokens/s for a 512-token prompt, model load time, peak RSS; Whisper
 tiny.en encoder seconds per 30 s window and decoder ms/token (scripts/bench_whisper.py);
-per-node dispatch on a 1000-node chain of tiny ops (scripts/bench_dispatch.py); SmolLM2 decode
-with runnx and onnxruntime in one process, in alternating blocks of steps (scripts/bench_pairs.py).
+per-node dispatch on 1000-node chains of small elementwise ops (scripts/bench_dispatch.py);
+SmolLM2 decode with runnx and onnxruntime in one process, in alternating blocks of steps
+(scripts/bench_pairs.py).
 Models come from `make models` (${RUNNX_CACHE:-~/.cache/runnx}/models).
 """
 from __future__ import annotations
@@ -284,13 +285,29 @@ def _script_output(script: str, arguments: list[str], threads: int) -> str:
 
 
 def _dispatch_table(rounds: list[dict]) -> str:
-    """Each runner's median over the rounds' runs of bench_dispatch.py, and every round's figure."""
-    lines = [f"1000-node chain of tiny ops, us/node of CPU time: median of {len(rounds)} rounds (each the median of "
-             "30 runs; one process a round, minutes apart)"]
+    """Each runner's median over the rounds' runs of bench_dispatch.py, every round's figure, and
+    runnx's ratio to onnxruntime per chain (the median of the rounds' ratios: a round's runners
+    share its machine load)."""
+    lines = [f"1000-node chains of small elementwise ops, us/node of CPU time: median of {len(rounds)} rounds (each "
+             "the median of 30 runs; one process a round, minutes apart)"]
     for name in rounds[0]:
         figures = [r[name] for r in rounds if name in r]
         lines.append(f"  {name:<26}{statistics.median(figures):8.2f} us/node   (rounds: "
                      f"{', '.join(f'{f:.2f}' for f in figures)})")
+    ratios = []
+    for chain, runnx, onnxruntime, ways in (("tiny", "runnx", "onnxruntime (1 thread)", ("compiled",)),
+                                            ("bcast", "bcast: runnx", "bcast: onnxruntime", ("compiled", "interpreted")),
+                                            ("comp", "comp: runnx", "comp: onnxruntime", ("compiled", "interpreted"))):
+        figures = []
+        for way in ways:
+            name = runnx if chain == "tiny" else f"{runnx} {way}"
+            each = [r[name] / r[onnxruntime] for r in rounds if name in r and r.get(onnxruntime)]
+            if each:
+                figures.append(f"{statistics.median(each):.1f}x {way}")
+        if figures:
+            ratios.append(f"{chain} {', '.join(figures)}")
+    if ratios:
+        lines.append(f"runnx / onnxruntime, median of the rounds' ratios: {'; '.join(ratios)}")
     return "\n".join(lines)
 
 
@@ -369,8 +386,17 @@ runnx {git_revision()}; {machine()}.
 """)
     update_section("suite-dispatch", f"""## Per-node dispatch (`scripts/bench_dispatch.py`, run by `scripts/bench.py`)
 
-A chain of 1000 tiny elementwise ops on 4 floats: microseconds per node, run once in each of the
-suite's rounds (a process each, before the round's SmolLM2 runs). runnx {git_revision()}.
+Three 1000-node chains of small elementwise ops, nothing to fuse or cache: `tiny` (Add/Mul/Neg/Relu
+on 4 floats), `bcast` (Add/Mul/Sub on [1, 8, 64], every other node's second input a [64] constant,
+a [1, 1, 64] input or a 0-d constant in turn, the others' an input of the same shape) and `comp`
+(Add/Sub/Mul whose inputs are both computed values). Microseconds of CPU time per node; runnx as a
+first run after loading (planning included), its compiling run (the second: the plan is compiled
+to Python first), interpreted (`compile_after=0`) and compiled (every later run); onnxruntime with
+1 thread and its graph optimizations off. One process a round, minutes apart; the machine's slow
+spells move single rounds by up to 2x, the ratio within a round much less.
+runnx {git_revision()}; {machine()}.
+Command: `.venv/bin/python scripts/bench_dispatch.py --json` in {args.rounds} processes (`--no-reference`
+after the first).
 
 ```
 {dispatch}

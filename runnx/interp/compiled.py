@@ -6,7 +6,11 @@ overlap share one), every kernel, attribute dict and constant a global, and each
 lines the interpreted loop would execute for it — gather the inputs, grant in-place reuse of
 dying inputs whose storage is owned and held once, call the kernel, count the output's storage,
 release dead values. Nothing is decided differently from `Executor.run`'s loop: the ownership
-rules are the same, only the per-step indexing, attribute lookups and tuple unpacking go away. A
+rules are the same, only the per-step indexing, attribute lookups and tuple unpacking go away.
+CPython's `compile()` costs microseconds per syntax node, and the compiling run pays it for every
+step: the common path of a step is inline, what is rarer (a grant to decide over several storages
+or to tell the run's kept values of, an output that is not an ndarray, a step of several outputs,
+a failure: found by its line number) calls a shared helper given the step's constants. A
 kernel taking its attributes as keyword-only parameters is called through a copy of itself whose
 defaults are the node's attributes (`registry.with_attributes`): matching a fused node's 24 keyword
 arguments to its parameters cost 3.5 us a call, warm.
@@ -15,6 +19,8 @@ Plans with subgraph nodes (If/Loop/Scan bind a CaptureEnv per call) and instrume
 (profile, trace, in-place checking) keep the interpreted loop; a subgraph's own plan compiles.
 """
 from __future__ import annotations
+
+from bisect import bisect_right
 
 import numpy as np
 
@@ -44,23 +50,57 @@ def bound_output(value) -> tuple:
     return value, storage_keys(value)
 
 
-def _bind_lines(name: str, source: str, indent: str, fallback: str) -> list[str]:
-    """Register output `source` as the value of locals v<name>, k<name>: an ndarray inline (its
-    storage counted once more, owned when fresh and writeable); anything else as the (value, keys)
-    pair `fallback` gives."""
-    return [f"{indent}if type({source}) is nd:",
-            f"{indent}    v{name} = {source}",
-            f"{indent}    key = id({source}) if {source}.base is None else id(root({source}))",
-            f"{indent}    k{name} = (key,)",
-            f"{indent}    h = cnt_get(key)",
-            f"{indent}    if h is None:",
-            f"{indent}        cnt[key] = 1",
-            f"{indent}        own[key] = {source}.flags.writeable",
-            f"{indent}    else:",
-            f"{indent}        cnt[key] = h + 1",
-            f"{indent}else:",
-            f"{indent}    v{name}, k{name} = {fallback}",
-            f"{indent}    hold(k{name}, None, v{name})"]
+def _bind_one(r, table, step) -> tuple:
+    """(value, keys) of a single output, held in `table`: an ndarray counted inline (its storage
+    owned when new and writeable: `StorageTable.hold`'s rule), anything else as the executor binds it."""
+    if type(r) is np.ndarray:
+        key = id(r) if r.base is None else id(storage_root(r))
+        count = table.count
+        h = count.get(key)
+        if h is None:
+            count[key] = 1
+            table.owned[key] = r.flags.writeable
+        else:
+            count[key] = h + 1
+        return r, (key,)
+    value, keys = bound_outputs(step.node, 1, r)[0]
+    table.hold(keys, None, value)
+    return value, keys
+
+
+def _bind_many(r, table, step) -> list:
+    """(value, keys) of each output of a step declaring several, held in `table`; an omitted
+    output's pair is not held."""
+    outputs = step.outputs
+    if type(r) is tuple and len(r) == len(outputs):
+        bound = []
+        for value, vid in zip(r, outputs):
+            if vid == MISSING:
+                bound.append((None, ()))
+            elif type(value) is np.ndarray:
+                bound.append(_bind_one(value, table, step))
+            else:
+                value, keys = bound_output(value)
+                table.hold(keys, None, value)
+                bound.append((value, keys))
+        return bound
+    bound = bound_outputs(step.node, len(outputs), r)
+    for (value, keys), vid in zip(bound, outputs):
+        if vid != MISSING:
+            table.hold(keys, None, value)
+    return bound
+
+
+def _grant(keys: tuple, position: int, table, ctx) -> tuple:
+    """(position,) when a dying input's storages may be overwritten (owned, held by it alone),
+    telling `ctx` of the write when it keeps something of theirs; else (). The generated code
+    decides a single owned storage and nothing kept inline."""
+    if len(keys) == 1 and table.count.get(keys[0]) == 1 and table.owned.get(keys[0]) or \
+            len(keys) > 1 and table.exclusive(keys):
+        if ctx.kept_storages and not ctx.kept_storages.isdisjoint(keys):
+            ctx.overwriting(keys)
+        return (position,)
+    return ()
 
 
 def _memo_lines(outputs: list) -> list[str]:
@@ -120,24 +160,26 @@ def compile_plan(graph: Graph, plan):
         return None
     names = _names(plan)
     keyless = {vid for step in plan.steps if isinstance(step.fn, ShapeGroup) for vid in step.outputs}
-    namespace = {"nd": np.ndarray, "root": storage_root, "bind": bound_outputs, "bind_one": bound_output,
+    namespace = {"one": _bind_one, "many": _bind_many, "grant": _grant,
                  "target": inplace_target}
     lines = ["def run(V, K, table, ctx):",
-             "    cnt, own = table.count, table.owned",
-             "    cnt_get, own_get, excl, drop, hold = cnt.get, own.get, table.exclusive, table.drop, table.hold"]
+             "    cnt_get, own_get, drop = table.count.get, table.owned.get, table.drop"]
     for vid in plan.inputs:
         lines.append(f"    v{names[vid]} = V[{vid}]; k{names[vid]} = K[{vid}]")
     for vid in plan.constants:  # globals: never assigned in the function
         namespace[f"v{names[vid]}"] = plan.values_template[vid]
         namespace[f"k{names[vid]}"] = plan.keys_template[vid]
-    lines += ["    at = -1", "    try:", "        pass"]
+    lines += ["    try:"]
+    starts = []  # the first line of each step: a failure is placed by its line number
     for index, step in enumerate(plan.steps):
+        starts.append(len(lines) + 1)
         lines += _step_lines(index, step, namespace, names, keyless)
     outputs = ", ".join(f"v{names[v]}" for v in plan.outputs)
     output_keys = ", ".join(f"k{names[v]}" for v in plan.outputs)
-    lines += ["    except Exception as error:",
+    lines += ["        pass",
+              "    except Exception as error:",
               "        scope = locals()",
-              "        step = STEPS[at]",
+              "        step = STEPS[bisect(STARTS, error.__traceback__.tb_lineno) - 1]",
               "        args = [None if v == -1 else scope.get(f'v{NAMES[v]}', globals().get(f'v{NAMES[v]}'))",
               "                for v in step.inputs]",
               "        wrapped = node_error(GRAPH, step.node, args, error)",
@@ -145,13 +187,24 @@ def compile_plan(graph: Graph, plan):
               "            raise",
               "        raise wrapped from error",
               f"    return [{outputs}], [{output_keys}]"]
-    namespace.update(STEPS=plan.steps, GRAPH=graph, NAMES=names, node_error=node_error)
+    namespace.update(STEPS=plan.steps, STARTS=starts, GRAPH=graph, NAMES=names, node_error=node_error,
+                     bisect=bisect_right)
     exec(compile("\n".join(lines), f"<runnx plan of {graph.name or 'graph'}>", "exec"), namespace)
     return namespace["run"]
 
 
+def _grant_test(keys: str, position: int, inline_only: bool = False) -> str:
+    """An expression true when the dying input whose keys are local `keys` is granted: a single
+    owned storage it alone holds, nothing kept this run, decided inline; else by `_grant`."""
+    test = f"len({keys}) == 1 and cnt_get({keys}[0]) == 1 and own_get({keys}[0]) and not ctx.kept_storages"
+    return test if inline_only else f"{test} or grant({keys}, {position}, table, ctx)"
+
+
 def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyless: set) -> list[str]:
-    """The lines of one step; `keyless` values (memo outputs) are never granted, counted or released."""
+    """The lines of one step; `keyless` values (memo outputs) are never granted, counted or released.
+    The common path is inline (a single owned storage granted, an ndarray output counted, a
+    release); what is rarer calls a helper above: a grant to decide with `StorageTable.exclusive`
+    or to tell `ctx` of, an output that is not an ndarray, a step of several outputs."""
     node = step.node
     candidates = [(position, vid) for position, vid in step.candidates if vid not in keyless]
     arguments = ["None" if v == MISSING else f"v{names[v]}" for v in step.inputs]
@@ -161,84 +214,81 @@ def _step_lines(index: int, step, namespace: dict, names: dict[int, str], keyles
         arguments.append(f"**a{index}")
     if step.wants_ctx:
         arguments.append("ctx=ctx")
-    lines = [f"        # {node.describe()}", f"        at = {index}"]
-    if candidates:
-        lines.append("        g = ()")
-        for position, vid in candidates:
-            lines += [f"        k = k{names[vid]}",
-                      "        if len(k) == 1 and cnt_get(k[0]) == 1 and own_get(k[0]) or len(k) > 1 and excl(k):",
-                      f"            g += ({position},)",
-                      "            if ctx.kept_storages and not ctx.kept_storages.isdisjoint(k):",
-                      "                ctx.overwriting(k)"]
-        arguments.append("overwrite=g")
-    elif "overwrite" in step.kwargs:
-        arguments.append("overwrite=()")
-    call = f"f{index}({', '.join(arguments)})"
+    lines = [f"        # {node.describe()}"]
     ufunc = node.kernel.ufunc if node.kernel is not None and step.fn is node.kernel.fn else None
-    if isinstance(step.fn, ShapeGroup) and MISSING not in step.inputs:
-        lines += _memo_lines_found(index, step, names, call, namespace)
-    elif ufunc is not None and len(step.inputs) in (1, 2) and MISSING not in step.inputs:
-        lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], bool(candidates), namespace)
+    inline_ufunc = (ufunc is not None and not isinstance(step.fn, ShapeGroup) and len(step.inputs) in (1, 2)
+                    and MISSING not in step.inputs)
+    if inline_ufunc and len(candidates) == 1:  # the grant decided inside the ufunc call's arguments
+        position, vid = candidates[0]
+        lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], [position], namespace,
+                                     _grant_test(f"k{names[vid]}", position))
     else:
-        lines.append(f"        r = {call}")
+        if candidates:
+            grants = [f"(({position},) if {_grant_test(f'k{names[vid]}', position, inline_only=True)} else "
+                      f"grant(k{names[vid]}, {position}, table, ctx))" for position, vid in candidates]
+            lines.append(f"        g = {' + '.join(grants)}")
+            arguments.append("overwrite=g")
+        elif "overwrite" in step.kwargs:
+            arguments.append("overwrite=()")
+        call = f"f{index}({', '.join(arguments)})"
+        if isinstance(step.fn, ShapeGroup) and MISSING not in step.inputs:
+            lines += _memo_lines_found(index, step, names, call, namespace)
+        elif inline_ufunc:
+            lines += _inline_ufunc_lines(index, ufunc, arguments[:len(step.inputs)], [p for p, _ in candidates],
+                                         namespace)
+        else:
+            lines.append(f"        r = {call}")
     outputs = [(j, names[v]) for j, v in enumerate(step.outputs) if v != MISSING]
     if isinstance(step.fn, ShapeGroup):
         lines += _memo_lines([name for _, name in outputs])
     elif step.single:
-        bind_lines = _bind_lines(names[step.outputs[0]], "r", "        ", f"bind(STEPS[{index}].node, 1, r)[0]")
-        if candidates:  # a kernel that returns a dying input itself (overwritten, or unchanged):
-            out = names[step.outputs[0]]  # the output takes over its storage count, the release is a no-op
-            for n, (_, vid) in enumerate(candidates):
-                vid = names[vid]
-                lines += [f"        {'elif' if n else 'if'} r is v{vid}:",
-                          f"            v{out} = r", f"            k{out} = k{vid}", f"            k{vid} = ()"]
-            bind_lines = ["        else:"] + ["    " + line for line in bind_lines]
-        lines += bind_lines
+        out = names[step.outputs[0]]
+        # a kernel that returns a dying input itself (overwritten, or unchanged): the output takes
+        # over its storage count, the release is a no-op
+        for n, (_, vid) in enumerate(candidates):
+            lines += [f"        {'elif' if n else 'if'} r is v{names[vid]}:",
+                      f"            v{out} = r; k{out} = k{names[vid]}; k{names[vid]} = ()"]
+        bind = f"v{out}, k{out} = one(r, table, STEPS[{index}])"
+        lines += ["        else:", f"            {bind}"] if candidates else [f"        {bind}"]
     elif outputs:
-        count = len(step.outputs)
-        lines += [f"        if type(r) is tuple and len(r) == {count}:"]
-        for j, vid in outputs:
-            lines += [f"            o = r[{j}]"] + _bind_lines(vid, "o", "            ", "bind_one(o)")
         targets = ", ".join("(_, _)" if v == MISSING else f"(v{names[v]}, k{names[v]})" for v in step.outputs)
-        lines += ["        else:", f"            {targets}, = bind(STEPS[{index}].node, {count}, r)"]
-        lines += [f"            hold(k{v}, None, v{v})" for _, v in outputs]
+        lines.append(f"        {targets}, = many(r, table, STEPS[{index}])")
     for vid in step.releases:
-        if vid in keyless:
-            lines.append(f"        v{names[vid]} = None")
-            continue
-        vid = names[vid]
-        lines += [f"        k = k{vid}",
-                  "        if len(k) == 1:",
-                  "            key = k[0]",
-                  "            h = cnt[key] - 1",
-                  "            if h:",
-                  "                cnt[key] = h",
-                  "            else:",
-                  "                del cnt[key], own[key]",
-                  "        elif k:",
-                  "            drop(k)",
-                  f"        v{vid} = None"]
+        if vid not in keyless:
+            lines.append(f"        if k{names[vid]}: drop(k{names[vid]})")
+        lines.append(f"        v{names[vid]} = None")
     return lines
 
 
-def _inline_ufunc_lines(index: int, ufunc, inputs: list[str], granting: bool, namespace: dict) -> list[str]:
+def _inline_ufunc_lines(index: int, ufunc, inputs: list[str], granting: list, namespace: dict,
+                        test: str | None = None) -> list[str]:
     """A kernel registered as `binary`/`unary` of a ufunc (registry.py) called as the ufunc itself:
     into the granted input `binary`/`unary` would write (`inplace_target`, C-contiguity), else
     into a fresh array (a 0-d result comes back a numpy scalar: binding makes it an array, as the
-    kernel would). On a chain of small ops the two calls around the ufunc cost as much as the
-    plan's bookkeeping."""
+    kernel would). `granting`: the positions that may be granted, in local `g`; or, with `test`
+    (an expression true when the one position in `granting` is granted), decided in the call.
+    On a chain of small ops the two calls around the ufunc cost as much as the plan's bookkeeping."""
     namespace[f"u{index}"] = ufunc
     a = inputs[0]
+    granted = "g" if test is None else f"({test})"
     if len(inputs) == 1:
         if not granting:
             return [f"        r = u{index}({a})"]
-        return [f"        r = u{index}({a}, {a}) if g and {a}.flags.c_contiguous else u{index}({a})"]
+        return [f"        r = u{index}({a}, {a}) if {granted} and {a}.flags.c_contiguous else u{index}({a})"]
     b = inputs[1]
     if not granting:
         return [f"        r = u{index}({a}, {b})"]
     # first the case of equal operands, as `inplace_target` decides it (a tenth of a tiny node's cost)
     fits = f"{a}.shape == {b}.shape and {a}.dtype == {b}.dtype and {a}.flags.c_contiguous"
-    return [f"        if g and g[0] == 0 and {fits}:",
+    if test is not None:
+        position = granting[0]
+        into = f"{a} if {fits} else target({a}, {b}, (0,))" if position == 0 else f"target({a}, {b}, ({position},))"
+        return [f"        r = u{index}({a}, {b}, ({into}) if {test} else None)"]
+    fallback = f"r = u{index}({a}, {b}, target({a}, {b}, g) if g else None)"
+    if 0 not in granting:
+        return [f"        {fallback}"]
+    first = "g" if granting == [0] else "g and g[0] == 0"  # g is (0,) when granted
+    return [f"        if {first} and {fits}:",
             f"            r = u{index}({a}, {b}, {a})",
             "        else:",
-            f"            r = u{index}({a}, {b}, target({a}, {b}, g) if g else None)"]
+            f"            {fallback}"]

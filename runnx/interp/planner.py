@@ -48,9 +48,14 @@ class Plan:
         return [step.node for step in self.steps]
 
 
-def _reads(node: Node):
-    yield from (v for v in node.inputs if v != MISSING)
-    yield from node.captures
+_NONE = frozenset()
+
+
+def _reads(node: Node) -> list[int]:
+    reads = [v for v in node.inputs if v != MISSING]
+    if node.captures:
+        reads += node.captures
+    return reads
 
 
 def _consumes(node: Node) -> bool:
@@ -72,14 +77,18 @@ def _needed_nodes(graph: Graph, provided: frozenset, outputs, fixed: dict) -> li
     """Iterative DFS backwards from the outputs; detects cycles and missing values."""
     state: dict[int, int] = {}  # node index -> 1 visiting, 2 done
     needed: list[Node] = []
-    by_index = {node.index: node for node in graph.nodes}
 
-    def producer_of(vid: int, user: str):
+    producer = graph.producer
+
+    def producer_of(vid: int, user):
+        """The node producing `vid`, None for a provided value or a constant; `user` (the reading
+        node, or a description) only names it in errors."""
         if vid in provided or vid in fixed:
             return None
-        node = graph.producer.get(vid)
+        node = producer.get(vid)
         if node is None:
             name = graph.names[vid]
+            user = user.describe() if isinstance(user, Node) else user
             if vid in graph.inputs or vid in graph.capture_ids:
                 raise MissingInputError(f"input '{name}' is needed by {user} but was not provided")
             raise MissingValueError(f"value '{name}' needed by {user} is not produced by any node")
@@ -89,12 +98,12 @@ def _needed_nodes(graph: Graph, provided: frozenset, outputs, fixed: dict) -> li
         root = producer_of(out, f"the requested output '{graph.names[out]}'")
         if root is None or state.get(root.index) == 2:
             continue
-        stack = [(root, iter(list(_reads(root))))]
+        stack = [(root, iter(_reads(root)))]
         state[root.index] = 1
         while stack:
             node, reads = stack[-1]
             for vid in reads:
-                dep = producer_of(vid, node.describe())
+                dep = producer_of(vid, node)
                 if dep is None:
                     continue
                 mark = state.get(dep.index)
@@ -103,14 +112,13 @@ def _needed_nodes(graph: Graph, provided: frozenset, outputs, fixed: dict) -> li
                                      f"{node.describe()})")
                 if mark is None:
                     state[dep.index] = 1
-                    stack.append((dep, iter(list(_reads(dep)))))
+                    stack.append((dep, iter(_reads(dep))))
                     break
             else:
                 state[node.index] = 2
                 needed.append(node)
                 stack.pop()
     needed.sort(key=lambda n: n.index)
-    del by_index
     return needed
 
 
@@ -119,9 +127,10 @@ def _forward_order(graph: Graph, needed: list[Node], provided: frozenset, fixed:
     waiting: dict[int, int] = {}
     consumers: dict[int, list[Node]] = {}
     in_plan = {node.index for node in needed}
+    producer = graph.producer
     for node in needed:
         deps = {vid for vid in _reads(node)
-                if vid not in provided and vid not in fixed and graph.producer[vid].index in in_plan}
+                if vid not in provided and vid not in fixed and producer[vid].index in in_plan}
         waiting[node.index] = len(deps)
         for vid in deps:
             consumers.setdefault(vid, []).append(node)
@@ -140,31 +149,44 @@ def _forward_order(graph: Graph, needed: list[Node], provided: frozenset, fixed:
 
 
 def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs, fixed: dict) -> Plan:
+    """One pass forwards for each value's last reads, one building the steps: linear in the reads."""
     requested = set(outputs)
     last_use: dict[int, int] = {}  # released after this step
     last_data_use: dict[int, int] = {}  # later steps read its shape only: its data may be overwritten here
+    all_reads = []
     for position, node in enumerate(order):
-        for vid in _reads(node):
+        reads = _reads(node)
+        all_reads.append(reads)
+        shape_only = getattr(node.kernel, "shape_only", ())
+        data = reads if not shape_only else _data_reads(node, shape_only)
+        for vid in reads:
             last_use[vid] = position
-            if not node.reads_shape_only(vid):
-                last_data_use[vid] = position
+        for vid in data:
+            last_data_use[vid] = position
     # constants are read-only, never owned: never candidates, never released (held all run for free)
     read_only = fixed.keys() - provided
     steps = []
     for position, node in enumerate(order):
-        reads = list(_reads(node))
+        reads = all_reads[position]
         dying = {vid for vid in reads if last_use[vid] == position and vid not in requested}
-        released = tuple(sorted(dying - read_only))
-        once = {vid for vid in dying if reads.count(vid) == 1}
+        released = tuple(sorted(dying - read_only)) if dying else ()
         kernel = node.kernel
-        candidates = tuple((pos, vid) for pos, vid in enumerate(node.inputs)
-                           if vid != MISSING and last_data_use.get(vid) == position and vid not in requested
-                           and vid not in read_only and reads.count(vid) == 1 and kernel.can_overwrite(pos))
-        movable = frozenset(vid for vid in node.captures if vid in once)
-        unused = tuple(vid for vid in node.outputs
-                       if vid != MISSING and vid not in last_use and vid not in requested)
+        consumes = kernel.inplace or kernel.inplace_from is not None
+        candidates = ()
+        if consumes:
+            for pos, vid in enumerate(node.inputs):
+                if (last_data_use.get(vid) == position and vid not in requested and vid not in read_only
+                        and reads.count(vid) == 1 and kernel.can_overwrite(pos)):
+                    candidates += ((pos, vid),)
+        movable = _NONE
+        if node.captures:
+            movable = frozenset(vid for vid in node.captures if vid in dying and reads.count(vid) == 1)
+        unused = ()
+        for vid in node.outputs:
+            if vid not in last_use and vid != MISSING and vid not in requested:
+                unused += (vid,)
         kwargs = dict(node.attrs)
-        if kernel.inplace or kernel.inplace_from is not None:
+        if consumes:
             kwargs["overwrite"] = ()  # the executor grants positions per run
         if kernel.wants_output_count:
             kwargs["output_count"] = len(node.outputs)
@@ -174,18 +196,25 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs, fix
             kwargs["state"] = node.state
         steps.append(Step(node, node.inputs, node.outputs, candidates, movable, released + unused, kernel.fn,
                           kwargs, kernel.wants_ctx, len(node.outputs) == 1 and node.outputs[0] != MISSING))
-    read = set(last_use) | requested
-    constants = tuple(sorted(v for v in fixed if v in read and v not in provided))
+    constants = tuple(sorted(v for v in fixed if (v in last_use or v in requested) and v not in provided))
     values, keys = [None] * (len(graph.names) + 1), [()] * (len(graph.names) + 1)
     for vid in constants:
         values[vid] = fixed[vid]
         keys[vid] = storage_keys(values[vid])
     return Plan(
         steps=tuple(steps),
-        inputs=tuple(sorted(v for v in provided if v in read)),
+        inputs=tuple(sorted(v for v in provided if v in last_use or v in requested)),
         constants=constants,
         outputs=tuple(outputs),
-        unused_inputs=tuple(sorted(v for v in provided if v not in read)),
+        unused_inputs=tuple(sorted(v for v in provided if v not in last_use and v not in requested)),
         values_template=tuple(values),
         keys_template=tuple(keys),
     )
+
+
+def _data_reads(node: Node, shape_only) -> set:
+    """The values `node` reads for their data: those at a position not in `shape_only`, and its
+    captures (`Node.reads_shape_only` for all reads at once)."""
+    data = {vid for position, vid in enumerate(node.inputs) if vid != MISSING and position not in shape_only}
+    data.update(node.captures)
+    return data

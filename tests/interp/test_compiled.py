@@ -273,3 +273,67 @@ def test_a_kernels_attributes_become_its_defaults_in_a_compiled_plan():
     assert not any(f"a{i}" in namespace for i in range(len(plan.steps)))
     assert all(k is not step.fn and k.__code__ is step.fn.__code__ for k, step in zip(kernels, plan.steps))
     assert plan.steps[1].fn.__kwdefaults__["axis"] == -1
+
+
+def _helper_paths():
+    """Steps taking each of the compiled plan's shared helpers: a split (several outputs, views of
+    one storage), a dying view whose storage the other view holds (its grant decided by `_grant`:
+    refused), then the other view, alone on it (granted: written in the caller's buffer), a top-k
+    (two outputs of two dtypes), a reduction to 0-d, a broadcasting product run in place, and an
+    owned input consumed inline."""
+    nodes = [helper.make_node("Neg", ["x"], ["a"]),
+             helper.make_node("Split", ["a"], ["s1", "s2"], axis=0, num_outputs=2),
+             helper.make_node("Relu", ["s1"], ["b1"]),
+             helper.make_node("Abs", ["s2"], ["b2"]),
+             helper.make_node("Concat", ["b1", "b2"], ["c"], axis=0),
+             helper.make_node("TopK", ["c", "k"], ["v", "i"], axis=1),
+             helper.make_node("ReduceSum", ["v"], ["m"], keepdims=0),
+             helper.make_node("Mul", ["c", "m"], ["out"]),
+             helper.make_node("Sigmoid", ["z"], ["q"])]
+    graph = helper.make_graph(nodes, "helpers", [helper.make_tensor_value_info("x", F, [4, 6]),
+                                                 helper.make_tensor_value_info("z", F, [3])],
+                              [helper.make_tensor_value_info(n, F, None) for n in ("out", "v", "q", "m", "b1", "b2")]
+                              + [helper.make_tensor_value_info("i", TensorProto.INT64, None)],
+                              [helper.make_tensor("k", TensorProto.INT64, [1], [2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_steps_through_shared_helpers_decide_as_the_interpreted_loop():
+    """Every output bitwise the interpreted one and written where the interpreted loop writes it
+    (sharing the caller's handed-over buffers exactly when it does), run after run."""
+    models = {"compiled": runnx.load(_helper_paths(), compile_after=1),
+              "interpreted": runnx.load(_helper_paths(), compile_after=0)}
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        x, z = rng.standard_normal((4, 6)).astype(np.float32), rng.standard_normal(3).astype(np.float32)
+        results, shares = {}, {}
+        for name, model in models.items():
+            given = {"x": x.copy(), "z": z.copy()}
+            results[name] = model.run({n: runnx.Owned(v) for n, v in given.items()})
+            shares[name] = {(o, n): np.shares_memory(v, given[n]) for o, v in results[name].items() for n in given}
+        for key, value in results["interpreted"].items():
+            got = results["compiled"][key]
+            assert type(got) is type(value) and got.dtype == value.dtype and got.shape == value.shape, key
+            assert got.tobytes() == value.tobytes(), key
+        assert shares["compiled"] == shares["interpreted"]
+        assert shares["compiled"][("q", "z")] and shares["compiled"][("b2", "x")]  # written in the caller's buffers
+        assert not shares["compiled"][("b1", "x")]
+    assert all(callable(c) for c in _compiled(models["compiled"].graph))
+
+
+def test_a_failing_node_deep_in_a_long_plan_is_named():
+    """The compiled plan finds the failing step by the line it failed on: a step of several
+    outputs, and the step after it."""
+    nodes = [helper.make_node("Neg", [f"x{i}"], [f"x{i + 1}"], name=f"neg{i}") for i in range(40)]
+    nodes += [helper.make_node("Split", ["x40", "sizes"], ["p", "r"], axis=0, name="split"),
+              helper.make_node("Reshape", ["r", "shape"], ["t"], name="bad_reshape"),
+              helper.make_node("Concat", ["p", "t"], ["u"], axis=0, name="concat"),
+              helper.make_node("Neg", ["u"], ["out"], name="last")]
+    constants = [helper.make_tensor("sizes", TensorProto.INT64, [2], [2, 6]),
+                 helper.make_tensor("shape", TensorProto.INT64, [2], [4, -1])]
+    model = runnx.load(float_model(nodes, ["x0"], ["out"], None, constants), compile_after=1)
+    with pytest.raises(RunnxError, match=r"Reshape node .bad_reshape. \(inputs r: float32\[6\].*cannot reshape"):
+        model.run({"x0": np.ones(8, np.float32)})
+    with pytest.raises(RunnxError, match=r"Split node .split."):
+        model.run({"x0": np.ones(5, np.float32)})
+    assert all(callable(c) for c in _compiled(model.graph))  # both failures came from the compiled plan

@@ -121,3 +121,21 @@ def test_a_shape_read_after_the_in_place_consumer_does_not_hold_it_back():
     assert profile.inplace["Add"] == 1
     np.testing.assert_array_equal(out["z"], 1 - a)
     np.testing.assert_array_equal(out["s"], [8, 12])
+
+
+def test_the_data_reads_of_each_node_are_those_reads_shape_only_does_not_exclude(fixtures_dir):
+    """The planner finds which values a node reads for their data in one pass over its inputs:
+    the same answer `Node.reads_shape_only` gives one value at a time, on a loaded decoder (shape
+    memos read many values for their shapes only)."""
+    from runnx.interp.planner import _data_reads, _reads
+
+    model = runnx.load(fixtures_dir / "tiny-llama/model.onnx")
+    checked = 0
+    for node in model.graph.nodes:
+        shape_only = getattr(node.kernel, "shape_only", ())
+        if not shape_only:
+            continue
+        expected = {vid for vid in _reads(node) if not node.reads_shape_only(vid)}
+        assert _data_reads(node, shape_only) == expected, node.describe()
+        checked += any(node.reads_shape_only(vid) for vid in _reads(node))
+    assert checked  # some node read a value for its shape only
