@@ -129,6 +129,26 @@ def _unpack_block(blob, bits, count, zero, scale, out):
             out[i] = (((blob[i // per_byte] >> ((i % per_byte) * bits)) & mask) - zero) * scale
 
 
+@_kernel
+def nbits_lanes(rows, block_size, lanes, sums):
+    """The rows of A as `nbits_rows` reads them: lanes (M, 8 // bits, blocks * blob), lane l the
+    values at positions l, l + 8 // bits, ... (zero past K, so a last block's tail adds nothing),
+    and sums (M, blocks), each block's sum (in the sums' type, in order)."""
+    count, depth = rows.shape
+    per_byte = lanes.shape[1]
+    length = lanes.shape[2]
+    for m in range(count):
+        for i in range(length):
+            for lane in range(per_byte):
+                k = i * per_byte + lane
+                lanes[m, lane, i] = rows[m, k] if k < depth else 0.0
+        for block in range(sums.shape[1]):
+            total = rows[m, 0] * 0.0
+            for k in range(block * block_size, min(depth, (block + 1) * block_size)):
+                total += rows[m, k]
+            sums[m, block] = total
+
+
 @_summing
 def _nibble_rows(lanes, sums, weights, sixteens, zero_scales, out):
     """`nbits_rows` for 4 bits and blobs of a multiple of 16 bytes: per column and row,
