@@ -14,7 +14,7 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, bnb4_dequantize, bnb4_rows,
-                                        nbits_dequantize, nbits_rows)
+                                        nbits_dequantize, nbits_lanes, nbits_rows)
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import register
 
@@ -42,13 +42,12 @@ def _nbits_zero_points(zero_points, columns: int, blocks: int, bits: int, work):
 
 
 def _lanes(rows, blocks: int, block_size: int, bits: int):
-    """The rows of A as `nbits_rows` reads them: zero-padded to whole blocks, split into the lanes
-    of a packed byte (lane l: the values at positions l, l + per_byte, ...), and each block's sum."""
+    """The rows of A split into the lanes of a packed byte and each block's sum (`nbits_lanes`)."""
     per_byte = 8 // bits
-    padded = np.zeros((rows.shape[0], blocks * block_size), rows.dtype)
-    padded[:, :rows.shape[1]] = rows
-    lanes = np.ascontiguousarray(padded.reshape(rows.shape[0], -1, per_byte).transpose(0, 2, 1))
-    return lanes, padded.reshape(rows.shape[0], blocks, block_size).sum(axis=2)
+    lanes = np.empty((rows.shape[0], per_byte, blocks * block_size // per_byte), rows.dtype)
+    sums = np.empty((rows.shape[0], blocks), rows.dtype)
+    nbits_lanes(rows, block_size, lanes, sums)
+    return lanes, sums
 
 
 def _check_g_idx(g_idx, depth: int, block_size: int):

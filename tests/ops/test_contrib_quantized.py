@@ -32,7 +32,7 @@ def _nbits_inputs(rows, K, N, bits, block_size, zero_points, dtype=np.float32):
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
-@pytest.mark.parametrize("K,block_size", [(64, 16), (67, 32), (200, 64), (130, 128), (300, 256)])
+@pytest.mark.parametrize("K,block_size", [(64, 16), (67, 32), (128, 32), (200, 64), (130, 128), (300, 256)])
 @pytest.mark.parametrize("rows", [(1,), (2, 3), (19,)])  # streamed (one and few rows) and BLAS panels
 def test_matmul_nbits(bits, zero_points, K, block_size, rows):
     N = 33
@@ -50,6 +50,56 @@ def test_matmul_nbits(bits, zero_points, K, block_size, rows):
     got, expected = run_both("MatMulNBits", [a, b, scales, zeros], initializers=(1, 2, 3), K=K, N=N, bits=bits,
                              block_size=block_size)
     assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def _nbits_reference(a, b, scales, zeros, K, N, bits, block_size):
+    """a @ dequantized(b).T in float64 by numpy: values low bits first in each byte, packed zero
+    points each column's bytes afresh (or 2^(bits-1) without them)."""
+    blocks, per_byte = b.shape[1], 8 // bits
+    shifts = np.arange(per_byte, dtype=np.uint8) * bits
+    values = ((b.reshape(N, -1, 1) >> shifts) & (2 ** bits - 1)).reshape(N, -1)[:, :K].astype(np.float64)
+    if zeros is None:
+        zero = np.full((N, blocks), 2.0 ** (bits - 1))
+    else:
+        zero = ((zeros.reshape(N, -1, 1) >> shifts) & (2 ** bits - 1)).reshape(N, -1)[:, :blocks]
+    weights = (values - np.repeat(zero, block_size, axis=1)[:, :K]) * np.repeat(
+        scales.reshape(N, blocks), block_size, axis=1)[:, :K]
+    return a.astype(np.float64) @ weights.T
+
+
+@pytest.mark.parametrize("zero_points", [None, "packed"])
+@pytest.mark.parametrize("K,block_size", [(64, 16), (100, 32), (256, 64)])
+@pytest.mark.parametrize("rows", [(1,), (3,), (19,)])
+def test_matmul_nbits_two_bits(zero_points, K, block_size, rows):
+    """2 bits (onnxruntime's CPU kernel has none: numpy is the reference), streamed and BLAS panels."""
+    N = 21
+    a, b, scales, zeros = _nbits_inputs(rows, K, N, 2, block_size, zero_points)
+    model, feeds = contrib_model("MatMulNBits", [a, b, scales, zeros], ["y"], initializers=(1, 2, 3), K=K, N=N,
+                                 bits=2, block_size=block_size)
+    got = runnx.load(model).run(feeds)["y"]
+    np.testing.assert_allclose(got, _nbits_reference(a, b, scales, zeros, K, N, 2, block_size), rtol=1e-4,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("K,block_size", [(576, 32), (320, 64)])
+def test_matmul_nbits_few_rows_stream_deterministically(monkeypatch, K, block_size):
+    """Decoding's few-row products read the packed weights (no panel dequantized), and a row's
+    result does not depend on the rows beside it: one row alone equals it inside a batch of
+    eight, bit for bit."""
+    from runnx.ops import contrib_quantized
+
+    def refuse(*args):
+        raise AssertionError("a panel was dequantized for a few rows")
+    monkeypatch.setattr(contrib_quantized, "nbits_dequantize", refuse)
+    N = 70
+    a, b, scales, zeros = _nbits_inputs((8,), K, N, 4, block_size, "packed")
+    attributes = dict(K=K, N=N, bits=4, block_size=block_size)
+    batch = contrib_quantized.MatMulNBits(a, b, scales, zeros, **attributes)
+    for row in (0, 5):
+        alone = contrib_quantized.MatMulNBits(a[row:row + 1], b, scales, zeros, **attributes)
+        np.testing.assert_array_equal(alone[0], batch[row])
+    np.testing.assert_allclose(batch, _nbits_reference(a, b, scales, zeros, K, N, 4, block_size), rtol=1e-4,
+                               atol=1e-4)
 
 
 def test_matmul_nbits_bias_two_dimensional_scales_and_accuracy_level():
