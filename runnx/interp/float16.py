@@ -16,7 +16,8 @@ nodes read (directly or through more such movement) moves float32 copies of its 
 instead: Cast(x, float32) of a float16 x is exact and movement commutes with it, so every value is
 the one the float16 nodes made, rounded where they rounded it. The chain from a rounding to the
 arithmetic then reads as a float32 export's (a rotary embedding's Slices and the Mul reading the
-same value), and the fusion patterns match it.
+same value), and the fusion patterns match it. An export's Cast to float32 is a Cast of float16 to
+float16 once converted: it goes, its widened readers reading the value rounded all the same.
 """
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def widen_float16(graph: Graph, outer: frozenset = frozenset()) -> int:
     widened = 0
     moved_wide = _moves_read_wide(graph)
     wide_copies: set[int] = set()  # float32 values standing for float16 ones, exactly (moved copies)
+    same: dict[int, int] = {}  # the result of a Cast to float16 of a float16 value -> that value
+    kept = set(graph.outputs) | {vid for node in graph.nodes for vid in node.captures}
 
     def add_cast(source: int, to: int, target: int | None = None) -> int:
         nonlocal next_index
@@ -85,14 +88,24 @@ def widen_float16(graph: Graph, outer: frozenset = frozenset()) -> int:
         """Cast(vid, float32): the float16 value itself, rounded (not a widened producer's result)."""
         if vid not in casts:
             casts[vid] = add_cast(vid, FLOAT)
+        wide_copies.add(casts[vid])
         return casts[vid]
 
     for node in graph.nodes:
         for sub in node.subgraphs.values():
             for g in sub if isinstance(sub, list) else [sub]:
                 widened += widen_float16(g, frozenset(graph.names[v] for v in half))
+        if any(vid in same for vid in node.inputs):
+            exact = node.domain == "" and node.kernel is not None and (node.index in moved_wide or (
+                node.op_type in WIDENED and sum(o != MISSING for o in node.outputs) == 1))
+            node.inputs = tuple((exact_float32(same[vid]) if exact else same[vid]) if vid in same else vid
+                                for vid in node.inputs)
         if node.domain != "" or node.kernel is None:
             new_nodes.append(node)
+            continue
+        if node.op_type == "Cast" and node.attrs.get("to") == FLOAT16 and node.inputs[0] in half \
+                and node.outputs[0] not in kept:  # an identity: its readers read the value (widened: rounded)
+            same[node.outputs[0]] = same.get(node.inputs[0], node.inputs[0])
             continue
         reads_half = [vid for vid in node.inputs if vid in half]
         if node.index in moved_wide and (reads_half or any(v in wide_copies for v in node.inputs)):
@@ -125,7 +138,7 @@ def widen_float16(graph: Graph, outer: frozenset = frozenset()) -> int:
             half.update(o for o in node.outputs if o != MISSING)
         elif node.op_type in WIDENED and reads_half:  # float16 still (several outputs)
             half.update(o for o in node.outputs if o != MISSING)
-    if widened:
+    if widened or same:
         graph.nodes = _without_unread(graph, new_nodes, rounding)
         graph.producer = {vid: node for node in graph.nodes for vid in node.outputs if vid != MISSING}
     return widened

@@ -126,3 +126,20 @@ def test_movement_read_as_float16_stays_float16():
     keys = np.concatenate([feeds["past"], (feeds["a"].astype(np.float32) @ w.astype(np.float32)).astype(np.float16)], 1)
     expected = (feeds["a"].astype(np.float32) @ keys.astype(np.float32).transpose(0, 2, 1)).astype(np.float16)
     np.testing.assert_array_equal(fused["scores"], expected)
+
+
+def test_a_cast_of_float16_to_float16_goes_and_its_rounding_stays():
+    """An export's Cast to float (float16 once converted) of a float16 sum is an identity: it goes,
+    and the Mul reading it still reads the sum rounded to float16."""
+    nodes = [helper.make_node("Add", ["x", "a"], ["s"]),
+             helper.make_node("Cast", ["s"], ["c"], to=H, name="identity"),
+             helper.make_node("Mul", ["c", "b"], ["y"])]
+    model = _half_model(nodes, ["x", "a", "b"], ["y"], {})
+    rng = np.random.default_rng(9)
+    feeds = {name: rng.standard_normal((4, 8)).astype(np.float16) for name in ("x", "a", "b")}
+    fused, plain, _ = _fused_and_plain(model, feeds)
+    assert "identity" not in [n.name for n in runnx.load(model, shape_cache=False).plan()]
+    wide = {name: value.astype(np.float32) for name, value in feeds.items()}
+    expected = ((wide["x"] + wide["a"]).astype(np.float16).astype(np.float32) * wide["b"]).astype(np.float16)
+    np.testing.assert_array_equal(fused["y"], expected)
+    np.testing.assert_array_equal(plain["y"], expected)
