@@ -1,8 +1,9 @@
 """Decode step speed at a given context: runnx (optimisations on, and all off) vs onnxruntime on the
 same Optimum `model.onnx`, the same thread count, interleaved rounds so both see the same machine load.
 
-    python scripts/bench_decode.py [MODEL_DIR] [--threads 1] [--contexts 32 512 2000] [--steps 16] [--rounds 3]
+    python scripts/bench_decode.py [MODEL_DIR] [--variant fp16] [--threads 1] [--contexts 32 512 2000] [--steps 16] [--rounds 3]
 
+--variant NAME reads a transformers.js folder's `onnx/model_NAME.onnx` (fp16, q4f16, q4, quantized, ...).
 The past is random (shape-correct) KV of `context` tokens; each step feeds one token and its own
 outputs back, as greedy decoding does (runnx: KV in capacity buffers handed over as runnx.Owned;
 onnxruntime: the present outputs). Reports median tokens/s, runnx node executions per step, and
@@ -26,6 +27,7 @@ def parse_args():
     cache = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model_dir", nargs="?", type=Path, default=cache / "models" / "smollm2-135m")
+    parser.add_argument("--variant", help="a transformers.js folder's onnx/model_VARIANT.onnx (default: model.onnx)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--contexts", type=int, nargs="+", default=[32, 512, 2000])
     parser.add_argument("--steps", type=int, default=16, help="decode steps per round")
@@ -93,7 +95,7 @@ def ort_decoder(session, context: int, steps: int, past: dict):
 def main():
     import onnxruntime
 
-    path = ARGS.model_dir / "model.onnx"
+    path = ARGS.model_dir / "onnx" / f"model_{ARGS.variant}.onnx" if ARGS.variant else ARGS.model_dir / "model.onnx"
     runners = {"runnx": runnx.load(path, threads=ARGS.threads)}
     if not ARGS.no_baseline:
         runners["runnx (no cache/fusion)"] = runnx.load(path, threads=ARGS.threads, shape_cache=False, fuse=False)
@@ -110,8 +112,8 @@ def main():
               f"{'same ids':>10}")
     rng = np.random.default_rng(0)
     for context in ARGS.contexts:
-        past = {n: rng.standard_normal((1, spec[n].shape[1], context, spec[n].shape[3])).astype(np.float32)
-                for n in _past_names(model)}
+        past = {n: rng.standard_normal((1, spec[n].shape[1], context, spec[n].shape[3])).astype(
+                    np.float16 if spec[n].type == "tensor(float16)" else np.float32) for n in _past_names(model)}
         runs = {name: runnx_decoder(m, context, ARGS.steps, past) for name, m in runners.items()}
         runs["onnxruntime"] = ort_decoder(session, context, ARGS.steps, past)
         times = {name: [] for name in runs}

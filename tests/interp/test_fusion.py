@@ -48,6 +48,20 @@ def test_rms_norm_is_fused_and_bitwise_equal():
     np.testing.assert_array_equal(fused["y"], plain["y"])
 
 
+def test_a_float16_rms_norm_fuses_with_its_rounding_before_the_weight():
+    """Converted to float16, the norm computes in float32 (interp/float16.py) and its Cast rounds to
+    float16, widened again for the weight Mul: the fused norm's Cast to float16, bitwise."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    model = convert_float_to_float16(_rms_norm_model(), keep_io_types=False)
+    x = (np.random.default_rng(1).standard_normal((2, 3, 16)) * 300).astype(np.float16)
+    fused = runnx.load(model, shape_cache=False)
+    plain = runnx.load(model, optimization_level="disabled")
+    assert "RMSNorm" in [n.op_type for n in fused.plan()] and "Pow" not in [n.op_type for n in fused.plan()]
+    got = fused.run({"x": x})["y"]
+    assert got.dtype == np.float16 and np.isfinite(got).all()
+    np.testing.assert_array_equal(got, plain.run({"x": x})["y"])
+
+
 def test_a_pattern_whose_intermediate_is_read_elsewhere_is_not_fused():
     x = np.random.default_rng(1).standard_normal((2, 16)).astype(np.float32)
     fused, plain, ops = _both(_rms_norm_model(extra_reader=True), {"x": x})

@@ -5,9 +5,13 @@ Kernels: `runnx/ops/fused.py`.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from runnx.interp.fusion.matcher import Fused, Matcher
 from runnx.interp.ir import MISSING, Node
 from runnx.ops._fused_common import DOMAIN
+
+FLOAT, FLOAT16 = 1, 10  # ONNX element types
 
 
 def _single_axis(m: Matcher, node: Node) -> int | None:
@@ -43,14 +47,13 @@ def _rms_norm(m: Matcher, power: Node) -> Fused | None:
         return None
     if m.other(scale, divide.outputs[0]) != x:
         return None
-    last, to = scale, 0
+    last, casts = scale, []
     readers = m.readers.get(last.outputs[0], ())
-    if len(readers) == 1 and readers[0].op_type == "Cast" and readers[0].domain == "":
-        last, to = readers[0], readers[0].attrs.get("to")
+    while len(readers) == 1 and readers[0].op_type == "Cast" and readers[0].domain == "":
+        last = readers[0]
+        casts.append(last.attrs.get("to"))
         chain.append(last)
         readers = m.readers.get(last.outputs[0], ())
-        if not isinstance(to, int) or to == 0:
-            return None
     if len(readers) != 1 or readers[0].op_type != "Mul" or readers[0].domain != "":
         return None
     weight_mul = readers[0]
@@ -58,7 +61,26 @@ def _rms_norm(m: Matcher, power: Node) -> Fused | None:
     if not m.private(chain, weight_mul.outputs[0]):
         return None
     weight = m.other(weight_mul, last.outputs[0])
+    if (to := _cast_run(m, casts, weight)) is None:
+        return None
     return Fused("RMSNorm", chain, (x, epsilon, one, weight), weight_mul.outputs, {"axis": axis, "to": to})
+
+
+def _cast_run(m: Matcher, casts: list, weight: int) -> int | None:
+    """The one Cast (0: none) RMSNorm's `to` does for this run of Casts before its weight Mul, or None.
+    Casts to float16 then one to float32 (a float16 model's rounding, widened again: float16.py)
+    are the Cast to float16 when the weight is a float32 constant: the kernel's Mul promotes the
+    float16 value back to float32 exactly as that last Cast did."""
+    if not casts:
+        return 0
+    if any(not isinstance(to, int) or to == 0 for to in casts):
+        return None
+    if len(casts) == 1:
+        return casts[0]
+    value = m.graph.constants.get(weight)
+    if casts[-1] != FLOAT or any(to != FLOAT16 for to in casts[:-1]) or value is None or value.dtype != np.float32:
+        return None
+    return FLOAT16
 
 
 def _silu_mul(m: Matcher, sigmoid: Node) -> Fused | None:
