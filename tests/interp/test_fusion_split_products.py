@@ -204,3 +204,23 @@ def test_cuts_of_part_of_an_axis_or_of_an_unknown_width_stay(width):
     feeds = {"x": np.random.default_rng(2).standard_normal((1, 2, 3, 8)).astype(np.float32),
              "cos": np.zeros((1, 1, 3, 4), np.float32)}
     _compare(model, feeds, bitwise=True)
+
+
+@pytest.mark.parametrize("malformed", ["no-outputs", "short-slice", "long-slice"])
+def test_malformed_nodes_reach_the_checks_that_name_them(malformed):
+    """The rewrites run before any kernel checks its node: a node with no outputs, or a Slice with
+    too few or too many inputs, is left as it is (the load or run then raises a runnx error), never
+    an IndexError of the rewrite."""
+    w, _ = _weights()
+    node = {"no-outputs": helper.make_node("Sub", ["x", "x"], []),
+            "short-slice": helper.make_node("Slice", ["p"], ["bad"]),
+            "long-slice": helper.make_node("Slice", ["p", "s", "e", "a", "t", "s"], ["bad"])}[malformed]
+    constants = {"W": w, "s": np.array([0]), "e": np.array([4]), "a": np.array([-1]), "t": np.array([1])}
+    model = _model([helper.make_node("MatMul", ["x", "W"], ["p"]), node,
+                    helper.make_node("Slice", ["p", "s", "e", "a"], ["y"])],
+                   [("x", F)], ["y"], constants, shapes={"x": [1, 1, K]})
+    x = np.ones((1, 1, K), np.float32)
+    try:
+        runnx.load(model.SerializeToString()).run({"x": x})
+    except runnx.RunnxError:
+        pass  # named by the loader or the kernel: what a malformed node should get

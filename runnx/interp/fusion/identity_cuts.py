@@ -23,10 +23,11 @@ def drop_identity_cuts(graph: Graph) -> int:
     captured = {vid for node in graph.nodes for vid in node.captures}
     alias, replaced, changed = {}, {}, 0
     for node in graph.nodes:
-        if node.domain != "" or node.subgraphs:
-            continue
+        if node.domain != "" or node.subgraphs or len(node.outputs) != 1 or not node.inputs:
+            continue  # (a malformed node is left for the loader's and the kernel's checks)
         aliased = node.outputs[0] not in graph.outputs and node.outputs[0] not in captured  # may be read as another
-        if node.op_type == "Slice" and node.since >= 10 and aliased and _whole(static, node):
+        if node.op_type == "Slice" and node.since >= 10 and 3 <= len(node.inputs) <= 5 and aliased \
+                and _whole(static, node):
             alias[node.outputs[0]] = node.inputs[0]
             changed += 1
         elif node.op_type == "Concat" and len(node.inputs) > 1:
@@ -50,7 +51,7 @@ def drop_identity_cuts(graph: Graph) -> int:
 
     nodes = []
     for node in graph.nodes:
-        if node.outputs[0] in alias:
+        if node.outputs and node.outputs[0] in alias:
             continue
         node = replaced.get(node.index, node)
         if any(v in alias for v in node.inputs):

@@ -73,7 +73,7 @@ def split_products(graph: Graph) -> int:
 def _plan(graph: Graph, readers: dict, static: StaticDims, matmul: Node):
     """(nodes removed, the MatMul, its bias Add or None, [(piece output, first column, end column)])
     when `matmul` is a cut product, else None."""
-    if matmul.op_type != "MatMul" or matmul.domain != "" or len(matmul.inputs) != 2:
+    if matmul.op_type != "MatMul" or matmul.domain != "" or len(matmul.inputs) != 2 or len(matmul.outputs) != 1:
         return None
     weight = graph.constants.get(matmul.inputs[1])
     if weight is None or weight.ndim != 2 or weight.dtype.kind != "f" or matmul.inputs[0] in graph.constants:
@@ -81,7 +81,7 @@ def _plan(graph: Graph, readers: dict, static: StaticDims, matmul: Node):
     n = weight.shape[1]
     value, add, members = matmul.outputs[0], None, [matmul]
     first = readers.get(value, ())
-    if len(first) == 1 and _is_bias_add(graph, first[0], value, weight):
+    if len(first) == 1 and len(first[0].outputs) == 1 and _is_bias_add(graph, first[0], value, weight):
         add = first[0]
         members.append(add)
         value = add.outputs[0]
@@ -99,7 +99,8 @@ def _plan(graph: Graph, readers: dict, static: StaticDims, matmul: Node):
     known = static.ints
     pieces = []
     for cut in cuts:
-        if cut.domain != "" or cut.inputs[0] != value or value in cut.inputs[1:] or cut.captures:
+        if cut.domain != "" or cut.inputs[0] != value or value in cut.inputs[1:] or cut.captures or not cut.outputs \
+                or (cut.op_type == "Slice" and cut.since >= 10 and not 3 <= len(cut.inputs) <= 5):
             return None
         found = _slice_piece(cut, known, shape) if cut.op_type == "Slice" else _split_pieces(cut, known, shape)
         if found is None:
