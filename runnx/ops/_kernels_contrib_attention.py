@@ -1,6 +1,7 @@
 """numba kernel of GroupQueryAttention's decode step (`ops/contrib_attention.py`): the new query
 and key rows turned by the rotary caches and the new key and value rows written into the KV cache,
-in one pass over the step's few rows instead of a dozen numpy calls.
+in one pass over the step's few rows instead of a dozen numpy calls; and `decode_step`, that pass
+and the decode attention job in one native call.
 
 The rotation is the numpy reference's arithmetic in its order (x1 * cos - x2 * sin, x2 * cos +
 x1 * sin, no fused multiply-add), so the rows are bitwise those of `contrib_attention._rotate`.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import numba
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.runtime.mailbox import post_attention
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -59,4 +61,20 @@ def rotary_append(query, key, value, positions, cos_cache, sin_cache, half, inte
             for g in range(groups):
                 _turn(key[b, s, g], key_cache[b, g, row], cos, sin, half, interleaved)
                 value_cache[b, g, row, :] = value[b, s, g, :]
+    return True
+
+
+@_kernel
+def decode_step(box, workers, query, key, value, positions, cos_cache, sin_cache, half, interleaved, queries,
+                key_cache, value_cache, starts, begin, stop, scale, out):
+    """A decode step of sequences of one length in one native call, as a decode pool job
+    (`runtime.pool.shared_call`): `rotary_append` into the caches, then the decode attention job
+    (`post_attention`, units per (sequence, KV head, span): the same result for any thread count)
+    of queries over cache rows begin..stop into out (B, N, 1, H). False, having written nothing,
+    when `rotary_append` refuses the rows."""
+    if not rotary_append(query, key, value, positions, cos_cache, sin_cache, half, interleaved, queries, key_cache,
+                         value_cache, starts):
+        return False
+    post_attention(box, workers, queries, key_cache[:, :, begin:stop], value_cache[:, :, begin:stop], None, scale,
+                   0.0, out)
     return True

@@ -6,8 +6,11 @@ share one buffer of the maximum length (the new rows written at each sequence's 
 by `seqlens_k`) or present is past plus the new rows. A granted past (owned, dead after the node)
 is written in place: the shared buffer itself, or past grown into its spare capacity as Concat
 grows a KV cache (`runnx/capture/capacity.py`), so a decode step copies only the new rows.
-Attention itself is `fused.attend` (numba for decode rows, reading the cache in place) with an
-additive mask; softcap and smooth softmax take a numpy path.
+float32 new rows are turned and written into the cache by one numba pass (`rotary_append`); a
+decode step (one row a sequence) then takes the decode attention job over each sequence's own rows
+(`decode_step`, one native call when the lengths are equal in a shared buffer), no mask. Prompts go
+through `fused.attend` with an additive causal mask; softcap, smooth softmax, sinks and a bias take
+a numpy path.
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ import numpy as np
 from runnx.capture.capacity import append_in_place, concatenate_with_headroom
 from runnx.errors import RunnxError
 from runnx.ops import _native
-from runnx.ops._kernels_contrib_attention import rotary_append
+from runnx.ops._kernels_contrib_attention import decode_step, rotary_append
 from runnx.ops.fused import attend
 from runnx.ops.registry import register
+from runnx.runtime.pool import shared_call
 
 DOMAIN = "com.microsoft"
 _FLOAT32 = np.dtype(np.float32)
@@ -236,6 +240,11 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
     length = max(total, past_key.shape[2]) if past_key is not None else total
     factor = scale or 1 / math.sqrt(head_size)
     if _rows_kernel_applies(q, k, v, past_key, past_value, cos_cache, sin_cache, do_rotary, head_size):
+        if (steps == 1 and not softcap and not smooth_softmax and head_sink is None and attention_bias is None
+                and past_key.shape[2] == length == past_value.shape[2] and all(n == counts[0] for n in counts)):
+            return _decode_step(q, k, v, past_key, past_value, positions, starts, counts[0], local_window_size, factor,
+                                cos_cache if do_rotary else None, sin_cache if do_rotary else None,
+                                bool(rotary_interleaved), overwrite, ctx, output_count)
         queries, present_key, present_value = _rotate_and_append(
             q, k, v, past_key, past_value, positions, starts, length, cos_cache if do_rotary else None,
             sin_cache if do_rotary else None, bool(rotary_interleaved), overwrite, ctx)
@@ -308,15 +317,41 @@ def _rotate_and_append(q, k, v, past_key, past_value, positions, starts, length:
     angles = (cos_cache, sin_cache) if cos_cache is not None else (_NO_ANGLES, _NO_ANGLES)
     if not rotary_append(q, k, v, positions, *angles, half, interleaved, queries, present_key, present_value,
                          rows_at):
-        if half and (positions.min() < 0 or positions.max() >= cos_cache.shape[0]):
-            raise RunnxError(f"rotary position ids must be in [0, {cos_cache.shape[0]}) (the cos/sin cache's rows); "
-                             f"got {int(positions.min())}..{int(positions.max())}")
-        raise RunnxError(f"GroupQueryAttention: new rows at {starts.tolist()} + {steps} do not fit the present "
-                         f"cache of {length}")
+        _refuse_rows(positions, starts, cos_cache, steps, length)
     if not shared:
         present_key = _present(past_key, present_key, starts, length, 3 in overwrite, ctx, "key")
         present_value = _present(past_value, present_value, starts, length, 4 in overwrite, ctx, "value")
     return queries, present_key, present_value
+
+
+def _decode_step(q, k, v, past_key, past_value, positions, starts, count: int, window: int, factor: float, cos_cache,
+                 sin_cache, interleaved: bool, overwrite, ctx, output_count: int):
+    """One new row per sequence, all `count` long, into a shared buffer (in place when granted):
+    `decode_step`, the rows kernel and the decode attention job in one native call."""
+    batch, _, heads, size = q.shape
+    present_key = past_key if 3 in overwrite else past_key.copy()
+    present_value = past_value if 4 in overwrite else past_value.copy()
+    if ctx is not None:
+        ctx.count("GroupQueryAttention.writes_in_place", (3 in overwrite) + (4 in overwrite))
+    queries = np.empty((batch, heads, 1, size), _FLOAT32)
+    output = np.empty((batch, heads, 1, size), _FLOAT32)
+    half = cos_cache.shape[1] if cos_cache is not None else 0
+    angles = (cos_cache, sin_cache) if cos_cache is not None else (_NO_ANGLES, _NO_ANGLES)
+    begin = max(0, count - window) if window > 0 else 0
+    if not shared_call(decode_step, q, k, v, positions, *angles, half, interleaved, queries, present_key,
+                       present_value, starts, begin, count, factor, output):
+        _refuse_rows(positions, starts, cos_cache, 1, present_key.shape[2])
+    return _outputs(output.reshape(batch, 1, heads * size), present_key, present_value, output_count)
+
+
+def _refuse_rows(positions, starts, cos_cache, steps: int, length: int):
+    """The RunnxError for rows `rotary_append` refused: a position outside the rotary caches, or
+    rows past the present cache."""
+    if cos_cache is not None and (positions.min() < 0 or positions.max() >= cos_cache.shape[0]):
+        raise RunnxError(f"rotary position ids must be in [0, {cos_cache.shape[0]}) (the cos/sin cache's rows); "
+                         f"got {int(positions.min())}..{int(positions.max())}")
+    raise RunnxError(f"GroupQueryAttention: new rows at {starts.tolist()} + {steps} do not fit the present "
+                     f"cache of {length}")
 
 
 def _decode_attention(queries, present_key, present_value, counts: list, window: int, factor: float):

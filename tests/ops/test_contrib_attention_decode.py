@@ -45,21 +45,27 @@ def _step(lengths, capacity, heads, kv_heads, size, packed=False, rotary_positio
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the decode path's calls: the rows kernel and the decode attention."""
-    calls = {"rows": 0, "attention": 0}
-    rows, attention = contrib_attention.rotary_append, contrib_attention._decode_attention
+    """Counts the decode path's calls: the one-call job (shared buffer, equal lengths), else the
+    rows kernel and the decode attention apart."""
+    calls = {"job": 0, "rows": 0, "attention": 0}
 
-    def counted_rows(*arguments):
-        calls["rows"] += 1
-        return rows(*arguments)
+    def counting(name, key):
+        original = getattr(contrib_attention, name)
 
-    def counted_attention(*arguments):
-        calls["attention"] += 1
-        return attention(*arguments)
+        def counted(*arguments):
+            calls[key] += 1
+            return original(*arguments)
+        monkeypatch.setattr(contrib_attention, name, counted)
 
-    monkeypatch.setattr(contrib_attention, "rotary_append", counted_rows)
-    monkeypatch.setattr(contrib_attention, "_decode_attention", counted_attention)
+    counting("decode_step", "job")
+    counting("rotary_append", "rows")
+    counting("_decode_attention", "attention")
     return calls
+
+
+def _decode_path_ran(calls, steps=1) -> bool:
+    """Whether each of `steps` steps took the decode path (the job, or rows kernel then attention)."""
+    return calls["job"] + calls["rows"] == steps and calls["job"] + calls["attention"] == steps
 
 
 def _compare(inputs, lengths, **attributes):
@@ -81,7 +87,8 @@ def test_decode_step_equals_onnxruntime(spy, interleaved, lengths, capacity, hea
     inputs = _step(lengths, capacity, heads, kv_heads, 16, packed=interleaved == 1,
                    rotary_positions=32 if rotary else 0)
     _compare(inputs, lengths, num_heads=heads, kv_num_heads=kv_heads, **rotary)
-    assert spy == {"rows": 1, "attention": 1}
+    assert _decode_path_ran(spy)
+    assert spy["job"] == int(capacity > 0 and len(set(lengths)) == 1)  # one native call where it can
 
 
 @pytest.mark.parametrize("window", [1, 4, 20])
@@ -89,7 +96,7 @@ def test_decode_step_equals_onnxruntime(spy, interleaved, lengths, capacity, hea
 def test_decode_step_local_window_equals_onnxruntime(spy, window, lengths):
     inputs = _step(lengths, 16, 4, 2, 16, rotary_positions=32)
     _compare(inputs, lengths, num_heads=4, kv_num_heads=2, local_window_size=window, do_rotary=1)
-    assert spy == {"rows": 1, "attention": 1}
+    assert _decode_path_ran(spy)
 
 
 def test_decode_step_softcap_and_scale_equal_onnxruntime(spy):
@@ -97,9 +104,9 @@ def test_decode_step_softcap_and_scale_equal_onnxruntime(spy):
     inputs = _step([4, 8], 12, 4, 2, 16, rotary_positions=16)
     inputs[0] *= 4
     _compare(inputs, [4, 8], num_heads=4, kv_num_heads=2, softcap=2.0, scale=0.3, do_rotary=1)
-    assert spy == {"rows": 1, "attention": 0}
+    assert spy == {"job": 0, "rows": 1, "attention": 0}
     _compare(inputs, [4, 8], num_heads=4, kv_num_heads=2, scale=0.3, do_rotary=1)
-    assert spy == {"rows": 2, "attention": 1}
+    assert spy == {"job": 0, "rows": 2, "attention": 1}
 
 
 def _run(inputs, **attributes):
@@ -108,16 +115,17 @@ def _run(inputs, **attributes):
 
 
 @pytest.mark.parametrize("interleaved", [0, 1])
-def test_decode_step_equals_the_numpy_path(monkeypatch, interleaved):
+@pytest.mark.parametrize("lengths", [[5, 9], [7, 7]])
+def test_decode_step_equals_the_numpy_path(monkeypatch, interleaved, lengths):
     """The rows kernel turns and writes what the numpy path does, bitwise; attention within rounding."""
-    inputs = _step([5, 9], 12, 6, 2, 16, rotary_positions=32)
+    inputs = _step(lengths, 12, 6, 2, 16, rotary_positions=32)
     attributes = dict(num_heads=6, kv_num_heads=2, do_rotary=1, rotary_interleaved=interleaved)
     fast = _run(inputs, **attributes)
     monkeypatch.setattr(_native, "enabled", False)
     slow = _run(inputs, **attributes)
     np.testing.assert_allclose(fast[0], slow[0], rtol=1e-6, atol=1e-6)
     for f, s in zip(fast[1:], slow[1:]):
-        for b, n in enumerate([5, 9]):
+        for b, n in enumerate(lengths):
             np.testing.assert_array_equal(f[b, :, :n + 1], s[b, :, :n + 1])
 
 
