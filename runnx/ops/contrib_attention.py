@@ -240,16 +240,18 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
     length = max(total, past_key.shape[2]) if past_key is not None else total
     factor = scale or 1 / math.sqrt(head_size)
     if _rows_kernel_applies(q, k, v, past_key, past_value, cos_cache, sin_cache, do_rotary, head_size):
-        if (steps == 1 and not softcap and not smooth_softmax and head_sink is None and attention_bias is None
-                and past_key.shape[2] == length == past_value.shape[2] and all(n == counts[0] for n in counts)):
-            return _decode_step(q, k, v, past_key, past_value, positions, starts, counts[0], local_window_size, factor,
+        decoding = steps == 1 and not softcap and not smooth_softmax and head_sink is None and attention_bias is None
+        stops = [1] * batch if first_prompt else counts  # the rows each query sees: up to its own
+        if (decoding and past_key is not None and past_key.shape[2] == length == past_value.shape[2]
+                and all(n == stops[0] for n in stops)):
+            return _decode_step(q, k, v, past_key, past_value, positions, starts, stops[0], local_window_size, factor,
                                 cos_cache if do_rotary else None, sin_cache if do_rotary else None,
                                 bool(rotary_interleaved), overwrite, ctx, output_count)
         queries, present_key, present_value = _rotate_and_append(
             q, k, v, past_key, past_value, positions, starts, length, cos_cache if do_rotary else None,
             sin_cache if do_rotary else None, bool(rotary_interleaved), overwrite, ctx)
-        if steps == 1 and not softcap and not smooth_softmax and head_sink is None and attention_bias is None:
-            output = _decode_attention(queries, present_key, present_value, counts, local_window_size, factor)
+        if decoding:
+            output = _decode_attention(queries, present_key, present_value, stops, local_window_size, factor)
             return _outputs(output.reshape(batch, 1, num_heads * head_size), present_key, present_value,
                             output_count)
     else:

@@ -149,3 +149,14 @@ def test_decode_step_refuses_positions_outside_the_rotary_caches():
     inputs = _step([20], 24, 4, 2, 16, rotary_positions=16)
     with pytest.raises(RunnxError, match=r"rotary position ids must be in \[0, 16\)"):
         _run(inputs, num_heads=4, kv_num_heads=2, do_rotary=1)
+
+
+@pytest.mark.parametrize("capacity", [0, 8])
+def test_a_one_token_prompt_equals_onnxruntime(spy, capacity):
+    """A first prompt of one token: no past at all, or an empty shared buffer."""
+    q, k, v = _normal(2, 1, 4 * 16), _normal(2, 1, 2 * 16), _normal(2, 1, 2 * 16)
+    past = [np.zeros((2, 2, capacity, 16), np.float32)] * 2 if capacity else [None, None]
+    cos, sin = _rotary_caches(16, 16)
+    inputs = [q, k, v, *past, np.zeros(2, np.int32), np.array(1, np.int32), cos, sin]
+    _compare(inputs, [0, 0], num_heads=4, kv_num_heads=2, do_rotary=1)
+    assert _decode_path_ran(spy)
