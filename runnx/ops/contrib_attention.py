@@ -6,8 +6,11 @@ share one buffer of the maximum length (the new rows written at each sequence's 
 by `seqlens_k`) or present is past plus the new rows. A granted past (owned, dead after the node)
 is written in place: the shared buffer itself, or past grown into its spare capacity as Concat
 grows a KV cache (`runnx/capture/capacity.py`), so a decode step copies only the new rows.
-Attention itself is `fused.attend` (numba for decode rows, reading the cache in place) with an
-additive mask; softcap and smooth softmax take a numpy path.
+float32 new rows are turned and written into the cache by one numba pass (`rotary_append`); a
+decode step (one row a sequence) then takes the decode attention job over each sequence's own rows
+(`decode_step`, one native call when the lengths are equal in a shared buffer), no mask. Prompts go
+through `fused.attend` with an additive causal mask; softcap, smooth softmax, sinks and a bias take
+a numpy path.
 """
 from __future__ import annotations
 
@@ -17,10 +20,14 @@ import numpy as np
 
 from runnx.capture.capacity import append_in_place, concatenate_with_headroom
 from runnx.errors import RunnxError
+from runnx.ops import _native
+from runnx.ops._kernels_contrib_attention import decode_step, rotary_append
 from runnx.ops.fused import attend
 from runnx.ops.registry import register
+from runnx.runtime.pool import shared_call
 
 DOMAIN = "com.microsoft"
+_FLOAT32 = np.dtype(np.float32)
 
 
 def _rotate(x, positions, cos_cache, sin_cache, interleaved: bool, rotary_dim: int):
@@ -122,8 +129,8 @@ def _split_packed(query, key, value, heads: int, kv_heads: int):
     if width * (heads + 2 * kv_heads) != query.shape[2]:
         raise RunnxError(f"GroupQueryAttention: packed QKV width {query.shape[2]} is not (num_heads + 2 * "
                          f"kv_num_heads) * head_size for {heads} and {kv_heads} heads")
-    q, k, v = np.split(query, [heads * width, (heads + kv_heads) * width], axis=2)
-    return q, k, v
+    return (query[:, :, :heads * width], query[:, :, heads * width:(heads + kv_heads) * width],
+            query[:, :, (heads + kv_heads) * width:])
 
 
 def _present(past, new, starts, length: int, granted: bool, ctx, what: str):
@@ -211,28 +218,51 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
     k = k.reshape(batch, steps, kv_num_heads, head_size)
     v = v.reshape(batch, steps, kv_num_heads, head_size)
     total = int(np.asarray(total_sequence_length).reshape(-1)[0])
-    lengths = np.asarray(seqlens_k).reshape(-1).astype(np.int64) + 1
-    if lengths.shape != (batch,):
+    seqlens = np.asarray(seqlens_k).reshape(-1)
+    if seqlens.shape != (batch,):
         raise RunnxError(f"GroupQueryAttention: seqlens_k must hold one length per sequence ({batch}), got "
                          f"{list(np.shape(seqlens_k))}")
+    counts = [int(n) + 1 for n in seqlens.tolist()]
     first_prompt = steps == total
+    if not first_prompt and min(counts) < steps:
+        raise RunnxError(f"GroupQueryAttention: seqlens_k + 1 ({counts}) is shorter than the {steps} new tokens")
+    lengths = np.array(counts, np.int64)
     starts = np.zeros(batch, np.int64) if first_prompt else lengths - steps
-    if np.any(starts < 0):
-        raise RunnxError(f"GroupQueryAttention: seqlens_k + 1 ({lengths.tolist()}) is shorter than the {steps} new "
-                         f"tokens")
-    positions = starts[:, None] + np.arange(steps) if position_ids is None else position_ids.astype(np.int64)
-    if do_rotary:
-        if cos_cache is None or sin_cache is None:
-            raise RunnxError("GroupQueryAttention: do_rotary=1 needs cos_cache and sin_cache")
-        rotary_dim = 2 * cos_cache.shape[-1]
-        q = _rotate(q, positions.astype(np.intp), cos_cache, sin_cache, bool(rotary_interleaved), rotary_dim)
-        k = _rotate(k, positions.astype(np.intp), cos_cache, sin_cache, bool(rotary_interleaved), rotary_dim)
-    new_key, new_value = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    if position_ids is None:
+        positions = starts[:, None] + np.arange(steps) if steps > 1 else starts.reshape(batch, 1)
+    elif position_ids.size != batch * steps:
+        raise RunnxError(f"GroupQueryAttention: position_ids must be (batch, sequence) = {[batch, steps]}, got "
+                         f"{list(position_ids.shape)}")
+    else:
+        positions = position_ids.reshape(batch, steps).astype(np.int64, copy=False)
+    if do_rotary and (cos_cache is None or sin_cache is None):
+        raise RunnxError("GroupQueryAttention: do_rotary=1 needs cos_cache and sin_cache")
     length = max(total, past_key.shape[2]) if past_key is not None else total
-    present_key = _present(past_key, new_key, starts, length, 3 in overwrite, ctx, "key")
-    present_value = _present(past_value, new_value, starts, length, 4 in overwrite, ctx, "value")
     factor = scale or 1 / math.sqrt(head_size)
-    queries = np.ascontiguousarray(q.transpose(0, 2, 1, 3))
+    if _rows_kernel_applies(q, k, v, past_key, past_value, cos_cache, sin_cache, do_rotary, head_size):
+        decoding = steps == 1 and not softcap and not smooth_softmax and head_sink is None and attention_bias is None
+        stops = [1] * batch if first_prompt else counts  # the rows each query sees: up to its own
+        if (decoding and past_key is not None and past_key.shape[2] == length == past_value.shape[2]
+                and all(n == stops[0] for n in stops)):
+            return _decode_step(q, k, v, past_key, past_value, positions, starts, stops[0], local_window_size, factor,
+                                cos_cache if do_rotary else None, sin_cache if do_rotary else None,
+                                bool(rotary_interleaved), overwrite, ctx, output_count)
+        queries, present_key, present_value = _rotate_and_append(
+            q, k, v, past_key, past_value, positions, starts, length, cos_cache if do_rotary else None,
+            sin_cache if do_rotary else None, bool(rotary_interleaved), overwrite, ctx)
+        if decoding:
+            output = _decode_attention(queries, present_key, present_value, stops, local_window_size, factor)
+            return _outputs(output.reshape(batch, 1, num_heads * head_size), present_key, present_value,
+                            output_count)
+    else:
+        if do_rotary:
+            rotary_dim = 2 * cos_cache.shape[-1]
+            q = _rotate(q, positions.astype(np.intp), cos_cache, sin_cache, bool(rotary_interleaved), rotary_dim)
+            k = _rotate(k, positions.astype(np.intp), cos_cache, sin_cache, bool(rotary_interleaved), rotary_dim)
+        new_key, new_value = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        present_key = _present(past_key, new_key, starts, length, 3 in overwrite, ctx, "key")
+        present_value = _present(past_value, new_value, starts, length, 4 in overwrite, ctx, "value")
+        queries = np.ascontiguousarray(q.transpose(0, 2, 1, 3))
     if np.all(lengths == lengths[0]):
         output = _attend_rows(queries, present_key, present_value, starts, lengths, int(lengths[0]), local_window_size,
                               attention_bias, factor, softcap, smooth_softmax, head_sink)
@@ -243,7 +273,103 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
                          None if attention_bias is None else attention_bias[b:b + 1] if attention_bias.shape[0] > 1
                          else attention_bias, factor, softcap, smooth_softmax, head_sink) for b in range(batch)])
     output = output.transpose(0, 2, 1, 3).reshape(batch, steps, num_heads * head_size)
-    return (output, present_key, present_value)[:max(output_count, 1)] if output_count > 1 else output
+    return _outputs(output, present_key, present_value, output_count)
+
+
+def _outputs(output, present_key, present_value, output_count: int):
+    return (output, present_key, present_value)[:output_count] if output_count > 1 else output
+
+
+def _rows_kernel_applies(q, k, v, past_key, past_value, cos_cache, sin_cache, do_rotary: int, head_size: int) -> bool:
+    """Whether `rotary_append` takes the new rows: float32 throughout (compiled kernels on), rotary
+    caches of at most head_size / 2 columns."""
+    if not _native.enabled or q.dtype != _FLOAT32 or k.dtype != _FLOAT32 or v.dtype != _FLOAT32:
+        return False
+    if past_key is not None and (past_key.dtype != _FLOAT32 or past_value.dtype != _FLOAT32
+                                 or past_key.shape[3] != head_size or past_value.shape[3] != head_size):
+        return False
+    return not do_rotary or (cos_cache.dtype == _FLOAT32 and sin_cache.dtype == _FLOAT32 and cos_cache.ndim == 2
+                             and sin_cache.shape == cos_cache.shape and 2 * cos_cache.shape[1] <= head_size)
+
+
+_NO_ANGLES = np.ones((1, 1), _FLOAT32)  # the caches `rotary_append` is given without rotation (never read)
+
+
+def _rotate_and_append(q, k, v, past_key, past_value, positions, starts, length: int, cos_cache, sin_cache,
+                       interleaved: bool, overwrite, ctx):
+    """(queries (B, N, S, H), present key, present value): the new rows turned (cos_cache None: as
+    they are) and written into the present caches by one `rotary_append` pass. A shared buffer
+    (past as long as the present) takes them at each sequence's start, in place when granted; else
+    they go to new arrays that `_present` appends to past."""
+    batch, steps, heads, size = q.shape
+    groups = k.shape[2]
+    queries = np.empty((batch, heads, steps, size), _FLOAT32)
+    shared = past_key is not None and past_key.shape[2] == length and past_value.shape[2] == length
+    if shared:
+        present_key = past_key if 3 in overwrite else past_key.copy()
+        present_value = past_value if 4 in overwrite else past_value.copy()
+        if ctx is not None:
+            ctx.count("GroupQueryAttention.writes_in_place", (3 in overwrite) + (4 in overwrite))
+        rows_at = starts
+    else:
+        present_key = np.empty((batch, groups, steps, size), _FLOAT32)
+        present_value = np.empty((batch, groups, steps, size), _FLOAT32)
+        rows_at = np.zeros(batch, np.int64)
+    half = cos_cache.shape[1] if cos_cache is not None else 0
+    angles = (cos_cache, sin_cache) if cos_cache is not None else (_NO_ANGLES, _NO_ANGLES)
+    if not rotary_append(q, k, v, positions, *angles, half, interleaved, queries, present_key, present_value,
+                         rows_at):
+        _refuse_rows(positions, starts, cos_cache, steps, length)
+    if not shared:
+        present_key = _present(past_key, present_key, starts, length, 3 in overwrite, ctx, "key")
+        present_value = _present(past_value, present_value, starts, length, 4 in overwrite, ctx, "value")
+    return queries, present_key, present_value
+
+
+def _decode_step(q, k, v, past_key, past_value, positions, starts, count: int, window: int, factor: float, cos_cache,
+                 sin_cache, interleaved: bool, overwrite, ctx, output_count: int):
+    """One new row per sequence, all `count` long, into a shared buffer (in place when granted):
+    `decode_step`, the rows kernel and the decode attention job in one native call."""
+    batch, _, heads, size = q.shape
+    present_key = past_key if 3 in overwrite else past_key.copy()
+    present_value = past_value if 4 in overwrite else past_value.copy()
+    if ctx is not None:
+        ctx.count("GroupQueryAttention.writes_in_place", (3 in overwrite) + (4 in overwrite))
+    queries = np.empty((batch, heads, 1, size), _FLOAT32)
+    output = np.empty((batch, heads, 1, size), _FLOAT32)
+    half = cos_cache.shape[1] if cos_cache is not None else 0
+    angles = (cos_cache, sin_cache) if cos_cache is not None else (_NO_ANGLES, _NO_ANGLES)
+    begin = max(0, count - window) if window > 0 else 0
+    if not shared_call(decode_step, q, k, v, positions, *angles, half, interleaved, queries, present_key,
+                       present_value, starts, begin, count, factor, output):
+        _refuse_rows(positions, starts, cos_cache, 1, present_key.shape[2])
+    return _outputs(output.reshape(batch, 1, heads * size), present_key, present_value, output_count)
+
+
+def _refuse_rows(positions, starts, cos_cache, steps: int, length: int):
+    """The RunnxError for rows `rotary_append` refused: a position outside the rotary caches, or
+    rows past the present cache."""
+    if cos_cache is not None and (positions.min() < 0 or positions.max() >= cos_cache.shape[0]):
+        raise RunnxError(f"rotary position ids must be in [0, {cos_cache.shape[0]}) (the cos/sin cache's rows); "
+                         f"got {int(positions.min())}..{int(positions.max())}")
+    raise RunnxError(f"GroupQueryAttention: new rows at {starts.tolist()} + {steps} do not fit the present "
+                     f"cache of {length}")
+
+
+def _decode_attention(queries, present_key, present_value, counts: list, window: int, factor: float):
+    """Attention of one query row per sequence (B, N, 1, H) over its own filled cache rows (counts[b];
+    the last `window` of them with a local window), no mask: the float32 decode attention job of
+    `fused.attend`, the batch in one job when the lengths are equal, else a job a sequence."""
+    if all(n == counts[0] for n in counts):
+        stop = counts[0]
+        begin = max(0, stop - window) if window > 0 else 0
+        return attend(queries, present_key[:, :, begin:stop], present_value[:, :, begin:stop], None, factor, 0.0)
+    output = np.empty(queries.shape, queries.dtype)
+    for b, stop in enumerate(counts):
+        begin = max(0, stop - window) if window > 0 else 0
+        output[b:b + 1] = attend(queries[b:b + 1], present_key[b:b + 1, :, begin:stop],
+                                 present_value[b:b + 1, :, begin:stop], None, factor, 0.0)
+    return output
 
 
 def _heads(x, heads: int):

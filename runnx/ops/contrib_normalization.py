@@ -31,9 +31,38 @@ def _vector(value, width: int, dtype, what: str, op: str) -> np.ndarray:
     return np.ascontiguousarray(value.reshape(width), dtype=dtype)
 
 
+_FLOAT32 = np.dtype(np.float32)
+_NONE32 = np.empty(0, _FLOAT32)  # an absent bias or beta
+
+
+def _float32_rows(x, skip, gamma, beta, bias) -> bool:
+    """Whether the norm is `_skip_norm_float32`'s: float32 throughout, skip of x's shape, every
+    array C-contiguous (a decode step's rows, read and written as they are)."""
+    return (x.dtype == _FLOAT32 and skip.dtype == _FLOAT32 and gamma.dtype == _FLOAT32 and skip.shape == x.shape
+            and x.flags.c_contiguous and skip.flags.c_contiguous and gamma.flags.c_contiguous
+            and gamma.size == x.shape[-1] and (beta is None or (beta.dtype == _FLOAT32 and beta.flags.c_contiguous
+                                                               and beta.size == x.shape[-1]))
+            and (bias is None or (bias.dtype == _FLOAT32 and bias.flags.c_contiguous and bias.size == x.shape[-1])))
+
+
+def _skip_norm_float32(x, skip, gamma, beta, bias, epsilon, simplified, output_count):
+    """`_skip_norm` of float32 rows: one `skip_norm_rows` call writing the outputs themselves."""
+    width = x.shape[-1]
+    rows = x.size // width
+    out, total = np.empty(x.shape, _FLOAT32), np.empty(x.shape, _FLOAT32)
+    stats_shape = x.shape[:-1] + (1,)
+    mean, inv_std = np.empty(stats_shape, _FLOAT32), np.empty(stats_shape, _FLOAT32)
+    skip_norm_rows(x.reshape(rows, width), skip.reshape(rows, width), _NONE32 if bias is None else bias.reshape(width),
+                   gamma.reshape(width), _NONE32 if beta is None else beta.reshape(width), float(epsilon), simplified,
+                   out.reshape(rows, width), total.reshape(rows, width), mean.reshape(rows), inv_std.reshape(rows))
+    return (out, mean, inv_std, total)[:output_count] if output_count > 1 else out
+
+
 def _skip_norm(op, x, skip, gamma, beta, bias, epsilon, simplified, output_count):
     if x.ndim < 2:
         raise RunnxError(f"{op}: input must be at least 2-D (rows, hidden), got shape {list(x.shape)}")
+    if x.size and _float32_rows(x, skip, gamma, beta, bias):
+        return _skip_norm_float32(x, skip, gamma, beta, bias, epsilon, simplified, output_count)
     width = x.shape[-1]
     rows = x.size // width if width else 0
     if skip.shape[-2:] != x.shape[-2:] or skip.size not in (x.size, width * x.shape[-2]):

@@ -1,0 +1,80 @@
+"""numba kernel of GroupQueryAttention's decode step (`ops/contrib_attention.py`): the new query
+and key rows turned by the rotary caches and the new key and value rows written into the KV cache,
+in one pass over the step's few rows instead of a dozen numpy calls; and `decode_step`, that pass
+and the decode attention job in one native call.
+
+The rotation is the numpy reference's arithmetic in its order (x1 * cos - x2 * sin, x2 * cos +
+x1 * sin, no fused multiply-add), so the rows are bitwise those of `contrib_attention._rotate`.
+"""
+from __future__ import annotations
+
+import numba
+
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.runtime.mailbox import post_attention
+
+_kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
+
+
+@_kernel
+def _turn(source, target, cos, sin, half, interleaved):
+    """target[:2 half] = source's first 2 half values rotated by angles (cos, sin) of `half` each:
+    halves (x[i], x[half + i]) or interleaved pairs (x[2i], x[2i + 1]); the rest copied."""
+    for i in range(half):
+        if interleaved:
+            first, second = source[2 * i], source[2 * i + 1]
+            target[2 * i] = first * cos[i] - second * sin[i]
+            target[2 * i + 1] = second * cos[i] + first * sin[i]
+        else:
+            first, second = source[i], source[half + i]
+            target[i] = first * cos[i] - second * sin[i]
+            target[half + i] = second * cos[i] + first * sin[i]
+    for i in range(2 * half, source.shape[0]):
+        target[i] = source[i]
+
+
+@_kernel
+def rotary_append(query, key, value, positions, cos_cache, sin_cache, half, interleaved, queries, key_cache,
+                  value_cache, starts):
+    """queries[b, n, s] = query head n of row (b, s) turned at positions[b, s]; key head g of row
+    (b, s) turned and value head g copied into key_cache / value_cache[b, g, starts[b] + s].
+
+    query (B, S, N, H), key and value (B, S, G, H), any strides (views into a packed QKV);
+    queries (B, N, S, H); the caches (B, G, T, H). half = 0: no rotation. Returns False, having
+    written nothing, when a position is outside the caches' rows [0, len(cos_cache)) or a row
+    falls past T (the caller raises); True otherwise."""
+    batch, steps = query.shape[0], query.shape[1]
+    heads, groups = query.shape[2], key.shape[2]
+    for b in range(batch):
+        if starts[b] < 0 or starts[b] + steps > key_cache.shape[2]:
+            return False
+        for s in range(steps):
+            if half and (positions[b, s] < 0 or positions[b, s] >= cos_cache.shape[0]):
+                return False
+    for b in range(batch):
+        for s in range(steps):
+            position = positions[b, s] if half else 0
+            cos, sin = cos_cache[position], sin_cache[position]
+            for n in range(heads):
+                _turn(query[b, s, n], queries[b, n, s], cos, sin, half, interleaved)
+            row = starts[b] + s
+            for g in range(groups):
+                _turn(key[b, s, g], key_cache[b, g, row], cos, sin, half, interleaved)
+                value_cache[b, g, row, :] = value[b, s, g, :]
+    return True
+
+
+@_kernel
+def decode_step(box, workers, query, key, value, positions, cos_cache, sin_cache, half, interleaved, queries,
+                key_cache, value_cache, starts, begin, stop, scale, out):
+    """A decode step of sequences of one length in one native call, as a decode pool job
+    (`runtime.pool.shared_call`): `rotary_append` into the caches, then the decode attention job
+    (`post_attention`, units per (sequence, KV head, span): the same result for any thread count)
+    of queries over cache rows begin..stop into out (B, N, 1, H). False, having written nothing,
+    when `rotary_append` refuses the rows."""
+    if not rotary_append(query, key, value, positions, cos_cache, sin_cache, half, interleaved, queries, key_cache,
+                         value_cache, starts):
+        return False
+    post_attention(box, workers, queries, key_cache[:, :, begin:stop], value_cache[:, :, begin:stop], None, scale,
+                   0.0, out)
+    return True
