@@ -3,7 +3,8 @@ same Optimum `model.onnx`, the same thread count, interleaved rounds so both see
 
     python scripts/bench_decode.py [MODEL_DIR] [--variant fp16] [--threads 1] [--contexts 32 512 2000] [--steps 16] [--rounds 3]
 
---variant NAME reads a transformers.js folder's `onnx/model_NAME.onnx` (fp16, q4f16, q4, quantized, ...).
+--variant NAME reads a transformers.js folder's `onnx/model_NAME.onnx` (fp16, q4f16, q4, quantized, ...). An
+onnxruntime-genai folder's `model.onnx` works too (its KV runs as a growing past, not a shared buffer).
 The past is random (shape-correct) KV of `context` tokens; each step feeds one token and its own
 outputs back, as greedy decoding does (runnx: KV in capacity buffers handed over as runnx.Owned;
 onnxruntime: the present outputs). Reports median tokens/s, runnx node executions per step, and
@@ -50,6 +51,23 @@ def _past_names(model):
     return [n for n in model.input_names if n.startswith("past_key_values.")]
 
 
+def _feeds(declared, token: int, length: int, cache: dict) -> dict:
+    """One step's feeds, only those the model declares (an onnxruntime-genai export has no position_ids)."""
+    feeds = {"input_ids": np.array([[token]]), "attention_mask": np.ones((1, length + 1), np.int64),
+             "position_ids": np.array([[length]]), **cache}
+    return {name: value for name, value in feeds.items() if name in declared}
+
+
+def _kv_dims(shape) -> tuple[int, int]:
+    """KV heads and head size: the past input's declared dims, else the folder's layout (a genai
+    export names them symbolically; genai_config.json states them)."""
+    if isinstance(shape[1], int) and isinstance(shape[3], int):
+        return shape[1], shape[3]
+    from runnx.generate.layouts import read_folder
+    config = read_folder(ARGS.model_dir, ARGS.variant).config
+    return config["num_key_value_heads"], config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def runnx_decoder(model, context: int, steps: int, past: dict):
     names = _past_names(model)
 
@@ -58,8 +76,7 @@ def runnx_decoder(model, context: int, steps: int, past: dict):
         token, ids, times, profile = 1, [], [], runnx.Profile()
         for step in range(steps):
             length = context + step
-            feeds = {"input_ids": np.array([[token]]), "attention_mask": np.ones((1, length + 1), np.int64),
-                     "position_ids": np.array([[length]]), **cache}
+            feeds = _feeds(model.input_names, token, length, cache)
             start = time.perf_counter()
             outputs = model.run(feeds, profile=profile if step == steps - 1 else False)
             times.append(time.perf_counter() - start)
@@ -73,14 +90,14 @@ def runnx_decoder(model, context: int, steps: int, past: dict):
 
 def ort_decoder(session, context: int, steps: int, past: dict):
     output_names = [o.name for o in session.get_outputs()]
+    declared = [i.name for i in session.get_inputs()]
 
     def run():
         cache = dict(past)
         token, ids, times = 1, [], []
         for step in range(steps):
             length = context + step
-            feeds = {"input_ids": np.array([[token]]), "attention_mask": np.ones((1, length + 1), np.int64),
-                     "position_ids": np.array([[length]]), **cache}
+            feeds = _feeds(declared, token, length, cache)
             start = time.perf_counter()
             outputs = dict(zip(output_names, session.run(None, feeds)))
             times.append(time.perf_counter() - start)
@@ -111,8 +128,9 @@ def main():
         print(f"{'context':>8}" + "".join(f"{name:>26}" for name in [*runners, "onnxruntime"]) + f"{'nodes/step':>12}"
               f"{'same ids':>10}")
     rng = np.random.default_rng(0)
+    heads, head_size = _kv_dims(spec[_past_names(model)[0]].shape)
     for context in ARGS.contexts:
-        past = {n: rng.standard_normal((1, spec[n].shape[1], context, spec[n].shape[3])).astype(
+        past = {n: rng.standard_normal((1, heads, context, head_size)).astype(
                     np.float16 if spec[n].type == "tensor(float16)" else np.float32) for n in _past_names(model)}
         runs = {name: runnx_decoder(m, context, ARGS.steps, past) for name, m in runners.items()}
         runs["onnxruntime"] = ort_decoder(session, context, ARGS.steps, past)
