@@ -26,8 +26,7 @@ def drop_identity_cuts(graph: Graph) -> int:
         if node.domain != "" or node.subgraphs or len(node.outputs) != 1 or not node.inputs:
             continue  # (a malformed node is left for the loader's and the kernel's checks)
         aliased = node.outputs[0] not in graph.outputs and node.outputs[0] not in captured  # may be read as another
-        if node.op_type == "Slice" and node.since >= 10 and 3 <= len(node.inputs) <= 5 and aliased \
-                and _whole(static, node):
+        if node.op_type == "Slice" and node.since >= 10 and aliased and _whole(static, node):
             alias[node.outputs[0]] = node.inputs[0]
             changed += 1
         elif node.op_type == "Concat" and len(node.inputs) > 1:
@@ -64,14 +63,11 @@ def drop_identity_cuts(graph: Graph) -> int:
 
 def _whole(static: StaticDims, node: Node) -> bool:
     """Whether the Slice keeps every element: each sliced axis from 0 to its end, steps 1."""
-    own = static.dims(node.inputs[0])
-    bounds = [static.ints(v) if v != MISSING else None for v in (*node.inputs[1:], *(MISSING,) * (5 - len(node.inputs)))]
-    starts, ends, axes, steps = bounds
-    if own is None or starts is None or ends is None:
+    found = static.slice_ranges(node)
+    if found is None:
         return False
-    axes = list(range(starts.size)) if axes is None else axes.reshape(-1).tolist()
-    steps = [1] * starts.size if steps is None else steps.reshape(-1).tolist()
-    for start, end, axis, step in zip(starts.reshape(-1).tolist(), ends.reshape(-1).tolist(), axes, steps):
+    own, ranges = found
+    for start, end, axis, step in ranges:
         start, end, axis, step = (as_int(v) for v in (start, end, axis, step))
         if axis is None or step != 1 or start is None or end is None or not -len(own) <= axis < len(own):
             return False

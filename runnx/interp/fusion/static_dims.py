@@ -136,7 +136,11 @@ class StaticDims:
             return self._sliced(node)
         return None
 
-    def _sliced(self, node):
+    def slice_ranges(self, node):
+        """(the sliced value's dims, [(start, end, axis, step)] as the graph states them) for a Slice
+        (opset 10+) whose input rank, starts and ends are known, else None."""
+        if not 3 <= len(node.inputs) <= 5:
+            return None
         own = self.dims(node.inputs[0])
         bounds = [self.ints(v) if v != MISSING else None for v in (*node.inputs[1:], *(MISSING,) * (5 - len(node.inputs)))]
         starts, ends, axes, steps = bounds
@@ -144,8 +148,15 @@ class StaticDims:
             return None
         axes = list(range(starts.size)) if axes is None else axes.reshape(-1).tolist()
         steps = [1] * starts.size if steps is None else steps.reshape(-1).tolist()
+        return own, list(zip(starts.reshape(-1).tolist(), ends.reshape(-1).tolist(), axes, steps))
+
+    def _sliced(self, node):
+        found = self.slice_ranges(node)
+        if found is None:
+            return None
+        own, ranges = found
         dims = list(own)
-        for start, end, axis, step in zip(starts.reshape(-1).tolist(), ends.reshape(-1).tolist(), axes, steps):
+        for start, end, axis, step in ranges:
             if axis is None:
                 return None
             axis %= len(own)
