@@ -3,6 +3,11 @@
 Views (Reshape, Transpose, Slice, ...) share their input's storage, so ownership and liveness are
 kept per *storage*, keyed by the root buffer behind `ndarray.base`. A value may be overwritten in
 place only when its storage is owned and no other live value holds it.
+
+The rules are these functions and `StorageTable`'s methods; the interpreted loop
+(interp/executor.py) calls them, and plans compiled to Python (interp/compiled.py) call them too,
+except for the one common case each rule states beside itself as the expression generated code
+inlines (`may_write_inline`, `BOOKKEEPING`).
 """
 from __future__ import annotations
 
@@ -80,11 +85,31 @@ class StorageTable:
                     owned = flags is not None and bool(flags.writeable)
                 self.owned[key] = owned
                 if self.track_bytes:
-                    size = _storage_nbytes(value)
-                    self.nbytes[key] = size
-                    self.live_bytes += size
-                    if self.live_bytes > self.peak_bytes:
-                        self.peak_bytes = self.live_bytes
+                    self._count_bytes(key, value)
+
+    def hold_array(self, array: np.ndarray) -> tuple:
+        """`hold(storage_keys(array), None, array)` for a kernel's ndarray output, in one call: one
+        more live value on its storage, a storage never seen owned when the array is writeable (a
+        fresh output; a view of a read-only array is not writeable). Returns its keys."""
+        key = id(array) if array.base is None else id(storage_root(array))
+        count = self.count
+        held = count.get(key)
+        if held is None:
+            count[key] = 1
+            self.owned[key] = array.flags.writeable
+            if self.track_bytes:
+                self._count_bytes(key, array)
+        else:
+            count[key] = held + 1
+        return (key,)
+
+    def _count_bytes(self, key: int, value) -> None:
+        """Profiled runs: the bytes of a new storage, and the peak of live ones."""
+        size = _storage_nbytes(value)
+        self.nbytes[key] = size
+        self.live_bytes += size
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
 
     def drop(self, keys: tuple) -> None:
         count = self.count
@@ -100,6 +125,9 @@ class StorageTable:
 
     def exclusive(self, keys: tuple) -> bool:
         """True when these storages are owned and held by exactly one live value."""
+        if len(keys) == 1:
+            key = keys[0]
+            return self.count.get(key) == 1 and bool(self.owned.get(key))
         if not keys:
             return False
         for key in keys:
@@ -109,6 +137,30 @@ class StorageTable:
 
     def is_owned(self, keys: tuple) -> bool:
         return bool(keys) and all(self.owned.get(k, False) for k in keys)
+
+
+def may_write(table: StorageTable, keys: tuple, ctx) -> bool:
+    """The grant rule, for an input dying at its node whose value holds storages `keys`: it may be
+    written in place when they are owned and no other live value holds them. A write into a storage
+    the run keeps something of (`ctx.kept_storages`, interp/context.py) is told to `ctx` first."""
+    if not table.exclusive(keys):
+        return False
+    kept = ctx.kept_storages
+    if kept and not kept.isdisjoint(keys):
+        ctx.overwriting(keys)
+    return True
+
+
+def may_write_inline(keys: str) -> str:
+    """`may_write`'s common case as an expression of generated code, for the input whose keys are
+    the local `keys`: one storage, owned, held once, nothing kept this run (read through the locals
+    `BOOKKEEPING` binds, and `ctx`). Where it is false, `may_write` decides."""
+    return f"len({keys}) == 1 and count_get({keys}[0]) == 1 and owned_get({keys}[0]) and not ctx.kept_storages"
+
+
+# The first line of generated code keeping a `table`: the locals the inline rules read, and the
+# methods its steps call (`hold` counts a kernel's ndarray output, `drop` releases a dead value).
+BOOKKEEPING = "count_get, owned_get, hold, drop = table.count.get, table.owned.get, table.hold_array, table.drop"
 
 
 def _storage_nbytes(value) -> int:

@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from runnx.capture.env import CaptureEnv, Subgraph
-from runnx.capture.ownership import StorageTable, storage_keys, storage_root
+from runnx.capture.ownership import StorageTable, may_write, storage_keys
 from runnx.errors import InPlaceMismatchError
 from runnx.interp.compiled import bound_outputs, compile_plan
 from runnx.interp.node_context import describe_value, node_error
@@ -74,8 +74,7 @@ class Executor:
         trace = options.trace
         instrumented = profile is not None or checking or trace
         table = StorageTable(track_bytes=profile is not None)
-        hold, drop, exclusive = table.hold, table.drop, table.exclusive
-        count_get, owned_get = table.count.get, table.owned.get
+        hold, hold_array, drop = table.hold, table.hold_array, table.drop
         # the common case runs compiled (interp/compiled.py); the loop below serves first runs,
         # instrumented runs and plans holding subgraph nodes
         if not instrumented and inplace_on and (compiled := self._compiled(graph, plan, options)) is not None:
@@ -95,15 +94,11 @@ class Executor:
             kwargs = step.kwargs
             granted = ()
             if step.candidates and inplace_on:
-                for position, vid in step.candidates:  # `exclusive`, a single storage's case inline
-                    k = keys[vid]
-                    if len(k) == 1 and count_get(k[0]) == 1 and owned_get(k[0]) or len(k) > 1 and exclusive(k):
+                for position, vid in step.candidates:
+                    if may_write(table, keys[vid], ctx):
                         granted += (position,)
                 if granted:
                     kwargs = {**kwargs, "overwrite": granted}
-                    if ctx.kept_storages:  # values derived from what is written, kept this run, go
-                        for position in granted:
-                            _overwriting(ctx, keys[step.inputs[position]])
             if node.subgraphs:
                 kwargs = self._bind_subgraphs(graph, node, step, kwargs, values, keys, table, inplace_on, ctx)
             if step.wants_ctx:
@@ -121,11 +116,10 @@ class Executor:
                 if wrapped is error:
                     raise
                 raise wrapped from error
-            if step.single and type(result) is np.ndarray:  # `_bind_outputs`' common case inline
+            if step.single and type(result) is np.ndarray:  # `_bind_outputs`' common case
                 vid = step.outputs[0]
                 values[vid] = result
-                keys[vid] = k = (id(result) if result.base is None else id(storage_root(result)),)
-                hold(k, None, result)
+                keys[vid] = hold_array(result)
             else:
                 self._bind_outputs(node, step, result, values, keys, hold)
             if instrumented:
@@ -208,12 +202,6 @@ class Executor:
             else:
                 bound[attr_name] = Subgraph(sub, env, runner)
         return bound
-
-
-def _overwriting(ctx, keys: tuple) -> None:
-    """Tell `ctx` of an in-place write granted into storages `keys` when it keeps something of theirs."""
-    if not ctx.kept_storages.isdisjoint(keys):
-        ctx.overwriting(keys)
 
 
 def _out_of_place(fn, args, kwargs) -> list:

@@ -23,12 +23,12 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.capture.ownership import storage_root
-from runnx.errors import NodeError, RunnxError
+from runnx.interp.codegen import Program
 from runnx.interp.folding import NONDETERMINISTIC, out_of_place_kwargs
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.interp.read_ahead import AheadState, read_ahead, value_key
 from runnx.ops._remembered import Remembered
-from runnx.ops.registry import Kernel, bound_kernel
+from runnx.ops.registry import Kernel
 
 SHAPE_READERS = frozenset({"Shape", "Size"})
 # per group (shared by groups computing the same): a decode step's past length is a new key, seen
@@ -259,6 +259,21 @@ class ShapeGroup:
         (compiled plans look it up inline before calling the memo)."""
         return self._by_identity.known_result(key)
 
+    def found_lines(self, program, index: int, inputs: list[str], call: str) -> list[str]:
+        """Lines of generated code (compiled.py) setting `r` to this memo's result for `inputs` (the
+        memo node's input locals) as `__call__` finds it outside profiles, inline, `call` called
+        when it is not found: by its roots' shapes (`results`), or by those and its externals'
+        identity (`known_by_identity`). A compiled plan never runs profiled; a hit costs no call."""
+        count = len(self.roots)
+        shapes = "".join(f"{name}.shape, " for name in inputs[:count])
+        if self.external:
+            find = program.set(f"m{index}", self.known_by_identity)
+            lookup = f"r = {find}((({shapes}){''.join(f', id({name})' for name in inputs[count:])}))"
+        else:
+            find = program.set(f"m{index}", self.results.get)
+            lookup = f"r = {find}(({shapes}))"
+        return ["try:", f"    {lookup}", "except AttributeError:", "    r = None", "if r is None:", f"    r = {call}"]
+
     def know(self, shapes: tuple, externals: tuple, result: tuple) -> None:
         """Remember `result` for roots of these shapes and these read-only externals by identity, as
         a call would after finding it by their values (read-ahead: a future step's externals are
@@ -284,8 +299,8 @@ class ShapeGroup:
 
 
 def _group_program(group: ShapeGroup):
-    """A function (args, ctx) -> the group's output values: its members as straight-line Python, as
-    plans are compiled (compiled.py), values locals and kernels, attribute dicts and constants
+    """A function (args, ctx) -> the group's output values: its members as straight-line Python
+    (codegen.py, as plans are compiled), values locals and kernels, attribute dicts and constants
     globals. A new key then costs the kernels and little else: looping over the steps, gathering
     each one's inputs into a list and storing its outputs in one cost as much as the kernels (a
     decoder's position group of ~20 nodes), and a decode step's new past length misses in a first
@@ -293,37 +308,27 @@ def _group_program(group: ShapeGroup):
     graph = group.graph
     names = {MISSING: "None"}
     for position, vid in enumerate(group.roots + group.external):
-        names[vid] = f"a[{position}]"
-    namespace = {"NODES": group.members, "RunnxError": RunnxError, "NodeError": NodeError, "unpacked": _unpacked}
-    lines = ["def run(a, ctx):", "    at = 0", "    try:"]
+        names[vid] = f"a{position}"
+    program = Program(graph, "a, ctx", f"shape memo {group.members[0].name}",
+                      [f"{''.join(names[v] + ', ' for v in group.roots + group.external)}= a"])
+    program.set("unpacked", _unpacked)
     for index, node in enumerate(group.members):
         for vid in node.inputs:
             if vid not in names:  # a constant: a global
-                names[vid] = f"c{vid}"
-                namespace[names[vid]] = graph.constants[vid]
+                names[vid] = program.set(f"c{vid}", graph.constants[vid])
         arguments = [names[v] for v in node.inputs]
-        namespace[f"f{index}"], kwargs = bound_kernel(node.kernel.fn, out_of_place_kwargs(node))
-        if kwargs:
-            namespace[f"k{index}"] = kwargs
-            arguments.append(f"**k{index}")
-        if node.kernel.wants_ctx:
-            arguments.append("ctx=ctx")
+        program.node(node, arguments)
+        call = program.call(index, node.kernel.fn, out_of_place_kwargs(node), arguments, node.kernel.wants_ctx)
         targets = [f"v{index}_{j}" for j in range(len(node.outputs))]  # an omitted output's is never read
         for vid, target in zip(node.outputs, targets):
             if vid != MISSING:
                 names[vid] = target
-        lines += [f"        at = {index}", f"        r = f{index}({', '.join(arguments)})"]
+        program.emit(f"r = {call}")
         if len(targets) == 1:
-            lines.append(f"        {targets[0]} = r if type(r) is not tuple else unpacked(r, 1)[0]")
+            program.emit(f"{targets[0]} = r if type(r) is not tuple else unpacked(r, 1)[0]")
         else:
-            lines.append(f"        {', '.join(targets)}, = unpacked(r, {len(targets)})")
-    lines += ["    except RunnxError as error:",
-              "        raise type(error)(f'{NODES[at].describe()}: {error}') from error",
-              "    except Exception as error:",
-              "        raise NodeError(f'{NODES[at].describe()} failed: {type(error).__name__}: {error}') from error",
-              f"    return ({''.join(names[v] + ', ' for v in group.outputs)})"]
-    exec(compile("\n".join(lines), f"<runnx shape memo {group.members[0].name}>", "exec"), namespace)
-    return namespace["run"]
+            program.emit(f"{', '.join(targets)}, = unpacked(r, {len(targets)})")
+    return program.build(f"({''.join(names[v] + ', ' for v in group.outputs)})")
 
 
 def _unpacked(result, count: int) -> tuple:

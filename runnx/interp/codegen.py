@@ -1,0 +1,90 @@
+"""The one code generator: a run of kernel calls as one straight-line Python function.
+
+Plans (compiled.py) and memo groups (shape_cache.py) run as generated functions, where looping
+over steps, gathering each one's inputs into a list and storing its outputs would cost as much as
+small kernels do. Values are locals; kernels, attribute dicts and constants are globals; each node
+is the few lines its caller emits around the kernel's call. This module owns what both share:
+naming globals, calling a kernel with its attributes bound as defaults of a copy of it
+(`registry.bound_kernel`: matching two dozen keyword arguments costs microseconds a call),
+compiling under a name saying what was generated, and naming a failing node. A failure is placed
+at its node by the line it was raised on, so the nodes carry no bookkeeping for errors, and is
+worded by `node_error`, as the interpreted loop words it.
+
+CPython's `compile()` costs about two microseconds per syntax node, paid by the run that
+generates the function: the callers emit a node's common path inline and call shared helpers for
+the rest. What a plan emits for storage ownership is written by the rules themselves
+(capture/ownership.py), what it emits to find a memo's kept result by its ShapeGroup.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+
+from runnx.interp.node_context import node_error
+from runnx.ops.registry import bound_kernel
+
+INDENT = "        "  # a node's lines: inside the function's `try`
+
+
+class Program:
+    """The source of one generated function `run(<parameters>)` and the globals it reads."""
+
+    def __init__(self, graph, parameters: str, title: str, prologue: list[str] = ()):
+        """`prologue`: lines run before the first node (outside the failure handling)."""
+        self.graph = graph
+        self.title = title
+        self.namespace: dict = {}
+        self.lines = [f"def run({parameters}):", *(f"    {line}" for line in prologue), "    try:"]
+        self._starts: list[int] = []  # the first line of each node's code
+        self._nodes: list = []
+        self._arguments: list[list[str]] = []
+
+    def set(self, name: str, value) -> str:
+        """`name`, a global of the function holding `value`."""
+        self.namespace[name] = value
+        return name
+
+    def node(self, node, arguments: list[str]) -> None:
+        """Begin the lines of `node`, whose inputs are the locals or globals named `arguments`
+        ("None" for an omitted one): a failure from here to the next node's lines is its."""
+        self._starts.append(len(self.lines) + 1)
+        self._nodes.append(node)
+        self._arguments.append(arguments)
+        self.lines.append(f"{INDENT}# {node.describe()}")
+
+    def emit(self, *lines: str) -> None:
+        """Lines of the current node (indented as a node's body; nested blocks add their own)."""
+        self.lines += [INDENT + line for line in lines]
+
+    def call(self, index: int, fn, attributes: dict, arguments: list[str], ctx: bool = False) -> str:
+        """The expression calling kernel `fn` of the `index`-th node on `arguments` with `attributes`
+        (bound as its defaults where it takes them keyword-only, else passed as a global dict),
+        and the run's context when the kernel wants it."""
+        kernel, attributes = bound_kernel(fn, attributes)
+        arguments = list(arguments)
+        if attributes:
+            arguments.append(f"**{self.set(f'a{index}', attributes)}")
+        if ctx:
+            arguments.append("ctx=ctx")
+        return f"{self.set(f'f{index}', kernel)}({', '.join(arguments)})"
+
+    def build(self, returns: str):
+        """The function: compiled, its failures named by their node; `returns`, its result."""
+        self.lines += ["        pass",
+                       "    except Exception as error:",
+                       "        wrapped = FAILED(error, locals())",
+                       "        if wrapped is error:",
+                       "            raise",
+                       "        raise wrapped from error",
+                       f"    return {returns}"]
+        self.namespace["FAILED"] = self._failed
+        code = compile("\n".join(self.lines), f"<runnx {self.title}>", "exec")
+        self.lines = None  # the source is not kept: a plan's is megabytes
+        exec(code, self.namespace)
+        return self.namespace["run"]
+
+    def _failed(self, error: Exception, scope: dict) -> Exception:
+        """The error to raise for `error`, caught in the generated function with locals `scope`:
+        `node_error`'s, naming the node whose lines it was raised on and the inputs it was given."""
+        at = bisect_right(self._starts, error.__traceback__.tb_lineno) - 1
+        args = [scope[name] if name in scope else self.namespace.get(name) for name in self._arguments[at]]
+        return node_error(self.graph, self._nodes[at], args, error)
