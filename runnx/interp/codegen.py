@@ -22,7 +22,7 @@ from bisect import bisect_right
 from runnx.interp.node_context import node_error
 from runnx.ops.registry import bound_kernel
 
-INDENT = "        "  # a node's lines: inside the function's `try`
+INDENT = "        "  # of a node's lines: inside the function's `try`
 
 
 class Program:
@@ -33,7 +33,8 @@ class Program:
         self.graph = graph
         self.title = title
         self.namespace: dict = {}
-        self.lines = [f"def run({parameters}):", *(f"    {line}" for line in prologue), "    try:"]
+        self.head = [f"def run({parameters}):", *(f"    {line}" for line in prologue), "    try:"]
+        self.body: list[str] = []  # the nodes' lines, indented when built
         self._starts: list[int] = []  # the first line of each node's code
         self._nodes: list = []
         self._arguments: list[list[str]] = []
@@ -46,14 +47,14 @@ class Program:
     def node(self, node, arguments: list[str]) -> None:
         """Begin the lines of `node`, whose inputs are the locals or globals named `arguments`
         ("None" for an omitted one): a failure from here to the next node's lines is its."""
-        self._starts.append(len(self.lines) + 1)
+        self._starts.append(len(self.head) + len(self.body) + 1)
         self._nodes.append(node)
         self._arguments.append(arguments)
-        self.lines.append(f"{INDENT}# {node.describe()}")
+        self.body.append(f"# {node.describe()}")
 
     def emit(self, *lines: str) -> None:
-        """Lines of the current node (indented as a node's body; nested blocks add their own)."""
-        self.lines += [INDENT + line for line in lines]
+        """Lines of the current node (nested blocks indent their own)."""
+        self.body += lines
 
     def call(self, index: int, fn, attributes: dict, arguments: list[str], ctx: bool = False) -> str:
         """The expression calling kernel `fn` of the `index`-th node on `arguments` with `attributes`
@@ -69,17 +70,17 @@ class Program:
 
     def build(self, returns: str):
         """The function: compiled, its failures named by their node; `returns`, its result."""
-        self.lines += ["        pass",
-                       "    except Exception as error:",
-                       "        wrapped = FAILED(error, locals())",
-                       "        if wrapped is error:",
-                       "            raise",
-                       "        raise wrapped from error",
-                       f"    return {returns}"]
+        tail = ["        pass",
+                "    except Exception as error:",
+                "        wrapped = FAILED(error, locals())",
+                "        if wrapped is error:",
+                "            raise",
+                "        raise wrapped from error",
+                f"    return {returns}"]
+        source = "\n".join(self.head) + f"\n{INDENT}" + f"\n{INDENT}".join(self.body) + "\n" + "\n".join(tail)
+        self.head = self.body = None  # the source is not kept: a plan's is megabytes
         self.namespace["FAILED"] = self._failed
-        code = compile("\n".join(self.lines), f"<runnx {self.title}>", "exec")
-        self.lines = None  # the source is not kept: a plan's is megabytes
-        exec(code, self.namespace)
+        exec(compile(source, f"<runnx {self.title}>", "exec"), self.namespace)
         return self.namespace["run"]
 
     def _failed(self, error: Exception, scope: dict) -> Exception:

@@ -118,8 +118,8 @@ def compile_plan(graph: Graph, plan):
     keyless = {vid for step in plan.steps if isinstance(step.fn, ShapeGroup) for vid in step.outputs}
     program = Program(graph, "V, K, table, ctx", f"plan of {graph.name or 'graph'}",
                       [BOOKKEEPING, *(f"v{names[vid]} = V[{vid}]; k{names[vid]} = K[{vid}]" for vid in plan.inputs)])
-    program.namespace.update(one=_bind_one, many=_bind_many, may_write=may_write, target=inplace_target,
-                             ndarray=np.ndarray, STEPS=plan.steps)
+    program.namespace.update(one=lambda r, table, index: _bind_one(r, table, plan.steps[index]), many=_bind_many,
+                             may_write=may_write, target=inplace_target, ndarray=np.ndarray, STEPS=plan.steps)
     for vid in plan.constants:  # globals: never assigned in the function
         program.set(f"v{names[vid]}", plan.values_template[vid])
         program.set(f"k{names[vid]}", plan.keys_template[vid])
@@ -170,22 +170,33 @@ def _step(program: Program, index: int, step, names: dict[int, str], keyless: se
     if memo:
         program.emit(*_memo_lines([name for _, name in outputs]))
     elif step.single:
-        out = names[step.outputs[0]]
-        # a kernel that returns a dying input itself (overwritten, or unchanged): the output takes
-        # over its hold on the storage (holding it and releasing the input would leave the counts
-        # as they are), the release is a no-op
-        for n, (_, vid) in enumerate(candidates):
-            program.emit(f"{'elif' if n else 'if'} r is v{names[vid]}:",
-                         f"    v{out} = r; k{out} = k{names[vid]}; k{names[vid]} = ()")
-        bind = f"v{out}, k{out} = (r, hold(r)) if type(r) is ndarray else one(r, table, STEPS[{index}])"
-        program.emit(*(["else:", f"    {bind}"] if candidates else [bind]))
+        _single_output_lines(program, index, names[step.outputs[0]], [names[v] for _, v in candidates])
     elif outputs:
         targets = ", ".join("(_, _)" if v == MISSING else f"(v{names[v]}, k{names[v]})" for v in step.outputs)
         program.emit(f"{targets}, = many(r, table, STEPS[{index}])")
+    taken = names[candidates[0][1]] if step.single and len(candidates) == 1 else None
     for vid in step.releases:
-        if vid not in keyless:
-            program.emit(f"if k{names[vid]}: drop(k{names[vid]})")
+        if vid not in keyless and names[vid] != taken:
+            program.emit(f"drop(k{names[vid]})")
         program.emit(f"v{names[vid]} = None")
+
+
+def _single_output_lines(program: Program, index: int, out: str, dying: list[str]) -> None:
+    """Bind a step's one output `r` to locals v<out>, k<out>: an ndarray counted by `hold`
+    (`StorageTable.hold_array`), anything else by `one`. When the kernel returned a `dying` input
+    itself (overwritten, or unchanged), the output takes over that input's hold on the storage
+    (holding it and releasing the input would leave the counts as they are): a single dying input
+    is then released by the `else` branch only, one of several has its keys emptied."""
+    bind = f"v{out}, k{out} = (r, hold(r)) if type(r) is ndarray else one(r, table, {index})"
+    if not dying:
+        program.emit(bind)
+    elif len(dying) == 1:
+        program.emit(f"if r is v{dying[0]}:", f"    v{out} = r; k{out} = k{dying[0]}", "else:", f"    {bind}",
+                     f"    drop(k{dying[0]})")
+    else:
+        for n, name in enumerate(dying):
+            program.emit(f"{'elif' if n else 'if'} r is v{name}:", f"    v{out} = r; k{out} = k{name}; k{name} = ()")
+        program.emit("else:", f"    {bind}")
 
 
 def _inline_ufunc_lines(program: Program, index: int, ufunc, inputs: list[str], granting: list,

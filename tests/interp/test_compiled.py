@@ -337,3 +337,127 @@ def test_a_failing_node_deep_in_a_long_plan_is_named():
     with pytest.raises(RunnxError, match=r"Split node .split."):
         model.run({"x0": np.ones(5, np.float32)})
     assert all(callable(c) for c in _compiled(model.graph))  # both failures came from the compiled plan
+
+
+class _RecordedOwnership(dict):
+    """A StorageTable's `owned` map writing down each storage entering the table (with its owned
+    flag), borrowed after entering, and leaving it: every hold of a new storage, grant-free output
+    and release the run decides, in order."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def __setitem__(self, key, owned):
+        if key not in self:
+            self.events.append(("new", key, bool(owned)))
+        elif not owned:
+            self.events.append(("borrowed", key))
+        super().__setitem__(key, owned)
+
+    def __delitem__(self, key):
+        self.events.append(("free", key))
+        super().__delitem__(key)
+
+
+def _decisions(events: list) -> list:
+    """The owned storages' events, each storage named by the order it entered in (ids come back):
+    the memo results a compiled plan leaves uncounted are read-only, never owned."""
+    named, out = {}, []
+    for event in events:
+        if event[0] == "new":
+            named[event[1]] = len(named) if event[2] else None
+            if event[2]:
+                out.append(("new", named[event[1]]))
+        elif named.get(event[1]) is not None:
+            out.append((event[0], named[event[1]]))
+    return out
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every run's ownership events and in-place writes into kept storages, run by run."""
+    from runnx.capture import ownership
+    from runnx.interp import context, executor
+    runs = []
+
+    class Recorded(ownership.StorageTable):
+        def __init__(self, track_bytes=False):
+            super().__init__(track_bytes)
+            runs.append([])
+            self.owned = _RecordedOwnership(runs[-1])
+
+    overwriting = context.RunContext.overwriting
+    monkeypatch.setattr(executor, "StorageTable", Recorded)
+    monkeypatch.setattr(context.RunContext, "overwriting",
+                        lambda self, keys: runs[-1].append(("overwriting", keys[0])) or overwriting(self, keys))
+    return runs
+
+
+@pytest.fixture
+def kept_negation():
+    """KeptNeg (domain runnx.test): -x, kept once a run for the same array x (`RunContext.keep`, as
+    fused attention keeps its mask bias): an in-place write into x must make the run forget it."""
+    from runnx.ops import registry
+
+    def KeptNeg(x, *, ctx):
+        return ctx.keep(("negated", id(x)), (x,), lambda: -x)
+
+    registry.register("KeptNeg", since=1, domain="runnx.test")(KeptNeg)
+    yield
+    registry._REGISTRY.pop(("runnx.test", "KeptNeg"))
+
+
+def _kept_model():
+    """b = KeptNeg(a), a written in place by Add, then KeptNeg of the very same array: the second
+    must not be the first's kept result."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"]),
+             helper.make_node("KeptNeg", ["a"], ["b"], domain="runnx.test"),
+             helper.make_node("Add", ["a", "y"], ["c"]),
+             helper.make_node("KeptNeg", ["c"], ["d"], domain="runnx.test"),
+             helper.make_node("Sub", ["d", "b"], ["out"])]
+    graph = helper.make_graph(nodes, "kept", [helper.make_tensor_value_info(n, F, [2, 4]) for n in "xy"],
+                              [helper.make_tensor_value_info("out", F, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("runnx.test", 1)],
+                             ir_version=10)
+
+
+def _live_view_model():
+    shape = helper.make_tensor("shape", TensorProto.INT64, [1], [8])
+    return float_model([helper.make_node("Neg", ["x"], ["a"]), helper.make_node("Reshape", ["a", "shape"], ["v"]),
+                        helper.make_node("Add", ["a", "y"], ["out"]), helper.make_node("Relu", ["v"], ["w"])],
+                       ["x", "y"], ["out", "w", "v"], None, [shape])
+
+
+@pytest.mark.parametrize("build, feeds, memoized", [
+    (chain, {"x": (2, 4), "y": (2, 4)}, 0),  # in-place reuse, step after step
+    (_live_view_model, {"x": (2, 4), "y": (2, 4)}, 0),  # a view kept as an output: no write under it
+    (_helper_paths, {"x": (4, 6), "z": (3,)}, 0),  # views of one storage, several outputs, kept outputs
+    (_kept_model, {"x": (2, 4), "y": (2, 4)}, 0),  # a write into a kept storage
+    (lambda: float_model([helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Cast", ["s"], ["f"], to=F),
+                          helper.make_node("Add", ["x", "f"], ["out"]), helper.make_node("Reshape", ["out", "s"], ["r"])],
+                         ["x"], ["r"]), {"x": (4,)}, 2),  # a memo (Shape, Cast): its outputs uncounted compiled
+])
+def test_compiled_and_interpreted_runs_decide_the_same(recorded, kept_negation, build, feeds, memoized):
+    """The same storages enter, are borrowed and are released in the same order, the same writes
+    into kept storages are reported, and the outputs are bitwise equal, run after run: grants and
+    releases decided alike by the rules (capture/ownership.py) the interpreted loop calls and the
+    generated code inlines."""
+    models = {"interpreted": runnx.load(build(), compile_after=0), "compiled": runnx.load(build(), compile_after=1)}
+    assert models["compiled"].memoized == memoized
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        given = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in feeds.items()}
+        decided, results = {}, {}
+        for name, model in models.items():
+            before = len(recorded)
+            results[name] = model.run({n: runnx.Owned(v.copy()) for n, v in given.items()})
+            decided[name] = [_decisions(events) for events in recorded[before:]]
+        assert decided["compiled"] == decided["interpreted"] and any(decided["compiled"])
+        for key, value in results["interpreted"].items():
+            assert results["compiled"][key].tobytes() == value.tobytes(), key
+    assert all(callable(c) for c in _compiled(models["compiled"].graph))
+    if build is _kept_model:
+        np.testing.assert_array_equal(results["compiled"]["out"], -(np.maximum(given["x"], 0) + given["y"]) +
+                                      np.maximum(given["x"], 0))
+        assert any(event[0] == "overwriting" for event in recorded[-1])
