@@ -1,19 +1,15 @@
 """Plans compiled to straight-line Python: the executor's hot loop without the loop.
 
 A plan that runs again (Options.compile_after: one-shot runs never pay for code generation) is
-turned into one generated function: values are local variables (values whose lifetimes do not
-overlap share one), every kernel, attribute dict and constant a global, and each step is the few
-lines the interpreted loop would execute for it — gather the inputs, grant in-place reuse of
-dying inputs whose storage is owned and held once, call the kernel, count the output's storage,
-release dead values. Nothing is decided differently from `Executor.run`'s loop: the ownership
-rules are the same, only the per-step indexing, attribute lookups and tuple unpacking go away.
-CPython's `compile()` costs microseconds per syntax node, and the compiling run pays it for every
-step: the common path of a step is inline, what is rarer (a grant to decide over several storages
-or to tell the run's kept values of, an output that is not an ndarray, a step of several outputs,
-a failure: found by its line number) calls a shared helper given the step's constants. A
-kernel taking its attributes as keyword-only parameters is called through a copy of itself whose
-defaults are the node's attributes (`registry.with_attributes`): matching a fused node's 24 keyword
-arguments to its parameters cost 3.5 us a call, warm.
+turned into one generated function (codegen.py): values are local variables (values whose
+lifetimes do not overlap share one), every kernel, attribute dict and constant a global, and each
+step is the few lines the interpreted loop would execute for it: grant in-place reuse of dying
+inputs, call the kernel, count the output's storage, release dead values. The decisions are the
+interpreted loop's, made by the same rules (capture/ownership.py: `may_write`, `hold_array`,
+`drop`); only the common case of a grant is inline, as the expression `may_write_inline` writes
+beside its rule. A step's code holds its common path (the compiling run pays `compile()` for every
+syntax node); what is rarer calls a rule or a helper below: a grant over several storages or into
+storages the run keeps something of, an output that is not an ndarray, a step of several outputs.
 
 Plans with subgraph nodes (If/Loop/Scan bind a CaptureEnv per call) and instrumented runs
 (profile, trace, in-place checking) keep the interpreted loop; a subgraph's own plan compiles.
@@ -129,7 +125,7 @@ def compile_plan(graph: Graph, plan):
                          f"[{', '.join(f'k{names[v]}' for v in plan.outputs)}]")
 
 
-def _grant(keys: str, position: int) -> str:
+def _grant(keys: str) -> str:
     """An expression true when the dying input whose keys are local `keys` is granted: `may_write`,
     its common case inline (`may_write_inline`)."""
     return f"{may_write_inline(keys)} or may_write(table, {keys}, ctx)"
@@ -150,10 +146,10 @@ def _step(program: Program, index: int, step, names: dict[int, str], keyless: se
     inline_ufunc = ufunc is not None and not memo and len(step.inputs) in (1, 2) and MISSING not in step.inputs
     if inline_ufunc and len(candidates) == 1:  # the grant decided inside the ufunc call's arguments
         position, vid = candidates[0]
-        program.emit(*_inline_ufunc_lines(program, index, ufunc, inputs, [position], _grant(f"k{names[vid]}", position)))
+        program.emit(*_inline_ufunc_lines(program, index, ufunc, inputs, [position], _grant(f"k{names[vid]}")))
     else:
         if candidates:
-            grants = [f"(({position},) if {_grant(f'k{names[vid]}', position)} else ())" for position, vid in candidates]
+            grants = [f"(({position},) if {_grant(f'k{names[vid]}')} else ())" for position, vid in candidates]
             program.emit(f"g = {' + '.join(grants)}")
             arguments.append("overwrite=g")
         elif "overwrite" in step.kwargs:

@@ -7,7 +7,8 @@ import pytest
 import runnx
 from runnx.capture.capacity import append_in_place, concatenate_with_headroom, spare_capacity
 from runnx.capture.env import CaptureEnv
-from runnx.capture.ownership import StorageTable, read_only_view, storage_keys, storage_root
+from runnx.capture.ownership import (BOOKKEEPING, StorageTable, may_write, may_write_inline, read_only_view,
+                                     storage_keys, storage_root)
 
 
 def test_views_share_the_storage_key_of_their_root_buffer():
@@ -42,6 +43,41 @@ def test_storage_table_grants_exclusivity_only_to_an_owned_storage_held_once():
     table.hold(storage_keys(frozen), None, frozen)
     assert not table.exclusive(storage_keys(frozen))
     assert not table.exclusive(())
+
+
+class _Context:
+    """A run's context as far as `may_write` reads it: kept storages, and the writes reported."""
+
+    def __init__(self, kept):
+        self.kept_storages, self.reported = set(kept), []
+
+    def overwriting(self, keys):
+        self.reported.append(keys)
+
+
+def test_may_write_and_its_inline_form_decide_as_exclusive():
+    """For every table state of one or two storages (absent, held once or twice, owned or not) and
+    kept storages (none, others, these): `may_write` grants exactly what `exclusive` does and reports
+    a grant into kept storages; the expression generated code inlines is true exactly where
+    `may_write` grants one storage with nothing kept, and falling back to `may_write` decides the rest."""
+    first, second = np.zeros(2), np.zeros(3)
+    inline = {}
+    exec(f"def decide(table, ctx, k):\n    {BOOKKEEPING}\n    return {may_write_inline('k')}", inline)
+    states = [(None, False), (1, True), (1, False), (2, True)]
+    for keys in ((), storage_keys(first), storage_keys(first) + storage_keys(second)):
+        for held in states:
+            for other in states[:2]:
+                for kept in ((), (id(np),), keys):
+                    table = StorageTable()
+                    for key, (count, owned) in zip(keys, (held, other)):
+                        if count is not None:
+                            table.count[key], table.owned[key] = count, owned
+                    ctx = _Context(kept)
+                    granted = may_write(table, keys, ctx)
+                    assert granted == table.exclusive(keys)
+                    assert ctx.reported == ([keys] if granted and kept == keys else [])
+                    assert bool(inline["decide"](table, _Context(kept), keys)) == (granted and len(keys) == 1 and
+                                                                                    not kept)
 
 
 def test_storage_table_tracks_peak_live_bytes():

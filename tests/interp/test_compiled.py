@@ -277,7 +277,7 @@ def test_a_kernels_attributes_become_its_defaults_in_a_compiled_plan():
 
 def _helper_paths():
     """Steps taking each of the compiled plan's shared helpers: a split (several outputs, views of
-    one storage), a dying view whose storage the other view holds (its grant decided by `_grant`:
+    one storage), a dying view whose storage the other view holds (its grant decided by `may_write`:
     refused), then the other view, alone on it (granted: written in the caller's buffer), a top-k
     (two outputs of two dtypes), a reduction to 0-d, a broadcasting product run in place, and an
     owned input consumed inline."""
@@ -429,14 +429,18 @@ def _live_view_model():
                        ["x", "y"], ["out", "w", "v"], None, [shape])
 
 
+def _memo_model():
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Cast", ["s"], ["f"], to=F),
+             helper.make_node("Add", ["x", "f"], ["out"]), helper.make_node("Reshape", ["out", "s"], ["r"])]
+    return float_model(nodes, ["x"], ["r"])
+
+
 @pytest.mark.parametrize("build, feeds, memoized", [
     (chain, {"x": (2, 4), "y": (2, 4)}, 0),  # in-place reuse, step after step
     (_live_view_model, {"x": (2, 4), "y": (2, 4)}, 0),  # a view kept as an output: no write under it
     (_helper_paths, {"x": (4, 6), "z": (3,)}, 0),  # views of one storage, several outputs, kept outputs
     (_kept_model, {"x": (2, 4), "y": (2, 4)}, 0),  # a write into a kept storage
-    (lambda: float_model([helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Cast", ["s"], ["f"], to=F),
-                          helper.make_node("Add", ["x", "f"], ["out"]), helper.make_node("Reshape", ["out", "s"], ["r"])],
-                         ["x"], ["r"]), {"x": (4,)}, 2),  # a memo (Shape, Cast): its outputs uncounted compiled
+    (_memo_model, {"x": (4,)}, 2),  # a memo (Shape, Cast): its outputs uncounted compiled
 ])
 def test_compiled_and_interpreted_runs_decide_the_same(recorded, kept_negation, build, feeds, memoized):
     """The same storages enter, are borrowed and are released in the same order, the same writes
