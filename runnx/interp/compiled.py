@@ -166,27 +166,30 @@ def _step(program: Program, index: int, step, names: dict[int, str], keyless: se
     if memo:
         program.emit(*_memo_lines([name for _, name in outputs]))
     elif step.single:
-        _single_output_lines(program, index, names[step.outputs[0]], [names[v] for _, v in candidates])
+        _single_output_lines(program, index, names[step.outputs[0]], [names[v] for _, v in candidates],
+                             len(candidates) == 1 and candidates[0][1] in step.releases)
     elif outputs:
         targets = ", ".join("(_, _)" if v == MISSING else f"(v{names[v]}, k{names[v]})" for v in step.outputs)
         program.emit(f"{targets}, = many(r, table, STEPS[{index}])")
-    taken = names[candidates[0][1]] if step.single and len(candidates) == 1 else None
+    taken = names[candidates[0][1]] if step.single and len(candidates) == 1 and candidates[0][1] in step.releases \
+        else None
     for vid in step.releases:
         if vid not in keyless and names[vid] != taken:
             program.emit(f"drop(k{names[vid]})")
         program.emit(f"v{names[vid]} = None")
 
 
-def _single_output_lines(program: Program, index: int, out: str, dying: list[str]) -> None:
+def _single_output_lines(program: Program, index: int, out: str, dying: list[str], released: bool) -> None:
     """Bind a step's one output `r` to locals v<out>, k<out>: an ndarray counted by `hold`
     (`StorageTable.hold_array`), anything else by `one`. When the kernel returned a `dying` input
     itself (overwritten, or unchanged), the output takes over that input's hold on the storage
-    (holding it and releasing the input would leave the counts as they are): a single dying input
-    is then released by the `else` branch only, one of several has its keys emptied."""
+    (holding it and releasing the input would leave the counts as they are), and the input's keys
+    are emptied: it may live on for its shape (a memo's root), its release then drops nothing.
+    A single dying input `released` at this step is instead released by the `else` branch only."""
     bind = f"v{out}, k{out} = (r, hold(r)) if type(r) is ndarray else one(r, table, {index})"
     if not dying:
         program.emit(bind)
-    elif len(dying) == 1:
+    elif released:
         program.emit(f"if r is v{dying[0]}:", f"    v{out} = r; k{out} = k{dying[0]}", "else:", f"    {bind}",
                      f"    drop(k{dying[0]})")
     else:

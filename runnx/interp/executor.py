@@ -119,11 +119,16 @@ class Executor:
             if step.single and type(result) is np.ndarray:  # `_bind_outputs`' common case
                 vid = step.outputs[0]
                 values[vid] = result
-                keys[vid] = hold_array(result)
+                for position, dying in step.candidates:
+                    if result is args[position]:  # a dying input itself: the output takes over its hold
+                        keys[vid], keys[dying] = keys[dying], ()  # (it may live on, for its shape only)
+                        break
+                else:
+                    keys[vid] = hold_array(result)
             else:
                 self._bind_outputs(node, step, result, values, keys, hold)
             if instrumented:
-                self._instrument(graph, node, step, granted, start, values, keys, profile, trace)
+                self._instrument(graph, node, step, args, granted, start, values, profile, trace)
             for vid in step.releases:
                 drop(keys[vid])
                 values[vid] = None
@@ -155,14 +160,14 @@ class Executor:
         return compiled or None
 
     @staticmethod
-    def _instrument(graph, node, step, granted, start, values, keys, profile, trace) -> None:
+    def _instrument(graph, node, step, args, granted, start, values, profile, trace) -> None:
         """Profile counters and the trace line of one step."""
         if profile is not None:
             op = node.op_type
             profile.op_time[op] += time.perf_counter() - start
             profile.op_calls[op] += 1
-            if granted and any(keys[node.inputs[p]][0] in keys[v] for p in granted
-                               for v in step.outputs if v != MISSING and keys[node.inputs[p]] and keys[v]):
+            written = {key for p in granted for key in storage_keys(args[p])}
+            if written and any(not written.isdisjoint(storage_keys(values[v])) for v in step.outputs if v != MISSING):
                 profile.inplace[op] += 1
         if trace:
             shapes = [describe_value(graph.names[v], values[v]) for v in step.outputs if v != MISSING]

@@ -435,12 +435,23 @@ def _memo_model():
     return float_model(nodes, ["x"], ["r"])
 
 
+def _shape_read_after_the_write_model():
+    """Add consumes a in place, yet a lives on: the memo of Max and Abs, whose roots are a and c,
+    reads its shape after the Add."""
+    nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Add", ["a", "y"], ["b"]),
+             helper.make_node("Relu", ["b"], ["c"]), helper.make_node("Shape", ["a"], ["sa"]),
+             helper.make_node("Shape", ["c"], ["sc"]), helper.make_node("Max", ["sa", "sc"], ["m"]),
+             helper.make_node("Abs", ["m"], ["s"]), helper.make_node("Reshape", ["c", "s"], ["out"])]
+    return float_model(nodes, ["x", "y"], ["out"])
+
+
 @pytest.mark.parametrize("build, feeds, memoized", [
     (chain, {"x": (2, 4), "y": (2, 4)}, 0),  # in-place reuse, step after step
     (_live_view_model, {"x": (2, 4), "y": (2, 4)}, 0),  # a view kept as an output: no write under it
     (_helper_paths, {"x": (4, 6), "z": (3,)}, 0),  # views of one storage, several outputs, kept outputs
     (_kept_model, {"x": (2, 4), "y": (2, 4)}, 0),  # a write into a kept storage
     (_memo_model, {"x": (4,)}, 2),  # a memo (Shape, Cast): its outputs uncounted compiled
+    (_shape_read_after_the_write_model, {"x": (2, 4), "y": (2, 4)}, 4),  # written in place, read for its shape
 ])
 def test_compiled_and_interpreted_runs_decide_the_same(recorded, kept_negation, build, feeds, memoized):
     """The same storages enter, are borrowed and are released in the same order, the same writes
