@@ -10,10 +10,10 @@ compiling under a name saying what was generated, and naming a failing node. A f
 at its node by the line it was raised on, so the nodes carry no bookkeeping for errors, and is
 worded by `node_error`, as the interpreted loop words it.
 
-CPython's `compile()` costs about two microseconds per syntax node, paid by the run that
-generates the function: the callers emit a node's common path inline and call shared helpers for
-the rest. What a plan emits for storage ownership is written by the rules themselves
-(capture/ownership.py), what it emits to find a memo's kept result by its ShapeGroup.
+CPython's `compile()` costs microseconds per syntax node, paid by the run that generates the
+function: the callers emit a node's common path inline and call shared helpers for the rest. What
+a plan emits for storage ownership comes from the rules themselves (capture/ownership.py), what
+it emits to find a memo's kept result from its ShapeGroup.
 """
 from __future__ import annotations
 
