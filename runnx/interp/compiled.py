@@ -45,8 +45,9 @@ def bound_output(value) -> tuple:
 
 
 def _bind_one(r, table, step) -> tuple:
-    """(value, keys) of a single output that is not a plain ndarray, held in `table` as the
-    interpreted loop holds it (a plain ndarray is counted inline: `StorageTable.hold_array`)."""
+    """(value, keys) of a single output, held in `table` as the interpreted loop holds it."""
+    if type(r) is np.ndarray:
+        return r, table.hold_array(r)
     value, keys = bound_outputs(step.node, 1, r)[0]
     table.hold(keys, None, value)
     return value, keys
@@ -185,11 +186,14 @@ def _single_output_lines(program: Program, index: int, out: str, dying: list[str
     itself (overwritten, or unchanged), the output takes over that input's hold on the storage
     (holding it and releasing the input would leave the counts as they are), and the input's keys
     are emptied: it may live on for its shape (a memo's root), its release then drops nothing.
-    A single dying input `released` at this step is instead released by the `else` branch only."""
-    bind = f"v{out}, k{out} = (r, hold(r)) if type(r) is ndarray else one(r, table, {index})"
+    A single dying input `released` at this step is instead released by the `else` branch only.
+    That branch (the input was not returned) calls `one`: a call more where the kernel writes a
+    new array, less code to compile for a step that usually writes in place."""
     if not dying:
-        program.emit(bind)
-    elif released:
+        program.emit(f"v{out}, k{out} = (r, hold(r)) if type(r) is ndarray else one(r, table, {index})")
+        return
+    bind = f"v{out}, k{out} = one(r, table, {index})"
+    if released:
         program.emit(f"if r is v{dying[0]}:", f"    v{out} = r; k{out} = k{dying[0]}", "else:", f"    {bind}",
                      f"    drop(k{dying[0]})")
     else:
