@@ -299,5 +299,8 @@ def test_a_memo_program_runs_multi_output_members_and_names_a_failing_member():
         x = np.zeros(shape, np.float32)
         got, want = cached.run({"x": x})["out"], plain.run({"x": x})["out"]
         assert got.shape == want.shape == (shape[1] - 3, shape[0])
-    with pytest.raises(runnx.RunnxError, match=r"ConstantOfShape.*make_zeros.*negative dimension"):
+    with pytest.raises(runnx.RunnxError, match=r"ConstantOfShape.*make_zeros.*negative dimension") as failed:
         cached.run({"x": np.zeros((2, 1), np.float32)})
+    with pytest.raises(runnx.RunnxError) as unmemoized:
+        plain.run({"x": np.zeros((2, 1), np.float32)})
+    assert str(failed.value) == str(unmemoized.value)  # worded as the node's own failure: its inputs named
