@@ -44,13 +44,18 @@ def bound_output(value) -> tuple:
     return value, storage_keys(value)
 
 
-def _bind_one(r, table, step) -> tuple:
-    """(value, keys) of a single output, held in `table` as the interpreted loop holds it."""
-    if type(r) is np.ndarray:
-        return r, table.hold_array(r)
-    value, keys = bound_outputs(step.node, 1, r)[0]
-    table.hold(keys, None, value)
-    return value, keys
+def _single_binder(steps: tuple):
+    """`one(r, table, index)`: (value, keys) of the single output `r` of the plan's `index`-th step,
+    held in `table` as the interpreted loop holds it."""
+
+    def one(r, table, index: int) -> tuple:
+        if type(r) is np.ndarray:
+            return r, table.hold_array(r)
+        value, keys = bound_outputs(steps[index].node, 1, r)[0]
+        table.hold(keys, None, value)
+        return value, keys
+
+    return one
 
 
 def _bind_many(r, table, step) -> list:
@@ -115,8 +120,8 @@ def compile_plan(graph: Graph, plan):
     keyless = {vid for step in plan.steps if isinstance(step.fn, ShapeGroup) for vid in step.outputs}
     program = Program(graph, "V, K, table, ctx", f"plan of {graph.name or 'graph'}",
                       [BOOKKEEPING, *(f"v{names[vid]} = V[{vid}]; k{names[vid]} = K[{vid}]" for vid in plan.inputs)])
-    program.namespace.update(one=lambda r, table, index: _bind_one(r, table, plan.steps[index]), many=_bind_many,
-                             may_write=may_write, target=inplace_target, ndarray=np.ndarray, STEPS=plan.steps)
+    program.namespace.update(one=_single_binder(plan.steps), many=_bind_many, may_write=may_write,
+                             target=inplace_target, ndarray=np.ndarray, STEPS=plan.steps)
     for vid in plan.constants:  # globals: never assigned in the function
         program.set(f"v{names[vid]}", plan.values_template[vid])
         program.set(f"k{names[vid]}", plan.keys_template[vid])
