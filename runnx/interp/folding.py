@@ -3,7 +3,9 @@
 Optimum exports compute things like the transposed tied embedding (lm_head) from initializers on
 every run; folding turns them into contiguous read-only constants. Random ops are never folded,
 and a fold that would blow up memory (e.g. Expand of a scalar to a huge tensor) is left to run; a
-Cast of float16 weights to float32 (twice their bytes, `float16.py`) is folded.
+Cast of float16 weights to float32 (twice their bytes, `float16.py`) is folded, and so is a
+DequantizeLinear of 8-bit weights (four times their bytes: a transformers.js int8 export's tied
+LM head, 28 MB of uint8, was dequantized to 113 MB on every decode step).
 
 Small constants of equal value then become one array: every layer of an export has its own copy
 of the same slice bounds and scalars, and the facts kernels remember about constants by identity
@@ -61,6 +63,8 @@ def _evaluate(graph: Graph, node, ctx) -> list | None:
     budget = max(SMALL_RESULT, sum(a.nbytes for a in args if isinstance(a, np.ndarray)))
     if node.op_type == "Cast" and args[0].dtype == np.float16:  # float16 weights widened (interp/float16.py)
         budget *= 2
+    elif node.op_type == "DequantizeLinear":  # 8-bit weights dequantized once, not every run
+        budget *= 4
     if sum(np.asarray(o).nbytes for o in outputs) > budget:
         return None
     folded = []

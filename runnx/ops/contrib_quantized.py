@@ -14,9 +14,11 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, bnb4_dequantize, bnb4_rows,
-                                        nbits_dequantize, nbits_lanes, nbits_rows)
+                                        nbits_dequantize, nbits_lanes, nbits_rows, nibble_scales, zero_scales_of)
+from runnx.ops._remembered import Remembered
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import register
+from runnx.runtime import pool as decode_pool
 
 DOMAIN = "com.microsoft"
 _STREAMED_ROWS = 8  # up to this many rows of A stream the packed weights; more go through BLAS panels
@@ -48,6 +50,36 @@ def _lanes(rows, blocks: int, block_size: int, bits: int):
     sums = np.empty((rows.shape[0], blocks), rows.dtype)
     nbits_lanes(rows, block_size, lanes, sums)
     return lanes, sums
+
+
+def _nibble_factors(values, scales, zero_points):
+    """(the scale of each 16 bytes of a column, each block's zero point times its scale) of 4-bit
+    weights (`nibble_columns`), read-only."""
+    columns, blocks, blob = values
+    work = np.dtype(np.float32)
+    mode, packed, typed = _nbits_zero_points(zero_points, columns, blocks, 4, work)
+    flat = np.ascontiguousarray(scales.reshape(-1), dtype=work)
+    zero_scales = np.empty(columns * blocks, work)
+    zero_scales_of(packed, typed, mode, 4, blocks, flat, zero_scales)
+    sixteens = flat
+    if blob > 16:
+        sixteens = np.empty(columns * blocks * (blob >> 4), work)
+        nibble_scales(flat, blocks, blob, sixteens)
+    for array in (sixteens, zero_scales):
+        array.flags.writeable = False
+    return sixteens, zero_scales
+
+
+# a constant weight's factors are worked out on its first product and kept while it lives
+_remembered_factors = Remembered(_nibble_factors)
+
+
+def _nibble_product(rows, b, scales, zero_points, blocks: int, block_size: int, out) -> None:
+    """out = rows @ dequantized(b).T for 4-bit float32 weights in blobs of 16 bytes or more: a
+    job of column blocks for the decode pool (`runtime/pool.py`), or alone on this thread."""
+    sixteens, zero_scales = _remembered_factors(b.shape, scales, zero_points)
+    lanes, sums = _lanes(rows, blocks, block_size, 4)
+    decode_pool.nbits_rows(lanes, sums, b.reshape(b.shape[0], -1), sixteens, zero_scales, out)
 
 
 def _check_g_idx(g_idx, depth: int, block_size: int):
@@ -85,7 +117,9 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
     rows = np.ascontiguousarray(a.reshape(-1, K), dtype=work)
     flat_scales = np.ascontiguousarray(scales.reshape(-1), dtype=work)
     out = np.empty((rows.shape[0], N), work)
-    if rows.shape[0] <= _STREAMED_ROWS:
+    if rows.shape[0] <= _STREAMED_ROWS and bits == 4 and block_size >= 32 and work == np.float32:
+        _nibble_product(rows, b, scales, zero_points, blocks, block_size, out)
+    elif rows.shape[0] <= _STREAMED_ROWS:
         lanes, sums = _lanes(rows, blocks, block_size, bits)
         nbits_rows(lanes, sums, b, flat_scales, packed, typed, mode, bits, out)
     else:

@@ -30,6 +30,7 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops import _native
+from runnx.ops._attention_blocks import attend_blocks
 from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._fused_common import DOMAIN, stand_in
 from runnx.ops._kernels_fused import (add_rms_norm, attention, rms_norm, rope_append_into, rotate_half,
@@ -535,6 +536,9 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float):
 def _attend_numpy(scaled, key, value, bias, fill):
     """The grouped attention with numpy's matrix products: each KV head's query rows as one
     matrix, so the cache is not repeated."""
+    if (_native.enabled and scaled.dtype == np.float32 and key.dtype == np.float32 and value.dtype == np.float32
+            and (bias is None or (bias.dtype == np.float32 and bias.ndim <= 4)) and np.size(fill) == 1):
+        return attend_blocks(scaled, key, value, bias, float(np.asarray(fill).reshape(-1)[0]))
     batch, heads, length, depth = scaled.shape
     groups, size = key.shape[1], key.shape[2]
     grouped = scaled.reshape(batch, groups, heads // groups * length, depth)

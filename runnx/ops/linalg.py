@@ -14,6 +14,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
+from runnx.ops._kernels_integer import column_sums, integer_rows
 from runnx.ops._kernels_linalg import rows_times_matrix
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
@@ -501,7 +502,22 @@ def Gemm(a, b, c=None, *, alpha: float = 1.0, beta: float = 1.0, transA: int = 0
 
 @register("MatMulInteger", since=10)
 def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
-    # 8-bit products cannot overflow int32; the spec lets only the accumulation wrap around in 32 bits
+    """(a - a_zero_point) @ (b - b_zero_point) in int32 (the spec lets only the accumulation wrap):
+    a few rows of 8-bit values through `integer_rows` (one pass over b), more through float64 BLAS
+    products, exact while no sum can reach 2^31, else numpy's int32 loop."""
+    if b.ndim == 2 and a.ndim >= 1 and a.dtype.itemsize == 1 and b.dtype.itemsize == 1 and a.dtype.kind in "iu" \
+            and b.dtype.kind in "iu" and _native.enabled:
+        rows = a.reshape(-1, a.shape[-1])
+        a_zero = _zero_points(a_zero_point, rows.shape[0], a.ndim == 2)
+        b_zero = _zero_points(b_zero_point, b.shape[1], True)
+        if a_zero is not None and b_zero is not None and rows.shape[0] <= _INTEGER_ROWS:
+            out = np.empty((rows.shape[0], b.shape[1]), np.int32)
+            integer_rows(np.ascontiguousarray(rows), np.ascontiguousarray(b), a_zero, b_zero, _column_sums((), b), out)
+            return out.reshape(a.shape[:-1] + (b.shape[1],))
+        if a_zero is not None and b_zero is not None and a.shape[-1] * 255 * 255 < 2 ** 31:
+            wide = rows.astype(np.float64) - a_zero.reshape(-1, 1)
+            product = wide @ (b.astype(np.float64) - b_zero)
+            return product.astype(np.int32).reshape(a.shape[:-1] + (b.shape[1],))
     a32 = a.astype(np.int32)
     if a_zero_point is not None:
         zero = a_zero_point.astype(np.int32)
@@ -512,6 +528,30 @@ def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
     if b_zero_point is not None:
         b32 -= b_zero_point.astype(np.int32)  # scalar, or one per column of B
     return np.matmul(a32, b32)
+
+
+_INTEGER_ROWS = 16  # rows up to which one pass over the 8-bit matrix beats widening it for BLAS
+
+
+def _zero_points(zero_point, count: int, per_entry: bool):
+    """A zero point (None, a scalar, or one per row / column when `per_entry`) as int32 (count,),
+    or None when it has another shape."""
+    if zero_point is None:
+        return np.zeros(count, np.int32)
+    if zero_point.size == 1:
+        return np.full(count, int(zero_point.reshape(-1)[0]), np.int32)
+    if per_entry and zero_point.shape == (count,):
+        return zero_point.astype(np.int32)
+    return None
+
+
+@Remembered
+def _column_sums(_, b):
+    """b's column sums (int32, read-only): `integer_rows`' zero-point term, once per constant weight."""
+    sums = np.empty(b.shape[1], np.int32)
+    column_sums(np.ascontiguousarray(b), sums)
+    sums.flags.writeable = False
+    return sums
 
 
 @register("Einsum", since=12)

@@ -10,6 +10,8 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import numpy_dtype
+from runnx.ops import _native
+from runnx.ops._kernels_integer import dequantize_into
 from runnx.ops._nn_util import convolve, resolve_padding, spatial_attrs
 from runnx.ops.registry import register
 
@@ -105,7 +107,18 @@ def QuantizeLinear(x, y_scale, y_zero_point=None, *, axis: int = 1, block_size: 
                      output_dtype=output_dtype, precision=precision)
 
 
+_PER_TENSOR_KERNEL_DTYPES = (np.dtype(np.int8), np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.uint16))
+_ONNX_FLOAT = 1  # TensorProto.FLOAT
+
+
 def _dequantize(x, scale, zero_point, *, axis=1, block_size=0, output_dtype=0):
+    if (_native.enabled and x.dtype in _PER_TENSOR_KERNEL_DTYPES and scale.size == 1
+            and scale.dtype == np.float32 and (zero_point is None or zero_point.size == 1)
+            and output_dtype in (0, _ONNX_FLOAT)):  # one scale: one pass, numpy's arithmetic
+        out = np.empty(x.shape, np.float32)
+        zero = np.float32(0 if zero_point is None else zero_point.reshape(-1)[0])
+        dequantize_into(np.ascontiguousarray(x).reshape(-1), zero, np.float32(scale.reshape(-1)[0]), out.reshape(-1))
+        return out
     values = x.astype(np.float32)
     # float8 zero points are zero by definition; float4's is added like an integer one
     if zero_point is not None and x.dtype.name not in _FLOAT8:

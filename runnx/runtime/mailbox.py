@@ -9,6 +9,9 @@ A job is cut into units that give the same result whoever computes them:
   order: bitwise the one-thread loop's;
 - attention: one unit per (batch entry, KV head, span of the cache), `attention_span` of
   `ops/_kernels_fused.py` as the one-thread `attention` runs it, the caller combining the spans after;
+- 4-bit products (MatMulNBits of one row or a few): one unit per block of `_NBITS_COLUMNS` output
+  columns, `nibble_columns` of `ops/_kernels_contrib.py` over them (each column computed whole by
+  one unit, so the same values as the one-thread loop's);
 - rows (a prefill's or an encoder's attention softmax, the encoder's GELU: row kernels of
   `ops/_kernels_rows.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
   products around them, so after such a job a worker does not spin but sleeps at once.
@@ -29,6 +32,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._kernels_contrib import nibble_columns
 from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span
 from runnx.ops._kernels_linalg import add_partials_into, chunk_bounds, chunk_count, rows_into
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
@@ -41,7 +45,7 @@ _POSTED, _CLAIM, _COMPLETED, _IDLE, _STOP, _SHARED, _FIELDS = 0, 8, 16, 24, 32, 
 MAX_WORKERS = _STOP - _IDLE
 # a job's fields: its kind, unit count and polls a worker spins after it, then the kind's own
 _KIND, _UNITS, _LINGER, _OWN = _FIELDS, _FIELDS + 1, _FIELDS + 2, _FIELDS + 3
-_PRODUCTS, _ATTENTION, _ROWS, _SUMS = 0, 1, 2, 3
+_PRODUCTS, _ATTENTION, _ROWS, _SUMS, _NBITS = 0, 1, 2, 3, 4
 # products: the rows (address, count), then (matrix, width, partial rows, output) for each matrix;
 # a products job's partial rows are then added by a sums job of the same fields when they are wide
 # (an LM head's)
@@ -67,8 +71,14 @@ _QUERY, _KEY, _VALUE, _BIAS, _PARTIAL_SUMS, _SPAN_STATS = (_ARRAYS + 9 * i for i
 _ROW_KERNEL, _ROWS_IN, _ROWS_OUT, _ROW_COUNT, _ROW_COLUMNS, _ROW_ARGUMENTS = range(_OWN, _OWN + 6)
 _SOFTMAX_ROWS, _GELU_ROWS = 0, 1
 _ROW_BLOCK = 16  # rows per unit
+# 4-bit products: the addresses of the row lanes, block sums, weights, the scale of each 16 bytes,
+# the zero points times scales and the output (all C-contiguous), then rows, columns, the bytes of a
+# column and blocks
+(_NBITS_LANES, _NBITS_SUMS, _NBITS_WEIGHTS, _NBITS_SCALES, _NBITS_ZEROS, _NBITS_OUT, _NBITS_ROWS, _NBITS_WIDTH,
+ _NBITS_LENGTH, _NBITS_BLOCKS) = range(_OWN, _OWN + 10)
+_NBITS_COLUMNS = 32  # output columns per unit
 # the address of `_units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
-_UNITS_CODE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9)
+_UNITS_CODE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9, _NBITS_BLOCKS + 1)
 _MAILBOX_SIZE = _UNITS_CODE + 1
 _INDEX_BITS = 32
 _NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
@@ -173,6 +183,21 @@ def _row_block(box, index):
 
 
 @_jit
+def _nbits_block(box, index):
+    """Unit `index` of a 4-bit products job: its block of output columns."""
+    rows, columns = load(box, _NBITS_ROWS), load(box, _NBITS_WIDTH)
+    length, blocks = load(box, _NBITS_LENGTH), load(box, _NBITS_BLOCKS)
+    lanes = numba.carray(float32_pointer(load(box, _NBITS_LANES)), (rows, 2, length))
+    sums = numba.carray(float32_pointer(load(box, _NBITS_SUMS)), (rows, blocks))
+    weights = numba.carray(float32_pointer(load(box, _NBITS_WEIGHTS)), (columns, length >> 2)).view(np.uint8)
+    scales = numba.carray(float32_pointer(load(box, _NBITS_SCALES)), (columns * (length >> 4),))
+    zero_scales = numba.carray(float32_pointer(load(box, _NBITS_ZEROS)), (columns * blocks,))
+    out = numba.carray(float32_pointer(load(box, _NBITS_OUT)), (rows, columns))
+    first = index * _NBITS_COLUMNS
+    nibble_columns(lanes, sums, weights, scales, zero_scales, out, first, min(first + _NBITS_COLUMNS, columns))
+
+
+@_jit
 def _work(box, sequence):
     """Claim and compute units of job `sequence` until none are left (or a later job is posted);
     returns how many it computed."""
@@ -189,6 +214,8 @@ def _work(box, sequence):
                 _attention_span(box, claim & _NOTHING_TO_CLAIM)
             elif kind == _SUMS:
                 _sum_block(box, claim & _NOTHING_TO_CLAIM)
+            elif kind == _NBITS:
+                _nbits_block(box, claim & _NOTHING_TO_CLAIM)
             else:
                 _row_block(box, claim & _NOTHING_TO_CLAIM)
             add(box, _COMPLETED, 1)
@@ -390,6 +417,45 @@ def post_attention(box, workers, query, key, value, bias, scale, fill, out):
     for unit in range(partials.shape[0]):
         attention_combine(value, partials, stats, fill, out, unit // key.shape[1], unit % key.shape[1])
     return idle
+
+
+@_jit
+def _check_nbits(lanes, sums, weights, scales, zero_scales, out):
+    """ValueError unless the arrays are what `post_nbits` reads and writes by address."""
+    rows, columns = out.shape
+    length = weights.shape[1]
+    blocks = sums.shape[1]
+    if (lanes.shape[0] != rows or lanes.shape[1] != 2 or lanes.shape[2] != length or sums.shape[0] != rows
+            or length % 16 != 0 or weights.shape[0] != columns or scales.shape[0] != columns * (length >> 4)
+            or zero_scales.shape[0] != columns * blocks or blocks == 0 or (length >> 4) % blocks != 0):
+        raise ValueError("a 4-bit products job takes lanes (M, 2, L), sums (M, blocks), weights (N, L) bytes, "
+                         "L a multiple of 16, a scale per 16 bytes, a zero point per block and out (M, N)")
+    if (lanes.itemsize != 4 or sums.itemsize != 4 or scales.itemsize != 4 or zero_scales.itemsize != 4
+            or out.itemsize != 4 or weights.itemsize != 1 or not lanes.flags.c_contiguous
+            or not sums.flags.c_contiguous or not weights.flags.c_contiguous or not scales.flags.c_contiguous
+            or not zero_scales.flags.c_contiguous or not out.flags.c_contiguous):
+        raise ValueError("a 4-bit products job takes C-contiguous float32 arrays and uint8 weights")
+
+
+@_jit
+def post_nbits(box, workers, lanes, sums, weights, scales, zero_scales, out):
+    """out (M, N) = the 4-bit product `nibble_columns` computes, as one job of column blocks; whether
+    a worker was idle. Arrays that do not fit raise ValueError before anything is posted."""
+    _check_nbits(lanes, sums, weights, scales, zero_scales, out)
+    rows, columns = out.shape
+    sequence = _begin(box, _PATIENCE)
+    store(box, _KIND, _NBITS)
+    store(box, _NBITS_LANES, lanes.ctypes.data)
+    store(box, _NBITS_SUMS, sums.ctypes.data)
+    store(box, _NBITS_WEIGHTS, weights.ctypes.data)
+    store(box, _NBITS_SCALES, scales.ctypes.data)
+    store(box, _NBITS_ZEROS, zero_scales.ctypes.data)
+    store(box, _NBITS_OUT, out.ctypes.data)
+    store(box, _NBITS_ROWS, rows)
+    store(box, _NBITS_WIDTH, columns)
+    store(box, _NBITS_LENGTH, weights.shape[1])
+    store(box, _NBITS_BLOCKS, sums.shape[1])
+    return _run(box, workers, sequence, (columns + _NBITS_COLUMNS - 1) // _NBITS_COLUMNS)
 
 
 @_jit

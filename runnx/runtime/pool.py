@@ -33,7 +33,7 @@ import numpy as np
 from runnx.ops import _native
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_matrix
 from runnx.runtime.mailbox import (_IDLE, _ROW_BLOCK, _SHARED, MAX_MATRICES, MAX_WORKERS, _rest, _serve, _stop,
-                                   new_box, post_attention, post_gelu, post_products, post_softmax)
+                                   new_box, post_attention, post_gelu, post_nbits, post_products, post_softmax)
 
 _SHARED_ROWS = 2 * _ROW_BLOCK  # fewer rows (a decode step's GELU) run the job alone, never the pool
 _BLAS_THREADED = 1 << 20  # multiply-adds from which a product is worth OpenBLAS's threads
@@ -201,6 +201,13 @@ def gelu_rows(x, bias, divisor, one, half, out) -> None:
         alone(post_gelu, *arguments)
     else:
         shared_call(post_gelu, *arguments)
+
+
+def nbits_rows(lanes, sums, weights, scales, zero_scales, out) -> None:
+    """out (M, N) = the 4-bit product of `post_nbits` (`nibble_columns`' arguments: C-contiguous
+    float32 arrays, weights (N, bytes) uint8), with the pool's workers when there are any: the
+    same compiled code on every thread, so the same values whatever the thread count."""
+    shared_call(post_nbits, lanes, sums, weights, scales, zero_scales, out)
 
 
 def shared_call(job, *arguments):

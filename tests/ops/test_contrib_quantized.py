@@ -279,3 +279,32 @@ def test_matmul_integer_to_float_is_exact_integer_arithmetic_scaled():
     got, expected = run_both("MatMulIntegerToFloat", [a, small, a_scale, b_scale, a_zero, b_zero, bias],
                              initializers=(1, 3, 5, 6))
     assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("K,N,block_size", [(576, 70, 32), (320, 1100, 64), (200, 33, 32)])
+@pytest.mark.parametrize("rows", [(1,), (3,)])
+def test_matmul_nbits_4_bit_rows_are_the_same_bits_on_any_thread_count(K, N, block_size, rows):
+    """The 4-bit few-row product is a job of column blocks for the decode pool: computed with
+    workers (several blocks at once) or alone, it gives the same bits, read-only weights or not,
+    and its remembered factors (scales per 16 bytes, zero points times scales) belong to their
+    weights: other weights of the same shapes get their own."""
+    from runnx.ops import contrib_quantized
+    from runnx.runtime import pool as decode_pool
+
+    a, b, scales, zeros = _nbits_inputs(rows, K, N, 4, block_size, "packed")
+    attributes = dict(K=K, N=N, bits=4, block_size=block_size)
+    workers = decode_pool.worker_count()
+    try:
+        decode_pool.set_workers(0)
+        alone = contrib_quantized.MatMulNBits(a, b, scales, zeros, **attributes)
+        for array in (b, scales, zeros):
+            array.flags.writeable = False
+        decode_pool.set_workers(2)
+        for _ in range(5):
+            np.testing.assert_array_equal(contrib_quantized.MatMulNBits(a, b, scales, zeros, **attributes), alone)
+        other = (scales * 2).astype(scales.dtype)
+        other.flags.writeable = False
+        np.testing.assert_array_equal(contrib_quantized.MatMulNBits(a, b, other, zeros, **attributes), 2 * alone)
+    finally:
+        decode_pool.set_workers(workers)
+    np.testing.assert_allclose(alone, _nbits_reference(a, b, scales, zeros, K, N, 4, block_size), rtol=1e-4, atol=1e-4)

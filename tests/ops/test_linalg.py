@@ -158,3 +158,28 @@ def test_matmul_one_row_result_does_not_depend_on_workers():
     np.testing.assert_array_equal(results[1], results[0])
     np.testing.assert_array_equal(results[2], results[0])
     np.testing.assert_allclose(results[0], np.matmul(row, matrix), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("a_type,b_type", [(np.uint8, np.int8), (np.uint8, np.uint8), (np.int8, np.int8)])
+@pytest.mark.parametrize("shape", [(1, 576, 1536), (3, 1535, 77), (2, 4, 3, 65), (20, 64, 33)])  # few rows; many
+@pytest.mark.parametrize("zeros", ["none", "scalar", "per row and column"])
+def test_matmul_integer_is_exact_on_every_path(a_type, b_type, shape, zeros):
+    """A few rows stream the 8-bit matrix once (`integer_rows`, zero points folded out of the loop),
+    many go through float64 products: both equal exact integer arithmetic."""
+    *lead, depth, width = shape
+    info_a, info_b = np.iinfo(a_type), np.iinfo(b_type)
+    a = RNG.integers(info_a.min, info_a.max + 1, (*lead, depth)).astype(a_type)
+    b = RNG.integers(info_b.min, info_b.max + 1, (depth, width)).astype(b_type)
+    inputs = [a, b]
+    if zeros == "scalar":
+        inputs += [np.array(info_a.max // 2 + 3, a_type), np.array(info_b.max // 3, b_type)]
+    elif zeros == "per row and column" and len(lead) == 1:
+        inputs += [RNG.integers(info_a.min, info_a.max + 1, lead[0]).astype(a_type),
+                   RNG.integers(info_b.min, info_b.max + 1, width).astype(b_type)]
+    a_zero = inputs[2].astype(np.int64).reshape(-1, 1) if len(inputs) > 2 and inputs[2].size > 1 else \
+        (inputs[2].astype(np.int64) if len(inputs) > 2 else 0)
+    b_zero = inputs[3].astype(np.int64) if len(inputs) > 3 else 0
+    expected = (a.astype(np.int64) - a_zero) @ (b.astype(np.int64) - b_zero)
+    got = run_node("MatMulInteger", inputs)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, expected)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pytest
 from onnx import TensorProto
 
 from tests.ops._single_node import run_node
@@ -81,3 +82,17 @@ def test_qlinear_conv_per_channel_weights():
     acc = naive_conv(x.astype(np.float64) - 128, w.astype(np.float64), bias.astype(np.float64), pads=(1, 1, 1, 1))
     real = acc * (0.02 * w_scale.astype(np.float64)).reshape(1, 3, 1, 1) / np.float64(np.float32(0.1))
     np.testing.assert_array_equal(got, np.clip(np.rint(real) + 5, -128, 127).astype(np.int8))
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16])
+@pytest.mark.parametrize("with_zero", [True, False])
+def test_dequantize_per_tensor_is_numpys_arithmetic_bitwise(dtype, with_zero):
+    """One scale (and zero point): a single pass computing (float32(x) - float32(zero)) * scale,
+    numpy's arithmetic, to the bit."""
+    info = np.iinfo(dtype)
+    x = np.random.default_rng(3).integers(info.min, info.max + 1, (37, 129)).astype(dtype)
+    scale = np.array(0.0123457, np.float32)
+    zero = np.array(info.max // 3, dtype) if with_zero else None
+    expected = (x.astype(np.float32) - (np.float32(0) if zero is None else zero.astype(np.float32))) * scale
+    got = run_node("DequantizeLinear", [x, scale] + ([zero] if with_zero else []))
+    assert got.dtype == np.float32 and got.tobytes() == expected.tobytes()

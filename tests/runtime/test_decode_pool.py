@@ -156,7 +156,7 @@ def test_attention_by_kv_heads_is_bitwise_the_one_thread_job(pool, bias, size):
     np.testing.assert_allclose(expected, weights @ np.repeat(value, 2, axis=1), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["_serve", "_rest", "post_attention", "post_products"])
+@pytest.mark.parametrize("name", ["_serve", "_rest", "post_attention", "post_products", "post_nbits"])
 def test_every_thread_computes_units_through_one_compiled_copy(name):
     """The workers' loop and the callers' jobs call the unit loop through the address in the mailbox
     (`_units_address`) instead of inlining it: inlined copies of a reassociating kernel may round
@@ -171,12 +171,16 @@ def test_every_thread_computes_units_through_one_compiled_copy(name):
     arguments = {"_serve": (box, 0), "_rest": (box,),
                  "post_attention": (box, 1, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32)),
                  "post_products": (box, 1, row, (matrix,), (np.empty(3, np.float32),),
-                                   np.empty(3 * 8, np.float32))}[name]
+                                   np.empty(3 * 8, np.float32)),
+                 "post_nbits": (box, 1, np.ones((1, 2, 16), np.float32), np.ones((1, 1), np.float32),
+                                np.ones((3, 16), np.uint8), np.ones(3, np.float32), np.ones(3, np.float32),
+                                np.empty((1, 3), np.float32))}[name]
     fresh = numba.njit(nogil=True, error_model="numpy")(getattr(mailbox, name).py_func)
     fresh.compile(tuple(numba.typeof(argument) for argument in arguments))
     code = next(iter(fresh.inspect_llvm().values()))
     assert "call_units" not in code and re.search(r"inttoptr", code)
-    units = r"\d(?:_work|_attention_span|attention_span|_product_chunk|softmax_rows_float32|gelu_rows_float32)(?![a-z_])"
+    units = (r"\d(?:_work|_attention_span|attention_span|_product_chunk|softmax_rows_float32|gelu_rows_float32"
+             r"|_nbits_block|nibble_columns)(?![a-z_])")
     assert not re.search(units, code)  # (mangled names: the name after its length)
 
 
@@ -523,6 +527,25 @@ def test_attention_and_rows_jobs_refuse_arrays_that_do_not_fit_before_posting():
     assert box[mailbox._POSTED] == 0
 
 
+@pytest.mark.parametrize("change", ["short lanes", "odd bytes", "few scales", "float64 out", "strided weights",
+                                    "int8 weights"])
+def test_a_4_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+    arrays = dict(lanes=np.ones((2, 2, 32), np.float32), sums=np.ones((2, 2), np.float32),
+                  weights=np.ones((5, 32), np.uint8), scales=np.ones(10, np.float32),
+                  zero_scales=np.ones(10, np.float32), out=np.empty((2, 5), np.float32))
+    changed = {"short lanes": ("lanes", np.ones((2, 2, 16), np.float32)),
+               "odd bytes": ("weights", np.ones((5, 24), np.uint8)),
+               "few scales": ("scales", np.ones(9, np.float32)),
+               "float64 out": ("out", np.empty((2, 5))),
+               "strided weights": ("weights", np.ones((5, 64), np.uint8)[:, ::2]),
+               "int8 weights": ("weights", np.ones((5, 8), np.float32))}[change]
+    arrays[changed[0]] = changed[1]
+    box = mailbox.new_box()
+    with pytest.raises(ValueError, match="a 4-bit products job"):
+        mailbox.post_nbits(box, 0, *arrays.values())
+    assert box[mailbox._POSTED] == 0
+
+
 def test_only_the_mailbox_turns_arrays_into_addresses():
     """No module but `runtime/mailbox.py` imports the address intrinsics, and there only the posting
     functions (which check their arrays first) take an array's address."""
@@ -541,7 +564,7 @@ def test_only_the_mailbox_turns_arrays_into_addresses():
         return {name for name, node in functions.items()
                 if text in ast.get_source_segment(source, node).split(":", 1)[1]}  # (after its signature)
 
-    assert using("ctypes.data") == {"post_products", "post_gelu", "_rows", "_post_array"}
+    assert using("ctypes.data") == {"post_products", "post_gelu", "post_nbits", "_rows", "_post_array"}
     assert using("_post_array(") == {"post_attention"}
     for name in (using("ctypes.data") | using("_post_array(")) - {"_post_array"}:
         first_call = next(node for node in functions[name].body

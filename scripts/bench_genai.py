@@ -1,0 +1,188 @@
+"""runnx against onnxruntime-genai on onnxruntime-genai's own folders (SmolLM2-135M fp32 and int4):
+each engine's own decode loop on the same files, the same thread count.
+
+    .venv/bin/python scripts/bench_genai.py [--folders genai-int4,genai-fp32] [--threads 1,2]
+        [--contexts 32,512,2000] [--steps 16] [--rounds 3] [--no-write]
+
+Each (engine, folder, thread count) runs in a process of its own (BLAS/numba/onnxruntime threads set
+before anything starts), the engines alternating round by round; every figure is the median over the
+rounds of each process's median step. runnx: `DecoderStep.from_folder` (the KV in the folder's shared
+past/present buffer, GroupQueryAttention), its cache restored from random KV of the context length;
+onnxruntime-genai: its Generator, the context a prompt of random tokens. Peak RSS is each process's
+own (onnxruntime-genai's includes its prompt's prefill). llama.cpp's Q4_1 figures for the same model
+on this machine kind are the bar the issue sets (#41). Writes its section of docs/benchmarks.md
+unless --no-write. Folders come from `make models` (${RUNNX_CACHE:-~/.cache/runnx}/models).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from report import THREAD_VARIABLES, git_revision, machine, update_section  # scripts/: this script's folder
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
+MODELS = CACHE / "models"
+GENAI_PYTHON = CACHE / "genai-venv" / "bin" / "python"
+# llama.cpp, SmolLM2-135M Q4_1, 2 threads, tokens/s at context 32 / 512 / 2000 (issue #41)
+LLAMA_CPP_Q4_1 = {32: 64.7, 512: 61.2, 2000: 46.0}
+
+
+def worker_runnx(folder: Path, contexts: list[int], steps: int) -> dict:
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT))
+    from runnx.generate.decoder import DecoderStep
+
+    start = time.perf_counter()
+    decoder = DecoderStep.from_folder(folder, capacity=max(contexts) + steps + 2)
+    load_seconds = time.perf_counter() - start
+    rng = np.random.default_rng(0)
+    heads, head_dim, dtype = next(iter(decoder._layout.values()))
+    names = [k.past for k in decoder.past_io.kv if not k.is_cross_attention]
+    token = np.array([[42]], np.int64)
+    decode = {}
+    for context in contexts:
+        arrays = {name: rng.standard_normal((1, heads, context, head_dim)).astype(dtype) for name in names}
+        decoder.restore(arrays, np.ones((1, context), np.int64))
+        decoder.step(token)  # warm-up
+        times = []
+        for _ in range(steps):
+            begin = time.perf_counter()
+            logits = decoder.step(token)
+            token = logits[:, -1:].argmax(-1).astype(np.int64)
+            times.append(time.perf_counter() - begin)
+        decode[context] = 1.0 / statistics.median(times)
+    return {"load_s": load_seconds, "decode_tps": decode,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def worker_genai(folder: Path, threads: int, contexts: list[int], steps: int) -> dict:
+    import numpy as np
+    import onnxruntime_genai as og
+
+    start = time.perf_counter()
+    config = og.Config(str(folder))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+    load_seconds = time.perf_counter() - start
+    decode = {}
+    for context in contexts:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=context + steps + 2, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens(np.random.default_rng(context).integers(3, 40000, size=context).astype(np.int32))
+        generator.generate_next_token()  # warm-up
+        times = []
+        for _ in range(steps):
+            begin = time.perf_counter()
+            generator.generate_next_token()
+            times.append(time.perf_counter() - begin)
+        decode[context] = 1.0 / statistics.median(times)
+    return {"load_s": load_seconds, "decode_tps": decode,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _run_worker(engine: str, folder: Path, threads: int, contexts: str, steps: int) -> dict | None:
+    python = str(GENAI_PYTHON) if engine == "onnxruntime-genai" else sys.executable
+    environment = dict(os.environ, **{v: str(threads) for v in THREAD_VARIABLES}, PYTHONPATH=str(ROOT))
+    completed = subprocess.run([python, __file__, "--worker", engine, "--folder", str(folder), "--threads",
+                                str(threads), "--contexts", contexts, "--steps", str(steps)],
+                               capture_output=True, text=True, env=environment, timeout=3600)
+    if completed.returncode:
+        print(f"  failed: {engine} {folder.name} {threads}\n{completed.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def _median(results: list) -> dict | None:
+    results = [r for r in results if r]
+    if not results:
+        return None
+    return {"load_s": statistics.median(r["load_s"] for r in results),
+            "decode_tps": {c: statistics.median(r["decode_tps"][c] for r in results) for c in results[0]["decode_tps"]},
+            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results)}
+
+
+def _table(results: dict, contexts: list[int]) -> str:
+    header = ["folder", "threads"] + [f"runnx / genai tok/s @{c}" for c in contexts] + \
+             [f"ratio @{c}" for c in contexts] + ["peak RSS MiB runnx / genai"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for (folder, threads) in sorted({(f, t) for _, f, t in results}):
+        mine, theirs = results.get(("runnx", folder, threads)), results.get(("onnxruntime-genai", folder, threads))
+        if not (mine and theirs):
+            lines.append(f"| {folder} | {threads} | " + " | ".join(["failed"] * (len(header) - 2)) + " |")
+            continue
+        speeds = [f"{mine['decode_tps'][str(c)]:.1f} / {theirs['decode_tps'][str(c)]:.1f}" for c in contexts]
+        ratios = [f"{mine['decode_tps'][str(c)] / theirs['decode_tps'][str(c)]:.2f}x" for c in contexts]
+        lines.append(f"| {folder} | {threads} | " + " | ".join(speeds + ratios)
+                     + f" | {mine['peak_rss_mb']:.0f} / {theirs['peak_rss_mb']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(args) -> None:
+    contexts = [int(c) for c in args.contexts.split(",")]
+    folders = [MODELS / f"smollm2-135m-{name}" for name in args.folders.split(",")]
+    missing = [str(f) for f in folders if not (f / "genai_config.json").exists()]
+    if missing or not GENAI_PYTHON.exists():
+        sys.exit(f"missing: {', '.join(missing) or GENAI_PYTHON} (run `make models`)")
+    runs = {}
+    for round_index in range(args.rounds):
+        for folder in folders:
+            for threads in (int(t) for t in args.threads.split(",")):
+                for engine in ("runnx", "onnxruntime-genai") if round_index % 2 == 0 else ("onnxruntime-genai", "runnx"):
+                    result = _run_worker(engine, folder, threads, args.contexts, args.steps)
+                    print(f"{engine}, {folder.name}, {threads} thread(s), round {round_index + 1}: {result}", flush=True)
+                    runs.setdefault((engine, folder.name, threads), []).append(result)
+    results = {key: _median(values) for key, values in runs.items()}
+    table = _table(results, contexts)
+    bar = ", ".join(f"{c}: {LLAMA_CPP_Q4_1[c]}" for c in contexts if c in LLAMA_CPP_Q4_1)
+    print(table)
+    if args.no_write:
+        return
+    command = (f".venv/bin/python scripts/bench_genai.py --folders {args.folders} --threads {args.threads} "
+               f"--contexts {args.contexts} --steps {args.steps} --rounds {args.rounds}")
+    update_section("genai-folders", f"""## onnxruntime-genai's folders, each engine's own loop (`scripts/bench_genai.py`)
+
+SmolLM2-135M as onnxruntime-genai's model builder writes it (`-p fp32` and `-p int4 -e cpu`:
+MatMulNBits 4-bit block 32 with zero points, accuracy_level 1, the LM head 4-bit too;
+GroupQueryAttention over a shared past/present buffer). runnx runs the folder through
+`DecoderStep.from_folder`, onnxruntime-genai through its Generator. Decode tokens/s at each context:
+the median step of {args.steps}, the median of {args.rounds} processes per engine, alternating.
+For scale: llama.cpp decodes the same model in Q4_1 with 2 threads at {bar} tokens/s on this
+machine kind. runnx {git_revision()}; {machine()}.
+Command: `{command}`.
+
+{table}
+""")
+
+
+def _parse():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--folders", default="genai-int4,genai-fp32", help="smollm2-135m-<name> folders")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--contexts", default="32,512,2000")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--worker", choices=["runnx", "onnxruntime-genai"], help=argparse.SUPPRESS)
+    parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    ARGS = _parse()
+    if ARGS.worker == "runnx":
+        print(json.dumps(worker_runnx(ARGS.folder, [int(c) for c in ARGS.contexts.split(",")], ARGS.steps)))
+    elif ARGS.worker:
+        print(json.dumps(worker_genai(ARGS.folder, int(ARGS.threads), [int(c) for c in ARGS.contexts.split(",")],
+                                      ARGS.steps)))
+    else:
+        main(ARGS)

@@ -1,0 +1,92 @@
+"""Prefill attention in blocks of query positions (`runnx/ops/_attention_blocks.py`): the same
+values as the whole score matrix, keys a row cannot see left out only where they add exactly 0."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runnx.ops import _attention_blocks
+from runnx.ops._attention_blocks import attend_blocks, visible_ends
+
+RNG = np.random.default_rng(7)
+LOWEST = np.finfo(np.float32).min
+
+
+def _reference(scaled, key, value, bias, fill):
+    """The whole score matrix in float64, NaN probabilities to the fill (Where(IsNaN) after Softmax)."""
+    per = scaled.shape[1] // key.shape[1]
+    keys, values = np.repeat(key, per, axis=1).astype(np.float64), np.repeat(value, per, axis=1).astype(np.float64)
+    scores = scaled.astype(np.float64) @ np.swapaxes(keys, -1, -2)
+    if bias is not None:
+        scores = scores + bias
+    with np.errstate(invalid="ignore"):
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+    return np.where(np.isnan(weights), fill, weights) @ values
+
+
+def _causal(length: int, past: int, masked=LOWEST):
+    keys = np.arange(past + length)
+    return np.where(keys[None, :] <= past + np.arange(length)[:, None], 0, masked).astype(np.float32)
+
+
+def _inputs(batch, heads, groups, length, size):
+    scaled = (RNG.standard_normal((batch, heads, length, 16)) * 0.3).astype(np.float32)
+    key = RNG.standard_normal((batch, groups, size, 16)).astype(np.float32)
+    value = RNG.standard_normal((batch, groups, size, 8)).astype(np.float32)
+    return scaled, key, value
+
+
+@pytest.mark.parametrize("masked", [LOWEST, -np.inf])
+@pytest.mark.parametrize("length,past", [(150, 0), (70, 30), (1, 5)])
+def test_causal_prompts_match_the_whole_matrix(masked, length, past):
+    scaled, key, value = _inputs(1, 6, 2, length, past + length)
+    bias = _causal(length, past, masked)[None, None]
+    got = attend_blocks(scaled, key, value, bias, 0.0)
+    np.testing.assert_allclose(got, _reference(scaled, key, value, bias, 0.0), rtol=2e-5, atol=2e-6)
+
+
+def test_a_causal_block_reads_only_the_keys_its_rows_see(monkeypatch):
+    """Each row of a causal prompt sees the keys up to its own; a block of 64 rows reads the first
+    64 keys only: keys past them may hold anything (NaN here) without touching its rows."""
+    ends = np.empty((1, 1, 150), np.int64)
+    visible_ends(_causal(150, 0)[None, None], ends)
+    np.testing.assert_array_equal(ends[0, 0], np.arange(1, 151))
+    monkeypatch.setattr(_attention_blocks, "BLOCK", 64)
+    scaled, key, value = _inputs(1, 2, 1, 150, 150)
+    key[:, :, 64:] = np.nan
+    value[:, :, 64:] = np.nan
+    got = attend_blocks(scaled, key, value, _causal(150, 0)[None, None], np.nan)
+    assert np.isfinite(got[:, :, :64]).all()
+    assert np.isnan(got[:, :, 64:]).all()  # the later rows read those keys
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 40, 90), (2, 6, 40, 90), (1, 1, 1, 90), (2, 1, 1, 90), (1, 1, 40, 1)])
+def test_biases_broadcast_as_the_scores_take_them(shape):
+    scaled, key, value = _inputs(2, 6, 3, 40, 90)
+    bias = np.where(RNG.random(shape) < 0.3, LOWEST, RNG.standard_normal(shape)).astype(np.float32)
+    got = attend_blocks(scaled, key, value, bias, 0.0)
+    np.testing.assert_allclose(got, _reference(scaled, key, value, bias, 0.0), rtol=2e-5, atol=2e-6)
+
+
+def test_rows_that_see_no_key_keep_every_key_as_the_whole_matrix_does():
+    """A left-padded row masked with the lowest float is a uniform average over every key (not
+    over the keys up to a cut); masked with -inf its probabilities are NaN, then the fill."""
+    scaled, key, value = _inputs(1, 2, 1, 80, 80)
+    for masked, fill in ((LOWEST, 0.0), (-np.inf, -3.0)):
+        bias = _causal(80, 0, masked)
+        bias[:5] = masked  # five padded rows
+        bias = bias[None, None]
+        got = attend_blocks(scaled, key, value, bias, fill)
+        np.testing.assert_allclose(got, _reference(scaled, key, value, bias, fill), rtol=2e-5, atol=2e-6)
+
+
+def test_unusual_bias_values_keep_every_key():
+    """A bias between -1e30 and -1e20, or NaN, is no mask: its row keeps all keys."""
+    bias = np.full((1, 1, 3, 10), LOWEST, np.float32)
+    bias[0, 0, :, 0] = 0
+    bias[0, 0, 1, 5] = -1e25
+    bias[0, 0, 2, 7] = np.nan
+    ends = np.empty((1, 1, 3), np.int64)
+    visible_ends(bias, ends)
+    assert ends.reshape(-1).tolist() == [1, 10, 10]
