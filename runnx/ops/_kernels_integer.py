@@ -69,3 +69,26 @@ def dequantize_into(x, zero, scale, out):
     arithmetic for a per-tensor DequantizeLinear, in one pass without temporaries."""
     for i in range(x.shape[0]):
         out[i] = (np.float32(x[i]) - zero) * scale
+
+
+@_kernel
+def dynamic_quantize_into(x, out):
+    """DynamicQuantizeLinear of a flat float32 x into uint8 out with numpy's float32 arithmetic (the
+    range widened to hold 0, scale (high - low) / 255, zero point and values rounded half to even):
+    (scale, zero point), or (nan, 0) when x holds a NaN or an infinity (out untouched)."""
+    low, high = np.float32(0.0), np.float32(0.0)
+    for i in range(x.shape[0]):
+        value = x[i]
+        if not np.isfinite(value):
+            return np.float32(np.nan), np.float32(0.0)
+        low = min(low, value)
+        high = max(high, value)
+    scale = np.float32(np.float32(high - low) / np.float32(255.0))
+    if scale == 0:
+        out[:] = 0
+        return scale, np.float32(0.0)
+    zero = min(max(np.rint(np.float32(-low / scale)), np.float32(0.0)), np.float32(255.0))
+    for i in range(x.shape[0]):
+        value = np.float32(np.rint(np.float32(x[i] / scale)) + zero)
+        out[i] = np.uint8(min(max(value, np.float32(0.0)), np.float32(255.0)))
+    return scale, zero

@@ -96,3 +96,23 @@ def test_dequantize_per_tensor_is_numpys_arithmetic_bitwise(dtype, with_zero):
     expected = (x.astype(np.float32) - (np.float32(0) if zero is None else zero.astype(np.float32))) * scale
     got = run_node("DequantizeLinear", [x, scale] + ([zero] if with_zero else []))
     assert got.dtype == np.float32 and got.tobytes() == expected.tobytes()
+
+
+def test_dynamic_quantize_one_pass_is_numpys_bitwise(monkeypatch):
+    """A decode step's rows take one numba pass: the same uint8 values, scale and zero point as
+    numpy's float32 arithmetic, ties rounded to even, all-positive, all-negative and all-zero rows
+    included; NaN or infinity fall back to numpy's path."""
+    from runnx.ops import _native, quantization
+
+    rng = np.random.default_rng(5)
+    cases = [(rng.standard_normal(n) * s).astype(np.float32) for n, s in ((576, 1.0), (1536, 40.0), (7, 1e-3))]
+    cases += [np.abs(cases[0]), -np.abs(cases[0]), np.zeros(5, np.float32), (np.arange(-255, 256) / 2).astype(np.float32),
+              np.array([np.inf, 1.0], np.float32)]
+    for x in cases:
+        fast = quantization.DynamicQuantizeLinear(x)
+        monkeypatch.setattr(_native, "enabled", False)
+        with np.errstate(invalid="ignore"):
+            slow = quantization.DynamicQuantizeLinear(x)
+        monkeypatch.setattr(_native, "enabled", True)
+        for got, want in zip(fast, slow):
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
