@@ -113,13 +113,14 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
         raise RunnxError(f"MatMulNBits: scales have {scales.size} values, expected {N * blocks} (N x blocks)")
     _check_g_idx(g_idx, K, block_size)
     work = np.dtype(np.float64) if a.dtype == np.float64 else np.dtype(np.float32)
-    mode, packed, typed = _nbits_zero_points(zero_points, N, blocks, bits, work)
     rows = np.ascontiguousarray(a.reshape(-1, K), dtype=work)
-    flat_scales = np.ascontiguousarray(scales.reshape(-1), dtype=work)
     out = np.empty((rows.shape[0], N), work)
     if rows.shape[0] <= _STREAMED_ROWS and bits == 4 and block_size >= 32 and work == np.float32:
-        _nibble_product(rows, b, scales, zero_points, blocks, block_size, out)
-    elif rows.shape[0] <= _STREAMED_ROWS:
+        _nibble_product(rows, b, scales, zero_points, blocks, block_size, out)  # zero points checked once
+        return _with_bias(out, bias, work).reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
+    mode, packed, typed = _nbits_zero_points(zero_points, N, blocks, bits, work)
+    flat_scales = np.ascontiguousarray(scales.reshape(-1), dtype=work)
+    if rows.shape[0] <= _STREAMED_ROWS:
         lanes, sums = _lanes(rows, blocks, block_size, bits)
         nbits_rows(lanes, sums, b, flat_scales, packed, typed, mode, bits, out)
     else:
@@ -129,9 +130,13 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
             count = min(width, N - first)
             nbits_dequantize(b, flat_scales, packed, typed, mode, bits, block_size, first, panel[:count])
             np.matmul(rows, panel[:count].T, out=out[:, first:first + count])
+    return _with_bias(out, bias, work).reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
+
+
+def _with_bias(out, bias, work):
     if bias is not None:
         out += bias.astype(work, copy=False)
-    return out.reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
+    return out
 
 
 def _bnb4_panel_numpy(b, absmax, table, block_size: int, first: int, out) -> None:

@@ -226,8 +226,16 @@ def alone(job, *arguments):
     on this thread. Row kernels take this path below two blocks of rows (a decode step's GELU)
     rather than a direct call, which numba may compile apart from the job's copy: with their
     reassociating float flags the two copies rounded some rows 1 ulp apart, depending on which the
-    process compiled or loaded first (a row's softmax then depended on how many rows came with it)."""
-    return job(new_box(), 0, *arguments)
+    process compiled or loaded first (a row's softmax then depended on how many rows came with it).
+    Each thread keeps its one mailbox for these: a job is synchronous and never posts another from
+    Python, so a thread's jobs never overlap."""
+    box = getattr(_own_boxes, "box", None)
+    if box is None:
+        box = _own_boxes.box = new_box()
+    return job(box, 0, *arguments)
+
+
+_own_boxes = threading.local()  # each thread's mailbox for jobs run alone
 
 
 _pool: DecodePool | None = None
