@@ -23,7 +23,7 @@ from runnx.errors import NodeError
 from runnx.interp.codegen import Program
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.shape_cache import ShapeGroup
-from runnx.ops.registry import inplace_target
+from runnx.ops.registry import inplace_target, writable_alone_inline, writes_first_inline
 
 
 def bound_outputs(node, output_count: int, result) -> list:
@@ -221,12 +221,12 @@ def _inline_ufunc_lines(program: Program, index: int, ufunc, inputs: list[str], 
     if len(inputs) == 1:
         if not granting:
             return [f"r = {u}({a})"]
-        return [f"r = {u}({a}, {a}) if {granted} and {a}.flags.c_contiguous else {u}({a})"]
+        return [f"r = {u}({a}, {a}) if {granted} and {writable_alone_inline(a)} else {u}({a})"]
     b = inputs[1]
     if not granting:
         return [f"r = {u}({a}, {b})"]
     # first the case of equal operands, as `inplace_target` decides it (a tenth of a tiny node's cost)
-    fits = f"{a}.shape == {b}.shape and {a}.dtype == {b}.dtype and {a}.flags.c_contiguous"
+    fits = writes_first_inline(a, b)
     if test is not None:
         position = granting[0]
         into = f"{a} if {fits} else target({a}, {b}, (0,))" if position == 0 else f"target({a}, {b}, ({position},))"

@@ -223,3 +223,16 @@ def inplace_target(a: np.ndarray, b: np.ndarray, overwrite) -> np.ndarray | None
     if fits & 2 and 1 in overwrite and b.flags.c_contiguous:
         return b
     return None
+
+
+def writes_first_inline(a: str, b: str) -> str:
+    """Python source, over locals named `a` and `b`, true exactly when `inplace_target` returns a
+    granted a for operands of one shape: its common case, for generated code to test without the
+    call (`interp/compiled.py`). Kept beside the rule it must agree with."""
+    return f"{a}.shape == {b}.shape and {a}.dtype == {b}.dtype and {a}.flags.c_contiguous"
+
+
+def writable_alone_inline(x: str) -> str:
+    """Python source, over a local named `x`, true when a granted x takes a unary ufunc's result
+    (`_elementwise_util.unary`'s rule), for generated code."""
+    return f"{x}.flags.c_contiguous"

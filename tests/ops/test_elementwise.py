@@ -361,3 +361,26 @@ def test_where_and_sum_write_a_granted_input_only_when_it_fits_and_is_c_contiguo
     assert not np.shares_memory(elementwise.Where(condition, small, y, overwrite=(1,)), small)
     assert not np.shares_memory(elementwise.Sum(small, x, overwrite=(0,)), small)
     np.testing.assert_array_equal(small, _wide(1, 4))
+
+
+def test_the_inline_forms_of_the_in_place_rules_agree_with_the_rules():
+    """Compiled plans test `writes_first_inline` / `writable_alone_inline` instead of calling
+    `inplace_target` / `unary`'s check: the expressions must be true exactly on the rules' cases
+    they stand for (same shapes), and never where the rules refuse."""
+    from runnx.ops.registry import inplace_target, writable_alone_inline, writes_first_inline
+
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    arrays = [base, base.copy(), base[:, ::2], base.T, base.astype(np.float64), base[:1], np.float32(2) * base[0],
+              np.ones((4, 6), np.float32)[:, :6]]
+    for a in arrays:
+        assert eval(writable_alone_inline("a")) == a.flags.c_contiguous
+        for b in arrays:
+            inline = eval(writes_first_inline("a", "b"))
+            try:
+                rule = inplace_target(a, b, (0,)) is a
+            except ValueError:
+                rule = False
+            if a.shape == b.shape:
+                assert inline == rule, (a.shape, a.strides, a.dtype, b.shape, b.dtype)
+            else:
+                assert not inline
