@@ -44,13 +44,17 @@ def worker_runnx(ids: list[int], threads: int, profile: bool) -> dict:
     imported = time.perf_counter()
     generator = Generator.from_folder(SMOLLM2)
     loaded = time.perf_counter()
+    loads = _count_numba_loads()
+    first_loads = []
 
     def first_token():
         begin = time.perf_counter()
         generator.start(max_new_tokens=1, stop_token_ids=())
         generator.append_tokens(ids)
         token = int(generator.generate_next_token()[0])
-        return time.perf_counter() - begin, token
+        seconds = time.perf_counter() - begin
+        first_loads.append(list(loads))
+        return seconds, token
 
     if profile:
         import cProfile
@@ -61,7 +65,29 @@ def worker_runnx(ids: list[int], threads: int, profile: bool) -> dict:
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(60)
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(40)
-    return _figures(started, imported, loaded, first_token)
+    figures = _figures(started, imported, loaded, first_token)
+    return {**figures, "numba_loads": first_loads[0][0], "numba_load_s": first_loads[0][1]}
+
+
+def _count_numba_loads() -> list:
+    """[count, seconds] so far of the compiled functions numba loads from its cache (or compiles) from
+    now on, in any thread: a part of a first token that the second does not pay."""
+    from numba.core.ccallback import CFunc
+    from numba.core.dispatcher import Dispatcher
+    tally = [0, 0.0]
+
+    def counted(method):
+        def wrapper(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                tally[0] += 1
+                tally[1] += time.perf_counter() - begin
+        return wrapper
+
+    Dispatcher.compile, CFunc.compile = counted(Dispatcher.compile), counted(CFunc.compile)
+    return tally
 
 
 def worker_genai(ids: list[int], threads: int) -> dict:
@@ -143,7 +169,8 @@ def run_worker(engine: str, ids: list[int], threads: int, profile: bool = False,
 
 
 def table(results: dict, threads_list: list[int], processes: int) -> str:
-    header = ["threads", "engine", "first token ms", "steady ms", "load s", "import s", "token"]
+    header = ["threads", "engine", "first token ms", "steady ms", "numba loads in the first", "load s", "import s",
+              "token"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for threads in threads_list:
         for engine in ENGINES:
@@ -153,8 +180,10 @@ def table(results: dict, threads_list: list[int], processes: int) -> str:
             median = {k: statistics.median(r[k] for r in runs) for k in ("first_s", "steady_s", "load_s", "import_s")}
             firsts = ", ".join(f"{r['first_s'] * 1e3:.0f}" for r in runs)
             tokens = sorted({r["token"] for r in runs})
+            loads = (f"{statistics.median(r['numba_loads'] for r in runs):.0f}: "
+                     f"{statistics.median(r['numba_load_s'] for r in runs) * 1e3:.0f} ms") if "numba_loads" in runs[0] else "-"
             lines.append(f"| {threads} | {engine} | {median['first_s'] * 1e3:.0f} ({firsts}) | "
-                         f"{median['steady_s'] * 1e3:.0f} | {median['load_s']:.2f} | {median['import_s']:.2f} | "
+                         f"{median['steady_s'] * 1e3:.0f} | {loads} | {median['load_s']:.2f} | {median['import_s']:.2f} | "
                          f"{', '.join(map(str, tokens))} |")
     return "\n".join(lines)
 
@@ -184,12 +213,12 @@ def main(args) -> int:
                    f"--processes {args.processes} --prompt-tokens {args.prompt_tokens} --write")
         update_section("first-token", f"""## Time to first token in a fresh process (`scripts/bench_first_token.py`)
 
-A {args.prompt_tokens}-token prompt, greedy, SmolLM2-135M fp32 (runnx: Optimum's export through
-`Generator.from_folder`; onnxruntime-genai: its own generator on its fp32 build of the same weights;
-onnxruntime: one session run on Optimum's model.onnx). Each process imports, loads, then times the
-prompt's first token (its first generation: compiled code cached on disk by earlier runs) and the
-same again (steady). Median of {args.processes} processes per engine and thread count, the engines
-taking turns (each process's first-token ms in brackets); load and import: medians too.
+A {args.prompt_tokens}-token prompt, greedy, SmolLM2-135M fp32: runnx (`Generator.from_folder`, Optimum's
+export), onnxruntime-genai (its generator, its fp32 build) and onnxruntime (a session run on Optimum's
+model.onnx), each in its own processes: import, load, then the prompt's first token (compiled code
+already cached on disk) and the same again (steady). Medians of {args.processes} processes per engine and
+thread count, engines taking turns; each process's first token in brackets; numba loads: the compiled
+functions runnx's first token loaded from numba's cache and their time.
 runnx {git_revision()}; {machine()}; load average {os.getloadavg()[0]:.1f} at the end.
 Command: `{command}`.
 
