@@ -213,12 +213,11 @@ def main(args) -> int:
                    f"--processes {args.processes} --prompt-tokens {args.prompt_tokens} --write")
         update_section("first-token", f"""## Time to first token in a fresh process (`scripts/bench_first_token.py`)
 
-A {args.prompt_tokens}-token prompt, greedy, SmolLM2-135M fp32: runnx (`Generator.from_folder`, Optimum's
-export), onnxruntime-genai (its generator, its fp32 build) and onnxruntime (a session run on Optimum's
-model.onnx), each in its own processes: import, load, then the prompt's first token (compiled code
-already cached on disk) and the same again (steady). Medians of {args.processes} processes per engine and
-thread count, engines taking turns; each process's first token in brackets; numba loads: the compiled
-functions runnx's first token loaded from numba's cache and their time.
+A {args.prompt_tokens}-token prompt, greedy, SmolLM2-135M fp32 (runnx: `Generator.from_folder` on Optimum's export;
+onnxruntime-genai: its generator on its fp32 build; onnxruntime: a session run on model.onnx), each engine
+in its own processes: import, load, the prompt's first token (compiled code cached on disk), then the same
+again (steady). Medians of {args.processes} processes, engines taking turns; each process's first token in
+brackets; numba loads: what runnx's first token loaded from numba's cache, and its time.
 runnx {git_revision()}; {machine()}; load average {os.getloadavg()[0]:.1f} at the end.
 Command: `{command}`.
 
