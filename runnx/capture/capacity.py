@@ -71,7 +71,8 @@ def spare_capacity(view: np.ndarray, axis: int) -> int:
     buffer = view.base
     if type(buffer) is not np.ndarray or buffer.ndim != view.ndim or buffer.dtype != view.dtype:
         return 0
-    if _native.enabled:
+    if _native.enabled and view.size:  # an empty view (a first prompt's past) is typed C-contiguous, a
+        # prefix of rows not: Python's check below spares a first prompt a second compiled signature's load
         if view.dtype.char not in _NUMBA_TYPED:  # float16, bfloat16, ...: the same bytes as integers
             view, buffer = view.view(_UINTS[view.itemsize]), buffer.view(_UINTS[view.itemsize])
         return max(prefix_room(view, buffer, axis), 0)

@@ -22,6 +22,13 @@ two signatures of one function at once (the test suite's two workers, a server's
 both take number 1: the index ends up naming one signature and the file holding the other's code,
 which a later load runs on the wrong types ("can't unbox array", seen after an edit here).
 `serialize_saves` holds an exclusive lock on a file beside the index for each save.
+
+Before each load from its cache, numba refreshes its whole compiler context: the first time in a
+process that imports and registers every typing and lowering module numba has (about a quarter
+of a second), which only a compile needs (numba's compiler refreshes it again itself). A cached
+kernel needs numba's runtime (NRT) and nothing else, so `light_loads` initializes only that before
+a load of runnx's own kernels: a first prompt pays for the kernels it loads, not for numba's
+compiler.
 """
 from __future__ import annotations
 
@@ -139,6 +146,27 @@ def serialize_saves() -> bool:
     return True
 
 
+def light_loads() -> bool:
+    """Load runnx's cached kernels with numba's runtime initialized instead of its whole compiler
+    context refreshed (see the module docstring); whether that is in place. Other packages' numba
+    caches load as numba does."""
+    load = caching.Cache.load_overload
+    if getattr(load, "light", False):
+        return True
+    from numba.core.runtime import nrt
+
+    def light_load(self, sig, target_context):
+        if not isinstance(self._impl.locator, RunnxCacheLocator):
+            return load(self, sig, target_context)
+        nrt.rtsys.initialize(target_context)  # once per process: what compiled code calls into
+        return self._load_overload(sig, target_context)
+
+    light_load.light = True
+    caching.Cache.load_overload = light_load
+    return True
+
+
 locate_in_cache_folder()
+light_loads()  # before any kernel loads from numba's cache
 drop_stale()  # before any kernel loads from numba's cache
 serialize_saves()  # before any kernel compiles

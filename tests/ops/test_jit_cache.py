@@ -113,3 +113,26 @@ def test_two_saves_at_once_keep_each_signatures_own_code(tmp_path, monkeypatch):
     monkeypatch.undo()
     reader = IndexDataCacheFile(str(tmp_path), "f-1.py311", "stamp")
     assert reader.load("first") == "first" and reader.load("second") == "second"
+
+
+_LOAD_ONE_KERNEL = """
+import sys
+import numpy as np
+from runnx.capture.capacity import allocate_prefix, prefix_room
+view = allocate_prefix((1, 2, 3, 4), 2, 10, np.float32)
+print(prefix_room(view, view.base, 2), prefix_room.stats.cache_hits.get(prefix_room.signatures[0], 0),
+      "numba.np.polynomial.polynomial_core" in sys.modules)
+"""
+
+
+def test_a_cached_kernel_loads_without_refreshing_numbas_compiler(tmp_path):
+    """The first process compiles the kernel (numba's compiler context and all its modules); the
+    second loads it from the cache with only numba's runtime initialized: a right result from the
+    cache, and numba's compiler modules never imported."""
+    import subprocess
+    import sys
+    environment = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(_jit_cache._PACKAGE.parent))
+    runs = [subprocess.run([sys.executable, "-c", _LOAD_ONE_KERNEL], capture_output=True, text=True,
+                           env=environment, check=True).stdout.split() for _ in range(2)]
+    assert runs[0] == ["7", "0", "True"]  # compiled: the compiler's modules are loaded
+    assert runs[1] == ["7", "1", "False"]  # loaded from the cache, the compiler left alone
