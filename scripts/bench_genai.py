@@ -8,8 +8,9 @@ Each (engine, folder, thread count) runs in a process of its own (BLAS/numba/onn
 before anything starts), the engines alternating round by round; every figure is the median over the
 rounds of each process's median step. runnx: `DecoderStep.from_folder` (the KV in the folder's shared
 past/present buffer, GroupQueryAttention), its cache restored from random KV of the context length;
-onnxruntime-genai: its Generator, the context a prompt of random tokens. Peak RSS is each process's
-own (onnxruntime-genai's includes its prompt's prefill). llama.cpp's Q4_1 figures for the same model
+onnxruntime-genai: its Generator, the context a prompt of random tokens. Prefill: a prompt of the
+largest context's random tokens, once (after a 16-token warm-up for runnx; onnxruntime-genai's is
+its last context's prompt). Peak RSS is each process's own. llama.cpp's Q4_1 figures for the same model
 on this machine kind are the bar the issue sets (#41). Writes its section of docs/benchmarks.md
 unless --no-write. Folders come from `make models` (${RUNNX_CACHE:-~/.cache/runnx}/models).
 """
@@ -60,7 +61,14 @@ def worker_runnx(folder: Path, contexts: list[int], steps: int) -> dict:
             token = logits[:, -1:].argmax(-1).astype(np.int64)
             times.append(time.perf_counter() - begin)
         decode[context] = 1.0 / statistics.median(times)
-    return {"load_s": load_seconds, "decode_tps": decode,
+    prompt = rng.integers(3, 40000, size=(1, max(contexts))).astype(np.int64)
+    decoder.reset()
+    decoder.step(prompt[:, :16])  # warm-up
+    decoder.reset()
+    begin = time.perf_counter()
+    decoder.step(prompt)
+    prefill = prompt.shape[1] / (time.perf_counter() - begin)
+    return {"load_s": load_seconds, "decode_tps": decode, "prefill_tps": prefill,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -78,7 +86,9 @@ def worker_genai(folder: Path, threads: int, contexts: list[int], steps: int) ->
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=context + steps + 2, do_sample=False)
         generator = og.Generator(model, params)
+        begin = time.perf_counter()
         generator.append_tokens(np.random.default_rng(context).integers(3, 40000, size=context).astype(np.int32))
+        prefill = context / (time.perf_counter() - begin)  # the last (largest) context's is reported
         generator.generate_next_token()  # warm-up
         times = []
         for _ in range(steps):
@@ -86,7 +96,7 @@ def worker_genai(folder: Path, threads: int, contexts: list[int], steps: int) ->
             generator.generate_next_token()
             times.append(time.perf_counter() - begin)
         decode[context] = 1.0 / statistics.median(times)
-    return {"load_s": load_seconds, "decode_tps": decode,
+    return {"load_s": load_seconds, "decode_tps": decode, "prefill_tps": prefill,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
@@ -108,12 +118,14 @@ def _median(results: list) -> dict | None:
         return None
     return {"load_s": statistics.median(r["load_s"] for r in results),
             "decode_tps": {c: statistics.median(r["decode_tps"][c] for r in results) for c in results[0]["decode_tps"]},
+            "prefill_tps": statistics.median(r["prefill_tps"] for r in results),
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results)}
 
 
 def _table(results: dict, contexts: list[int]) -> str:
     header = ["folder", "threads"] + [f"runnx / genai tok/s @{c}" for c in contexts] + \
-             [f"ratio @{c}" for c in contexts] + ["peak RSS MiB runnx / genai"]
+             [f"ratio @{c}" for c in contexts] + [f"prefill tok/s ({contexts[-1]}) runnx / genai", "ratio",
+                                                  "peak RSS MiB runnx / genai"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (folder, threads) in sorted({(f, t) for _, f, t in results}):
         mine, theirs = results.get(("runnx", folder, threads)), results.get(("onnxruntime-genai", folder, threads))
@@ -122,7 +134,9 @@ def _table(results: dict, contexts: list[int]) -> str:
             continue
         speeds = [f"{mine['decode_tps'][str(c)]:.1f} / {theirs['decode_tps'][str(c)]:.1f}" for c in contexts]
         ratios = [f"{mine['decode_tps'][str(c)] / theirs['decode_tps'][str(c)]:.2f}x" for c in contexts]
-        lines.append(f"| {folder} | {threads} | " + " | ".join(speeds + ratios)
+        prefill = (f"{mine['prefill_tps']:.0f} / {theirs['prefill_tps']:.0f} | "
+                   f"{mine['prefill_tps'] / theirs['prefill_tps']:.2f}x")
+        lines.append(f"| {folder} | {threads} | " + " | ".join(speeds + ratios) + f" | {prefill}"
                      + f" | {mine['peak_rss_mb']:.0f} / {theirs['peak_rss_mb']:.0f} |")
     return "\n".join(lines)
 
@@ -155,7 +169,8 @@ SmolLM2-135M as onnxruntime-genai's model builder writes it (`-p fp32` and `-p i
 MatMulNBits 4-bit block 32 with zero points, accuracy_level 1, the LM head 4-bit too;
 GroupQueryAttention over a shared past/present buffer). runnx runs the folder through
 `DecoderStep.from_folder`, onnxruntime-genai through its Generator. Decode tokens/s at each context:
-the median step of {args.steps}, the median of {args.rounds} processes per engine, alternating.
+the median step of {args.steps}, the median of {args.rounds} processes per engine, alternating; prefill
+tokens/s of a prompt of the largest context.
 For scale: llama.cpp decodes the same model in Q4_1 with 2 threads at {bar} tokens/s on this
 machine kind. runnx {git_revision()}; {machine()}.
 Command: `{command}`.
