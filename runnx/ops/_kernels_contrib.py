@@ -241,12 +241,43 @@ def nbits_dequantize(weights, scales, packed_zeros, typed_zeros, zero_mode, bits
     blocks = weights.shape[1]
     zeros = np.empty((out.shape[0], blocks), out.dtype)
     _zero_points(packed_zeros, typed_zeros, zero_mode, bits, first, blocks, zeros)
+    if bits == 4:
+        _nibble_panel(weights, scales, zeros, block_size, first, out)
+        return
     for p in range(out.shape[0]):
         n = first + p
         for block in range(blocks):
             start = block * block_size
             count = min(block_size, depth - start)
             _unpack_block(weights[n, block], bits, count, zeros[p, block], scales[n * blocks + block], out[p, start:])
+
+
+@_kernel
+def _nibble_panel(weights, scales, zeros, block_size, first, out):
+    """`nbits_dequantize` for 4 bits: one loop over each column's bytes (two values a byte, its
+    block's zero point and scale), `_unpack_block`'s arithmetic (in float64, rounded once), so the
+    same values, without a call a block."""
+    depth = out.shape[1]
+    blocks = weights.shape[1]
+    flat = weights.reshape(weights.shape[0], blocks * weights.shape[2])
+    shift = 0
+    while (2 << shift) < block_size:  # a byte's block: its index >> log2(block_size / 2)
+        shift += 1
+    pairs = depth >> 1
+    for p in range(out.shape[0]):
+        n = first + p
+        column, row, zero = flat[n], out[p], zeros[p]
+        scale = scales[n * blocks:(n + 1) * blocks]
+        for j in range(pairs):
+            byte = np.int32(column[j])
+            block = j >> shift
+            z, s = np.float64(zero[block]), np.float64(scale[block])
+            row[2 * j] = (np.float64(byte & np.int32(15)) - z) * s
+            row[2 * j + 1] = (np.float64(byte >> np.int32(4)) - z) * s
+        if depth & 1:
+            block = pairs >> shift
+            row[depth - 1] = (np.float64(np.int32(column[pairs]) & np.int32(15)) - np.float64(zero[block])) \
+                * np.float64(scale[block])
 
 
 # MatMulBnb4's 4-bit codes (bitsandbytes' FP4 with a bias of 3, and NormalFloat4), as onnxruntime's
