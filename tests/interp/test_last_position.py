@@ -61,3 +61,28 @@ def test_only_the_option_names_outputs_the_environment_is_ignored_with_a_warning
     with pytest.warns(UserWarning, match=r"runnx ignores RUNNX_LAST_POSITION: runnx.load\(\.\.\., last_position="):
         assert runnx.load(fixtures_dir / "tiny-llama" / "model.onnx").last_position == 0
     assert runnx.load(fixtures_dir / "tiny-llama" / "model.onnx", last_position=("logits",)).last_position == 1
+
+
+@pytest.mark.parametrize("op, inputs, attributes", [
+    ("MatMulNBits", ("b", "scales", "zeros"), dict(K=64, N=40, bits=4, block_size=32)),
+    ("MatMulBnb4", ("b", "absmax"), dict(K=64, N=40, block_size=32, quant_type=1))])
+def test_a_block_quantized_head_computes_the_last_position(op, inputs, attributes):
+    """onnxruntime-genai's int4 exports (MatMulNBits) and transformers.js's bnb4 ones end in a
+    block-quantized LM head: it reads the last position too, with the same logits."""
+    rng = np.random.default_rng(4)
+    constants = {"b": rng.integers(0, 256, (40, 2, 16), dtype=np.uint8) if op == "MatMulNBits"
+                 else rng.integers(0, 256, 40 * 64 // 2, dtype=np.uint8),
+                 "scales": (rng.random(80) * 0.1).astype(np.float32),
+                 "zeros": rng.integers(0, 256, 40, dtype=np.uint8),
+                 "absmax": (rng.random(40 * 64 // 32) + 0.5).astype(np.float32)}
+    node = helper.make_node(op, ["h", *inputs], ["logits"], domain="com.microsoft", **attributes)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("h", TensorProto.FLOAT, [1, "s", 64])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "s", 40])],
+                              [numpy_helper.from_array(constants[name], name) for name in inputs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    last, every = runnx.load(model, last_position=("logits",)), runnx.load(model)
+    assert last.last_position == 1
+    h = rng.standard_normal((1, 7, 64)).astype(np.float32)
+    got, want = last.run({"h": h})["logits"], every.run({"h": h})["logits"]
+    assert got.shape == (1, 1, 40)
+    np.testing.assert_allclose(got, want[:, -1:], rtol=1e-5, atol=1e-6)
