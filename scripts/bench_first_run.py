@@ -4,11 +4,12 @@ filled the cache, the same command warm. Wall time of the process, and for `gene
 its first token (the first byte on stdout, from the process's start), as a markdown table.
 
     python scripts/bench_first_run.py [--only generate,whisper,run] [--mode background|wait]
-                                      [--tree PATH] [--warm-runs N] [--compile-timeout S]
+                                      [--tree PATH] [--warm-runs N] [--compile-timeout S] [--write]
 
 --mode wait compiles on first use in the command itself (runnx's behaviour before the background
 compile); --tree runs another checkout's runnx (e.g. /work/main) with this script's commands.
-The real models come from ${RUNNX_CACHE:-~/.cache/runnx} (`make models`).
+The real models come from ${RUNNX_CACHE:-~/.cache/runnx} (`make models`). --write puts the table
+in its section of docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runnx._cache_dirs import compiled_code_root  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import git_revision, update_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
@@ -77,6 +81,7 @@ def main() -> int:
     parser.add_argument("--warm-runs", type=int, default=2, help="warm runs per command (the best is shown)")
     parser.add_argument("--compile-timeout", type=float, default=1800, help="seconds to wait for the background "
                                                                             "compile before the warm runs")
+    parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args()
     rows = []
     for name in args.only.split(","):
@@ -96,14 +101,26 @@ def main() -> int:
             rows.append((name, cold, cold_first, cpu, after, best and best[0], best and best[1], best and best[4]))
             if best:
                 print(f"{name} warm: {best[0]:.2f} s\n{best[3]}", file=sys.stderr)
-    print(f"| command (`runnx ...`, RUNNX_COMPILE={args.mode}) | cold: wall s | first output s | CPU s | "
-          f"background compile s | warm: wall s | first output s | CPU s |")
-    print("|---|---|---|---|---|---|---|---|")
+    lines = [f"| command (`runnx ...`, RUNNX_COMPILE={args.mode}) | cold: wall s | first output s | CPU s | "
+             f"background compile s | warm: wall s | first output s | CPU s |", "|---|---|---|---|---|---|---|---|"]
     for name, cold, cold_first, cpu, after, warm, warm_first, warm_cpu in rows:
         shown = " ".join(a if " " not in a else f'"{a}"' for a in COMMANDS[name]).replace(str(CACHE), "~/.cache/runnx")
-        print(f"| `{shown}` | {cold:.2f} | {seconds(cold_first)} | {cpu:.2f} | {seconds(after)} | {seconds(warm)} | "
-              f"{seconds(warm_first)} | {seconds(warm_cpu)} |")
-    print(f"\nload average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end")
+        lines.append(f"| `{shown}` | {cold:.2f} | {seconds(cold_first)} | {cpu:.2f} | {seconds(after)} | "
+                     f"{seconds(warm)} | {seconds(warm_first)} | {seconds(warm_cpu)} |")
+    load = f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores at the end"
+    print("\n".join(lines) + f"\n\n{load}")
+    if args.write:
+        update_section("first-run", f"""## First run (`scripts/bench_first_run.py`)
+
+What a newcomer meets: each command in its own process with an empty compiled-code cache (a fresh
+`NUMBA_CACHE_DIR`), then, once that run's background compile (a niced process of its own) has
+written its marker, the same command warm. "first output": the first byte on stdout from the
+process's start (`generate`'s first token: import, the 540 MB model's load and the tokenizer
+included); CPU: the command's own process. runnx {git_revision()}; {load}.
+Command: `.venv/bin/python scripts/bench_first_run.py --only {args.only} --warm-runs {args.warm_runs} --write`.
+
+{chr(10).join(lines)}
+""")
     return 0
 
 
