@@ -14,7 +14,8 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, bnb4_dequantize, bnb4_rows,
-                                        nbits_dequantize, nbits_lanes, nbits_rows, nibble_scales, zero_scales_of)
+                                        nbits_dequantize, nbits_lanes, nbits_rows, nibble_lanes_panel,
+                                        nibble_lanes_rows, nibble_scales, zero_scales_of)
 from runnx.ops._remembered import Remembered
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import register
@@ -124,13 +125,27 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
         lanes, sums = _lanes(rows, blocks, block_size, bits)
         nbits_rows(lanes, sums, b, flat_scales, packed, typed, mode, bits, out)
     else:
-        width = max(1, min(N, _PANEL_BYTES // (K * work.itemsize)))
-        panel = np.empty((width, K), work)
-        for first in range(0, N, width):
-            count = min(width, N - first)
-            nbits_dequantize(b, flat_scales, packed, typed, mode, bits, block_size, first, panel[:count])
-            np.matmul(rows, panel[:count].T, out=out[:, first:first + count])
+        _panel_product(rows, b, flat_scales, (packed, typed, mode), bits, block_size, out)
     return _with_bias(out, bias, work).reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
+
+
+def _panel_product(rows, b, scales, zero_points: tuple, bits: int, block_size: int, out) -> None:
+    """out = rows @ dequantized(b).T through BLAS, a panel of columns dequantized at a time into a
+    buffer that stays in cache; 4-bit panels and the rows in lanes order (`nibble_lanes_panel`)."""
+    columns, depth = out.shape[1], rows.shape[1]
+    width = max(1, min(columns, _PANEL_BYTES // (depth * rows.itemsize)))
+    panel = np.empty((width, depth), rows.dtype)
+    if bits == 4:
+        lanes = np.empty_like(rows)
+        nibble_lanes_rows(rows, lanes)
+        rows = lanes
+    for first in range(0, columns, width):
+        count = min(width, columns - first)
+        if bits == 4:
+            nibble_lanes_panel(b, scales, *zero_points, block_size, first, panel[:count])
+        else:
+            nbits_dequantize(b, scales, *zero_points, bits, block_size, first, panel[:count])
+        np.matmul(rows, panel[:count].T, out=out[:, first:first + count])
 
 
 def _with_bias(out, bias, work):

@@ -281,6 +281,31 @@ def test_matmul_integer_to_float_is_exact_integer_arithmetic_scaled():
     assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
+@pytest.mark.parametrize("K,block_size", [(64, 16), (67, 32), (130, 128), (301, 64)])
+def test_matmul_nbits_4_bit_panels_hold_the_same_values_in_lanes_order(zero_points, K, block_size):
+    """Many rows multiply a panel of 4-bit columns dequantized in lanes order (even positions, then
+    odd ones): the same values as the natural order's, bit for bit, odd K included; the rows are
+    reordered alike."""
+    from runnx.ops._kernels_contrib import (ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, nbits_dequantize,
+                                            nibble_lanes_panel, nibble_lanes_rows)
+
+    N = 9
+    a, b, scales, zeros = _nbits_inputs((5,), K, N, 4, block_size, zero_points)
+    empty_packed, empty_typed = np.zeros(0, np.uint8), np.zeros(0, np.float32)
+    mode, packed, typed = {None: (ZERO_DEFAULT, empty_packed, empty_typed),
+                           "packed": (ZERO_PACKED, zeros, empty_typed),
+                           "typed": (ZERO_TYPED, empty_packed, zeros)}[zero_points]
+    natural, lanes = np.empty((N - 2, K), np.float32), np.empty((N - 2, K), np.float32)
+    nbits_dequantize(b, scales, packed, typed, mode, 4, block_size, 2, natural)
+    nibble_lanes_panel(b, scales, packed, typed, mode, block_size, 2, lanes)
+    order = np.concatenate([np.arange(0, K, 2), np.arange(1, K, 2)])
+    np.testing.assert_array_equal(lanes, natural[:, order])
+    rows = np.empty_like(a)
+    nibble_lanes_rows(a, rows)
+    np.testing.assert_array_equal(rows, a[:, order])
+
+
 @pytest.mark.parametrize("K,N,block_size", [(576, 70, 32), (320, 1100, 64), (200, 33, 32)])
 @pytest.mark.parametrize("rows", [(1,), (3,)])
 def test_matmul_nbits_4_bit_rows_are_the_same_bits_on_any_thread_count(K, N, block_size, rows):
