@@ -135,6 +135,7 @@ def _panel_product(rows, b, scales, zero_points: tuple, bits: int, block_size: i
     columns, depth = out.shape[1], rows.shape[1]
     width = max(1, min(columns, _PANEL_BYTES // (depth * rows.itemsize)))
     panel = np.empty((width, depth), rows.dtype)
+    decode_pool.rest_workers(rows.size * columns)  # BLAS's threads need the cores
     if bits == 4:
         lanes = np.empty_like(rows)
         nibble_lanes_rows(rows, lanes)
