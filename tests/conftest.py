@@ -3,7 +3,8 @@
 - `fixtures_dir`: tests/fixtures (tiny random-weight models, committed; see its README.md).
 - `smollm2_dir`, `qwen2_dir`, `phi3_dir` (SmolLM2's weights as Qwen2 and Phi-3 exports),
   `smollm2_int4_dir`, `smollm2_genai_fp32_dir`, `smollm2_genai_int4_dir` (onnxruntime-genai
-  folders), `smollm2_tjs_dir`, `whisper_tjs_dir` (transformers.js layout), `whisper_dir`, `audio_dir`: what
+  folders), `smollm2_tjs_dir`, `whisper_tjs_dir` (transformers.js layout), `whisper_dir`, `whisper_genai_dir`
+  (onnxruntime-genai's Whisper folder), `audio_dir`: what
   `make models` (scripts/build_models.py) builds into ${RUNNX_CACHE:-~/.cache/runnx}. When absent the test
   is skipped ("run `make models` first"), except under CI=true, where a missing model is a failure: CI
   must test them.
@@ -28,7 +29,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # (runnx/background_compile.py; tests of that mechanism set it themselves)
 os.environ.setdefault("RUNNX_COMPILE", "wait")
 REAL_MODEL_FIXTURES = ("smollm2_dir", "qwen2_dir", "phi3_dir", "smollm2_int4_dir", "smollm2_genai_fp32_dir",
-                       "smollm2_genai_int4_dir", "smollm2_tjs_dir", "whisper_dir", "whisper_tjs_dir", "audio_dir")
+                       "smollm2_genai_int4_dir", "smollm2_tjs_dir", "whisper_dir", "whisper_tjs_dir", "whisper_genai_dir",
+                       "audio_dir")
 ALLOWED_SKIPS_FILE = Path(__file__).with_name("allowed_skips.txt")
 ALLOWED_SKIPS = pytest.StashKey[list]()  # the file's entries, read once per session
 
@@ -194,6 +196,13 @@ def whisper_tjs_dir() -> Path:
                  ("onnx/encoder_model.onnx", "onnx/decoder_model_merged.onnx", "onnx/encoder_model_int8.onnx",
                   "onnx/decoder_model_merged_int8.onnx", "config.json", "generation_config.json", "tokenizer.json",
                   "preprocessor_config.json"))
+
+
+@pytest.fixture(scope="session")
+def whisper_genai_dir() -> Path:
+    return built(cache_root() / "models" / "whisper-tiny.en-genai", "Whisper tiny.en by onnxruntime-genai",
+                 ("genai_config.json", "encoder.onnx", "decoder.onnx", "tokenizer.json", "config.json",
+                  "generation_config.json", "genai_reference.json"))
 
 
 @pytest.fixture(scope="session")

@@ -86,6 +86,7 @@ class DecoderStep:
         self._cross_presents = [(past_name[k.slot], k.present) for k in self.first_io.kv
                                 if k.present and k.is_cross_attention]
         self._cross_pasts = [k.past for k in self.past_io.kv if k.is_cross_attention and k.past]
+        self._ids_dtype = _input_dtype(model, self.first_io.input_ids, np.dtype(np.int64))
         self.reset()
 
     @classmethod
@@ -159,11 +160,12 @@ class DecoderStep:
         """Run the model on `input_ids` [batch, new] and return the logits [batch, new, vocab] (the
         last position's, [batch, 1, vocab], from a model loaded by `load_decoder`).
         `attention_mask` [batch, new] marks padding among the new tokens (default: all ones)."""
-        input_ids = np.ascontiguousarray(input_ids, dtype=np.int64)
+        input_ids = np.ascontiguousarray(input_ids, dtype=self._ids_dtype)  # int64, int32 for some exports
         if input_ids.ndim != 2 or input_ids.shape[0] != self.batch_size:
             raise DecoderIOError(f"input_ids must be [batch={self.batch_size}, new tokens], got {list(input_ids.shape)}")
         new = input_ids.shape[1]
-        new_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask, np.int64)
+        new_mask = (np.ones(input_ids.shape, np.int64) if attention_mask is None
+                    else np.asarray(attention_mask, np.int64))
         first = not self.started
         model, io = (self.first_model, self.first_io) if first else (self.past_model, self.past_io)
         full_mask = np.concatenate([self.attention_mask, new_mask], axis=1)
@@ -247,6 +249,12 @@ def _positions(mask: np.ndarray, new: int) -> np.ndarray:
     positions = np.cumsum(mask, axis=1) - 1
     positions[mask == 0] = 1
     return positions[:, -new:].astype(np.int64)
+
+
+def _input_dtype(model, name: str, default: np.dtype) -> np.dtype:
+    """The element type `model` declares for its input `name` (default when it declares none)."""
+    info = next((info for info in getattr(model, "inputs", ()) if info.name == name), None)
+    return numpy_dtype(info.elem_type) if info is not None and info.elem_type else default
 
 
 def _kv_layout(model, io: DecoderIO, config: dict) -> dict:

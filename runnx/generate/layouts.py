@@ -14,10 +14,12 @@ which input/output names, with what KV layout and stop ids.
   the KV heads and head size, eos/pad ids, the context length and `past_present_share_buffer`
   (one KV buffer fed as past and written in place as present, GroupQueryAttention finding each
   sequence's length from the attention mask); the chat template comes with the tokenizer files.
+  Its Whisper folders (`model.type` "whisper") add `model.encoder`: the encoder file, whose outputs
+  are the cross-attention KV of every layer (`present_key_cross_%d`, ...), which the decoder takes
+  as inputs of its own (`past_key_cross_%d`, ...) at every step.
 
 `read_folder(folder, variant=None)` returns a `FolderLayout`; for Whisper, `whisper_encoder(layout)`
-gives the encoder file beside its decoder (Optimum: `encoder_model.onnx` at the top). onnxruntime-genai
-Whisper folders are not read.
+gives the encoder file beside its decoder (Optimum: `encoder_model.onnx` at the top).
 """
 from __future__ import annotations
 
@@ -46,8 +48,28 @@ class LayoutError(RunnxError):
 
 
 @dataclass(frozen=True)
+class GenaiEncoder:
+    """An onnxruntime-genai encoder-decoder's encoder (Whisper): its file, its input, and the
+    cross-attention KV it computes for every layer, under the names the decoder takes them by."""
+
+    filename: str
+    input_name: str  # the audio features
+    present_key: str  # its outputs, name templates with %d for the layer
+    present_value: str
+    past_key: str  # the decoder's inputs that take them
+    past_value: str
+    num_layers: int
+
+    def cross_names(self) -> tuple[tuple[str, str], ...]:
+        """(encoder output, decoder input) of every layer's cross-attention key and value."""
+        return tuple((present % layer, past % layer) for layer in range(self.num_layers)
+                     for present, past in ((self.present_key, self.past_key), (self.present_value, self.past_value)))
+
+
+@dataclass(frozen=True)
 class GenaiConfig:
-    """What runnx uses of an onnxruntime-genai `genai_config.json` (decoder-only models)."""
+    """What runnx uses of an onnxruntime-genai `genai_config.json` (decoder-only models and
+    Whisper)."""
 
     filename: str
     input_names: dict[str, str]  # role -> model input: input_ids, attention_mask, position_ids
@@ -65,6 +87,7 @@ class GenaiConfig:
     context_length: int | None
     share_buffer: bool
     search: dict = field(default_factory=dict)  # do_sample, temperature, ... when the config sets them
+    encoder: GenaiEncoder | None = None  # an encoder-decoder's (Whisper's)
 
     def kv_names(self) -> tuple[KVName, ...]:
         return tuple(KVName(layer, "", kind, past % layer, present % layer)
@@ -84,6 +107,10 @@ class GenaiConfig:
             if name not in outputs:
                 raise LayoutError(f"{GENAI_CONFIG} names the output '{name}', which {self.filename} lacks "
                                   f"(its outputs: {', '.join(outputs)})")
+        for _, name in self.encoder.cross_names() if self.encoder else ():
+            if name not in inputs:
+                raise LayoutError(f"{GENAI_CONFIG} names the cross-attention input '{name}', which {self.filename} "
+                                  f"lacks (its inputs: {', '.join(inputs)})")
         roles = {role: (name if name in inputs else None) for role, name in self.input_names.items()}
         named = {*self.input_names.values(), *(k.past for k in kv)}
         return DecoderIO(input_ids=self.input_names["input_ids"], logits=self.logits,
@@ -127,9 +154,9 @@ def parse_genai_config(data: dict, where: str = GENAI_CONFIG) -> GenaiConfig:
     if not isinstance(data, dict):
         raise LayoutError(f"{where}: expected a JSON object, got {_shown(data)}")
     model = section(data, "model", "")
-    if "encoder" in model or model.get("type") == "whisper":
+    if "encoder" in model and model.get("type") != "whisper":
         raise LayoutError(f"{where}: an encoder-decoder ({model.get('type')}) onnxruntime-genai folder; runnx reads "
-                          "decoder-only genai folders (Whisper: use an Optimum export or the transformers.js layout)")
+                          "decoder-only genai folders and Whisper's")
     decoder = section(model, "decoder", "model")
     inputs = decoder.get("inputs", {})
     outputs = decoder.get("outputs", {})
@@ -156,8 +183,29 @@ def parse_genai_config(data: dict, where: str = GENAI_CONFIG) -> GenaiConfig:
     logits = outputs.get("logits", "logits")
     if not isinstance(logits, str):
         raise LayoutError(f"{where}: model.decoder.outputs.logits must be a name, got {_shown(logits)}")
+    encoder = None
+    if model.get("type") == "whisper":
+        encoder_section = section(model, "encoder", "model")
+        encoder_inputs, encoder_outputs = encoder_section.get("inputs", {}), encoder_section.get("outputs", {})
+        for key, value in (("inputs", encoder_inputs), ("outputs", encoder_outputs)):
+            if not isinstance(value, dict):
+                raise LayoutError(f"{where}: model.encoder.{key} must be an object, got {_shown(value)}")
+        encoder_file = encoder_section.get("filename")
+        features = encoder_inputs.get("audio_features", "audio_features")
+        if not isinstance(encoder_file, str) or not encoder_file or not isinstance(features, str):
+            raise LayoutError(f"{where}: model.encoder must name its ONNX file (filename) and its audio_features "
+                              f"input, got {_shown(encoder_file)} and {_shown(features)}")
+        encoder = GenaiEncoder(
+            filename=encoder_file, input_name=features,
+            present_key=template(encoder_outputs, "cross_present_key_names", "present_key_cross_%d",
+                                 "model.encoder.outputs"),
+            present_value=template(encoder_outputs, "cross_present_value_names", "present_value_cross_%d",
+                                   "model.encoder.outputs"),
+            past_key=template(inputs, "cross_past_key_names", "past_key_cross_%d", "model.decoder.inputs"),
+            past_value=template(inputs, "cross_past_value_names", "past_value_cross_%d", "model.decoder.inputs"),
+            num_layers=number(decoder, "num_hidden_layers", "model.decoder"))
     return GenaiConfig(
-        filename=filename, input_names=input_names, logits=logits,
+        filename=filename, input_names=input_names, logits=logits, encoder=encoder,
         past_key=template(inputs, "past_key_names", "past_key_values.%d.key", "model.decoder.inputs"),
         past_value=template(inputs, "past_value_names", "past_key_values.%d.value", "model.decoder.inputs"),
         present_key=template(outputs, "present_key_names", "present.%d.key", "model.decoder.outputs"),
@@ -271,7 +319,17 @@ def transformers_js_variants(folder, bases=DECODER_BASES) -> dict[str, Path]:
 
 def whisper_encoder(layout: FolderLayout) -> Path:
     """The encoder that goes with a Whisper folder's decoder: `encoder_model.onnx` beside an Optimum
-    export, the same variant's `onnx/encoder_model[_variant].onnx` in a transformers.js folder."""
+    export, the same variant's `onnx/encoder_model[_variant].onnx` in a transformers.js folder, the
+    file genai_config.json names in an onnxruntime-genai folder."""
+    if layout.genai is not None:
+        if layout.genai.encoder is None:
+            raise LayoutError(f"{layout.folder / GENAI_CONFIG} describes a decoder-only model (no model.encoder): "
+                              "not a Whisper folder")
+        path = layout.folder / layout.genai.encoder.filename
+        if not path.is_file():
+            raise LayoutError(f"{layout.folder / GENAI_CONFIG} names the encoder {layout.genai.encoder.filename}, "
+                              f"which is not in {layout.folder}")
+        return path
     if layout.kind == "transformers.js":
         encoders = transformers_js_variants(layout.folder, ENCODER_BASES)
         if not encoders:
@@ -279,9 +337,6 @@ def whisper_encoder(layout: FolderLayout) -> Path:
                               "Whisper folder holds encoder_model[_variant].onnx beside "
                               "decoder_model_merged[_variant].onnx)")
         return _variant_file(layout.folder, layout.variant, encoders, "encoder ")
-    if layout.kind != "optimum":
-        raise LayoutError(f"{layout.folder} is an {layout.kind} folder: runnx reads Whisper from Optimum exports and "
-                          "the transformers.js layout")
     return layout.folder / "encoder_model.onnx"
 
 

@@ -1,6 +1,8 @@
 """Speech to text with Whisper, from an Optimum export folder (`encoder_model.onnx` +
-`decoder_model_merged.onnx`, config.json, generation_config.json, tokenizer.json) or a folder in
-the transformers.js layout (the same files in `onnx/`, in variants chosen by `variant=`: layouts.py).
+`decoder_model_merged.onnx`, config.json, generation_config.json, tokenizer.json), a folder in
+the transformers.js layout (the same files in `onnx/`, in variants chosen by `variant=`) or an
+onnxruntime-genai folder (genai_config.json names an encoder that computes the cross-attention KV
+and a decoder that takes it at every step: layouts.py).
 
     from runnx.generate.whisper import transcribe
     transcript = transcribe("speech.wav", "whisper-tiny.en", timestamps=True)
@@ -37,7 +39,8 @@ from runnx.errors import RunnxError
 from runnx.generate.audio import SAMPLE_RATE, load_audio
 from runnx.generate.decoder import DecoderStep
 from runnx.generate.generator import Generator
-from runnx.generate.layouts import ENCODER_BASES, read_folder, transformers_js_variants, whisper_encoder
+from runnx.capture.ownership import read_only_view
+from runnx.generate.layouts import GENAI_CONFIG, ENCODER_BASES, read_folder, transformers_js_variants, whisper_encoder
 from runnx.generate.mel import FRAME_SECONDS, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from runnx.generate.tokenizer import Tokenizer
 from runnx.interp.model import load as runnx_load
@@ -323,7 +326,8 @@ class Whisper:
     def __init__(self, folder, *, load=None, variant: str | None = None):
         self.folder = Path(folder)
         encoders = transformers_js_variants(self.folder, ENCODER_BASES)
-        if not encoders and not (self.folder / "encoder_model.onnx").is_file():
+        if (not encoders and not (self.folder / "encoder_model.onnx").is_file()
+                and not (self.folder / GENAI_CONFIG).is_file()):
             raise WhisperError(f"{self.folder} has no encoder_model.onnx (an Optimum Whisper export folder holds "
                                "encoder_model.onnx and decoder_model_merged.onnx; a transformers.js one holds them "
                                "in onnx/, with variants such as encoder_model_int8.onnx)")
@@ -338,7 +342,9 @@ class Whisper:
         special = self.tokenizer.tokenizer.get_added_tokens_decoder() if self.tokenizer else {}
         self.tokens = WhisperTokens.from_configs(config, generation,
                                                  {token.content: i for i, token in special.items()})
-        self.max_positions = int(config.get("max_target_positions", 448))
+        self.max_positions = int(config.get("max_target_positions", layout.context_length or 448))
+        # onnxruntime-genai's encoder computes every layer's cross-attention KV: (its output, the decoder's input)
+        self._cross = layout.genai.encoder.cross_names() if layout.genai is not None else ()
         self.encoder = (load or runnx_load)(str(encoder_path))
         # load=None: DecoderStep's own loader (it knows what a merged decoder's feeds look like)
         self.decoder = DecoderStep.from_folder(self.folder, capacity=self.max_positions, load=load, layout=layout)
@@ -346,17 +352,25 @@ class Whisper:
         self.generator = Generator(self.decoder, None, generation)
         self.n_mels = _mel_bins(self.encoder, config)
         self.encoder_input = self.encoder.input_names[0]
-        if HIDDEN_STATES not in self.decoder.first_io.other_inputs:
-            raise WhisperError(f"the decoder of {self.folder} takes no {HIDDEN_STATES} input")
+        decoder_inputs = [name for _, name in self._cross] or [HIDDEN_STATES]
+        missing = [name for name in decoder_inputs if name not in self.decoder.first_io.other_inputs]
+        if missing:
+            raise WhisperError(f"the decoder of {self.folder} takes no {missing[0]} input")
 
     # -- one window --------------------------------------------------------------------------------
-    def encode(self, features: np.ndarray) -> np.ndarray:
-        """Encoder hidden states [1, 1500, d_model] of features [1, n_mels, 3000]."""
-        return next(iter(self.encoder.run({self.encoder_input: features}).values()))
+    def encode(self, features: np.ndarray):
+        """What `decode` takes of a window's features [1, n_mels, 3000]: the encoder hidden states
+        [1, 1500, d_model], or, from an onnxruntime-genai folder's encoder, {decoder input: array}
+        of every layer's cross-attention keys and values (read-only: each step feeds the same arrays)."""
+        if not self._cross:
+            return next(iter(self.encoder.run({self.encoder_input: features}).values()))
+        outputs = self.encoder.run({self.encoder_input: features}, [output for output, _ in self._cross])
+        return {name: read_only_view(outputs[output]) for output, name in self._cross}
 
-    def decode(self, hidden: np.ndarray, *, language: str | None = None, task: str = "transcribe",
+    def decode(self, hidden, *, language: str | None = None, task: str = "transcribe",
                timestamps: bool = False, max_new_tokens: int | None = None) -> Decoded:
-        """Greedy decoding of one window (at most `max_new_tokens`, default 224). Multilingual models
+        """Greedy decoding of one window (`hidden`: what `encode` gave for it; at most `max_new_tokens`,
+        default 224). Multilingual models
         detect the language from the first step when `language` is None; English-only models ignore
         `language`."""
         tokens = self.tokens
@@ -383,7 +397,7 @@ class Whisper:
             generated = generated[:-1]
         return Decoded(generated, language if tokens.multilingual else "en")
 
-    def detect_language(self, hidden: np.ndarray) -> str:
+    def detect_language(self, hidden) -> str:
         """The most likely language of a window (multilingual models)."""
         if not self.tokens.multilingual:
             raise WhisperError(f"{self.folder} is an English-only model: it does not detect languages")
@@ -391,10 +405,10 @@ class Whisper:
         generator.append_tokens([self.tokens.start_of_transcript])
         return self._detect(generator.compute_logits()[0])
 
-    def _start(self, hidden: np.ndarray) -> Generator:
+    def _start(self, hidden) -> Generator:
         """The generator, reset, with the window's encoder states as the decoder's fixed feed."""
         self.generator.reset()
-        self.generator.decoder.reset(1, fixed_feeds={HIDDEN_STATES: hidden})
+        self.generator.decoder.reset(1, fixed_feeds=hidden if isinstance(hidden, dict) else {HIDDEN_STATES: hidden})
         return self.generator
 
     def _detect(self, logits: np.ndarray) -> str:

@@ -22,11 +22,11 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "whisper", help="transcribe speech with a Whisper export (encoder_model.onnx + decoder_model_merged.onnx)",
         description="Transcribe audio files (WAV/FLAC/OGG, any rate, mixed down to 16 kHz mono) with a Whisper "
-                    "model exported by Optimum or downloaded in the transformers.js layout (onnx/ subfolder, "
-                    "--variant).")
+                    "model exported by Optimum, downloaded in the transformers.js layout (onnx/ subfolder, "
+                    "--variant) or built by onnxruntime-genai (genai_config.json).")
     parser.add_argument("model_dir", metavar="MODEL_DIR", help="folder with encoder_model.onnx, "
                         "decoder_model_merged.onnx (at the top, or in onnx/ with their variants), config.json, "
-                        "generation_config.json, tokenizer.json")
+                        "generation_config.json, tokenizer.json; or an onnxruntime-genai folder")
     parser.add_argument("audio", metavar="AUDIO", nargs="*", help="audio file(s) (or --input-list FILE)")
     parser.add_argument("--timestamps", action="store_true",
                         help="decode timestamps and print timed segments (srt/vtt always have them)")

@@ -90,7 +90,8 @@ def _probabilities(scores, bias, softcap: float, smooth: bool, sink):
     adds one more logit (0, or the sink) to the denominator."""
     if softcap:
         scores = np.tanh(scores / softcap) * softcap
-    scores = scores + bias
+    if bias is not None:
+        scores = scores + bias
     top = np.max(scores, axis=-1, keepdims=True)
     extra = None
     if sink is not None:
@@ -115,7 +116,7 @@ def _attention(query, key, value, bias, scale, softcap=0.0, smooth=False, sink=N
     values = np.repeat(value, group, axis=1) if group > 1 else value
     work = np.dtype(np.float32) if query.dtype.itemsize < 4 else query.dtype
     scores = np.matmul(query.astype(work), np.swapaxes(keys, 2, 3).astype(work)) * work.type(scale)
-    probabilities = _probabilities(scores, bias.astype(work), softcap, smooth, sink)
+    probabilities = _probabilities(scores, None if bias is None else bias.astype(work), softcap, smooth, sink)
     return np.matmul(probabilities, values.astype(work)).astype(query.dtype, copy=False)
 
 
@@ -406,7 +407,12 @@ def _masks(batch, queries, keys, past, dtype, key_mask, attention_bias, unidirec
     """The attention's additive bias (broadcastable to (B, N, S, T)), as onnxruntime's CPU kernels
     build it: mask_filter_value where a key is padding, -inf where (unidirectional) it is in the
     future of the query (query i is at position past + i; a query whose keys are all padding
-    then attends to its past ones), plus the given attention bias."""
+    then attends to its past ones), plus the given attention bias. None when that bias is all
+    zeros (no mask, no bias, no key in any query's future: an encoder's, a decode step's), which
+    leaves every score as it is, so the attention need not read it."""
+    future = unidirectional and keys > past + 1  # query 0 sees keys 0 .. past
+    if key_mask is None and attention_bias is None and not future:
+        return None
     visible = np.ones((1, 1, queries, keys), bool)
     if key_mask is not None:
         visible = visible & _key_mask(key_mask, batch, queries, keys, op)
@@ -419,18 +425,30 @@ def _masks(batch, queries, keys, past, dtype, key_mask, attention_bias, unidirec
     return bias
 
 
-def _concatenated(past, new):
-    return new if past is None else np.concatenate([past, new], axis=2)
+def _concatenated(past, new, granted: bool = False, ctx=None, op: str = ""):
+    """past (B, N, P, H) then new (B, N, S, H) along the sequence: grown in place into past's spare
+    capacity when past is granted (Concat's rule: a decode step's cost is its new rows), else a copy."""
+    if past is None:
+        return new
+    if granted:
+        grown = append_in_place(past, [new], 2)
+        if grown is not None:
+            if ctx is not None:
+                ctx.count(f"{op}.appends_in_place")
+            return grown
+        return concatenate_with_headroom([past, new], 2)
+    return np.concatenate([past, new], axis=2)
 
 
-@register("MultiHeadAttention", since=1, domain=DOMAIN)
+@register("MultiHeadAttention", since=1, domain=DOMAIN, inplace=(6, 7))
 def MultiHeadAttention(query, key=None, value=None, bias=None, key_padding_mask=None, attention_bias=None,
                        past_key=None, past_value=None, past_sequence_length=None, cache_indirection=None, *,
                        num_heads: int, mask_filter_value: float = -10000.0, scale: float = 0.0,
-                       unidirectional: int = 0, output_count):
+                       unidirectional: int = 0, overwrite=(), ctx=None, output_count):
     """Multi-head attention of query (B, S, D) over key/value (B, L, D) (biased by `bias` when
     given), or over key/value already split into heads (B, N, L, H); packed QKV (B, S, N, 3, H) and
-    packed KV (B, L, N, 2, H) too. past_key/past_value (B, N, P, H) come before the new keys."""
+    packed KV (B, L, N, 2, H) too. past_key/past_value (B, N, P, H) come before the new keys: the
+    presents grow in place into a granted past's spare capacity."""
     if cache_indirection is not None or past_sequence_length is not None:
         raise RunnxError("MultiHeadAttention: past_sequence_length and cache_indirection (beam search buffers) "
                          "are not supported")
@@ -449,7 +467,8 @@ def MultiHeadAttention(query, key=None, value=None, bias=None, key_padding_mask=
             v = _heads(value + bias[width + key_width:] if bias is not None else value, num_heads)
         else:
             raise RunnxError("MultiHeadAttention needs key and value, packed KV in key, or packed QKV in query")
-    k, v = _concatenated(past_key, k), _concatenated(past_value, v)
+    k = _concatenated(past_key, k, 6 in overwrite, ctx, "MultiHeadAttention")
+    v = _concatenated(past_value, v, 7 in overwrite, ctx, "MultiHeadAttention")
     batch, _, queries, size = q.shape
     past = 0 if past_key is None else past_key.shape[2]
     dtype = np.dtype(np.float32) if q.dtype.itemsize < 4 else q.dtype

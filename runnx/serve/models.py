@@ -1,9 +1,9 @@
 """The models a server holds, one per folder, named by the folder: a language model with
 tokenizer.json served by a `BatchScheduler`, or a Whisper export (encoder_model.onnx +
-decoder_model_merged.onnx, or config.json's model_type "whisper") whose transcriptions run one at
-a time. Folders are read as `generate/layouts.py` reads them (Optimum, transformers.js with a
-variant, onnxruntime-genai), so the server stops, pads and bounds the context as `runnx generate`
-does on the same folder."""
+decoder_model_merged.onnx, or config.json's model_type "whisper", or an onnxruntime-genai folder
+of model type "whisper") whose transcriptions run one at a time. Folders are read as
+`generate/layouts.py` reads them (Optimum, transformers.js with a variant, onnxruntime-genai), so
+the server stops, pads and bounds the context as `runnx generate` does on the same folder."""
 from __future__ import annotations
 
 import json
@@ -137,7 +137,9 @@ class SpeechModel:
 
 
 def is_whisper(folder: Path) -> bool:
-    return (folder / "encoder_model.onnx").is_file() or _read_json(folder / "config.json").get("model_type") == "whisper"
+    return ((folder / "encoder_model.onnx").is_file()
+            or _read_json(folder / "config.json").get("model_type") == "whisper"
+            or _read_json(folder / "genai_config.json").get("model", {}).get("type") == "whisper")
 
 
 def load_models(folders, *, max_batch: int = 16, variant: str | None = None) -> dict[str, LanguageModel | SpeechModel]:

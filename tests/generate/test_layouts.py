@@ -1,4 +1,5 @@
-"""Folder layouts (runnx/generate/layouts.py): genai_config.json parsing on small synthetic configs,
+"""Folder layouts (runnx/generate/layouts.py): genai_config.json parsing on small synthetic configs
+(decoder-only and Whisper's),
 and the transformers.js layout's variants on the committed tiny Llama (hard-linked into onnx/)."""
 from __future__ import annotations
 
@@ -77,12 +78,70 @@ _DELETE = object()
     (("model", "decoder", "inputs", "past_key_names"), "cache.k", "past_key_names must be a name with one %d"),
     (("model", "eos_token_id"), None, "model.eos_token_id must be a token id or a list of them, got nothing"),
     (("search", "past_present_share_buffer"), "yes", "past_present_share_buffer must be true or false"),
-    (("model", "encoder"), {"filename": "encoder.onnx"}, "runnx reads decoder-only genai folders"),
+    (("model", "encoder"), {"filename": "encoder.onnx"}, "runnx reads decoder-only genai folders and Whisper's"),
 ])
 def test_a_bad_genai_config_is_a_runnx_error_naming_the_field(path, value, message):
     with pytest.raises(LayoutError, match="genai_config.json") as error:
         parse_genai_config(_broken(path, value))
     assert message in str(error.value)
+
+
+WHISPER_GENAI = {
+    "model": {
+        "bos_token_id": 50257, "context_length": 448, "eos_token_id": 50256, "pad_token_id": 50256,
+        "type": "whisper", "vocab_size": 51864,
+        "decoder": {
+            "filename": "decoder.onnx", "head_size": 64, "hidden_size": 384, "num_attention_heads": 6,
+            "num_hidden_layers": 2, "num_key_value_heads": 6,
+            "inputs": {"input_ids": "input_ids", "past_key_names": "past_key_self_%d",
+                       "past_value_names": "past_value_self_%d", "cross_past_key_names": "past_key_cross_%d",
+                       "cross_past_value_names": "past_value_cross_%d"},
+            "outputs": {"logits": "logits", "present_key_names": "present_key_self_%d",
+                        "present_value_names": "present_value_self_%d"},
+        },
+        "encoder": {
+            "filename": "encoder.onnx", "head_size": 64, "num_hidden_layers": 2,
+            "inputs": {"audio_features": "audio_features"},
+            "outputs": {"encoder_hidden_states": "hidden_states", "cross_present_key_names": "present_key_cross_%d",
+                        "cross_present_value_names": "present_value_cross_%d"},
+        },
+    },
+    "search": {"past_present_share_buffer": False},
+}
+
+
+def test_a_genai_whisper_config_pairs_the_encoders_cross_kv_with_the_decoders_inputs():
+    """onnxruntime-genai's Whisper: the encoder computes each layer's cross-attention KV, which the
+    decoder takes as inputs of its own (fixed feeds, not KV it grows)."""
+    config = parse_genai_config(WHISPER_GENAI)
+    assert (config.encoder.filename, config.encoder.input_name) == ("encoder.onnx", "audio_features")
+    assert config.encoder.cross_names() == (
+        ("present_key_cross_0", "past_key_cross_0"), ("present_value_cross_0", "past_value_cross_0"),
+        ("present_key_cross_1", "past_key_cross_1"), ("present_value_cross_1", "past_value_cross_1"))
+    cross = ["past_key_cross_0", "past_value_cross_0", "past_key_cross_1", "past_value_cross_1"]
+    self_kv = ["past_key_self_0", "past_value_self_0", "past_key_self_1", "past_value_self_1"]
+    outputs = ["logits", "present_key_self_0", "present_value_self_0", "present_key_self_1", "present_value_self_1"]
+    io = config.decoder_io(["input_ids", *self_kv, *cross], outputs)
+    assert [k.past for k in io.kv] == self_kv and not any(k.is_cross_attention for k in io.kv)
+    assert io.other_inputs == tuple(cross) and io.attention_mask is None
+    with pytest.raises(LayoutError, match="names the cross-attention input 'past_value_cross_1', which decoder.onnx"):
+        config.decoder_io(["input_ids", *self_kv, *cross[:3]], outputs)
+    data = copy.deepcopy(WHISPER_GENAI)
+    del data["model"]["encoder"]
+    with pytest.raises(LayoutError, match="model.encoder must be an object"):
+        parse_genai_config(data)
+
+
+def test_a_decoder_only_genai_folder_is_no_whisper_folder(tmp_path):
+    from runnx.generate.layouts import whisper_encoder
+    from runnx.generate.whisper import Whisper
+
+    (tmp_path / "genai_config.json").write_text(json.dumps(GENAI))
+    (tmp_path / "decoder.onnx").write_bytes(b"")
+    with pytest.raises(LayoutError, match="describes a decoder-only model .no model.encoder.: not a Whisper folder"):
+        whisper_encoder(read_folder(tmp_path))
+    with pytest.raises(LayoutError, match="not a Whisper folder"):
+        Whisper(tmp_path)
 
 
 def test_genai_config_names_an_input_the_model_lacks():

@@ -1,10 +1,12 @@
 """Whisper in the transformers.js layout (`onnx/encoder_model[_variant].onnx` +
 `onnx/decoder_model_merged[_variant].onnx`, layouts.py): the variant chooses both files, a missing
 variant is a clear error, and the real tiny.en in that layout transcribes john.wav exactly in fp32
-and int8, the int8 token ids equal to onnxruntime's on the same files."""
+and int8, the int8 token ids equal to onnxruntime's on the same files. Whisper in onnxruntime-genai's
+layout: its token ids equal onnxruntime-genai's own on each clip."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import numpy as np
@@ -106,3 +108,44 @@ def test_int8_token_ids_equal_onnxruntime(tjs_int8, whisper_tjs_dir, audio_dir, 
     expected = reference(features, tokens.prompt(None, "transcribe", False), eos=tokens.end_of_text,
                          suppress=tokens.suppress, begin_suppress=tokens.suppress_at_begin)
     assert decoded == expected and len(expected) > 5
+
+
+# -- onnxruntime-genai's Whisper folder (genai_config.json: encoder.onnx computes the cross-attention KV) --
+@pytest.fixture(scope="module")
+def genai_whisper(whisper_genai_dir):
+    return Whisper(whisper_genai_dir)
+
+
+def test_the_genai_folder_names_its_encoder(whisper_genai_dir):
+    layout = read_folder(whisper_genai_dir)
+    assert (layout.kind, layout.files.first, whisper_encoder(layout)) == (
+        "onnxruntime-genai", whisper_genai_dir / "decoder.onnx", whisper_genai_dir / "encoder.onnx")
+
+
+@pytest.mark.parametrize("clip", ["john.wav", "fox.wav", "weather.wav"])
+def test_genai_token_ids_equal_onnxruntime_genais(genai_whisper, whisper_genai_dir, whisper_dir, audio_dir, clip):
+    """Greedy ids from the genai folder equal onnxruntime-genai's own transcription of the clip
+    (genai_reference.json: its sequence, the prompt first, without <|endoftext|>) and the Optimum
+    folder's of the same weights."""
+    reference = json.loads((whisper_genai_dir / "genai_reference.json").read_text())["clips"][clip]
+    transcript = genai_whisper.transcribe(audio_dir / clip)
+    prompt = genai_whisper.tokens.prompt(None, "transcribe", False)
+    assert reference["tokens"][:len(prompt)] == prompt
+    assert [t for s in transcript.segments for t in s.tokens] == reference["tokens"][len(prompt):]
+    assert transcript.text == reference["text"].strip()
+    assert transcript.text == Whisper(whisper_dir).transcribe(audio_dir / clip).text
+    if clip == "john.wav":
+        assert transcript.text == JOHN
+
+
+def test_genai_decoding_feeds_the_encoders_cross_kv_as_it_is(genai_whisper, audio_dir):
+    """The encoder's cross-attention KV reaches every decoder step as the same read-only arrays
+    (nothing copied a step), and the decoder's int32 input_ids are fed as int32."""
+    features = mel.window_features(load_audio(audio_dir / "john.wav"))
+    encoded = genai_whisper.encode(features)
+    assert sorted(encoded) == sorted(name for _, name in genai_whisper._cross)
+    assert all(not array.flags.writeable for array in encoded.values())
+    decoded = genai_whisper.decode(encoded, max_new_tokens=5)
+    assert len(decoded.tokens) == 5
+    assert genai_whisper.decoder._ids_dtype == np.int32
+    assert all(genai_whisper.decoder.fixed_feeds[name] is array for name, array in encoded.items())

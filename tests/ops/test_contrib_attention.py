@@ -185,6 +185,28 @@ def test_multi_head_attention_past_attention_bias_and_presents():
     assert_close(got, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("unidirectional", [0, 1])
+def test_multi_head_attention_grows_an_owned_past_in_place(unidirectional):
+    """A decode step's presents are the owned past grown in its spare capacity (no copy of the
+    cache), bitwise the values of the copying path; a lent past is never written."""
+    batch, heads, size, past = 2, 2, 8, 5
+    inputs = [_normal(batch, 1, heads * size), _normal(batch, 1, heads * size), _normal(batch, 1, heads * size), None,
+              None, None, _normal(batch, heads, past, size), _normal(batch, heads, past, size)]
+    model, feeds = contrib_model("MultiHeadAttention", inputs, ["y", "present_key", "present_value"], num_heads=heads,
+                                 unidirectional=unidirectional)
+    before = {name: feeds[name].copy() for name in ("in6", "in7")}
+    expected = runnx.load(model).run(feeds)
+    for name, array in before.items():
+        np.testing.assert_array_equal(feeds[name], array)  # lent: copied, never written
+    owned = dict(feeds, in6=with_capacity(feeds["in6"], 2, 16), in7=with_capacity(feeds["in7"], 2, 16))
+    buffers = (owned["in6"].array.base, owned["in7"].array.base)
+    got, profile = runnx.load(model).run(owned, profile=True)
+    assert got["present_key"].base is buffers[0] and got["present_value"].base is buffers[1]
+    assert profile.counters["MultiHeadAttention.appends_in_place"] == 2
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name])
+
+
 def test_multi_head_attention_cross_attention_and_packed_key_value():
     batch, heads, size = 2, 2, 8
     query = _normal(batch, 3, heads * size)
