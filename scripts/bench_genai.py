@@ -1,8 +1,8 @@
-"""runnx against onnxruntime-genai on onnxruntime-genai's own folders (SmolLM2-135M fp32 and int4):
-each engine's own decode loop on the same files, the same thread count.
+"""runnx against onnxruntime-genai on onnxruntime-genai's own folders (SmolLM2-135M fp32 and int4,
+Whisper tiny.en): each engine's own loop on the same files, the same thread count.
 
     .venv/bin/python scripts/bench_genai.py [--folders genai-int4,genai-fp32] [--threads 1,2]
-        [--contexts 32,512,2000] [--steps 16] [--rounds 3] [--no-write]
+        [--contexts 32,512,2000] [--steps 16] [--rounds 3] [--repeat 3] [--no-whisper] [--no-write]
 
 Each (engine, folder, thread count) runs in a process of its own (BLAS/numba/onnxruntime threads set
 before anything starts), the engines alternating round by round; every figure is the median over the
@@ -11,8 +11,12 @@ past/present buffer, GroupQueryAttention), its cache restored from random KV of 
 onnxruntime-genai: its Generator, the context a prompt of random tokens. Prefill: a prompt of the
 largest context's random tokens, once (after a 16-token warm-up for runnx; onnxruntime-genai's is
 its last context's prompt). Peak RSS is each process's own. llama.cpp's Q4_1 figures for the same model
-on this machine kind are the bar the issue sets (#41). Writes its section of docs/benchmarks.md
-unless --no-write. Folders come from `make models` (${RUNNX_CACHE:-~/.cache/runnx}/models).
+on this machine kind are the bar the issue sets (#41). Whisper (whisper-tiny.en-genai, unless
+--no-whisper): the seconds to transcribe the short speech clips one after another (audio file to
+token ids: features, encoder, greedy decoding), the median of --repeat passes after a warm-up pass,
+runnx's `Whisper` against onnxruntime-genai's processor and Generator, the ids compared. Writes its
+section of docs/benchmarks.md unless --no-write. Folders come from `make models`
+(${RUNNX_CACHE:-~/.cache/runnx}/models).
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
 MODELS = CACHE / "models"
 GENAI_PYTHON = CACHE / "genai-venv" / "bin" / "python"
+WHISPER = MODELS / "whisper-tiny.en-genai"
+CLIPS = ("john.wav", "fox.wav", "weather.wav")  # each under 30 s: one call of onnxruntime-genai's processor
 # llama.cpp, SmolLM2-135M Q4_1, 2 threads, tokens/s at context 32 / 512 / 2000 (issue #41)
 LLAMA_CPP_Q4_1 = {32: 64.7, 512: 61.2, 2000: 46.0}
 
@@ -100,11 +106,58 @@ def worker_genai(folder: Path, threads: int, contexts: list[int], steps: int) ->
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _run_worker(engine: str, folder: Path, threads: int, contexts: str, steps: int) -> dict | None:
-    python = str(GENAI_PYTHON) if engine == "onnxruntime-genai" else sys.executable
+def whisper_runnx(folder: Path, repeat: int) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from runnx.generate.whisper import Whisper
+
+    model = Whisper(folder)
+
+    def transcribe(clip: str) -> list[int]:
+        return [t for s in model.transcribe(CACHE / "audio" / clip).segments for t in s.tokens]
+
+    return _timed_clips(transcribe, repeat)
+
+
+def whisper_genai(folder: Path, threads: int, repeat: int) -> dict:
+    import onnxruntime_genai as og
+
+    config = og.Config(str(folder))
+    options = {"session_options": {"intra_op_num_threads": threads}}
+    config.overlay(json.dumps({"model": {"encoder": options, "decoder": options}}))
+    model = og.Model(config)
+    processor = model.create_multimodal_processor()
+
+    def transcribe(clip: str) -> list[int]:
+        inputs = processor(["<|startoftranscript|><|notimestamps|>"], audios=og.Audios.open(str(CACHE / "audio" / clip)))
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=448, batch_size=1)
+        generator = og.Generator(model, params)
+        generator.set_inputs(inputs)
+        while not generator.is_done():
+            generator.generate_next_token()
+        return [int(t) for t in generator.get_sequence(0)][2:]  # after the prompt
+
+    return _timed_clips(transcribe, repeat)
+
+
+def _timed_clips(transcribe, repeat: int) -> dict:
+    """Seconds to transcribe CLIPS one after another: the median of `repeat` passes after one."""
+    tokens = {clip: transcribe(clip) for clip in CLIPS}
+    passes = []
+    for _ in range(repeat):
+        begin = time.perf_counter()
+        for clip in CLIPS:
+            transcribe(clip)
+        passes.append(time.perf_counter() - begin)
+    return {"seconds": statistics.median(passes), "tokens": tokens,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _run_worker(engine: str, folder: Path, threads: int, contexts: str, steps: int, repeat: int = 0) -> dict | None:
+    python = str(GENAI_PYTHON) if engine.startswith("onnxruntime-genai") else sys.executable
     environment = dict(os.environ, **{v: str(threads) for v in THREAD_VARIABLES}, PYTHONPATH=str(ROOT))
     completed = subprocess.run([python, __file__, "--worker", engine, "--folder", str(folder), "--threads",
-                                str(threads), "--contexts", contexts, "--steps", str(steps)],
+                                str(threads), "--contexts", contexts, "--steps", str(steps), "--repeat", str(repeat)],
                                capture_output=True, text=True, env=environment, timeout=3600)
     if completed.returncode:
         print(f"  failed: {engine} {folder.name} {threads}\n{completed.stderr[-2000:]}", file=sys.stderr)
@@ -141,9 +194,25 @@ def _table(results: dict, contexts: list[int]) -> str:
     return "\n".join(lines)
 
 
+def _whisper_table(runs: dict, thread_counts: list[int]) -> str:
+    lines = ["| threads | runnx s | onnxruntime-genai s | ratio (genai / runnx time) | peak RSS MiB runnx / genai "
+             "| same ids |", "|---|---|---|---|---|---|"]
+    for threads in thread_counts:
+        mine = [r for r in runs.get(("runnx-whisper", threads), []) if r]
+        theirs = [r for r in runs.get(("onnxruntime-genai-whisper", threads), []) if r]
+        if not (mine and theirs):
+            lines.append(f"| {threads} | failed | failed | - | - | - |")
+            continue
+        ours, genai = (statistics.median(r["seconds"] for r in rs) for rs in (mine, theirs))
+        rss = " / ".join(f"{statistics.median(r['peak_rss_mb'] for r in rs):.0f}" for rs in (mine, theirs))
+        same = all(r["tokens"] == theirs[0]["tokens"] for r in mine + theirs)
+        lines.append(f"| {threads} | {ours:.3f} | {genai:.3f} | {genai / ours:.2f}x | {rss} | {same} |")
+    return "\n".join(lines)
+
+
 def main(args) -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
-    folders = [MODELS / f"smollm2-135m-{name}" for name in args.folders.split(",")]
+    folders = [MODELS / f"smollm2-135m-{name}" for name in args.folders.split(",") if name]
     missing = [str(f) for f in folders if not (f / "genai_config.json").exists()]
     if missing or not GENAI_PYTHON.exists():
         sys.exit(f"missing: {', '.join(missing) or GENAI_PYTHON} (run `make models`)")
@@ -155,14 +224,36 @@ def main(args) -> None:
                     result = _run_worker(engine, folder, threads, args.contexts, args.steps)
                     print(f"{engine}, {folder.name}, {threads} thread(s), round {round_index + 1}: {result}", flush=True)
                     runs.setdefault((engine, folder.name, threads), []).append(result)
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    whisper_runs = {}
+    if not args.no_whisper and (WHISPER / "genai_config.json").exists():
+        for round_index in range(args.rounds):
+            for threads in thread_counts:
+                engines = ("runnx-whisper", "onnxruntime-genai-whisper")
+                for engine in engines if round_index % 2 == 0 else engines[::-1]:
+                    result = _run_worker(engine, WHISPER, threads, args.contexts, args.steps, args.repeat)
+                    print(f"{engine}, {threads} thread(s), round {round_index + 1}: "
+                          f"{result and round(result['seconds'], 3)} s", flush=True)
+                    whisper_runs.setdefault((engine, threads), []).append(result)
     results = {key: _median(values) for key, values in runs.items()}
-    table = _table(results, contexts)
+    table = _table(results, contexts) if results else ""
+    whisper = ""
+    if whisper_runs:
+        whisper = f"""
+Whisper tiny.en as onnxruntime-genai's builder writes it (`-p fp32`: encoder.onnx with contrib Attention,
+decoder.onnx with MultiHeadAttention; whisper-tiny.en-genai): seconds to transcribe {", ".join(CLIPS)}
+one after another (features, encoder, greedy decoding), the median of {args.repeat} passes after a warm-up,
+the median of {args.rounds} processes per engine.
+
+{_whisper_table(whisper_runs, thread_counts)}
+"""
+        print(whisper)
     bar = ", ".join(f"{c}: {LLAMA_CPP_Q4_1[c]}" for c in contexts if c in LLAMA_CPP_Q4_1)
     print(table)
     if args.no_write:
         return
     command = (f".venv/bin/python scripts/bench_genai.py --folders {args.folders} --threads {args.threads} "
-               f"--contexts {args.contexts} --steps {args.steps} --rounds {args.rounds}")
+               f"--contexts {args.contexts} --steps {args.steps} --rounds {args.rounds} --repeat {args.repeat}")
     update_section("genai-folders", f"""## onnxruntime-genai's folders, each engine's own loop (`scripts/bench_genai.py`)
 
 SmolLM2-135M as onnxruntime-genai's model builder writes it (`-p fp32` and `-p int4 -e cpu`:
@@ -176,7 +267,7 @@ machine kind. runnx {git_revision()}; {machine()}.
 Command: `{command}`.
 
 {table}
-""")
+{whisper}""")
 
 
 def _parse():
@@ -186,15 +277,22 @@ def _parse():
     parser.add_argument("--contexts", default="32,512,2000")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3, help="timed passes over the speech clips per process")
+    parser.add_argument("--no-whisper", action="store_true", help="leave out Whisper's genai folder")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    parser.add_argument("--worker", choices=["runnx", "onnxruntime-genai"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=["runnx", "onnxruntime-genai", "runnx-whisper",
+                                             "onnxruntime-genai-whisper"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args()
 
 
 if __name__ == "__main__":
     ARGS = _parse()
-    if ARGS.worker == "runnx":
+    if ARGS.worker == "runnx-whisper":
+        print(json.dumps(whisper_runnx(ARGS.folder, ARGS.repeat)))
+    elif ARGS.worker == "onnxruntime-genai-whisper":
+        print(json.dumps(whisper_genai(ARGS.folder, int(ARGS.threads), ARGS.repeat)))
+    elif ARGS.worker == "runnx":
         print(json.dumps(worker_runnx(ARGS.folder, [int(c) for c in ARGS.contexts.split(",")], ARGS.steps)))
     elif ARGS.worker:
         print(json.dumps(worker_genai(ARGS.folder, int(ARGS.threads), [int(c) for c in ARGS.contexts.split(",")],

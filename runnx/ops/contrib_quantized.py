@@ -4,8 +4,8 @@ MatMulIntegerToFloat.
 
 MatMulNBits and MatMulBnb4 never dequantize their whole matrix: a few rows (decoding, short prompts) stream the
 packed blocks through a numba kernel; many rows dequantize a panel of columns at a time into a
-small buffer and multiply it with BLAS. Integer products are exact: computed in float64, whose
-53-bit mantissa holds any int8 dot product of a realistic depth (255 * 255 * K < 2^53).
+small buffer and multiply it with BLAS. Integer products are MatMulInteger's (int32), scaled in
+float as onnxruntime scales them.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, 
                                         nbits_dequantize, nbits_lanes, nbits_rows, nibble_lanes_panel,
                                         nibble_lanes_rows, nibble_scales, zero_scales_of)
 from runnx.ops._remembered import Remembered
+from runnx.ops.linalg import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
@@ -261,29 +262,28 @@ def GatherBlockQuantized(data, indices, scales, zero_points=None, *, bits: int =
     return ((values - zero) * expanded).astype(scales.dtype, copy=False)
 
 
-def _integer_product(a, b, a_zero_point, b_zero_point):
-    """(a - a_zero_point) @ (b - b_zero_point) exactly, as float64 (zero points per tensor, or per column of b)."""
-    left = a.astype(np.float64) - (0 if a_zero_point is None else a_zero_point.astype(np.float64))
-    right = b.astype(np.float64) - (0 if b_zero_point is None else b_zero_point.astype(np.float64))
-    return np.matmul(left, right)
-
-
 def _scaled(product, a_scale, b_scale, bias, dtype):
-    work = np.float32 if np.dtype(dtype).itemsize < 4 else dtype
-    result = (product * (a_scale.astype(np.float64) * b_scale.astype(np.float64))).astype(work)
+    """product (int32) in float times a_scale * b_scale, plus bias, as onnxruntime's output
+    processor computes it and as the unfused graph does (Cast, the scales' Mul, the Mul): each step
+    rounded in the work type (float32 for float16 scales), so a fused MatMulInteger -> Cast -> Mul
+    (interp/fusion/integer_products.py) gives bitwise what its nodes gave."""
+    work = np.dtype(np.float32) if np.dtype(dtype).itemsize < 4 else np.dtype(dtype)
+    result = product.astype(work)
+    result *= a_scale.astype(work, copy=False) * b_scale.astype(work, copy=False)
     if bias is not None:
-        result += bias.astype(work)
+        result += bias.astype(work, copy=False)
     return result.astype(dtype, copy=False)
 
 
 @register("MatMulIntegerToFloat", since=1, domain=DOMAIN)
 def MatMulIntegerToFloat(a, b, a_scale, b_scale, a_zero_point=None, b_zero_point=None, bias=None):
-    """(a - a_zero_point) @ (b - b_zero_point) * a_scale * b_scale + bias, integer-exact before the scaling."""
-    return _scaled(_integer_product(a, b, a_zero_point, b_zero_point), a_scale, b_scale, bias, a_scale.dtype)
+    """(a - a_zero_point) @ (b - b_zero_point) in int32 (MatMulInteger's kernel), then in float times
+    a_scale * b_scale, plus bias."""
+    return _scaled(MatMulInteger(a, b, a_zero_point, b_zero_point), a_scale, b_scale, bias, a_scale.dtype)
 
 
 @register("DynamicQuantizeMatMul", since=1, domain=DOMAIN)
 def DynamicQuantizeMatMul(a, b, b_scale, b_zero_point=None, bias=None):
     """a quantized to uint8 as DynamicQuantizeLinear does, then MatMulIntegerToFloat with b."""
     quantized, a_scale, a_zero_point = DynamicQuantizeLinear(a)
-    return _scaled(_integer_product(quantized, b, a_zero_point, b_zero_point), a_scale, b_scale, bias, a.dtype)
+    return _scaled(MatMulInteger(quantized, b, a_zero_point, b_zero_point), a_scale, b_scale, bias, a.dtype)

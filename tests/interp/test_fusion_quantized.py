@@ -130,3 +130,62 @@ def test_a_quantizer_of_a_constant_is_no_reason_to_fuse_bitwise():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
     loaded = runnx.load(model, fold_constants=False)
     assert not fusion.quantizes_computed_values(loaded.graph) and not loaded.fuses_bitwise
+
+
+def test_a_dynamically_quantized_product_becomes_onnxruntimes_matmul_integer_to_float():
+    """MatMulInteger -> Cast -> Mul by the scales' product is one com.microsoft MatMulIntegerToFloat
+    node (its standard fused op), in the graph that quantizes computed values too: bitwise."""
+    loaded = runnx.load(attention_then_quantized_projection())
+    assert loaded.fused == {"MatMulIntegerToFloat": 1}
+    fused = [n for n in loaded.graph.nodes if n.op_type == "MatMulIntegerToFloat"]
+    assert len(fused) == 1 and fused[0].domain == "com.microsoft"
+    assert not any(n.op_type in ("MatMulInteger", "Cast") for n in loaded.graph.nodes)
+
+
+def _quantized_product(per_column: bool, scales_read_elsewhere: bool, cast_to=F):
+    rng = np.random.default_rng(1)
+    nodes = [helper.make_node("DynamicQuantizeLinear", ["x"], ["x_q", "x_scale", "x_zero"], name="quantize"),
+             _node("MatMulInteger", ["x_q", "w_q", "x_zero", "w_zero"], ["product"]),
+             _node("Cast", ["product"], ["product_f"], to=cast_to),
+             _node("Mul", ["w_scale", "x_scale"], ["scales"]),  # the constant first: either order
+             _node("Mul", ["scales", "product_f"], ["y"])]
+    outputs = [helper.make_tensor_value_info("y", cast_to, None)]
+    if scales_read_elsewhere:
+        outputs.append(helper.make_tensor_value_info("scales", F, None))
+    w_scale = (rng.random(COLUMNS) * 0.02 + 0.001) if per_column else 0.0123
+    w_zero = rng.integers(-3, 3, COLUMNS) if per_column else 3
+    constants = {"w_q": rng.integers(-64, 64, (48, COLUMNS)).astype(np.int8),
+                 "w_zero": np.asarray(w_zero, np.int8), "w_scale": np.asarray(w_scale, np.float32)}
+    graph = helper.make_graph(nodes, "quantized_product", [helper.make_tensor_value_info("x", F, [3, 48])], outputs,
+                              [numpy_helper.from_array(v, k) for k, v in constants.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+@pytest.mark.parametrize("per_column", [False, True])
+@pytest.mark.parametrize("scales_read_elsewhere", [False, True])
+def test_the_fused_integer_product_is_bitwise_its_nodes(per_column, scales_read_elsewhere):
+    """Per-tensor or per-column weight scales; the scales' product read elsewhere stays a node of
+    its own (the fused node computes it again, the same value)."""
+    model = _quantized_product(per_column, scales_read_elsewhere)
+    plain, optimized = runnx.load(model, optimization_level="disabled"), runnx.load(model)
+    assert optimized.fused == {"MatMulIntegerToFloat": 1}
+    assert any(n.op_type == "Mul" for n in optimized.graph.nodes) == scales_read_elsewhere
+    rng = np.random.default_rng(2)
+    for _ in range(3):  # interpreted, then compiled
+        inputs = {"x": (rng.standard_normal((3, 48)) * 4).astype(np.float32)}
+        expected = plain.run(inputs)
+        got = optimized.run(inputs)
+        for name, value in expected.items():
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+    theirs = _outputs_of_onnxruntime(model, inputs)
+    np.testing.assert_allclose(got["y"], theirs["y"], rtol=1e-6, atol=1e-6)
+
+
+def test_an_integer_product_cast_to_another_type_is_left_alone():
+    model = _quantized_product(False, False, cast_to=TensorProto.DOUBLE)
+    model.graph.node[3].input[0] = "w_scale_d"
+    model.graph.initializer.append(numpy_helper.from_array(np.float64(0.0123), "w_scale_d"))
+    model.graph.node[3].input[1] = "x_scale_d"
+    model.graph.node.insert(3, _node("Cast", ["x_scale"], ["x_scale_d"], to=TensorProto.DOUBLE))
+    loaded = runnx.load(model)
+    assert "MatMulIntegerToFloat" not in loaded.fused

@@ -212,8 +212,8 @@ def test_every_fusion_pattern_is_met_by_the_fixtures_or_the_generated_decoders()
         patterns |= set(re.findall(r'Fused\(\s*"(\w+)"', source.read_text()))
     met = set()
     models = [runnx.load(path) for path in sorted(FIXTURES.glob("*/*.onnx"))]
-    models += [runnx.load(decoder(random_shape(np.random.default_rng(seed), style, True))[0])
-               for seed in range(3) for style in ("llama", "gpt")]
+    models += [runnx.load(decoder(random_shape(np.random.default_rng(seed), style, True, quantized))[0])
+               for seed in range(3) for style in ("llama", "gpt") for quantized in ("", "all")]
     for model in models:  # those a later pattern absorbed are counted in model.fused
         met |= set(model.fused) | fused_ops(model)
     assert patterns and patterns <= met, sorted(patterns - met)

@@ -2,7 +2,8 @@
 
 Pattern modules each give PATTERNS, (anchor op, matcher) pairs, the anchor a standard op or a fused
 one that an earlier pattern made; a matcher returns a `Fused` whose kernel (domain `runnx.fused`,
-`runnx/ops/fused*.py`, `linalg.py`) computes what the replaced nodes computed. Patterns run in
+`runnx/ops/fused*.py`, `linalg.py`; or a standard fused op's own: onnxruntime's MatMulIntegerToFloat)
+computes what the replaced nodes computed. Patterns run in
 order, each over the graph the previous ones left.
 
 Most fused kernels compute bitwise what their nodes do; those listed in a module's ROUNDS_APART
@@ -15,16 +16,17 @@ quantized decoder's greedy tokens change).
 """
 from __future__ import annotations
 
-from runnx.interp.fusion import layer_norm_blocks, products, rms_norm_blocks, split_products
+from runnx.interp.fusion import integer_products, layer_norm_blocks, products, rms_norm_blocks, split_products
 from runnx.interp.fusion.identity_cuts import drop_identity_cuts
 from runnx.interp.fusion.matcher import Matcher
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.ops import registry
 from runnx.ops._fused_common import DOMAIN
 
-PATTERNS = rms_norm_blocks.PATTERNS + layer_norm_blocks.PATTERNS + products.PATTERNS  # products last: see products.py
+PATTERNS = (integer_products.PATTERNS + rms_norm_blocks.PATTERNS + layer_norm_blocks.PATTERNS
+            + products.PATTERNS)  # products last: see products.py
 ROUNDS_APART = frozenset(rms_norm_blocks.ROUNDS_APART + layer_norm_blocks.ROUNDS_APART + products.ROUNDS_APART
-                         + split_products.ROUNDS_APART)
+                         + split_products.ROUNDS_APART + integer_products.ROUNDS_APART)
 # Rewrites into standard ops, run before the shape memos (which would hide the shape nodes they
 # evaluate) so that the patterns then match the graph they leave
 REWRITES = (split_products.split_products, drop_identity_cuts)
@@ -75,14 +77,14 @@ def fuse(graph: Graph, bitwise: bool = False) -> dict[str, int]:
         next_index = max(n.index for n in graph.nodes) + 1
         new_nodes = []
         for fused in found:
-            kernel = registry.resolve(DOMAIN, fused.op_type, 1)
+            kernel = registry.resolve(fused.domain, fused.op_type, 1)
             index = max((n.index for n in fused.members), default=next_index)
             if not fused.members:
                 next_index += 1
             name = fused.members[-1].name if fused.members else graph.names[fused.outputs[0]]
-            new_nodes.append(Node(index, f"{fused.op_type}({name})", fused.op_type, DOMAIN, tuple(fused.inputs),
+            new_nodes.append(Node(index, f"{fused.op_type}({name})", fused.op_type, fused.domain, tuple(fused.inputs),
                                   tuple(fused.outputs), fused.attrs, {}, (), kernel, kernel.since))
-            grown = any(n.op_type == fused.op_type and n.domain == DOMAIN for n in fused.members)  # counted once
+            grown = any(n.op_type == fused.op_type and n.domain == fused.domain for n in fused.members)  # counted once
             counts[fused.op_type] = counts.get(fused.op_type, 0) + (1 if fused.members and not grown else 0)
         graph.nodes = tuple(n for n in graph.nodes if n.index not in m.taken) + tuple(new_nodes)
         graph.producer = {vid: node for node in graph.nodes for vid in node.outputs if vid != MISSING}

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runnx.interp.ir import MISSING, Graph, Node
+from runnx.ops._fused_common import DOMAIN
 
 @dataclass
 class Fused:
@@ -19,6 +20,7 @@ class Fused:
     inputs: tuple  # value ids (MISSING for an absent optional input)
     outputs: tuple
     attrs: dict
+    domain: str = DOMAIN  # runnx's fused ops; a standard op's own domain where one fits (com.microsoft)
 
 
 class Matcher:
