@@ -194,20 +194,21 @@ def _table(results: dict, contexts: list[int]) -> str:
     return "\n".join(lines)
 
 
-def _whisper_table(runs: dict, thread_counts: list[int]) -> str:
-    lines = ["| threads | runnx s | onnxruntime-genai s | ratio (genai / runnx time) | peak RSS MiB runnx / genai "
-             "| same ids |", "|---|---|---|---|---|---|"]
+def _whisper_line(runs: dict, thread_counts: list[int]) -> str:
+    """One line a thread count: runnx / onnxruntime-genai seconds, the ratio, peak RSS; then whether
+    every process of both gave the same ids."""
+    parts, same = [], True
     for threads in thread_counts:
         mine = [r for r in runs.get(("runnx-whisper", threads), []) if r]
         theirs = [r for r in runs.get(("onnxruntime-genai-whisper", threads), []) if r]
         if not (mine and theirs):
-            lines.append(f"| {threads} | failed | failed | - | - | - |")
+            parts.append(f"{threads} thread(s) failed")
             continue
         ours, genai = (statistics.median(r["seconds"] for r in rs) for rs in (mine, theirs))
         rss = " / ".join(f"{statistics.median(r['peak_rss_mb'] for r in rs):.0f}" for rs in (mine, theirs))
-        same = all(r["tokens"] == theirs[0]["tokens"] for r in mine + theirs)
-        lines.append(f"| {threads} | {ours:.3f} | {genai:.3f} | {genai / ours:.2f}x | {rss} | {same} |")
-    return "\n".join(lines)
+        same = same and all(r["tokens"] == theirs[0]["tokens"] for r in mine + theirs)
+        parts.append(f"{threads} thread(s) {ours:.2f} / {genai:.2f} s ({genai / ours:.2f}x; peak RSS {rss} MiB)")
+    return "; ".join(parts) + f"; same ids: {same}."
 
 
 def main(args) -> None:
@@ -240,12 +241,9 @@ def main(args) -> None:
     whisper = ""
     if whisper_runs:
         whisper = f"""
-Whisper tiny.en as onnxruntime-genai's builder writes it (`-p fp32`: encoder.onnx with contrib Attention,
-decoder.onnx with MultiHeadAttention; whisper-tiny.en-genai): seconds to transcribe {", ".join(CLIPS)}
-one after another (features, encoder, greedy decoding), the median of {args.repeat} passes after a warm-up,
-the median of {args.rounds} processes per engine.
-
-{_whisper_table(whisper_runs, thread_counts)}
+Whisper tiny.en (whisper-tiny.en-genai, `-p fp32`), seconds to transcribe {", ".join(CLIPS)} in turn, runnx /
+onnxruntime-genai (median of {args.repeat} passes after a warm-up, of {args.rounds} processes each):
+{_whisper_line(whisper_runs, thread_counts)}
 """
         print(whisper)
     bar = ", ".join(f"{c}: {LLAMA_CPP_Q4_1[c]}" for c in contexts if c in LLAMA_CPP_Q4_1)

@@ -7,8 +7,13 @@ import math
 import numpy as np
 
 from runnx.errors import RunnxError
+from runnx.ops import _native
 from runnx.ops._elementwise_util import erf, output_buffer, sigmoid
 from runnx.ops.registry import register
+from runnx.runtime.pool import gelu_rows
+
+_NO_BIAS = np.empty(0, np.float32)
+_SQRT_2 = float(np.float32(math.sqrt(2)))  # the divisor in float32, as the numpy path divides
 
 _ZEROS: dict = {}  # dtype -> a read-only 0-d zero
 
@@ -124,7 +129,14 @@ def Softsign(x, *, overwrite=()):
 
 @register("Gelu", since=20)
 def Gelu(x, *, approximate: str = "none"):
-    # the working array is the result too: one allocation instead of one per operator
+    """x * (1 + erf(x / sqrt 2)) / 2, or its tanh approximation. Float32 erf GELU rows take the
+    decode pool's rows job (one pass a row, shared with its workers: ErfGelu's kernel), the rest
+    numpy's operators in one working array that is the result too."""
+    if approximate == "none" and _native.enabled and x.dtype == np.float32 and x.ndim >= 1 and x.size:
+        rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+        out = np.empty(rows.shape, np.float32)
+        gelu_rows(rows, _NO_BIAS, _SQRT_2, 1.0, 0.5, out)
+        return out.reshape(x.shape)
     if approximate == "tanh":
         work = np.multiply(x, x, out=np.empty_like(x))
         work *= x

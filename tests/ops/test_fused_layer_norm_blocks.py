@@ -263,3 +263,15 @@ def test_erf_gelu_of_nan_infinities_huge_denormal_and_signed_zero_is_the_unfused
     finite = ~np.isnan(want)
     np.testing.assert_array_equal(np.signbit(got[finite]), np.signbit(want[finite]))
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6, atol=1e-6)  # erf's ulps, near -1
+
+
+def test_the_standard_float32_gelu_is_erf_gelus_kernel():
+    """Gelu (opset 20, approximate "none") of float32 rows takes ErfGelu's rows kernel: the same
+    bits, special values included, and within erf's ulps of the formula (test_elementwise)."""
+    from test_elementwise import SPECIAL
+
+    from runnx.ops.activation import Gelu
+
+    x = np.concatenate([np.tile(SPECIAL, (3, 4)), np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)])
+    divisor, one, half = (np.array(np.float32(v)) for v in (math.sqrt(2), 1, 0.5))
+    np.testing.assert_array_equal(Gelu(x.reshape(2, 4, 64)), ErfGelu(x, None, divisor, one, half).reshape(2, 4, 64))
