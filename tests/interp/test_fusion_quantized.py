@@ -134,7 +134,8 @@ def test_a_quantizer_of_a_constant_is_no_reason_to_fuse_bitwise():
 
 def test_a_dynamically_quantized_product_becomes_onnxruntimes_matmul_integer_to_float():
     """MatMulInteger -> Cast -> Mul by the scales' product is one com.microsoft MatMulIntegerToFloat
-    node (its standard fused op), in the graph that quantizes computed values too: bitwise."""
+    node (its standard fused op), in the graph that quantizes computed values too: bitwise. The
+    quantizer's outputs are graph outputs here, so it stays a node of its own."""
     loaded = runnx.load(attention_then_quantized_projection())
     assert loaded.fused == {"MatMulIntegerToFloat": 1}
     fused = [n for n in loaded.graph.nodes if n.op_type == "MatMulIntegerToFloat"]
@@ -165,11 +166,17 @@ def _quantized_product(per_column: bool, scales_read_elsewhere: bool, cast_to=F)
 @pytest.mark.parametrize("scales_read_elsewhere", [False, True])
 def test_the_fused_integer_product_is_bitwise_its_nodes(per_column, scales_read_elsewhere):
     """Per-tensor or per-column weight scales; the scales' product read elsewhere stays a node of
-    its own (the fused node computes it again, the same value)."""
+    its own (the fused node computes it again, the same value), and so does the quantizer then;
+    a quantizer that only the product reads joins it as DynamicQuantizeMatMul."""
     model = _quantized_product(per_column, scales_read_elsewhere)
     plain, optimized = runnx.load(model, optimization_level="disabled"), runnx.load(model)
-    assert optimized.fused == {"MatMulIntegerToFloat": 1}
-    assert any(n.op_type == "Mul" for n in optimized.graph.nodes) == scales_read_elsewhere
+    ops = sorted(n.op_type for n in optimized.graph.nodes)
+    if scales_read_elsewhere:
+        assert optimized.fused == {"MatMulIntegerToFloat": 1}
+        assert ops == ["DynamicQuantizeLinear", "MatMulIntegerToFloat", "Mul"]
+    else:
+        assert optimized.fused == {"MatMulIntegerToFloat": 1, "DynamicQuantizeMatMul": 1}
+        assert ops == ["DynamicQuantizeMatMul"]
     rng = np.random.default_rng(2)
     for _ in range(3):  # interpreted, then compiled
         inputs = {"x": (rng.standard_normal((3, 48)) * 4).astype(np.float32)}

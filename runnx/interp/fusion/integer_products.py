@@ -7,7 +7,8 @@ constants): three or four nodes a product, two thousand a decode step of an int8
 standard fused op is onnxruntime's contrib MatMulIntegerToFloat(a, B, a_scale, B_scale, a_zero,
 B_zero), whose kernel (ops/contrib_quantized.py) computes MatMulInteger's int32 product, then in
 float32 the Cast, the scales' product and the Mul, in that order: bitwise what the nodes computed,
-so the pattern also runs on graphs that quantize computed values (fusion/__init__.py).
+so the pattern also runs on graphs that quantize computed values (fusion/__init__.py). A quantizer
+whose outputs only one such product reads joins it: DynamicQuantizeMatMul (the same two kernels).
 """
 from __future__ import annotations
 
@@ -62,5 +63,26 @@ def _factors(m: Matcher, scales: Node) -> tuple[int, int] | None:
     return None
 
 
-PATTERNS = (("Mul", integer_to_float),)
+def quantized_product(m: Matcher, quantize: Node) -> Fused | None:
+    """DynamicQuantizeLinear(x) whose three outputs only one MatMulIntegerToFloat reads (as
+    `integer_to_float` made it: a layer's output or down projection) -> onnxruntime's
+    DynamicQuantizeMatMul(x, B, B_scale, B_zero), whose kernel runs the two kernels in turn."""
+    if quantize.domain != "" or len(quantize.outputs) != 3 or MISSING in quantize.outputs:
+        return None
+    readers = {reader.index: reader for vid in quantize.outputs for reader in m.readers.get(vid, ())}
+    if len(readers) != 1:
+        return None
+    product = next(iter(readers.values()))
+    if (product.op_type != "MatMulIntegerToFloat" or product.domain != CONTRIB or product.index in m.taken
+            or tuple(product.inputs[0:6:2]) != tuple(quantize.outputs)  # (a, a_scale, a_zero)
+            or len(product.inputs) > 6 and product.inputs[6] != MISSING):
+        return None
+    if not m.private([quantize, product], product.outputs[0]):
+        return None
+    return Fused("DynamicQuantizeMatMul", [quantize, product],
+                 (quantize.inputs[0], product.inputs[1], product.inputs[3], product.inputs[5]), product.outputs, {},
+                 domain=CONTRIB)
+
+
+PATTERNS = (("Mul", integer_to_float), ("DynamicQuantizeLinear", quantized_product))
 ROUNDS_APART = ()
