@@ -35,9 +35,9 @@ user cache, ${RUNNX_CACHE:-~/.cache/runnx}:
     models/whisper-tiny.en-tjs/  the transformers.js layout: configs and tokenizer at the top,
                         onnx/encoder_model.onnx and onnx/decoder_model_merged.onnx (whisper-tiny.en's, hard
                         links) and their _int8 variants (onnxruntime's quantize_dynamic, int8, reduce_range)
-    models/whisper-tiny.en-genai/  onnxruntime-genai's model builder (-p fp32 -e cpu): genai_config.json,
-                        encoder.onnx, decoder.onnx (+ .data), audio processor config, tokenizer, the HF
-                        config, generation and preprocessor configs, and genai_reference.json,
+    models/whisper-tiny.en-genai/  onnxruntime-genai's model builder (-p fp32 -e cpu), as it writes it (no HF
+                        config.json: the layout people download): genai_config.json, encoder.onnx,
+                        decoder.onnx (+ .data), audio processor config, tokenizer, and genai_reference.json,
                         onnxruntime-genai's greedy transcripts of the CLIPS
     audio/              john.wav and other clips (16 kHz mono 16-bit) + transcripts.json
     logs/               one log per long step
@@ -462,8 +462,6 @@ def build_smollm2_genai(cache: Cache, force: bool) -> None:
 
 WHISPER_GENAI_REFERENCE = EXPORT_SCRIPTS / "genai_whisper_reference.py"
 WHISPER_GENAI_OPTIONS = ("-p", "fp32", "-e", "cpu")
-# copied from the HF folder beside the builder's files: Whisper's special tokens and suppression lists
-WHISPER_GENAI_METADATA = ("config.json", "generation_config.json", "preprocessor_config.json")
 
 
 def build_whisper_genai(cache: Cache, force: bool) -> None:
@@ -476,7 +474,7 @@ def build_whisper_genai(cache: Cache, force: bool) -> None:
     clips = [name for name, _ in CLIPS]
     audio_files = read_stamp(cache.audio)["files"]
     recipe = recipe_digest(REQUIREMENTS, converter, *(EXPORT_SCRIPTS / name for name in model.helpers), model.wheel,
-                           GENAI_PACKAGES, WHISPER_GENAI_REFERENCE, WHISPER_GENAI_OPTIONS, WHISPER_GENAI_METADATA,
+                           GENAI_PACKAGES, WHISPER_GENAI_REFERENCE, WHISPER_GENAI_OPTIONS,
                            *(audio_files[name] for name in clips))
     if not force and is_current(final, recipe):
         say(f"whisper-genai: up to date ({final})")
@@ -490,8 +488,6 @@ def build_whisper_genai(cache: Cache, force: bool) -> None:
     run_step(cache, "whisper-genai-reference", [genai_python, WHISPER_GENAI_REFERENCE, staging, cache.audio,
                                                 work / "reference.json", "--clips", *clips], env=export_env())
     shutil.move(work / "reference.json", staging / "genai_reference.json")
-    for name in WHISPER_GENAI_METADATA:
-        shutil.copy2(work / "hf" / name, staging / name)
     reference = json.loads((staging / "genai_reference.json").read_text())
     package, version, _ = model.wheel
     write_stamp(staging, recipe, details={"source": f"{package}=={version}",

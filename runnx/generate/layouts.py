@@ -88,6 +88,7 @@ class GenaiConfig:
     share_buffer: bool
     search: dict = field(default_factory=dict)  # do_sample, temperature, ... when the config sets them
     encoder: GenaiEncoder | None = None  # an encoder-decoder's (Whisper's)
+    vocab_size: int | None = None
 
     def kv_names(self) -> tuple[KVName, ...]:
         return tuple(KVName(layer, "", kind, past % layer, present % layer)
@@ -206,6 +207,7 @@ def parse_genai_config(data: dict, where: str = GENAI_CONFIG) -> GenaiConfig:
             num_layers=number(decoder, "num_hidden_layers", "model.decoder"))
     return GenaiConfig(
         filename=filename, input_names=input_names, logits=logits, encoder=encoder,
+        vocab_size=number(model, "vocab_size", "model", required=False),
         past_key=template(inputs, "past_key_names", "past_key_values.%d.key", "model.decoder.inputs"),
         past_value=template(inputs, "past_value_names", "past_key_values.%d.value", "model.decoder.inputs"),
         present_key=template(outputs, "present_key_names", "present.%d.key", "model.decoder.outputs"),

@@ -35,12 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
+from runnx.capture.ownership import read_only_view
 from runnx.errors import RunnxError
 from runnx.generate.audio import SAMPLE_RATE, load_audio
 from runnx.generate.decoder import DecoderStep
 from runnx.generate.generator import Generator
-from runnx.capture.ownership import read_only_view
-from runnx.generate.layouts import GENAI_CONFIG, ENCODER_BASES, read_folder, transformers_js_variants, whisper_encoder
+from runnx.generate.layouts import ENCODER_BASES, GENAI_CONFIG, read_folder, transformers_js_variants, whisper_encoder
 from runnx.generate.mel import FRAME_SECONDS, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from runnx.generate.tokenizer import Tokenizer
 from runnx.interp.model import load as runnx_load
@@ -336,6 +336,10 @@ class Whisper:
         self.variant = layout.variant
         start_pool_in_background()  # beside the loads below
         config = _read_json(self.folder / "config.json")
+        if layout.genai is not None and layout.genai.vocab_size and "vocab_size" not in config:
+            # a genai folder as its builder writes it has no config.json: the vocabulary tells a
+            # multilingual model (openai-whisper's rule)
+            config["vocab_size"] = layout.genai.vocab_size
         generation = _read_json(self.folder / "generation_config.json")
         self.tokenizer = (Tokenizer.from_folder(self.folder) if (self.folder / "tokenizer.json").is_file()
                           else None)
@@ -370,9 +374,8 @@ class Whisper:
     def decode(self, hidden, *, language: str | None = None, task: str = "transcribe",
                timestamps: bool = False, max_new_tokens: int | None = None) -> Decoded:
         """Greedy decoding of one window (`hidden`: what `encode` gave for it; at most `max_new_tokens`,
-        default 224). Multilingual models
-        detect the language from the first step when `language` is None; English-only models ignore
-        `language`."""
+        default 224). Multilingual models detect the language from the first step when `language` is
+        None; English-only models ignore `language`."""
         tokens = self.tokens
         if timestamps and tokens.timestamp_begin is None:
             raise WhisperError(f"{self.folder}: this model has no timestamp tokens (none after <|notimestamps|>)")

@@ -114,7 +114,8 @@ def test_a_genai_whisper_config_pairs_the_encoders_cross_kv_with_the_decoders_in
     """onnxruntime-genai's Whisper: the encoder computes each layer's cross-attention KV, which the
     decoder takes as inputs of its own (fixed feeds, not KV it grows)."""
     config = parse_genai_config(WHISPER_GENAI)
-    assert (config.encoder.filename, config.encoder.input_name) == ("encoder.onnx", "audio_features")
+    assert (config.encoder.filename, config.encoder.input_name, config.vocab_size) == ("encoder.onnx",
+                                                                                       "audio_features", 51864)
     assert config.encoder.cross_names() == (
         ("present_key_cross_0", "past_key_cross_0"), ("present_value_cross_0", "past_value_cross_0"),
         ("present_key_cross_1", "past_key_cross_1"), ("present_value_cross_1", "past_value_cross_1"))

@@ -116,10 +116,14 @@ def genai_whisper(whisper_genai_dir):
     return Whisper(whisper_genai_dir)
 
 
-def test_the_genai_folder_names_its_encoder(whisper_genai_dir):
+def test_the_genai_folder_names_its_encoder(whisper_genai_dir, genai_whisper):
+    """The folder as onnxruntime-genai's builder writes it, without Hugging Face's config.json: the
+    vocabulary size (an English-only model's) comes from genai_config.json."""
     layout = read_folder(whisper_genai_dir)
     assert (layout.kind, layout.files.first, whisper_encoder(layout)) == (
         "onnxruntime-genai", whisper_genai_dir / "decoder.onnx", whisper_genai_dir / "encoder.onnx")
+    assert not (whisper_genai_dir / "config.json").exists()
+    assert (genai_whisper.tokens.vocab_size, genai_whisper.tokens.multilingual) == (51864, False)
 
 
 @pytest.mark.parametrize("clip", ["john.wav", "fox.wav", "weather.wav"])
