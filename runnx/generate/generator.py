@@ -24,7 +24,7 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.generate.decoder import DecoderStep
-from runnx.generate.layouts import read_folder
+from runnx.generate.layouts import LayoutError, is_whisper, read_folder
 from runnx.generate.sampling import Multinomial, apply_processors, argmax, build_processors
 from runnx.generate.tokenizer import TextStream, Tokenizer, as_tokenizer
 
@@ -143,6 +143,9 @@ class Generator:
         onnx/ `variant`: fp32, fp16, int8, q4, ...) or an onnxruntime-genai folder (layouts.py);
         `share_buffer` None: the KV buffer is shared between past and present as genai_config.json says."""
         layout = read_folder(folder, variant)
+        if is_whisper(layout):
+            raise LayoutError(f"{layout.folder} holds Whisper, a speech-to-text model: transcribe audio with "
+                              f"`runnx whisper {layout.folder} AUDIO` (or runnx.generate.transcribe)")
         decoder = DecoderStep.from_folder(layout.folder, capacity=capacity, profile=profile, load=load,
                                           share_buffer=share_buffer, layout=layout)
         tokenizer = Tokenizer.from_folder(layout.folder) if (layout.folder / "tokenizer.json").is_file() else None

@@ -342,6 +342,15 @@ def whisper_encoder(layout: FolderLayout) -> Path:
     return layout.folder / "encoder_model.onnx"
 
 
+def is_whisper(layout: FolderLayout) -> bool:
+    """Whether the folder holds Whisper (speech to text: an encoder beside the decoder) rather than
+    a text decoder."""
+    if layout.genai is not None:
+        return layout.genai.encoder is not None
+    return (layout.config.get("model_type") == "whisper" or (layout.folder / "encoder_model.onnx").is_file()
+            or bool(transformers_js_variants(layout.folder, ENCODER_BASES)))
+
+
 def _variant_file(folder: Path, variant: str, present: dict[str, Path], what: str = "") -> Path:
     if variant in present:
         return present[variant]

@@ -153,3 +153,22 @@ def test_genai_decoding_feeds_the_encoders_cross_kv_as_it_is(genai_whisper, audi
     assert len(decoded.tokens) == 5
     assert genai_whisper.decoder._ids_dtype == np.int32
     assert all(genai_whisper.decoder.fixed_feeds[name] is array for name, array in encoded.items())
+
+
+def test_generating_text_from_a_whisper_folder_says_to_transcribe(tiny_tjs, fixtures_dir, tmp_path):
+    """runnx generate / Generator.from_folder on a speech model, in any layout, names what to use."""
+    from runnx.generate.generator import Generator
+    from runnx.generate.layouts import is_whisper
+
+    genai = tmp_path / "genai"
+    genai.mkdir()
+    (genai / "genai_config.json").write_text(json.dumps({"model": {
+        "type": "whisper", "eos_token_id": 1, "encoder": {"filename": "encoder.onnx"},
+        "decoder": {"filename": "decoder.onnx", "num_hidden_layers": 1, "num_key_value_heads": 1, "head_size": 2}}}))
+    (genai / "decoder.onnx").write_bytes(b"")
+    for folder in (fixtures_dir / "tiny-whisper", tiny_tjs, genai):
+        assert is_whisper(read_folder(folder))
+        with pytest.raises(LayoutError, match=r"holds Whisper, a speech-to-text model: transcribe audio with "
+                                              r"`runnx whisper .* AUDIO`"):
+            Generator.from_folder(folder)
+    assert not is_whisper(read_folder(fixtures_dir / "tiny-llama"))
