@@ -50,11 +50,8 @@ def main() -> None:
                f"--rounds {args.rounds}")
     update_section("quantized", f"""## Quantized files beside onnxruntime on the same file (`scripts/bench_quantized.py`)
 
-Decode tokens/s from random past KV, runnx and onnxruntime alternating in one process
-(`scripts/bench_decode.py`), greedy ids compared; {args.threads} thread(s). The int8 file's ids differ
-because onnxruntime's u8 x s8 MatMulInteger saturates 16-bit pair sums on AVX2 (runnx is exact).
-runnx {git_revision()}; {machine()}; load average {os.getloadavg()[0]:.1f} at the end.
-Command: `{command}`.
+Decode tokens/s from random past KV, runnx and onnxruntime alternating in one process (`scripts/bench_decode.py`), {args.threads} thread(s), greedy ids compared (the int8 file's differ: onnxruntime's u8 x s8 MatMulInteger saturates 16-bit pair sums on AVX2; runnx is exact).
+runnx {git_revision()}; {machine()}; load average {os.getloadavg()[0]:.1f} at the end. Command: `{command}`.
 
 {text}
 """)
