@@ -125,9 +125,6 @@ class StorageTable:
 
     def exclusive(self, keys: tuple) -> bool:
         """True when these storages are owned and held by exactly one live value."""
-        if len(keys) == 1:
-            key = keys[0]
-            return self.count.get(key) == 1 and bool(self.owned.get(key))
         if not keys:
             return False
         for key in keys:
@@ -143,10 +140,7 @@ def may_write(table: StorageTable, keys: tuple, ctx) -> bool:
     """The grant rule, for an input dying at its node whose value holds storages `keys`: it may be
     written in place when they are owned and no other live value holds them. A write into a storage
     the run keeps something of (`ctx.kept_storages`, interp/context.py) is told to `ctx` first."""
-    if len(keys) == 1:  # `table.exclusive(keys)`, its one storage's case without the call
-        if table.count.get(keys[0]) != 1 or not table.owned.get(keys[0]):
-            return False
-    elif not table.exclusive(keys):
+    if not table.exclusive(keys):
         return False
     kept = ctx.kept_storages
     if kept and not kept.isdisjoint(keys):

@@ -169,16 +169,17 @@ def _step(program: Program, index: int, step, names: dict[int, str], keyless: se
         else:
             program.emit(f"r = {call}")
     outputs = [(j, names[v]) for j, v in enumerate(step.outputs) if v != MISSING]
+    # a single dying input released here: `_single_output_lines` releases it (or hands its hold over)
+    taken = names[candidates[0][1]] if step.single and len(candidates) == 1 and candidates[0][1] in step.releases \
+        else None
     if memo:
         program.emit(*_memo_lines([name for _, name in outputs]))
     elif step.single:
         _single_output_lines(program, index, names[step.outputs[0]], [names[v] for _, v in candidates],
-                             len(candidates) == 1 and candidates[0][1] in step.releases)
+                             taken is not None)
     elif outputs:
         targets = ", ".join("(_, _)" if v == MISSING else f"(v{names[v]}, k{names[v]})" for v in step.outputs)
         program.emit(f"{targets}, = many(r, table, STEPS[{index}])")
-    taken = names[candidates[0][1]] if step.single and len(candidates) == 1 and candidates[0][1] in step.releases \
-        else None
     for vid in step.releases:
         if vid not in keyless and names[vid] != taken:
             program.emit(f"drop(k{names[vid]})")

@@ -254,7 +254,7 @@ def nibble_lanes_panel(weights, scales, packed_zeros, typed_zeros, zero_mode, bl
     """out (P, K) = the dequantized 4-bit columns first .. first + P in lanes order: a column's low
     nibbles (its even positions k) first, then its high ones (odd k), so that each block unpacks in
     two contiguous, vectorised stores (the natural order interleaves them, 4x slower). Rows
-    multiplied with the panel come in the same order (`nibble_lanes_rows`). Each value is
+    multiplied with the panel come in the same order (`contrib_quantized.lanes_order`). Each value is
     (q - zero) * scale rounded once: in the output's type, exact as float64's when the zero points
     are integers, in float64 when they are floats (q - zero would round first). The bytes of a
     block are counted from `block_size`: LLVM vectorises the loop 3-5x less well when they are the
@@ -304,17 +304,6 @@ def _lanes_panel_wide(weights, scales, zeros, first, out):
             row[j] = (np.float64(byte & np.int32(15)) - z) * s
             if j < pairs:
                 row[pairs + odd + j] = (np.float64(byte >> np.int32(4)) - z) * s
-
-
-@_kernel
-def nibble_lanes_rows(rows, out):
-    """out (M, K) = rows in `nibble_lanes_panel`'s order: even positions first, then odd ones."""
-    count = (rows.shape[1] + 1) >> 1
-    for m in range(rows.shape[0]):
-        for j in range(count):
-            out[m, j] = rows[m, 2 * j]
-        for j in range(rows.shape[1] >> 1):
-            out[m, count + j] = rows[m, 2 * j + 1]
 
 
 # MatMulBnb4's 4-bit codes (bitsandbytes' FP4 with a bias of 3, and NormalFloat4), as onnxruntime's

@@ -15,7 +15,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, bnb4_dequantize, bnb4_rows,
                                         nbits_dequantize, nbits_lanes, nbits_rows, nibble_lanes_panel,
-                                        nibble_lanes_rows, nibble_scales, zero_scales_of)
+                                        nibble_scales, zero_scales_of)
 from runnx.ops._remembered import Remembered
 from runnx.ops.linalg import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
@@ -138,9 +138,7 @@ def _panel_product(rows, b, scales, zero_points: tuple, bits: int, block_size: i
     panel = np.empty((width, depth), rows.dtype)
     decode_pool.rest_workers(rows.size * columns)  # BLAS's threads need the cores
     if bits == 4:
-        lanes = np.empty_like(rows)
-        nibble_lanes_rows(rows, lanes)
-        rows = lanes
+        rows = lanes_order(rows)
     for first in range(0, columns, width):
         count = min(width, columns - first)
         if bits == 4:
@@ -148,6 +146,11 @@ def _panel_product(rows, b, scales, zero_points: tuple, bits: int, block_size: i
         else:
             nbits_dequantize(b, scales, *zero_points, bits, block_size, first, panel[:count])
         np.matmul(rows, panel[:count].T, out=out[:, first:first + count])
+
+
+def lanes_order(rows):
+    """rows (M, K) in `nibble_lanes_panel`'s order: each row's even positions first, then its odd ones."""
+    return np.concatenate((rows[:, 0::2], rows[:, 1::2]), axis=1)
 
 
 def _with_bias(out, bias, work):

@@ -1,7 +1,6 @@
 """The models a server holds, one per folder, named by the folder: a language model with
-tokenizer.json served by a `BatchScheduler`, or a Whisper export (encoder_model.onnx +
-decoder_model_merged.onnx, or config.json's model_type "whisper", or an onnxruntime-genai folder
-of model type "whisper") whose transcriptions run one at a time. Folders are read as
+tokenizer.json served by a `BatchScheduler`, or Whisper in any layout (`layouts.is_whisper`) whose
+transcriptions run one at a time. Folders are read as
 `generate/layouts.py` reads them (Optimum, transformers.js with a variant, onnxruntime-genai), so
 the server stops, pads and bounds the context as `runnx generate` does on the same folder."""
 from __future__ import annotations
@@ -13,7 +12,7 @@ from pathlib import Path
 from runnx.errors import RunnxError
 from runnx.generate.chat import compile_template
 from runnx.generate.decoder import DecoderStep
-from runnx.generate.layouts import ENCODER_BASES, read_folder, transformers_js_variants
+from runnx.generate.layouts import ENCODER_BASES, is_whisper, read_folder, transformers_js_variants
 from runnx.generate.tokenizer import Tokenizer
 from runnx.serve.errors import ApiError
 from runnx.serve.scheduler import BatchScheduler
@@ -136,12 +135,6 @@ class SpeechModel:
         pass
 
 
-def is_whisper(folder: Path) -> bool:
-    return ((folder / "encoder_model.onnx").is_file()
-            or _read_json(folder / "config.json").get("model_type") == "whisper"
-            or _read_json(folder / "genai_config.json").get("model", {}).get("type") == "whisper")
-
-
 def load_models(folders, *, max_batch: int = 16, variant: str | None = None) -> dict[str, LanguageModel | SpeechModel]:
     """The models of these folders by id (the folder name); `variant` chooses the file of every
     transformers.js folder among them (other folders have one model and ignore it)."""
@@ -154,7 +147,7 @@ def load_models(folders, *, max_batch: int = 16, variant: str | None = None) -> 
             raise RunnxError(f"two model folders are named '{folder.name}': model ids are folder names, "
                              "so they must differ")
         chosen = variant if transformers_js_variants(folder) or transformers_js_variants(folder, ENCODER_BASES) else None
-        models[folder.name] = (SpeechModel(folder, variant=chosen) if is_whisper(folder)
+        models[folder.name] = (SpeechModel(folder, variant=chosen) if is_whisper(read_folder(folder, chosen))
                                else LanguageModel(folder, max_batch=max_batch, variant=chosen))
     return models
 

@@ -290,8 +290,8 @@ def test_matmul_nbits_4_bit_panels_hold_the_same_values_in_lanes_order(zero_poin
     """Many rows multiply a panel of 4-bit columns dequantized in lanes order (even positions, then
     odd ones): the same values as the natural order's, bit for bit, odd K included; the rows are
     reordered alike."""
-    from runnx.ops._kernels_contrib import (ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, nbits_dequantize,
-                                            nibble_lanes_panel, nibble_lanes_rows)
+    from runnx.ops._kernels_contrib import ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, nbits_dequantize, nibble_lanes_panel
+    from runnx.ops.contrib_quantized import lanes_order
 
     N = 9
     a, b, scales, zeros = _nbits_inputs((5,), K, N, 4, block_size, zero_points)
@@ -304,9 +304,7 @@ def test_matmul_nbits_4_bit_panels_hold_the_same_values_in_lanes_order(zero_poin
     nibble_lanes_panel(b, scales, packed, typed, mode, block_size, 2, lanes)
     order = np.concatenate([np.arange(0, K, 2), np.arange(1, K, 2)])
     np.testing.assert_array_equal(lanes, natural[:, order])
-    rows = np.empty_like(a)
-    nibble_lanes_rows(a, rows)
-    np.testing.assert_array_equal(rows, a[:, order])
+    np.testing.assert_array_equal(lanes_order(a), a[:, order])
 
 
 @pytest.mark.parametrize("K,N,block_size", [(576, 70, 32), (320, 1100, 64), (200, 33, 32)])
