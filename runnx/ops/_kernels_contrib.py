@@ -150,44 +150,6 @@ def nbits_lanes(rows, block_size, lanes, sums):
 
 
 @_summing
-def nibble_columns(lanes, sums, weights, sixteens, zero_scales, out, first, stop):
-    """`nbits_rows` for 4 bits and blobs of a multiple of 16 bytes, columns first .. stop: per column
-    and row, sum_i (low nibble of byte i * low[i] + high nibble * high[i]) * sixteens[i >> 4], less
-    the zero points' share. `sixteens` holds a scale per 16 bytes of a column (the scales themselves
-    for block size 32): the literal shift lets the compiler vectorise the lookup, 2.5x faster than a
-    shift by the block size. Columns are independent: a range gives the same values as the whole."""
-    rows = lanes.shape[0]
-    blocks = zero_scales.shape[0] // weights.shape[0]
-    length = weights.shape[1]
-    per_column = length >> 4
-    nought = np.zeros(1, out.dtype)[0]  # the sums' type: out's, not float64
-    low_bits, high_shift = np.int32(15), np.int32(4)
-    for n in range(first, stop):
-        column = weights[n]
-        column_scales = sixteens[n * per_column:(n + 1) * per_column]
-        column_zeros = zero_scales[n * blocks:(n + 1) * blocks]
-        for m in range(rows):
-            low, high = lanes[m, 0], lanes[m, 1]
-            acc = nought
-            for i in range(length):
-                byte = np.int32(column[i])
-                first_nibble = np.float32(np.int32(byte & low_bits))
-                second_nibble = np.float32(np.int32(byte >> high_shift))
-                acc += (first_nibble * low[i] + second_nibble * high[i]) * column_scales[i >> 4]
-            out[m, n] = acc - _short_dot(column_zeros, sums[m], nought)
-
-
-@_summing
-def nibble_scales(scales, blocks, blob, out):
-    """out: each block's scale repeated for each 16 bytes of its blob (`nibble_columns`' sixteens)."""
-    shift = 0
-    while (1 << shift) < blob:
-        shift += 1
-    for i in range(out.shape[0]):
-        out[i] = scales[i >> (shift - 4)]
-
-
-@_summing
 def nbits_rows(lanes, sums, weights, scales, packed_zeros, typed_zeros, zero_mode, bits, out):
     """out (M, N) = a @ dequantized(weights).T, streaming the packed weights (N, blocks, blob) once.
 
@@ -197,9 +159,9 @@ def nbits_rows(lanes, sums, weights, scales, packed_zeros, typed_zeros, zero_mod
     sum_i q_i a_i scale_block(i) - sum_blocks zero * scale * sum(a over the block) (`zero_scales_of`):
     one loop over the column's bytes, unpacked in 32-bit integer registers (64-bit ones halve the
     vector lanes), each lane a contiguous load of a and the scale gathered by the byte's index
-    (a loop per block of 16-byte blobs is too short to vectorise). 4 bits in blobs of 16 bytes or
-    more go through `nibble_columns`, a whole-matrix kernel (a call a column would cost as much as
-    its sum). For the one-row products of decoding and the few-row ones of short prompts."""
+    (a loop per block of 16-byte blobs is too short to vectorise). For the one-row products of
+    decoding and the few-row ones of short prompts that float32 4-bit weights in blobs of 16 bytes
+    or more do not take (`_kernels_nibble_tiles.py`)."""
     rows = lanes.shape[0]
     columns, blocks, blob = weights.shape
     shift = 0
@@ -207,13 +169,6 @@ def nbits_rows(lanes, sums, weights, scales, packed_zeros, typed_zeros, zero_mod
         shift += 1
     zero_scales = np.empty(columns * blocks, out.dtype)
     zero_scales_of(packed_zeros, typed_zeros, zero_mode, bits, blocks, scales, zero_scales)
-    if bits == 4 and blob >= 16:
-        sixteens = scales
-        if blob > 16:
-            sixteens = np.empty(columns * blocks * (blob >> 4), out.dtype)
-            nibble_scales(scales, blocks, blob, sixteens)
-        nibble_columns(lanes, sums, weights.reshape(columns, blocks * blob), sixteens, zero_scales, out, 0, columns)
-        return
     flat = weights.reshape(-1)
     length = blocks * blob
     nought = np.zeros(1, out.dtype)[0]

@@ -15,7 +15,8 @@ from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, bnb4_dequantize, bnb4_rows,
                                         nbits_dequantize, nbits_lanes, nbits_rows, nibble_lanes_panel,
-                                        nibble_scales, zero_scales_of)
+                                        zero_scales_of)
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, repack
 from runnx.ops._remembered import Remembered
 from runnx.ops.linalg import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
@@ -54,34 +55,33 @@ def _lanes(rows, blocks: int, block_size: int, bits: int):
     return lanes, sums
 
 
-def _nibble_factors(values, scales, zero_points):
-    """(the scale of each 16 bytes of a column, each block's zero point times its scale) of 4-bit
-    weights (`nibble_columns`), read-only."""
-    columns, blocks, blob = values
+def _nibble_tiles(values, weights, scales, zero_points):
+    """4-bit weights with blobs of 16 bytes or more repacked in tiles of 16 columns, with a scale
+    and a zero point times scale for each 32 values (`_kernels_nibble_tiles`), read-only."""
+    columns, blocks, blob = weights.shape
     work = np.dtype(np.float32)
     mode, packed, typed = _nbits_zero_points(zero_points, columns, blocks, 4, work)
     flat = np.ascontiguousarray(scales.reshape(-1), dtype=work)
     zero_scales = np.empty(columns * blocks, work)
     zero_scales_of(packed, typed, mode, 4, blocks, flat, zero_scales)
-    sixteens = flat
-    if blob > 16:
-        sixteens = np.empty(columns * blocks * (blob >> 4), work)
-        nibble_scales(flat, blocks, blob, sixteens)
-    for array in (sixteens, zero_scales):
+    count, chunks = (columns + TILE - 1) // TILE, blocks * blob // CHUNK_BYTES
+    tiles = np.zeros((count, chunks, CHUNK_BYTES, TILE), np.uint8)
+    tile_scales, tile_zero_scales = np.zeros((count, chunks, TILE), work), np.zeros((count, chunks, TILE), work)
+    repack(weights, flat, zero_scales, tiles, tile_scales, tile_zero_scales)
+    for array in (tiles, tile_scales, tile_zero_scales):
         array.flags.writeable = False
-    return sixteens, zero_scales
+    return tiles, tile_scales, tile_zero_scales
 
 
-# a constant weight's factors are worked out on its first product and kept while it lives
-_remembered_factors = Remembered(_nibble_factors)
+# a constant weight's tiles are made on its first product and kept while it lives (an extra copy of
+# the packed weights: what onnxruntime's prepacking keeps too)
+_remembered_tiles = Remembered(_nibble_tiles)
 
 
-def _nibble_product(rows, b, scales, zero_points, blocks: int, block_size: int, out) -> None:
+def _nibble_product(rows, b, scales, zero_points, out) -> None:
     """out = rows @ dequantized(b).T for 4-bit float32 weights in blobs of 16 bytes or more: a
-    job of column blocks for the decode pool (`runtime/pool.py`), or alone on this thread."""
-    sixteens, zero_scales = _remembered_factors(b.shape, scales, zero_points)
-    lanes, sums = _lanes(rows, blocks, block_size, 4)
-    decode_pool.nbits_rows(lanes, sums, b.reshape(b.shape[0], -1), sixteens, zero_scales, out)
+    job of column tiles for the decode pool (`runtime/pool.py`), or alone on this thread."""
+    decode_pool.nbits_rows(rows, *_remembered_tiles(b.shape, b, scales, zero_points), out)
 
 
 def _check_g_idx(g_idx, depth: int, block_size: int):
@@ -118,7 +118,7 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
     rows = np.ascontiguousarray(a.reshape(-1, K), dtype=work)
     out = np.empty((rows.shape[0], N), work)
     if rows.shape[0] <= _STREAMED_ROWS and bits == 4 and block_size >= 32 and work == np.float32:
-        _nibble_product(rows, b, scales, zero_points, blocks, block_size, out)  # zero points checked once
+        _nibble_product(rows, b, scales, zero_points, out)  # zero points checked once
         return _with_bias(out, bias, work).reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
     mode, packed, typed = _nbits_zero_points(zero_points, N, blocks, bits, work)
     flat_scales = np.ascontiguousarray(scales.reshape(-1), dtype=work)

@@ -9,8 +9,8 @@ A job is cut into units that give the same result whoever computes them:
   order: bitwise the one-thread loop's;
 - attention: one unit per (batch entry, KV head, span of the cache), `attention_span` of
   `ops/_kernels_fused.py` as the one-thread `attention` runs it, the caller combining the spans after;
-- 4-bit products (MatMulNBits of one row or a few): one unit per block of `_NBITS_COLUMNS` output
-  columns, `nibble_columns` of `ops/_kernels_contrib.py` over them (each column computed whole by
+- 4-bit products (MatMulNBits of one row or a few): one unit per `_NBITS_TILES` tiles of 16 output
+  columns, `tile_rows` of `ops/_kernels_nibble_tiles.py` over them (each column computed whole by
   one unit, so the same values as the one-thread loop's);
 - rows (a prefill's or an encoder's attention softmax, the encoder's GELU: row kernels of
   `ops/_kernels_rows.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
@@ -32,9 +32,9 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._kernels_contrib import nibble_columns
 from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span
 from runnx.ops._kernels_linalg import add_partials_into, chunk_bounds, chunk_count, rows_into
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, split_rows, tile_rows
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
 from runnx.runtime.atomics import (add, bits_of_float64, call_units, compare_and_swap, float32_pointer,
                                    float32_view, float64_from_bits, load, pause, store)
@@ -71,14 +71,13 @@ _QUERY, _KEY, _VALUE, _BIAS, _PARTIAL_SUMS, _SPAN_STATS = (_ARRAYS + 9 * i for i
 _ROW_KERNEL, _ROWS_IN, _ROWS_OUT, _ROW_COUNT, _ROW_COLUMNS, _ROW_ARGUMENTS = range(_OWN, _OWN + 6)
 _SOFTMAX_ROWS, _GELU_ROWS = 0, 1
 _ROW_BLOCK = 16  # rows per unit
-# 4-bit products: the addresses of the row lanes, block sums, weights, the scale of each 16 bytes,
-# the zero points times scales and the output (all C-contiguous), then rows, columns, the bytes of a
-# column and blocks
-(_NBITS_LANES, _NBITS_SUMS, _NBITS_WEIGHTS, _NBITS_SCALES, _NBITS_ZEROS, _NBITS_OUT, _NBITS_ROWS, _NBITS_WIDTH,
- _NBITS_LENGTH, _NBITS_BLOCKS) = range(_OWN, _OWN + 10)
-_NBITS_COLUMNS = 32  # output columns per unit
+# 4-bit products: the addresses of the row lanes, chunk sums, tiles, their scales, their zero points
+# times scales and the output (all C-contiguous), then rows, columns, tiles and chunks
+(_NBITS_LANES, _NBITS_SUMS, _NBITS_TILES_AT, _NBITS_SCALES, _NBITS_ZEROS, _NBITS_OUT, _NBITS_ROWS, _NBITS_WIDTH,
+ _NBITS_TILE_COUNT, _NBITS_CHUNKS) = range(_OWN, _OWN + 10)
+_NBITS_TILES = 4  # tiles of 16 output columns per unit
 # the address of `_units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
-_UNITS_CODE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9, _NBITS_BLOCKS + 1)
+_UNITS_CODE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9, _NBITS_CHUNKS + 1)
 _MAILBOX_SIZE = _UNITS_CODE + 1
 _INDEX_BITS = 32
 _NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
@@ -184,17 +183,18 @@ def _row_block(box, index):
 
 @_jit
 def _nbits_block(box, index):
-    """Unit `index` of a 4-bit products job: its block of output columns."""
+    """Unit `index` of a 4-bit products job: its tiles of output columns."""
     rows, columns = load(box, _NBITS_ROWS), load(box, _NBITS_WIDTH)
-    length, blocks = load(box, _NBITS_LENGTH), load(box, _NBITS_BLOCKS)
-    lanes = numba.carray(float32_pointer(load(box, _NBITS_LANES)), (rows, 2, length))
-    sums = numba.carray(float32_pointer(load(box, _NBITS_SUMS)), (rows, blocks))
-    weights = numba.carray(float32_pointer(load(box, _NBITS_WEIGHTS)), (columns, length >> 2)).view(np.uint8)
-    scales = numba.carray(float32_pointer(load(box, _NBITS_SCALES)), (columns * (length >> 4),))
-    zero_scales = numba.carray(float32_pointer(load(box, _NBITS_ZEROS)), (columns * blocks,))
+    count, chunks = load(box, _NBITS_TILE_COUNT), load(box, _NBITS_CHUNKS)
+    lanes = numba.carray(float32_pointer(load(box, _NBITS_LANES)), (rows, 2, chunks * CHUNK_BYTES))
+    sums = numba.carray(float32_pointer(load(box, _NBITS_SUMS)), (rows, chunks))
+    tiles = numba.carray(float32_pointer(load(box, _NBITS_TILES_AT)),
+                         (count, chunks, CHUNK_BYTES, TILE >> 2)).view(np.uint8)
+    scales = numba.carray(float32_pointer(load(box, _NBITS_SCALES)), (count, chunks, TILE))
+    zero_scales = numba.carray(float32_pointer(load(box, _NBITS_ZEROS)), (count, chunks, TILE))
     out = numba.carray(float32_pointer(load(box, _NBITS_OUT)), (rows, columns))
-    first = index * _NBITS_COLUMNS
-    nibble_columns(lanes, sums, weights, scales, zero_scales, out, first, min(first + _NBITS_COLUMNS, columns))
+    first = index * _NBITS_TILES
+    tile_rows(lanes, sums, tiles, scales, zero_scales, out, first, min(first + _NBITS_TILES, count))
 
 
 @_jit
@@ -420,42 +420,43 @@ def post_attention(box, workers, query, key, value, bias, scale, fill, out):
 
 
 @_jit
-def _check_nbits(lanes, sums, weights, scales, zero_scales, out):
+def _check_nbits(rows, tiles, scales, zero_scales, out):
     """ValueError unless the arrays are what `post_nbits` reads and writes by address."""
-    rows, columns = out.shape
-    length = weights.shape[1]
-    blocks = sums.shape[1]
-    if (lanes.shape[0] != rows or lanes.shape[1] != 2 or lanes.shape[2] != length or sums.shape[0] != rows
-            or length % 16 != 0 or weights.shape[0] != columns or scales.shape[0] != columns * (length >> 4)
-            or zero_scales.shape[0] != columns * blocks or blocks == 0 or (length >> 4) % blocks != 0):
-        raise ValueError("a 4-bit products job takes lanes (M, 2, L), sums (M, blocks), weights (N, L) bytes, "
-                         "L a multiple of 16, a scale per 16 bytes, a zero point per block and out (M, N)")
-    if (lanes.itemsize != 4 or sums.itemsize != 4 or scales.itemsize != 4 or zero_scales.itemsize != 4
-            or out.itemsize != 4 or weights.itemsize != 1 or not lanes.flags.c_contiguous
-            or not sums.flags.c_contiguous or not weights.flags.c_contiguous or not scales.flags.c_contiguous
+    count, chunks = tiles.shape[0], tiles.shape[1]
+    columns = out.shape[1]
+    if (rows.shape[0] != out.shape[0] or rows.shape[1] > chunks * 2 * CHUNK_BYTES or tiles.shape[2] != CHUNK_BYTES
+            or tiles.shape[3] != TILE or count != (columns + TILE - 1) // TILE
+            or scales.shape[0] != count or scales.shape[1] != chunks or scales.shape[2] != TILE
+            or zero_scales.shape[0] != count or zero_scales.shape[1] != chunks or zero_scales.shape[2] != TILE):
+        raise ValueError("a 4-bit products job takes rows (M, K <= 32 C), tiles (N / 16, C, 16, 16) bytes, their "
+                         "scales and zero points times scales (N / 16, C, 16) and out (M, N)")
+    if (rows.itemsize != 4 or scales.itemsize != 4 or zero_scales.itemsize != 4 or out.itemsize != 4
+            or tiles.itemsize != 1 or not tiles.flags.c_contiguous or not scales.flags.c_contiguous
             or not zero_scales.flags.c_contiguous or not out.flags.c_contiguous):
-        raise ValueError("a 4-bit products job takes C-contiguous float32 arrays and uint8 weights")
+        raise ValueError("a 4-bit products job takes C-contiguous float32 arrays and uint8 tiles")
 
 
 @_jit
-def post_nbits(box, workers, lanes, sums, weights, scales, zero_scales, out):
-    """out (M, N) = the 4-bit product `nibble_columns` computes, as one job of column blocks; whether
-    a worker was idle. Arrays that do not fit raise ValueError before anything is posted."""
-    _check_nbits(lanes, sums, weights, scales, zero_scales, out)
-    rows, columns = out.shape
+def post_nbits(box, workers, rows, tiles, scales, zero_scales, out):
+    """out (M, N) = rows (M, K) times the tiles as `tile_rows` computes it, as one job of column
+    tiles; whether a worker was idle. Arrays that do not fit raise ValueError before anything is
+    posted."""
+    _check_nbits(rows, tiles, scales, zero_scales, out)
+    lanes, sums = split_rows(rows, tiles.shape[1])
+    height, columns = out.shape
     sequence = _begin(box, _PATIENCE)
     store(box, _KIND, _NBITS)
     store(box, _NBITS_LANES, lanes.ctypes.data)
     store(box, _NBITS_SUMS, sums.ctypes.data)
-    store(box, _NBITS_WEIGHTS, weights.ctypes.data)
+    store(box, _NBITS_TILES_AT, tiles.ctypes.data)
     store(box, _NBITS_SCALES, scales.ctypes.data)
     store(box, _NBITS_ZEROS, zero_scales.ctypes.data)
     store(box, _NBITS_OUT, out.ctypes.data)
-    store(box, _NBITS_ROWS, rows)
+    store(box, _NBITS_ROWS, height)
     store(box, _NBITS_WIDTH, columns)
-    store(box, _NBITS_LENGTH, weights.shape[1])
-    store(box, _NBITS_BLOCKS, sums.shape[1])
-    return _run(box, workers, sequence, (columns + _NBITS_COLUMNS - 1) // _NBITS_COLUMNS)
+    store(box, _NBITS_TILE_COUNT, tiles.shape[0])
+    store(box, _NBITS_CHUNKS, tiles.shape[1])
+    return _run(box, workers, sequence, (tiles.shape[0] + _NBITS_TILES - 1) // _NBITS_TILES)
 
 
 @_jit

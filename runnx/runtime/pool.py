@@ -203,11 +203,11 @@ def gelu_rows(x, bias, divisor, one, half, out) -> None:
         shared_call(post_gelu, *arguments)
 
 
-def nbits_rows(lanes, sums, weights, scales, zero_scales, out) -> None:
-    """out (M, N) = the 4-bit product of `post_nbits` (`nibble_columns`' arguments: C-contiguous
-    float32 arrays, weights (N, bytes) uint8), with the pool's workers when there are any: the
-    same compiled code on every thread, so the same values whatever the thread count."""
-    shared_call(post_nbits, lanes, sums, weights, scales, zero_scales, out)
+def nbits_rows(rows, tiles, scales, zero_scales, out) -> None:
+    """out (M, N) = rows (M, K) times 4-bit tiles (`post_nbits`: C-contiguous float32 arrays, uint8
+    tiles), with the pool's workers when there are any: the same compiled code on every thread,
+    so the same values whatever the thread count."""
+    shared_call(post_nbits, rows, tiles, scales, zero_scales, out)
 
 
 def shared_call(job, *arguments):

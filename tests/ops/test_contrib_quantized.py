@@ -312,8 +312,8 @@ def test_matmul_nbits_4_bit_panels_hold_the_same_values_in_lanes_order(zero_poin
 def test_matmul_nbits_4_bit_rows_are_the_same_bits_on_any_thread_count(K, N, block_size, rows):
     """The 4-bit few-row product is a job of column blocks for the decode pool: computed with
     workers (several blocks at once) or alone, it gives the same bits, read-only weights or not,
-    and its remembered factors (scales per 16 bytes, zero points times scales) belong to their
-    weights: other weights of the same shapes get their own."""
+    and its remembered tiles (the weights repacked with their scales and zero points) belong to
+    their weights: other weights of the same shapes get their own."""
     from runnx.ops import contrib_quantized
     from runnx.runtime import pool as decode_pool
 
@@ -331,6 +331,11 @@ def test_matmul_nbits_4_bit_rows_are_the_same_bits_on_any_thread_count(K, N, blo
         other = (scales * 2).astype(scales.dtype)
         other.flags.writeable = False
         np.testing.assert_array_equal(contrib_quantized.MatMulNBits(a, b, other, zeros, **attributes), 2 * alone)
+        changed = b.copy()
+        changed[0, 0, 0] ^= 0x11
+        changed.flags.writeable = False
+        moved = contrib_quantized.MatMulNBits(a, changed, scales, zeros, **attributes)
+        assert not np.array_equal(moved[..., 0], alone[..., 0]) and np.array_equal(moved[..., 1:], alone[..., 1:])
     finally:
         decode_pool.set_workers(workers)
     np.testing.assert_allclose(alone, _nbits_reference(a, b, scales, zeros, K, N, 4, block_size), rtol=1e-4, atol=1e-4)

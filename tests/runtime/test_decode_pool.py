@@ -172,15 +172,15 @@ def test_every_thread_computes_units_through_one_compiled_copy(name):
                  "post_attention": (box, 1, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32)),
                  "post_products": (box, 1, row, (matrix,), (np.empty(3, np.float32),),
                                    np.empty(3 * 8, np.float32)),
-                 "post_nbits": (box, 1, np.ones((1, 2, 16), np.float32), np.ones((1, 1), np.float32),
-                                np.ones((3, 16), np.uint8), np.ones(3, np.float32), np.ones(3, np.float32),
-                                np.empty((1, 3), np.float32))}[name]
+                 "post_nbits": (box, 1, np.ones((1, 32), np.float32),
+                                np.ones((1, 1, 16, 16), np.uint8), np.ones((1, 1, 16), np.float32),
+                                np.ones((1, 1, 16), np.float32), np.empty((1, 3), np.float32))}[name]
     fresh = numba.njit(nogil=True, error_model="numpy")(getattr(mailbox, name).py_func)
     fresh.compile(tuple(numba.typeof(argument) for argument in arguments))
     code = next(iter(fresh.inspect_llvm().values()))
     assert "call_units" not in code and re.search(r"inttoptr", code)
     units = (r"\d(?:_work|_attention_span|attention_span|_product_chunk|softmax_rows_float32|gelu_rows_float32"
-             r"|_nbits_block|nibble_columns)(?![a-z_])")
+             r"|_nbits_block|tile_rows)(?![a-z_])")
     assert not re.search(units, code)  # (mangled names: the name after its length)
 
 
@@ -527,18 +527,18 @@ def test_attention_and_rows_jobs_refuse_arrays_that_do_not_fit_before_posting():
     assert box[mailbox._POSTED] == 0
 
 
-@pytest.mark.parametrize("change", ["short lanes", "odd bytes", "few scales", "float64 out", "strided weights",
-                                    "int8 weights"])
+@pytest.mark.parametrize("change", ["long rows", "few tiles", "few scales", "float64 out", "strided tiles",
+                                    "float tiles"])
 def test_a_4_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
-    arrays = dict(lanes=np.ones((2, 2, 32), np.float32), sums=np.ones((2, 2), np.float32),
-                  weights=np.ones((5, 32), np.uint8), scales=np.ones(10, np.float32),
-                  zero_scales=np.ones(10, np.float32), out=np.empty((2, 5), np.float32))
-    changed = {"short lanes": ("lanes", np.ones((2, 2, 16), np.float32)),
-               "odd bytes": ("weights", np.ones((5, 24), np.uint8)),
-               "few scales": ("scales", np.ones(9, np.float32)),
-               "float64 out": ("out", np.empty((2, 5))),
-               "strided weights": ("weights", np.ones((5, 64), np.uint8)[:, ::2]),
-               "int8 weights": ("weights", np.ones((5, 8), np.float32))}[change]
+    arrays = dict(rows=np.ones((2, 64), np.float32), tiles=np.ones((2, 2, 16, 16), np.uint8),
+                  scales=np.ones((2, 2, 16), np.float32), zero_scales=np.ones((2, 2, 16), np.float32),
+                  out=np.empty((2, 17), np.float32))
+    changed = {"long rows": ("rows", np.ones((2, 65), np.float32)),
+               "few tiles": ("tiles", np.ones((1, 2, 16, 16), np.uint8)),
+               "few scales": ("scales", np.ones((2, 1, 16), np.float32)),
+               "float64 out": ("out", np.empty((2, 17))),
+               "strided tiles": ("tiles", np.ones((2, 2, 16, 32), np.uint8)[..., ::2]),
+               "float tiles": ("tiles", np.ones((2, 2, 16, 16), np.float32))}[change]
     arrays[changed[0]] = changed[1]
     box = mailbox.new_box()
     with pytest.raises(ValueError, match="a 4-bit products job"):
