@@ -11,11 +11,12 @@ import numpy as np
 
 from runnx.capture.capacity import prefix_room
 from runnx.errors import RunnxError
-from runnx.ops import _native
+from runnx.ops import _kernels_vnni as vnni, _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
 from runnx.ops._kernels_integer import column_sums, integer_rows
 from runnx.ops._kernels_linalg import rows_times_matrix
+from runnx.ops._kernels_vnni import vnni_rows
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, norm_fits
@@ -503,7 +504,8 @@ def Gemm(a, b, c=None, *, alpha: float = 1.0, beta: float = 1.0, transA: int = 0
 @register("MatMulInteger", since=10)
 def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
     """(a - a_zero_point) @ (b - b_zero_point) in int32 (the spec lets only the accumulation wrap):
-    a few rows of 8-bit values through `integer_rows` (one pass over b), more through float64 BLAS
+    a few rows of 8-bit values through `integer_rows` (one pass over b), or for a constant b on a
+    CPU with AVX-512 VNNI through `vnni_rows` (b repacked once), more through float64 BLAS
     products, exact while no sum can reach 2^31, else numpy's int32 loop."""
     if b.ndim == 2 and a.ndim >= 1 and a.dtype.itemsize == 1 and b.dtype.itemsize == 1 and a.dtype.kind in "iu" \
             and b.dtype.kind in "iu" and _native.enabled:
@@ -512,7 +514,13 @@ def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
         b_zero = _zero_points(b_zero_point, b.shape[1], True)
         if a_zero is not None and b_zero is not None and rows.shape[0] <= _INTEGER_ROWS:
             out = np.empty((rows.shape[0], b.shape[1]), np.int32)
-            integer_rows(np.ascontiguousarray(rows), np.ascontiguousarray(b), a_zero, b_zero, _column_sums((), b), out)
+            if vnni.AVAILABLE and not b.flags.writeable:  # a constant weight, repacked once
+                signed_rows, unsigned_weight = a.dtype.kind == "i", b.dtype.kind == "u"
+                vnni_rows(rows, signed_rows, *_vnni_weights((), b), a_zero + 128 if signed_rows else a_zero,
+                          b_zero - 128 if unsigned_weight else b_zero, out)
+            else:
+                integer_rows(np.ascontiguousarray(rows), np.ascontiguousarray(b), a_zero, b_zero, _column_sums((), b),
+                             out)
             return out.reshape(a.shape[:-1] + (b.shape[1],))
         if a_zero is not None and b_zero is not None and a.shape[-1] * 255 * 255 < 2 ** 31:
             wide = rows.astype(np.float64) - a_zero.reshape(-1, 1)
@@ -543,6 +551,18 @@ def _zero_points(zero_point, count: int, per_entry: bool):
     if per_entry and zero_point.shape == (count,):
         return zero_point.astype(np.int32)
     return None
+
+
+@Remembered
+def _vnni_weights(_, b):
+    """(b repacked in tiles of signed bytes, their column sums), read-only: `vnni_rows`' weight."""
+    depth, columns = b.shape
+    tiles = np.zeros(((columns + vnni.TILE - 1) // vnni.TILE, (depth + 3) // 4, vnni.TILE, 4), np.uint8)
+    sums = np.empty(columns, np.int32)
+    vnni.repack(b, b.dtype.kind == "u", tiles, sums)
+    for array in (tiles, sums):
+        array.flags.writeable = False
+    return tiles, sums
 
 
 @Remembered

@@ -183,3 +183,38 @@ def test_matmul_integer_is_exact_on_every_path(a_type, b_type, shape, zeros):
     got = run_node("MatMulInteger", inputs)
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize("a_type,b_type", [(np.uint8, np.int8), (np.uint8, np.uint8), (np.int8, np.int8),
+                                           (np.int8, np.uint8)])
+@pytest.mark.parametrize("rows,depth,width", [(1, 576, 1536), (3, 1535, 77), (16, 65, 33), (1, 3, 5)])
+@pytest.mark.parametrize("zeros", ["none", "scalar", "per row and column"])
+def test_matmul_integer_of_a_constant_weight_is_the_same_bits_through_vnni(monkeypatch, a_type, b_type, rows, depth,
+                                                                           width, zeros):
+    """A constant weight's few-row product goes through AVX-512 VNNI where the CPU has it (the
+    weight repacked once, signed bytes by unsigned ones, the offsets moved into the zero points):
+    the same int32 values as the widening kernel and as exact arithmetic, for every signedness."""
+    from runnx.ops import _kernels_vnni, linalg
+
+    info_a, info_b = np.iinfo(a_type), np.iinfo(b_type)
+    a = RNG.integers(info_a.min, info_a.max + 1, (rows, depth)).astype(a_type)
+    b = RNG.integers(info_b.min, info_b.max + 1, (depth, width)).astype(b_type)
+    a_zero = b_zero = None
+    if zeros == "scalar":
+        a_zero, b_zero = np.array(info_a.max // 2 + 3, a_type), np.array(info_b.min // 3, b_type)
+    elif zeros == "per row and column":
+        a_zero = RNG.integers(info_a.min, info_a.max + 1, rows).astype(a_type)
+        b_zero = RNG.integers(info_b.min, info_b.max + 1, width).astype(b_type)
+    expected = ((a.astype(np.int64) - (0 if a_zero is None else a_zero.astype(np.int64).reshape(-1, 1)))
+                @ (b.astype(np.int64) - (0 if b_zero is None else b_zero.astype(np.int64))))
+    widening = linalg.MatMulInteger(a, b, a_zero, b_zero)  # a writeable weight: the widening kernel
+    constant = b.copy()
+    constant.flags.writeable = False
+    if _kernels_vnni.AVAILABLE:
+        def refuse(*args):
+            raise AssertionError("a constant weight took the widening kernel on a CPU with VNNI")
+        monkeypatch.setattr(linalg, "integer_rows", refuse)
+    got = linalg.MatMulInteger(a, constant, a_zero, b_zero)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, widening)
+    np.testing.assert_array_equal(got, expected)

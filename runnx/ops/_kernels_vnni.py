@@ -1,0 +1,119 @@
+"""Exact 8-bit products of a few rows through the CPU's 8-bit dot-product instruction (AVX-512
+VNNI's `vpdpbusd`: 64 multiply-adds of unsigned by signed bytes, four into each of 16 int32 sums).
+
+A decoding MatMulInteger multiplies one row of 8-bit activations by an 8-bit weight. Widening
+each byte to 32 bits before its multiply (`_kernels_integer.integer_rows`, any CPU) runs at a few
+billion multiply-adds a second; `vpdpbusd` multiplies and sums four bytes at a time without
+widening. Integer sums are exact in any order (int32 additions wrap alike in any order), so the
+results are bitwise those of the widening kernel, which the tests check.
+
+The weight (K, N) is repacked once (`repack`) in tiles of 16 columns: tiles[t, g, i] holds the 4
+bytes k = 4 g .. 4 g + 3 of column 16 t + i, made signed (an unsigned weight has 128 taken from
+each byte: its sign bit flipped), K padded to a multiple of 4 and N to one of 16 with zeros. A
+row's bytes are made unsigned alike (a signed row gets 128 added), and the zero points take the
+offsets: (a - za)(b - zb) = (a' - za')(b' - zb') with za' = za + 128 for a signed row and
+zb' = zb - 128 for an unsigned weight; the zero points then come out of the sum as in
+`integer_rows`. Only CPUs with AVX-512 VNNI take this path (`AVAILABLE`); LLVM has no portable
+form of the instruction.
+"""
+from __future__ import annotations
+
+import llvmlite.binding as llvm
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+
+TILE = 16  # columns a tile: one 512-bit vector of int32 sums
+
+
+def _host_has_vnni() -> bool:
+    features = llvm.get_host_cpu_features()
+    return all(features.get(name, False) for name in ("avx512f", "avx512bw", "avx512vnni"))
+
+
+AVAILABLE = _host_has_vnni()
+
+_kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
+
+
+@intrinsic
+def _tile_sums(typingctx, tiles, words, tile, out):
+    """out[:16] (int32) = one row's unsigned bytes (as int32 words of 4, `words`) times tile
+    `tile`'s signed bytes, summed over all of K: four chains of `vpdpbusd`, added at the end."""
+    signature = types.void(tiles, words, tile, out)
+
+    def codegen(context, builder, sig, args):
+        tiles_a, words_a, out_a = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3))
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        lanes = ir.VectorType(i32, TILE)
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
+                                             "llvm.x86.avx512.vpdpbusd.512")
+        groups = builder.extract_value(tiles_a.shape, 1)
+        chains = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0] * TILE)) for _ in range(4)]
+        first_group = builder.mul(args[2], groups)
+        undefined, first_lane = ir.Constant(lanes, ir.Undefined), ir.Constant(lanes, [0] * TILE)
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), groups, ir.Constant(i64, 4)) as (start, _):
+            for chain in range(4):
+                group = builder.add(start, ir.Constant(i64, chain))
+                with builder.if_then(builder.icmp_signed("<", group, groups)):
+                    word = builder.load(builder.gep(words_a.data, [group]))
+                    row = builder.shuffle_vector(builder.insert_element(undefined, word, ir.Constant(i32, 0)),
+                                                 undefined, first_lane)
+                    at = builder.mul(builder.add(first_group, group), ir.Constant(i64, 4 * TILE))
+                    weights = builder.load(builder.bitcast(builder.gep(tiles_a.data, [at]), lanes.as_pointer()),
+                                           align=1)
+                    builder.store(builder.call(dot, [builder.load(chains[chain]), row, weights]), chains[chain])
+        total = builder.add(builder.add(builder.load(chains[0]), builder.load(chains[1])),
+                            builder.add(builder.load(chains[2]), builder.load(chains[3])))
+        builder.store(total, builder.bitcast(out_a.data, lanes.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@_kernel
+def repack(b, flip, tiles, column_sums):
+    """b (K, N) 8-bit into zero-filled tiles (N / 16, K / 4, 16, 4) of signed bytes (the sign bit
+    flipped when `flip`: an unsigned weight), and column_sums (N,) int32 of those signed values."""
+    depth, columns = b.shape
+    column_sums[:] = 0
+    for k in range(depth):
+        g, j = k >> 2, k & 3
+        for n in range(columns):
+            byte = np.uint8(b[k, n]) ^ np.uint8(128 if flip else 0)
+            tiles[n // TILE, g, n % TILE, j] = byte
+            column_sums[n] += np.int32(np.int8(byte))
+
+
+@_kernel
+def vnni_rows(a, flip, tiles, column_sums, a_zero, b_zero, out):
+    """out (M, N) int32 = (a - a_zero[:, None]) @ (b - b_zero[None, :]) for 8-bit rows a (M, K)
+    (signed when `flip`) and b repacked by `repack`; a_zero (M,) and b_zero (N,) int32 already
+    offset (module docstring). Wraps as int32 arithmetic does."""
+    rows, depth = a.shape
+    columns = out.shape[1]
+    groups = tiles.shape[1]
+    padded = np.zeros(groups * 4, np.uint8)
+    scratch = np.empty(TILE, np.int32)
+    for m in range(rows):
+        row_sum = np.int32(0)
+        for k in range(depth):
+            padded[k] = np.uint8(a[m, k]) ^ np.uint8(128 if flip else 0)
+            row_sum += np.int32(padded[k])
+        words = padded.view(np.int32)
+        za = a_zero[m]
+        shift = np.int32(depth * za)
+        for t in range(tiles.shape[0]):
+            start = t * TILE
+            count = min(TILE, columns - start)
+            _tile_sums(tiles, words, t, scratch)
+            for i in range(count):
+                n = start + i
+                zb = b_zero[n]
+                out[m, n] = np.int32(np.int32(scratch[i] - np.int32(za * column_sums[n]))
+                                     - np.int32(np.int32(zb * row_sum) - np.int32(shift * zb)))
