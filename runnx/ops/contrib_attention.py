@@ -23,8 +23,11 @@ from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._kernels_contrib_attention import decode_step, rotary_append
 from runnx.ops.fused import attend
+from runnx.ops.fused_layer_norm_blocks import attention_in_blocks
 from runnx.ops.registry import register
 from runnx.runtime.pool import shared_call
+
+_BLOCKED_ROWS = 48  # query rows a head from which attention goes in blocks of BLAS products
 
 DOMAIN = "com.microsoft"
 _FLOAT32 = np.dtype(np.float32)
@@ -108,8 +111,15 @@ def _probabilities(scores, bias, softcap: float, smooth: bool, sink):
 
 
 def _attention(query, key, value, bias, scale, softcap=0.0, smooth=False, sink=None):
-    """softmax(scale q k^T (capped) + bias) v for query (B, N, S, H), key/value (B, G, T, H)."""
+    """softmax(scale q k^T (capped) + bias) v for query (B, N, S, H), key/value (B, G, T, H). Many
+    unmasked float32 query rows of one KV head each (an encoder's self-attention) go in blocks of
+    rows that stay in cache (`attention_in_blocks`), never the whole score matrix (measured: a
+    masked prompt's blocks, each adding its mask's rows, were slower than one masked product)."""
     if not softcap and not smooth and sink is None:
+        if (_native.enabled and bias is None and query.dtype == np.float32 and key.dtype == np.float32
+                and value.dtype == np.float32 and query.shape[2] > _BLOCKED_ROWS and key.shape[1] == query.shape[1]):
+            scaled = np.multiply(query, np.float32(scale))
+            return attention_in_blocks(scaled, key.swapaxes(2, 3), value, None, 0.0).transpose(0, 2, 1, 3)
         return attend(query, key, value, bias, scale, fill=0.0)
     group = query.shape[1] // key.shape[1]
     keys = np.repeat(key, group, axis=1) if group > 1 else key

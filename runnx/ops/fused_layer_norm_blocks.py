@@ -110,7 +110,7 @@ def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale,
     if not (_native.enabled and _plain(heads, keys, values, bias, nan_fill)):
         merged = _unfused(heads, keys, values, bias, nan_fill).transpose(0, 2, 1, 3)
     elif heads.shape[2] > _ATTEND_ROWS and heads.dtype == np.float32:
-        merged = _blocked(heads, keys, values, bias, fill)
+        merged = attention_in_blocks(heads, keys, values, bias, fill)
     else:
         merged = attend(heads, keys.swapaxes(2, 3), values, bias, 1.0, fill).transpose(0, 2, 1, 3)
     return _reshaped(merged, output_target, output_source, output_dims, output_axes)
@@ -216,7 +216,7 @@ def _plain(heads, keys, values, bias, nan_fill) -> bool:
     return b0 in (1, batch) and b1 in (1, count) and b2 in (1, length) and b3 in (1, size)
 
 
-def _blocked(heads, keys, values, bias, fill: float):
+def attention_in_blocks(heads, keys, values, bias, fill: float):
     """(batch, length, heads, width) attention output, head by head in blocks of query rows (whole
     heads up to `_BLOCK_SCORES` scores), the heads shared among BLAS's threads, each running BLAS alone
     (`runtime/blas_split.py`). When BLAS has one thread, or another caller is splitting, one head after the

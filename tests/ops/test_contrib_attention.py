@@ -1,7 +1,9 @@
 """onnxruntime's contrib attention against onnxruntime: RotaryEmbedding (halves, interleaved,
 offsets, partial rotary), GroupQueryAttention (prompt and decode, separate and shared KV buffers,
 per-sequence lengths, rotary inside, local windows, softcap, packed QKV, float16) and the in-place
-growth of its KV cache."""
+growth of its KV cache. Every case runs twice: with the prompt threshold as shipped, and with
+every unmasked prompt's attention in blocks of BLAS products (`attention_in_blocks`), which runs
+for long prompts only."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +15,13 @@ from runnx.capture.capacity import with_capacity
 from tests.ops._contrib_node import assert_close, contrib_model, run_both
 
 RNG = np.random.default_rng(44)
+
+
+@pytest.fixture(autouse=True, params=["as shipped", "in blocks"])
+def _attention_path(request, monkeypatch):
+    if request.param == "in blocks":
+        from runnx.ops import contrib_attention
+        monkeypatch.setattr(contrib_attention, "_BLOCKED_ROWS", 0)
 
 
 def _normal(*shape, dtype=np.float32):

@@ -69,12 +69,12 @@ def test_encoder_attention_split_by_heads_is_bitwise_the_one_thread_result(sleep
     values = rng.standard_normal((1, 6, 300, 16)).astype(np.float32)
     bias = rng.standard_normal((1, 1, 1, 300)).astype(np.float32)
     monkeypatch.setattr(fused_layer_norm_blocks, "_BLOCK_SCORES", 64 * 300)  # blocks of 64 rows, the last short
-    split = fused_layer_norm_blocks._blocked(heads, keys, values, bias, np.nan)
+    split = fused_layer_norm_blocks.attention_in_blocks(heads, keys, values, bias, np.nan)
     threads = numba.get_num_threads()
     numba.set_num_threads(1)
     try:
         with threadpoolctl.threadpool_limits(1, user_api="blas"):
-            alone = fused_layer_norm_blocks._blocked(heads, keys, values, bias, np.nan)
+            alone = fused_layer_norm_blocks.attention_in_blocks(heads, keys, values, bias, np.nan)
     finally:
         numba.set_num_threads(threads)
     assert split.tobytes() == alone.tobytes()
