@@ -23,7 +23,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._kernels_contrib_attention import decode_step, rotary_append
 from runnx.ops.fused import attend
-from runnx.ops.fused_layer_norm_blocks import attention_in_blocks
+from runnx.ops.fused_layer_norm_blocks import attention_in_blocks, causal_attention_in_blocks
 from runnx.ops.registry import register
 from runnx.runtime.pool import shared_call
 
@@ -196,9 +196,17 @@ def _attend_rows(queries, present_key, present_value, starts, lengths, reach: in
     """Attention of queries (B, N, S, H) over the first `reach` rows of the present cache, the rows
     every sequence of the batch has: the rows past a sequence's length are never read (a shared
     buffer's spare rows may hold anything, NaN included, which no mask could hide), and a decode
-    step reads its filled rows, not the whole buffer."""
+    step reads its filled rows, not the whole buffer. A long float32 prompt that ends the cache
+    with no window, bias or softmax variant goes in causal blocks (`causal_attention_in_blocks`:
+    no mask is built, the keys past a block's rows are skipped)."""
     dtype = queries.dtype
     steps = queries.shape[2]
+    if (_native.enabled and dtype == np.float32 and steps > _BLOCKED_ROWS and window <= 0 and attention_bias is None
+            and not softcap and not smooth_softmax and head_sink is None and present_key.dtype == np.float32
+            and present_value.dtype == np.float32 and np.all(starts == starts[0]) and starts[0] + steps == reach):
+        scaled = np.multiply(queries, np.float32(factor))
+        return causal_attention_in_blocks(scaled, present_key[:, :, :reach], present_value[:, :, :reach],
+                                          int(starts[0])).transpose(0, 2, 1, 3)
     bias = _causal_bias(starts[:, None] + np.arange(steps), lengths, reach, window, dtype)
     if attention_bias is not None:
         bias = bias + attention_bias[..., :reach].astype(dtype)

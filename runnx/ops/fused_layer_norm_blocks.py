@@ -252,6 +252,43 @@ def attention_in_blocks(heads, keys, values, bias, fill: float):
     return merged
 
 
+_CAUSAL_BLOCK = 256  # query rows a block of causal attention: the keys past a block's last row are skipped
+
+
+def causal_attention_in_blocks(heads, keys, values, offset: int):
+    """(batch, length, heads, width) causal attention output of scaled float32 heads (batch, heads,
+    length, depth) over keys and values (batch, kv_heads, total, depth / width), heads sharing a
+    KV head in turn (grouped-query attention): query row i is at position offset + i and sees the
+    keys up to it. In blocks of `_CAUSAL_BLOCK` query rows, each reading only the keys up to its
+    last row (about half the products of the whole score matrix for a first prompt), the masked
+    part of a block's last columns set to -inf before the row softmax; the heads shared among
+    BLAS's threads as in `attention_in_blocks`."""
+    batch, count, length, _ = heads.shape
+    groups = keys.shape[1]
+    merged = np.empty((batch, length, count, values.shape[3]), np.float32)
+    above = np.triu(np.ones((_CAUSAL_BLOCK, _CAUSAL_BLOCK), bool), 1)  # a block's keys past each row
+    size = min(length, _CAUSAL_BLOCK) * (offset + length)
+
+    def attend_head(part, scratch):
+        b, h = part
+        g = h // (count // groups)
+        for start in range(0, length, _CAUSAL_BLOCK):
+            stop = min(start + _CAUSAL_BLOCK, length)
+            rows, seen = stop - start, offset + stop
+            scores = scratch[:rows * seen].reshape(rows, seen)
+            np.matmul(heads[b, h, start:stop], keys[b, g, :seen].T, out=scores)
+            np.copyto(scores[:, offset + start:], -np.inf, where=above[:rows, :rows])
+            softmax_rows_float32(scores, 0.0)
+            np.matmul(scores, values[b, g, :seen], out=merged[b, start:stop, h])
+
+    parts = [(b, h) for b in range(batch) for h in range(count)]
+    if not split_among_threads(lambda part: attend_head(part, np.empty(size, np.float32)), parts):
+        scratch = np.empty(size, np.float32)
+        for part in parts:
+            attend_head(part, scratch)
+    return merged
+
+
 def _unfused(heads, keys, values, bias, nan_fill):
     """The unfused nodes' operations: (batch, heads, length, width) (heads and batch may broadcast)."""
     scores = np.matmul(heads, keys)
