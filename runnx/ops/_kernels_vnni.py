@@ -31,12 +31,18 @@ from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kern
 TILE = 16  # columns a tile: one 512-bit vector of int32 sums
 
 
-def _host_has_vnni() -> bool:
-    features = llvm.get_host_cpu_features()
-    return all(features.get(name, False) for name in ("avx512f", "avx512bw", "avx512vnni"))
+def _compiles_vnni() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 VNNI: this machine's (numba's default), or the
+    CPU and features the user named (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES: a portable cache's generic
+    target would fail to compile the instruction)."""
+    if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:
+        features = llvm.get_host_cpu_features()
+        return all(features.get(name, False) for name in ("avx512f", "avx512bw", "avx512vnni"))
+    named = (numba.config.CPU_FEATURES or "").split(",")
+    return all(f"+{name}" in named for name in ("avx512f", "avx512bw", "avx512vnni"))
 
 
-AVAILABLE = _host_has_vnni()
+AVAILABLE = _compiles_vnni()
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
