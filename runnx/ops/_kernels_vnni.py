@@ -97,29 +97,46 @@ def repack(b, flip, tiles, column_sums):
 
 
 @_kernel
+def unsigned_rows(a, flip, groups):
+    """(words (M, groups) int32: each row's bytes made unsigned (128 added when `flip`: signed
+    rows), zero-padded to 4 groups, four to a word; row_sums (M,) int32 of those bytes)."""
+    rows, depth = a.shape
+    padded = np.zeros((rows, groups * 4), np.uint8)
+    row_sums = np.zeros(rows, np.int32)
+    for m in range(rows):
+        for k in range(depth):
+            padded[m, k] = np.uint8(a[m, k]) ^ np.uint8(128 if flip else 0)
+            row_sums[m] += np.int32(padded[m, k])
+    return padded.view(np.int32), row_sums
+
+
+@_kernel
+def tile_sums_into(tiles, words, raw, first, stop):
+    """raw[m, 16 t: 16 t + 16] = row m's words times tile t, for the tiles first .. stop."""
+    for t in range(first, stop):
+        for m in range(words.shape[0]):
+            _tile_sums(tiles, words[m], t, raw[m, t * TILE:(t + 1) * TILE])
+
+
+@_kernel
+def with_zero_points(raw, depth, row_sums, column_sums, a_zero, b_zero, out):
+    """out (M, N) = raw sums less the zero points' share (module docstring), in int32 arithmetic."""
+    for m in range(out.shape[0]):
+        za = a_zero[m]
+        shift = np.int32(depth * za)
+        for n in range(out.shape[1]):
+            zb = b_zero[n]
+            out[m, n] = np.int32(np.int32(raw[m, n] - np.int32(za * column_sums[n]))
+                                 - np.int32(np.int32(zb * row_sums[m]) - np.int32(shift * zb)))
+
+
+@_kernel
 def vnni_rows(a, flip, tiles, column_sums, a_zero, b_zero, out):
     """out (M, N) int32 = (a - a_zero[:, None]) @ (b - b_zero[None, :]) for 8-bit rows a (M, K)
     (signed when `flip`) and b repacked by `repack`; a_zero (M,) and b_zero (N,) int32 already
-    offset (module docstring). Wraps as int32 arithmetic does."""
-    rows, depth = a.shape
-    columns = out.shape[1]
-    groups = tiles.shape[1]
-    padded = np.zeros(groups * 4, np.uint8)
-    scratch = np.empty(TILE, np.int32)
-    for m in range(rows):
-        row_sum = np.int32(0)
-        for k in range(depth):
-            padded[k] = np.uint8(a[m, k]) ^ np.uint8(128 if flip else 0)
-            row_sum += np.int32(padded[k])
-        words = padded.view(np.int32)
-        za = a_zero[m]
-        shift = np.int32(depth * za)
-        for t in range(tiles.shape[0]):
-            start = t * TILE
-            count = min(TILE, columns - start)
-            _tile_sums(tiles, words, t, scratch)
-            for i in range(count):
-                n = start + i
-                zb = b_zero[n]
-                out[m, n] = np.int32(np.int32(scratch[i] - np.int32(za * column_sums[n]))
-                                     - np.int32(np.int32(zb * row_sum) - np.int32(shift * zb)))
+    offset (module docstring). Wraps as int32 arithmetic does. On this thread (the decode pool's
+    job, `runtime/mailbox.post_vnni`, runs the same three steps)."""
+    words, row_sums = unsigned_rows(a, flip, tiles.shape[1])
+    raw = np.empty((a.shape[0], tiles.shape[0] * TILE), np.int32)
+    tile_sums_into(tiles, words, raw, 0, tiles.shape[0])
+    with_zero_points(raw, a.shape[1], row_sums, column_sums, a_zero, b_zero, out)

@@ -16,7 +16,6 @@ from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, atte
                                      projected_gate, projected_layer_norm)
 from runnx.ops._kernels_integer import column_sums, integer_rows
 from runnx.ops._kernels_linalg import rows_times_matrix
-from runnx.ops._kernels_vnni import vnni_rows
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, norm_fits
@@ -516,8 +515,9 @@ def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
             out = np.empty((rows.shape[0], b.shape[1]), np.int32)
             if vnni.AVAILABLE and not b.flags.writeable:  # a constant weight, repacked once
                 signed_rows, unsigned_weight = a.dtype.kind == "i", b.dtype.kind == "u"
-                vnni_rows(rows, signed_rows, *_vnni_weights((), b), a_zero + 128 if signed_rows else a_zero,
-                          b_zero - 128 if unsigned_weight else b_zero, out)
+                decode_pool.vnni_rows(rows, signed_rows, *_vnni_weights((), b),
+                                      a_zero + 128 if signed_rows else a_zero, b_zero - 128 if unsigned_weight else b_zero,
+                                      out)
             else:
                 integer_rows(np.ascontiguousarray(rows), np.ascontiguousarray(b), a_zero, b_zero, _column_sums((), b),
                              out)

@@ -12,6 +12,8 @@ A job is cut into units that give the same result whoever computes them:
 - 4-bit products (MatMulNBits of one row or a few): one unit per `_NBITS_TILES` tiles of 16 output
   columns, `tile_rows` of `ops/_kernels_nibble_tiles.py` over them (each column computed whole by
   one unit, so the same values as the one-thread loop's);
+- 8-bit products (MatMulInteger of one row or a few, on AVX-512 VNNI): one unit per `_VNNI_TILES`
+  tiles of 16 output columns, `tile_sums_into` of `ops/_kernels_vnni.py` (exact integer sums);
 - rows (a prefill's or an encoder's attention softmax, the encoder's GELU: row kernels of
   `ops/_kernels_rows.py` between BLAS products): blocks of 16 rows. OpenBLAS's threads run the
   products around them, so after such a job a worker does not spin but sleeps at once.
@@ -36,6 +38,7 @@ from runnx.ops._kernels_fused import attention_combine, attention_scratch, atten
 from runnx.ops._kernels_linalg import add_partials_into, chunk_bounds, chunk_count, rows_into
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, split_rows, tile_rows
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
+from runnx.ops._kernels_vnni import tile_sums_into, unsigned_rows, with_zero_points
 from runnx.runtime.atomics import (add, bits_of_float64, call_units, compare_and_swap, float32_pointer,
                                    float32_view, float64_from_bits, load, pause, store)
 
@@ -45,7 +48,7 @@ _POSTED, _CLAIM, _COMPLETED, _IDLE, _STOP, _SHARED, _FIELDS = 0, 8, 16, 24, 32, 
 MAX_WORKERS = _STOP - _IDLE
 # a job's fields: its kind, unit count and polls a worker spins after it, then the kind's own
 _KIND, _UNITS, _LINGER, _OWN = _FIELDS, _FIELDS + 1, _FIELDS + 2, _FIELDS + 3
-_PRODUCTS, _ATTENTION, _ROWS, _SUMS, _NBITS = 0, 1, 2, 3, 4
+_PRODUCTS, _ATTENTION, _ROWS, _SUMS, _NBITS, _VNNI = 0, 1, 2, 3, 4, 5
 # products: the rows (address, count), then (matrix, width, partial rows, output) for each matrix;
 # a products job's partial rows are then added by a sums job of the same fields when they are wide
 # (an LM head's)
@@ -76,8 +79,12 @@ _ROW_BLOCK = 16  # rows per unit
 (_NBITS_LANES, _NBITS_SUMS, _NBITS_TILES_AT, _NBITS_SCALES, _NBITS_ZEROS, _NBITS_OUT, _NBITS_ROWS, _NBITS_WIDTH,
  _NBITS_TILE_COUNT, _NBITS_CHUNKS) = range(_OWN, _OWN + 10)
 _NBITS_TILES = 4  # tiles of 16 output columns per unit
+# 8-bit products: the addresses of the rows' unsigned words, the tiles and the raw int32 sums (all
+# C-contiguous), then rows, tiles and groups of 4 bytes
+_VNNI_WORDS, _VNNI_TILES_AT, _VNNI_RAW, _VNNI_ROWS, _VNNI_TILE_COUNT, _VNNI_GROUPS = range(_OWN, _OWN + 6)
+_VNNI_TILES = 8  # tiles of 16 output columns per unit
 # the address of `_units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
-_UNITS_CODE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9, _NBITS_CHUNKS + 1)
+_UNITS_CODE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9, _NBITS_CHUNKS + 1, _VNNI_GROUPS + 1)
 _MAILBOX_SIZE = _UNITS_CODE + 1
 _INDEX_BITS = 32
 _NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
@@ -198,6 +205,17 @@ def _nbits_block(box, index):
 
 
 @_jit
+def _vnni_block(box, index):
+    """Unit `index` of an 8-bit products job: its tiles of output columns, as raw int32 sums."""
+    rows, count, groups = load(box, _VNNI_ROWS), load(box, _VNNI_TILE_COUNT), load(box, _VNNI_GROUPS)
+    words = numba.carray(float32_pointer(load(box, _VNNI_WORDS)), (rows, groups)).view(np.int32)
+    tiles = numba.carray(float32_pointer(load(box, _VNNI_TILES_AT)), (count, groups, TILE, 1)).view(np.uint8)
+    raw = numba.carray(float32_pointer(load(box, _VNNI_RAW)), (rows, count * TILE)).view(np.int32)
+    first = index * _VNNI_TILES
+    tile_sums_into(tiles, words, raw, first, min(first + _VNNI_TILES, count))
+
+
+@_jit
 def _work(box, sequence):
     """Claim and compute units of job `sequence` until none are left (or a later job is posted);
     returns how many it computed."""
@@ -216,6 +234,8 @@ def _work(box, sequence):
                 _sum_block(box, claim & _NOTHING_TO_CLAIM)
             elif kind == _NBITS:
                 _nbits_block(box, claim & _NOTHING_TO_CLAIM)
+            elif kind == _VNNI:
+                _vnni_block(box, claim & _NOTHING_TO_CLAIM)
             else:
                 _row_block(box, claim & _NOTHING_TO_CLAIM)
             add(box, _COMPLETED, 1)
@@ -457,6 +477,39 @@ def post_nbits(box, workers, rows, tiles, scales, zero_scales, out):
     store(box, _NBITS_TILE_COUNT, tiles.shape[0])
     store(box, _NBITS_CHUNKS, tiles.shape[1])
     return _run(box, workers, sequence, (tiles.shape[0] + _NBITS_TILES - 1) // _NBITS_TILES)
+
+
+@_jit
+def _check_vnni(a, tiles, column_sums, a_zero, b_zero, out):
+    """ValueError unless the arrays are what `post_vnni` reads (its tiles by address) and writes."""
+    rows, columns = out.shape
+    count, groups = tiles.shape[0], tiles.shape[1]
+    if (a.shape[0] != rows or a.shape[1] > 4 * groups or tiles.shape[2] != TILE or tiles.shape[3] != 4
+            or count != (columns + TILE - 1) // TILE or column_sums.shape[0] != columns or a_zero.shape[0] != rows
+            or b_zero.shape[0] != columns or tiles.itemsize != 1 or not tiles.flags.c_contiguous or a.itemsize != 1):
+        raise ValueError("an 8-bit products job takes rows (M, K <= 4 G) of bytes, tiles (N / 16, G, 16, 4) bytes, "
+                         "column sums (N,), zero points (M,) and (N,) and out (M, N)")
+
+
+@_jit
+def post_vnni(box, workers, a, flip, tiles, column_sums, a_zero, b_zero, out):
+    """out (M, N) = the 8-bit product `vnni_rows` of `ops/_kernels_vnni.py` computes, its tile sums
+    as one job of column tiles; whether a worker was idle. Arrays that do not fit raise ValueError
+    before anything is posted."""
+    _check_vnni(a, tiles, column_sums, a_zero, b_zero, out)
+    words, row_sums = unsigned_rows(a, flip, tiles.shape[1])
+    raw = np.empty((a.shape[0], tiles.shape[0] * TILE), np.int32)
+    sequence = _begin(box, _PATIENCE)
+    store(box, _KIND, _VNNI)
+    store(box, _VNNI_WORDS, words.ctypes.data)
+    store(box, _VNNI_TILES_AT, tiles.ctypes.data)
+    store(box, _VNNI_RAW, raw.ctypes.data)
+    store(box, _VNNI_ROWS, a.shape[0])
+    store(box, _VNNI_TILE_COUNT, tiles.shape[0])
+    store(box, _VNNI_GROUPS, tiles.shape[1])
+    idle = _run(box, workers, sequence, (tiles.shape[0] + _VNNI_TILES - 1) // _VNNI_TILES)
+    with_zero_points(raw, a.shape[1], row_sums, column_sums, a_zero, b_zero, out)
+    return idle
 
 
 @_jit

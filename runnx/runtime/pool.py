@@ -33,7 +33,8 @@ import numpy as np
 from runnx.ops import _native
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_matrix
 from runnx.runtime.mailbox import (_IDLE, _ROW_BLOCK, _SHARED, MAX_MATRICES, MAX_WORKERS, _rest, _serve, _stop,
-                                   new_box, post_attention, post_gelu, post_nbits, post_products, post_softmax)
+                                   new_box, post_attention, post_gelu, post_nbits, post_products, post_softmax,
+                                   post_vnni)
 
 _SHARED_ROWS = 2 * _ROW_BLOCK  # fewer rows (a decode step's GELU) run the job alone, never the pool
 _BLAS_THREADED = 1 << 20  # multiply-adds from which a product is worth OpenBLAS's threads
@@ -208,6 +209,12 @@ def nbits_rows(rows, tiles, scales, zero_scales, out) -> None:
     tiles), with the pool's workers when there are any: the same compiled code on every thread,
     so the same values whatever the thread count."""
     shared_call(post_nbits, rows, tiles, scales, zero_scales, out)
+
+
+def vnni_rows(a, flip: bool, tiles, column_sums, a_zero, b_zero, out) -> None:
+    """out (M, N) int32 = the 8-bit product of `post_vnni` (C-contiguous tiles), with the pool's
+    workers when there are any (exact integer sums: the same values whoever computes them)."""
+    shared_call(post_vnni, a, flip, tiles, column_sums, a_zero, b_zero, out)
 
 
 def shared_call(job, *arguments):

@@ -218,3 +218,26 @@ def test_matmul_integer_of_a_constant_weight_is_the_same_bits_through_vnni(monke
     assert got.dtype == np.int32
     np.testing.assert_array_equal(got, widening)
     np.testing.assert_array_equal(got, expected)
+
+
+def test_matmul_integer_of_a_constant_weight_is_the_same_on_any_thread_count():
+    """The VNNI product is a decode pool job of column tiles (`post_vnni`): with workers or alone,
+    the same int32 values, equal to exact arithmetic."""
+    from runnx.ops import linalg
+    from runnx.runtime import pool as decode_pool
+
+    a = RNG.integers(0, 256, (2, 576)).astype(np.uint8)
+    b = RNG.integers(-128, 128, (576, 1100)).astype(np.int8)
+    b.flags.writeable = False
+    a_zero, b_zero = np.array(131, np.uint8), np.array(-3, np.int8)
+    expected = (a.astype(np.int64) - 131) @ (b.astype(np.int64) + 3)
+    workers = decode_pool.worker_count()
+    try:
+        results = []
+        for count in (0, 2, 2):
+            decode_pool.set_workers(count)
+            results.append(linalg.MatMulInteger(a, b, a_zero, b_zero))
+    finally:
+        decode_pool.set_workers(workers)
+    for result in results:
+        np.testing.assert_array_equal(result, expected)

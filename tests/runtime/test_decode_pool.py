@@ -156,7 +156,7 @@ def test_attention_by_kv_heads_is_bitwise_the_one_thread_job(pool, bias, size):
     np.testing.assert_allclose(expected, weights @ np.repeat(value, 2, axis=1), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["_serve", "_rest", "post_attention", "post_products", "post_nbits"])
+@pytest.mark.parametrize("name", ["_serve", "_rest", "post_attention", "post_products", "post_nbits", "post_vnni"])
 def test_every_thread_computes_units_through_one_compiled_copy(name):
     """The workers' loop and the callers' jobs call the unit loop through the address in the mailbox
     (`_units_address`) instead of inlining it: inlined copies of a reassociating kernel may round
@@ -174,13 +174,16 @@ def test_every_thread_computes_units_through_one_compiled_copy(name):
                                    np.empty(3 * 8, np.float32)),
                  "post_nbits": (box, 1, np.ones((1, 32), np.float32),
                                 np.ones((1, 1, 16, 16), np.uint8), np.ones((1, 1, 16), np.float32),
-                                np.ones((1, 1, 16), np.float32), np.empty((1, 3), np.float32))}[name]
+                                np.ones((1, 1, 16), np.float32), np.empty((1, 3), np.float32)),
+                 "post_vnni": (box, 1, np.ones((1, 8), np.uint8), False, np.ones((1, 2, 16, 4), np.uint8),
+                               np.ones(3, np.int32), np.zeros(1, np.int32), np.zeros(3, np.int32),
+                               np.empty((1, 3), np.int32))}[name]
     fresh = numba.njit(nogil=True, error_model="numpy")(getattr(mailbox, name).py_func)
     fresh.compile(tuple(numba.typeof(argument) for argument in arguments))
     code = next(iter(fresh.inspect_llvm().values()))
     assert "call_units" not in code and re.search(r"inttoptr", code)
     units = (r"\d(?:_work|_attention_span|attention_span|_product_chunk|softmax_rows_float32|gelu_rows_float32"
-             r"|_nbits_block|tile_rows)(?![a-z_])")
+             r"|_nbits_block|tile_rows|_vnni_block|tile_sums_into)(?![a-z_])")
     assert not re.search(units, code)  # (mangled names: the name after its length)
 
 
@@ -564,9 +567,26 @@ def test_only_the_mailbox_turns_arrays_into_addresses():
         return {name for name, node in functions.items()
                 if text in ast.get_source_segment(source, node).split(":", 1)[1]}  # (after its signature)
 
-    assert using("ctypes.data") == {"post_products", "post_gelu", "post_nbits", "_rows", "_post_array"}
+    assert using("ctypes.data") == {"post_products", "post_gelu", "post_nbits", "post_vnni", "_rows", "_post_array"}
     assert using("_post_array(") == {"post_attention"}
     for name in (using("ctypes.data") | using("_post_array(")) - {"_post_array"}:
         first_call = next(node for node in functions[name].body
                           if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call))
         assert first_call.value.func.id.startswith("_check_"), name  # before any store
+
+
+@pytest.mark.parametrize("change", ["long rows", "few tiles", "wide tiles", "few column sums", "strided tiles"])
+def test_an_8_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+    arrays = dict(a=np.ones((2, 8), np.uint8), flip=False, tiles=np.ones((2, 2, 16, 4), np.uint8),
+                  column_sums=np.ones(17, np.int32), a_zero=np.zeros(2, np.int32), b_zero=np.zeros(17, np.int32),
+                  out=np.empty((2, 17), np.int32))
+    changed = {"long rows": ("a", np.ones((2, 9), np.uint8)),
+               "few tiles": ("tiles", np.ones((1, 2, 16, 4), np.uint8)),
+               "wide tiles": ("tiles", np.ones((2, 2, 16, 8), np.uint8)),
+               "few column sums": ("column_sums", np.ones(16, np.int32)),
+               "strided tiles": ("tiles", np.ones((2, 2, 16, 8), np.uint8)[..., ::2])}[change]
+    arrays[changed[0]] = changed[1]
+    box = mailbox.new_box()
+    with pytest.raises(ValueError, match="an 8-bit products job"):
+        mailbox.post_vnni(box, 0, *arrays.values())
+    assert box[mailbox._POSTED] == 0
