@@ -141,17 +141,19 @@ def tile_rows(lanes, sums, tiles, scales, zero_scales, out, first, stop):
 @_kernel
 def repack(weights, block_scales, block_zero_scales, tiles, scales, zero_scales):
     """weights (N, blocks, blob) uint8 with a scale and a zero point times scale per block (flat,
-    N x blocks) into the tile layout (module docstring); the outputs zero-filled beforehand (the
-    last tile's padding)."""
+    N x blocks) into the tile layout (module docstring), tile by tile and chunk by chunk; the
+    outputs zero-filled beforehand (the last tile's padding)."""
     columns, blocks, blob = weights.shape
     per_block = blob // CHUNK_BYTES
-    for n in range(columns):
-        t, i = n // TILE, n % TILE
-        for block in range(blocks):
-            scale, zero_scale = block_scales[n * blocks + block], block_zero_scales[n * blocks + block]
-            for part in range(per_block):
-                c = block * per_block + part
-                scales[t, c, i] = scale
-                zero_scales[t, c, i] = zero_scale
+    flat = weights.reshape(columns, blocks * blob)
+    for t in range(tiles.shape[0]):
+        width = min(TILE, columns - t * TILE)
+        for c in range(tiles.shape[1]):
+            block = c // per_block
+            for i in range(width):
+                n = t * TILE + i
+                scales[t, c, i] = block_scales[n * blocks + block]
+                zero_scales[t, c, i] = block_zero_scales[n * blocks + block]
+                column = flat[n, c * CHUNK_BYTES:(c + 1) * CHUNK_BYTES]
                 for j in range(CHUNK_BYTES):
-                    tiles[t, c, j, i] = weights[n, block, part * CHUNK_BYTES + j]
+                    tiles[t, c, j, i] = column[j]
