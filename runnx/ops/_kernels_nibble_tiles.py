@@ -43,11 +43,11 @@ _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 @intrinsic
 def _tile_dot(typingctx, tiles, low, high, sums, scales, zero_scales, tile, out):
-    """out[:16] = one row times tile `tile`: for each chunk c, (sum over its 16 bytes j of
-    low nibble * low[16 c + j] + high nibble * high[16 c + j]) less zero_scales' share
-    (zero point * chunk sum), times the chunk's scale, added to the columns' sums in chunk order.
-    low, high: the row's values at even and odd positions; sums: each chunk's sum of the row;
-    out: 16 contiguous float32."""
+    """out[:16] = one row times tile `tile`: in chunk order, each chunk c adds to the 16 columns'
+    sums (sum over its 16 bytes j of low nibble * low[16 c + j] + high nibble * high[16 c + j])
+    times the chunk's scale, less its zero point times scale (`zero_scales`) times the row's sum
+    over the chunk (`sums[c]`). low, high: the row's values at even and odd positions; out: 16
+    contiguous float32."""
     signature = types.void(tiles, low, high, sums, scales, zero_scales, tile, out)
 
     def codegen(context, builder, sig, args):
