@@ -126,14 +126,14 @@ def tile_rows(lanes, sums, tiles, scales, zero_scales, out, first, stop):
     odd positions, zero past K; `sums` (M, chunks)) times the repacked weights (module docstring).
     All arrays C-contiguous float32 but the uint8 tiles."""
     rows, columns = out.shape
-    scratch = np.empty(TILE, np.float32)
     for t in range(first, stop):
         start = t * TILE
         count = min(TILE, columns - start)
         for m in range(rows):
             if count == TILE:
                 _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zero_scales, t, out[m, start:start + TILE])
-            else:
+            else:  # the last tile's padding columns go to scratch (allocated here only: a unit each job)
+                scratch = np.empty(TILE, np.float32)
                 _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zero_scales, t, scratch)
                 out[m, start:columns] = scratch[:count]
 

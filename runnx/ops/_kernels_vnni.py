@@ -13,8 +13,9 @@ each byte: its sign bit flipped), K padded to a multiple of 4 and N to one of 16
 row's bytes are made unsigned alike (a signed row gets 128 added), and the zero points take the
 offsets: (a - za)(b - zb) = (a' - za')(b' - zb') with za' = za + 128 for a signed row and
 zb' = zb - 128 for an unsigned weight; the zero points then come out of the sum as in
-`integer_rows`. Only CPUs with AVX-512 VNNI take this path (`AVAILABLE`); LLVM has no portable
-form of the instruction.
+`integer_rows`. The product runs as the decode pool's job (`runtime/mailbox.post_vnni`: the rows
+made unsigned, the tiles' sums, then the zero points), with workers or alone. Only CPUs with
+AVX-512 VNNI take this path (`AVAILABLE`); LLVM has no portable form of the instruction.
 """
 from __future__ import annotations
 
@@ -116,11 +117,12 @@ def unsigned_rows(a, flip, groups):
     """(words (M, groups) int32: each row's bytes made unsigned (128 added when `flip`: signed
     rows), zero-padded to 4 groups, four to a word; row_sums (M,) int32 of those bytes)."""
     rows, depth = a.shape
+    offset = np.uint8(128 if flip else 0)
     padded = np.zeros((rows, groups * 4), np.uint8)
     row_sums = np.zeros(rows, np.int32)
     for m in range(rows):
         for k in range(depth):
-            padded[m, k] = np.uint8(a[m, k]) ^ np.uint8(128 if flip else 0)
+            padded[m, k] = np.uint8(a[m, k]) ^ offset
             row_sums[m] += np.int32(padded[m, k])
     return padded.view(np.int32), row_sums
 
@@ -143,15 +145,3 @@ def with_zero_points(raw, depth, row_sums, column_sums, a_zero, b_zero, out):
             zb = b_zero[n]
             out[m, n] = np.int32(np.int32(raw[m, n] - np.int32(za * column_sums[n]))
                                  - np.int32(np.int32(zb * row_sums[m]) - np.int32(shift * zb)))
-
-
-@_kernel
-def vnni_rows(a, flip, tiles, column_sums, a_zero, b_zero, out):
-    """out (M, N) int32 = (a - a_zero[:, None]) @ (b - b_zero[None, :]) for 8-bit rows a (M, K)
-    (signed when `flip`) and b repacked by `repack`; a_zero (M,) and b_zero (N,) int32 already
-    offset (module docstring). Wraps as int32 arithmetic does. On this thread (the decode pool's
-    job, `runtime/mailbox.post_vnni`, runs the same three steps)."""
-    words, row_sums = unsigned_rows(a, flip, tiles.shape[1])
-    raw = np.empty((a.shape[0], tiles.shape[0] * TILE), np.int32)
-    tile_sums_into(tiles, words, raw, 0, tiles.shape[0])
-    with_zero_points(raw, a.shape[1], row_sums, column_sums, a_zero, b_zero, out)

@@ -55,7 +55,7 @@ def _lanes(rows, blocks: int, block_size: int, bits: int):
     return lanes, sums
 
 
-def _nibble_tiles(values, weights, scales, zero_points):
+def _nibble_tiles(_, weights, scales, zero_points):
     """4-bit weights with blobs of 16 bytes or more repacked in tiles of 16 columns, with a scale
     and a zero point times scale for each 32 values (`_kernels_nibble_tiles`), read-only."""
     columns, blocks, blob = weights.shape
@@ -81,7 +81,7 @@ _remembered_tiles = Remembered(_nibble_tiles)
 def _nibble_product(rows, b, scales, zero_points, out) -> None:
     """out = rows @ dequantized(b).T for 4-bit float32 weights in blobs of 16 bytes or more: a
     job of column tiles for the decode pool (`runtime/pool.py`), or alone on this thread."""
-    decode_pool.nbits_rows(rows, *_remembered_tiles(b.shape, b, scales, zero_points), out)
+    decode_pool.nbits_rows(rows, *_remembered_tiles((), b, scales, zero_points), out)
 
 
 def _check_g_idx(g_idx, depth: int, block_size: int):

@@ -253,6 +253,8 @@ def attention_in_blocks(heads, keys, values, bias, fill: float):
 
 
 _CAUSAL_BLOCK = 256  # query rows a block of causal attention: the keys past a block's last row are skipped
+_ABOVE_DIAGONAL = np.triu(np.ones((_CAUSAL_BLOCK, _CAUSAL_BLOCK), bool), 1)  # a block's keys past each row
+_ABOVE_DIAGONAL.flags.writeable = False
 
 
 def causal_attention_in_blocks(heads, keys, values, offset: int):
@@ -266,7 +268,6 @@ def causal_attention_in_blocks(heads, keys, values, offset: int):
     batch, count, length, _ = heads.shape
     groups = keys.shape[1]
     merged = np.empty((batch, length, count, values.shape[3]), np.float32)
-    above = np.triu(np.ones((_CAUSAL_BLOCK, _CAUSAL_BLOCK), bool), 1)  # a block's keys past each row
     size = min(length, _CAUSAL_BLOCK) * (offset + length)
 
     def attend_head(part, scratch):
@@ -277,7 +278,7 @@ def causal_attention_in_blocks(heads, keys, values, offset: int):
             rows, seen = stop - start, offset + stop
             scores = scratch[:rows * seen].reshape(rows, seen)
             np.matmul(heads[b, h, start:stop], keys[b, g, :seen].T, out=scores)
-            np.copyto(scores[:, offset + start:], -np.inf, where=above[:rows, :rows])
+            np.copyto(scores[:, offset + start:], -np.inf, where=_ABOVE_DIAGONAL[:rows, :rows])
             softmax_rows_float32(scores, 0.0)
             np.matmul(scores, values[b, g, :seen], out=merged[b, start:stop, h])
 

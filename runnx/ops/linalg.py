@@ -504,7 +504,7 @@ def Gemm(a, b, c=None, *, alpha: float = 1.0, beta: float = 1.0, transA: int = 0
 def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
     """(a - a_zero_point) @ (b - b_zero_point) in int32 (the spec lets only the accumulation wrap):
     a few rows of 8-bit values through `integer_rows` (one pass over b), or for a constant b on a
-    CPU with AVX-512 VNNI through `vnni_rows` (b repacked once), more through float64 BLAS
+    CPU with AVX-512 VNNI through `pool.vnni_rows` (b repacked once), more through float64 BLAS
     products, exact while no sum can reach 2^31, else numpy's int32 loop."""
     if b.ndim == 2 and a.ndim >= 1 and a.dtype.itemsize == 1 and b.dtype.itemsize == 1 and a.dtype.kind in "iu" \
             and b.dtype.kind in "iu" and _native.enabled:
@@ -555,7 +555,7 @@ def _zero_points(zero_point, count: int, per_entry: bool):
 
 @Remembered
 def _vnni_weights(_, b):
-    """(b repacked in tiles of signed bytes, their column sums), read-only: `vnni_rows`' weight."""
+    """(b repacked in tiles of signed bytes, their column sums), read-only: `pool.vnni_rows`' weight."""
     depth, columns = b.shape
     tiles = np.zeros(((columns + vnni.TILE - 1) // vnni.TILE, (depth + 3) // 4, vnni.TILE, 4), np.uint8)
     sums = np.empty(columns, np.int32)

@@ -493,7 +493,7 @@ def _check_vnni(a, tiles, column_sums, a_zero, b_zero, out):
 
 @_jit
 def post_vnni(box, workers, a, flip, tiles, column_sums, a_zero, b_zero, out):
-    """out (M, N) = the 8-bit product `vnni_rows` of `ops/_kernels_vnni.py` computes, its tile sums
+    """out (M, N) = the 8-bit product of `ops/_kernels_vnni.py` (module docstring), its tile sums
     as one job of column tiles; whether a worker was idle. Arrays that do not fit raise ValueError
     before anything is posted."""
     _check_vnni(a, tiles, column_sums, a_zero, b_zero, out)
