@@ -1,5 +1,5 @@
 """onnxruntime's contrib quantised operators: MatMulNBits (2/4/8-bit block-quantised weights),
-MatMulBnb4 (bitsandbytes' FP4/NF4 codes), GatherBlockQuantized (a block-quantised embedding table), DynamicQuantizeMatMul and
+SharedInputMatMulNBits (runnx's: the 4-bit products of one input as one job), MatMulBnb4 (bitsandbytes' FP4/NF4 codes), GatherBlockQuantized (a block-quantised embedding table), DynamicQuantizeMatMul and
 MatMulIntegerToFloat.
 
 MatMulNBits and MatMulBnb4 never dequantize their whole matrix: a few rows (decoding, short prompts) stream the
@@ -17,13 +17,16 @@ from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, 
                                         nbits_dequantize, nbits_lanes, nbits_rows, nibble_lanes_panel,
                                         zero_scales_of)
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, repack
+from runnx.ops._fused_common import DOMAIN as FUSED_DOMAIN
 from runnx.ops._remembered import Remembered
+from runnx.ops.fused import SiluMul
 from runnx.ops.linalg import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
 
 DOMAIN = "com.microsoft"
+_FLOAT32 = np.dtype(np.float32)
 _STREAMED_ROWS = 8  # up to this many rows of A stream the packed weights; more go through BLAS panels
 _PANEL_BYTES = 1 << 20  # a dequantized panel's size for the BLAS path
 
@@ -100,6 +103,14 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
     block in bits i*bits.. of its bytes, dequantized as (q - zero point) * scale per block.
     accuracy_level (onnxruntime's minimum compute precision) is accepted; runnx always computes in
     the scales' precision or wider."""
+    if bits == 4 and a.dtype == _FLOAT32 and g_idx is None and a.shape[-1:] == (K,) and block_size >= 32:
+        tiles = _remembered_tiles.known_result(((), id(b), id(scales), id(zero_points)))
+        if tiles is not None and b.shape == (N, (K + block_size - 1) // block_size, block_size // 2):
+            rows = a.reshape(-1, K)  # B, scales and zero points checked when their tiles were made
+            if rows.shape[0] <= _STREAMED_ROWS and rows.flags.c_contiguous:
+                out = np.empty((rows.shape[0], N), _FLOAT32)
+                decode_pool.nbits_rows(rows, *tiles, out)
+                return _with_bias(out, bias, _FLOAT32).reshape(a.shape[:-1] + (N,))
     if bits not in (2, 4, 8):
         raise RunnxError(f"MatMulNBits: bits must be 2, 4 or 8, got {bits}")
     if block_size < 16 or block_size & (block_size - 1):
@@ -128,6 +139,61 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
     else:
         _panel_product(rows, b, flat_scales, (packed, typed, mode), bits, block_size, out)
     return _with_bias(out, bias, work).reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
+
+
+def _joined_tiles(shape: tuple, *parts):
+    """The tiles of the 4-bit weights of `parts` (flat (b, scales, zero points) triples) side by
+    side, columns of the first part first, each part checked as MatMulNBits checks it; shape:
+    (K, block_size, columns of each part)."""
+    depth, block_size, columns = shape
+    blocks = (depth + block_size - 1) // block_size
+    triples = [parts[i:i + 3] for i in range(0, len(parts), 3)]
+    for (b, scales, zero_points), n in zip(triples, columns):
+        if b.dtype != np.uint8 or b.shape != (n, blocks, block_size // 2):
+            raise RunnxError(f"SharedInputMatMulNBits: B must be uint8 of shape [{n}, {blocks}, {block_size // 2}], "
+                             f"got {b.dtype} {list(b.shape)}")
+        if scales.size != n * blocks:
+            raise RunnxError(f"SharedInputMatMulNBits: scales have {scales.size} values, expected {n * blocks}")
+        _nbits_zero_points(zero_points, n, blocks, 4, _FLOAT32)
+    if any((zero_points is None) != (triples[0][2] is None) or zero_points is not None
+           and zero_points.dtype != triples[0][2].dtype for _, _, zero_points in triples):
+        raise RunnxError("SharedInputMatMulNBits: every product needs zero points of one type, or none")
+    weights = np.concatenate([b for b, _, _ in triples])
+    scales = np.concatenate([s.reshape(-1) for _, s, _ in triples])
+    zero_points = None if triples[0][2] is None else np.concatenate([z.reshape(-1) for _, _, z in triples])
+    return _nibble_tiles((), weights, scales, zero_points)
+
+
+# made on the first few-row product, kept while the weights live (`_remembered_tiles`)
+_remembered_joined_tiles = Remembered(_joined_tiles)
+
+
+@register("SharedInputMatMulNBits", since=1, domain=FUSED_DOMAIN)
+def SharedInputMatMulNBits(a, *parts, K: int, columns: tuple, block_size: int, gated: tuple = ()):
+    """(MatMulNBits(a, b, scales, zero_points, K=K, N=n, bits=4, block_size=block_size) for each
+    (b, scales, zero_points) of `parts` and n of `columns`): the 4-bit products of one input (a
+    layer's query, key and value projections; its gate and up projections), matched by
+    `runnx/interp/fusion/nbits_products.py`. A decode step's few rows take one products job over
+    the weights' tiles side by side (one hand-off to the pool, not one a product): each column is
+    summed alone in its own fixed order, so the values are the separate products'. More rows take
+    MatMulNBits product by product. gated (gate, up): those two come out as one, SiluMul(gate,
+    up), after the others."""
+    rows = a.reshape(-1, K) if a.shape[-1:] == (K,) else None
+    if (rows is not None and a.dtype == _FLOAT32 and rows.shape[0] <= _STREAMED_ROWS and block_size >= 32
+            and rows.flags.c_contiguous):
+        out = np.empty((rows.shape[0], sum(columns)), _FLOAT32)
+        decode_pool.nbits_rows(rows, *_remembered_joined_tiles((K, block_size, columns), *parts), out)
+        products, start, lead = [], 0, a.shape[:-1]
+        for n in columns:
+            products.append(out[:, start:start + n].reshape(lead + (n,)))
+            start += n
+    else:
+        products = [MatMulNBits(a, *parts[i:i + 3], K=K, N=n, bits=4, block_size=block_size)
+                    for i, n in zip(range(0, len(parts), 3), columns)]
+    if gated:
+        gate, up = gated
+        return (*(p for i, p in enumerate(products) if i not in gated), SiluMul(products[gate], products[up]))
+    return tuple(products)
 
 
 def _panel_product(rows, b, scales, zero_points: tuple, bits: int, block_size: int, out) -> None:

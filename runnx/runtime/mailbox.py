@@ -85,7 +85,10 @@ _VNNI_WORDS, _VNNI_TILES_AT, _VNNI_RAW, _VNNI_ROWS, _VNNI_TILE_COUNT, _VNNI_GROU
 _VNNI_TILES = 8  # tiles of 16 output columns per unit
 # the address of `_units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
 _UNITS_CODE = max(_MATRICES + _PER_MATRIX * MAX_MATRICES, _SPAN_STATS + 9, _NBITS_CHUNKS + 1, _VNNI_GROUPS + 1)
-_MAILBOX_SIZE = _UNITS_CODE + 1
+# a claim takes the units left shifted right by this (`_work`; a mailbox's own, set by `new_box`)
+_CLAIM_SHIFT = _UNITS_CODE + 1
+CLAIM_SHIFT = 3
+_MAILBOX_SIZE = _CLAIM_SHIFT + 1
 _INDEX_BITS = 32
 _NOTHING_TO_CLAIM = (1 << _INDEX_BITS) - 1
 _SEQUENCES = (1 << 31) - 1  # job numbers wrap here, so that the tagged counter stays positive
@@ -218,28 +221,33 @@ def _vnni_block(box, index):
 @_jit
 def _work(box, sequence):
     """Claim and compute units of job `sequence` until none are left (or a later job is posted);
-    returns how many it computed."""
+    returns how many it computed. A claim takes an eighth of the units left (at least one): a
+    large job's claims are a few dozen atomic swaps, not one a unit, and its last units still go
+    one at a time to whichever thread is free."""
     computed = 0
     while True:
         claim = load(box, _CLAIM)
-        if claim >> _INDEX_BITS != sequence or (claim & _NOTHING_TO_CLAIM) >= load(box, _UNITS):
+        first, units = claim & _NOTHING_TO_CLAIM, load(box, _UNITS)
+        if claim >> _INDEX_BITS != sequence or first >= units:
             return computed  # (a later job's unit count read here: its retag fails the swap below)
-        if compare_and_swap(box, _CLAIM, claim, claim + 1):  # the fields stay this job's until it is done
+        take = max(1, (units - first) >> load(box, _CLAIM_SHIFT))
+        if compare_and_swap(box, _CLAIM, claim, claim + take):  # the fields stay this job's until it is done
             kind = load(box, _KIND)
-            if kind == _PRODUCTS:
-                _product_chunk(box, claim & _NOTHING_TO_CLAIM)
-            elif kind == _ATTENTION:
-                _attention_span(box, claim & _NOTHING_TO_CLAIM)
-            elif kind == _SUMS:
-                _sum_block(box, claim & _NOTHING_TO_CLAIM)
-            elif kind == _NBITS:
-                _nbits_block(box, claim & _NOTHING_TO_CLAIM)
-            elif kind == _VNNI:
-                _vnni_block(box, claim & _NOTHING_TO_CLAIM)
-            else:
-                _row_block(box, claim & _NOTHING_TO_CLAIM)
-            add(box, _COMPLETED, 1)
-            computed += 1
+            for unit in range(first, first + take):
+                if kind == _PRODUCTS:
+                    _product_chunk(box, unit)
+                elif kind == _ATTENTION:
+                    _attention_span(box, unit)
+                elif kind == _SUMS:
+                    _sum_block(box, unit)
+                elif kind == _NBITS:
+                    _nbits_block(box, unit)
+                elif kind == _VNNI:
+                    _vnni_block(box, unit)
+                else:
+                    _row_block(box, unit)
+            add(box, _COMPLETED, take)
+            computed += take
 
 
 def _units_entry(box_data, sequence):
@@ -267,6 +275,7 @@ def new_box() -> np.ndarray:
     """A mailbox for a pool of workers or for a job run alone."""
     box = np.zeros(_MAILBOX_SIZE, np.int64)
     box[_UNITS_CODE] = _units_address()
+    box[_CLAIM_SHIFT] = CLAIM_SHIFT
     return box
 
 
@@ -275,6 +284,7 @@ def own_box(box):
     """A new mailbox that calls the same unit code as `box` (a job run alone inside another)."""
     alone = np.zeros(_MAILBOX_SIZE, np.int64)
     alone[_UNITS_CODE] = box[_UNITS_CODE]
+    alone[_CLAIM_SHIFT] = box[_CLAIM_SHIFT]
     return alone
 
 

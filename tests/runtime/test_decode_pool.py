@@ -488,6 +488,32 @@ def test_a_job_is_complete_when_its_poster_returns(pool):
             assert pool.box[mailbox._CLAIM] & mailbox._NOTHING_TO_CLAIM >= units  # nothing left to claim
 
 
+@pytest.mark.parametrize("columns", [16, 9 * 64 + 5, 768 * 64])  # one unit; a layer's; an LM head's
+def test_claims_of_several_units_give_the_bits_of_claims_of_one(pool, columns):
+    """A thread claims an eighth of the units left at once (at least one): each unit is still
+    computed whole, once, by one thread, so the columns come out as one unit a claim gives them,
+    and as one thread gives them."""
+    from runnx.ops.contrib_quantized import _nibble_tiles
+
+    depth = 576
+    b = RNG.integers(0, 256, (columns, depth // 32, 16), dtype=np.uint8)
+    scales = RNG.random(columns * depth // 32).astype(np.float32)
+    tiles = _nibble_tiles((), b, scales, None)
+    rows = RNG.standard_normal((1, depth)).astype(np.float32)
+    alone = np.full((1, columns), np.nan, np.float32)
+    decode_pool.alone(mailbox.post_nbits, rows, *tiles, alone)
+    for shift in (63, mailbox.CLAIM_SHIFT, 1):  # a unit a claim; an eighth; half
+        pool.box[mailbox._CLAIM_SHIFT] = shift
+        try:
+            for _ in range(3):
+                out = np.full((1, columns), np.nan, np.float32)
+                decode_pool.nbits_rows(rows, *tiles, out)
+                np.testing.assert_array_equal(out, alone)
+                assert pool.box[mailbox._COMPLETED] == pool.box[mailbox._UNITS] == -(-columns // 64)
+        finally:
+            pool.box[mailbox._CLAIM_SHIFT] = mailbox.CLAIM_SHIFT
+
+
 def _products_arguments(height=1, depth=8, width=6):
     return (np.ones(height * depth, np.float32), (np.ones((depth, width), np.float32),),
             (np.empty(height * width, np.float32),), np.empty(chunk_count(depth) * height * width, np.float32))

@@ -1,7 +1,7 @@
 """Load-time fusion: recurring node patterns of exported models become one fused node.
 
-Pattern modules each give PATTERNS, (anchor op, matcher) pairs, the anchor a standard op or a fused
-one that an earlier pattern made; a matcher returns a `Fused` whose kernel (domain `runnx.fused`,
+Pattern modules each give PATTERNS, (anchor op, matcher) pairs, the anchor a standard op, an
+onnxruntime contrib op or a fused one that an earlier pattern made; a matcher returns a `Fused` whose kernel (domain `runnx.fused`,
 `runnx/ops/fused*.py`, `linalg.py`; or a standard fused op's own: onnxruntime's MatMulIntegerToFloat)
 computes what the replaced nodes computed. Patterns run in
 order, each over the graph the previous ones left.
@@ -16,7 +16,8 @@ quantized decoder's greedy tokens change).
 """
 from __future__ import annotations
 
-from runnx.interp.fusion import integer_products, layer_norm_blocks, products, rms_norm_blocks, split_products
+from runnx.interp.fusion import (integer_products, layer_norm_blocks, nbits_products, products, rms_norm_blocks,
+                                 split_products)
 from runnx.interp.fusion.identity_cuts import drop_identity_cuts
 from runnx.interp.fusion.matcher import Matcher
 from runnx.interp.ir import MISSING, Graph, Node
@@ -24,9 +25,11 @@ from runnx.ops import registry
 from runnx.ops._fused_common import DOMAIN
 
 PATTERNS = (integer_products.PATTERNS + rms_norm_blocks.PATTERNS + layer_norm_blocks.PATTERNS
-            + products.PATTERNS)  # products last: see products.py
+            + nbits_products.PATTERNS + products.PATTERNS)  # products last: see products.py
 ROUNDS_APART = frozenset(rms_norm_blocks.ROUNDS_APART + layer_norm_blocks.ROUNDS_APART + products.ROUNDS_APART
-                         + split_products.ROUNDS_APART + integer_products.ROUNDS_APART)
+                         + split_products.ROUNDS_APART + integer_products.ROUNDS_APART + nbits_products.ROUNDS_APART)
+# the domains of anchor nodes: standard ops, runnx's fused ones, onnxruntime's contrib ops
+ANCHOR_DOMAINS = ("", DOMAIN, "com.microsoft")
 # Rewrites into standard ops, run before the shape memos (which would hide the shape nodes they
 # evaluate) so that the patterns then match the graph they leave
 REWRITES = (split_products.split_products, drop_identity_cuts)
@@ -63,7 +66,7 @@ def fuse(graph: Graph, bitwise: bool = False) -> dict[str, int]:
         m = Matcher(graph)
         found = []
         for node in graph.nodes:
-            if node.op_type != anchor_op or node.domain not in ("", DOMAIN) or node.index in m.taken:
+            if node.op_type != anchor_op or node.domain not in ANCHOR_DOMAINS or node.index in m.taken:
                 continue
             fused = matcher(m, node)
             if fused is None or any(n.index in m.taken for n in fused.members):

@@ -80,17 +80,24 @@ def _shared_input(m: Matcher, matmul: Node) -> Fused | None:
         split_inputs += split.inputs[1:4]  # bias, target, source
         splits.append((position, split.attrs.get("dims", ()), split.attrs.get("axes", ())))
     attrs = {"splits": tuple(splits)} if splits else {}
-    gate = _gate(m, outputs)
-    if gate is not None:  # the products' SiLU gate: its output replaces the two products'
-        silu, positions = gate
-        members.append(silu)
-        outputs = [v for i, v in enumerate(outputs) if i not in positions] + [silu.outputs[0]]
-        attrs["gated"] = positions
+    outputs = with_silu_gate(m, members, outputs, attrs)
     return Fused("SharedInputMatMul", members, (x, *(n.inputs[1] for n in group), *split_inputs), tuple(outputs),
                  attrs)
 
 
-def _gate(m: Matcher, outputs: list) -> tuple[Node, tuple[int, int]] | None:
+def with_silu_gate(m: Matcher, members: list, outputs: list, attrs: dict) -> list:
+    """`outputs` of products fused as `members`, or, when a SiluMul gates two of them (`silu_gate`),
+    the others and the gate's output, the SiluMul joining `members` and attrs["gated"] saying which."""
+    gate = silu_gate(m, outputs)
+    if gate is None:
+        return outputs
+    silu, positions = gate
+    members.append(silu)
+    attrs["gated"] = positions
+    return [v for i, v in enumerate(outputs) if i not in positions] + [silu.outputs[0]]
+
+
+def silu_gate(m: Matcher, outputs: list) -> tuple[Node, tuple[int, int]] | None:
     """(SiluMul node, (gate position, up position)) when a fused SiluMul is the only reader of two
     of `outputs` (a layer's gate and up products)."""
     for gate_position, gate in enumerate(outputs):
