@@ -5,7 +5,9 @@ every run; folding turns them into contiguous read-only constants. Random ops ar
 and a fold that would blow up memory (e.g. Expand of a scalar to a huge tensor) is left to run; a
 Cast of float16 weights to float32 (twice their bytes, `float16.py`) is folded, and so is a
 DequantizeLinear of 8-bit weights (four times their bytes: a transformers.js int8 export's tied
-LM head, 28 MB of uint8, was dequantized to 113 MB on every decode step).
+LM head, 28 MB of uint8, was dequantized to 113 MB on every decode step), except where fusion
+reads the bytes themselves: a per-tensor DequantizeLinear whose one reader is a MatMul's matrix
+(`fusion/dequantized_products.py`).
 
 Small constants of equal value then become one array: every layer of an export has its own copy
 of the same slice bounds and scalars, and the facts kernels remember about constants by identity
@@ -17,12 +19,39 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.interp.context import RunContext
-from runnx.interp.ir import MISSING, Graph
+from runnx.interp.ir import MISSING, Graph, Node
 
 NONDETERMINISTIC = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike",
                               "Bernoulli", "Multinomial", "Dropout"})
 SMALL_RESULT = 1 << 20  # a folded result may always be this large, else no larger than its inputs
 SHARED_BYTES = 4096  # read-only constants up to this size with equal dtype, shape and bytes become one
+_FLOAT = 1  # TensorProto.FLOAT
+_BYTES = (np.dtype(np.uint8), np.dtype(np.int8))
+
+
+def dequantized_weight(graph: Graph, node: Node) -> bool:
+    """Whether `node` is a DequantizeLinear of a constant 2-D 8-bit matrix by one float32 scale and
+    one zero point of its type (or none): a float32 matrix of that many values."""
+    if node.op_type != "DequantizeLinear" or node.domain != "" or len(node.inputs) < 2:
+        return False
+    if node.attrs.get("block_size", 0) or node.attrs.get("output_dtype", 0) not in (0, _FLOAT):
+        return False
+    values, scale = graph.constants.get(node.inputs[0]), graph.constants.get(node.inputs[1])
+    zero = node.inputs[2] if len(node.inputs) > 2 else MISSING
+    zero_point = graph.constants.get(zero)
+    if zero != MISSING and (zero_point is None or zero_point.size != 1 or zero_point.dtype != getattr(values, "dtype", None)):
+        return False
+    return (values is not None and values.ndim == 2 and values.dtype in _BYTES and scale is not None
+            and scale.size == 1 and scale.dtype == np.float32)
+
+
+def read_as_weight(graph: Graph, node: Node, readers: list) -> bool:
+    """Whether `node`'s output is no graph output and its only reader (`readers`) is a MatMul
+    taking it as its matrix."""
+    value = node.outputs[0]
+    return (value not in graph.outputs and len(readers) == 1 and readers[0].op_type == "MatMul"
+            and readers[0].domain == "" and len(readers[0].inputs) == 2 and readers[0].inputs[1] == value
+            and readers[0].inputs[0] != value)
 
 
 def _foldable(graph: Graph, node) -> bool:
@@ -90,7 +119,12 @@ def fold_constants(graph: Graph, options, shared: dict | None = None) -> int:
     while changed:  # nodes may be out of topological order
         changed = False
         kept = []
+        readers = _readers(nodes) if options.fuse else {}
         for node in nodes:
+            if (options.fuse and dequantized_weight(graph, node)
+                    and read_as_weight(graph, node, readers.get(node.outputs[0], []))):
+                kept.append(node)  # a DequantizedMatMul reads its bytes
+                continue
             outputs = _evaluate(graph, node, ctx) if _foldable(graph, node) else None
             if outputs is None or len(outputs) < sum(v != MISSING for v in node.outputs):
                 kept.append(node)
@@ -117,6 +151,15 @@ def fold_constants(graph: Graph, options, shared: dict | None = None) -> int:
             folded += fold_constants(subgraph, options, shared)
     _share_equal_constants(graph, shared)
     return folded
+
+
+def _readers(nodes) -> dict:
+    """{value id: the nodes reading it as an input or a capture}."""
+    readers: dict = {}
+    for node in nodes:
+        for vid in (*node.inputs, *node.captures):
+            readers.setdefault(vid, []).append(node)
+    return readers
 
 
 def _share_equal_constants(graph: Graph, shared: dict) -> None:

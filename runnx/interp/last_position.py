@@ -4,7 +4,8 @@ Generation reads the logits of the last position, but Optimum's decoders compute
 every position of the prompt: a sixth of a small LM's 512-token prefill, and a
 speech decoder's head over its prompt rows on every window's first step. With
 `Options.last_position` naming such outputs (`generate.decoder.load_decoder` names "logits"), a
-named graph output computed by MatMul(h, W) from a constant matrix W, or by a block-quantized
+named graph output computed by MatMul(h, W) from a constant matrix W (or one dequantized from a
+constant, `fusion/dequantized_products.py`), or by a block-quantized
 product of h (MatMulNBits, MatMulBnb4: onnxruntime-genai's and transformers.js's 4-bit heads), in
 the graph itself or in each branch of the If producing it, and read by no node reads
 LastPosition(h) instead (h[..., -1:, :],
@@ -13,6 +14,7 @@ as they are.
 """
 from __future__ import annotations
 
+from runnx.interp.folding import dequantized_weight
 from runnx.interp.ir import Graph, Node
 from runnx.ops import registry
 from runnx.ops._fused_common import DOMAIN
@@ -35,6 +37,9 @@ def _rewrite(graph: Graph, vid: int, kernel) -> int:
         return sum(_rewrite(branch, branch.outputs[position], kernel) for branch in node.subgraphs.values())
     declared = graph.output_info[graph.outputs.index(vid)].shape
     hidden, weight = node.inputs[:2] if (node.domain, node.op_type) in _PRODUCTS and len(node.inputs) >= 2 else (None, None)
+    dequantized = graph.producer.get(weight)
+    if dequantized is not None and dequantized_weight(graph, dequantized):  # its bytes kept (folding.py)
+        weight = dequantized.inputs[0]
     if weight not in graph.constants or declared is None or len(declared) < 2 \
             or (node.op_type == "MatMul" and (len(node.inputs) != 2 or graph.constants[weight].ndim != 2)):
         return 0

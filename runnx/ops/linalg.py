@@ -1,6 +1,7 @@
 """Linear algebra: MatMul, Gemm, MatMulInteger, Einsum, Det (BLAS/LAPACK through numpy), and the
 fused nodes built around one-row products (`runnx/interp/fusion/products.py`), whose decode rows
-are native calls of `_decode_blocks.py` (an RMSNorm layer's own two: `decoder_layers.py`).
+are native calls of `_decode_blocks.py` (an RMSNorm layer's own two: `decoder_layers.py`), and
+DequantizedMatMul (a product by an 8-bit weight kept in its bytes).
 
 Results keep the input dtype: numpy returns float32 for bfloat16 products (it accumulates in
 float32), which is rounded back once, as the ONNX reference does.
@@ -21,6 +22,7 @@ from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, norm_fits
 from runnx.ops.fused_layer_norm_blocks import (ErfGelu, HeadsAttention, SplitHeads, add_layer_norm, attended_row, attention_row,
                                      split_shape)
+from runnx.ops.quantization import dequantize
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.mailbox import few
@@ -79,6 +81,40 @@ def MatMul(a, b):
         rows = np.matmul(a.reshape(-1, a.shape[-1]), b)
         return _in_dtype(rows.reshape(a.shape[:-1] + (b.shape[1],)), a.dtype)
     return _in_dtype(np.matmul(a, b), a.dtype)
+
+
+def _dequantized_matrix(_, b, scale, zero_point):
+    matrix = dequantize(b, scale, zero_point)
+    matrix.flags.writeable = False
+    return matrix
+
+
+# a weight's floats, made by its first product of many rows and kept while it lives (a weight's
+# folded DequantizeLinear would have kept them from the start)
+_remembered_dequantized = Remembered(_dequantized_matrix)
+_BYTES = (np.dtype(np.uint8), np.dtype(np.int8))
+
+
+@register("DequantizedMatMul", since=1, domain=FUSED_DOMAIN)
+def DequantizedMatMul(a, b, b_scale, b_zero_point=None):
+    """MatMul(a, DequantizeLinear(b, b_scale, b_zero_point)) for a 2-D 8-bit b with one scale and
+    zero point: a weight kept in its bytes (`runnx/interp/fusion/dequantized_products.py`). The
+    rows MatMul streams through its rows loop (decoding, a short prompt: float32, few of them)
+    stream b's bytes instead, each entry dequantized as it is read with DequantizeLinear's
+    arithmetic: bitwise MatMul over the dequantized matrix, from a quarter of its bytes. Other
+    products multiply the dequantized matrix, made on their first call and kept while b lives."""
+    if (_native.enabled and a.dtype == _FLOAT32 and b.ndim == 2 and b.dtype in _BYTES and b.flags.c_contiguous
+            and b_scale.dtype == _FLOAT32 and b_scale.size == 1
+            and (b_zero_point is None or (b_zero_point.size == 1 and b_zero_point.dtype == b.dtype))
+            and a.ndim and a.size and a.shape[-1] == b.shape[0] and few(a.size // b.shape[0], b.shape[1])):
+        numbers = (np.float32(0 if b_zero_point is None else b_zero_point.reshape(-1)[0]),
+                   np.float32(b_scale.reshape(-1)[0]))
+        if (workers := decode_pool.pool()) is not None and b.size >= _POOLED_ELEMENTS:  # as MatMul's paths
+            (product,) = workers.products(_rows(a), (b,), numbers)
+        else:
+            product = rows_times_matrix(np.ascontiguousarray(a).reshape(-1, b.shape[0]), b, *numbers)
+        return product.reshape(a.shape[:-1] + b.shape[1:])
+    return MatMul(a, _remembered_dequantized((), b, b_scale, b_zero_point))
 
 
 @register("SharedInputMatMul", since=1, domain=FUSED_DOMAIN)

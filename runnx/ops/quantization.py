@@ -112,7 +112,7 @@ _ONNX_FLOAT = 1  # TensorProto.FLOAT
 _ONE_PASS_QUANTIZE = 4096  # elements up to which DynamicQuantizeLinear's one pass beats numpy's seven
 
 
-def _dequantize(x, scale, zero_point, *, axis=1, block_size=0, output_dtype=0):
+def dequantize(x, scale, zero_point, *, axis=1, block_size=0, output_dtype=0):
     if (_native.enabled and x.dtype in _PER_TENSOR_KERNEL_DTYPES and scale.size == 1
             and scale.dtype == np.float32 and (zero_point is None or zero_point.size == 1)
             and output_dtype in (0, _ONNX_FLOAT)):  # one scale: one pass, numpy's arithmetic
@@ -130,22 +130,22 @@ def _dequantize(x, scale, zero_point, *, axis=1, block_size=0, output_dtype=0):
 
 @register("DequantizeLinear", since=10)
 def DequantizeLinear_10(x, x_scale, x_zero_point=None):
-    return _dequantize(x, x_scale, x_zero_point)
+    return dequantize(x, x_scale, x_zero_point)
 
 
 @register("DequantizeLinear", since=13)
 def DequantizeLinear_13(x, x_scale, x_zero_point=None, *, axis: int = 1):
-    return _dequantize(x, x_scale, x_zero_point, axis=axis)
+    return dequantize(x, x_scale, x_zero_point, axis=axis)
 
 
 @register("DequantizeLinear", since=21)
 def DequantizeLinear_21(x, x_scale, x_zero_point=None, *, axis: int = 1, block_size: int = 0):
-    return _dequantize(x, x_scale, x_zero_point, axis=axis, block_size=block_size)
+    return dequantize(x, x_scale, x_zero_point, axis=axis, block_size=block_size)
 
 
 @register("DequantizeLinear", since=23)
 def DequantizeLinear(x, x_scale, x_zero_point=None, *, axis: int = 1, block_size: int = 0, output_dtype: int = 0):
-    return _dequantize(x, x_scale, x_zero_point, axis=axis, block_size=block_size, output_dtype=output_dtype)
+    return dequantize(x, x_scale, x_zero_point, axis=axis, block_size=block_size, output_dtype=output_dtype)
 
 
 @register("DynamicQuantizeLinear", since=11)

@@ -114,6 +114,15 @@ def float32_pointer(typingctx, address):
 
 
 @intrinsic
+def byte_pointer(typingctx, address):
+    """`address` as a uint8 pointer, for numba.carray (`float32_pointer`'s, for 8-bit matrices)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(types.CPointer(types.uint8)))
+
+    return types.CPointer(types.uint8)(types.int64), codegen
+
+
+@intrinsic
 def call_units(typingctx, address, box, sequence):
     """The function at `address`, `int64 (int64 *box, int64 sequence)`, called with box's data: the
     decode pool's unit loop, one compiled copy that every thread calls (`mailbox.py`)."""

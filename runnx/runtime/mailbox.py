@@ -4,7 +4,8 @@ mailbox, an int64 array every thread reads and writes with the atomic instructio
 
 A job is cut into units that give the same result whoever computes them:
 - products: one row (or a short prompt's few rows) times up to four matrices (a layer's
-  projections of one input); each product in the row chunks of `rows_times_matrix`
+  projections of one input; float32, or 8-bit read through a zero point and scale); each product
+  in the row chunks of `rows_times_matrix`
   (`ops/_kernels_linalg.py`), each summed into its own partial rows, the partial rows added in chunk
   order: bitwise the one-thread loop's;
 - attention: one unit per (batch entry, KV head, span of the cache), `attention_span` of
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from numba.extending import overload
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span
@@ -39,8 +41,8 @@ from runnx.ops._kernels_linalg import add_partials_into, chunk_bounds, chunk_cou
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, split_rows, tile_rows
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
 from runnx.ops._kernels_vnni import tile_sums_into, unsigned_rows, with_zero_points
-from runnx.runtime.atomics import (add, bits_of_float64, call_units, compare_and_swap, float32_pointer,
-                                   float32_view, float64_from_bits, load, pause, store)
+from runnx.runtime.atomics import (add, bits_of_float64, byte_pointer, call_units, compare_and_swap,
+                                   float32_pointer, float32_view, float64_from_bits, load, pause, store)
 
 # mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
 # caller's writes; _IDLE + w is worker w's, so there are at most MAX_WORKERS (one line of flags)
@@ -60,7 +62,11 @@ MAX_MATRICES = 4  # one job: rows times up to this many matrices (a layer's q, k
 # OpenBLAS 507; 2 rows times an LM head of 51864 columns 4.0 ms, OpenBLAS 5.9; 4 rows 5.7 and 5.4)
 FEW_ROWS = 16
 FEW_ROW_SUMS = 1 << 17
-_MATRIX, _WIDTH, _PARTIALS, _OUT, _PER_MATRIX = 0, 1, 2, 3, 4  # matrix m's slots start at _MATRICES + 4 m
+# matrix m's slots start at _MATRICES + _PER_MATRIX m: its address, width, partial rows, output, then
+# whether its entries are float32 (_FLOATS) or 8-bit integers (_UNSIGNED, _SIGNED) dequantized by a
+# zero point and scale (float64 bits; `rows_into`)
+_MATRIX, _WIDTH, _PARTIALS, _OUT, _ENTRIES, _ENTRY_ZERO, _ENTRY_SCALE, _PER_MATRIX = range(8)
+_FLOATS, _UNSIGNED, _SIGNED = 0, 1, 2
 # columns per unit of a sums job, and the columns (all products') from which the partial rows are
 # added by the pool: an LM head's 8 partial rows of 50k columns take ~250 us to add on one thread
 _SUM_BLOCK = 4096
@@ -110,11 +116,21 @@ def _product_chunk(box, index):
     slots = _MATRICES + _PER_MATRIX * (index // chunks)
     width = load(box, slots + _WIDTH)
     rows = numba.carray(float32_pointer(load(box, _ROW)), (height, depth))
-    matrix = numba.carray(float32_pointer(load(box, slots + _MATRIX)), (depth, width))
     partials = numba.carray(float32_pointer(load(box, slots + _PARTIALS)), (chunks, height, width))
     chunk = index % chunks
     start, stop = chunk_bounds(depth, chunks, chunk)
-    rows_into(rows, matrix, partials[chunk], start, stop)
+    entries = load(box, slots + _ENTRIES)
+    if entries == _FLOATS:
+        matrix = numba.carray(float32_pointer(load(box, slots + _MATRIX)), (depth, width))
+        rows_into(rows, matrix, partials[chunk], start, stop)
+        return
+    zero = np.float32(float64_from_bits(load(box, slots + _ENTRY_ZERO)))
+    scale = np.float32(float64_from_bits(load(box, slots + _ENTRY_SCALE)))
+    matrix = numba.carray(byte_pointer(load(box, slots + _MATRIX)), (depth, width))
+    if entries == _UNSIGNED:
+        rows_into(rows, matrix, partials[chunk], start, stop, zero, scale)
+    else:
+        rows_into(rows, matrix.view(np.int8), partials[chunk], start, stop, zero, scale)
 
 
 @_jit
@@ -339,6 +355,18 @@ def _run(box, workers, sequence, units):
     return idle
 
 
+def _entries_of(matrix) -> int:
+    """How a products job reads `matrix`'s entries: _FLOATS (float32), _UNSIGNED (uint8), _SIGNED
+    (int8), or -1 (any other type: refused)."""
+    return {np.dtype(np.float32): _FLOATS, np.dtype(np.uint8): _UNSIGNED, np.dtype(np.int8): _SIGNED}.get(matrix.dtype, -1)
+
+
+@overload(_entries_of)
+def _entries_of_compiled(matrix):
+    entries = {numba.float32: _FLOATS, numba.uint8: _UNSIGNED, numba.int8: _SIGNED}.get(matrix.dtype, -1)
+    return lambda matrix: entries
+
+
 @_jit
 def _check_products(row, matrices, outs, scratch):
     """ValueError unless the arrays are what `post_products` reads and writes by address."""
@@ -352,20 +380,22 @@ def _check_products(row, matrices, outs, scratch):
     room = 0
     for m in range(len(matrices)):
         matrix, out = matrices[m], outs[m]
-        if (matrix.shape[0] != depth or not matrix.flags.c_contiguous or matrix.itemsize != 4
+        if (matrix.shape[0] != depth or not matrix.flags.c_contiguous or _entries_of(matrix) < 0
                 or out.size != height * matrix.shape[1] or not out.flags.c_contiguous or out.itemsize != 4):
-            raise ValueError("a products job takes C-contiguous float32 matrices (K, N) and outputs of rows x N")
+            raise ValueError("a products job takes C-contiguous float32 (or 8-bit) matrices (K, N) and outputs "
+                             "of rows x N")
         room += out.size
     if scratch.size < chunk_count(depth) * room:
         raise ValueError("a products job needs scratch of chunk_count(K) times its outputs' elements")
 
 
 @_jit
-def post_products(box, workers, row, matrices, outs, scratch):
+def post_products(box, workers, row, matrices, outs, scratch, zero=0.0, scale=1.0):
     """row @ matrices[m] into outs[m] for each m, as one job, for C-contiguous float32 `row` of one
     row (K,) or a few (M, K) and outs[m] of M * N_m elements, the partial rows in `scratch` (room
-    for chunk_count(K) times every output); whether a worker was idle. Arrays that do not fit raise
-    ValueError before anything is posted."""
+    for chunk_count(K) times every output); whether a worker was idle. 8-bit matrices are read as
+    (float32(entry) - zero) * scale (`rows_into`). Arrays that do not fit raise ValueError before
+    anything is posted."""
     _check_products(row, matrices, outs, scratch)
     depth = matrices[0].shape[0]
     chunks = chunk_count(depth)
@@ -386,6 +416,9 @@ def post_products(box, workers, row, matrices, outs, scratch):
         store(box, slots + _WIDTH, matrices[m].shape[1])
         store(box, slots + _PARTIALS, partials[m].ctypes.data)
         store(box, slots + _OUT, outs[m].ctypes.data)
+        store(box, slots + _ENTRIES, _entries_of(matrices[m]))
+        store(box, slots + _ENTRY_ZERO, bits_of_float64(zero))
+        store(box, slots + _ENTRY_SCALE, bits_of_float64(scale))
     idle = _run(box, workers, sequence, chunks * len(matrices))
     columns = 0
     for out in outs:

@@ -86,16 +86,19 @@ class DecodePool:
             if self.box[_IDLE + worker]:
                 wake.set()
 
-    def products(self, row, matrices: tuple) -> tuple:
+    def products(self, row, matrices: tuple, dequantized: tuple = ()) -> tuple:
         """(row @ matrix for matrix in matrices) for a float32 vector row (K,), or a few rows (M, K)
         (at most `FEW_ROWS`), and C-contiguous float32 matrices (K, N_m), as one job per
-        `MAX_MATRICES`."""
+        `MAX_MATRICES`; dequantized (zero, scale): 8-bit matrices, read as (float32(entry) - zero)
+        * scale (`rows_into`)."""
         if len(matrices) > MAX_MATRICES:
-            return self.products(row, matrices[:MAX_MATRICES]) + self.products(row, matrices[MAX_MATRICES:])
+            return (self.products(row, matrices[:MAX_MATRICES], dequantized)
+                    + self.products(row, matrices[MAX_MATRICES:], dequantized))
         row = np.ascontiguousarray(row)  # the workers read it by address
         if not self._lock.acquire(blocking=False):
             rows = row.reshape(-1, row.shape[-1])
-            return tuple(rows_times_matrix(rows, matrix).reshape(row.shape[:-1] + matrix.shape[1:])
+            numbers = tuple(np.float32(n) for n in dequantized)
+            return tuple(rows_times_matrix(rows, matrix, *numbers).reshape(row.shape[:-1] + matrix.shape[1:])
                          for matrix in matrices)
         try:
             height = row.size // row.shape[-1]
@@ -103,7 +106,8 @@ class DecodePool:
                 self._wake_sleeping()
             outs = tuple([np.empty(height * matrix.shape[1], np.float32) for matrix in matrices])
             idle = post_products(self.box, self._workers, row, matrices, outs,
-                             self._scratch(chunk_count(row.shape[-1]) * sum([out.size for out in outs])))
+                                 self._scratch(chunk_count(row.shape[-1]) * sum([out.size for out in outs])),
+                                 *(float(n) for n in dequantized))
         finally:
             self._lock.release()
         if idle:

@@ -98,13 +98,14 @@ def test_equal_small_constants_become_one_array_and_others_stay_apart():
 
 def test_a_dequantized_8_bit_weight_is_folded_once():
     """DequantizeLinear of constant 8-bit weights runs at load (its float32 result four times their
-    bytes): a transformers.js int8 export's tied LM head is no longer dequantized every step."""
+    bytes): a transformers.js int8 export's tied LM head is no longer dequantized every step. With
+    fusion on, a MatMul reads the bytes themselves instead (tests/interp/test_fusion_dequantized_products.py)."""
     weights = helper.make_tensor("w", T.UINT8, [4, 3], list(range(12)))
     graph = helper.make_graph(
         [helper.make_node("DequantizeLinear", ["w", "s", "z"], ["w_f"]), helper.make_node("MatMul", ["x", "w_f"], ["y"])],
         "g", [helper.make_tensor_value_info("x", T.FLOAT, [2, 4])], [helper.make_tensor_value_info("y", T.FLOAT, None)],
         [weights, helper.make_tensor("s", T.FLOAT, [], [0.5]), helper.make_tensor("z", T.UINT8, [], [3])])
-    model = runnx.load(helper.make_model(graph, opset_imports=OPSET))
+    model = runnx.load(helper.make_model(graph, opset_imports=OPSET), fuse=False)
     assert [n.op_type for n in model.plan()] == ["MatMul"]
     x = np.ones((2, 4), np.float32)
     expected = x @ ((np.arange(12, dtype=np.float32).reshape(4, 3) - 3) * 0.5)

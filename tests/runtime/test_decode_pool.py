@@ -171,7 +171,7 @@ def test_every_thread_computes_units_through_one_compiled_copy(name):
     arguments = {"_serve": (box, 0), "_rest": (box,),
                  "post_attention": (box, 1, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32)),
                  "post_products": (box, 1, row, (matrix,), (np.empty(3, np.float32),),
-                                   np.empty(3 * 8, np.float32)),
+                                   np.empty(3 * 8, np.float32), 0.0, 1.0),
                  "post_nbits": (box, 1, np.ones((1, 32), np.float32),
                                 np.ones((1, 1, 16, 16), np.uint8), np.ones((1, 1, 16), np.float32),
                                 np.ones((1, 1, 16), np.float32), np.empty((1, 3), np.float32)),
@@ -512,6 +512,22 @@ def test_claims_of_several_units_give_the_bits_of_claims_of_one(pool, columns):
                 assert pool.box[mailbox._COMPLETED] == pool.box[mailbox._UNITS] == -(-columns // 64)
         finally:
             pool.box[mailbox._CLAIM_SHIFT] = mailbox.CLAIM_SHIFT
+
+
+def test_a_products_job_writes_no_slot_past_its_fields():
+    """Every field of a products job of MAX_MATRICES matrices (8-bit ones with their zero point and
+    scale too) lies in its own slots, below the unit code's address and the claim size."""
+    box = mailbox.new_box()
+    first = mailbox._MATRICES + mailbox._PER_MATRIX * mailbox.MAX_MATRICES
+    box[first:mailbox._UNITS_CODE] = -7
+    kept = box[mailbox._UNITS_CODE:].copy()
+    for matrix in (np.ones((8, 6), np.float32), np.ones((8, 6), np.uint8)):
+        outs = tuple(np.empty(6, np.float32) for _ in range(mailbox.MAX_MATRICES))
+        mailbox.post_products(box, 0, np.ones(8, np.float32), (matrix,) * mailbox.MAX_MATRICES, outs,
+                              np.empty(chunk_count(8) * 6 * mailbox.MAX_MATRICES, np.float32), 3.0, 0.5)
+        expected = 8.0 if matrix.dtype == np.float32 else 8 * (1 - 3.0) * 0.5
+        assert all(np.array_equal(out, np.full(6, expected, np.float32)) for out in outs)
+        assert (box[first:mailbox._UNITS_CODE] == -7).all() and np.array_equal(box[mailbox._UNITS_CODE:], kept)
 
 
 def _products_arguments(height=1, depth=8, width=6):

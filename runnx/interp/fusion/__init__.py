@@ -16,18 +16,19 @@ quantized decoder's greedy tokens change).
 """
 from __future__ import annotations
 
-from runnx.interp.fusion import (integer_products, layer_norm_blocks, nbits_products, products, rms_norm_blocks,
-                                 split_products)
+from runnx.interp.fusion import (dequantized_products, integer_products, layer_norm_blocks, nbits_products,
+                                 products, rms_norm_blocks, split_products)
 from runnx.interp.fusion.identity_cuts import drop_identity_cuts
 from runnx.interp.fusion.matcher import Matcher
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.ops import registry
 from runnx.ops._fused_common import DOMAIN
 
-PATTERNS = (integer_products.PATTERNS + rms_norm_blocks.PATTERNS + layer_norm_blocks.PATTERNS
-            + nbits_products.PATTERNS + products.PATTERNS)  # products last: see products.py
+PATTERNS = (dequantized_products.PATTERNS + integer_products.PATTERNS + rms_norm_blocks.PATTERNS
+            + layer_norm_blocks.PATTERNS + nbits_products.PATTERNS + products.PATTERNS)  # products last: see products.py
 ROUNDS_APART = frozenset(rms_norm_blocks.ROUNDS_APART + layer_norm_blocks.ROUNDS_APART + products.ROUNDS_APART
-                         + split_products.ROUNDS_APART + integer_products.ROUNDS_APART + nbits_products.ROUNDS_APART)
+                         + split_products.ROUNDS_APART + integer_products.ROUNDS_APART + nbits_products.ROUNDS_APART
+                         + dequantized_products.ROUNDS_APART)
 # the domains of anchor nodes: standard ops, runnx's fused ones, onnxruntime's contrib ops
 ANCHOR_DOMAINS = ("", DOMAIN, "com.microsoft")
 # Rewrites into standard ops, run before the shape memos (which would hide the shape nodes they
