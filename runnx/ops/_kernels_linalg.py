@@ -13,16 +13,14 @@ pool's result is bitwise this loop's. Each column is summed as a chain of fused 
 (`contract`: one rounding a row, as onnxruntime's MLAS kernels sum; never reassociated, so no
 dependence on the vector width): the same result for every thread count, on every CPU with FMA, in
 half the arithmetic instructions of a multiply and an add. A matrix of 8-bit integers with one
-scale and zero point (a DequantizeLinear'd weight, `quantization.DequantizedMatMul`) takes the same
-loops, each entry dequantized as it is read with DequantizeLinear's arithmetic: bitwise the product
-with the dequantized float matrix, from a quarter of its bytes.
+scale and zero point (a DequantizeLinear'd weight, `linalg.DequantizedMatMul`) takes the same loop
+in `rows_into_bytes`, each entry dequantized as it is read with DequantizeLinear's arithmetic:
+bitwise the product with the dequantized float matrix, from a quarter of its bytes.
 """
 from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import types
-from numba.extending import overload
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 
@@ -37,21 +35,8 @@ def chunk_bounds(depth, chunks, index):
     return depth * index // chunks, depth * (index + 1) // chunks
 
 
-def dequantized(value, zero, scale):
-    """A matrix entry as the loops multiply it: a float as it is, an 8-bit integer as a per-tensor
-    DequantizeLinear makes it, (float32(value) - zero) * scale (`_kernels_integer.dequantize_into`)."""
-    return value if isinstance(value, float) else (np.float32(value) - zero) * scale
-
-
-@overload(dequantized, inline="always")
-def _dequantized(value, zero, scale):
-    if isinstance(value, types.Integer):
-        return lambda value, zero, scale: (np.float32(value) - zero) * scale
-    return lambda value, zero, scale: value
-
-
 @_kernel
-def rows_into(rows, matrix, partial, start, stop, zero=0.0, scale=1.0):
+def rows_into(rows, matrix, partial, start, stop):
     """partial = rows[:, start:stop] @ matrix[start:stop] for rows (M, K) and partial (M, N): the
     matrix rows in four quarters read side by side (rows k, k + q, k + 2q, k + 3q per pass, then
     the rest one by one), each pass serving every row of `rows`, each column summed in that fixed
@@ -59,8 +44,7 @@ def rows_into(rows, matrix, partial, start, stop, zero=0.0, scale=1.0):
     whose streams end every few KiB (narrow decoding matrices gain most; scripts/bench_gemv.py
     measures it). A few rows (a short prompt's) cost about one row's memory traffic, where
     OpenBLAS packs the whole matrix for them; a row's sums do not depend
-    on the rows beside it, so every row comes out bitwise as it would alone. An 8-bit matrix's
-    entries are `dequantized` by zero and scale (float32) as they are read."""
+    on the rows beside it, so every row comes out bitwise as it would alone."""
     partial[:] = 0
     quarter = (stop - start) // 4
     for k in range(start, start + quarter):
@@ -70,17 +54,45 @@ def rows_into(rows, matrix, partial, start, stop, zero=0.0, scale=1.0):
             f0, f1, f2, f3 = row[k], row[k + quarter], row[k + 2 * quarter], row[k + 3 * quarter]
             for n in range(sums.size):
                 total = sums[n]
-                total += f0 * dequantized(w0[n], zero, scale)
-                total += f1 * dequantized(w1[n], zero, scale)
-                total += f2 * dequantized(w2[n], zero, scale)
-                total += f3 * dequantized(w3[n], zero, scale)
+                total += f0 * w0[n]
+                total += f1 * w1[n]
+                total += f2 * w2[n]
+                total += f3 * w3[n]
                 sums[n] = total
     for k in range(start + 4 * quarter, stop):
         weights = matrix[k]
         for m in range(rows.shape[0]):
             factor, sums = rows[m, k], partial[m]
             for n in range(sums.size):
-                sums[n] += factor * dequantized(weights[n], zero, scale)
+                sums[n] += factor * weights[n]
+
+
+@_kernel
+def rows_into_bytes(rows, matrix, zero, scale, partial, start, stop):
+    """`rows_into` over the float32 matrix (float32(matrix) - zero) * scale of an 8-bit matrix,
+    each entry dequantized as it is read (`_kernels_integer.dequantize_into`'s arithmetic): the same
+    loop, each column summed in the same order, so bitwise `rows_into` over the dequantized matrix
+    (a test holds them to it)."""
+    partial[:] = 0
+    quarter = (stop - start) // 4
+    for k in range(start, start + quarter):
+        w0, w1, w2, w3 = matrix[k], matrix[k + quarter], matrix[k + 2 * quarter], matrix[k + 3 * quarter]
+        for m in range(rows.shape[0]):
+            row, sums = rows[m], partial[m]
+            f0, f1, f2, f3 = row[k], row[k + quarter], row[k + 2 * quarter], row[k + 3 * quarter]
+            for n in range(sums.size):
+                total = sums[n]
+                total += f0 * ((np.float32(w0[n]) - zero) * scale)
+                total += f1 * ((np.float32(w1[n]) - zero) * scale)
+                total += f2 * ((np.float32(w2[n]) - zero) * scale)
+                total += f3 * ((np.float32(w3[n]) - zero) * scale)
+                sums[n] = total
+    for k in range(start + 4 * quarter, stop):
+        weights = matrix[k]
+        for m in range(rows.shape[0]):
+            factor, sums = rows[m, k], partial[m]
+            for n in range(sums.size):
+                sums[n] += factor * ((np.float32(weights[n]) - zero) * scale)
 
 
 @_kernel
@@ -100,15 +112,29 @@ def chunk_count(depth):
 
 
 @_kernel
-def rows_times_matrix(rows, matrix, zero=0.0, scale=1.0):
-    """rows @ matrix for C-contiguous rows (M, K) and matrix (K, N) (8-bit: `dequantized` by zero
-    and scale), on this thread."""
+def rows_times_matrix(rows, matrix):
+    """rows @ matrix for C-contiguous rows (M, K) and matrix (K, N), on this thread."""
+    depth, width = matrix.shape
+    chunks = chunk_count(depth)
+    partials = np.empty((chunks, rows.shape[0], width), matrix.dtype)
+    for index in range(chunks):
+        start, stop = chunk_bounds(depth, chunks, index)
+        rows_into(rows, matrix, partials[index], start, stop)
+    out = np.empty((rows.shape[0], width), matrix.dtype)
+    add_partials_into(partials.reshape((chunks, out.size)), out.reshape(out.size))
+    return out
+
+
+@_kernel
+def rows_times_bytes(rows, matrix, zero, scale):
+    """rows @ ((float32(matrix) - zero) * scale) for C-contiguous float32 rows (M, K) and an 8-bit
+    matrix (K, N), as `rows_times_matrix` sums it, on this thread."""
     depth, width = matrix.shape
     chunks = chunk_count(depth)
     partials = np.empty((chunks, rows.shape[0], width), rows.dtype)
     for index in range(chunks):
         start, stop = chunk_bounds(depth, chunks, index)
-        rows_into(rows, matrix, partials[index], start, stop, zero, scale)
+        rows_into_bytes(rows, matrix, zero, scale, partials[index], start, stop)
     out = np.empty((rows.shape[0], width), rows.dtype)
     add_partials_into(partials.reshape((chunks, out.size)), out.reshape(out.size))
     return out

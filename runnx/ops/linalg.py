@@ -16,7 +16,7 @@ from runnx.ops import _kernels_vnni as vnni, _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
 from runnx.ops._kernels_integer import column_sums, integer_rows
-from runnx.ops._kernels_linalg import rows_times_matrix
+from runnx.ops._kernels_linalg import rows_times_bytes, rows_times_matrix
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, norm_fits
@@ -112,7 +112,7 @@ def DequantizedMatMul(a, b, b_scale, b_zero_point=None):
         if (workers := decode_pool.pool()) is not None and b.size >= _POOLED_ELEMENTS:  # as MatMul's paths
             (product,) = workers.products(_rows(a), (b,), numbers)
         else:
-            product = rows_times_matrix(np.ascontiguousarray(a).reshape(-1, b.shape[0]), b, *numbers)
+            product = rows_times_bytes(np.ascontiguousarray(a).reshape(-1, b.shape[0]), b, *numbers)
         return product.reshape(a.shape[:-1] + b.shape[1:])
     return MatMul(a, _remembered_dequantized((), b, b_scale, b_zero_point))
 

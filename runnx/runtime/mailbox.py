@@ -37,7 +37,7 @@ from numba.extending import overload
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_fused import attention_combine, attention_scratch, attention_span
-from runnx.ops._kernels_linalg import add_partials_into, chunk_bounds, chunk_count, rows_into
+from runnx.ops._kernels_linalg import add_partials_into, chunk_bounds, chunk_count, rows_into, rows_into_bytes
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, split_rows, tile_rows
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
 from runnx.ops._kernels_vnni import tile_sums_into, unsigned_rows, with_zero_points
@@ -64,7 +64,7 @@ FEW_ROWS = 16
 FEW_ROW_SUMS = 1 << 17
 # matrix m's slots start at _MATRICES + _PER_MATRIX m: its address, width, partial rows, output, then
 # whether its entries are float32 (_FLOATS) or 8-bit integers (_UNSIGNED, _SIGNED) dequantized by a
-# zero point and scale (float64 bits; `rows_into`)
+# zero point and scale (float64 bits; `rows_into_bytes`)
 _MATRIX, _WIDTH, _PARTIALS, _OUT, _ENTRIES, _ENTRY_ZERO, _ENTRY_SCALE, _PER_MATRIX = range(8)
 _FLOATS, _UNSIGNED, _SIGNED = 0, 1, 2
 # columns per unit of a sums job, and the columns (all products') from which the partial rows are
@@ -128,9 +128,9 @@ def _product_chunk(box, index):
     scale = np.float32(float64_from_bits(load(box, slots + _ENTRY_SCALE)))
     matrix = numba.carray(byte_pointer(load(box, slots + _MATRIX)), (depth, width))
     if entries == _UNSIGNED:
-        rows_into(rows, matrix, partials[chunk], start, stop, zero, scale)
+        rows_into_bytes(rows, matrix, zero, scale, partials[chunk], start, stop)
     else:
-        rows_into(rows, matrix.view(np.int8), partials[chunk], start, stop, zero, scale)
+        rows_into_bytes(rows, matrix.view(np.int8), zero, scale, partials[chunk], start, stop)
 
 
 @_jit
@@ -394,7 +394,7 @@ def post_products(box, workers, row, matrices, outs, scratch, zero=0.0, scale=1.
     """row @ matrices[m] into outs[m] for each m, as one job, for C-contiguous float32 `row` of one
     row (K,) or a few (M, K) and outs[m] of M * N_m elements, the partial rows in `scratch` (room
     for chunk_count(K) times every output); whether a worker was idle. 8-bit matrices are read as
-    (float32(entry) - zero) * scale (`rows_into`). Arrays that do not fit raise ValueError before
+    (float32(entry) - zero) * scale (`rows_into_bytes`). Arrays that do not fit raise ValueError before
     anything is posted."""
     _check_products(row, matrices, outs, scratch)
     depth = matrices[0].shape[0]

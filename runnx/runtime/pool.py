@@ -31,7 +31,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_matrix
+from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_matrix
 from runnx.runtime.mailbox import (_IDLE, _ROW_BLOCK, _SHARED, MAX_MATRICES, MAX_WORKERS, _rest, _serve, _stop,
                                    new_box, post_attention, post_gelu, post_nbits, post_products, post_softmax,
                                    post_vnni)
@@ -90,15 +90,18 @@ class DecodePool:
         """(row @ matrix for matrix in matrices) for a float32 vector row (K,), or a few rows (M, K)
         (at most `FEW_ROWS`), and C-contiguous float32 matrices (K, N_m), as one job per
         `MAX_MATRICES`; dequantized (zero, scale): 8-bit matrices, read as (float32(entry) - zero)
-        * scale (`rows_into`)."""
+        * scale (`rows_into_bytes`)."""
         if len(matrices) > MAX_MATRICES:
             return (self.products(row, matrices[:MAX_MATRICES], dequantized)
                     + self.products(row, matrices[MAX_MATRICES:], dequantized))
         row = np.ascontiguousarray(row)  # the workers read it by address
         if not self._lock.acquire(blocking=False):
             rows = row.reshape(-1, row.shape[-1])
-            numbers = tuple(np.float32(n) for n in dequantized)
-            return tuple(rows_times_matrix(rows, matrix, *numbers).reshape(row.shape[:-1] + matrix.shape[1:])
+            if dequantized:
+                numbers = tuple(np.float32(n) for n in dequantized)
+                return tuple(rows_times_bytes(rows, matrix, *numbers).reshape(row.shape[:-1] + matrix.shape[1:])
+                             for matrix in matrices)
+            return tuple(rows_times_matrix(rows, matrix).reshape(row.shape[:-1] + matrix.shape[1:])
                          for matrix in matrices)
         try:
             height = row.size // row.shape[-1]

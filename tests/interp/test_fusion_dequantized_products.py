@@ -10,7 +10,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import runnx
 from runnx.ops import linalg
-from runnx.ops._kernels_linalg import rows_times_matrix
+from runnx.ops._kernels_linalg import rows_times_bytes, rows_times_matrix
 from runnx.ops.quantization import dequantize
 
 F = TensorProto.FLOAT
@@ -86,7 +86,7 @@ def test_the_bytes_loop_is_bitwise_the_float_loop_over_the_dequantized_matrix():
             zero, scale = np.array(-3 if dtype == np.int8 else 130, dtype), np.array(0.0123, np.float32)
             x = RNG.standard_normal((rows, depth)).astype(np.float32)
             floats = rows_times_matrix(x, dequantize(b, scale, zero))
-            np.testing.assert_array_equal(rows_times_matrix(x, b, np.float32(zero), np.float32(scale)), floats)
+            np.testing.assert_array_equal(rows_times_bytes(x, b, np.float32(zero), np.float32(scale)), floats)
             np.testing.assert_array_equal(linalg.DequantizedMatMul(x, b, scale, zero), floats)
 
 
