@@ -109,7 +109,9 @@ class DecoderShape:
     # products as onnxruntime.quantization.quantize_dynamic writes them (DynamicQuantizeLinear ->
     # MatMulInteger -> Cast -> Mul by the scales), and a token embedding DequantizeLinear(int8 table)
     # -> Gather(ids) added to the hidden input: "" none, "all" every product, "attention" the
-    # attention's (the MLP's left float, as nodes_to_exclude leaves them)
+    # attention's (the MLP's left float, as nodes_to_exclude leaves them); "nbits": every product
+    # as the 4-bit MatMulNBits of matmul_nbits_quantizer (blocks of 32, zero points) and a llama
+    # head tied to the embedding table, MatMul(h, DequantizeLinear(Transpose(table)))
     quantized: str = ""
     overridable: tuple = ()  # initializer names also listed as graph inputs
     # one product per layer for q/k/v and one for the MLP's first products, cut into pieces (llama:
@@ -201,7 +203,9 @@ class DecoderGraph:
 
     def linear(self, x: str, rows: int, columns: int, bias: bool = False, part: str = "") -> str:
         quantized = self.shape.quantized == "all" and part or self.shape.quantized == part == "attention"
-        if quantized:
+        if self.shape.quantized == "nbits" and part:
+            y = self.four_bit_product(x, rows, columns)
+        elif quantized:
             y = self.quantized_product(x, rows, columns)
         else:
             y = self.node("MatMul", [x, self.weight(rows, columns)])
@@ -226,6 +230,20 @@ class DecoderGraph:
         scales = self.node("Mul", [x_scale, self.constant("w_scale", np.asarray(scale, np.float32))])
         return self.node("Mul", [self.node("Cast", [product], to=F), scales])
 
+    def four_bit_product(self, x: str, rows: int, columns: int) -> str:
+        """x @ W as onnxruntime's MatMulNBits (4 bits, blocks of 32 along K, a scale and a packed
+        zero point a block), W's values random in [0, 16)."""
+        blocks = (rows + 31) // 32
+        weights = self.rng.integers(0, 256, (columns, blocks, 16), dtype=np.uint8)
+        scales = (0.02 + 0.02 * self.rng.random(columns * blocks)).astype(np.float32)
+        zeros = self.rng.integers(0, 256, columns * ((blocks + 1) // 2), dtype=np.uint8)
+        output = self.fresh("nbits")
+        self.nodes.append(helper.make_node(
+            "MatMulNBits", [x, self.constant("w_4", weights), self.constant("w_scales", scales),
+                            self.constant("w_zeros", zeros)], [output], name=output, domain="com.microsoft",
+            K=rows, N=columns, bits=4, block_size=32))
+        return output
+
     def embedded(self, h: str) -> str:
         """h + Gather(DequantizeLinear(table), ids): a quantized token embedding (uint8, a zero point)."""
         s = self.shape
@@ -233,9 +251,9 @@ class DecoderGraph:
         scale = np.float32((table.max() - table.min()) / 255)
         zero = np.uint8(np.clip(np.round(-table.min() / scale), 0, 255))
         table_q = np.clip(np.round(table / scale) + zero, 0, 255).astype(np.uint8)
-        dequantized = self.node("DequantizeLinear", [self.constant("table_q", table_q),
-                                                     self.constant("table_scale", scale),
-                                                     self.constant("table_zero", zero)])
+        self.table = [self.constant("table_q", table_q), self.constant("table_scale", scale),
+                      self.constant("table_zero", zero)]
+        dequantized = self.node("DequantizeLinear", self.table)
         return self.node("Add", [h, self.node("Gather", [dequantized, "ids"], axis=0)])
 
     def split_heads(self, x: str, heads: int) -> str:
@@ -360,6 +378,9 @@ class DecoderGraph:
         if s.style == "gpt":  # a biased head
             self.named("Add", [self.linear(self.norm(h), s.hidden, s.vocab),
                                self.constant("b", (0.1 * self.rng.standard_normal(s.vocab)).astype(np.float32))], "logits")
+        elif s.quantized == "nbits":  # tied to the quantized embedding table
+            head = self.node("DequantizeLinear", [self.node("Transpose", [self.table[0]]), *self.table[1:]])
+            self.named("MatMul", [self.norm(h), head], "logits")
         else:
             self.named("MatMul", [self.norm(h), self.weight(s.hidden, s.vocab)], "logits")
         kv = [(f"{kind}.{layer}", s.groups) for layer in range(s.layers) for kind in ("past_key", "past_value")]
@@ -379,7 +400,8 @@ class DecoderGraph:
         outputs += [helper.make_tensor_value_info(name, I64, None) for name in self.shape_outputs]
         graph = helper.make_graph(self.nodes, f"decoder_{s.style}", inputs, outputs,
                                   [numpy_helper.from_array(v, k) for k, v in self.initializers.items()])
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+        opsets = [helper.make_opsetid("", 18)] + ([helper.make_opsetid("com.microsoft", 1)] if s.quantized == "nbits" else [])
+        return helper.make_model(graph, opset_imports=opsets, ir_version=10)
 
 
 def decoder(shape: DecoderShape, overridable: tuple = ()) -> tuple[onnx.ModelProto, dict]:
@@ -434,7 +456,8 @@ def decode_and_compare(plain, optimized, shape: DecoderShape, seed: int, steps: 
             caches[id(model)] = {n: runnx.Owned(outputs[n.replace("past", "present")]) for n in kv_names(shape)}
             results[id(model)] = outputs
         for name, expected in results[id(plain)].items():
-            assert_same(expected, results[id(optimized)][name], f"step {step}: {name}", bitwise=bool(shape.quantized))
+            assert_same(expected, results[id(optimized)][name], f"step {step}: {name}",
+                        bitwise=shape.quantized in ("all", "attention"))
         past, new = past + new, 1
 
 

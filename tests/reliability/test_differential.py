@@ -204,6 +204,21 @@ def test_generated_quantized_decoders_are_bitwise_plain_interpretation(style, us
     _agrees_with_onnxruntime(model, optimized, shape, seed)
 
 
+@pytest.mark.parametrize("style", ["llama", "gpt"])
+@pytest.mark.parametrize("seed", range(2))
+def test_generated_4_bit_decoders_agree_over_decode_steps(style, seed):
+    """Every product a 4-bit MatMulNBits (q/k/v and gate/up as one SharedInputMatMulNBits each) and
+    a llama head tied to its 8-bit embedding table (DequantizedMatMul): the fused model agrees with
+    plain interpretation over decode steps, and with onnxruntime on a prompt after a past."""
+    shape = random_shape(np.random.default_rng(seed), style, True, "nbits")
+    model, _ = decoder(shape)
+    plain, optimized = load_both(model)
+    expected = {"llama": {"SharedInputMatMulNBits", "DequantizedMatMul"}, "gpt": {"SharedInputMatMulNBits"}}[style]
+    assert expected <= set(optimized.fused) | fused_ops(optimized), optimized.fused
+    decode_and_compare(plain, optimized, shape, seed, steps=5)
+    _agrees_with_onnxruntime(model, optimized, shape, seed)
+
+
 def test_every_fusion_pattern_is_met_by_the_fixtures_or_the_generated_decoders():
     """So that each fused kernel is held to plain interpretation above (a new pattern must be met too)."""
     import re
@@ -213,7 +228,7 @@ def test_every_fusion_pattern_is_met_by_the_fixtures_or_the_generated_decoders()
     met = set()
     models = [runnx.load(path) for path in sorted(FIXTURES.glob("*/*.onnx"))]
     models += [runnx.load(decoder(random_shape(np.random.default_rng(seed), style, True, quantized))[0])
-               for seed in range(3) for style in ("llama", "gpt") for quantized in ("", "all")]
+               for seed in range(3) for style in ("llama", "gpt") for quantized in ("", "all", "nbits")]
     for model in models:  # those a later pattern absorbed are counted in model.fused
         met |= set(model.fused) | fused_ops(model)
     assert patterns and patterns <= met, sorted(patterns - met)
