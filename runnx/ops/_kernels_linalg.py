@@ -13,7 +13,7 @@ pool's result is bitwise this loop's. Each column is summed as a chain of fused 
 (`contract`: one rounding a row, as onnxruntime's MLAS kernels sum; never reassociated, so no
 dependence on the vector width): the same result for every thread count, on every CPU with FMA, in
 half the arithmetic instructions of a multiply and an add. A matrix of 8-bit integers with one
-scale and zero point (a DequantizeLinear'd weight, `linalg.DequantizedMatMul`) takes the same loop
+scale and zero point (a DequantizeLinear'd weight, `linalg_integer.DequantizedMatMul`) takes the same loop
 in `rows_into_bytes`, each entry dequantized as it is read with DequantizeLinear's arithmetic:
 bitwise the product with the dequantized float matrix, from a quarter of its bytes.
 """

@@ -20,7 +20,7 @@ from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, repack
 from runnx.ops._fused_common import DOMAIN as FUSED_DOMAIN
 from runnx.ops._remembered import Remembered
 from runnx.ops.fused import SiluMul
-from runnx.ops.linalg import MatMulInteger
+from runnx.ops.linalg_integer import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool

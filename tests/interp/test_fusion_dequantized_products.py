@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import runnx
-from runnx.ops import linalg
+from runnx.ops import linalg_integer as linalg
 from runnx.ops._kernels_linalg import rows_times_bytes, rows_times_matrix
 from runnx.ops.quantization import dequantize
 

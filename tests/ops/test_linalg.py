@@ -194,7 +194,7 @@ def test_matmul_integer_of_a_constant_weight_is_the_same_bits_through_vnni(monke
     """A constant weight's few-row product goes through AVX-512 VNNI where the CPU has it (the
     weight repacked once, signed bytes by unsigned ones, the offsets moved into the zero points):
     the same int32 values as the widening kernel and as exact arithmetic, for every signedness."""
-    from runnx.ops import _kernels_vnni, linalg
+    from runnx.ops import _kernels_vnni, linalg_integer as linalg
 
     info_a, info_b = np.iinfo(a_type), np.iinfo(b_type)
     a = RNG.integers(info_a.min, info_a.max + 1, (rows, depth)).astype(a_type)
@@ -223,7 +223,7 @@ def test_matmul_integer_of_a_constant_weight_is_the_same_bits_through_vnni(monke
 def test_matmul_integer_of_a_constant_weight_is_the_same_on_any_thread_count():
     """The VNNI product is a decode pool job of column tiles (`post_vnni`): with workers or alone,
     the same int32 values, equal to exact arithmetic."""
-    from runnx.ops import linalg
+    from runnx.ops import linalg_integer as linalg
     from runnx.runtime import pool as decode_pool
 
     a = RNG.integers(0, 256, (2, 576)).astype(np.uint8)

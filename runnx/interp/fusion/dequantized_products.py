@@ -1,7 +1,7 @@
 """Products by an 8-bit weight kept in its bytes: MatMul(x, DequantizeLinear(B, scale, zero point))
 of a constant 2-D uint8/int8 B with one float32 scale and zero point (a transformers.js int8
 export's tied LM head, onnxruntime's QDQ weights) becomes one DequantizedMatMul node (kernel in
-`runnx/ops/linalg.py`), bitwise the product with the dequantized matrix. Constant folding leaves
+`runnx/ops/linalg_integer.py`), bitwise the product with the dequantized matrix. Constant folding leaves
 such a DequantizeLinear to this pattern when fusion is on (`folding.py`): the float matrix, four
 times B's bytes, is never made for a decode step, whose rows read B's bytes.
 """
