@@ -54,7 +54,8 @@ import numpy as np  # noqa: E402
 import bench  # noqa: E402
 from runnx.ops import fused, linalg
 from runnx.runtime import pool as decode_pool  # noqa: E402
-from runnx.runtime.mailbox import _MAILBOX_SIZE, post_attention, post_products  # noqa: E402
+from runnx.runtime.jobs import post_attention, post_products  # noqa: E402
+from runnx.runtime.slots import MAILBOX_SIZE  # noqa: E402
 from runnx.ops._kernels_fused import add_rms_norm  # noqa: E402
 
 bench.runnx, bench.np = runnx, np
@@ -156,7 +157,7 @@ class NativeBound:
         pool = decode_pool.pool()
         arguments = (self.x, self.weights, self.keys, self.values, self.head, self.norm, self.scratch, self.context)
         if pool is None:
-            native_step(np.zeros(_MAILBOX_SIZE, np.int64), 0, *arguments)
+            native_step(np.zeros(MAILBOX_SIZE, np.int64), 0, *arguments)
             return
         pool._wake()
         with pool._lock:

@@ -20,7 +20,8 @@ from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kern
 from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_gate_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
-from runnx.runtime.mailbox import own_box, post_attention, post_gelu, post_products
+from runnx.runtime.jobs import post_attention, post_gelu, post_products
+from runnx.runtime.mailbox import own_box
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 

@@ -9,7 +9,7 @@ installs or working copies never share a folder. A folder that cannot be written
 choice to numba's own locators.
 
 numba checks a cached function against its own source file only. A kernel compiled into a
-function of another module stays there: `runtime/mailbox.py`'s jobs inline `_kernels_fused.py`'s
+function of another module stays there: `runtime/units.py`'s units inline `_kernels_fused.py`'s
 attention, and after an edit of `_kernels_fused.py` (or a checkout that changes it) they kept
 running the old attention from the cache, without a sign. So the index files older than the
 newest of the cached modules' sources are removed: numba recompiles what they indexed on first
@@ -52,7 +52,8 @@ CACHED_MODULES = ("capture/capacity.py", "ops/_attention_blocks.py", "ops/_decod
                   "ops/_kernels_contrib.py", "ops/_kernels_contrib_attention.py", "ops/_kernels_elementwise.py",
                   "ops/_kernels_fused.py", "ops/_kernels_integer.py", "ops/_kernels_linalg.py",
                   "ops/_kernels_nibble_tiles.py", "ops/_kernels_nn.py",
-                  "ops/_kernels_rows.py", "ops/_kernels_vnni.py", "runtime/mailbox.py")
+                  "ops/_kernels_rows.py", "ops/_kernels_vnni.py", "runtime/jobs.py", "runtime/mailbox.py",
+                  "runtime/slots.py", "runtime/units.py")
 _SOURCES = tuple(_PACKAGE / module for module in CACHED_MODULES)
 
 

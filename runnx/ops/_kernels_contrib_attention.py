@@ -11,7 +11,7 @@ from __future__ import annotations
 import numba
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.runtime.mailbox import post_attention
+from runnx.runtime.jobs import post_attention
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 

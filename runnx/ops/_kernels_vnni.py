@@ -13,7 +13,7 @@ each byte: its sign bit flipped), K padded to a multiple of 4 and N to one of 16
 row's bytes are made unsigned alike (a signed row gets 128 added), and the zero points take the
 offsets: (a - za)(b - zb) = (a' - za')(b' - zb') with za' = za + 128 for a signed row and
 zb' = zb - 128 for an unsigned weight; the zero points then come out of the sum as in
-`integer_rows`. The product runs as the decode pool's job (`runtime/mailbox.post_vnni`: the rows
+`integer_rows`. The product runs as the decode pool's job (`runtime/jobs.post_vnni`: the rows
 made unsigned, the tiles' sums, then the zero points), with workers or alone. Only CPUs with
 AVX-512 VNNI take this path (`AVAILABLE`); LLVM has no portable form of the instruction.
 """

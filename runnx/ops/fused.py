@@ -393,7 +393,7 @@ def repeated_kv_row(query, key, value, bias, query_scale, key_scale, nan_fill, k
                     value_axes, value_expand, value_target, merged_target=None, mask=None, mask_starts=None,
                     mask_ends=None, mask_axes=None, mask_steps=None, masked_then=None, masked_else=None, *,
                     axis: int = -1, ctx=None) -> tuple | None:
-    """(the arguments of `runtime.mailbox.post_attention` after the mailbox and workers, RepeatedKVAttention's
+    """(the arguments of `runtime.jobs.post_attention` after the mailbox and workers, RepeatedKVAttention's
     merged output: a C-contiguous view of the buffer that call fills) when RepeatedKVAttention is a
     decode row (batch 1, one position) of float32 heads over a plain head repeat, merged back;
     else None."""

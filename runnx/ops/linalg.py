@@ -23,7 +23,7 @@ from runnx.ops.fused_layer_norm_blocks import (ErfGelu, HeadsAttention, SplitHea
                                      split_shape)
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
-from runnx.runtime.mailbox import few
+from runnx.runtime.jobs import few
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
 # decode-pool's workers when there are any (float32, this many elements on: smaller products are done

@@ -15,7 +15,7 @@ from runnx.ops.linalg import _FLOAT32, _POOLED_ELEMENTS, MatMul, _rows
 from runnx.ops.quantization import dequantize
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
-from runnx.runtime.mailbox import few
+from runnx.runtime.jobs import few
 
 
 def _dequantized_matrix(_, b, scale, zero_point):

@@ -3,7 +3,7 @@ workers), the decode pool itself, glibc's malloc thresholds and OpenBLAS's spin 
 
 These settings belong to the process, not to a model, so they live apart from `interp` (which
 applies a model's options through the functions below) and from `ops` (whose decode kernels post
-jobs to the pool, `pool.py` and `mailbox.py`). `interp` and `generate` call only the names here.
+jobs to the pool: `pool.py`, `jobs.py`). `interp` and `generate` call only the names here.
 Importing this package loads neither numpy nor numba: `import runnx` imports `runtime.openblas`
 before numpy loads OpenBLAS.
 """

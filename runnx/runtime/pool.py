@@ -6,8 +6,8 @@ microseconds of streaming weights from memory, and one attention per layer strea
 One core does not saturate memory on most machines (scripts/bench_gemv.py: 18 GB/s from one thread,
 29 from two on the first one), but handing each kernel to a thread pool costs more than it gains:
 numba's parallel regions and a Python-level hand-off take 30-50 us each. So the workers here never
-leave native code while a decode is running: each spins on a shared mailbox (`mailbox.py`:
-its layout, units and jobs) for a few milliseconds after its last job, then sleeps on its own Event
+leave native code while a decode is running: each spins on a shared mailbox (`mailbox.py`'s
+loop; its layout in `slots.py`, what a unit computes in `units.py`, the jobs in `jobs.py`) for a few milliseconds after its last job, then sleeps on its own Event
 (a shared one, cleared by whichever worker wakes first, could leave another asleep through a
 wake-up meant for it). Workers found asleep are woken for the next job; the current one runs on the
 caller's thread. Before a rows job (half a millisecond of rows is worth the wake-up) the caller
@@ -16,8 +16,8 @@ mailbox of their own (`alone`), never the pool's, so they never set its linger t
 decode's spinning workers.
 
 Memory: the workers read and write a job's arrays through addresses in the mailbox, so every job is
-synchronous. Only the posting functions of `mailbox.py` (`post_products`, `post_attention`,
-`post_softmax`, `post_gelu`) take an array's address: they take arrays, check each one's dtype,
+synchronous. Only the posting functions of `jobs.py` (`post_products`, `post_attention`,
+`post_nbits`, `post_vnni`, `post_softmax`, `post_gelu`) take an array's address: they take arrays, check each one's dtype,
 layout and shape against what the units read (ValueError, nothing posted), and return only once
 every unit of the job is complete. The poster holds the arrays as its arguments all that time, so
 no address outlives its array; Python code here never handles one (the one address a mailbox gets
@@ -32,11 +32,11 @@ import numpy as np
 
 from runnx.ops import _native
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_matrix
-from runnx.runtime.mailbox import (_IDLE, _ROW_BLOCK, _SHARED, MAX_MATRICES, MAX_WORKERS, _rest, _serve, _stop,
-                                   new_box, post_attention, post_gelu, post_nbits, post_products, post_softmax,
-                                   post_vnni)
+from runnx.runtime.jobs import post_attention, post_gelu, post_nbits, post_products, post_softmax, post_vnni
+from runnx.runtime.mailbox import new_box, rest, serve, stop
+from runnx.runtime.slots import IDLE, MAX_MATRICES, MAX_WORKERS, ROW_BLOCK, SHARED
 
-_SHARED_ROWS = 2 * _ROW_BLOCK  # fewer rows (a decode step's GELU) run the job alone, never the pool
+_SHARED_ROWS = 2 * ROW_BLOCK  # fewer rows (a decode step's GELU) run the job alone, never the pool
 _BLAS_THREADED = 1 << 20  # multiply-adds from which a product is worth OpenBLAS's threads
 # multiply-adds of a products job (an LM head's) from which sleeping workers are woken before it is
 # posted, not after: a worker woken late still takes half of the product (an encoder-decoder's
@@ -54,13 +54,13 @@ class DecodePool:
             raise ValueError(f"a decode pool has 1 to {MAX_WORKERS} workers, not {workers}")
         # compile the workers' loop on this thread first: a process that ends while a worker is
         # still compiling aborts inside LLVM, and never writes numba's cache for the next one; and
-        # `_rest`, first called by a multi-threaded BLAS product while workers spin (an
+        # `rest`, first called by a multi-threaded BLAS product while workers spin (an
         # encoder-decoder window's first step after a decode): loading it from numba's cache there
         # would stall that step
         stopped = new_box()
-        _rest(stopped)
-        _stop(stopped)
-        _serve(stopped, 0)
+        rest(stopped)
+        stop(stopped)
+        serve(stopped, 0)
         self.box = new_box()
         self._workers = workers
         self._partials = np.empty(0, np.float32)
@@ -72,7 +72,7 @@ class DecodePool:
             thread.start()
 
     def _serve(self, worker: int):
-        while not _serve(self.box, worker):
+        while not serve(self.box, worker):
             self._wakes[worker].wait()
             self._wakes[worker].clear()
 
@@ -83,7 +83,7 @@ class DecodePool:
     def _wake_sleeping(self):
         """Wake the workers that are asleep (or falling asleep), under the lock, before a job."""
         for worker, wake in enumerate(self._wakes):
-            if self.box[_IDLE + worker]:
+            if self.box[IDLE + worker]:
                 wake.set()
 
     def products(self, row, matrices: tuple, dequantized: tuple = ()) -> tuple:
@@ -156,19 +156,19 @@ class DecodePool:
         """Let workers spinning after a decode job sleep now: a multi-threaded BLAS product is
         about to run, and OpenBLAS's threads need their cores (an encoder-decoder's first decoder step,
         its cross-attention keys and values of 1500 encoder rows between pool jobs)."""
-        if not all(self.box[_IDLE:_IDLE + self._workers]) and self._lock.acquire(blocking=False):
+        if not all(self.box[IDLE:IDLE + self._workers]) and self._lock.acquire(blocking=False):
             try:
-                _rest(self.box)
+                rest(self.box)
             finally:
                 self._lock.release()
 
     @property
     def shared_units(self) -> int:
         """Units the workers have computed so far (the rest ran on callers' threads)."""
-        return int(self.box[_SHARED])
+        return int(self.box[SHARED])
 
     def close(self):
-        _stop(self.box)
+        stop(self.box)
         self._wake()
         for thread in self._threads:
             thread.join()

@@ -113,7 +113,7 @@ def test_matmul_few_rows_take_the_loop_each_row_as_alone(shape):
 @pytest.mark.parametrize("many", ["rows", "sums"])
 def test_matmul_many_rows_stay_with_blas(many):
     # more rows than FEW_ROWS, or few rows whose partial sums would not stay in cache (an LM head's)
-    from runnx.runtime.mailbox import FEW_ROW_SUMS, FEW_ROWS
+    from runnx.runtime.jobs import FEW_ROW_SUMS, FEW_ROWS
 
     height, matrix = (FEW_ROWS + 1, B) if many == "rows" else (2, RNG.standard_normal((4, FEW_ROW_SUMS // 2 + 1)))
     matrix = matrix.astype(F32)

@@ -13,14 +13,14 @@ import pytest
 from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, row_times_matrix
 from runnx.ops.linalg import MatMul
-from runnx.runtime import mailbox
+from runnx.runtime import jobs, mailbox, slots
 from runnx.runtime import pool as decode_pool
 
 RNG = np.random.default_rng(0)
 _HOST_FMA = bool(llvm.get_host_cpu_features().get("fma"))
 # (depth, width): fewer rows than chunks, rows not a multiple of four, wide rows (four per pass), an
 # LM head's width (its partial rows added by the pool in blocks of columns, the last one short)
-SHAPES = [(3, 5), (13, 7), (576, 192), (1537, 96), (64, 1100), (40, 5 * mailbox._SUM_BLOCK + 13)]
+SHAPES = [(3, 5), (13, 7), (576, 192), (1537, 96), (64, 1100), (40, 5 * slots.SUM_BLOCK + 13)]
 
 
 @pytest.fixture
@@ -33,17 +33,17 @@ def pool():
 def _some_awake(pool, workers: int) -> bool:
     """Whether one of `workers` is awake (spinning), waiting up to a second for a woken one to run."""
     deadline = time.monotonic() + 1
-    while all(pool.box[mailbox._IDLE:mailbox._IDLE + workers]) and time.monotonic() < deadline:
+    while all(pool.box[slots.IDLE:slots.IDLE + workers]) and time.monotonic() < deadline:
         time.sleep(0.0001)
-    return not all(pool.box[mailbox._IDLE:mailbox._IDLE + workers])
+    return not all(pool.box[slots.IDLE:slots.IDLE + workers])
 
 
 def _asleep(pool, workers: int) -> bool:
     """Whether all `workers` of `pool` are asleep (waiting up to 10 s for their patience to run out)."""
     deadline = time.monotonic() + 10
-    while not all(pool.box[mailbox._IDLE:mailbox._IDLE + workers]) and time.monotonic() < deadline:
+    while not all(pool.box[slots.IDLE:slots.IDLE + workers]) and time.monotonic() < deadline:
         time.sleep(0.001)
-    return all(pool.box[mailbox._IDLE:mailbox._IDLE + workers])
+    return all(pool.box[slots.IDLE:slots.IDLE + workers])
 
 
 def _chunked_sum(row, matrix):
@@ -107,10 +107,10 @@ def test_pool_is_bitwise_the_loop(pool, shape):
 
 @pytest.mark.parametrize("depth, widths", [
     (384, (384, 64, 1100, 7, 384, 96)),  # more than MAX_MATRICES: two jobs
-    (96, (3 * mailbox._SUM_BLOCK + 5, 300, 2 * mailbox._SUM_BLOCK - 1)),  # partial rows added by the pool
+    (96, (3 * slots.SUM_BLOCK + 5, 300, 2 * slots.SUM_BLOCK - 1)),  # partial rows added by the pool
 ])
 def test_one_job_takes_several_matrices_of_one_depth(pool, depth, widths):
-    assert len(widths) > mailbox.MAX_MATRICES or sum(widths) >= mailbox._SHARED_SUMS
+    assert len(widths) > slots.MAX_MATRICES or sum(widths) >= jobs.SHARED_SUMS
     row = RNG.standard_normal(depth).astype(np.float32)
     matrices = tuple(RNG.standard_normal((depth, width)).astype(np.float32) for width in widths)
     for _ in range(5):  # the workers awake or asleep
@@ -120,11 +120,11 @@ def test_one_job_takes_several_matrices_of_one_depth(pool, depth, widths):
             np.testing.assert_array_equal(product, row_times_matrix(row, matrix))
 
 
-@pytest.mark.parametrize("height", [2, 3, mailbox.FEW_ROWS])
+@pytest.mark.parametrize("height", [2, 3, jobs.FEW_ROWS])
 def test_few_rows_in_one_job_are_each_bitwise_the_one_row_loop(pool, height):
     # a short prompt's rows: one pass over each matrix for all of them; the wide product's partial
     # rows (all rows' columns) added by the pool; each row as the one-row loop computes it alone
-    depth, widths = 96, (300, 2 * mailbox._SUM_BLOCK + 5)
+    depth, widths = 96, (300, 2 * slots.SUM_BLOCK + 5)
     rows = RNG.standard_normal((height, depth)).astype(np.float32)
     matrices = tuple(RNG.standard_normal((depth, width)).astype(np.float32) for width in widths)
     for _ in range(5):  # the workers awake or asleep
@@ -156,7 +156,7 @@ def test_attention_by_kv_heads_is_bitwise_the_one_thread_job(pool, bias, size):
     np.testing.assert_allclose(expected, weights @ np.repeat(value, 2, axis=1), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["_serve", "_rest", "post_attention", "post_products", "post_nbits", "post_vnni"])
+@pytest.mark.parametrize("name", ["serve", "rest", "post_attention", "post_products", "post_nbits", "post_vnni"])
 def test_every_thread_computes_units_through_one_compiled_copy(name):
     """The workers' loop and the callers' jobs call the unit loop through the address in the mailbox
     (`_units_address`) instead of inlining it: inlined copies of a reassociating kernel may round
@@ -168,7 +168,7 @@ def test_every_thread_computes_units_through_one_compiled_copy(name):
     box = mailbox.new_box()
     row, matrix = np.ones(4, np.float32), np.ones((4, 3), np.float32)
     query, key = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 3, 4), np.float32)
-    arguments = {"_serve": (box, 0), "_rest": (box,),
+    arguments = {"serve": (box, 0), "rest": (box,),
                  "post_attention": (box, 1, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32)),
                  "post_products": (box, 1, row, (matrix,), (np.empty(3, np.float32),),
                                    np.empty(3 * 8, np.float32), 0.0, 1.0),
@@ -178,11 +178,12 @@ def test_every_thread_computes_units_through_one_compiled_copy(name):
                  "post_vnni": (box, 1, np.ones((1, 8), np.uint8), False, np.ones((1, 2, 16, 4), np.uint8),
                                np.ones(3, np.int32), np.zeros(1, np.int32), np.zeros(3, np.int32),
                                np.empty((1, 3), np.int32))}[name]
-    fresh = numba.njit(nogil=True, error_model="numpy")(getattr(mailbox, name).py_func)
+    function = getattr(mailbox, name, None) or getattr(jobs, name)
+    fresh = numba.njit(nogil=True, error_model="numpy")(function.py_func)
     fresh.compile(tuple(numba.typeof(argument) for argument in arguments))
     code = next(iter(fresh.inspect_llvm().values()))
     assert "call_units" not in code and re.search(r"inttoptr", code)
-    units = (r"\d(?:_work|_attention_span|attention_span|_product_chunk|softmax_rows_float32|gelu_rows_float32"
+    units = (r"\d(?:_work|compute_unit|_attention_span|attention_span|_product_chunk|softmax_rows_float32|gelu_rows_float32"
              r"|_nbits_block|tile_rows|_vnni_block|tile_sums_into)(?![a-z_])")
     assert not re.search(units, code)  # (mangled names: the name after its length)
 
@@ -231,12 +232,12 @@ def test_products_worth_blas_threads_let_spinning_workers_sleep(pool):
     while not rested and time.monotonic() < deadline:  # (unless the workers fell asleep before the product)
         pool.products(row, (matrix,))
         _some_awake(pool, 2)
-        posted = pool.box[mailbox._POSTED]
+        posted = pool.box[slots.POSTED]
         np.testing.assert_array_equal(MatMul(frequencies, positions), frequencies @ positions)
-        assert pool.box[mailbox._POSTED] == posted  # no job
+        assert pool.box[slots.POSTED] == posted  # no job
         np.testing.assert_allclose(MatMul(rows, matrix), rows @ matrix, rtol=1e-5, atol=1e-4)
-        rested = pool.box[mailbox._POSTED] == posted + 1  # an empty job...
-    assert rested and pool.box[mailbox._LINGER] == 0  # ...after which workers sleep at once
+        rested = pool.box[slots.POSTED] == posted + 1  # an empty job...
+    assert rested and pool.box[slots.LINGER] == 0  # ...after which workers sleep at once
     assert _asleep(pool, 2)
     np.testing.assert_array_equal(pool.products(row, (matrix,))[0], row_times_matrix(row, matrix))
 
@@ -355,10 +356,10 @@ def test_a_pool_of_as_many_workers_as_idle_flags_closes_and_no_more_is_made():
 def test_the_workers_loop_is_compiled_before_any_worker_starts():
     """A process that ended while a worker compiled its loop aborted inside LLVM and never wrote
     numba's cache; now the pool compiles (or loads) it on the thread that starts the pool. So it
-    does `_rest`, which a multi-threaded BLAS product first calls while workers spin: loading it
+    does `rest`, which a multi-threaded BLAS product first calls while workers spin: loading it
     then cost a Whisper window's first step 20 ms."""
     code = ("from runnx.runtime import pool as d; d.set_workers(1); d.pool(); "
-            "print(len(d._serve.signatures), len(d._rest.signatures))")
+            "print(len(d.serve.signatures), len(d.rest.signatures))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["1", "1"]
@@ -476,16 +477,16 @@ def test_a_native_block_wakes_sleeping_workers_and_computes_alone_when_the_pool_
 def test_a_job_is_complete_when_its_poster_returns(pool):
     """The workers read a job's arrays by address: memory safety rests on the poster, which holds
     them as its arguments, returning only when no unit is left to compute or being computed."""
-    matrix = RNG.standard_normal((64, mailbox._SHARED_SUMS)).astype(np.float32)  # its sums a job too
+    matrix = RNG.standard_normal((64, jobs.SHARED_SUMS)).astype(np.float32)  # its sums a job too
     row = RNG.standard_normal(64).astype(np.float32)
     query = RNG.standard_normal((1, 4, 1, 16)).astype(np.float32)
     cache = RNG.standard_normal((1, 2, 3 * ATTENTION_SPAN, 16)).astype(np.float32)
     for _ in range(50):
         for job in (lambda: pool.products(row, (matrix,)), lambda: pool.attention(query, cache, cache, None, 1.0, 0.0)):
             job()
-            units = pool.box[mailbox._UNITS]
-            assert units > 0 and pool.box[mailbox._COMPLETED] == units
-            assert pool.box[mailbox._CLAIM] & mailbox._NOTHING_TO_CLAIM >= units  # nothing left to claim
+            units = pool.box[slots.UNITS]
+            assert units > 0 and pool.box[slots.COMPLETED] == units
+            assert pool.box[slots.CLAIM] & slots.NOTHING_TO_CLAIM >= units  # nothing left to claim
 
 
 @pytest.mark.parametrize("columns", [16, 9 * 64 + 5, 768 * 64])  # one unit; a layer's; an LM head's
@@ -501,33 +502,33 @@ def test_claims_of_several_units_give_the_bits_of_claims_of_one(pool, columns):
     tiles = _nibble_tiles((), b, scales, None)
     rows = RNG.standard_normal((1, depth)).astype(np.float32)
     alone = np.full((1, columns), np.nan, np.float32)
-    decode_pool.alone(mailbox.post_nbits, rows, *tiles, alone)
-    for shift in (63, mailbox.CLAIM_SHIFT, 1):  # a unit a claim; an eighth; half
-        pool.box[mailbox._CLAIM_SHIFT] = shift
+    decode_pool.alone(jobs.post_nbits, rows, *tiles, alone)
+    for shift in (63, mailbox.DEFAULT_CLAIM_SHIFT, 1):  # a unit a claim; an eighth; half
+        pool.box[slots.CLAIM_SHIFT] = shift
         try:
             for _ in range(3):
                 out = np.full((1, columns), np.nan, np.float32)
                 decode_pool.nbits_rows(rows, *tiles, out)
                 np.testing.assert_array_equal(out, alone)
-                assert pool.box[mailbox._COMPLETED] == pool.box[mailbox._UNITS] == -(-columns // 64)
+                assert pool.box[slots.COMPLETED] == pool.box[slots.UNITS] == -(-columns // 64)
         finally:
-            pool.box[mailbox._CLAIM_SHIFT] = mailbox.CLAIM_SHIFT
+            pool.box[slots.CLAIM_SHIFT] = mailbox.DEFAULT_CLAIM_SHIFT
 
 
 def test_a_products_job_writes_no_slot_past_its_fields():
     """Every field of a products job of MAX_MATRICES matrices (8-bit ones with their zero point and
     scale too) lies in its own slots, below the unit code's address and the claim size."""
     box = mailbox.new_box()
-    first = mailbox._MATRICES + mailbox._PER_MATRIX * mailbox.MAX_MATRICES
-    box[first:mailbox._UNITS_CODE] = -7
-    kept = box[mailbox._UNITS_CODE:].copy()
+    first = slots.MATRICES + slots.PER_MATRIX * slots.MAX_MATRICES
+    box[first:slots.UNITS_CODE] = -7
+    kept = box[slots.UNITS_CODE:].copy()
     for matrix in (np.ones((8, 6), np.float32), np.ones((8, 6), np.uint8)):
-        outs = tuple(np.empty(6, np.float32) for _ in range(mailbox.MAX_MATRICES))
-        mailbox.post_products(box, 0, np.ones(8, np.float32), (matrix,) * mailbox.MAX_MATRICES, outs,
-                              np.empty(chunk_count(8) * 6 * mailbox.MAX_MATRICES, np.float32), 3.0, 0.5)
+        outs = tuple(np.empty(6, np.float32) for _ in range(slots.MAX_MATRICES))
+        jobs.post_products(box, 0, np.ones(8, np.float32), (matrix,) * slots.MAX_MATRICES, outs,
+                           np.empty(chunk_count(8) * 6 * slots.MAX_MATRICES, np.float32), 3.0, 0.5)
         expected = 8.0 if matrix.dtype == np.float32 else 8 * (1 - 3.0) * 0.5
         assert all(np.array_equal(out, np.full(6, expected, np.float32)) for out in outs)
-        assert (box[first:mailbox._UNITS_CODE] == -7).all() and np.array_equal(box[mailbox._UNITS_CODE:], kept)
+        assert (box[first:slots.UNITS_CODE] == -7).all() and np.array_equal(box[slots.UNITS_CODE:], kept)
 
 
 def _products_arguments(height=1, depth=8, width=6):
@@ -552,24 +553,24 @@ def test_a_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(
         matrices = (np.ones((6, 8), np.float32).T,)
     box = mailbox.new_box()
     with pytest.raises(ValueError, match="a products job"):
-        mailbox.post_products(box, 0, row, matrices, outs, scratch)
-    assert box[mailbox._POSTED] == 0 and box[mailbox._KIND] == 0
+        jobs.post_products(box, 0, row, matrices, outs, scratch)
+    assert box[slots.POSTED] == 0 and box[slots.KIND] == 0
 
 
 def test_attention_and_rows_jobs_refuse_arrays_that_do_not_fit_before_posting():
     query, key = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 3, 4), np.float32)
     box = mailbox.new_box()
     with pytest.raises(ValueError, match="an attention job"):  # out's last axis is not value's
-        mailbox.post_attention(box, 0, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 3), np.float32))
+        jobs.post_attention(box, 0, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 3), np.float32))
     with pytest.raises(ValueError, match="H a multiple of G"):  # 2 query heads over 3 KV heads
         three = np.ones((1, 3, 3, 4), np.float32)
-        mailbox.post_attention(box, 0, query, three, three, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32))
+        jobs.post_attention(box, 0, query, three, three, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32))
     rows = np.ones((4, 8), np.float32)
     with pytest.raises(ValueError, match="a rows job"):
-        mailbox.post_gelu(box, 0, rows, np.empty(0, np.float32), 1.0, 1.0, 0.5, np.empty((3, 8), np.float32))
+        jobs.post_gelu(box, 0, rows, np.empty(0, np.float32), 1.0, 1.0, 0.5, np.empty((3, 8), np.float32))
     with pytest.raises(ValueError, match="bias"):
-        mailbox.post_gelu(box, 0, rows, np.ones(7, np.float32), 1.0, 1.0, 0.5, np.empty_like(rows))
-    assert box[mailbox._POSTED] == 0
+        jobs.post_gelu(box, 0, rows, np.ones(7, np.float32), 1.0, 1.0, 0.5, np.empty_like(rows))
+    assert box[slots.POSTED] == 0
 
 
 @pytest.mark.parametrize("change", ["long rows", "few tiles", "few scales", "float64 out", "strided tiles",
@@ -587,13 +588,14 @@ def test_a_4_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_po
     arrays[changed[0]] = changed[1]
     box = mailbox.new_box()
     with pytest.raises(ValueError, match="a 4-bit products job"):
-        mailbox.post_nbits(box, 0, *arrays.values())
-    assert box[mailbox._POSTED] == 0
+        jobs.post_nbits(box, 0, *arrays.values())
+    assert box[slots.POSTED] == 0
 
 
-def test_only_the_mailbox_turns_arrays_into_addresses():
-    """No module but `runtime/mailbox.py` imports the address intrinsics, and there only the posting
-    functions (which check their arrays first) take an array's address."""
+def test_only_the_posting_functions_turn_arrays_into_addresses():
+    """Only the pool's native modules import the address intrinsics; of them, only `jobs.py`'s
+    posting functions (which check their arrays first) and `slots.post_array` (which they call) take
+    an array's address."""
     import ast
     from pathlib import Path
 
@@ -601,17 +603,24 @@ def test_only_the_mailbox_turns_arrays_into_addresses():
     package = Path(runnx.__file__).parent
     importers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
                        if "runnx.runtime.atomics" in path.read_text() and path.name != "atomics.py")
-    assert importers == ["runtime/mailbox.py"]
-    source = (package / "runtime" / "mailbox.py").read_text()
-    functions = {node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+    assert importers == ["runtime/jobs.py", "runtime/mailbox.py", "runtime/slots.py", "runtime/units.py"]
 
-    def using(text):
+    def functions_of(module):
+        source = (package / "runtime" / module).read_text()
+        return source, {node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+
+    def using(module, text):
+        source, functions = functions_of(module)
         return {name for name, node in functions.items()
                 if text in ast.get_source_segment(source, node).split(":", 1)[1]}  # (after its signature)
 
-    assert using("ctypes.data") == {"post_products", "post_gelu", "post_nbits", "post_vnni", "_rows", "_post_array"}
-    assert using("_post_array(") == {"post_attention"}
-    for name in (using("ctypes.data") | using("_post_array(")) - {"_post_array"}:
+    assert using("jobs.py", "ctypes.data") == {"post_products", "post_gelu", "post_nbits", "post_vnni", "_rows"}
+    assert using("slots.py", "ctypes.data") == {"post_array"}
+    assert using("mailbox.py", "ctypes.data") == using("units.py", "ctypes.data") == set()
+    assert using("jobs.py", "post_array(") == {"post_attention"}
+    assert all(not using(module, "post_array(") for module in ("mailbox.py", "units.py"))
+    _, functions = functions_of("jobs.py")
+    for name in using("jobs.py", "ctypes.data") | using("jobs.py", "post_array("):
         first_call = next(node for node in functions[name].body
                           if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call))
         assert first_call.value.func.id.startswith("_check_"), name  # before any store
@@ -630,5 +639,5 @@ def test_an_8_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_p
     arrays[changed[0]] = changed[1]
     box = mailbox.new_box()
     with pytest.raises(ValueError, match="an 8-bit products job"):
-        mailbox.post_vnni(box, 0, *arrays.values())
-    assert box[mailbox._POSTED] == 0
+        jobs.post_vnni(box, 0, *arrays.values())
+    assert box[slots.POSTED] == 0

@@ -1,0 +1,294 @@
+"""The decode pool's jobs, as posted by the caller (`pool.py` calls them on the pool's mailbox or on
+a thread's own): each `post_*` function checks its arrays, writes the job's fields into the mailbox
+(`slots.py`), runs it (`mailbox.run_job`: the caller takes units too and returns when every unit is
+complete) and finishes what is left on the calling thread (adding partial rows, combining spans,
+applying zero points).
+
+A job's arrays are posted by address, by these functions only, each checking its arrays first
+(a `_check_*` call before any store) and returning when every unit is complete: no address
+outlives the call that posted it (the memory rule in `pool.py`).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba.extending import overload
+
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._kernels_fused import attention_combine, attention_scratch
+from runnx.ops._kernels_linalg import add_partials_into, chunk_count
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, split_rows
+from runnx.ops._kernels_vnni import unsigned_rows, with_zero_points
+from runnx.runtime.atomics import bits_of_float64, store
+from runnx.runtime.mailbox import PATIENCE, begin_job, run_job
+from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FLOATS,
+                                 GELU_ROWS, GROUPS, HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX, MAX_MATRICES, NBITS,
+                                 NBITS_CHUNKS, NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS,
+                                 NBITS_TILE_COUNT, NBITS_TILES, NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZEROS, OUT,
+                                 PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY, ROW, ROW_ARGUMENTS, ROW_BLOCK,
+                                 ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS, ROWS_IN, ROWS_OUT, SCALE, SIGNED,
+                                 SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, SUMS, UNSIGNED, VALUE, VNNI, VNNI_GROUPS,
+                                 VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT, VNNI_WORDS, WIDTH,
+                                 post_array)
+
+# a few rows (a short prompt's) take a products job rather than OpenBLAS, which packs the whole
+# matrix for them: up to FEW_ROWS, their partial sums in one pass over the matrix (rows x columns)
+# up to FEW_ROW_SUMS, a quarter of an L2 cache
+FEW_ROWS = 16
+FEW_ROW_SUMS = 1 << 17
+# the columns (all products') from which the partial rows are added by the pool, as a sums job: an
+# LM head's 8 partial rows of 50k columns are slow to add on one thread
+SHARED_SUMS = 4 * SUM_BLOCK
+
+_jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+
+
+def few(rows: int, columns: int) -> bool:
+    """Whether `rows` rows times a matrix of `columns` columns are one row or few enough for the
+    products loop (`FEW_ROWS`, `FEW_ROW_SUMS`)."""
+    return rows == 1 or (rows <= FEW_ROWS and rows * columns <= FEW_ROW_SUMS)
+
+
+def _entries_of(matrix) -> int:
+    """How a products job reads `matrix`'s entries: FLOATS (float32), UNSIGNED (uint8), SIGNED
+    (int8), or -1 (any other type: refused)."""
+    return {np.dtype(np.float32): FLOATS, np.dtype(np.uint8): UNSIGNED, np.dtype(np.int8): SIGNED}.get(matrix.dtype, -1)
+
+
+@overload(_entries_of)
+def _entries_of_compiled(matrix):
+    entries = {numba.float32: FLOATS, numba.uint8: UNSIGNED, numba.int8: SIGNED}.get(matrix.dtype, -1)
+    return lambda matrix: entries
+
+
+@_jit
+def _check_products(row, matrices, outs, scratch):
+    """ValueError unless the arrays are what `post_products` reads and writes by address."""
+    if len(matrices) == 0 or len(matrices) > MAX_MATRICES or len(outs) != len(matrices):
+        raise ValueError("a products job takes 1 to MAX_MATRICES matrices and an output for each")
+    depth = matrices[0].shape[0]
+    if (depth == 0 or row.size % depth != 0 or not row.flags.c_contiguous or row.itemsize != 4
+            or not scratch.flags.c_contiguous or scratch.itemsize != 4):
+        raise ValueError("a products job takes C-contiguous float32 rows of the matrices' depth and scratch")
+    height = row.size // depth
+    room = 0
+    for m in range(len(matrices)):
+        matrix, out = matrices[m], outs[m]
+        if (matrix.shape[0] != depth or not matrix.flags.c_contiguous or _entries_of(matrix) < 0
+                or out.size != height * matrix.shape[1] or not out.flags.c_contiguous or out.itemsize != 4):
+            raise ValueError("a products job takes C-contiguous float32 (or 8-bit) matrices (K, N) and outputs "
+                             "of rows x N")
+        room += out.size
+    if scratch.size < chunk_count(depth) * room:
+        raise ValueError("a products job needs scratch of chunk_count(K) times its outputs' elements")
+
+
+@_jit
+def post_products(box, workers, row, matrices, outs, scratch, zero=0.0, scale=1.0):
+    """row @ matrices[m] into outs[m] for each m, as one job, for C-contiguous float32 `row` of one
+    row (K,) or a few (M, K) and outs[m] of M * N_m elements, the partial rows in `scratch` (room
+    for chunk_count(K) times every output); whether a worker was idle. 8-bit matrices are read as
+    (float32(entry) - zero) * scale (`rows_into_bytes`). Arrays that do not fit raise ValueError before
+    anything is posted."""
+    _check_products(row, matrices, outs, scratch)
+    depth = matrices[0].shape[0]
+    chunks = chunk_count(depth)
+    partials = []
+    start = 0
+    for out in outs:
+        partials.append(scratch[start:start + chunks * out.size].reshape((chunks, out.size)))
+        start += chunks * out.size
+    sequence = begin_job(box, PATIENCE)
+    store(box, KIND, PRODUCTS)
+    store(box, ROW, row.ctypes.data)
+    store(box, HEIGHT, row.size // depth)
+    store(box, DEPTH, depth)
+    store(box, CHUNKS, chunks)
+    for m in range(len(matrices)):
+        slots = MATRICES + PER_MATRIX * m
+        store(box, slots + MATRIX, matrices[m].ctypes.data)
+        store(box, slots + WIDTH, matrices[m].shape[1])
+        store(box, slots + PARTIALS, partials[m].ctypes.data)
+        store(box, slots + OUT, outs[m].ctypes.data)
+        store(box, slots + ENTRIES, _entries_of(matrices[m]))
+        store(box, slots + ENTRY_ZERO, bits_of_float64(zero))
+        store(box, slots + ENTRY_SCALE, bits_of_float64(scale))
+    idle = run_job(box, workers, sequence, chunks * len(matrices))
+    columns = 0
+    for out in outs:
+        columns += out.size
+    if workers and chunks > 1 and columns >= SHARED_SUMS:
+        units = 0
+        for out in outs:
+            units += (out.size + SUM_BLOCK - 1) // SUM_BLOCK
+        sequence = begin_job(box, PATIENCE)  # the fields stay the products job's
+        store(box, KIND, SUMS)
+        run_job(box, workers, sequence, units)
+        return idle
+    for m in range(len(matrices)):
+        add_partials_into(partials[m], outs[m])
+    return idle
+
+
+@_jit
+def _check_attention(query, key, value, bias, out):
+    """ValueError unless the arrays are what `post_attention` reads and writes."""
+    batch, heads, length, depth = query.shape
+    groups, size = key.shape[1], key.shape[2]
+    if (key.shape[0] != batch or key.shape[3] != depth or value.shape[0] != batch or value.shape[1] != groups
+            or value.shape[2] != size or groups == 0 or heads % groups != 0):
+        raise ValueError("an attention job takes query (B, H, Q, D), key (B, G, K, D), value (B, G, K, W), "
+                         "H a multiple of G")
+    if (out.shape[0] != batch or out.shape[1] != heads or out.shape[2] != length or out.shape[3] != value.shape[3]
+            or query.itemsize != 4 or key.itemsize != 4 or value.itemsize != 4 or out.itemsize != 4):
+        raise ValueError("an attention job takes float32 arrays and an output (B, H, Q, W)")
+    if bias is not None:
+        if ((bias.shape[0] != 1 and bias.shape[0] != batch) or (bias.shape[1] != 1 and bias.shape[1] != heads)
+                or (bias.shape[2] != 1 and bias.shape[2] != length) or (bias.shape[3] != 1 and bias.shape[3] != size)
+                or bias.itemsize != 4):
+            raise ValueError("an attention job's bias is float32 and broadcasts to (B, H, Q, K)")
+
+
+@_jit
+def post_attention(box, workers, query, key, value, bias, scale, fill, out):
+    """`attention` of ops/_kernels_fused.py into out, one unit per (batch entry, KV head, span), as one
+    job, then the spans combined on this thread; whether a worker was idle. Arrays that do not fit
+    raise ValueError before anything is posted."""
+    _check_attention(query, key, value, bias, out)
+    partials, stats = attention_scratch(query, key, value)
+    sequence = begin_job(box, PATIENCE)
+    store(box, KIND, ATTENTION)
+    store(box, SCALE, bits_of_float64(scale))
+    store(box, GROUPS, key.shape[1])
+    post_array(box, QUERY, query)
+    post_array(box, KEY, key)
+    post_array(box, VALUE, value)
+    post_array(box, PARTIAL_SUMS, partials)
+    post_array(box, SPAN_STATS, stats)
+    if bias is None:
+        store(box, HAS_BIAS, 0)
+    else:
+        store(box, HAS_BIAS, 1)
+        post_array(box, BIAS, bias)
+    idle = run_job(box, workers, sequence, partials.shape[0] * partials.shape[1])
+    for unit in range(partials.shape[0]):
+        attention_combine(value, partials, stats, fill, out, unit // key.shape[1], unit % key.shape[1])
+    return idle
+
+
+@_jit
+def _check_nbits(rows, tiles, scales, zero_scales, out):
+    """ValueError unless the arrays are what `post_nbits` reads and writes by address."""
+    count, chunks = tiles.shape[0], tiles.shape[1]
+    columns = out.shape[1]
+    if (rows.shape[0] != out.shape[0] or rows.shape[1] > chunks * 2 * CHUNK_BYTES or tiles.shape[2] != CHUNK_BYTES
+            or tiles.shape[3] != TILE or count != (columns + TILE - 1) // TILE
+            or scales.shape[0] != count or scales.shape[1] != chunks or scales.shape[2] != TILE
+            or zero_scales.shape[0] != count or zero_scales.shape[1] != chunks or zero_scales.shape[2] != TILE):
+        raise ValueError("a 4-bit products job takes rows (M, K <= 32 C), tiles (N / 16, C, 16, 16) bytes, their "
+                         "scales and zero points times scales (N / 16, C, 16) and out (M, N)")
+    if (rows.itemsize != 4 or scales.itemsize != 4 or zero_scales.itemsize != 4 or out.itemsize != 4
+            or tiles.itemsize != 1 or not tiles.flags.c_contiguous or not scales.flags.c_contiguous
+            or not zero_scales.flags.c_contiguous or not out.flags.c_contiguous):
+        raise ValueError("a 4-bit products job takes C-contiguous float32 arrays and uint8 tiles")
+
+
+@_jit
+def post_nbits(box, workers, rows, tiles, scales, zero_scales, out):
+    """out (M, N) = rows (M, K) times the tiles as `tile_rows` computes it, as one job of column
+    tiles; whether a worker was idle. Arrays that do not fit raise ValueError before anything is
+    posted."""
+    _check_nbits(rows, tiles, scales, zero_scales, out)
+    lanes, sums = split_rows(rows, tiles.shape[1])
+    height, columns = out.shape
+    sequence = begin_job(box, PATIENCE)
+    store(box, KIND, NBITS)
+    store(box, NBITS_LANES, lanes.ctypes.data)
+    store(box, NBITS_SUMS, sums.ctypes.data)
+    store(box, NBITS_TILES_AT, tiles.ctypes.data)
+    store(box, NBITS_SCALES, scales.ctypes.data)
+    store(box, NBITS_ZEROS, zero_scales.ctypes.data)
+    store(box, NBITS_OUT, out.ctypes.data)
+    store(box, NBITS_ROWS, height)
+    store(box, NBITS_WIDTH, columns)
+    store(box, NBITS_TILE_COUNT, tiles.shape[0])
+    store(box, NBITS_CHUNKS, tiles.shape[1])
+    return run_job(box, workers, sequence, (tiles.shape[0] + NBITS_TILES - 1) // NBITS_TILES)
+
+
+@_jit
+def _check_vnni(a, tiles, column_sums, a_zero, b_zero, out):
+    """ValueError unless the arrays are what `post_vnni` reads (its tiles by address) and writes."""
+    rows, columns = out.shape
+    count, groups = tiles.shape[0], tiles.shape[1]
+    if (a.shape[0] != rows or a.shape[1] > 4 * groups or tiles.shape[2] != TILE or tiles.shape[3] != 4
+            or count != (columns + TILE - 1) // TILE or column_sums.shape[0] != columns or a_zero.shape[0] != rows
+            or b_zero.shape[0] != columns or tiles.itemsize != 1 or not tiles.flags.c_contiguous or a.itemsize != 1):
+        raise ValueError("an 8-bit products job takes rows (M, K <= 4 G) of bytes, tiles (N / 16, G, 16, 4) bytes, "
+                         "column sums (N,), zero points (M,) and (N,) and out (M, N)")
+
+
+@_jit
+def post_vnni(box, workers, a, flip, tiles, column_sums, a_zero, b_zero, out):
+    """out (M, N) = the 8-bit product of `ops/_kernels_vnni.py` (module docstring), its tile sums
+    as one job of column tiles; whether a worker was idle. Arrays that do not fit raise ValueError
+    before anything is posted."""
+    _check_vnni(a, tiles, column_sums, a_zero, b_zero, out)
+    words, row_sums = unsigned_rows(a, flip, tiles.shape[1])
+    raw = np.empty((a.shape[0], tiles.shape[0] * TILE), np.int32)
+    sequence = begin_job(box, PATIENCE)
+    store(box, KIND, VNNI)
+    store(box, VNNI_WORDS, words.ctypes.data)
+    store(box, VNNI_TILES_AT, tiles.ctypes.data)
+    store(box, VNNI_RAW, raw.ctypes.data)
+    store(box, VNNI_ROWS, a.shape[0])
+    store(box, VNNI_TILE_COUNT, tiles.shape[0])
+    store(box, VNNI_GROUPS, tiles.shape[1])
+    idle = run_job(box, workers, sequence, (tiles.shape[0] + VNNI_TILES - 1) // VNNI_TILES)
+    with_zero_points(raw, a.shape[1], row_sums, column_sums, a_zero, b_zero, out)
+    return idle
+
+
+@_jit
+def _check_rows(x, out):
+    """ValueError unless x and out are what a rows job reads and writes by address."""
+    if (x.shape[0] != out.shape[0] or x.shape[1] != out.shape[1] or not x.flags.c_contiguous
+            or not out.flags.c_contiguous or x.itemsize != 4 or out.itemsize != 4):
+        raise ValueError("a rows job takes C-contiguous float32 input and output rows of one shape")
+
+
+@_jit
+def _rows(box, workers, kernel, x, out):
+    """Row kernel `kernel` from x into out (C-contiguous float32 (rows, columns); its arguments
+    already in the box) as one job of blocks of rows, after which workers sleep at once."""
+    _check_rows(x, out)
+    sequence = begin_job(box, 0)
+    store(box, KIND, ROWS)
+    store(box, ROW_KERNEL, kernel)
+    store(box, ROWS_IN, x.ctypes.data)
+    store(box, ROWS_OUT, out.ctypes.data)
+    store(box, ROW_COUNT, out.shape[0])
+    store(box, ROW_COLUMNS, out.shape[1])
+    run_job(box, workers, sequence, (out.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK)
+
+
+@_jit
+def post_softmax(box, workers, scores, fill):
+    """Softmax of each row of scores (rows, columns), in place, NaN rows set to `fill`, as a rows job."""
+    _check_rows(scores, scores)
+    store(box, ROW_ARGUMENTS, bits_of_float64(fill))
+    _rows(box, workers, SOFTMAX_ROWS, scores, scores)
+
+
+@_jit
+def post_gelu(box, workers, x, bias, divisor, one, half, out):
+    """The erf GELU of x + bias (an empty bias: none) into out, (rows, columns), as a rows job."""
+    _check_rows(x, out)
+    if (bias.size != 0 and bias.size != x.shape[1]) or not bias.flags.c_contiguous or bias.itemsize != 4:
+        raise ValueError("a GELU job's bias is a C-contiguous float32 vector of one value a column, or empty")
+    store(box, ROW_ARGUMENTS, bias.ctypes.data)
+    store(box, ROW_ARGUMENTS + 1, bias.size)
+    store(box, ROW_ARGUMENTS + 2, bits_of_float64(divisor))
+    store(box, ROW_ARGUMENTS + 3, bits_of_float64(one))
+    store(box, ROW_ARGUMENTS + 4, bits_of_float64(half))
+    _rows(box, workers, GELU_ROWS, x, out)

@@ -1,0 +1,74 @@
+"""The decode pool's mailbox layout: which int64 slot of a mailbox holds what, for the claiming loop
+(`mailbox.py`), the units each job kind is cut into (`units.py`) and the posting functions
+(`jobs.py`); and the nine slots an array posted by address takes (`post_array`, `posted_array`)."""
+from __future__ import annotations
+
+import numba
+
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.runtime.atomics import float32_view, load, store
+
+# mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
+# caller's writes; IDLE + w is worker w's, so there are at most MAX_WORKERS (one line of flags)
+POSTED, CLAIM, COMPLETED, IDLE, STOP, SHARED, FIELDS = 0, 8, 16, 24, 32, 40, 48
+MAX_WORKERS = STOP - IDLE
+# a job's fields: its kind, unit count and polls a worker spins after it, then the kind's own
+KIND, UNITS, LINGER, OWN = FIELDS, FIELDS + 1, FIELDS + 2, FIELDS + 3
+PRODUCTS, ATTENTION, ROWS, SUMS, NBITS, VNNI = 0, 1, 2, 3, 4, 5
+# products: the rows (address, count), then (matrix, width, partial rows, output) for each matrix;
+# a products job's partial rows are then added by a sums job of the same fields when they are wide
+# (an LM head's)
+ROW, HEIGHT, DEPTH, CHUNKS, MATRICES = range(OWN, OWN + 5)
+MAX_MATRICES = 4  # one job: rows times up to this many matrices (a layer's q, k, v projections)
+# matrix m's slots start at MATRICES + PER_MATRIX m: its address, width, partial rows, output, then
+# whether its entries are float32 (FLOATS) or 8-bit integers (UNSIGNED, SIGNED) dequantized by a
+# zero point and scale (float64 bits; `rows_into_bytes`)
+MATRIX, WIDTH, PARTIALS, OUT, ENTRIES, ENTRY_ZERO, ENTRY_SCALE, PER_MATRIX = range(8)
+FLOATS, UNSIGNED, SIGNED = 0, 1, 2
+# columns per unit of a sums job
+SUM_BLOCK = 4096
+# attention: scale, groups, whether there is a bias, then query, key, value, bias and the spans'
+# partial sums and statistics as (address, 4 dimensions, 4 byte strides)
+SCALE, GROUPS, HAS_BIAS, ARRAYS = range(OWN, OWN + 4)
+QUERY, KEY, VALUE, BIAS, PARTIAL_SUMS, SPAN_STATS = (ARRAYS + 9 * i for i in range(6))
+# rows: the row kernel, the input's and the output's addresses, rows, columns, then the kernel's own:
+# the softmax's fill; the GELU's bias (address, size), divisor, one, half (floats as float64 bits)
+ROW_KERNEL, ROWS_IN, ROWS_OUT, ROW_COUNT, ROW_COLUMNS, ROW_ARGUMENTS = range(OWN, OWN + 6)
+SOFTMAX_ROWS, GELU_ROWS = 0, 1
+ROW_BLOCK = 16  # rows per unit
+# 4-bit products: the addresses of the row lanes, chunk sums, tiles, their scales, their zero points
+# times scales and the output (all C-contiguous), then rows, columns, tiles and chunks
+(NBITS_LANES, NBITS_SUMS, NBITS_TILES_AT, NBITS_SCALES, NBITS_ZEROS, NBITS_OUT, NBITS_ROWS, NBITS_WIDTH,
+ NBITS_TILE_COUNT, NBITS_CHUNKS) = range(OWN, OWN + 10)
+NBITS_TILES = 4  # tiles of 16 output columns per unit
+# 8-bit products: the addresses of the rows' unsigned words, the tiles and the raw int32 sums (all
+# C-contiguous), then rows, tiles and groups of 4 bytes
+VNNI_WORDS, VNNI_TILES_AT, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_GROUPS = range(OWN, OWN + 6)
+VNNI_TILES = 8  # tiles of 16 output columns per unit
+# the address of `mailbox._units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
+UNITS_CODE = max(MATRICES + PER_MATRIX * MAX_MATRICES, SPAN_STATS + 9, NBITS_CHUNKS + 1, VNNI_GROUPS + 1)
+# a claim takes the units left shifted right by this (`mailbox._work`; a mailbox's own, set by `new_box`)
+CLAIM_SHIFT = UNITS_CODE + 1
+MAILBOX_SIZE = CLAIM_SHIFT + 1
+INDEX_BITS = 32
+NOTHING_TO_CLAIM = (1 << INDEX_BITS) - 1
+
+_jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+
+
+@_jit
+def posted_array(box, slot):
+    """The float32 array posted at `slot` (`post_array`), viewed by address."""
+    shape = (load(box, slot + 1), load(box, slot + 2), load(box, slot + 3), load(box, slot + 4))
+    strides = (load(box, slot + 5), load(box, slot + 6), load(box, slot + 7), load(box, slot + 8))
+    return float32_view(load(box, slot), shape, strides)
+
+
+@_jit
+def post_array(box, slot, array):
+    """Posts `array` (4 dimensions) at slot .. slot + 9: its address, shape and byte strides. Only the
+    posting functions call it, after checking the array."""
+    store(box, slot, array.ctypes.data)
+    for axis in range(4):
+        store(box, slot + 1 + axis, array.shape[axis])
+        store(box, slot + 5 + axis, array.strides[axis])

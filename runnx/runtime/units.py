@@ -1,0 +1,160 @@
+"""What one unit of each decode-pool job kind computes, read from the mailbox (`slots.py` says
+where each field is). A unit gives the same result whichever thread computes it:
+- products: one row chunk of one product into its partial rows (`rows_times_matrix`'s chunks,
+  `ops/_kernels_linalg.py`); float32 entries, or 8-bit ones read through a zero point and scale;
+- sums: one block of an LM head's columns, its partial rows added in chunk order;
+- attention: one (batch entry, KV head, span of the cache), `attention_span` of `ops/_kernels_fused.py`;
+- 4-bit products: `NBITS_TILES` tiles of 16 output columns (`tile_rows`, `ops/_kernels_nibble_tiles.py`),
+  each column computed whole by one unit;
+- 8-bit products: `VNNI_TILES` tiles of 16 output columns (`tile_sums_into`, `ops/_kernels_vnni.py`);
+- rows: `ROW_BLOCK` rows of a row kernel (softmax or GELU, `ops/_kernels_rows.py`).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._kernels_fused import attention_span
+from runnx.ops._kernels_linalg import chunk_bounds, rows_into, rows_into_bytes
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, tile_rows
+from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
+from runnx.ops._kernels_vnni import tile_sums_into
+from runnx.runtime.atomics import byte_pointer, float32_pointer, float64_from_bits, load
+from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FLOATS, GROUPS,
+                                 HAS_BIAS, HEIGHT, MATRICES, MATRIX, NBITS, NBITS_CHUNKS, NBITS_LANES, NBITS_OUT,
+                                 NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILE_COUNT, NBITS_TILES, NBITS_TILES_AT,
+                                 NBITS_WIDTH, NBITS_ZEROS, OUT, PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY,
+                                 KEY, ROW, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS_IN,
+                                 ROWS_OUT, SCALE, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, SUMS, UNSIGNED, VALUE, VNNI,
+                                 VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT,
+                                 VNNI_WORDS, WIDTH, posted_array)
+
+_jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+
+
+@_jit
+def _product_chunk(box, index):
+    """Unit `index` of a products job: one row chunk of one product into its partial rows."""
+    height, depth, chunks = load(box, HEIGHT), load(box, DEPTH), load(box, CHUNKS)
+    slots = MATRICES + PER_MATRIX * (index // chunks)
+    width = load(box, slots + WIDTH)
+    rows = numba.carray(float32_pointer(load(box, ROW)), (height, depth))
+    partials = numba.carray(float32_pointer(load(box, slots + PARTIALS)), (chunks, height, width))
+    chunk = index % chunks
+    start, stop = chunk_bounds(depth, chunks, chunk)
+    entries = load(box, slots + ENTRIES)
+    if entries == FLOATS:
+        matrix = numba.carray(float32_pointer(load(box, slots + MATRIX)), (depth, width))
+        rows_into(rows, matrix, partials[chunk], start, stop)
+        return
+    zero = np.float32(float64_from_bits(load(box, slots + ENTRY_ZERO)))
+    scale = np.float32(float64_from_bits(load(box, slots + ENTRY_SCALE)))
+    matrix = numba.carray(byte_pointer(load(box, slots + MATRIX)), (depth, width))
+    if entries == UNSIGNED:
+        rows_into_bytes(rows, matrix, zero, scale, partials[chunk], start, stop)
+    else:
+        rows_into_bytes(rows, matrix.view(np.int8), zero, scale, partials[chunk], start, stop)
+
+
+@_jit
+def _sum_block(box, index):
+    """Unit `index` of a sums job: one block of columns of one product, its partial rows added in
+    chunk order (`add_partials_into`'s order, so the same result as on one thread), each block of a
+    chunk's partial rows (all rows of the product in turn) a contiguous vector."""
+    height, chunks = load(box, HEIGHT), load(box, CHUNKS)
+    slots = MATRICES
+    width = height * load(box, slots + WIDTH)
+    blocks = (width + SUM_BLOCK - 1) // SUM_BLOCK
+    while index >= blocks:  # the units run through the products' blocks in turn
+        index -= blocks
+        slots += PER_MATRIX
+        width = height * load(box, slots + WIDTH)
+        blocks = (width + SUM_BLOCK - 1) // SUM_BLOCK
+    start = index * SUM_BLOCK
+    size = min(SUM_BLOCK, width - start)
+    partials = load(box, slots + PARTIALS) + 4 * start  # chunk c's columns at 4 * c * width bytes on
+    out = numba.carray(float32_pointer(load(box, slots + OUT) + 4 * start), (size,))
+    out[:] = numba.carray(float32_pointer(partials), (size,))
+    for chunk in range(1, chunks):
+        part = numba.carray(float32_pointer(partials + 4 * chunk * width), (size,))
+        for n in range(size):
+            out[n] += part[n]
+
+
+@_jit
+def _attention_span(box, index):
+    """Unit `index` of an attention job: the query rows of one (batch entry, KV head) against one
+    span of the cache."""
+    groups = load(box, GROUPS)
+    query, key, value = posted_array(box, QUERY), posted_array(box, KEY), posted_array(box, VALUE)
+    partials, stats = posted_array(box, PARTIAL_SUMS), posted_array(box, SPAN_STATS)
+    scale = float64_from_bits(load(box, SCALE))
+    unit, span = index // partials.shape[1], index % partials.shape[1]
+    if load(box, HAS_BIAS):
+        attention_span(query, key, value, posted_array(box, BIAS), scale, partials, stats, unit // groups,
+                       unit % groups, span)
+    else:
+        attention_span(query, key, value, None, scale, partials, stats, unit // groups, unit % groups, span)
+
+
+@_jit
+def _row_block(box, index):
+    """Unit `index` of a rows job: its block of rows."""
+    rows, columns = load(box, ROW_COUNT), load(box, ROW_COLUMNS)
+    start = index * ROW_BLOCK
+    count = min(rows - start, ROW_BLOCK)
+    out = numba.carray(float32_pointer(load(box, ROWS_OUT) + 4 * start * columns), (count, columns))
+    if load(box, ROW_KERNEL) == SOFTMAX_ROWS:
+        softmax_rows_float32(out, float64_from_bits(load(box, ROW_ARGUMENTS)))
+        return
+    x = numba.carray(float32_pointer(load(box, ROWS_IN) + 4 * start * columns), (count, columns))
+    bias = numba.carray(float32_pointer(load(box, ROW_ARGUMENTS)), (load(box, ROW_ARGUMENTS + 1),))
+    divisor = np.float32(float64_from_bits(load(box, ROW_ARGUMENTS + 2)))
+    one = np.float32(float64_from_bits(load(box, ROW_ARGUMENTS + 3)))
+    half = np.float32(float64_from_bits(load(box, ROW_ARGUMENTS + 4)))
+    gelu_rows_float32(x, bias, divisor, one, half, out)
+
+
+@_jit
+def _nbits_block(box, index):
+    """Unit `index` of a 4-bit products job: its tiles of output columns."""
+    rows, columns = load(box, NBITS_ROWS), load(box, NBITS_WIDTH)
+    count, chunks = load(box, NBITS_TILE_COUNT), load(box, NBITS_CHUNKS)
+    lanes = numba.carray(float32_pointer(load(box, NBITS_LANES)), (rows, 2, chunks * CHUNK_BYTES))
+    sums = numba.carray(float32_pointer(load(box, NBITS_SUMS)), (rows, chunks))
+    tiles = numba.carray(float32_pointer(load(box, NBITS_TILES_AT)),
+                         (count, chunks, CHUNK_BYTES, TILE >> 2)).view(np.uint8)
+    scales = numba.carray(float32_pointer(load(box, NBITS_SCALES)), (count, chunks, TILE))
+    zero_scales = numba.carray(float32_pointer(load(box, NBITS_ZEROS)), (count, chunks, TILE))
+    out = numba.carray(float32_pointer(load(box, NBITS_OUT)), (rows, columns))
+    first = index * NBITS_TILES
+    tile_rows(lanes, sums, tiles, scales, zero_scales, out, first, min(first + NBITS_TILES, count))
+
+
+@_jit
+def _vnni_block(box, index):
+    """Unit `index` of an 8-bit products job: its tiles of output columns, as raw int32 sums."""
+    rows, count, groups = load(box, VNNI_ROWS), load(box, VNNI_TILE_COUNT), load(box, VNNI_GROUPS)
+    words = numba.carray(float32_pointer(load(box, VNNI_WORDS)), (rows, groups)).view(np.int32)
+    tiles = numba.carray(float32_pointer(load(box, VNNI_TILES_AT)), (count, groups, TILE, 1)).view(np.uint8)
+    raw = numba.carray(float32_pointer(load(box, VNNI_RAW)), (rows, count * TILE)).view(np.int32)
+    first = index * VNNI_TILES
+    tile_sums_into(tiles, words, raw, first, min(first + VNNI_TILES, count))
+
+
+@_jit
+def compute_unit(box, kind, index):
+    """Unit `index` of the posted job, of kind `kind`."""
+    if kind == PRODUCTS:
+        _product_chunk(box, index)
+    elif kind == ATTENTION:
+        _attention_span(box, index)
+    elif kind == SUMS:
+        _sum_block(box, index)
+    elif kind == NBITS:
+        _nbits_block(box, index)
+    elif kind == VNNI:
+        _vnni_block(box, index)
+    else:
+        _row_block(box, index)
