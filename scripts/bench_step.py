@@ -117,7 +117,8 @@ def native_step(box, workers, x, weights, keys, values, head, norm, scratch, len
     attended = np.empty((1, HEADS, 1, DEPTH), np.float32)
     for layer in range(LAYERS):
         w = 7 * layer
-        post_products(box, workers, hidden, (weights[w], weights[w + 1], weights[w + 2]), (q, k, v), scratch)
+        post_products(box, workers, hidden, (weights[w], weights[w + 1], weights[w + 2]), (q, k, v), scratch,
+                      0.0, 1.0)
         key_cache, value_cache = keys[layer], values[layer]
         for head_index in range(KV_HEADS):
             for j in range(DEPTH):
@@ -125,15 +126,15 @@ def native_step(box, workers, x, weights, keys, values, head, norm, scratch, len
                 value_cache[0, head_index, length, j] = v[head_index * DEPTH + j]
         post_attention(box, workers, q.reshape((1, HEADS, 1, DEPTH)), key_cache[:, :, :length + 1],
                        value_cache[:, :, :length + 1], None, 0.125, np.nan, attended)
-        post_products(box, workers, attended.reshape(HIDDEN), (weights[w + 3],), (o,), scratch)
+        post_products(box, workers, attended.reshape(HIDDEN), (weights[w + 3],), (o,), scratch, 0.0, 1.0)
         hidden = add_rms_norm(residual, o, residual, 1e-5, 1.0, norm)
-        post_products(box, workers, hidden, (weights[w + 4], weights[w + 5]), (gate, up), scratch)
+        post_products(box, workers, hidden, (weights[w + 4], weights[w + 5]), (gate, up), scratch, 0.0, 1.0)
         for j in range(INNER):
             gate[j] = gate[j] / (np.float32(1) + np.exp(-gate[j])) * up[j]
-        post_products(box, workers, gate, (weights[w + 6],), (d,), scratch)
+        post_products(box, workers, gate, (weights[w + 6],), (d,), scratch, 0.0, 1.0)
         hidden = add_rms_norm(residual, d, residual, 1e-5, 1.0, norm)
     logits = np.empty(VOCAB, np.float32)
-    post_products(box, workers, hidden, (head,), (logits,), scratch)
+    post_products(box, workers, hidden, (head,), (logits,), scratch, 0.0, 1.0)
     return logits.argmax()
 
 

@@ -30,7 +30,8 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 def _product(box, workers, row, matrix):
     """row @ matrix as one pool job."""
     out = np.empty(matrix.shape[1], np.float32)
-    post_products(box, workers, row, (matrix,), (out,), np.empty(chunk_count(row.size) * out.size, np.float32))
+    post_products(box, workers, row, (matrix,), (out,), np.empty(chunk_count(row.size) * out.size, np.float32), 0.0,
+                  1.0)
     return out
 
 
@@ -42,7 +43,7 @@ def _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, g
     normed = add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
     gate, up = np.empty(gate_weight.shape[1], np.float32), np.empty(up_weight.shape[1], np.float32)
     post_products(box, workers, normed, (gate_weight, up_weight), (gate, up),
-                  np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32))
+                  np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32), 0.0, 1.0)
     return summed, gate, up
 
 
@@ -110,7 +111,8 @@ def attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, k
     a decode step's HeadsAttention (with its query projection, ProjectedHeadsAttention),
     the same sums as its nodes."""
     if weight.size:
-        post_products(box, workers, x, (weight,), (row,), np.empty(chunk_count(x.size) * row.size, np.float32))
+        post_products(box, workers, x, (weight,), (row,), np.empty(chunk_count(x.size) * row.size, np.float32), 0.0,
+                      1.0)
     else:
         row[:] = x
     if query_bias.size:
@@ -131,7 +133,7 @@ def appended_products(box, workers, x, weights, key_bias, value_bias, key_buffer
     query = np.empty(weights[0].shape[1], np.float32)
     key, value = np.empty(weights[1].shape[1], np.float32), np.empty(weights[2].shape[1], np.float32)
     post_products(box, workers, x, weights, (query, key, value),
-                  np.empty(chunk_count(x.size) * (query.size + key.size + value.size), np.float32))
+                  np.empty(chunk_count(x.size) * (query.size + key.size + value.size), np.float32), 0.0, 1.0)
     _append_row(key, key_bias, key_buffer, position)
     _append_row(value, value_bias, value_buffer, position)
     return query
@@ -209,7 +211,7 @@ def projected_rope_append(box, workers, x, weights, rows, *rope):
     size = 0
     for row in rows:
         size += row.size
-    post_products(box, workers, x, weights, rows, np.empty(chunk_count(x.size) * size, np.float32))
+    post_products(box, workers, x, weights, rows, np.empty(chunk_count(x.size) * size, np.float32), 0.0, 1.0)
     return rope_append_into(*rope)
 
 

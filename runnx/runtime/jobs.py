@@ -84,12 +84,13 @@ def _check_products(row, matrices, outs, scratch):
 
 
 @_jit
-def post_products(box, workers, row, matrices, outs, scratch, zero=0.0, scale=1.0):
+def post_products(box, workers, row, matrices, outs, scratch, zero, scale):
     """row @ matrices[m] into outs[m] for each m, as one job, for C-contiguous float32 `row` of one
     row (K,) or a few (M, K) and outs[m] of M * N_m elements, the partial rows in `scratch` (room
     for chunk_count(K) times every output); whether a worker was idle. 8-bit matrices are read as
-    (float32(entry) - zero) * scale (`rows_into_bytes`). Arrays that do not fit raise ValueError before
-    anything is posted."""
+    (float32(entry) - zero) * scale (`rows_into_bytes`); float32 ones ignore them (callers pass 0 and
+    1). No argument has a default: a call from Python that omits one takes numba's slow dispatch,
+    tens of microseconds a call. Arrays that do not fit raise ValueError before anything is posted."""
     _check_products(row, matrices, outs, scratch)
     depth = matrices[0].shape[0]
     chunks = chunk_count(depth)

@@ -1,27 +1,27 @@
-"""The decode pool: worker threads that take part of a decode step's heavy kernels, one-row
-products and attention over a KV cache, when runnx has more than one thread.
+"""The decode pool: worker threads that take part of a decode step's heavy kernels, one-row products
+and attention over a KV cache, when runnx has more than one thread.
 
 A decode step is some two hundred one-row products (`row @ matrix`), each a few to a few hundred
 microseconds of streaming weights from memory, and one attention per layer streaming the KV cache.
 One core does not saturate memory on most machines (scripts/bench_gemv.py: 18 GB/s from one thread,
 29 from two on the first one), but handing each kernel to a thread pool costs more than it gains:
 numba's parallel regions and a Python-level hand-off take 30-50 us each. So the workers here never
-leave native code while a decode is running: each spins on a shared mailbox (`mailbox.py`'s
-loop; its layout in `slots.py`, what a unit computes in `units.py`, the jobs in `jobs.py`) for a few milliseconds after its last job, then sleeps on its own Event
-(a shared one, cleared by whichever worker wakes first, could leave another asleep through a
-wake-up meant for it). Workers found asleep are woken for the next job; the current one runs on the
-caller's thread. Before a rows job (half a millisecond of rows is worth the wake-up) the caller
-wakes sleeping workers; fewer rows than two blocks (a decode step's GELU) run the job alone on a
-mailbox of their own (`alone`), never the pool's, so they never set its linger to zero under a
-decode's spinning workers.
+leave native code while a decode is running: each spins on a shared mailbox (`mailbox.py`'s loop;
+its layout in `slots.py`, what a unit computes in `units.py`, the jobs in `jobs.py`) for a few
+milliseconds after its last job, then sleeps on its own Event (a shared one, cleared by whichever
+worker wakes first, could leave another asleep through a wake-up meant for it). Workers found asleep
+are woken for the next job; the current one runs on the caller's thread. Before a rows job (half a
+millisecond of rows is worth the wake-up) the caller wakes sleeping workers; fewer rows than two
+blocks (a decode step's GELU) run the job alone on a mailbox of their own (`alone`), never the
+pool's, so they never set its linger to zero under a decode's spinning workers.
 
 Memory: the workers read and write a job's arrays through addresses in the mailbox, so every job is
 synchronous. Only the posting functions of `jobs.py` (`post_products`, `post_attention`,
-`post_nbits`, `post_vnni`, `post_softmax`, `post_gelu`) take an array's address: they take arrays, check each one's dtype,
-layout and shape against what the units read (ValueError, nothing posted), and return only once
-every unit of the job is complete. The poster holds the arrays as its arguments all that time, so
-no address outlives its array; Python code here never handles one (the one address a mailbox gets
-from Python, in `new_box`, is the compiled unit loop's).
+`post_nbits`, `post_vnni`, `post_softmax`, `post_gelu`) take an array's address: they take arrays,
+check each one's dtype, layout and shape against what the units read (ValueError, nothing posted),
+and return only once every unit of the job is complete. The poster holds the arrays as its arguments
+all that time, so no address outlives its array; Python code here never handles one (the one address
+a mailbox gets from Python, in `new_box`, is the compiled unit loop's).
 """
 from __future__ import annotations
 
@@ -108,9 +108,9 @@ class DecodePool:
             if height * sum([matrix.size for matrix in matrices]) >= _WAKE_FIRST:
                 self._wake_sleeping()
             outs = tuple([np.empty(height * matrix.shape[1], np.float32) for matrix in matrices])
-            idle = post_products(self.box, self._workers, row, matrices, outs,
-                                 self._scratch(chunk_count(row.shape[-1]) * sum([out.size for out in outs])),
-                                 *(float(n) for n in dequantized))
+            zero, scale = (float(dequantized[0]), float(dequantized[1])) if dequantized else (0.0, 1.0)
+            scratch = self._scratch(chunk_count(row.shape[-1]) * sum([out.size for out in outs]))
+            idle = post_products(self.box, self._workers, row, matrices, outs, scratch, zero, scale)
         finally:
             self._lock.release()
         if idle:
@@ -309,7 +309,8 @@ def _load_jobs() -> None:
     for row in (np.zeros(4, np.float32), np.zeros((2, 4), np.float32)):
         for count in (1, 2, 3):
             outs = tuple([np.empty(row.size, np.float32) for _ in range(count)])
-            alone(post_products, row, (matrix,) * count, outs, np.empty(chunk_count(4) * row.size * count, np.float32))
+            alone(post_products, row, (matrix,) * count, outs, np.empty(chunk_count(4) * row.size * count, np.float32),
+                  0.0, 1.0)
     rows = np.zeros((2, 4), np.float32)
     alone(post_softmax, rows, 0.0)
     for bias in (np.zeros(4, np.float32), matrix[0]):

@@ -553,7 +553,7 @@ def test_a_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(
         matrices = (np.ones((6, 8), np.float32).T,)
     box = mailbox.new_box()
     with pytest.raises(ValueError, match="a products job"):
-        jobs.post_products(box, 0, row, matrices, outs, scratch)
+        jobs.post_products(box, 0, row, matrices, outs, scratch, 0.0, 1.0)
     assert box[slots.POSTED] == 0 and box[slots.KIND] == 0
 
 
