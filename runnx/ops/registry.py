@@ -146,6 +146,7 @@ def known_versions(domain: str, op_type: str) -> list[int]:
 def newest_opset(domain: str) -> int | None:
     """The newest opset of `domain` that runnx's kernels know: their newest since-version (each
     change of an op's semantics gets a kernel of its own), or None when runnx has no kernel there."""
+    _load_families()  # every family: an op module imported on its own has registered only its kernels
     domain = _canonical_domain(domain)
     return max((k.since for (d, _), kernels in _REGISTRY.items() if d == domain for k in kernels), default=None)
 

@@ -235,3 +235,19 @@ def test_external_data_paths_that_are_not_plain_file_names_are_refused(tmp_path,
     with pytest.raises(runnx.ExternalDataError, match="tensor 'w'"):
         runnx.load(_external(tmp_path, location, payload=None))
 
+
+
+def test_a_model_loads_after_one_op_module_was_imported_on_its_own(tmp_path):
+    """The opset check asks for every op family: a process that imported one op module first (to
+    call a kernel) had registered that module's kernels only, and its first model was refused as
+    'opset 18, but runnx supports it up to opset 1'."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "model.onnx"
+    path.write_bytes(_proto().SerializeToString())
+    code = ("import runnx.ops.contrib_normalization, runnx, numpy as np; "
+            f"print(runnx.load({str(path)!r}).run({{'x': np.zeros((3, 4), np.float32)}})['y'].sum())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout) == WEIGHT.sum()
