@@ -641,3 +641,55 @@ def test_an_8_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_p
     with pytest.raises(ValueError, match="an 8-bit products job"):
         jobs.post_vnni(box, 0, *arrays.values())
     assert box[slots.POSTED] == 0
+
+
+def _slow_dispatches(calls) -> list:
+    """The compiled functions that `calls()` reached through numba's `_compile_for_args`: the types of
+    their arguments resolved in Python (tens of microseconds a call) instead of by the fast dispatch."""
+    from numba.core import dispatcher
+
+    slow = []
+    original = dispatcher._DispatcherBase._compile_for_args
+
+    def counted(self, *args, **kwargs):
+        slow.append(self.py_func.__name__)
+        return original(self, *args, **kwargs)
+
+    dispatcher._DispatcherBase._compile_for_args = counted
+    try:
+        calls()
+    finally:
+        dispatcher._DispatcherBase._compile_for_args = original
+    return slow
+
+
+def test_pool_products_take_numbas_fast_dispatch(pool):
+    """A float product posted to the pool from Python (a decode step's MatMul) is one fast dispatch:
+    the products job's zero point and scale, which only 8-bit matrices read, were once left out for
+    float32 ones, and every product of a two-thread step resolved them in Python."""
+    matrix = RNG.standard_normal((256, 512)).astype(np.float32)  # at least _POOLED_ELEMENTS
+    row = RNG.standard_normal((1, 256)).astype(np.float32)
+    posted = pool.box[slots.POSTED]
+    expected, _ = MatMul(row, matrix), pool.products(row[0], (matrix, matrix))  # (first calls: loaded)
+    assert pool.box[slots.POSTED] > posted  # the MatMul was a pool job
+    assert _slow_dispatches(lambda: [MatMul(row, matrix) for _ in range(5)]) == []
+    assert _slow_dispatches(lambda: [pool.products(row[0], (matrix, matrix)) for _ in range(5)]) == []
+    np.testing.assert_array_equal(pool.products(row[0], (matrix,))[0], expected[0])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2", "tiny-llama-merged"])
+@pytest.mark.parametrize("level", ["basic", "all"])
+def test_steady_decode_steps_take_numbas_fast_dispatch(pool, fixtures_dir, name, level):
+    """Every compiled kernel a steady decode step calls from Python, with the decode pool on, takes
+    numba's fast dispatch (`_slow_dispatches`), in unfused graphs (`basic`) and fused ones."""
+    import runnx
+    from runnx.generate.decoder import DecoderStep, load_decoder
+
+    def load(path):
+        return load_decoder(path) if level == "all" else runnx.load(path, optimization_level=level)
+
+    decoder = DecoderStep.from_folder(fixtures_dir / name, capacity=64, load=load)
+    decoder.step(np.array([[1, 2, 3, 4]]))
+    for token in range(5, 9):  # the kernels of every shape a step meets, loaded or compiled
+        decoder.step(np.array([[token]]))
+    assert _slow_dispatches(lambda: [decoder.step(np.array([[token]])) for token in range(9, 13)]) == []
