@@ -12,7 +12,6 @@ from runnx.interp.fusion.matcher import Fused, Matcher
 from runnx.interp.ir import MISSING, Node
 
 
-
 def dequantized_product(m: Matcher, matmul: Node) -> Fused | None:
     """MatMul(x, DequantizeLinear(B, scale, zero point)), the DequantizeLinear `folding.py` left
     for it (read only by this MatMul): DequantizedMatMul(x, B, scale, zero point)."""
