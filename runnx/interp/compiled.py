@@ -24,6 +24,7 @@ from runnx.interp.codegen import Program
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.shape_cache import ShapeGroup
 from runnx.ops.registry import inplace_target, writable_alone_inline, writes_first_inline
+from runnx.runtime import opening, settle
 
 
 def bound_outputs(node, output_count: int, result) -> list:
@@ -111,9 +112,12 @@ def _names(plan) -> dict[int, str]:
     return {**{vid: f"s{slot}" for vid, slot in slot_of.items()}, **{vid: f"c{vid}" for vid in plan.constants}}
 
 
-def compile_plan(graph: Graph, plan):
+def compile_plan(graph: Graph, plan, overlap_jobs: bool = False):
     """A function (values, keys, table, ctx) -> (output values, output keys) running `plan` like
-    the interpreted loop, or None for a plan with subgraph nodes."""
+    the interpreted loop, or None for a plan with subgraph nodes. overlap_jobs: the kernels
+    declaring `overlaps_jobs` are called with leave to return while their pool job computes
+    (`runtime/pool.py`), and a step reading what such a job may still write settles it first; the
+    caller settles after the function returns or raises, and takes the leave back."""
     if any(step.node.subgraphs for step in plan.steps):
         return None
     names = _names(plan)
@@ -121,12 +125,18 @@ def compile_plan(graph: Graph, plan):
     program = Program(graph, "V, K, table, ctx", f"plan of {graph.name or 'graph'}",
                       [BOOKKEEPING, *(f"v{names[vid]} = V[{vid}]; k{names[vid]} = K[{vid}]" for vid in plan.inputs)])
     program.namespace.update(one=_single_binder(plan.steps), many=_bind_many, may_write=may_write,
-                             target=inplace_target, ndarray=np.ndarray, STEPS=plan.steps)
+                             target=inplace_target, ndarray=np.ndarray, STEPS=plan.steps, settle=settle,
+                             OPENING=opening)
     for vid in plan.constants:  # globals: never assigned in the function
         program.set(f"v{names[vid]}", plan.values_template[vid])
         program.set(f"k{names[vid]}", plan.keys_template[vid])
+    open_job = False  # whether a step since the last settle may have left a pool job open
     for index, step in enumerate(plan.steps):
-        _step(program, index, step, names, keyless)
+        kernel = step.node.kernel
+        overlaps = overlap_jobs and kernel is not None and kernel.overlaps_jobs and step.fn is kernel.fn
+        memo = isinstance(step.fn, ShapeGroup)  # (reads shapes only)
+        _step(program, index, step, names, keyless, settles=open_job and not overlaps and not memo, overlaps=overlaps)
+        open_job = overlaps or (open_job and memo)
     return program.build(f"[{', '.join(f'v{names[v]}' for v in plan.outputs)}], "
                          f"[{', '.join(f'k{names[v]}' for v in plan.outputs)}]")
 
@@ -137,7 +147,8 @@ def _grant(keys: str) -> str:
     return f"{may_write_inline(keys)} or may_write(table, {keys}, ctx)"
 
 
-def _step(program: Program, index: int, step, names: dict[int, str], keyless: set) -> None:
+def _step(program: Program, index: int, step, names: dict[int, str], keyless: set, settles: bool,
+          overlaps: bool) -> None:
     """Emit the lines of one step; `keyless` values (memo outputs) are never granted, counted or
     released. The common path is inline (a single owned storage granted, an ndarray output
     counted, a release); what is rarer calls the rules' functions or a helper above: a grant
@@ -146,6 +157,8 @@ def _step(program: Program, index: int, step, names: dict[int, str], keyless: se
     candidates = [(position, vid) for position, vid in step.candidates if vid not in keyless]
     inputs = ["None" if v == MISSING else f"v{names[v]}" for v in step.inputs]
     program.node(node, inputs)
+    if settles:  # an earlier step's pool job may still write what this one reads, or read what it writes
+        program.emit("settle()")
     arguments = list(inputs)
     ufunc = node.kernel.ufunc if node.kernel is not None and step.fn is node.kernel.fn else None
     memo = isinstance(step.fn, ShapeGroup)
@@ -166,6 +179,8 @@ def _step(program: Program, index: int, step, names: dict[int, str], keyless: se
             program.emit(*step.fn.found_lines(program, index, inputs, call))
         elif inline_ufunc:
             program.emit(*_inline_ufunc_lines(program, index, ufunc, inputs, [p for p, _ in candidates]))
+        elif overlaps:  # leave to return with its pool job open, for this call only
+            program.emit("OPENING.allowed = True", f"r = {call}", "OPENING.allowed = False")
         else:
             program.emit(f"r = {call}")
     outputs = [(j, names[v]) for j, v in enumerate(step.outputs) if v != MISSING]

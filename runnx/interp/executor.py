@@ -19,6 +19,7 @@ from runnx.interp.compiled import bound_outputs, compile_plan
 from runnx.interp.node_context import describe_value, node_error
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.planner import Plan, make_plan
+from runnx.runtime import opening, settle
 
 
 def _same(a, b) -> bool:
@@ -80,7 +81,11 @@ class Executor:
         if not instrumented and inplace_on and (compiled := self._compiled(graph, plan, options)) is not None:
             values, keys = {}, {}
             self._hold_bound(bound, values, keys, hold)
-            outputs, output_keys = compiled(values, keys, table, ctx)
+            try:
+                outputs, output_keys = compiled(values, keys, table, ctx)
+            finally:  # (a job the last steps left open; the leave a failing step was given)
+                settle()
+                opening.allowed = False
             return outputs, [table.is_owned(k) for k in output_keys] if owned else None
         values = list(plan.values_template)  # constants in place; values[MISSING], the last slot, stays None
         keys = list(plan.keys_template)
@@ -156,7 +161,7 @@ class Executor:
             runs = state["runs"] = state.get("runs", 0) + 1
             if runs < options.compile_after:
                 return None
-            compiled = state["compiled"] = compile_plan(graph, plan) or False
+            compiled = state["compiled"] = compile_plan(graph, plan, options.overlap_jobs) or False
         return compiled or None
 
     @staticmethod

@@ -16,7 +16,7 @@ LEVELS = ("disabled", "basic", "extended", "all")
 _ALLOWED = {
     "disabled": (),
     "basic": ("fold_constants", "shape_cache", "memo_read_ahead"),
-    "extended": ("fuse", "compile_after", "specialize_branches"),
+    "extended": ("fuse", "compile_after", "specialize_branches", "overlap_jobs"),
     "all": ("last_position",),
 }
 
@@ -40,6 +40,7 @@ REMOVED = {
     "RUNNX_FUSE": f"{_EXTENDED}; runnx.load(..., fuse=False) this one alone",
     "RUNNX_COMPILE_AFTER": f"{_EXTENDED}; runnx.load(..., compile_after=N) this one alone",
     "RUNNX_SPECIALIZE_BRANCHES": f"{_EXTENDED}; runnx.load(..., specialize_branches=False) this one alone",
+    "RUNNX_OVERLAP_JOBS": f"{_EXTENDED}; runnx.load(..., overlap_jobs=False) this one alone",
     "RUNNX_LAST_POSITION": "runnx.load(..., last_position=('logits',)) names the outputs (the generation API "
                            "sets it); RUNNX_OPTIMIZATION_LEVEL=extended turns it off",
     "RUNNX_INPLACE": "runnx.load(..., inplace=False) runs out of place; RUNNX_CHECK_INPLACE=1 checks every "
@@ -89,7 +90,9 @@ class Options:
     embedding, attention over the KV cache) become fused kernels at load. compile_after: from its
     n-th run on, a plan runs compiled to straight-line Python (interp/compiled.py; 0 never).
     specialize_branches: a model that is one If on one of its inputs (Optimum's merged decoders)
-    runs the branch that input picks as a graph of its own (interp/branches.py). inplace: run ops
+    runs the branch that input picks as a graph of its own (interp/branches.py). overlap_jobs: a
+    compiled plan's 4-bit products return while the decode pool's workers compute them, the plan
+    going on to the next node until one reads what they write (runtime/pool.py). inplace: run ops
     in place and move captures (bitwise identical off).
     last_position: outputs (an LM head's logits) computed for the last position only, by name
     (interp/last_position.py; the generation API loads decoders with ("logits",)).
@@ -116,6 +119,7 @@ class Options:
     fuse: bool = True
     compile_after: int = 2
     specialize_branches: bool = True
+    overlap_jobs: bool = True
     inplace: bool = True
     last_position: tuple[str, ...] = ()
     check_inplace: bool = field(default_factory=lambda: _env_flag("RUNNX_CHECK_INPLACE", False))
@@ -141,4 +145,4 @@ class Options:
 
 
 _OFF = {"fold_constants": False, "shape_cache": False, "memo_read_ahead": False, "fuse": False, "compile_after": 0,
-        "specialize_branches": False, "last_position": ()}
+        "specialize_branches": False, "overlap_jobs": False, "last_position": ()}

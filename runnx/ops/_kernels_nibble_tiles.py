@@ -30,7 +30,6 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._kernels_contrib import nbits_lanes
 
 TILE = 16  # columns a tile: one 512-bit vector of float32 sums
 CHUNK_BYTES = 16  # bytes of a column a chunk: 32 4-bit values with one scale
@@ -108,16 +107,6 @@ def _tile_dot(typingctx, tiles, low, high, sums, scales, zero_scales, tile, out)
         return context.get_dummy_value()
 
     return signature, codegen
-
-
-@_kernel
-def split_rows(rows, chunks):
-    """(lanes (M, 2, 16 chunks): each row's values at even and odd positions, zero past K; sums
-    (M, chunks): each 32 values' sum), what `tile_rows` reads of rows (M, K) float32."""
-    lanes = np.empty((rows.shape[0], 2, chunks * CHUNK_BYTES), np.float32)
-    sums = np.empty((rows.shape[0], chunks), np.float32)
-    nbits_lanes(rows, 2 * CHUNK_BYTES, lanes, sums)
-    return lanes, sums
 
 
 @_kernel

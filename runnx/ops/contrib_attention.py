@@ -25,7 +25,7 @@ from runnx.ops._kernels_contrib_attention import decode_step, rotary_append
 from runnx.ops.fused import attend
 from runnx.ops.fused_layer_norm_blocks import attention_in_blocks, causal_attention_in_blocks
 from runnx.ops.registry import register
-from runnx.runtime.pool import shared_call
+from runnx.runtime.pool import settle, shared_call
 
 _BLOCKED_ROWS = 48  # query rows a head from which attention goes in blocks of BLAS products
 
@@ -214,7 +214,7 @@ def _attend_rows(queries, present_key, present_value, starts, lengths, reach: in
                       bool(smooth_softmax), head_sink)
 
 
-@register("GroupQueryAttention", since=1, domain=DOMAIN, inplace=(3, 4))
+@register("GroupQueryAttention", since=1, domain=DOMAIN, inplace=(3, 4), overlaps_jobs=True)
 def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
                         cos_cache=None, sin_cache=None, position_ids=None, attention_bias=None, head_sink=None, *,
                         do_rotary: int = 0, kv_num_heads: int, local_window_size: int = -1, num_heads: int,
@@ -258,6 +258,7 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
         raise RunnxError("GroupQueryAttention: do_rotary=1 needs cos_cache and sin_cache")
     length = max(total, past_key.shape[2]) if past_key is not None else total
     factor = scale or 1 / math.sqrt(head_size)
+    settle()  # (the float inputs may be pool jobs' outputs; only integers were read above)
     if _rows_kernel_applies(q, k, v, past_key, past_value, cos_cache, sin_cache, do_rotary, head_size):
         decoding = steps == 1 and not softcap and not smooth_softmax and head_sink is None and attention_bias is None
         stops = [1] * batch if first_prompt else counts  # the rows each query sees: up to its own

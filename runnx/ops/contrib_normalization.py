@@ -13,6 +13,7 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.ops._kernels_contrib import skip_norm_rows
 from runnx.ops.registry import register
+from runnx.runtime.pool import settle
 
 DOMAIN = "com.microsoft"
 _SKIP_EPSILON = 1e-12  # onnxruntime's default for the Skip* norms
@@ -52,6 +53,7 @@ def _skip_norm_float32(x, skip, gamma, beta, bias, epsilon, simplified, output_c
     out, total = np.empty(x.shape, _FLOAT32), np.empty(x.shape, _FLOAT32)
     stats_shape = x.shape[:-1] + (1,)
     mean, inv_std = np.empty(stats_shape, _FLOAT32), np.empty(stats_shape, _FLOAT32)
+    settle()  # x or skip may be a pool job's output
     skip_norm_rows(x.reshape(rows, width), skip.reshape(rows, width), _NONE32 if bias is None else bias.reshape(width),
                    gamma.reshape(width), _NONE32 if beta is None else beta.reshape(width), float(epsilon), simplified,
                    out.reshape(rows, width), total.reshape(rows, width), mean.reshape(rows), inv_std.reshape(rows))
@@ -63,6 +65,7 @@ def _skip_norm(op, x, skip, gamma, beta, bias, epsilon, simplified, output_count
         raise RunnxError(f"{op}: input must be at least 2-D (rows, hidden), got shape {list(x.shape)}")
     if x.size and _float32_rows(x, skip, gamma, beta, bias):
         return _skip_norm_float32(x, skip, gamma, beta, bias, epsilon, simplified, output_count)
+    settle()
     width = x.shape[-1]
     rows = x.size // width if width else 0
     if skip.shape[-2:] != x.shape[-2:] or skip.size not in (x.size, width * x.shape[-2]):
@@ -84,13 +87,13 @@ def _skip_norm(op, x, skip, gamma, beta, bias, epsilon, simplified, output_count
     return results[:output_count] if output_count > 1 else results[0]
 
 
-@register("SkipLayerNormalization", since=1, domain=DOMAIN)
+@register("SkipLayerNormalization", since=1, domain=DOMAIN, overlaps_jobs=True)
 def SkipLayerNormalization(x, skip, gamma, beta=None, bias=None, *, epsilon: float = _SKIP_EPSILON, output_count):
     """(LayerNorm(x + skip + bias) * gamma + beta, mean, inv_std_var, x + skip + bias)."""
     return _skip_norm("SkipLayerNormalization", x, skip, gamma, beta, bias, epsilon, False, output_count)
 
 
-@register("SkipSimplifiedLayerNormalization", since=1, domain=DOMAIN)
+@register("SkipSimplifiedLayerNormalization", since=1, domain=DOMAIN, overlaps_jobs=True)
 def SkipSimplifiedLayerNormalization(x, skip, gamma, bias=None, *, epsilon: float = _SKIP_EPSILON, output_count):
     """(RMSNorm(x + skip + bias) * gamma, mean (zeros: an RMS norm has none), inv_std_var, x + skip + bias)."""
     return _skip_norm("SkipSimplifiedLayerNormalization", x, skip, gamma, None, bias, epsilon, True, output_count)

@@ -96,7 +96,7 @@ def _check_g_idx(g_idx, depth: int, block_size: int):
                          "supported; re-quantize the model without act-order")
 
 
-@register("MatMulNBits", since=1, domain=DOMAIN)
+@register("MatMulNBits", since=1, domain=DOMAIN, overlaps_jobs=True)
 def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int, N: int, bits: int = 4,
                 block_size: int, accuracy_level: int = 0):
     """a (..., K) @ dequantize(b).T (+ bias): b (N, blocks, block_size * bits / 8) uint8, value i of a
@@ -109,8 +109,12 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
             rows = a.reshape(-1, K)  # B, scales and zero points checked when their tiles were made
             if rows.shape[0] <= _STREAMED_ROWS and rows.flags.c_contiguous:
                 out = np.empty((rows.shape[0], N), _FLOAT32)
+                if bias is None:
+                    decode_pool.open_nbits_rows(rows, *tiles, out)
+                    return out.reshape(a.shape[:-1] + (N,))
                 decode_pool.nbits_rows(rows, *tiles, out)
                 return _with_bias(out, bias, _FLOAT32).reshape(a.shape[:-1] + (N,))
+    decode_pool.settle()  # a may be the output of a job left open
     if bits not in (2, 4, 8):
         raise RunnxError(f"MatMulNBits: bits must be 2, 4 or 8, got {bits}")
     if block_size < 16 or block_size & (block_size - 1):
@@ -168,7 +172,7 @@ def _joined_tiles(shape: tuple, *parts):
 _remembered_joined_tiles = Remembered(_joined_tiles)
 
 
-@register("SharedInputMatMulNBits", since=1, domain=FUSED_DOMAIN)
+@register("SharedInputMatMulNBits", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True)
 def SharedInputMatMulNBits(a, *parts, K: int, columns: tuple, block_size: int, gated: tuple = ()):
     """(MatMulNBits(a, b, scales, zero_points, K=K, N=n, bits=4, block_size=block_size) for each
     (b, scales, zero_points) of `parts` and n of `columns`): the 4-bit products of one input (a
@@ -182,7 +186,11 @@ def SharedInputMatMulNBits(a, *parts, K: int, columns: tuple, block_size: int, g
     if (rows is not None and a.dtype == _FLOAT32 and rows.shape[0] <= _STREAMED_ROWS and block_size >= 32
             and rows.flags.c_contiguous):
         out = np.empty((rows.shape[0], sum(columns)), _FLOAT32)
-        decode_pool.nbits_rows(rows, *_remembered_joined_tiles((K, block_size, columns), *parts), out)
+        tiles = _remembered_joined_tiles((K, block_size, columns), *parts)
+        if gated:  # the gate reads the products
+            decode_pool.nbits_rows(rows, *tiles, out)
+        else:
+            decode_pool.open_nbits_rows(rows, *tiles, out)
         products, start, lead = [], 0, a.shape[:-1]
         for n in columns:
             products.append(out[:, start:start + n].reshape(lead + (n,)))
@@ -191,6 +199,7 @@ def SharedInputMatMulNBits(a, *parts, K: int, columns: tuple, block_size: int, g
         products = [MatMulNBits(a, *parts[i:i + 3], K=K, N=n, bits=4, block_size=block_size)
                     for i, n in zip(range(0, len(parts), 3), columns)]
     if gated:
+        decode_pool.settle()  # (MatMulNBits may have left the last product's job open)
         gate, up = gated
         return (*(p for i, p in enumerate(products) if i not in gated), SiluMul(products[gate], products[up]))
     return tuple(products)

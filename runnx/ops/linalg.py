@@ -66,11 +66,14 @@ def _rows(x):
     return x.reshape(-1) if x.size == x.shape[-1] else x.reshape(-1, x.shape[-1])
 
 
-@register("MatMul", since=1)
+@register("MatMul", since=1, overlaps_jobs=True)
 def MatMul(a, b):
-    if (workers := decode_pool.pool()) is not None and _pooled_rows(a, (b,)):
-        (product,) = workers.products(_rows(a), (b,))
+    """a @ b; a decode step's few rows times a float32 matrix go to the decode pool, whose job may be
+    left open (`runtime/pool.py`)."""
+    if (workers := decode_pool.pool()) is not None and a.flags.c_contiguous and _pooled_rows(a, (b,)):
+        (product,) = workers.products(_rows(a), (b,), leave_open=True)
         return product.reshape(a.shape[:-1] + b.shape[1:])
+    decode_pool.settle()  # a may be the output of a job left open
     if _few_rows(a, b):
         return rows_times_matrix(np.ascontiguousarray(a).reshape(-1, b.shape[0]), b).reshape(a.shape[:-1] + b.shape[1:])
     decode_pool.rest_workers(a.size * b.shape[-1])
@@ -81,7 +84,7 @@ def MatMul(a, b):
     return _in_dtype(np.matmul(a, b), a.dtype)
 
 
-@register("SharedInputMatMul", since=1, domain=FUSED_DOMAIN)
+@register("SharedInputMatMul", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True)
 def SharedInputMatMul(x, *inputs, splits: tuple = (), gated: tuple = ()):
     """(MatMul(x, w) for w in weights): the products of one input (a layer's query, key and value
     projections; its gate and up projections), matched by `runnx/interp/fusion/products.py`. A
@@ -91,12 +94,13 @@ def SharedInputMatMul(x, *inputs, splits: tuple = (), gated: tuple = ()):
     products come out as one, SiluMul(gate, up), after the others."""
     count = len(inputs) - 3 * len(splits)
     weights = inputs[:count]
-    if (workers := decode_pool.pool()) is not None and _pooled_rows(x, weights):
+    if (workers := decode_pool.pool()) is not None and x.flags.c_contiguous and _pooled_rows(x, weights):
         lead = x.shape[:-1]
-        products = [product.reshape(lead + w.shape[1:]) for product, w in zip(workers.products(_rows(x), weights),
-                                                                               weights)]
+        rows = workers.products(_rows(x), weights, leave_open=not (splits or gated))
+        products = [product.reshape(lead + w.shape[1:]) for product, w in zip(rows, weights)]
     else:
         products = [MatMul(x, w) for w in weights]
+        decode_pool.settle()  # (MatMul may leave its job open)
     for n, (position, dims, axes) in enumerate(splits):
         bias, target, source = inputs[count + 3 * n:count + 3 * n + 3]
         products[position] = SplitHeads(products[position], bias, target, source, dims=dims, axes=axes)

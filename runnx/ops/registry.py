@@ -21,6 +21,12 @@ planner lets an earlier node overwrite such an input's data in place.
 `inplace_target` (`binary`'s rule) or `unary` picks, without the two calls around it (half a
 tiny node's cost).
 
+``overlaps_jobs=True`` declares a kernel that may return while a decode-pool job it posted still
+computes its output (`runtime/pool.py`: `open_nbits_rows`), when the run allows it: the compiled
+plan then settles that job before the next node that is not declared so. Such a kernel reads no
+input's data before its post finishes the previous job (the post does that first), and settles
+before reading data any other way.
+
 A kernel returns one value, or a tuple for several outputs (a list is a sequence value). It must
 never return a writeable array that it keeps a reference to (module caches must be read-only).
 Resolution picks the newest registration whose since-version is <= the model's opset.
@@ -58,6 +64,7 @@ class Kernel:
     shape_only: tuple[int, ...] = ()  # input positions read only for their shape and dtype, never their data
     ufunc: typing.Any = None  # the numpy ufunc the kernel is `binary`/`unary` of, if it is exactly that
     wants_state: bool = False
+    overlaps_jobs: bool = False  # may return while a pool job still writes its output (`runtime/pool.py`)
 
     def can_overwrite(self, position: int) -> bool:
         return position in self.inplace or (self.inplace_from is not None and position >= self.inplace_from)
@@ -88,7 +95,8 @@ def _allowed_types(annotation) -> tuple:
 
 
 def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace: tuple[int, ...] = (),
-             inplace_from: int | None = None, shape_only: tuple[int, ...] = (), ufunc=None):
+             inplace_from: int | None = None, shape_only: tuple[int, ...] = (), ufunc=None,
+             overlaps_jobs: bool = False):
     """Register a kernel for `op_type` from opset `since` on; see the module docstring."""
 
     def decorate(fn):
@@ -110,7 +118,7 @@ def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace:
         arity = (sum(p.default is REQUIRED for p in positional), None if variadic else len(positional))
         kernel = Kernel(op_type, _canonical_domain(domain), since, fn, tuple(inplace), inplace_from, attrs,
                         tuple(subgraphs), "ctx" in params, "output_count" in params, arity, tuple(shape_only), ufunc,
-                        "state" in params)
+                        "state" in params, overlaps_jobs)
         versions = _REGISTRY.setdefault((kernel.domain, op_type), [])
         if any(k.since == since for k in versions):
             raise ValueError(f"{op_type} since {since} registered twice")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import operator
 
 from runnx.runtime.allocator import keep_freed
+from runnx.runtime.open_jobs import opening, settle
 
 
 def set_threads(count: int) -> None:
@@ -45,4 +46,4 @@ def start_pool_in_background() -> None:
     start_in_background()
 
 
-__all__ = ["keep_freed", "set_threads", "start_pool_in_background", "threads"]
+__all__ = ["keep_freed", "opening", "set_threads", "settle", "start_pool_in_background", "threads"]

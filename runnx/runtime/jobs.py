@@ -1,12 +1,14 @@
 """The decode pool's jobs, as posted by the caller (`pool.py` calls them on the pool's mailbox or on
-a thread's own): each `post_*` function checks its arrays, writes the job's fields into the mailbox
-(`slots.py`), runs it (`mailbox.run_job`: the caller takes units too and returns when every unit is
-complete) and finishes what is left on the calling thread (adding partial rows, combining spans,
-applying zero points).
+a thread's own): each posting function checks its arrays, writes the job's fields into the mailbox
+(`slots.py`) and opens it (`mailbox.open_job`). A `post_*` function then runs it (`mailbox.finish`:
+the caller takes units too and returns when every unit is complete) and finishes what is left on
+the calling thread (combining spans, applying zero points); an `open_*` one returns at once, its
+caller keeping the arrays until the job is finished (`pool.py`).
 
 A job's arrays are posted by address, by these functions only, each checking its arrays first
-(a `_check_*` call before any store) and returning when every unit is complete: no address
-outlives the call that posted it (the memory rule in `pool.py`).
+(a `_check_*` call before any store): no address outlives the arrays it points into (the memory
+rule in `pool.py`). Arrays a function allocates and posts itself stay referenced until its
+`finish` returns (`_finish_holding`): numba frees an array after its last use.
 """
 from __future__ import annotations
 
@@ -16,29 +18,26 @@ from numba.extending import overload
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_fused import attention_combine, attention_scratch
-from runnx.ops._kernels_linalg import add_partials_into, chunk_count
-from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, split_rows
+from runnx.ops._kernels_contrib import nbits_lanes
+from runnx.ops._kernels_linalg import chunk_count
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE
 from runnx.ops._kernels_vnni import unsigned_rows, with_zero_points
 from runnx.runtime.atomics import bits_of_float64, store
-from runnx.runtime.mailbox import PATIENCE, begin_job, run_job
-from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FLOATS,
+from runnx.runtime.mailbox import PATIENCE, begin_job, finish, open_job, run_job
+from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS,
                                  GELU_ROWS, GROUPS, HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX, MAX_MATRICES, NBITS,
                                  NBITS_CHUNKS, NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS,
                                  NBITS_TILE_COUNT, NBITS_TILES, NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZEROS, OUT,
                                  PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY, ROW, ROW_ARGUMENTS, ROW_BLOCK,
                                  ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS, ROWS_IN, ROWS_OUT, SCALE, SIGNED,
-                                 SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, SUMS, UNSIGNED, VALUE, VNNI, VNNI_GROUPS,
-                                 VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT, VNNI_WORDS, WIDTH,
-                                 post_array)
+                                 SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW,
+                                 VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT, VNNI_WORDS, WIDTH, post_array)
 
 # a few rows (a short prompt's) take a products job rather than OpenBLAS, which packs the whole
 # matrix for them: up to FEW_ROWS, their partial sums in one pass over the matrix (rows x columns)
 # up to FEW_ROW_SUMS, a quarter of an L2 cache
 FEW_ROWS = 16
 FEW_ROW_SUMS = 1 << 17
-# the columns (all products') from which the partial rows are added by the pool, as a sums job: an
-# LM head's 8 partial rows of 50k columns are slow to add on one thread
-SHARED_SUMS = 4 * SUM_BLOCK
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -59,6 +58,13 @@ def _entries_of(matrix) -> int:
 def _entries_of_compiled(matrix):
     entries = {numba.float32: FLOATS, numba.uint8: UNSIGNED, numba.int8: SIGNED}.get(matrix.dtype, -1)
     return lambda matrix: entries
+
+
+@_jit
+def _finish_holding(box, first, second):
+    """`mailbox.finish(box)`, with two arrays the caller allocated and posted held until it returns:
+    numba frees an array after its last use, which would otherwise be the store of its address."""
+    finish(box)
 
 
 @_jit
@@ -84,50 +90,46 @@ def _check_products(row, matrices, outs, scratch):
 
 
 @_jit
-def post_products(box, workers, row, matrices, outs, scratch, zero, scale):
+def open_products(box, workers, row, matrices, outs, scratch, zero, scale):
     """row @ matrices[m] into outs[m] for each m, as one job, for C-contiguous float32 `row` of one
     row (K,) or a few (M, K) and outs[m] of M * N_m elements, the partial rows in `scratch` (room
-    for chunk_count(K) times every output); whether a worker was idle. 8-bit matrices are read as
-    (float32(entry) - zero) * scale (`rows_into_bytes`); float32 ones ignore them (callers pass 0 and
-    1). No argument has a default: a call from Python that omits one takes numba's slow dispatch,
-    tens of microseconds a call. Arrays that do not fit raise ValueError before anything is posted."""
+    for chunk_count(K) times every output), opened (`mailbox.open_job`): it returns before the units
+    are computed, and every array must live until `mailbox.finish` returns. Its first phase
+    computes the partial rows, its second adds them (a job of two phases: one hand-off). Whether a
+    worker was idle. 8-bit matrices are read as (float32(entry) - zero) * scale (`rows_into_bytes`);
+    float32 ones ignore them (callers pass 0 and 1). No argument has a default: a call from Python
+    that omits one takes numba's slow dispatch, tens of microseconds a call. Arrays that do not fit
+    raise ValueError before anything is posted."""
     _check_products(row, matrices, outs, scratch)
     depth = matrices[0].shape[0]
     chunks = chunk_count(depth)
-    partials = []
-    start = 0
-    for out in outs:
-        partials.append(scratch[start:start + chunks * out.size].reshape((chunks, out.size)))
-        start += chunks * out.size
     sequence = begin_job(box, PATIENCE)
     store(box, KIND, PRODUCTS)
     store(box, ROW, row.ctypes.data)
     store(box, HEIGHT, row.size // depth)
     store(box, DEPTH, depth)
     store(box, CHUNKS, chunks)
+    start, sums = 0, 0
     for m in range(len(matrices)):
         slots = MATRICES + PER_MATRIX * m
         store(box, slots + MATRIX, matrices[m].ctypes.data)
         store(box, slots + WIDTH, matrices[m].shape[1])
-        store(box, slots + PARTIALS, partials[m].ctypes.data)
+        store(box, slots + PARTIALS, scratch[start:].ctypes.data)
         store(box, slots + OUT, outs[m].ctypes.data)
         store(box, slots + ENTRIES, _entries_of(matrices[m]))
         store(box, slots + ENTRY_ZERO, bits_of_float64(zero))
         store(box, slots + ENTRY_SCALE, bits_of_float64(scale))
-    idle = run_job(box, workers, sequence, chunks * len(matrices))
-    columns = 0
-    for out in outs:
-        columns += out.size
-    if workers and chunks > 1 and columns >= SHARED_SUMS:
-        units = 0
-        for out in outs:
-            units += (out.size + SUM_BLOCK - 1) // SUM_BLOCK
-        sequence = begin_job(box, PATIENCE)  # the fields stay the products job's
-        store(box, KIND, SUMS)
-        run_job(box, workers, sequence, units)
-        return idle
-    for m in range(len(matrices)):
-        add_partials_into(partials[m], outs[m])
+        start += chunks * outs[m].size
+        sums += (outs[m].size + SUM_BLOCK - 1) // SUM_BLOCK
+    store(box, FIRST_PHASE, chunks * len(matrices))
+    return open_job(box, workers, sequence, chunks * len(matrices) + sums)
+
+
+@_jit
+def post_products(box, workers, row, matrices, outs, scratch, zero, scale):
+    """`open_products`, finished before it returns; whether a worker was idle."""
+    idle = open_products(box, workers, row, matrices, outs, scratch, zero, scale)
+    finish(box)
     return idle
 
 
@@ -178,10 +180,15 @@ def post_attention(box, workers, query, key, value, bias, scale, fill, out):
 
 
 @_jit
-def _check_nbits(rows, tiles, scales, zero_scales, out):
-    """ValueError unless the arrays are what `post_nbits` reads and writes by address."""
+def _check_nbits(rows, lanes, sums, tiles, scales, zero_scales, out):
+    """ValueError unless the arrays are what `open_nbits` reads and writes by address."""
     count, chunks = tiles.shape[0], tiles.shape[1]
     columns = out.shape[1]
+    if (lanes.shape[0] != rows.shape[0] or lanes.shape[1] != 2 or lanes.shape[2] != chunks * CHUNK_BYTES
+            or sums.shape[0] != rows.shape[0] or sums.shape[1] != chunks or lanes.itemsize != 4 or sums.itemsize != 4
+            or not lanes.flags.c_contiguous or not sums.flags.c_contiguous):
+        raise ValueError("a 4-bit products job splits its rows (M, K) into lanes (M, 2, 16 C) and sums (M, C), "
+                         "C-contiguous float32 (`nbits_scratch`)")
     if (rows.shape[0] != out.shape[0] or rows.shape[1] > chunks * 2 * CHUNK_BYTES or tiles.shape[2] != CHUNK_BYTES
             or tiles.shape[3] != TILE or count != (columns + TILE - 1) // TILE
             or scales.shape[0] != count or scales.shape[1] != chunks or scales.shape[2] != TILE
@@ -194,13 +201,22 @@ def _check_nbits(rows, tiles, scales, zero_scales, out):
         raise ValueError("a 4-bit products job takes C-contiguous float32 arrays and uint8 tiles")
 
 
+def nbits_scratch(rows, chunks: int) -> tuple:
+    """(lanes, sums): the room `open_nbits` splits rows (M, K) into for `chunks` chunks of the tiles."""
+    return (np.empty((rows.shape[0], 2, chunks * CHUNK_BYTES), np.float32),
+            np.empty((rows.shape[0], chunks), np.float32))
+
+
 @_jit
-def post_nbits(box, workers, rows, tiles, scales, zero_scales, out):
+def open_nbits(box, workers, rows, lanes, sums, tiles, scales, zero_scales, out):
     """out (M, N) = rows (M, K) times the tiles as `tile_rows` computes it, as one job of column
-    tiles; whether a worker was idle. Arrays that do not fit raise ValueError before anything is
-    posted."""
-    _check_nbits(rows, tiles, scales, zero_scales, out)
-    lanes, sums = split_rows(rows, tiles.shape[1])
+    tiles, opened (`mailbox.open_job`): it returns before the units are computed, and every array
+    must live until `mailbox.finish` returns. rows are first split into lanes and sums
+    (`nbits_scratch`), after the last job finished (rows may be its output). Whether a worker was
+    idle. Arrays that do not fit raise ValueError before anything is posted."""
+    _check_nbits(rows, lanes, sums, tiles, scales, zero_scales, out)
+    finish(box)
+    nbits_lanes(rows, 2 * CHUNK_BYTES, lanes, sums)
     height, columns = out.shape
     sequence = begin_job(box, PATIENCE)
     store(box, KIND, NBITS)
@@ -214,7 +230,19 @@ def post_nbits(box, workers, rows, tiles, scales, zero_scales, out):
     store(box, NBITS_WIDTH, columns)
     store(box, NBITS_TILE_COUNT, tiles.shape[0])
     store(box, NBITS_CHUNKS, tiles.shape[1])
-    return run_job(box, workers, sequence, (tiles.shape[0] + NBITS_TILES - 1) // NBITS_TILES)
+    return open_job(box, workers, sequence, (tiles.shape[0] + NBITS_TILES - 1) // NBITS_TILES)
+
+
+@_jit
+def post_nbits(box, workers, rows, tiles, scales, zero_scales, out):
+    """`open_nbits`, finished before it returns (its lanes and sums allocated here); whether a
+    worker was idle."""
+    chunks = tiles.shape[1]
+    lanes = np.empty((rows.shape[0], 2, chunks * CHUNK_BYTES), np.float32)
+    sums = np.empty((rows.shape[0], chunks), np.float32)
+    idle = open_nbits(box, workers, rows, lanes, sums, tiles, scales, zero_scales, out)
+    _finish_holding(box, lanes, sums)
+    return idle
 
 
 @_jit
@@ -235,6 +263,7 @@ def post_vnni(box, workers, a, flip, tiles, column_sums, a_zero, b_zero, out):
     as one job of column tiles; whether a worker was idle. Arrays that do not fit raise ValueError
     before anything is posted."""
     _check_vnni(a, tiles, column_sums, a_zero, b_zero, out)
+    finish(box)  # a may be the last job's output
     words, row_sums = unsigned_rows(a, flip, tiles.shape[1])
     raw = np.empty((a.shape[0], tiles.shape[0] * TILE), np.int32)
     sequence = begin_job(box, PATIENCE)
@@ -245,7 +274,8 @@ def post_vnni(box, workers, a, flip, tiles, column_sums, a_zero, b_zero, out):
     store(box, VNNI_ROWS, a.shape[0])
     store(box, VNNI_TILE_COUNT, tiles.shape[0])
     store(box, VNNI_GROUPS, tiles.shape[1])
-    idle = run_job(box, workers, sequence, (tiles.shape[0] + VNNI_TILES - 1) // VNNI_TILES)
+    idle = open_job(box, workers, sequence, (tiles.shape[0] + VNNI_TILES - 1) // VNNI_TILES)
+    _finish_holding(box, words, raw)
     with_zero_points(raw, a.shape[1], row_sums, column_sums, a_zero, b_zero, out)
     return idle
 

@@ -19,8 +19,8 @@ import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.runtime.atomics import add, call_units, compare_and_swap, load, pause, store
-from runnx.runtime.slots import (CLAIM, CLAIM_SHIFT, COMPLETED, IDLE, INDEX_BITS, KIND, LINGER, MAILBOX_SIZE,
-                                 NOTHING_TO_CLAIM, POSTED, SHARED, STOP, UNITS, UNITS_CODE)
+from runnx.runtime.slots import (CLAIM, CLAIM_SHIFT, COMPLETED, FIRST_PHASE, IDLE, INDEX_BITS, KIND, LINGER,
+                                 MAILBOX_SIZE, NOTHING_TO_CLAIM, POSTED, SHARED, STOP, UNITS, UNITS_CODE)
 from runnx.runtime.units import compute_unit
 
 DEFAULT_CLAIM_SHIFT = 3  # a claim takes an eighth of the units left
@@ -35,7 +35,9 @@ def _work(box, sequence):
     """Claim and compute units of job `sequence` until none are left (or a later job is posted);
     returns how many it computed. A claim takes an eighth of the units left (at least one): a
     large job's claims are a few dozen atomic swaps, not one a unit, and its last units still go
-    one at a time to whichever thread is free."""
+    one at a time to whichever thread is free. A job of two phases (`FIRST_PHASE`): no claim spans
+    both, and a second-phase claim waits until the first phase is complete (its units are all
+    claimed by then, and their threads wait for nothing)."""
     computed = 0
     while True:
         claim = load(box, CLAIM)
@@ -43,7 +45,13 @@ def _work(box, sequence):
         if claim >> INDEX_BITS != sequence or first >= units:
             return computed  # (a later job's unit count read here: its retag fails the swap below)
         take = max(1, (units - first) >> load(box, CLAIM_SHIFT))
+        phase = load(box, FIRST_PHASE)
+        if first < phase:
+            take = min(take, phase - first)  # a claim never spans the two phases
         if compare_and_swap(box, CLAIM, claim, claim + take):  # the fields stay this job's until it is done
+            if 0 < phase <= first:  # every first-phase unit is claimed: wait for the threads computing them
+                while load(box, COMPLETED) < phase:
+                    pause()
             kind = load(box, KIND)
             for unit in range(first, first + take):
                 compute_unit(box, kind, unit)
@@ -114,19 +122,32 @@ def serve(box, worker):
 
 
 @_jit
+def finish(box):
+    """Take the units left of the last job posted (`open_job`) and wait for those workers claimed:
+    on return every unit of every job posted on `box` is complete. Called by the box's poster only."""
+    call_units(load(box, UNITS_CODE), box, load(box, POSTED))
+    while load(box, COMPLETED) < load(box, UNITS):
+        pause()
+
+
+@_jit
 def begin_job(box, linger):
     """The next job's sequence number, its counter retagged so that no unit of it can be claimed
-    (nor one of an earlier job) while the caller writes its fields (`linger` the first)."""
+    (nor one of an earlier job) while the caller writes its fields (`linger` the first); the last
+    job first finished (`finish`: retagged, its unclaimed units could never complete)."""
+    finish(box)
     sequence = (load(box, POSTED) + 1) & SEQUENCES
     store(box, CLAIM, (sequence << INDEX_BITS) | NOTHING_TO_CLAIM)
     store(box, LINGER, linger)
+    store(box, FIRST_PHASE, 0)
     return sequence
 
 
 @_jit
-def run_job(box, workers, sequence, units):
-    """Open job `sequence` of `units` units, take units of it, wait for those workers claimed;
-    returns whether a worker was idle (asleep or falling asleep) when the job was posted."""
+def open_job(box, workers, sequence, units):
+    """Open job `sequence` of `units` units to the workers and return at once, before any unit is
+    computed: whether a worker was idle (asleep or falling asleep) when it was posted. The job's
+    arrays must live until `finish` (or the next `begin_job`) returns."""
     store(box, UNITS, units)
     store(box, COMPLETED, 0)
     store(box, CLAIM, sequence << INDEX_BITS)
@@ -134,9 +155,15 @@ def run_job(box, workers, sequence, units):
     idle = False
     for worker in range(workers):
         idle |= load(box, IDLE + worker) != 0
-    call_units(load(box, UNITS_CODE), box, sequence)
-    while load(box, COMPLETED) < units:
-        pause()
+    return idle
+
+
+@_jit
+def run_job(box, workers, sequence, units):
+    """Open job `sequence` of `units` units, take units of it, wait for those workers claimed;
+    returns whether a worker was idle (asleep or falling asleep) when the job was posted."""
+    idle = open_job(box, workers, sequence, units)
+    finish(box)
     return idle
 
 

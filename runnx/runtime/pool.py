@@ -15,13 +15,15 @@ millisecond of rows is worth the wake-up) the caller wakes sleeping workers; few
 blocks (a decode step's GELU) run the job alone on a mailbox of their own (`alone`), never the
 pool's, so they never set its linger to zero under a decode's spinning workers.
 
-Memory: the workers read and write a job's arrays through addresses in the mailbox, so every job is
-synchronous. Only the posting functions of `jobs.py` (`post_products`, `post_attention`,
-`post_nbits`, `post_vnni`, `post_softmax`, `post_gelu`) take an array's address: they take arrays,
-check each one's dtype, layout and shape against what the units read (ValueError, nothing posted),
-and return only once every unit of the job is complete. The poster holds the arrays as its arguments
-all that time, so no address outlives its array; Python code here never handles one (the one address
-a mailbox gets from Python, in `new_box`, is the compiled unit loop's).
+Memory: the workers read and write a job's arrays through addresses in the mailbox. Only the
+posting functions of `jobs.py` (`open_products`, `post_attention`, `open_nbits`, `post_vnni`,
+`post_softmax`, `post_gelu`) take an array's address: they take arrays, check each one's dtype,
+layout and shape against what the units read (ValueError, nothing posted), and either return once
+every unit of the job is complete, holding the arrays as their arguments all that time, or (the
+`open_*` ones) return at once: `products` and `open_nbits` then keep the job's arrays, and the
+pool's lock, until the job is finished (`settle`, or this thread's next post, which finishes it
+before it reads anything; `open_jobs.py`). No address outlives its array; Python code here never
+handles one (the one address a mailbox gets from Python, in `new_box`, is the compiled unit loop's).
 """
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ import numpy as np
 
 from runnx.ops import _native
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_matrix
-from runnx.runtime.jobs import post_attention, post_gelu, post_nbits, post_products, post_softmax, post_vnni
-from runnx.runtime.mailbox import new_box, rest, serve, stop
+from runnx.runtime.jobs import (nbits_scratch, open_nbits, open_products, post_attention, post_gelu, post_nbits,
+                                post_products, post_softmax, post_vnni)
+from runnx.runtime.mailbox import finish, new_box, rest, serve, stop
+from runnx.runtime.open_jobs import holding, opening, settle
 from runnx.runtime.slots import IDLE, MAX_MATRICES, MAX_WORKERS, ROW_BLOCK, SHARED
 
 _SHARED_ROWS = 2 * ROW_BLOCK  # fewer rows (a decode step's GELU) run the job alone, never the pool
@@ -65,6 +69,8 @@ class DecodePool:
         self._workers = workers
         self._partials = np.empty(0, np.float32)
         self._lock = threading.Lock()
+        self._open = None  # the arrays of a job left open (`open_jobs.py`), the lock held till `settle`
+        self.left_open = 0  # jobs left open so far
         self._wakes = [threading.Event() for _ in range(workers)]  # one each: only its worker clears it
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"runnx-decode-{i}", daemon=True)
                          for i in range(workers)]
@@ -86,16 +92,57 @@ class DecodePool:
             if self.box[IDLE + worker]:
                 wake.set()
 
-    def products(self, row, matrices: tuple, dequantized: tuple = ()) -> tuple:
+    def _enter(self) -> bool:
+        """Take the pool for a post: True when this thread has its lock, taken now or held through
+        a job it left open (which the post finishes before it reads anything); False when another
+        thread has it (this thread then has no job open)."""
+        return getattr(holding, "pool", None) is self or self._lock.acquire(blocking=False)
+
+    def _leave(self, open_arrays) -> None:
+        """After a post: keep the lock and the arrays of a job left open (`open_arrays`; every
+        array its units read or write), or (None: the job is finished) release both."""
+        self._open = open_arrays
+        if open_arrays is None:
+            holding.pool = None
+            self._lock.release()
+        else:
+            holding.pool = self
+            self.left_open += 1
+
+    def settle(self) -> None:
+        """Finish the job this thread left open (every unit complete), release its arrays and the lock."""
+        finish(self.box)
+        self._leave(None)
+
+    def open_nbits(self, rows, tiles, scales, zero_scales, out) -> bool:
+        """Post `open_nbits` and return before its units are computed, keeping its arrays and the
+        pool's lock until this thread's `settle`; False when the pool is busy (nothing posted)."""
+        if not self._enter():
+            return False
+        lanes, sums = nbits_scratch(rows, tiles.shape[1])
+        try:
+            idle = open_nbits(self.box, self._workers, rows, lanes, sums, tiles, scales, zero_scales, out)
+        except BaseException:
+            self.settle()
+            raise
+        self._leave((rows, lanes, sums, tiles, scales, zero_scales, out))
+        if idle:
+            self._wake()
+        return True
+
+    def products(self, row, matrices: tuple, dequantized: tuple = (), leave_open: bool = False) -> tuple:
         """(row @ matrix for matrix in matrices) for a float32 vector row (K,), or a few rows (M, K)
         (at most `FEW_ROWS`), and C-contiguous float32 matrices (K, N_m), as one job per
         `MAX_MATRICES`; dequantized (zero, scale): 8-bit matrices, read as (float32(entry) - zero)
-        * scale (`rows_into_bytes`)."""
+        * scale (`rows_into_bytes`). leave_open: the last job may be left open, when this call has
+        leave (`opening`): the outputs are then written until `settle`."""
         if len(matrices) > MAX_MATRICES:
             return (self.products(row, matrices[:MAX_MATRICES], dequantized)
-                    + self.products(row, matrices[MAX_MATRICES:], dequantized))
-        row = np.ascontiguousarray(row)  # the workers read it by address
-        if not self._lock.acquire(blocking=False):
+                    + self.products(row, matrices[MAX_MATRICES:], dequantized, leave_open))
+        if not row.flags.c_contiguous:
+            settle()  # (copying it reads it)
+            row = np.ascontiguousarray(row)  # the workers read it by address
+        if not self._enter():
             rows = row.reshape(-1, row.shape[-1])
             if dequantized:
                 numbers = tuple(np.float32(n) for n in dequantized)
@@ -103,6 +150,7 @@ class DecodePool:
                              for matrix in matrices)
             return tuple(rows_times_matrix(rows, matrix).reshape(row.shape[:-1] + matrix.shape[1:])
                          for matrix in matrices)
+        kept = None
         try:
             height = row.size // row.shape[-1]
             if height * sum([matrix.size for matrix in matrices]) >= _WAKE_FIRST:
@@ -110,9 +158,15 @@ class DecodePool:
             outs = tuple([np.empty(height * matrix.shape[1], np.float32) for matrix in matrices])
             zero, scale = (float(dequantized[0]), float(dequantized[1])) if dequantized else (0.0, 1.0)
             scratch = self._scratch(chunk_count(row.shape[-1]) * sum([out.size for out in outs]))
-            idle = post_products(self.box, self._workers, row, matrices, outs, scratch, zero, scale)
-        finally:
-            self._lock.release()
+            if leave_open and opening.allowed:
+                idle = open_products(self.box, self._workers, row, matrices, outs, scratch, zero, scale)
+                kept = (row, matrices, outs, scratch)
+            else:
+                idle = post_products(self.box, self._workers, row, matrices, outs, scratch, zero, scale)
+        except BaseException:
+            self.settle()
+            raise
+        self._leave(kept)
         if idle:
             self._wake()
         if row.ndim > 1:
@@ -129,13 +183,13 @@ class DecodePool:
 
     def attention(self, query, key, value, bias, scale: float, fill: float):
         """`attention_job` with this pool's workers (alone when the pool is busy)."""
-        if not self._lock.acquire(blocking=False):
+        if not self._enter():
             return attention_job(query, key, value, bias, scale, fill)
         try:
             out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
             idle = post_attention(self.box, self._workers, query, key, value, bias, scale, fill, out)
         finally:
-            self._lock.release()
+            self.settle()
         if idle:
             self._wake()
         return out
@@ -144,18 +198,20 @@ class DecodePool:
         """job(box, workers, *arguments), a numba function posting this pool's jobs (`post_softmax`,
         `post_gelu`, a decoder block of `ops/_decode_blocks.py`), with sleeping workers woken first (native
         code cannot wake them); its result, or BUSY when the pool is busy (nothing done)."""
-        if not self._lock.acquire(blocking=False):
+        if not self._enter():
             return BUSY
         try:
+            finish(self.box)  # (a job this thread left open: `job` may read its output before it posts)
             self._wake_sleeping()
             return job(self.box, self._workers, *arguments)
         finally:
-            self._lock.release()
+            self.settle()
 
     def rest(self):
         """Let workers spinning after a decode job sleep now: a multi-threaded BLAS product is
         about to run, and OpenBLAS's threads need their cores (an encoder-decoder's first decoder step,
         its cross-attention keys and values of 1500 encoder rows between pool jobs)."""
+        settle()
         if not all(self.box[IDLE:IDLE + self._workers]) and self._lock.acquire(blocking=False):
             try:
                 rest(self.box)
@@ -211,6 +267,15 @@ def gelu_rows(x, bias, divisor, one, half, out) -> None:
         shared_call(post_gelu, *arguments)
 
 
+def open_nbits_rows(rows, tiles, scales, zero_scales, out) -> None:
+    """`nbits_rows`, left open when this call has leave (`opening`) and the pool is free:
+    `out` is then written while the caller goes on, until `settle`."""
+    if opening.allowed and (workers := pool()) is not None:
+        if workers.open_nbits(rows, tiles, scales, zero_scales, out):
+            return
+    nbits_rows(rows, tiles, scales, zero_scales, out)
+
+
 def nbits_rows(rows, tiles, scales, zero_scales, out) -> None:
     """out (M, N) = rows (M, K) times 4-bit tiles (`post_nbits`: C-contiguous float32 arrays, uint8
     tiles), with the pool's workers when there are any: the same compiled code on every thread,
@@ -243,6 +308,7 @@ def alone(job, *arguments):
     process compiled or loaded first (a row's softmax then depended on how many rows came with it).
     Each thread keeps its one mailbox for these: a job is synchronous and never posts another from
     Python, so a thread's jobs never overlap."""
+    settle()
     box = getattr(_own_boxes, "box", None)
     if box is None:
         box = _own_boxes.box = new_box()
@@ -303,14 +369,18 @@ def _load_jobs() -> None:
     """The jobs a decoder calls first, loaded from numba's cache (or compiled) for the types its
     calls give them, each slow on a first call: one row and a few (a prompt's) times one read-only
     matrix (an LM head), two (a gated MLP's gate and up) and three (a layer's projections), a rows'
-    softmax and GELU (an encoder's, its bias read-only or not). Computed alone, on zeros."""
+    softmax and GELU (an encoder's, its bias read-only or not), and the same products left open
+    (`open_products`, then `finish`). Computed alone, on zeros."""
     matrix = np.zeros((4, 4), np.float32)
     matrix.flags.writeable = False
+    box = new_box()
     for row in (np.zeros(4, np.float32), np.zeros((2, 4), np.float32)):
         for count in (1, 2, 3):
             outs = tuple([np.empty(row.size, np.float32) for _ in range(count)])
-            alone(post_products, row, (matrix,) * count, outs, np.empty(chunk_count(4) * row.size * count, np.float32),
-                  0.0, 1.0)
+            scratch = np.empty(chunk_count(4) * row.size * count, np.float32)
+            alone(post_products, row, (matrix,) * count, outs, scratch, 0.0, 1.0)
+            open_products(box, 0, row, (matrix,) * count, outs, scratch, 0.0, 1.0)
+            finish(box)
     rows = np.zeros((2, 4), np.float32)
     alone(post_softmax, rows, 0.0)
     for bias in (np.zeros(4, np.float32), matrix[0]):

@@ -12,12 +12,13 @@ from runnx.runtime.atomics import float32_view, load, store
 # caller's writes; IDLE + w is worker w's, so there are at most MAX_WORKERS (one line of flags)
 POSTED, CLAIM, COMPLETED, IDLE, STOP, SHARED, FIELDS = 0, 8, 16, 24, 32, 40, 48
 MAX_WORKERS = STOP - IDLE
-# a job's fields: its kind, unit count and polls a worker spins after it, then the kind's own
-KIND, UNITS, LINGER, OWN = FIELDS, FIELDS + 1, FIELDS + 2, FIELDS + 3
-PRODUCTS, ATTENTION, ROWS, SUMS, NBITS, VNNI = 0, 1, 2, 3, 4, 5
+# a job's fields: its kind, unit count, polls a worker spins after it and the units of its first
+# phase (0: one phase; none of the later units starts before those are complete), then the kind's own
+KIND, UNITS, LINGER, FIRST_PHASE, OWN = FIELDS, FIELDS + 1, FIELDS + 2, FIELDS + 3, FIELDS + 4
+PRODUCTS, ATTENTION, ROWS, NBITS, VNNI = 0, 1, 2, 3, 4
 # products: the rows (address, count), then (matrix, width, partial rows, output) for each matrix;
-# a products job's partial rows are then added by a sums job of the same fields when they are wide
-# (an LM head's)
+# its first phase computes the partial rows (a unit a chunk of rows of one matrix), the second adds
+# them into the outputs (a unit `SUM_BLOCK` columns of one output)
 ROW, HEIGHT, DEPTH, CHUNKS, MATRICES = range(OWN, OWN + 5)
 MAX_MATRICES = 4  # one job: rows times up to this many matrices (a layer's q, k, v projections)
 # matrix m's slots start at MATRICES + PER_MATRIX m: its address, width, partial rows, output, then
@@ -25,7 +26,7 @@ MAX_MATRICES = 4  # one job: rows times up to this many matrices (a layer's q, k
 # zero point and scale (float64 bits; `rows_into_bytes`)
 MATRIX, WIDTH, PARTIALS, OUT, ENTRIES, ENTRY_ZERO, ENTRY_SCALE, PER_MATRIX = range(8)
 FLOATS, UNSIGNED, SIGNED = 0, 1, 2
-# columns per unit of a sums job
+# columns per unit of a products job's second phase
 SUM_BLOCK = 4096
 # attention: scale, groups, whether there is a bias, then query, key, value, bias and the spans'
 # partial sums and statistics as (address, 4 dimensions, 4 byte strides)

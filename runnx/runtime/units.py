@@ -1,8 +1,9 @@
 """What one unit of each decode-pool job kind computes, read from the mailbox (`slots.py` says
 where each field is). A unit gives the same result whichever thread computes it:
-- products: one row chunk of one product into its partial rows (`rows_times_matrix`'s chunks,
-  `ops/_kernels_linalg.py`); float32 entries, or 8-bit ones read through a zero point and scale;
-- sums: one block of an LM head's columns, its partial rows added in chunk order;
+- products: first one row chunk of one product into its partial rows (`rows_times_matrix`'s
+  chunks, `ops/_kernels_linalg.py`; float32 entries, or 8-bit ones read through a zero point and
+  scale), then (the second phase) one block of an output's columns, its partial rows added in
+  chunk order;
 - attention: one (batch entry, KV head, span of the cache), `attention_span` of `ops/_kernels_fused.py`;
 - 4-bit products: `NBITS_TILES` tiles of 16 output columns (`tile_rows`, `ops/_kernels_nibble_tiles.py`),
   each column computed whole by one unit;
@@ -21,14 +22,14 @@ from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, tile_rows
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
 from runnx.ops._kernels_vnni import tile_sums_into
 from runnx.runtime.atomics import byte_pointer, float32_pointer, float64_from_bits, load
-from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FLOATS, GROUPS,
-                                 HAS_BIAS, HEIGHT, MATRICES, MATRIX, NBITS, NBITS_CHUNKS, NBITS_LANES, NBITS_OUT,
-                                 NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILE_COUNT, NBITS_TILES, NBITS_TILES_AT,
-                                 NBITS_WIDTH, NBITS_ZEROS, OUT, PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY,
-                                 KEY, ROW, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS_IN,
-                                 ROWS_OUT, SCALE, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, SUMS, UNSIGNED, VALUE, VNNI,
-                                 VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT,
-                                 VNNI_WORDS, WIDTH, posted_array)
+from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS,
+                                 GROUPS, HAS_BIAS, HEIGHT, MATRICES, MATRIX, NBITS, NBITS_CHUNKS, NBITS_LANES,
+                                 NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILE_COUNT, NBITS_TILES,
+                                 NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZEROS, OUT, PARTIAL_SUMS, PARTIALS, PER_MATRIX,
+                                 PRODUCTS, QUERY, KEY, ROW, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT,
+                                 ROW_KERNEL, ROWS_IN, ROWS_OUT, SCALE, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED,
+                                 VALUE, VNNI, VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES,
+                                 VNNI_TILES_AT, VNNI_WORDS, WIDTH, posted_array)
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -147,11 +148,13 @@ def _vnni_block(box, index):
 def compute_unit(box, kind, index):
     """Unit `index` of the posted job, of kind `kind`."""
     if kind == PRODUCTS:
-        _product_chunk(box, index)
+        phase = load(box, FIRST_PHASE)
+        if index < phase:
+            _product_chunk(box, index)
+        else:
+            _sum_block(box, index - phase)
     elif kind == ATTENTION:
         _attention_span(box, index)
-    elif kind == SUMS:
-        _sum_block(box, index)
     elif kind == NBITS:
         _nbits_block(box, index)
     elif kind == VNNI:

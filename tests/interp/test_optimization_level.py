@@ -65,7 +65,7 @@ def test_each_level_applies_its_optimizations_and_the_lower_levels(level, applie
     assert _applied(model) == applied
     assert _compiles(model, X) == (level in ("extended", "all"))
     assert model.options.memo_read_ahead == (level != "disabled")
-    assert model.options.specialize_branches == (level in ("extended", "all"))
+    assert model.options.specialize_branches == model.options.overlap_jobs == (level in ("extended", "all"))
     plain = runnx.load(_model(), optimization_level="disabled").run({"x": X})["logits"]
     got = model.run({"x": X})["logits"]
     np.testing.assert_allclose(got, plain[:, -1:] if applied["last_position"] else plain, rtol=1e-5, atol=1e-6)

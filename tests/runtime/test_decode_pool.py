@@ -107,10 +107,10 @@ def test_pool_is_bitwise_the_loop(pool, shape):
 
 @pytest.mark.parametrize("depth, widths", [
     (384, (384, 64, 1100, 7, 384, 96)),  # more than MAX_MATRICES: two jobs
-    (96, (3 * slots.SUM_BLOCK + 5, 300, 2 * slots.SUM_BLOCK - 1)),  # partial rows added by the pool
+    (96, (3 * slots.SUM_BLOCK + 5, 300, 2 * slots.SUM_BLOCK - 1)),  # partial rows added in many units
 ])
 def test_one_job_takes_several_matrices_of_one_depth(pool, depth, widths):
-    assert len(widths) > slots.MAX_MATRICES or sum(widths) >= jobs.SHARED_SUMS
+    assert len(widths) > slots.MAX_MATRICES or sum(widths) >= 4 * slots.SUM_BLOCK
     row = RNG.standard_normal(depth).astype(np.float32)
     matrices = tuple(RNG.standard_normal((depth, width)).astype(np.float32) for width in widths)
     for _ in range(5):  # the workers awake or asleep
@@ -477,7 +477,7 @@ def test_a_native_block_wakes_sleeping_workers_and_computes_alone_when_the_pool_
 def test_a_job_is_complete_when_its_poster_returns(pool):
     """The workers read a job's arrays by address: memory safety rests on the poster, which holds
     them as its arguments, returning only when no unit is left to compute or being computed."""
-    matrix = RNG.standard_normal((64, jobs.SHARED_SUMS)).astype(np.float32)  # its sums a job too
+    matrix = RNG.standard_normal((64, 4 * slots.SUM_BLOCK)).astype(np.float32)  # its sums in 4 units
     row = RNG.standard_normal(64).astype(np.float32)
     query = RNG.standard_normal((1, 4, 1, 16)).astype(np.float32)
     cache = RNG.standard_normal((1, 2, 3 * ATTENTION_SPAN, 16)).astype(np.float32)
@@ -614,7 +614,7 @@ def test_only_the_posting_functions_turn_arrays_into_addresses():
         return {name for name, node in functions.items()
                 if text in ast.get_source_segment(source, node).split(":", 1)[1]}  # (after its signature)
 
-    assert using("jobs.py", "ctypes.data") == {"post_products", "post_gelu", "post_nbits", "post_vnni", "_rows"}
+    assert using("jobs.py", "ctypes.data") == {"open_products", "post_gelu", "open_nbits", "post_vnni", "_rows"}
     assert using("slots.py", "ctypes.data") == {"post_array"}
     assert using("mailbox.py", "ctypes.data") == using("units.py", "ctypes.data") == set()
     assert using("jobs.py", "post_array(") == {"post_attention"}

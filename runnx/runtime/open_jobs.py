@@ -1,0 +1,33 @@
+"""Pool jobs left open: a kernel may return while the decode pool's workers still compute its
+output, so that the calling thread runs the plan's next steps meanwhile (the Python between two
+kernels, which two threads would otherwise spend one waiting for the other).
+
+A compiled plan (interp/compiled.py) gives a kernel declaring `overlaps_jobs` leave for its call
+(`opening.allowed`); the kernel's post (`pool.DecodePool.products`, `open_nbits`) then returns at
+once and the pool keeps the job's arrays and its lock (`holding.pool`) until this thread settles:
+the plan settles before the next step that is not declared so, and after its last step, and the
+pool's next post on this thread finishes the job before it reads anything. Everything is this
+thread's: another thread finds the pool busy and computes alone. No numpy here: `interp` imports
+these names through `runnx.runtime`.
+"""
+from __future__ import annotations
+
+import threading
+
+
+class _Opening(threading.local):
+    """This thread's leave to return with a job open: `allowed` is set by a compiled plan around a
+    call of a kernel declaring `overlaps_jobs`, for that call only."""
+    allowed = False
+
+
+opening = _Opening()
+holding = threading.local()  # .pool: the pool whose lock this thread holds through a job it left open
+
+
+def settle() -> None:
+    """Finish the job this thread left open, if any: before anything reads what it writes or
+    writes what it reads."""
+    pool = getattr(holding, "pool", None)
+    if pool is not None:
+        pool.settle()

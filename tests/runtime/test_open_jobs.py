@@ -1,0 +1,202 @@
+"""Pool jobs left open (runnx/runtime/open_jobs.py): a kernel given leave returns while the workers
+compute its output; the pool holds the job's arrays and its lock until the thread settles, and the
+next post finishes the job before it reads anything. Results are bitwise those of finished jobs."""
+import gc
+import threading
+import weakref
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import runnx
+from runnx.ops.contrib_quantized import _nibble_tiles
+from runnx.ops._kernels_linalg import row_times_matrix
+from runnx.runtime import jobs, mailbox, opening, settle, slots
+from runnx.runtime import pool as decode_pool
+from runnx.runtime.open_jobs import holding
+
+RNG = np.random.default_rng(0)
+
+
+@pytest.fixture
+def pool():
+    decode_pool.set_workers(1)
+    yield decode_pool.pool()
+    settle()
+    opening.allowed = False
+    decode_pool.set_workers(None)
+
+
+@pytest.fixture
+def leave():
+    opening.allowed = True
+    yield
+    opening.allowed = False
+
+
+def _free(pool) -> bool:
+    """Whether another thread could take the pool now."""
+    taken = []
+    thread = threading.Thread(target=lambda: taken.append(pool._lock.acquire(blocking=False)))
+    thread.start()
+    thread.join()
+    if taken[0]:
+        pool._lock.release()
+    return taken[0]
+
+
+def test_a_job_left_open_keeps_its_arrays_and_the_pool_until_settled(pool, leave):
+    matrix = RNG.standard_normal((256, 4 * slots.SUM_BLOCK)).astype(np.float32)  # a wide second phase
+    row = RNG.standard_normal(256).astype(np.float32)
+    expected = row_times_matrix(row, matrix)
+    posted = row.copy()
+    alive = weakref.ref(posted)
+    left = pool.left_open
+    (product,) = pool.products(posted, (matrix,), leave_open=True)
+    del posted
+    gc.collect()
+    assert alive() is not None and holding.pool is pool and pool.left_open == left + 1
+    assert not _free(pool)  # another thread computes alone meanwhile
+    settle()
+    np.testing.assert_array_equal(product, expected)
+    assert holding.pool is None and pool._open is None and _free(pool)
+    gc.collect()
+    assert alive() is None
+
+
+def test_without_leave_a_post_returns_finished(pool):
+    matrix = RNG.standard_normal((64, 300)).astype(np.float32)
+    row = RNG.standard_normal(64).astype(np.float32)
+    left = pool.left_open
+    (product,) = pool.products(row, (matrix,), leave_open=True)
+    assert holding.pool is None and pool.left_open == left and _free(pool)
+    assert pool.box[slots.COMPLETED] == pool.box[slots.UNITS]
+    np.testing.assert_array_equal(product, row_times_matrix(row, matrix))
+
+
+def _tiles(columns: int, depth: int):
+    b = RNG.integers(0, 256, (columns, depth // 32, 16), dtype=np.uint8)
+    return _nibble_tiles((), b, RNG.random(columns * depth // 32).astype(np.float32), None)
+
+
+def test_a_post_finishes_the_open_job_whose_output_it_reads(pool, leave):
+    """A chain of products, each reading the last one's output while that job may still be open:
+    float and 4-bit, each job's second phase or last tile computed on either thread."""
+    depth = 576
+    first, second = RNG.standard_normal((depth, depth)).astype(np.float32), _tiles(depth, depth)
+    row = RNG.standard_normal((1, depth)).astype(np.float32)
+    expected = [row]
+    for step in range(6):
+        out = np.empty((1, depth), np.float32)
+        if step % 2:
+            decode_pool.alone(jobs.post_nbits, expected[-1], *second, out)
+        else:
+            out = row_times_matrix(expected[-1].reshape(-1), first).reshape(1, depth)
+        expected.append(out / np.float32(32))
+    for _ in range(20):
+        got = row
+        for step in range(6):
+            if step % 2:
+                out = np.empty((1, depth), np.float32)
+                decode_pool.open_nbits_rows(got, *second, out)
+            else:
+                (out,) = pool.products(got, (first,), leave_open=True)
+                out = out.reshape(1, depth)
+            assert holding.pool is pool
+            settle()  # (the scaling below reads it; the next post reads the scaled rows)
+            got = out / np.float32(32)
+            np.testing.assert_array_equal(got, expected[step + 1])
+
+
+@pytest.mark.parametrize("shift", [63, mailbox.DEFAULT_CLAIM_SHIFT, 1])  # a unit a claim; an eighth; half
+def test_a_second_phase_starts_after_the_first_is_complete(pool, shift):
+    """A products job adds its partial rows in its second phase: no claim spans both phases, and a
+    second-phase unit waits for every first-phase unit, whoever computes them."""
+    matrix = RNG.standard_normal((1024, 6 * slots.SUM_BLOCK + 7)).astype(np.float32)
+    row = RNG.standard_normal(1024).astype(np.float32)
+    expected = row_times_matrix(row, matrix)
+    pool.box[slots.CLAIM_SHIFT] = shift
+    try:
+        for _ in range(20):
+            np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)
+            assert pool.box[slots.FIRST_PHASE] == 8 and pool.box[slots.UNITS] == 8 + 7
+    finally:
+        pool.box[slots.CLAIM_SHIFT] = mailbox.DEFAULT_CLAIM_SHIFT
+
+
+def _chain_model(depth: int, width: int):
+    """x @ w1 (wide: its job outlasts the plan's next steps), read by an Add; then two products in a
+    row, the second reading the first; then a Relu of the last: every reader of an open job's output."""
+    rng = np.random.default_rng(1)
+    weights = {"w1": rng.standard_normal((depth, width)).astype(np.float32) / 16,
+               "w2": rng.standard_normal((width, depth)).astype(np.float32) / 16,
+               "w3": rng.standard_normal((depth, depth)).astype(np.float32) / 16,
+               "bias": rng.standard_normal(width).astype(np.float32)}
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["a"]),
+             helper.make_node("Add", ["a", "bias"], ["b"]),
+             helper.make_node("MatMul", ["b", "w2"], ["c"]),
+             helper.make_node("MatMul", ["c", "w3"], ["d"]),
+             helper.make_node("Relu", ["d"], ["y"])]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, depth])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, depth])],
+                              [numpy_helper.from_array(v, k) for k, v in weights.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
+
+
+def test_a_compiled_plan_settles_before_each_step_reading_an_open_jobs_output(pool):
+    model = _chain_model(512, 8 * slots.SUM_BLOCK)
+    overlapped, finished = runnx.load(model, fuse=False), runnx.load(model, fuse=False, overlap_jobs=False)
+    x = RNG.standard_normal((1, 512)).astype(np.float32)
+    expected = finished.run({"x": x})["y"]
+    assert np.count_nonzero(expected) > 100
+    left = pool.left_open
+    runs = 10
+    for _ in range(runs):  # interpreted, then compiled
+        np.testing.assert_array_equal(overlapped.run({"x": x})["y"], expected)
+        assert holding.pool is None and not opening.allowed and _free(pool)
+    compiled = runs - overlapped.options.compile_after + 1
+    assert pool.left_open - left == 3 * compiled  # the three products of each compiled run
+    for _ in range(3):
+        np.testing.assert_array_equal(finished.run({"x": x})["y"], expected)
+    assert pool.left_open - left == 3 * compiled
+
+
+def test_a_failing_step_after_an_open_job_leaves_the_pool_settled(pool):
+    model = _chain_model(512, 8 * slots.SUM_BLOCK)
+    model.graph.node[1].input[1] = "short"
+    model.graph.initializer.append(numpy_helper.from_array(np.ones(3, np.float32), "short"))
+    runner = runnx.load(onnx.load_from_string(model.SerializeToString()), fold_constants=False)
+    x = RNG.standard_normal((1, 512)).astype(np.float32)
+    for _ in range(4):
+        with pytest.raises(runnx.RunnxError):
+            runner.run({"x": x})
+        assert holding.pool is None and not opening.allowed and _free(pool)
+
+
+def _greedy_logits(folder, overlap: bool, steps: int) -> list:
+    """The logits of a prompt and `steps` greedy decode steps of the decoder in `folder`."""
+    from runnx.generate.decoder import DecoderStep
+
+    load = lambda path: runnx.load(path, check_symbolic_dims=False, last_position=("logits",),  # noqa: E731
+                                   overlap_jobs=overlap)
+    decoder = DecoderStep.from_folder(folder, capacity=64, load=load)
+    logits = [decoder.step(np.array([[1, 4093, 314, 2362, 30, 216]], np.int64))]
+    for _ in range(steps):
+        logits.append(decoder.step(np.array([[int(logits[-1][0, -1].argmax())]], np.int64)))
+    return logits
+
+
+@pytest.mark.parametrize("folder", ["smollm2_genai_int4_dir", "smollm2_genai_fp32_dir", "smollm2_dir"])
+def test_real_decoders_give_the_same_bits_with_jobs_left_open(pool, folder, request):
+    """onnxruntime-genai's folders (4-bit and float products, GroupQueryAttention and
+    SkipSimplifiedLayerNormalization between them) and the Optimum export, decoded with two threads
+    with jobs left open and with every job finished: bitwise the same logits."""
+    path = request.getfixturevalue(folder)
+    left = pool.left_open
+    overlapped = _greedy_logits(path, True, 8)
+    if folder != "smollm2_dir":  # (its layers run as fused layer ops, which post finished jobs)
+        assert pool.left_open - left >= 8 * 30
+    for got, expected in zip(overlapped, _greedy_logits(path, False, 8)):
+        np.testing.assert_array_equal(got, expected)
