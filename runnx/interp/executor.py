@@ -19,7 +19,7 @@ from runnx.interp.compiled import bound_outputs, compile_plan
 from runnx.interp.node_context import describe_value, node_error
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.planner import Plan, make_plan
-from runnx.runtime import opening, settle
+from runnx.runtime import opening, pool_workers, settle
 
 
 def _same(a, b) -> bool:
@@ -161,7 +161,9 @@ class Executor:
             runs = state["runs"] = state.get("runs", 0) + 1
             if runs < options.compile_after:
                 return None
-            compiled = state["compiled"] = compile_plan(graph, plan, options.overlap_jobs) or False
+            # (jobs are left open only for a pool's workers to compute: with none, the plan has no leave to give)
+            overlap = options.overlap_jobs and pool_workers() > 0
+            compiled = state["compiled"] = compile_plan(graph, plan, overlap) or False
         return compiled or None
 
     @staticmethod

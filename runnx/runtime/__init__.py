@@ -38,6 +38,13 @@ def threads() -> dict:
     return thread_counts()
 
 
+def pool_workers() -> int:
+    """The decode pool's workers in effect now (0: jobs run on the calling thread)."""
+    from runnx.runtime.pool import worker_count
+    from runnx.ops import _native
+    return worker_count() if _native.enabled else 0
+
+
 def start_pool_in_background() -> None:
     """Start the decode pool on a thread of its own, beside a decoder's load (the first numba code a
     process loads carries numba's own start); nothing when the process runs one thread or the pool
@@ -46,4 +53,4 @@ def start_pool_in_background() -> None:
     start_in_background()
 
 
-__all__ = ["keep_freed", "opening", "set_threads", "settle", "start_pool_in_background", "threads"]
+__all__ = ["keep_freed", "opening", "pool_workers", "set_threads", "settle", "start_pool_in_background", "threads"]

@@ -40,6 +40,9 @@ FEW_ROWS = 16
 FEW_ROW_SUMS = 1 << 17
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
+# the `open_*` functions, inlined into the `post_*` ones that finish them: a call passing a
+# job's arrays costs a reference count each way, a tenth of a small job's time
+_inlined = numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
 
 
 def few(rows: int, columns: int) -> bool:
@@ -63,7 +66,8 @@ def _entries_of_compiled(matrix):
 @_jit
 def _finish_holding(box, first, second):
     """`mailbox.finish(box)`, with two arrays the caller allocated and posted held until it returns:
-    numba frees an array after its last use, which would otherwise be the store of its address."""
+    numba frees an array after its last use, which would otherwise be the store of its address.
+    Never inlined by numba (its arguments' use would vanish with the call)."""
     finish(box)
 
 
@@ -89,7 +93,7 @@ def _check_products(row, matrices, outs, scratch):
         raise ValueError("a products job needs scratch of chunk_count(K) times its outputs' elements")
 
 
-@_jit
+@_inlined
 def open_products(box, workers, row, matrices, outs, scratch, zero, scale):
     """row @ matrices[m] into outs[m] for each m, as one job, for C-contiguous float32 `row` of one
     row (K,) or a few (M, K) and outs[m] of M * N_m elements, the partial rows in `scratch` (room
@@ -188,7 +192,7 @@ def _check_nbits(rows, lanes, sums, tiles, scales, zero_scales, out):
             or sums.shape[0] != rows.shape[0] or sums.shape[1] != chunks or lanes.itemsize != 4 or sums.itemsize != 4
             or not lanes.flags.c_contiguous or not sums.flags.c_contiguous):
         raise ValueError("a 4-bit products job splits its rows (M, K) into lanes (M, 2, 16 C) and sums (M, C), "
-                         "C-contiguous float32 (`nbits_scratch`)")
+                         "C-contiguous float32")
     if (rows.shape[0] != out.shape[0] or rows.shape[1] > chunks * 2 * CHUNK_BYTES or tiles.shape[2] != CHUNK_BYTES
             or tiles.shape[3] != TILE or count != (columns + TILE - 1) // TILE
             or scales.shape[0] != count or scales.shape[1] != chunks or scales.shape[2] != TILE
@@ -201,18 +205,12 @@ def _check_nbits(rows, lanes, sums, tiles, scales, zero_scales, out):
         raise ValueError("a 4-bit products job takes C-contiguous float32 arrays and uint8 tiles")
 
 
-def nbits_scratch(rows, chunks: int) -> tuple:
-    """(lanes, sums): the room `open_nbits` splits rows (M, K) into for `chunks` chunks of the tiles."""
-    return (np.empty((rows.shape[0], 2, chunks * CHUNK_BYTES), np.float32),
-            np.empty((rows.shape[0], chunks), np.float32))
-
-
-@_jit
+@_inlined
 def open_nbits(box, workers, rows, lanes, sums, tiles, scales, zero_scales, out):
     """out (M, N) = rows (M, K) times the tiles as `tile_rows` computes it, as one job of column
     tiles, opened (`mailbox.open_job`): it returns before the units are computed, and every array
-    must live until `mailbox.finish` returns. rows are first split into lanes and sums
-    (`nbits_scratch`), after the last job finished (rows may be its output). Whether a worker was
+    must live until `mailbox.finish` returns. rows are first split into lanes (M, 2, 16 C) and
+    sums (M, C), after the last job finished (rows may be its output). Whether a worker was
     idle. Arrays that do not fit raise ValueError before anything is posted."""
     _check_nbits(rows, lanes, sums, tiles, scales, zero_scales, out)
     finish(box)

@@ -21,13 +21,18 @@ class _Opening(threading.local):
     allowed = False
 
 
+class _Holding(threading.local):
+    """The pool whose lock this thread holds through a job it left open (`pool`), or None."""
+    pool = None
+
+
 opening = _Opening()
-holding = threading.local()  # .pool: the pool whose lock this thread holds through a job it left open
+holding = _Holding()
 
 
 def settle() -> None:
     """Finish the job this thread left open, if any: before anything reads what it writes or
     writes what it reads."""
-    pool = getattr(holding, "pool", None)
+    pool = holding.pool
     if pool is not None:
         pool.settle()

@@ -34,7 +34,8 @@ import numpy as np
 
 from runnx.ops import _native
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_matrix
-from runnx.runtime.jobs import (nbits_scratch, open_nbits, open_products, post_attention, post_gelu, post_nbits,
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
+from runnx.runtime.jobs import (open_nbits, open_products, post_attention, post_gelu, post_nbits,
                                 post_products, post_softmax, post_vnni)
 from runnx.runtime.mailbox import finish, new_box, rest, serve, stop
 from runnx.runtime.open_jobs import holding, opening, settle
@@ -68,6 +69,7 @@ class DecodePool:
         self.box = new_box()
         self._workers = workers
         self._partials = np.empty(0, np.float32)
+        self._lanes = np.empty(0, np.float32)
         self._lock = threading.Lock()
         self._open = None  # the arrays of a job left open (`open_jobs.py`), the lock held till `settle`
         self.left_open = 0  # jobs left open so far
@@ -96,7 +98,7 @@ class DecodePool:
         """Take the pool for a post: True when this thread has its lock, taken now or held through
         a job it left open (which the post finishes before it reads anything); False when another
         thread has it (this thread then has no job open)."""
-        return getattr(holding, "pool", None) is self or self._lock.acquire(blocking=False)
+        return holding.pool is self or self._lock.acquire(blocking=False)
 
     def _leave(self, open_arrays) -> None:
         """After a post: keep the lock and the arrays of a job left open (`open_arrays`; every
@@ -119,7 +121,7 @@ class DecodePool:
         pool's lock until this thread's `settle`; False when the pool is busy (nothing posted)."""
         if not self._enter():
             return False
-        lanes, sums = nbits_scratch(rows, tiles.shape[1])
+        lanes, sums = self._nbits_scratch(rows.shape[0], tiles.shape[1])
         try:
             idle = open_nbits(self.box, self._workers, rows, lanes, sums, tiles, scales, zero_scales, out)
         except BaseException:
@@ -173,6 +175,15 @@ class DecodePool:
             return tuple(out.reshape(row.shape[:-1] + (-1,)) for out in outs)
         return outs
 
+    def _nbits_scratch(self, height: int, chunks: int) -> tuple:
+        """`open_nbits`'s lanes and sums for `height` rows and `chunks` chunks, views of one buffer kept
+        between jobs (under the lock): `open_nbits` finishes the last job before it writes them."""
+        lanes, sums = height * 2 * chunks * CHUNK_BYTES, height * chunks
+        if self._lanes.size < lanes + sums:
+            self._lanes = np.empty(lanes + sums, np.float32)
+        return (self._lanes[:lanes].reshape(height, 2, chunks * CHUNK_BYTES),
+                self._lanes[lanes:lanes + sums].reshape(height, chunks))
+
     def _scratch(self, size: int) -> np.ndarray:
         """The partial rows' buffer, kept between jobs (under the lock): an LM head's are 1.5 MB, and
         freeing and allocating them every step sent glibc's heap into trim-and-fault cycles
@@ -188,8 +199,10 @@ class DecodePool:
         try:
             out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
             idle = post_attention(self.box, self._workers, query, key, value, bias, scale, fill, out)
-        finally:
+        except BaseException:
             self.settle()
+            raise
+        self._leave(None)  # (the post finished the job this thread left open, then its own)
         if idle:
             self._wake()
         return out
@@ -201,11 +214,15 @@ class DecodePool:
         if not self._enter():
             return BUSY
         try:
-            finish(self.box)  # (a job this thread left open: `job` may read its output before it posts)
+            if self._open is not None:  # a job this thread left open: `job` may read its output before it posts
+                finish(self.box)
             self._wake_sleeping()
-            return job(self.box, self._workers, *arguments)
-        finally:
+            result = job(self.box, self._workers, *arguments)
+        except BaseException:
             self.settle()
+            raise
+        self._leave(None)  # (`job` posts finished jobs only)
+        return result
 
     def rest(self):
         """Let workers spinning after a decode job sleep now: a multi-threaded BLAS product is
