@@ -3,12 +3,16 @@ setting on and off, the two taking turns in blocks of steps at each context (as
 scripts/bench_pairs.py alternates runners), their greedy tokens compared. Prints only.
 
     .venv/bin/python scripts/bench_option.py SETTING [--threads 2] [--contexts 32,2000] [--blocks 10]
+        [--folder FOLDER]
 
 SETTING is a boolean runnx.Options field (`inplace`, `shape_cache`, ...), `level:LEVEL` for an
 optimization level (off: that level, on: `all`), or `pattern:NAME` for one fusion pattern (a
 matcher of runnx.interp.fusion's PATTERNS, e.g. `pattern:_layers_chained`), left out when off. Ratios are on / off decode speed per pair of blocks (median and range). With more
 than one thread it also gives each setting's median time a step spends outside the decode pool's
 native calls (Python: the plan, the kernels' checks, shape memos), which end-to-end noise hides.
+--folder: any decoder folder `DecoderStep.from_folder` reads (an onnxruntime-genai folder, a
+transformers.js one) instead, its cache restored from random KV of each context, a boolean Options
+field only; the greedy tokens of a short prompt compared.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ def _parse():
     parser.add_argument("--contexts", default="32,2000")
     parser.add_argument("--blocks", type=int, default=10, help="blocks per setting and context")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per block")
+    parser.add_argument("--folder", help="a decoder folder of any layout, instead of SmolLM2's Optimum export")
     return parser.parse_args()
 
 
@@ -98,7 +103,60 @@ def _greedy_tokens(engine, count: int = 12) -> list[int]:
     return tokens
 
 
+def _folder_decoder(on: bool, capacity: int):
+    """The folder's decoder with the setting on or off (the generation API's load otherwise)."""
+    from runnx.generate.decoder import DecoderStep
+    load = lambda path: runnx.load(path, check_symbolic_dims=False, last_position=("logits",),  # noqa: E731
+                                   **{ARGS.setting: on})
+    return DecoderStep.from_folder(ARGS.folder, capacity=capacity, load=load)
+
+
+def _folder_greedy(decoder, count: int = 12) -> list[int]:
+    decoder.reset()
+    ids = np.array([[1, 422, 3575]], np.int64)
+    tokens = []
+    for _ in range(count):
+        tokens.append(int(decoder.step(ids)[0, -1].argmax()))
+        ids = np.array([[tokens[-1]]], np.int64)
+    return tokens
+
+
+def _folder_main() -> None:
+    """--folder: the two decoders take turns in blocks of steps from a restored random cache."""
+    contexts = [int(c) for c in ARGS.contexts.split(",")]
+    capacity = max(contexts) + 2 * ARGS.blocks * ARGS.steps + 64
+    decoders = {"on": _folder_decoder(True, capacity), "off": _folder_decoder(False, capacity)}
+    same = _folder_greedy(decoders["on"]) == _folder_greedy(decoders["off"])
+    print(f"{ARGS.folder}, {ARGS.setting} on / off, {ARGS.threads} thread(s), {ARGS.blocks} alternating blocks of "
+          f"{ARGS.steps} steps; greedy tokens identical: {same}")
+    print(f"{'context':>8}{'on tok/s':>10}{'off tok/s':>11}{'ratio':>8}{'block ratios':>14}")
+    rng = np.random.default_rng(0)
+    token = np.array([[42]], np.int64)
+    for context in contexts:
+        for decoder in decoders.values():
+            heads, head_dim, dtype = next(iter(decoder._layout.values()))
+            names = [k.past for k in decoder.past_io.kv if not k.is_cross_attention]
+            decoder.restore({name: rng.standard_normal((1, heads, context, head_dim)).astype(dtype) for name in names},
+                            np.ones((1, context), np.int64))
+            for _ in range(3):
+                decoder.step(token)
+        speeds = {"on": [], "off": []}
+        for _ in range(ARGS.blocks):
+            for name, decoder in decoders.items():
+                times = []
+                for _ in range(ARGS.steps):
+                    begin = time.perf_counter()
+                    decoder.step(token)
+                    times.append(time.perf_counter() - begin)
+                speeds[name].append(1 / statistics.median(times))
+        ratios = [on / off for on, off in zip(speeds["on"], speeds["off"])]
+        print(f"{context:>8}{statistics.median(speeds['on']):>10.1f}{statistics.median(speeds['off']):>11.1f}"
+              f"{statistics.median(ratios):>7.3f}x{min(ratios):>8.2f}-{max(ratios):.2f}", flush=True)
+
+
 def main() -> None:
+    if ARGS.folder:
+        return _folder_main()
     if not bench.SMOLLM2.exists():
         sys.exit(f"{bench.SMOLLM2} is missing: run `make models` first")
     engines = {"on": _Setting(bench.SMOLLM2, True), "off": _Setting(bench.SMOLLM2, False)}
