@@ -258,7 +258,8 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
         raise RunnxError("GroupQueryAttention: do_rotary=1 needs cos_cache and sin_cache")
     length = max(total, past_key.shape[2]) if past_key is not None else total
     factor = scale or 1 / math.sqrt(head_size)
-    settle()  # (the float inputs may be pool jobs' outputs; only integers were read above)
+    # (the float inputs may be the output of a pool job left open: only integers were read above;
+    # the decode step's native call finishes that job before it reads them, other paths settle)
     if _rows_kernel_applies(q, k, v, past_key, past_value, cos_cache, sin_cache, do_rotary, head_size):
         decoding = steps == 1 and not softcap and not smooth_softmax and head_sink is None and attention_bias is None
         stops = [1] * batch if first_prompt else counts  # the rows each query sees: up to its own
@@ -267,6 +268,7 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
             return _decode_step(q, k, v, past_key, past_value, positions, starts, stops[0], local_window_size, factor,
                                 cos_cache if do_rotary else None, sin_cache if do_rotary else None,
                                 bool(rotary_interleaved), overwrite, ctx, output_count)
+        settle()
         queries, present_key, present_value = _rotate_and_append(
             q, k, v, past_key, past_value, positions, starts, length, cos_cache if do_rotary else None,
             sin_cache if do_rotary else None, bool(rotary_interleaved), overwrite, ctx)
@@ -275,6 +277,7 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
             return _outputs(output.reshape(batch, 1, num_heads * head_size), present_key, present_value,
                             output_count)
     else:
+        settle()
         if do_rotary:
             rotary_dim = 2 * cos_cache.shape[-1]
             q = _rotate(q, positions.astype(np.intp), cos_cache, sin_cache, bool(rotary_interleaved), rotary_dim)
@@ -351,6 +354,8 @@ def _decode_step(q, k, v, past_key, past_value, positions, starts, count: int, w
     """One new row per sequence, all `count` long, into a shared buffer (in place when granted):
     `decode_step`, the rows kernel and the decode attention job in one native call."""
     batch, _, heads, size = q.shape
+    if 3 not in overwrite or 4 not in overwrite:
+        settle()  # (copying reads the caches)
     present_key = past_key if 3 in overwrite else past_key.copy()
     present_value = past_value if 4 in overwrite else past_value.copy()
     if ctx is not None:
