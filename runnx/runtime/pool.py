@@ -97,8 +97,14 @@ class DecodePool:
     def _enter(self) -> bool:
         """Take the pool for a post: True when this thread has its lock, taken now or held through
         a job it left open (which the post finishes before it reads anything); False when another
-        thread has it (this thread then has no job open)."""
-        return holding.pool is self or self._lock.acquire(blocking=False)
+        thread has it (this thread then has no job open). A job this thread left open on a pool
+        since replaced (`set_workers`) is finished first."""
+        held = holding.pool
+        if held is self:
+            return True
+        if held is not None:
+            held.settle()
+        return self._lock.acquire(blocking=False)
 
     def _leave(self, open_arrays) -> None:
         """After a post: keep the lock and the arrays of a job left open (`open_arrays`; every

@@ -200,3 +200,26 @@ def test_real_decoders_give_the_same_bits_with_jobs_left_open(pool, folder, requ
         assert pool.left_open - left >= 8 * 30
     for got, expected in zip(overlapped, _greedy_logits(path, False, 8)):
         np.testing.assert_array_equal(got, expected)
+
+
+def test_a_job_left_open_on_a_replaced_pool_is_finished_by_the_next_post(leave):
+    """set_workers replaces the pool: the thread's next post, on the new pool, finishes the job it
+    left open on the old one (whose output it may read) and releases the old pool."""
+    matrix = RNG.standard_normal((256, 4 * slots.SUM_BLOCK)).astype(np.float32)
+    second = RNG.standard_normal((4 * slots.SUM_BLOCK, 64)).astype(np.float32)
+    row = RNG.standard_normal(256).astype(np.float32)
+    decode_pool.set_workers(1)
+    try:
+        old = decode_pool.pool()
+        (product,) = old.products(row, (matrix,), leave_open=True)
+        assert holding.pool is old
+        decode_pool.set_workers(1 if old._workers == 2 else 2)  # a pool of another size replaces it
+        new = decode_pool.pool()
+        assert new is not old
+        (got,) = new.products(product, (second,))
+        assert old._open is None and _free(old) and holding.pool is None
+        expected = row_times_matrix(row_times_matrix(row, matrix), second)
+        np.testing.assert_array_equal(got, expected)
+    finally:
+        settle()
+        decode_pool.set_workers(None)
