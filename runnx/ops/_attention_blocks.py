@@ -19,6 +19,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._matmul import matmul
 from runnx.runtime import pool as decode_pool
 
 BLOCK = 64  # query positions a block: a block's scores (query heads a KV head x 64 x keys) stay in L2
@@ -72,12 +73,12 @@ def attend_blocks(scaled, key, value, bias, fill: float):
                 end = size if ends_g is None else int(ends_g[:, first:stop].max()) if ends_g.shape[1] > 1 \
                     else int(ends_g[:, 0].max())
                 rows = np.ascontiguousarray(scaled[b, heads_g, first:stop]).reshape(per * count, depth)
-                scores = rows @ key[b, g, :end].T
+                scores = matmul(rows, key[b, g, :end].T)
                 if bias_g is not None:
                     block = bias_g[:, first:stop] if bias_g.shape[1] > 1 else bias_g
                     block = block[..., :end] if block.shape[2] > 1 else block
                     scores3 = scores.reshape(per, count, end)
                     np.add(scores3, block, out=scores3)
                 decode_pool.softmax_rows(scores, fill)
-                out[b, heads_g, first:stop] = (scores @ value[b, g, :end]).reshape(per, count, value.shape[3])
+                out[b, heads_g, first:stop] = matmul(scores, value[b, g, :end]).reshape(per, count, value.shape[3])
     return out

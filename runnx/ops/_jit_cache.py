@@ -50,7 +50,7 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 # the modules with numba functions cached on disk (`cache=True`), which call into one another
 CACHED_MODULES = ("capture/capacity.py", "ops/_attention_blocks.py", "ops/_decode_blocks.py",
                   "ops/_kernels_contrib.py", "ops/_kernels_contrib_attention.py", "ops/_kernels_elementwise.py",
-                  "ops/_kernels_fused.py", "ops/_kernels_integer.py", "ops/_kernels_linalg.py",
+                  "ops/_kernels_fused.py", "ops/_kernels_gemm.py", "ops/_kernels_integer.py", "ops/_kernels_linalg.py",
                   "ops/_kernels_nibble_tiles.py", "ops/_kernels_nn.py",
                   "ops/_kernels_rows.py", "ops/_kernels_vnni.py", "runtime/jobs.py", "runtime/mailbox.py",
                   "runtime/slots.py", "runtime/units.py")

@@ -13,6 +13,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from runnx.errors import RunnxError
+from runnx.ops._matmul import matmul
 
 
 def spatial_attrs(rank: int, kernel: tuple[int, ...], strides, dilations, pads):
@@ -112,5 +113,5 @@ def convolve(x: np.ndarray, w: np.ndarray, group: int, strides, dilations, begin
         rank = len(kernel)
         order = (0, 1) + tuple(range(2 + rank, 2 + 2 * rank)) + tuple(range(2, 2 + rank))
         cols = view.transpose(order).reshape(n, group, depth, positions)
-    out = np.matmul(w.reshape(group, m_group, depth), cols)  # (N, G, M/G, positions)
+    out = matmul(w.reshape(group, m_group, depth), cols)  # (N, G, M/G, positions)
     return out.reshape((n, m) + tuple(out_shape))

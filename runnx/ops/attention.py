@@ -12,6 +12,7 @@ from runnx.capture.capacity import append_in_place, concatenate_with_headroom
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops.registry import register
+from runnx.ops._matmul import matmul
 
 
 def _split_heads(x, heads: int | None, what: str):
@@ -114,7 +115,7 @@ def _attention(q, k, v, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, sc
             raise RunnxError(f"Attention: {heads} query heads are not a multiple of {keys.shape[1]} kv heads")
         keys = np.repeat(keys, heads // keys.shape[1], axis=1)
         values = np.repeat(values, heads // values.shape[1], axis=1)
-    scores = np.matmul(q * root_scale, np.swapaxes(keys, 2, 3) * root_scale).astype(dtype, copy=False)
+    scores = matmul(q * root_scale, np.swapaxes(keys, 2, 3) * root_scale).astype(dtype, copy=False)
     if softcap:
         scores = np.tanh(scores / dtype.type(softcap)) * dtype.type(softcap)
     qk_output = scores
@@ -129,7 +130,7 @@ def _attention(q, k, v, attn_mask, past_key, past_value, nonpad_kv_seqlen, *, sc
     probabilities = np.where(fully_masked, 0, probabilities).astype(dtype)
     if qk_matmul_output_mode == 3:
         qk_output = probabilities
-    output = np.matmul(probabilities, values).astype(dtype, copy=False)  # ml_dtypes matmul widens
+    output = matmul(probabilities, values).astype(dtype, copy=False)  # ml_dtypes matmul widens
     if three_d:
         output = output.transpose(0, 2, 1, 3).reshape(batch, q_len, -1)
     return output, present_key, present_value, qk_output.astype(dtype, copy=False)

@@ -10,6 +10,7 @@ from runnx.capture.env import Subgraph
 from runnx.errors import RunnxError
 from runnx.interp.dtypes import numpy_dtype
 from runnx.ops.registry import register
+from runnx.ops._matmul import matmul
 
 PREVIEW_DOMAIN = "ai.onnx.preview"
 _UPDATE_RULES = ("linear", "gated", "delta", "gated_delta")
@@ -111,7 +112,7 @@ def FlexAttention(q, k, v, *, scale: float | None = None, score_mod: Subgraph | 
     dtype = _compute_dtype(q.dtype) if softmax_precision is None else numpy_dtype(softmax_precision)
     scale = 1 / np.sqrt(q.shape[3]) if scale is None else scale
     keys = np.repeat(k, group, axis=1).astype(dtype)
-    scores = np.matmul(q.astype(dtype) * np.asarray(scale, dtype), np.swapaxes(keys, -1, -2))
+    scores = matmul(q.astype(dtype) * np.asarray(scale, dtype), np.swapaxes(keys, -1, -2))
     if score_mod is not None:
         scores = _modified(score_mod, scores, "score_mod")
     scores = scores - scores.max(axis=-1, keepdims=True)
@@ -119,4 +120,4 @@ def FlexAttention(q, k, v, *, scale: float | None = None, score_mod: Subgraph | 
     probabilities /= probabilities.sum(axis=-1, keepdims=True)
     if prob_mod is not None:
         probabilities = _modified(prob_mod, probabilities, "prob_mod")
-    return np.matmul(probabilities, np.repeat(v, group, axis=1).astype(dtype)).astype(v.dtype)
+    return matmul(probabilities, np.repeat(v, group, axis=1).astype(dtype)).astype(v.dtype)

@@ -25,6 +25,7 @@ from runnx.ops._kernels_contrib_attention import decode_step, rotary_append
 from runnx.ops.fused import attend
 from runnx.ops.fused_layer_norm_blocks import attention_in_blocks, causal_attention_in_blocks
 from runnx.ops.registry import register
+from runnx.ops._matmul import matmul
 from runnx.runtime.pool import settle, shared_call
 
 _BLOCKED_ROWS = 48  # query rows a head from which attention goes in blocks of BLAS products
@@ -125,9 +126,9 @@ def _attention(query, key, value, bias, scale, softcap=0.0, smooth=False, sink=N
     keys = np.repeat(key, group, axis=1) if group > 1 else key
     values = np.repeat(value, group, axis=1) if group > 1 else value
     work = np.dtype(np.float32) if query.dtype.itemsize < 4 else query.dtype
-    scores = np.matmul(query.astype(work), np.swapaxes(keys, 2, 3).astype(work)) * work.type(scale)
+    scores = matmul(query.astype(work), np.swapaxes(keys, 2, 3).astype(work)) * work.type(scale)
     probabilities = _probabilities(scores, None if bias is None else bias.astype(work), softcap, smooth, sink)
-    return np.matmul(probabilities, values.astype(work)).astype(query.dtype, copy=False)
+    return matmul(probabilities, values.astype(work)).astype(query.dtype, copy=False)
 
 
 def _split_packed(query, key, value, heads: int, kv_heads: int):
@@ -518,7 +519,7 @@ def Attention(x, weights, bias=None, mask_index=None, past=None, attention_bias=
     if len(sizes) != 3 or sum(sizes) != weights.shape[1] or sizes[0] != sizes[1]:
         raise RunnxError(f"Attention: qkv_hidden_sizes {list(sizes)} do not split the weights' "
                          f"{weights.shape[1]} columns into Q, K (equal) and V")
-    projected = np.matmul(x, weights)
+    projected = matmul(x, weights)
     if bias is not None:
         projected = projected + bias
     q, k, v = (_heads(part, num_heads) for part in np.split(projected, [sizes[0], sizes[0] + sizes[1]], axis=2))

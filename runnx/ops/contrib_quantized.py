@@ -23,6 +23,7 @@ from runnx.ops.fused import SiluMul
 from runnx.ops.linalg_integer import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import register
+from runnx.ops._matmul import matmul
 from runnx.runtime import pool as decode_pool
 
 DOMAIN = "com.microsoft"
@@ -220,7 +221,7 @@ def _panel_product(rows, b, scales, zero_points: tuple, bits: int, block_size: i
             nibble_lanes_panel(b, scales, *zero_points, block_size, first, panel[:count])
         else:
             nbits_dequantize(b, scales, *zero_points, bits, block_size, first, panel[:count])
-        np.matmul(rows, panel[:count].T, out=out[:, first:first + count])
+        matmul(rows, panel[:count].T, out=out[:, first:first + count])
 
 
 def lanes_order(rows):
@@ -290,7 +291,7 @@ def MatMulBnb4(a, b, absmax, *, K: int, N: int, block_size: int, quant_type: int
                 bnb4_dequantize(weights, scales, table, block_size.bit_length() - 1, first, panel[:count])
             else:
                 _bnb4_panel_numpy(weights, scales, table, block_size, first, panel[:count])
-            np.matmul(rows, panel[:count].T, out=out[:, first:first + count])
+            matmul(rows, panel[:count].T, out=out[:, first:first + count])
     return out.reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
 
 

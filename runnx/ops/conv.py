@@ -14,6 +14,7 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.ops._nn_util import convolve, resolve_padding, spatial_attrs
 from runnx.ops.registry import register
+from runnx.ops._matmul import matmul
 
 Ints = tuple[int, ...] | None
 
@@ -98,7 +99,7 @@ def ConvTranspose(x, w, b=None, *, auto_pad: str = "NOTSET", dilations: Ints = N
     # columns[n, g, (m, k...), pixel] = sum_c w[g, c, (m, k...)] * x[n, g, c, pixel]
     work = _accumulation_dtype(x.dtype)
     weight = w.astype(work, copy=False).reshape(group, c_group, m_group * math.prod(kernel))
-    columns = np.matmul(weight.transpose(0, 2, 1), x.astype(work, copy=False).reshape(n, group, c_group, -1))
+    columns = matmul(weight.transpose(0, 2, 1), x.astype(work, copy=False).reshape(n, group, c_group, -1))
     columns = columns.reshape((n, m) + tuple(kernel) + tuple(in_shape))
     # scatter-add the columns into the uncropped output, one kernel offset at a time
     full_shape = [max(strides[i] * (in_shape[i] - 1) + (kernel[i] - 1) * dilations[i] + 1,
@@ -156,7 +157,7 @@ def DeformConv(x, w, offset, b=None, mask=None, *, dilations: Ints = None, group
         sampled = sampled * mask.reshape(n, offset_group, 1, taps, out_h * out_w)
     columns = sampled.reshape(n, group, channels // group * taps, out_h * out_w).astype(x.dtype, copy=False)
     m = w.shape[0]
-    out = np.matmul(w.reshape(group, m // group, -1), columns).reshape(n, m, out_h, out_w)
+    out = matmul(w.reshape(group, m // group, -1), columns).reshape(n, m, out_h, out_w)
     return _add_bias(out, b)
 
 

@@ -41,6 +41,7 @@ from runnx.ops.cache import Concat, count_appends
 from runnx.ops.elementwise import Where
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape, Slice
+from runnx.ops._matmul import matmul
 from runnx.runtime import pool as decode_pool
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the numba kernels' (others: numpy)
@@ -461,8 +462,8 @@ def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_
     if repeat is None or repeat != value_shapes[3] or axis % 4 != 3 or not _grouped(query, key, value):
         keys = _materialised(key, key_shapes)
         values = _materialised(value, value_shapes)
-        scores = np.matmul(np.multiply(query, query_scale), np.multiply(np.swapaxes(keys, -1, -2), key_scale))
-        return np.matmul(_probabilities(scores, bias, nan_fill, axis), values)
+        scores = matmul(np.multiply(query, query_scale), np.multiply(np.swapaxes(keys, -1, -2), key_scale))
+        return matmul(_probabilities(scores, bias, nan_fill, axis), values)
     dtype = query.dtype
     if (query_scale.dtype == dtype and key_scale.dtype == dtype and nan_fill.dtype == dtype and bias.dtype == dtype
             and query_scale.size == 1 and key_scale.size == 1 and nan_fill.size == 1 and nan_fill.ndim <= 4):
@@ -543,7 +544,7 @@ def _attend_numpy(scaled, key, value, bias, fill):
     groups, size = key.shape[1], key.shape[2]
     grouped = scaled.reshape(batch, groups, heads // groups * length, depth)
     decode_pool.rest_workers(grouped.size * size)
-    scores = np.matmul(grouped, np.swapaxes(key, -1, -2)).reshape(batch, heads, length, size)
+    scores = matmul(grouped, np.swapaxes(key, -1, -2)).reshape(batch, heads, length, size)
     if (_native.enabled and scores.dtype == np.float32 and scores.flags.c_contiguous
             and (bias is None or bias.dtype == np.float32)
             and np.size(fill) == 1):
@@ -551,7 +552,7 @@ def _attend_numpy(scaled, key, value, bias, fill):
     else:
         probabilities = _probabilities(scores, bias, fill, -1)
     grouped = probabilities.reshape(batch, groups, heads // groups * length, size)
-    return np.matmul(grouped, value).reshape(batch, heads, length, value.shape[3])
+    return matmul(grouped, value).reshape(batch, heads, length, value.shape[3])
 
 
 def _row_probabilities(scores, bias, fill: float):

@@ -39,6 +39,7 @@ from runnx.ops.registry import register
 from runnx.ops._shape_util import int_tuple
 from runnx.ops.shape import reshape_target
 from runnx.ops.softmax import Softmax_13
+from runnx.ops._matmul import matmul
 from runnx.runtime.blas_split import split_among_threads
 from runnx.runtime.pool import gelu_rows, shared_call, softmax_rows
 
@@ -237,11 +238,11 @@ def attention_in_blocks(heads, keys, values, bias, fill: float):
         for start in range(0, length, rows):
             stop = min(start + rows, length)
             scores = buffer[:stop - start]
-            np.matmul(heads[b, h, start:stop], keys[b, h], out=scores)
+            matmul(heads[b, h, start:stop], keys[b, h], out=scores)
             if bias is not None:
                 np.add(scores, bias[b, h, start:stop], out=scores)
             softmax(scores, fill)
-            np.matmul(scores, values[b, h], out=merged[b, start:stop, h])
+            matmul(scores, values[b, h], out=merged[b, start:stop, h])
 
     parts = [(b, h) for b in range(batch) for h in range(count)]
     if not split_among_threads(attend_head, parts):
@@ -277,10 +278,10 @@ def causal_attention_in_blocks(heads, keys, values, offset: int):
             stop = min(start + _CAUSAL_BLOCK, length)
             rows, seen = stop - start, offset + stop
             scores = scratch[:rows * seen].reshape(rows, seen)
-            np.matmul(heads[b, h, start:stop], keys[b, g, :seen].T, out=scores)
+            matmul(heads[b, h, start:stop], keys[b, g, :seen].T, out=scores)
             np.copyto(scores[:, offset + start:], -np.inf, where=_ABOVE_DIAGONAL[:rows, :rows])
             softmax_rows_float32(scores, 0.0)
-            np.matmul(scores, values[b, g, :seen], out=merged[b, start:stop, h])
+            matmul(scores, values[b, g, :seen], out=merged[b, start:stop, h])
 
     parts = [(b, h) for b in range(batch) for h in range(count)]
     if not split_among_threads(lambda part: attend_head(part, np.empty(size, np.float32)), parts):
@@ -292,13 +293,13 @@ def causal_attention_in_blocks(heads, keys, values, offset: int):
 
 def _unfused(heads, keys, values, bias, nan_fill):
     """The unfused nodes' operations: (batch, heads, length, width) (heads and batch may broadcast)."""
-    scores = np.matmul(heads, keys)
+    scores = matmul(heads, keys)
     if bias is not None:
         scores = np.add(scores, bias)
     probabilities = Softmax_13(scores, axis=-1, overwrite=(0,))
     if nan_fill is not None:
         probabilities = np.where(np.isnan(probabilities), nan_fill, probabilities)
-    return np.matmul(probabilities, values)
+    return matmul(probabilities, values)
 
 
 def _biased(x, bias):

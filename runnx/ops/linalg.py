@@ -16,6 +16,7 @@ from runnx.ops import _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
 from runnx.ops._kernels_linalg import rows_times_matrix
+from runnx.ops._matmul import matmul
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, norm_fits
@@ -79,9 +80,9 @@ def MatMul(a, b):
     decode_pool.rest_workers(a.size * b.shape[-1])
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # one GEMM over all leading rows instead of numpy's GEMM (or GEMV) per batch entry
-        rows = np.matmul(a.reshape(-1, a.shape[-1]), b)
+        rows = matmul(a.reshape(-1, a.shape[-1]), b)
         return _in_dtype(rows.reshape(a.shape[:-1] + (b.shape[1],)), a.dtype)
-    return _in_dtype(np.matmul(a, b), a.dtype)
+    return _in_dtype(matmul(a, b), a.dtype)
 
 
 @register("SharedInputMatMul", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True)
@@ -496,7 +497,7 @@ def Gemm_1(a, b, c, *, alpha: float = 1.0, beta: float = 1.0, transA: int = 0, t
 @register("Gemm", since=7)
 def Gemm(a, b, c=None, *, alpha: float = 1.0, beta: float = 1.0, transA: int = 0, transB: int = 0):
     dtype = a.dtype
-    product = np.matmul(a.T if transA else a, b.T if transB else b)
+    product = matmul(a.T if transA else a, b.T if transB else b)
     if alpha != 1.0:
         product = product * (dtype.type(alpha) if dtype.kind == "f" else alpha)
     if c is not None and beta != 0.0:

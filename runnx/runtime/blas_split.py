@@ -20,13 +20,19 @@ _lock = threading.Lock()
 _controllers = None  # threadpoolctl's BLAS libraries, found once
 
 
-def _blas() -> list:
+def blas_libraries() -> list:
+    """threadpoolctl's controllers of the BLAS libraries loaded (found once)."""
     global _controllers
     if _controllers is None:
         import threadpoolctl
 
         _controllers = [c for c in threadpoolctl.ThreadpoolController().lib_controllers if c.user_api == "blas"]
     return _controllers
+
+
+def blas_threads() -> int:
+    """The threads BLAS may use now (runnx's thread count once set: `thread_limits.py`)."""
+    return min((c.num_threads for c in blas_libraries()), default=1)
 
 
 def split_among_threads(work, parts: list) -> bool:
@@ -36,8 +42,8 @@ def split_among_threads(work, parts: list) -> bool:
     another caller is splitting (the BLAS setting is the process's)."""
     if not openblas.THREADS_SLEEP:
         return False
-    blas = _blas()
-    count = min(min((c.num_threads for c in blas), default=1), len(parts))
+    blas = blas_libraries()
+    count = min(blas_threads(), len(parts))
     if count < 2 or not _lock.acquire(blocking=False):
         return False
     failures = []

@@ -24,7 +24,7 @@ def sleeping_blas(monkeypatch):
 
 
 def _blas_threads() -> list:
-    return [c.num_threads for c in blas_split._blas()]
+    return [c.num_threads for c in blas_split.blas_libraries()]
 
 
 def test_every_part_runs_once_on_two_threads_with_blas_single_threaded_meanwhile(sleeping_blas):

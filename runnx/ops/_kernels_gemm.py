@@ -1,0 +1,146 @@
+"""float32 matrix products at the CPU's full vector width (AVX-512), for when BLAS runs narrower.
+
+numpy's OpenBLAS picks its kernels by the CPU it detects, and OPENBLAS_CORETYPE overrides that:
+some machines pin it to the AVX2 kernels (older OpenBLAS builds miscomputed on their CPUs), which
+halves a prompt's or an encoder's products on a CPU with AVX-512. onnxruntime's own kernels do
+not follow that setting; these do not either. `_matmul.py` decides when they run.
+
+The product is blocked as Goto's and BLIS's are: a block of MC rows of a, for KC of its columns,
+is packed into panels of MR rows (`_pack_a`, k-major: one panel row a step of k); `_tile`
+multiplies such a panel by KC x NR of b, read in place (a panel of NR columns is two vectors a row;
+only the last columns short of NR are packed), in 24 vector registers (12 rows x 2 vectors of 16),
+one fused multiply-add per register a step of k, and adds the tile to c (stores it, for the first
+block of k). Reading b in place, not packing it, is as fast here for a prompt's thousands of rows
+and 3x faster for its first few dozen. Each element of c is thus the sum over its k in
+blocks of KC, in order, each block summed in order by fused multiply-adds: the same for any
+shape of the rest of the product, any split of its columns among threads and any position of
+the element, so results never depend on the thread count.
+"""
+from __future__ import annotations
+
+import llvmlite.binding as llvm
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+
+MR, NR = 12, 32  # a tile: rows of a x columns of b, 24 of the 32 vector registers
+LANES = 16  # float32 lanes of a 512-bit register
+KC, MC = 256, 120  # blocks of k (a panel of b: 32 KiB) and of a's rows (a's packed block: 120 KiB)
+
+
+def _compiles_avx512() -> bool:
+    """Whether numba compiles for a CPU with AVX-512F: this machine's (numba's default), or the one
+    the user named (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)."""
+    if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:
+        return bool(llvm.get_host_cpu_features().get("avx512f", False))
+    return "+avx512f" in (numba.config.CPU_FEATURES or "").split(",")
+
+
+AVAILABLE = _compiles_avx512()
+
+_kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
+
+
+@intrinsic
+def _tile(typingctx, a_panel, a_at, b_panel, b_at, b_step, depth, c, row, column, first):
+    """c[row:row + MR, column:column + NR] (+)= the a panel at a_at (depth x MR) times the b panel
+    at b_at (depth rows of NR, b_step apart): stored when `first`, added otherwise. c's rows are
+    contiguous."""
+    signature = types.void(a_panel, a_at, b_panel, b_at, b_step, depth, c, row, column, first)
+
+    def codegen(context, builder, sig, args):
+        a_arr, b_arr, c_arr = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 6))
+        a_at, b_at, b_step, depth, row, column, first = args[1], args[3], args[4], args[5], args[7], args[8], args[9]
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        vector = ir.VectorType(ir.FloatType(), LANES)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+        zeros = ir.Constant(vector, [0.0] * LANES)
+        sums = [[cgutils.alloca_once_value(builder, zeros) for _ in range(NR // LANES)] for _ in range(MR)]
+        undefined, broadcast = ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
+
+        def at(base, offset):
+            return builder.add(base, ir.Constant(i64, offset))
+
+        with cgutils.for_range(builder, depth) as loop:
+            b_row = builder.add(b_at, builder.mul(loop.index, b_step))
+            b_vectors = [builder.load(builder.bitcast(builder.gep(b_arr.data, [at(b_row, LANES * j)]),
+                                                      vector.as_pointer()), align=4) for j in range(NR // LANES)]
+            a_column = builder.add(a_at, builder.mul(loop.index, ir.Constant(i64, MR)))
+            for i in range(MR):
+                value = builder.load(builder.gep(a_arr.data, [at(a_column, i)]))
+                a_vector = builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(i32, 0)),
+                                                  undefined, broadcast)
+                for j, b_vector in enumerate(b_vectors):
+                    builder.store(builder.call(fma, [a_vector, b_vector, builder.load(sums[i][j])]), sums[i][j])
+        stored = builder.icmp_unsigned("!=", first, ir.Constant(first.type, 0))
+        row_step = builder.sdiv(builder.extract_value(c_arr.strides, 0), ir.Constant(i64, 4))
+        corner = builder.add(builder.mul(row, row_step), column)
+        for i in range(MR):
+            start = builder.add(corner, builder.mul(ir.Constant(i64, i), row_step))
+            for j in range(NR // LANES):
+                pointer = builder.bitcast(builder.gep(c_arr.data, [at(start, LANES * j)]), vector.as_pointer())
+                total = builder.load(sums[i][j])
+                builder.store(builder.select(stored, total, builder.fadd(builder.load(pointer, align=4), total)),
+                              pointer, align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@_kernel
+def _pack_columns(b, first_k, depth, first_column, width, panel):
+    """b[first_k:first_k + depth, first_column:first_column + width] (width < NR: the last columns)
+    as a panel of depth rows of NR, zero-filled."""
+    for k in range(depth):
+        for j in range(NR):
+            panel[k * NR + j] = b[first_k + k, first_column + j] if j < width else 0.0
+
+
+@_kernel
+def _pack_a(a, first_row, height, first_k, depth, panels):
+    """a[first_row:first_row + height, first_k:first_k + depth] into panels of MR rows, k-major
+    (panel i: depth columns of MR at i * depth * MR), the last one zero-filled."""
+    for start in range(0, height, MR):
+        at = start * depth
+        count = min(MR, height - start)
+        for k in range(depth):
+            for i in range(MR):
+                panels[at + k * MR + i] = a[first_row + start + i, first_k + k] if i < count else 0.0
+
+
+@_kernel
+def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge):
+    """c[:, first_column:stop_column] = a @ b[:, first_column:stop_column] for C-contiguous float32
+    a and b (c's rows contiguous). b is read in place, its last columns short of a panel packed.
+    Scratch: a_panels (MC * KC), b_panel (KC * NR), edge (MR, NR)."""
+    rows, depth = a.shape
+    b_flat = b.reshape(-1)
+    b_step = b.shape[1]
+    whole = first_column + (stop_column - first_column) // NR * NR
+    for k_block in range(0, depth, KC):
+        k_count = min(KC, depth - k_block)
+        first = k_block == 0
+        _pack_columns(b, k_block, k_count, whole, stop_column - whole, b_panel)
+        for row_block in range(0, rows, MC):
+            height = min(MC, rows - row_block)
+            _pack_a(a, row_block, height, k_block, k_count, a_panels)
+            for i in range(0, height, MR):
+                tile_rows, row = min(MR, height - i), row_block + i
+                for column in range(first_column, stop_column, NR):
+                    if column < whole:
+                        if tile_rows == MR:
+                            _tile(a_panels, i * k_count, b_flat, k_block * b_step + column, b_step, k_count, c, row,
+                                  column, first)
+                            continue
+                        b_source, b_at, b_from, tile_columns = b_flat, k_block * b_step + column, b_step, NR
+                    else:
+                        b_source, b_at, b_from, tile_columns = b_panel, 0, NR, stop_column - whole
+                    if not first:
+                        edge[:tile_rows, :tile_columns] = c[row:row + tile_rows, column:column + tile_columns]
+                    _tile(a_panels, i * k_count, b_source, b_at, b_from, k_count, edge, 0, 0, first)
+                    c[row:row + tile_rows, column:column + tile_columns] = edge[:tile_rows, :tile_columns]

@@ -1,0 +1,107 @@
+"""Which kernel multiplies two float32 matrices: runnx's own (`_kernels_gemm.py`, AVX-512) where
+numpy's BLAS runs narrower than the CPU, else numpy's BLAS.
+
+Every product of a prompt or an encoder goes through `matmul`, so a fused op and the graph it
+replaces take the same kernel for the same shapes and round alike. The own kernels run when numba
+compiles for AVX-512 and every BLAS numpy loaded is OpenBLAS with kernels that are not AVX-512 ones
+(OPENBLAS_CORETYPE=Haswell on such a CPU); MKL and OpenBLAS's own AVX-512 kernels are as fast.
+Their results do not depend on the thread count: a product of at least _SPLIT_FROM multiply-adds
+has its rows (or, for a short prompt, its columns) shared among runnx's threads
+(`runtime/helpers.py`), each element summed alike. They take every float32 product, small ones too, whatever its number of rows, so a
+row comes out the same in a prompt of any length or a block of one.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from runnx.ops import _kernels_gemm as gemm, _native
+from runnx.runtime import blas_split, helpers
+from runnx.runtime import pool as decode_pool
+
+_AVX512_OPENBLAS = {"skylakex", "cooperlake", "sapphirerapids"}  # OpenBLAS's AVX-512 kernel sets
+_SPLIT_FROM = 1 << 24  # multiply-adds from which a product is shared among threads
+_FLOAT32 = np.dtype(np.float32)
+_scratch = threading.local()
+_enabled: bool | None = None
+
+
+def own_kernels() -> bool:
+    """Whether float32 products run on runnx's own kernels in this process (module docstring)."""
+    global _enabled
+    if _enabled is None:
+        libraries = blas_split.blas_libraries()
+        _enabled = gemm.AVAILABLE and bool(libraries) and all(
+            c.internal_api == "openblas" and (getattr(c, "architecture", None) or "").lower() not in _AVX512_OPENBLAS
+            for c in libraries)
+    return _enabled
+
+
+def set_own_kernels(enabled: bool | None) -> None:
+    """Force the choice (tests and benchmarks compare the two); None: detect it again."""
+    global _enabled
+    _enabled = None if enabled is None else bool(enabled) and gemm.AVAILABLE
+
+
+def _takes(a, b) -> bool:
+    return (a.dtype == _FLOAT32 and b.dtype == _FLOAT32 and a.ndim >= 2 and b.ndim >= 2 and a.shape[-1] == b.shape[-2]
+            and a.size and b.size and _native.enabled and own_kernels())
+
+
+def _writable(out, shape) -> bool:
+    """Whether the kernels can write a product of `shape` straight into out (rows contiguous)."""
+    return (out.dtype == _FLOAT32 and out.shape == shape and out.strides[-1] == 4 and out.flags.writeable
+            and all(step >= 0 and step % 4 == 0 for step in out.strides))
+
+
+def _buffers():
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = (np.empty(gemm.MC * gemm.KC, np.float32), np.empty(gemm.KC * gemm.NR, np.float32),
+                                      np.empty((gemm.MR, gemm.NR), np.float32))
+    return buffers
+
+
+def _product(part):
+    a, b, out, first_column, stop_column = part
+    gemm.gemm_columns(a, b, out, first_column, stop_column, *_buffers())
+
+
+def _matrix_product(a, b, out) -> None:
+    """out = a @ b for 2-D C-contiguous a and b, out's rows contiguous."""
+    rows, columns = a.shape[0], b.shape[1]
+    threads = blas_split.blas_threads() if rows * a.shape[1] * columns >= _SPLIT_FROM else 1
+    panels = -(-columns // gemm.NR)
+    if threads < 2 or (rows < threads * gemm.MC and panels < threads):
+        _product((a, b, out, 0, columns))
+        return
+    decode_pool.rest_workers()  # spinning decode workers would hold the cores
+    if rows >= threads * gemm.MC:  # each thread its rows (its own part of a to pack)
+        tiles = -(-rows // gemm.MR)
+        bounds = [min(rows, (tiles * t // threads) * gemm.MR) for t in range(threads + 1)]
+        parts = [(a[start:stop], b, out[start:stop], 0, columns) for start, stop in zip(bounds[:-1], bounds[1:])]
+    else:  # a short prompt: each thread its columns
+        bounds = [min(columns, (panels * t // threads) * gemm.NR) for t in range(threads + 1)]
+        parts = [(a, b, out, start, stop) for start, stop in zip(bounds[:-1], bounds[1:])]
+    helpers.run_parts(_product, parts)
+
+
+def matmul(a, b, out=None):
+    """np.matmul(a, b, out=out), float32 products of matrices (or stacks of them) on the own kernels
+    when they run (`own_kernels`)."""
+    if not _takes(a, b):
+        return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    shape = batch + (a.shape[-2], b.shape[-1])
+    if out is not None and (not _writable(out, shape) or np.may_share_memory(out, a) or np.may_share_memory(out, b)):
+        out[...] = matmul(a, b)
+        return out
+    result = np.empty(shape, np.float32) if out is None else out
+    if b.ndim == 2 and a.flags.c_contiguous and result.flags.c_contiguous:  # all rows times b: one product
+        _matrix_product(a.reshape(-1, a.shape[-1]), np.ascontiguousarray(b), result.reshape(-1, shape[-1]))
+        return result
+    a, b = np.broadcast_to(a, batch + a.shape[-2:]), np.broadcast_to(b, batch + b.shape[-2:])
+    for index in np.ndindex(batch):
+        _matrix_product(np.ascontiguousarray(a[index]), np.ascontiguousarray(b[index]), result[index])
+    return result

@@ -1,0 +1,43 @@
+"""Helper threads that share one kernel call's independent parts with the calling thread.
+
+A prompt's product is split by columns among as many threads as runnx has (`ops/_matmul.py`);
+the parts run native code that releases the GIL. The helpers are started once and kept (a thread
+started per product would cost a tenth of a millisecond), and idle helpers sleep.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+_lock = threading.Lock()
+_executor: ThreadPoolExecutor | None = None
+_size = 0
+
+
+def _helpers(count: int) -> ThreadPoolExecutor:
+    global _executor, _size
+    with _lock:
+        if _executor is None or _size < count:
+            if _executor is not None:
+                _executor.shutdown(wait=False)
+            _executor = ThreadPoolExecutor(max_workers=count, thread_name_prefix="runnx-helper")
+            _size = count
+        return _executor
+
+
+def run_parts(work, parts: list) -> None:
+    """work(part) for every part: the first on this thread, each other on a helper, returning when
+    all are done (the first failure is raised, after every part has ended)."""
+    if len(parts) < 2:
+        for part in parts:
+            work(part)
+        return
+    futures = [_helpers(len(parts) - 1).submit(work, part) for part in parts[1:]]
+    try:
+        work(parts[0])
+    finally:
+        for future in futures:
+            future.exception()  # waits; an arrays' user must not return while a helper reads them
+    for future in futures:
+        if (error := future.exception()) is not None:
+            raise error

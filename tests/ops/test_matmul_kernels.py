@@ -1,0 +1,151 @@
+"""runnx's own float32 products (`runnx/ops/_kernels_gemm.py`, chosen by `runnx/ops/_matmul.py`):
+right against float64 arithmetic at every edge of their blocking, and each element summed alike
+whatever the thread count, the number of rows or columns around it, or the layouts of the
+operands."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runnx.ops import _kernels_gemm as gemm, _matmul
+from runnx.runtime import blas_split, helpers
+
+RNG = np.random.default_rng(7)
+needs_avx512 = pytest.mark.skipif(not gemm.AVAILABLE, reason="this CPU has no AVX-512: numpy's BLAS multiplies")
+
+
+@pytest.fixture
+def own(monkeypatch):
+    _matmul.set_own_kernels(True)
+    yield
+    _matmul.set_own_kernels(None)
+
+
+def _operands(rows, depth, columns):
+    return (RNG.standard_normal((rows, depth), dtype=np.float32),
+            RNG.standard_normal((depth, columns), dtype=np.float32))
+
+
+def _close_to_exact(product, a, b):
+    exact = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    scale = np.matmul(np.abs(a).astype(np.float64), np.abs(b).astype(np.float64)) + 1e-30
+    assert product.dtype == np.float32 and product.shape == exact.shape
+    assert np.all(np.abs(product - exact) <= 2e-6 * a.shape[-1] ** 0.5 * scale + 1e-30)
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows", [1, 11, 12, 13, 120, 121, 263])
+@pytest.mark.parametrize("depth", [1, 255, 256, 257, 600])
+@pytest.mark.parametrize("columns", [1, 31, 32, 33, 100])
+def test_products_match_float64_arithmetic_at_every_block_edge(own, rows, depth, columns):
+    a, b = _operands(rows, depth, columns)
+    _close_to_exact(_matmul.matmul(a, b), a, b)
+
+
+@needs_avx512
+def test_own_kernels_take_the_product(own, monkeypatch):
+    """The test above measures the own kernels, not numpy's BLAS."""
+    calls = []
+    original = gemm.gemm_columns
+    monkeypatch.setattr(gemm, "gemm_columns", lambda *args: calls.append(1) or original(*args))
+    a, b = _operands(20, 30, 40)
+    _matmul.matmul(a, b)
+    assert calls
+
+
+@needs_avx512
+def test_every_element_is_summed_alike_whatever_surrounds_it(own):
+    """A row of a prompt comes out the same in a block of one row, a row of it as part of the whole,
+    and likewise for columns: each element's sum runs over k in the same blocks and order."""
+    a, b = _operands(257, 700, 97)
+    whole = _matmul.matmul(a, b)
+    assert np.array_equal(_matmul.matmul(a[100:101], b), whole[100:101])
+    assert np.array_equal(_matmul.matmul(a[5:130], b), whole[5:130])
+    assert np.array_equal(_matmul.matmul(a, np.ascontiguousarray(b[:, 33:70])), whole[:, 33:70])
+
+
+@needs_avx512
+def test_layouts_and_outputs_do_not_change_a_bit(own):
+    """Transposed, strided and broadcast operands, `out` arrays with and without contiguous rows,
+    and stacks: the same bits as the C-contiguous 2-D product."""
+    a, b = _operands(50, 64, 70)
+    reference = _matmul.matmul(a, b)
+    assert np.array_equal(_matmul.matmul(np.asfortranarray(a), np.asfortranarray(b)), reference)
+    assert np.array_equal(_matmul.matmul(a.T.copy().T, b.T.copy().T), reference)
+    out = np.full((50, 200), np.nan, np.float32)
+    _matmul.matmul(a, b, out=out[:, 10:80])
+    assert np.array_equal(out[:, 10:80], reference) and np.isnan(out[:, :10]).all() and np.isnan(out[:, 80:]).all()
+    transposed = np.empty((70, 50), np.float32).T  # rows not contiguous: computed, then copied in
+    assert np.array_equal(_matmul.matmul(a, b, out=transposed), reference)
+    stack = np.stack([a, a[::-1]])
+    assert np.array_equal(_matmul.matmul(stack, b), np.stack([reference, reference[::-1]]))
+    assert np.array_equal(_matmul.matmul(stack, np.stack([b, b])), np.stack([reference, reference[::-1]]))
+    assert np.array_equal(_matmul.matmul(stack[:, None], b[None, None]), np.stack([reference, reference[::-1]])[:, None])
+
+
+@needs_avx512
+def test_an_output_overlapping_an_input_gets_the_product_of_the_inputs(own):
+    a, b = _operands(40, 40, 40)
+    expected = _matmul.matmul(a, b)
+    _matmul.matmul(a, b, out=a)
+    assert np.array_equal(a, expected)
+
+
+@needs_avx512
+def test_products_shared_among_threads_are_the_same_bits(own, monkeypatch):
+    """A product split among threads (large enough, `_SPLIT_FROM`: by rows, or by columns for a
+    few rows) equals the same product on one thread, bit for bit."""
+    a, b = _operands(1000, 300, 130)
+    monkeypatch.setattr(blas_split, "blas_threads", lambda: 1)
+    alone = _matmul.matmul(a, b)
+    parts = []
+    original = helpers.run_parts
+    monkeypatch.setattr(helpers, "run_parts", lambda work, shares: parts.append(len(shares)) or original(work, shares))
+    monkeypatch.setattr(blas_split, "blas_threads", lambda: 2)
+    monkeypatch.setattr(_matmul, "_SPLIT_FROM", 1)
+    for _ in range(5):
+        assert np.array_equal(_matmul.matmul(a, b), alone)
+    assert np.array_equal(_matmul.matmul(a[:50], b), alone[:50])  # a short prompt: split by columns
+    assert parts == [2] * 6
+
+
+def test_a_helpers_failure_is_raised_after_every_part_has_ended():
+    ended = []
+
+    def work(part):
+        if part == 1:
+            raise ValueError("part 1")
+        ended.append(part)
+
+    with pytest.raises(ValueError, match="part 1"):
+        helpers.run_parts(work, [0, 1, 2])
+    assert sorted(ended) == [0, 2]
+
+
+def test_other_dtypes_and_vectors_take_numpy(own):
+    a = RNG.standard_normal((5, 6))
+    b = RNG.standard_normal((6, 4))
+    assert np.array_equal(_matmul.matmul(a, b), np.matmul(a, b))
+    v = RNG.standard_normal(6).astype(np.float32)
+    assert np.array_equal(_matmul.matmul(v, b.astype(np.float32)), np.matmul(v, b.astype(np.float32)))
+    with pytest.raises(ValueError):
+        _matmul.matmul(a, a)
+
+
+class _Library:
+    def __init__(self, internal_api, architecture=None):
+        self.internal_api, self.architecture = internal_api, architecture
+
+
+@pytest.mark.parametrize("libraries,expected", [
+    ([_Library("openblas", "Haswell")], True),
+    ([_Library("openblas", "SkylakeX")], False),
+    ([_Library("openblas", "Cooperlake")], False),
+    ([_Library("mkl")], False),
+    ([], False),
+])
+def test_own_kernels_run_only_where_blas_is_narrower_than_the_cpu(monkeypatch, libraries, expected):
+    monkeypatch.setattr(blas_split, "blas_libraries", lambda: libraries)
+    monkeypatch.setattr(_matmul, "_enabled", None)
+    assert _matmul.own_kernels() is (expected and gemm.AVAILABLE)
+    monkeypatch.setattr(_matmul, "_enabled", None)
