@@ -23,13 +23,15 @@ from runnx.ops.fused import SiluMul
 from runnx.ops.linalg_integer import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import register
-from runnx.ops._matmul import matmul
+from runnx.ops._matmul import matmul, own_kernels
 from runnx.runtime import pool as decode_pool
 
 DOMAIN = "com.microsoft"
 _FLOAT32 = np.dtype(np.float32)
 _STREAMED_ROWS = 8  # up to this many rows of A stream the packed weights; more go through BLAS panels
 _PANEL_BYTES = 1 << 20  # a dequantized panel's size for the BLAS path
+# runnx's own kernels pack the rows anew for every product: wider panels, fewer packings
+_OWN_PANEL_BYTES = 1 << 22
 
 
 def _nbits_zero_points(zero_points, columns: int, blocks: int, bits: int, work):
@@ -207,10 +209,11 @@ def SharedInputMatMulNBits(a, *parts, K: int, columns: tuple, block_size: int, g
 
 
 def _panel_product(rows, b, scales, zero_points: tuple, bits: int, block_size: int, out) -> None:
-    """out = rows @ dequantized(b).T through BLAS, a panel of columns dequantized at a time into a
-    buffer that stays in cache; 4-bit panels and the rows in lanes order (`nibble_lanes_panel`)."""
+    """out = rows @ dequantized(b).T through `matmul`, a panel of columns dequantized at a time into
+    a buffer that stays in cache; 4-bit panels and the rows in lanes order (`nibble_lanes_panel`)."""
     columns, depth = out.shape[1], rows.shape[1]
-    width = max(1, min(columns, _PANEL_BYTES // (depth * rows.itemsize)))
+    panel_bytes = _OWN_PANEL_BYTES if own_kernels() else _PANEL_BYTES
+    width = max(1, min(columns, panel_bytes // (depth * rows.itemsize)))
     panel = np.empty((width, depth), rows.dtype)
     decode_pool.rest_workers(rows.size * columns)  # BLAS's threads need the cores
     if bits == 4:

@@ -39,7 +39,7 @@ from runnx.ops.registry import register
 from runnx.ops._shape_util import int_tuple
 from runnx.ops.shape import reshape_target
 from runnx.ops.softmax import Softmax_13
-from runnx.ops._matmul import matmul
+from runnx.ops._matmul import matmul, own_kernels
 from runnx.runtime.blas_split import split_among_threads
 from runnx.runtime.pool import gelu_rows, shared_call, softmax_rows
 
@@ -245,7 +245,7 @@ def attention_in_blocks(heads, keys, values, bias, fill: float):
             matmul(scores, values[b, h], out=merged[b, start:stop, h])
 
     parts = [(b, h) for b in range(batch) for h in range(count)]
-    if not split_among_threads(attend_head, parts):
+    if not split_among_threads(attend_head, parts, calls_blas=not own_kernels()):
         # more threads: whole heads, the softmax shared with the decode pool's workers
         rows, softmax = (length, softmax_rows) if numba.get_num_threads() > 1 else (block, softmax_rows_float32)
         for part in parts:
@@ -284,7 +284,8 @@ def causal_attention_in_blocks(heads, keys, values, offset: int):
             matmul(scores, values[b, g, :seen], out=merged[b, start:stop, h])
 
     parts = [(b, h) for b in range(batch) for h in range(count)]
-    if not split_among_threads(lambda part: attend_head(part, np.empty(size, np.float32)), parts):
+    if not split_among_threads(lambda part: attend_head(part, np.empty(size, np.float32)), parts,
+                               calls_blas=not own_kernels()):
         scratch = np.empty(size, np.float32)
         for part in parts:
             attend_head(part, scratch)

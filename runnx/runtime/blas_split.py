@@ -35,12 +35,13 @@ def blas_threads() -> int:
     return min((c.num_threads for c in blas_libraries()), default=1)
 
 
-def split_among_threads(work, parts: list) -> bool:
+def split_among_threads(work, parts: list, calls_blas: bool = True) -> bool:
     """work(part) for every part, the parts dealt round-robin to as many threads (this one and
-    helpers) as BLAS has, BLAS single-threaded meanwhile. False, having run nothing, when BLAS has
-    one thread (or none is known), there is one part, OpenBLAS's threads spin after their calls, or
-    another caller is splitting (the BLAS setting is the process's)."""
-    if not openblas.THREADS_SLEEP:
+    helpers) as BLAS has, BLAS single-threaded meanwhile (the parts' own products, runnx's kernels
+    included, are then not split further). False, having run nothing, when BLAS has one thread (or
+    none is known), there is one part, the parts call BLAS (`calls_blas`) while OpenBLAS's threads
+    spin after their calls, or another caller is splitting (the BLAS setting is the process's)."""
+    if calls_blas and not openblas.THREADS_SLEEP:
         return False
     blas = blas_libraries()
     count = min(blas_threads(), len(parts))

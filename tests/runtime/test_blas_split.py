@@ -62,6 +62,20 @@ def test_nothing_is_split_when_openblas_threads_spin_or_blas_has_one_thread(monk
     assert ran == []
 
 
+def test_parts_that_call_no_blas_are_split_even_while_openblas_threads_spin(monkeypatch):
+    """runnx's own products (`ops/_matmul.py`) leave OpenBLAS's spinning threads idle."""
+    ran, lock = [], threading.Lock()
+    monkeypatch.setattr(openblas, "THREADS_SLEEP", False)
+
+    def work(part):
+        with lock:
+            ran.append((part, threading.get_ident()))
+
+    with threadpoolctl.threadpool_limits(2, user_api="blas"):
+        assert blas_split.split_among_threads(work, [0, 1, 2], calls_blas=False)
+    assert sorted(part for part, _ in ran) == [0, 1, 2] and len({ident for _, ident in ran}) == 2
+
+
 def test_encoder_attention_split_by_heads_is_bitwise_the_one_thread_result(sleeping_blas, monkeypatch):
     rng = np.random.default_rng(0)
     heads = rng.standard_normal((1, 6, 300, 16)).astype(np.float32)
