@@ -63,9 +63,18 @@ def _buffers():
     return buffers
 
 
+def _read_only(array):
+    """array as a read-only view: the kernels are compiled (and loaded from numba's cache) once for
+    a weight, which is read-only, and a computed value alike."""
+    if array.flags.writeable:
+        array = array.view()
+        array.flags.writeable = False
+    return array
+
+
 def _product(part):
     a, b, out, first_column, stop_column = part
-    gemm.gemm_columns(a, b, out, first_column, stop_column, *_buffers())
+    gemm.gemm_columns(_read_only(a), _read_only(b), out, first_column, stop_column, *_buffers())
 
 
 def _matrix_product(a, b, out) -> None:
