@@ -33,13 +33,19 @@ def machine() -> str:
 
 def _openblas_kernels() -> list[str]:
     """OpenBLAS's kernel family as loaded here (it picks AVX2 'Haswell' or AVX-512 'SkylakeX' ones by
-    CPU or by OPENBLAS_CORETYPE): prefill and the encoder's GEMMs run at its speed."""
+    CPU or by OPENBLAS_CORETYPE), and whether runnx's float32 products run on its own kernels instead
+    (`runnx/ops/_matmul.py`: where OpenBLAS's are narrower than the CPU)."""
     import numpy  # noqa: F401  (loads OpenBLAS, so that threadpoolctl finds it)
     import threadpoolctl
 
     kernels = sorted({pool.get("architecture") or "?" for pool in threadpoolctl.threadpool_info()
                       if pool.get("internal_api") == "openblas"})
-    return [f"OpenBLAS {'/'.join(kernels)} kernels"] if kernels else []
+    try:
+        from runnx.ops._matmul import own_kernels
+        own = ["runnx's own AVX-512 float32 products"] if own_kernels() else []
+    except ImportError:  # a script run without runnx on its path
+        own = []
+    return ([f"OpenBLAS {'/'.join(kernels)} kernels"] if kernels else []) + own
 
 
 def git_revision() -> str:

@@ -11,7 +11,9 @@ multiplies such a panel by KC x NR of b, read in place (a panel of NR columns is
 only the last columns short of NR are packed), in 24 vector registers (12 rows x 2 vectors of 16),
 one fused multiply-add per register a step of k, and adds the tile to c (stores it, for the first
 block of k). Reading b in place, not packing it, is as fast here for a prompt's thousands of rows
-and 3x faster for its first few dozen. Each element of c is thus the sum over its k in
+and 3x faster for its first few dozen; b's columns go in blocks of BLOCK_COLUMNS, whose KC rows stay
+in cache while every row of a passes, and each tile prefetches the next panel's rows (a wide b, an
+LM head's, has each of its rows a page or more apart: the hardware's prefetcher follows none). Each element of c is thus the sum over its k in
 blocks of KC, in order, each block summed in order by fused multiply-adds: the same for any
 shape of the rest of the product, any split of its columns among threads and any position of
 the element, so results never depend on the thread count.
@@ -31,6 +33,7 @@ from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kern
 MR, NR = 12, 32  # a tile: rows of a x columns of b, 24 of the 32 vector registers
 LANES = 16  # float32 lanes of a 512-bit register
 KC, MC = 256, 120  # blocks of k (a panel of b: 32 KiB) and of a's rows (a's packed block: 120 KiB)
+BLOCK_COLUMNS = 512  # b's columns a block: KC rows of them (512 KiB) stay in cache for every row of a
 
 
 def _compiles_avx512() -> bool:
@@ -59,6 +62,9 @@ def _tile(typingctx, a_panel, a_at, b_panel, b_at, b_step, depth, c, row, column
         i32, i64 = ir.IntType(32), ir.IntType(64)
         vector = ir.VectorType(ir.FloatType(), LANES)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+        i8_pointer = ir.IntType(8).as_pointer()
+        prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8_pointer, i32, i32, i32]),
+                                                  "llvm.prefetch.p0i8")
         zeros = ir.Constant(vector, [0.0] * LANES)
         sums = [[cgutils.alloca_once_value(builder, zeros) for _ in range(NR // LANES)] for _ in range(MR)]
         undefined, broadcast = ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
@@ -70,6 +76,9 @@ def _tile(typingctx, a_panel, a_at, b_panel, b_at, b_step, depth, c, row, column
             b_row = builder.add(b_at, builder.mul(loop.index, b_step))
             b_vectors = [builder.load(builder.bitcast(builder.gep(b_arr.data, [at(b_row, LANES * j)]),
                                                       vector.as_pointer()), align=4) for j in range(NR // LANES)]
+            for j in range(NR // LANES):  # the next panel's row, read in place: its own stream for the prefetcher
+                builder.call(prefetch, [builder.bitcast(builder.gep(b_arr.data, [at(b_row, NR + LANES * j)]), i8_pointer),
+                                        ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
             a_column = builder.add(a_at, builder.mul(loop.index, ir.Constant(i64, MR)))
             for i in range(MR):
                 value = builder.load(builder.gep(a_arr.data, [at(a_column, i)]))
@@ -93,12 +102,16 @@ def _tile(typingctx, a_panel, a_at, b_panel, b_at, b_step, depth, c, row, column
 
 
 @_kernel
-def _pack_columns(b, first_k, depth, first_column, width, panel):
-    """b[first_k:first_k + depth, first_column:first_column + width] (width < NR: the last columns)
-    as a panel of depth rows of NR, zero-filled."""
+def _pack_b(b, first_k, depth, first_column, width, panels):
+    """b[first_k:first_k + depth, first_column:first_column + width] as panels of depth rows of NR
+    (panel p at p * depth * NR), the last one zero-filled (a block's last columns short of NR)."""
     for k in range(depth):
-        for j in range(NR):
-            panel[k * NR + j] = b[first_k + k, first_column + j] if j < width else 0.0
+        row = b[first_k + k]
+        for start in range(0, width, NR):
+            at = start * depth + k * NR
+            count = min(NR, width - start)
+            for j in range(NR):
+                panels[at + j] = row[first_column + start + j] if j < count else 0.0
 
 
 @_kernel
@@ -116,31 +129,32 @@ def _pack_a(a, first_row, height, first_k, depth, panels):
 @_kernel
 def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge):
     """c[:, first_column:stop_column] = a @ b[:, first_column:stop_column] for C-contiguous float32
-    a and b (c's rows contiguous). b is read in place, its last columns short of a panel packed.
-    Scratch: a_panels (MC * KC), b_panel (KC * NR), edge (MR, NR)."""
+    a and b (c's rows contiguous), in blocks of BLOCK_COLUMNS columns. b is read in place, its last
+    columns short of a panel packed into b_panel (KC * NR). Scratch: a_panels (MC * KC), edge (MR, NR)."""
     rows, depth = a.shape
     b_flat = b.reshape(-1)
     b_step = b.shape[1]
-    whole = first_column + (stop_column - first_column) // NR * NR
-    for k_block in range(0, depth, KC):
-        k_count = min(KC, depth - k_block)
-        first = k_block == 0
-        _pack_columns(b, k_block, k_count, whole, stop_column - whole, b_panel)
-        for row_block in range(0, rows, MC):
-            height = min(MC, rows - row_block)
-            _pack_a(a, row_block, height, k_block, k_count, a_panels)
-            for i in range(0, height, MR):
-                tile_rows, row = min(MR, height - i), row_block + i
-                for column in range(first_column, stop_column, NR):
-                    if column < whole:
-                        if tile_rows == MR:
-                            _tile(a_panels, i * k_count, b_flat, k_block * b_step + column, b_step, k_count, c, row,
-                                  column, first)
+    for column_block in range(first_column, stop_column, BLOCK_COLUMNS):
+        block_stop = min(column_block + BLOCK_COLUMNS, stop_column)
+        whole = column_block + (block_stop - column_block) // NR * NR
+        for k_block in range(0, depth, KC):
+            k_count = min(KC, depth - k_block)
+            first = k_block == 0
+            _pack_b(b, k_block, k_count, whole, block_stop - whole, b_panel)
+            for row_block in range(0, rows, MC):
+                height = min(MC, rows - row_block)
+                _pack_a(a, row_block, height, k_block, k_count, a_panels)
+                for i in range(0, height, MR):
+                    tile_rows, row = min(MR, height - i), row_block + i
+                    for column in range(column_block, block_stop, NR):
+                        if column < whole:
+                            b_source, b_at, b_from, tile_columns = b_flat, k_block * b_step + column, b_step, NR
+                        else:
+                            b_source, b_at, b_from, tile_columns = b_panel, 0, NR, block_stop - whole
+                        if tile_rows == MR and tile_columns == NR:
+                            _tile(a_panels, i * k_count, b_source, b_at, b_from, k_count, c, row, column, first)
                             continue
-                        b_source, b_at, b_from, tile_columns = b_flat, k_block * b_step + column, b_step, NR
-                    else:
-                        b_source, b_at, b_from, tile_columns = b_panel, 0, NR, stop_column - whole
-                    if not first:
-                        edge[:tile_rows, :tile_columns] = c[row:row + tile_rows, column:column + tile_columns]
-                    _tile(a_panels, i * k_count, b_source, b_at, b_from, k_count, edge, 0, 0, first)
-                    c[row:row + tile_rows, column:column + tile_columns] = edge[:tile_rows, :tile_columns]
+                        if not first:
+                            edge[:tile_rows, :tile_columns] = c[row:row + tile_rows, column:column + tile_columns]
+                        _tile(a_panels, i * k_count, b_source, b_at, b_from, k_count, edge, 0, 0, first)
+                        c[row:row + tile_rows, column:column + tile_columns] = edge[:tile_rows, :tile_columns]

@@ -56,6 +56,7 @@ def _writable(out, shape) -> bool:
 
 
 def _buffers():
+    """This thread's scratch: a's panels, b's last columns' panel and an edge tile."""
     buffers = getattr(_scratch, "buffers", None)
     if buffers is None:
         buffers = _scratch.buffers = (np.empty(gemm.MC * gemm.KC, np.float32), np.empty(gemm.KC * gemm.NR, np.float32),
