@@ -115,3 +115,12 @@ def matmul(a, b, out=None):
     for index in np.ndindex(batch):
         _matrix_product(np.ascontiguousarray(a[index]), np.ascontiguousarray(b[index]), result[index])
     return result
+
+
+def load_kernels() -> None:
+    """Load the kernel from numba's cache (or compile it) for the types its calls give it: an output
+    with contiguous rows and one without (a head's rows in a merged-heads layout)."""
+    if _native.enabled and own_kernels():
+        one = np.ones((2, 1), np.float32)
+        matmul(one, one[:1])
+        matmul(one, one[:1], out=np.empty((2, 2), np.float32)[:, :1])

@@ -345,6 +345,7 @@ _pool: DecodePool | None = None
 _workers: int | None = None  # None: the core count's worth, set on first use
 _pool_lock = threading.Lock()  # the pool is made (and replaced) by one thread at a time
 _starting: threading.Thread | None = None
+_products_loaded = False  # `_load_products` has run in this process
 
 
 def set_workers(count: int | None) -> None:
@@ -374,18 +375,35 @@ def pool() -> DecodePool | None:
 def start_in_background() -> None:
     """Start the pool on a thread of its own while the caller loads a decoder: its start loads the
     workers' loop from numba's cache, the first numba code of a process (with numba's own start,
-    a noticeable part of a first transcription), then the jobs every decoder calls (`_load_jobs`).
+    a noticeable part of a first transcription), then the jobs every decoder calls (`_load_jobs`)
+    and the products' kernel of a prompt (which alone is loaded when there are no workers).
     Not a daemon thread: a process ending while numba loads aborts inside LLVM, so the interpreter
     waits for it at exit."""
     global _starting
-    if _native.enabled and _pool is None and worker_count() > 0 and (_starting is None or not _starting.is_alive()):
+    if not _native.enabled or (_starting is not None and _starting.is_alive()):
+        return
+    if _pool is None and worker_count() > 0:
         _starting = threading.Thread(target=_start_and_load, name="runnx-decode-start")
-        _starting.start()
+    elif not _products_loaded:
+        _starting = threading.Thread(target=_load_products, name="runnx-products-load")
+    else:
+        return
+    _starting.start()
 
 
 def _start_and_load() -> None:
     pool()
     _load_jobs()
+    _load_products()
+
+
+def _load_products() -> None:
+    """A prompt's products' kernel (`ops/_matmul.py`), loaded from numba's cache: with one thread
+    too, where there is no pool to start."""
+    global _products_loaded
+    from runnx.ops._matmul import load_kernels
+    load_kernels()
+    _products_loaded = True
 
 
 def _load_jobs() -> None:

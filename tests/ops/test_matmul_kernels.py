@@ -4,6 +4,9 @@ whatever the thread count, the number of rows or columns around it, or the layou
 operands."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -107,6 +110,32 @@ def test_products_shared_among_threads_are_the_same_bits(own, monkeypatch):
         assert np.array_equal(_matmul.matmul(a, b), alone)
     assert np.array_equal(_matmul.matmul(a[:50], b), alone[:50])  # a short prompt: split by columns
     assert parts == [2] * 6
+
+
+@needs_avx512
+def test_a_decoders_load_loads_the_products_kernel_with_one_thread_too():
+    """`start_in_background` (a decoder's or an encoder's load) loads the products' kernel from
+    numba's cache on a thread of its own, for every type its calls give it (a fresh process)."""
+    code = """
+import numpy as np
+from runnx.ops import _kernels_gemm as gemm, _matmul
+from runnx.runtime import pool as d
+_matmul.set_own_kernels(True)
+d.set_workers(0)
+d.start_in_background()
+d._starting.join()
+before = len(gemm.gemm_columns.overloads)
+a = np.ones((40, 30), np.float32)
+w = np.ones((30, 50), np.float32)
+w.flags.writeable = False
+_matmul.matmul(a, w)
+_matmul.matmul(a, a.T.copy())
+_matmul.matmul(a, w, out=np.empty((40, 2, 50), np.float32)[:, 0])
+print(before > 0, before == len(gemm.gemm_columns.overloads))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
 
 
 def test_a_helpers_failure_is_raised_after_every_part_has_ended():

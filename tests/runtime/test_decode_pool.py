@@ -289,12 +289,15 @@ def test_worker_count_follows_the_setting():
 
 def test_a_pool_started_in_the_background_is_the_one_every_caller_gets():
     """`start_in_background` (a decoder's load) makes the pool on a thread of its own; callers on
-    other threads meanwhile wait for that pool rather than make another; with no workers it does
-    nothing."""
+    other threads meanwhile wait for that pool rather than make another; with no workers it only
+    loads the products' kernel (`ops/_matmul.py`), once."""
     try:
         decode_pool.set_workers(0)
         decode_pool.start_in_background()
-        assert decode_pool._starting is None or not decode_pool._starting.is_alive()
+        if decode_pool._starting is not None and decode_pool._starting.is_alive():
+            assert decode_pool._starting.name == "runnx-products-load"
+            decode_pool._starting.join(timeout=600)
+        assert decode_pool._products_loaded and decode_pool._pool is None
         decode_pool.set_workers(1)
         assert decode_pool._pool is None
         decode_pool.start_in_background()
