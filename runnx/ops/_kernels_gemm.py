@@ -6,7 +6,8 @@ halves a prompt's or an encoder's products on a CPU with AVX-512. onnxruntime's 
 not follow that setting; these do not either. `_matmul.py` decides when they run.
 
 The product is blocked as Goto's and BLIS's are: a block of MC rows of a, for KC of its columns,
-is packed into panels of MR rows (`_pack_a`, k-major: one panel row a step of k); `_tile`
+is packed into panels of MR rows (`_pack_a`, k-major: one panel row a step of k; a product of at
+most ROWS_IN_PLACE columns reads a's rows in place instead, `_tile_of_rows`); `_tile`
 multiplies such a panel by KC x NR of b, read in place (a panel of NR columns is two vectors a row;
 only the last columns short of NR are packed), in 24 vector registers (12 rows x 2 vectors of 16),
 one fused multiply-add per register a step of k, and adds the tile to c (stores it, for the first
@@ -34,6 +35,7 @@ MR, NR = 12, 32  # a tile: rows of a x columns of b, 24 of the 32 vector registe
 LANES = 16  # float32 lanes of a 512-bit register
 KC, MC = 256, 120  # blocks of k (a panel of b: 32 KiB) and of a's rows (a's packed block: 120 KiB)
 BLOCK_COLUMNS = 512  # b's columns a block: KC rows of them (512 KiB) stay in cache for every row of a
+ROWS_IN_PLACE = 2 * NR  # products of at most this many columns read a's rows in place
 
 
 def _compiles_avx512() -> bool:
@@ -49,16 +51,13 @@ AVAILABLE = _compiles_avx512()
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
-@intrinsic
-def _tile(typingctx, a_panel, a_at, b_panel, b_at, b_step, depth, c, row, column, first):
-    """c[row:row + MR, column:column + NR] (+)= the a panel at a_at (depth x MR) times the b panel
-    at b_at (depth rows of NR, b_step apart): stored when `first`, added otherwise. c's rows are
-    contiguous."""
-    signature = types.void(a_panel, a_at, b_panel, b_at, b_step, depth, c, row, column, first)
+def _tile_codegen(a_in_place: bool):
+    """The code of a tile (`_tile`, `_tile_of_rows`): a's values from a packed panel (element i of
+    step k at a_at + k * MR + i) or from a's rows in place (at a_at + i * a_step + k)."""
 
     def codegen(context, builder, sig, args):
-        a_arr, b_arr, c_arr = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 6))
-        a_at, b_at, b_step, depth, row, column, first = args[1], args[3], args[4], args[5], args[7], args[8], args[9]
+        a_arr, b_arr, c_arr = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 3, 7))
+        a_at, a_step, b_at, b_step, depth, row, column, first = (args[i] for i in (1, 2, 4, 5, 6, 8, 9, 10))
         i32, i64 = ir.IntType(32), ir.IntType(64)
         vector = ir.VectorType(ir.FloatType(), LANES)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
@@ -72,6 +71,7 @@ def _tile(typingctx, a_panel, a_at, b_panel, b_at, b_step, depth, c, row, column
         def at(base, offset):
             return builder.add(base, ir.Constant(i64, offset))
 
+        a_rows = [builder.add(a_at, builder.mul(a_step, ir.Constant(i64, i))) for i in range(MR)]
         with cgutils.for_range(builder, depth) as loop:
             b_row = builder.add(b_at, builder.mul(loop.index, b_step))
             b_vectors = [builder.load(builder.bitcast(builder.gep(b_arr.data, [at(b_row, LANES * j)]),
@@ -79,9 +79,13 @@ def _tile(typingctx, a_panel, a_at, b_panel, b_at, b_step, depth, c, row, column
             for j in range(NR // LANES):  # the next panel's row, read in place: its own stream for the prefetcher
                 builder.call(prefetch, [builder.bitcast(builder.gep(b_arr.data, [at(b_row, NR + LANES * j)]), i8_pointer),
                                         ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            a_column = builder.add(a_at, builder.mul(loop.index, ir.Constant(i64, MR)))
+            if a_in_place:
+                a_places = [builder.add(start, loop.index) for start in a_rows]
+            else:
+                a_column = builder.add(a_at, builder.mul(loop.index, ir.Constant(i64, MR)))
+                a_places = [at(a_column, i) for i in range(MR)]
             for i in range(MR):
-                value = builder.load(builder.gep(a_arr.data, [at(a_column, i)]))
+                value = builder.load(builder.gep(a_arr.data, [a_places[i]]))
                 a_vector = builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(i32, 0)),
                                                   undefined, broadcast)
                 for j, b_vector in enumerate(b_vectors):
@@ -98,7 +102,21 @@ def _tile(typingctx, a_panel, a_at, b_panel, b_at, b_step, depth, c, row, column
                               pointer, align=4)
         return context.get_dummy_value()
 
-    return signature, codegen
+    return codegen
+
+
+@intrinsic
+def _tile(typingctx, a_panel, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first):
+    """c[row:row + MR, column:column + NR] (+)= the a panel at a_at (depth x MR, k-major; a_step
+    unused) times the b panel at b_at (depth rows of NR, b_step apart): stored when `first`, added
+    otherwise. c's rows are contiguous."""
+    return types.void(a_panel, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first), _tile_codegen(False)
+
+
+@intrinsic
+def _tile_of_rows(typingctx, a, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first):
+    """`_tile` reading a's MR rows in place: row i's values at a_at + i * a_step, one a step of k."""
+    return types.void(a, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first), _tile_codegen(True)
 
 
 @_kernel
@@ -130,10 +148,13 @@ def _pack_a(a, first_row, height, first_k, depth, panels):
 def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge):
     """c[:, first_column:stop_column] = a @ b[:, first_column:stop_column] for C-contiguous float32
     a and b (c's rows contiguous), in blocks of BLOCK_COLUMNS columns. b is read in place, its last
-    columns short of a panel packed into b_panel (KC * NR). Scratch: a_panels (MC * KC), edge (MR, NR)."""
+    columns short of a panel packed into b_panel (KC * NR); a is packed into a_panels (MC * KC) but
+    for products of at most ROWS_IN_PLACE columns, where packing would cost as much as the tiles
+    (an attention's values product): whole tiles read a's rows in place. Scratch: edge (MR, NR)."""
     rows, depth = a.shape
-    b_flat = b.reshape(-1)
+    a_flat, b_flat = a.reshape(-1), b.reshape(-1)
     b_step = b.shape[1]
+    rows_in_place = stop_column - first_column <= ROWS_IN_PLACE
     for column_block in range(first_column, stop_column, BLOCK_COLUMNS):
         block_stop = min(column_block + BLOCK_COLUMNS, stop_column)
         whole = column_block + (block_stop - column_block) // NR * NR
@@ -143,18 +164,30 @@ def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge):
             _pack_b(b, k_block, k_count, whole, block_stop - whole, b_panel)
             for row_block in range(0, rows, MC):
                 height = min(MC, rows - row_block)
-                _pack_a(a, row_block, height, k_block, k_count, a_panels)
+                if rows_in_place:
+                    _pack_a(a, row_block + height // MR * MR, height % MR, k_block, k_count, a_panels)
+                else:
+                    _pack_a(a, row_block, height, k_block, k_count, a_panels)
                 for i in range(0, height, MR):
                     tile_rows, row = min(MR, height - i), row_block + i
+                    in_place = rows_in_place and tile_rows == MR
+                    a_at = row * depth + k_block if in_place else (0 if rows_in_place else i * k_count)
                     for column in range(column_block, block_stop, NR):
                         if column < whole:
                             b_source, b_at, b_from, tile_columns = b_flat, k_block * b_step + column, b_step, NR
                         else:
                             b_source, b_at, b_from, tile_columns = b_panel, 0, NR, block_stop - whole
                         if tile_rows == MR and tile_columns == NR:
-                            _tile(a_panels, i * k_count, b_source, b_at, b_from, k_count, c, row, column, first)
+                            if in_place:
+                                _tile_of_rows(a_flat, a_at, depth, b_source, b_at, b_from, k_count, c, row, column,
+                                              first)
+                            else:
+                                _tile(a_panels, a_at, 0, b_source, b_at, b_from, k_count, c, row, column, first)
                             continue
                         if not first:
                             edge[:tile_rows, :tile_columns] = c[row:row + tile_rows, column:column + tile_columns]
-                        _tile(a_panels, i * k_count, b_source, b_at, b_from, k_count, edge, 0, 0, first)
+                        if in_place:
+                            _tile_of_rows(a_flat, a_at, depth, b_source, b_at, b_from, k_count, edge, 0, 0, first)
+                        else:
+                            _tile(a_panels, a_at, 0, b_source, b_at, b_from, k_count, edge, 0, 0, first)
                         c[row:row + tile_rows, column:column + tile_columns] = edge[:tile_rows, :tile_columns]
