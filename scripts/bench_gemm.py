@@ -24,7 +24,8 @@ from runnx.ops import _matmul  # noqa: E402
 
 SHAPES = (("prompt of 32, q/k/v and gate/up", 32, 576, 1536), ("prompt of 32, down", 32, 1536, 576),
           ("prompt of 2000, gate/up", 2000, 576, 1536), ("prompt of 2000, down", 2000, 1536, 576),
-          ("encoder window, MLP up", 1500, 384, 1536), ("attention block, scores", 256, 64, 2000))
+          ("encoder window, MLP up", 1500, 384, 1536), ("attention block, scores", 256, 64, 2000),
+          ("attention block, values", 256, 2000, 64), ("LM head of a prompt of 512", 512, 576, 49152))
 
 
 def _seconds(product, budget: float = 0.05) -> float:
@@ -87,9 +88,8 @@ def main() -> None:
         return
     update_section("gemm", f"""## float32 products (`scripts/bench_gemm.py`)
 
-runnx's own products against numpy's BLAS at a prompt's, an encoder's and an attention block's shapes,
-in one process taking turns (ratio: the median of the rounds' time ratios). runnx {git_revision()};
-{machine()}. Command: `.venv/bin/python scripts/bench_gemm.py --threads {args.threads} --rounds {args.rounds}`.
+runnx's own products beside numpy's BLAS in one process, taking turns (ratio: the median of the rounds' time ratios).
+runnx {git_revision()}; {machine()}. Command: `.venv/bin/python scripts/bench_gemm.py --threads {args.threads} --rounds {args.rounds}`.
 
 {table}
 """)

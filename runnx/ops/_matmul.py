@@ -21,7 +21,7 @@ from runnx.runtime import blas_split, helpers
 from runnx.runtime import pool as decode_pool
 
 _AVX512_OPENBLAS = {"skylakex", "cooperlake", "sapphirerapids"}  # OpenBLAS's AVX-512 kernel sets
-_SPLIT_FROM = 1 << 24  # multiply-adds from which a product is shared among threads
+_SPLIT_FROM = 1 << 26  # multiply-adds (half a millisecond and more) from which a product is shared among threads
 _FLOAT32 = np.dtype(np.float32)
 _scratch = threading.local()
 _enabled: bool | None = None
