@@ -7,8 +7,9 @@ compiles for AVX-512 and every BLAS numpy loaded is OpenBLAS with kernels that a
 (OPENBLAS_CORETYPE=Haswell on such a CPU); MKL and OpenBLAS's own AVX-512 kernels are as fast.
 Their results do not depend on the thread count: a product of at least _SPLIT_FROM multiply-adds
 has its rows (or, for a short prompt, its columns) shared among runnx's threads
-(`runtime/helpers.py`), each element summed alike. They take every float32 product, small ones too, whatever its number of rows, so a
-row comes out the same in a prompt of any length or a block of one.
+(`runtime/helpers.py`), each element summed alike. They take every float32 product, small ones
+too, whatever its number of rows, so a row comes out the same in a prompt of any length or a
+block of one.
 """
 from __future__ import annotations
 
