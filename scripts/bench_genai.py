@@ -43,9 +43,9 @@ LLAMA_CPP_Q4_1 = {32: 64.7, 512: 61.2, 2000: 46.0}
 
 
 def worker_runnx(folder: Path, contexts: list[int], steps: int) -> dict:
-    import numpy as np
-
     sys.path.insert(0, str(ROOT))
+    import runnx  # noqa: F401  (first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS)
+    import numpy as np
     from runnx.generate.decoder import DecoderStep
 
     start = time.perf_counter()
