@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 
-from runnx.runtime import openblas
+from runnx.runtime import helpers, openblas
 from runnx.runtime import pool as decode_pool
 
 _lock = threading.Lock()
@@ -47,30 +47,19 @@ def split_among_threads(work, parts: list, calls_blas: bool = True) -> bool:
     count = min(blas_threads(), len(parts))
     if count < 2 or not _lock.acquire(blocking=False):
         return False
-    failures = []
-
-    def share(index):
-        try:
-            for part in parts[index::count]:
-                work(part)
-        except BaseException as error:  # re-raised on the calling thread
-            failures.append(error)
-
     previous = [c.num_threads for c in blas]
     try:
         decode_pool.rest_workers()  # spinning decode workers would hold the cores
         for c in blas:
             c.set_num_threads(1)
-        helpers = [threading.Thread(target=share, args=(index,), daemon=True) for index in range(1, count)]
-        for helper in helpers:
-            helper.start()
-        share(0)
-        for helper in helpers:
-            helper.join()
+        helpers.run_parts(lambda index: _each(work, parts[index::count]), list(range(count)))
     finally:
         for c, threads in zip(blas, previous):
             c.set_num_threads(threads)
         _lock.release()
-    if failures:
-        raise failures[0]
     return True
+
+
+def _each(work, parts: list) -> None:
+    for part in parts:
+        work(part)

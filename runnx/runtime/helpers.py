@@ -1,7 +1,8 @@
 """Helper threads that share one kernel call's independent parts with the calling thread.
 
-A prompt's product is split by columns among as many threads as runnx has (`ops/_matmul.py`);
-the parts run native code that releases the GIL. The helpers are started once and kept (a thread
+A prompt's product is split by rows (or columns) among as many threads as runnx has
+(`ops/_matmul.py`), an encoder's attention by heads (`blas_split.py`); the parts run native code
+that releases the GIL. The helpers are started once and kept (a thread
 started per product would cost a tenth of a millisecond), and idle helpers sleep.
 """
 from __future__ import annotations
