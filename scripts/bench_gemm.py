@@ -88,8 +88,7 @@ def main() -> None:
         return
     update_section("gemm", f"""## float32 products (`scripts/bench_gemm.py`)
 
-runnx's own products beside numpy's BLAS in one process, taking turns (ratio: the median of the rounds' time ratios).
-runnx {git_revision()}; {machine()}. Command: `.venv/bin/python scripts/bench_gemm.py --threads {args.threads} --rounds {args.rounds}`.
+runnx's own products beside numpy's BLAS in one process, taking turns (ratio: the median of the rounds' time ratios); runnx {git_revision()}; {machine()}. Command: `.venv/bin/python scripts/bench_gemm.py --threads {args.threads} --rounds {args.rounds}`.
 
 {table}
 """)
