@@ -34,6 +34,7 @@ What it does for you:
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -163,11 +164,17 @@ class DecoderStep:
         input_ids = np.ascontiguousarray(input_ids, dtype=self._ids_dtype)  # int64, int32 for some exports
         if input_ids.ndim != 2 or input_ids.shape[0] != self.batch_size:
             raise DecoderIOError(f"input_ids must be [batch={self.batch_size}, new tokens], got {list(input_ids.shape)}")
-        new = input_ids.shape[1]
         new_mask = (np.ones(input_ids.shape, np.int64) if attention_mask is None
                     else np.asarray(attention_mask, np.int64))
         first = not self.started
-        model, io = (self.first_model, self.first_io) if first else (self.past_model, self.past_io)
+        model = self.first_model if first else self.past_model
+        recording = getattr(model, "recording_loads", None)  # a runnx Model's (tests step onnxruntime's too)
+        with recording() if recording is not None else nullcontext():  # its cache's kernels are the model's
+            return self._step(model, first, input_ids, new_mask)
+
+    def _step(self, model, first: bool, input_ids: np.ndarray, new_mask: np.ndarray) -> np.ndarray:
+        new = input_ids.shape[1]
+        io = self.first_io if first else self.past_io
         full_mask = np.concatenate([self.attention_mask, new_mask], axis=1)
         if self.context_length is not None and full_mask.shape[1] > self.context_length:
             raise DecoderIOError(f"{full_mask.shape[1]} tokens exceed the model's context length of "

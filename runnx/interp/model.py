@@ -1,6 +1,7 @@
 """Model: a loaded graph plus its plan cache; `run` validates feeds, plans, executes."""
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -62,6 +63,9 @@ class Model:
         self._output_ids = {self.graph.names[v]: v for v in self.graph.outputs}
         self._plans: dict[tuple, Plan] = {}
         self._executor = Executor()
+        # the numba kernels its runs load, for a later process to load ahead
+        from runnx.ops.kernel_loads import Recorder, record_path  # (numba: not at `import runnx`)
+        self._kernel_loads = Recorder(record_path(self.path) if self.path else None)
 
     @property
     def input_names(self) -> list[str]:
@@ -132,7 +136,8 @@ class Model:
             self._threads = self._threads or threads()
             record.threads = self._threads
         ctx = RunContext(self.options, record)
-        values, _ = self._executor.run(graph, plan, bound, ctx, owned=False)  # (an unrewritten graph shares ids)
+        with self._kernel_loads.running():
+            values, _ = self._executor.run(graph, plan, bound, ctx, owned=False)  # (an unrewritten graph shares ids)
         names = [self.graph.names[v] for v in output_vids]
         result = {}
         for name, value in zip(names, values):
@@ -148,6 +153,12 @@ class Model:
         if profile is True:
             return result, record
         return result
+
+    def recording_loads(self):
+        """A context in which the calling thread's loads of compiled kernels count as this model's,
+        loaded ahead when a later process loads its file (ops/kernel_loads.py): a generation loop's
+        own kernels around its runs (its cache's), which `run` alone does not cover."""
+        return self._kernel_loads.running()
 
     def describe_io(self):
         return ([(i.name, type_name(i.elem_type or 0), i.shape) for i in self.inputs],
@@ -170,6 +181,9 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
     if option_values:
         options = Options(**option_values) if options is None else _replace(options, option_values)
     options = options or Options()
+    if isinstance(source, (str, os.PathLike)):  # the kernels its runs loaded before, while it loads
+        from runnx.ops.kernel_loads import load_in_background, record_path  # (imports numba)
+        load_in_background(record_path(source))
     from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
     keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runtime/allocator.py)
     return Model(load_model(source, weights, options.allow_newer_opset), options)

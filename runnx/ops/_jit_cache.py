@@ -28,7 +28,8 @@ process that imports and registers every typing and lowering module numba has (a
 of a second), which only a compile needs (numba's compiler refreshes it again itself). A cached
 kernel needs numba's runtime (NRT) and nothing else, so `light_loads` initializes only that before
 a load of runnx's own kernels: a first prompt pays for the kernels it loads, not for numba's
-compiler.
+compiler. Each such request is reported to `on_cache_request` (`kernel_loads.py` records a model's, to
+load them ahead in the next process).
 """
 from __future__ import annotations
 
@@ -147,6 +148,9 @@ def serialize_saves() -> bool:
     return True
 
 
+on_cache_request = None  # called with (function, signature) before each load of a runnx kernel: kernel_loads.py
+
+
 def light_loads() -> bool:
     """Load runnx's cached kernels with numba's runtime initialized instead of its whole compiler
     context refreshed (see the module docstring); whether that is in place. Other packages' numba
@@ -159,6 +163,8 @@ def light_loads() -> bool:
     def light_load(self, sig, target_context):
         if not isinstance(self._impl.locator, RunnxCacheLocator):
             return load(self, sig, target_context)
+        if on_cache_request is not None:
+            on_cache_request(self._py_func, sig)
         nrt.rtsys.initialize(target_context)  # once per process: what compiled code calls into
         return self._load_overload(sig, target_context)
 

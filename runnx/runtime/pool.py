@@ -376,7 +376,7 @@ def start_in_background() -> None:
     """Start the pool on a thread of its own while the caller loads a decoder: its start loads the
     workers' loop from numba's cache, the first numba code of a process (with numba's own start,
     a noticeable part of a first transcription), then the jobs every decoder calls (`_load_jobs`)
-    and the products' kernel of a prompt (which alone is loaded when there are no workers).
+    and the products' kernel of a prompt (with no workers, the unit loop and that kernel alone).
     Not a daemon thread: a process ending while numba loads aborts inside LLVM, so the interpreter
     waits for it at exit."""
     global _starting
@@ -385,7 +385,7 @@ def start_in_background() -> None:
     if _pool is None and worker_count() > 0:
         _starting = threading.Thread(target=_start_and_load, name="runnx-decode-start")
     elif not _products_loaded:
-        _starting = threading.Thread(target=_load_products, name="runnx-products-load")
+        _starting = threading.Thread(target=_load_alone, name="runnx-products-load")
     else:
         return
     _starting.start()
@@ -394,6 +394,13 @@ def start_in_background() -> None:
 def _start_and_load() -> None:
     pool()
     _load_jobs()
+    _load_products()
+
+
+def _load_alone() -> None:
+    """With no workers: the unit loop that jobs run alone call (`alone`: a decoder's attention, a
+    prompt's softmax), then the products' kernel."""
+    new_box()
     _load_products()
 
 

@@ -114,16 +114,23 @@ def test_with_capacity_hands_over_a_prefix_view_that_grows_in_place():
         runnx.with_capacity(past, axis=3, capacity=5)
 
 
-def test_an_empty_prefix_view_has_room_without_a_compiled_signature_of_its_own():
+def test_an_empty_prefix_view_has_room_without_a_compiled_signature_of_its_own(monkeypatch):
     """A first prompt's past (no rows yet) is C-contiguous to numba, a later step's prefix view not:
     the empty one is checked in Python, so the steps share one compiled signature of prefix_room."""
-    from runnx.capture.capacity import allocate_prefix, prefix_room
-    empty = allocate_prefix((1, 2, 0, 3), 2, 4, np.int16)  # a dtype no other test grows in place
-    known = len(prefix_room.signatures)
-    assert spare_capacity(empty, 2) == 4 and len(prefix_room.signatures) == known
+    import numba
+    from runnx.capture import capacity
+    typed, compiled = [], capacity.prefix_room
+
+    def spy(view, buffer, axis):
+        typed.append(numba.typeof(view))
+        return compiled(view, buffer, axis)
+
+    monkeypatch.setattr(capacity, "prefix_room", spy)
+    empty = capacity.allocate_prefix((1, 2, 0, 3), 2, 4, np.int16)
+    assert spare_capacity(empty, 2) == 4 and typed == []
     assert spare_capacity(empty.base[:, 1:, :0], 2) == 0  # not where the buffer starts
-    grown = allocate_prefix((1, 2, 1, 3), 2, 4, np.int16)
-    assert spare_capacity(grown, 2) == 3 and len(prefix_room.signatures) == known + 1
+    grown = capacity.allocate_prefix((1, 2, 1, 3), 2, 4, np.int16)
+    assert spare_capacity(grown, 2) == 3 and [t.layout for t in typed] == ["A"]
 
 
 def test_concatenate_with_headroom_leaves_room_for_as_many_rows_again():

@@ -1,0 +1,147 @@
+"""Loading a model's recorded kernels ahead of its first run (runnx/ops/kernel_loads.py)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numba
+
+from runnx.ops import _kernels_fused, kernel_loads
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-llama"
+
+# One process: load the folder's model, let the threads loading ahead end, then generate greedily,
+# counting the requests to numba's cache for runnx's kernels that the main thread makes meanwhile.
+_FIRST_GENERATION = r"""
+import json, sys, threading
+import runnx
+from runnx.ops import _jit_cache, kernel_loads  # (which listens to _jit_cache's requests from its import)
+from runnx.generate.generator import Generator
+
+requests = []
+previous = _jit_cache.on_cache_request
+
+def note(function, signature):
+    if threading.current_thread() is threading.main_thread() and isinstance(signature, tuple):
+        requests.append(function.__qualname__)  # a dispatcher's load (cfuncs' signatures are not tuples)
+    previous(function, signature)
+
+_jit_cache.on_cache_request = note
+generator = Generator.from_folder(sys.argv[1])
+for thread in threading.enumerate():
+    if thread.name in ("runnx-kernel-loads", "runnx-decode-start", "runnx-products-load"):
+        thread.join()
+requests.clear()
+generator.start(max_new_tokens=6, stop_token_ids=())
+generator.append_tokens([5, 17, 42, 7, 99, 3, 12, 64])
+ids = generator.run_until_done()[0]
+print(json.dumps({"requests": requests, "ids": [int(i) for i in ids]}))
+"""
+
+
+def _first_generation(folder: Path) -> dict:
+    done = subprocess.run([sys.executable, "-c", _FIRST_GENERATION, str(folder)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_the_first_ones_kernels_before_its_first_run(tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(FIXTURE, folder)  # a new file: no record yet
+    record = kernel_loads.record_path(folder / "model.onnx")
+    assert record is not None and not record.exists()
+    try:
+        first = _first_generation(folder)
+        assert first["requests"], "the first process's run should load kernels from numba's cache"
+        assert record.exists()
+        recorded = {qualname for _, qualname in kernel_loads.read_record(record)}
+        assert set(first["requests"]) <= recorded
+        second = _first_generation(folder)
+        assert second["requests"] == []  # every kernel its run calls was there before it started
+        assert second["ids"] == first["ids"]
+    finally:
+        record.unlink(missing_ok=True)
+
+
+def test_a_rewritten_file_starts_a_new_record(tmp_path):
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"one")
+    first = kernel_loads.record_path(model)
+    model.write_bytes(b"other")
+    assert kernel_loads.record_path(model) != first
+    assert kernel_loads.record_path(tmp_path / "absent.onnx") is None
+
+
+def test_a_record_that_cannot_be_read_loads_nothing(tmp_path):
+    path = tmp_path / "record.json"
+    assert kernel_loads.read_record(path) == []
+    path.write_text("not json")
+    assert kernel_loads.read_record(path) == []
+    path.write_text(json.dumps({"a": 1}))
+    assert kernel_loads.read_record(path) == []
+    path.write_text(json.dumps([["runnx.ops._kernels_fused", "rms_norm"], ["bad"], 3, ["a", 1]]))
+    assert kernel_loads.read_record(path) == [("runnx.ops._kernels_fused", "rms_norm")]
+    assert kernel_loads.load_in_background(tmp_path / "absent.json") is None
+
+
+def test_only_signatures_in_numbas_cache_load_and_nothing_compiles():
+    @numba.njit(cache=False)
+    def uncached(x):
+        return x + 1
+
+    entries = [("runnx.ops._kernels_fused", "no_such_kernel"),
+               ("numpy", "add"),  # not runnx's: never imported
+               ("runnx.ops._jit_cache", "cache_folder")]  # not a dispatcher
+    assert kernel_loads.load_cached(entries) == 0
+    assert kernel_loads._cached_signatures(uncached) == []
+    signatures = kernel_loads._cached_signatures(_kernels_fused.rms_norm)
+    assert signatures, "the suite's runs cache rms_norm"
+    fresh = numba.njit(cache=True, error_model="numpy")(_kernels_fused.rms_norm.py_func)  # no overload yet
+    assert kernel_loads._load_cached(fresh, signatures[0]) == 1
+    assert set(fresh.overloads) == {signatures[0]}
+    assert kernel_loads._load_cached(fresh, signatures[0]) == 0  # already there
+
+
+def test_a_run_records_the_loads_of_its_own_thread(tmp_path):
+    recorder = kernel_loads.Recorder(tmp_path / "loads" / "model.json")
+
+    def request(name):
+        kernel_loads._noted(getattr(_kernels_fused, name).py_func, (numba.float32,))  # (signatures go unrecorded)
+
+    request("rms_norm")  # outside any run: not the model's
+    with recorder.running():
+        request("add_rms_norm")
+        other = threading.Thread(target=request, args=("rope_append_into",))  # another thread's
+        other.start()
+        other.join()
+        with kernel_loads.Recorder(None).running():  # a nested model's run records as its own
+            request("silu_mul_into")
+        request("add_rms_norm")
+    assert kernel_loads.read_record(recorder.path) == [("runnx.ops._kernels_fused", "add_rms_norm")]
+    written = recorder.path.stat().st_mtime_ns
+    with recorder.running():
+        request("add_rms_norm")
+    assert recorder.path.stat().st_mtime_ns == written  # nothing new: not written again
+
+
+def test_a_model_given_as_bytes_keeps_no_record():
+    import runnx
+    model = runnx.load((FIXTURE / "model.onnx").read_bytes())
+    assert model._kernel_loads.path is None
+
+
+def test_loading_ahead_is_off_while_the_numpy_paths_run(tmp_path, monkeypatch):
+    from runnx.ops import _native
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps([["runnx.ops._kernels_fused", "rms_norm"]]))
+    monkeypatch.setattr(_native, "enabled", False)
+    assert kernel_loads.load_in_background(path) is None
+    monkeypatch.setattr(_native, "enabled", True)
+    thread = kernel_loads.load_in_background(path)
+    assert thread is not None and thread.name == "runnx-kernel-loads"
+    thread.join()
