@@ -9,7 +9,8 @@ The product is blocked as Goto's and BLIS's are: a block of MC rows of a, for KC
 is packed into panels of MR rows (`_pack_a`, k-major: one panel row a step of k; a product of at
 most ROWS_IN_PLACE columns reads a's rows in place instead, `_tile_of_rows`); `_tile`
 multiplies such a panel by KC x NR of b, read in place (a panel of NR columns is two vectors a row;
-only the last columns short of NR are packed), in 24 vector registers (12 rows x 2 vectors of 16),
+only the last columns short of NR are packed; a b given by its columns, b.T C-contiguous, has a
+block's columns packed, `_pack_columns`), in 24 vector registers (12 rows x 2 vectors of 16),
 one fused multiply-add per register a step of k, and adds the tile to c (stores it, for the first
 block of k). Reading b in place, not packing it, is as fast here for a prompt's thousands of rows
 and 3x faster for its first few dozen; b's columns go in blocks of BLOCK_COLUMNS, whose KC rows stay
@@ -133,6 +134,23 @@ def _pack_b(b, first_k, depth, first_column, width, panels):
 
 
 @_kernel
+def _pack_columns(columns, first_k, depth, first_column, width, panels):
+    """`_pack_b` of b given as its columns (b.T, C-contiguous: a column is a row of `columns`): b's
+    rows first_k.. of columns first_column.. as panels of depth rows of NR, the last zero-filled."""
+    for start in range(0, width, NR):
+        at = start * depth
+        count = min(NR, width - start)
+        for j in range(NR):
+            if j < count:
+                column = columns[first_column + start + j]
+                for k in range(depth):
+                    panels[at + k * NR + j] = column[first_k + k]
+            else:
+                for k in range(depth):
+                    panels[at + k * NR + j] = 0.0
+
+
+@_kernel
 def _pack_a(a, first_row, height, first_k, depth, panels):
     """a[first_row:first_row + height, first_k:first_k + depth] into panels of MR rows, k-major
     (panel i: depth columns of MR at i * depth * MR), the last one zero-filled."""
@@ -145,23 +163,29 @@ def _pack_a(a, first_row, height, first_k, depth, panels):
 
 
 @_kernel
-def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge):
+def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, columns_given, b_block):
     """c[:, first_column:stop_column] = a @ b[:, first_column:stop_column] for C-contiguous float32
     a and b (c's rows contiguous), in blocks of BLOCK_COLUMNS columns. b is read in place, its last
     columns short of a panel packed into b_panel (KC * NR); a is packed into a_panels (MC * KC) but
     for products of at most ROWS_IN_PLACE columns, where packing would cost as much as the tiles
-    (an attention's values product): whole tiles read a's rows in place. Scratch: edge (MR, NR)."""
+    (an attention's values product): whole tiles read a's rows in place. Scratch: edge (MR, NR).
+    When `columns_given`, b holds b's columns as its rows (b.T: a dequantized weight's panel, a
+    transposed operand) and each block of them is packed into b_block (KC * BLOCK_COLUMNS) while
+    every row of a passes: the tiles' arithmetic, hence every element, is the same either way."""
     rows, depth = a.shape
     a_flat, b_flat = a.reshape(-1), b.reshape(-1)
     b_step = b.shape[1]
     rows_in_place = stop_column - first_column <= ROWS_IN_PLACE
     for column_block in range(first_column, stop_column, BLOCK_COLUMNS):
         block_stop = min(column_block + BLOCK_COLUMNS, stop_column)
-        whole = column_block + (block_stop - column_block) // NR * NR
+        whole = column_block if columns_given else column_block + (block_stop - column_block) // NR * NR
         for k_block in range(0, depth, KC):
             k_count = min(KC, depth - k_block)
             first = k_block == 0
-            _pack_b(b, k_block, k_count, whole, block_stop - whole, b_panel)
+            if columns_given:
+                _pack_columns(b, k_block, k_count, column_block, block_stop - column_block, b_block)
+            else:
+                _pack_b(b, k_block, k_count, whole, block_stop - whole, b_panel)
             for row_block in range(0, rows, MC):
                 height = min(MC, rows - row_block)
                 if rows_in_place:
@@ -173,7 +197,10 @@ def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge):
                     in_place = rows_in_place and tile_rows == MR
                     a_at = row * depth + k_block if in_place else (0 if rows_in_place else i * k_count)
                     for column in range(column_block, block_stop, NR):
-                        if column < whole:
+                        if columns_given:
+                            b_source, b_at, b_from = b_block, (column - column_block) * k_count, NR
+                            tile_columns = min(NR, block_stop - column)
+                        elif column < whole:
                             b_source, b_at, b_from, tile_columns = b_flat, k_block * b_step + column, b_step, NR
                         else:
                             b_source, b_at, b_from, tile_columns = b_panel, 0, NR, block_stop - whole

@@ -57,11 +57,13 @@ def _writable(out, shape) -> bool:
 
 
 def _buffers():
-    """This thread's scratch: a's panels, b's last columns' panel and an edge tile."""
+    """This thread's scratch: a's panels, b's last columns' panel, an edge tile and a block of b's
+    panels (packed from b's columns)."""
     buffers = getattr(_scratch, "buffers", None)
     if buffers is None:
         buffers = _scratch.buffers = (np.empty(gemm.MC * gemm.KC, np.float32), np.empty(gemm.KC * gemm.NR, np.float32),
-                                      np.empty((gemm.MR, gemm.NR), np.float32))
+                                      np.empty((gemm.MR, gemm.NR), np.float32),
+                                      np.empty(gemm.KC * gemm.BLOCK_COLUMNS, np.float32))
     return buffers
 
 
@@ -75,26 +77,30 @@ def _read_only(array):
 
 
 def _product(part):
-    a, b, out, first_column, stop_column = part
-    gemm.gemm_columns(_read_only(a), _read_only(b), out, first_column, stop_column, *_buffers())
+    a, b, out, first_column, stop_column, columns_given = part
+    a_panels, b_panel, edge, b_block = _buffers()
+    gemm.gemm_columns(_read_only(a), _read_only(b), out, first_column, stop_column, a_panels, b_panel, edge,
+                      columns_given, b_block)
 
 
-def _matrix_product(a, b, out) -> None:
-    """out = a @ b for 2-D C-contiguous a and b, out's rows contiguous."""
-    rows, columns = a.shape[0], b.shape[1]
+def _matrix_product(a, b, out, columns_given: bool = False) -> None:
+    """out = a @ b for 2-D C-contiguous a and b (b.T when `columns_given`: b's columns as its rows),
+    out's rows contiguous."""
+    rows, columns = a.shape[0], out.shape[1]
     threads = blas_split.blas_threads() if rows * a.shape[1] * columns >= _SPLIT_FROM else 1
     panels = -(-columns // gemm.NR)
     if threads < 2 or (rows < threads * gemm.MC and panels < threads):
-        _product((a, b, out, 0, columns))
+        _product((a, b, out, 0, columns, columns_given))
         return
     decode_pool.rest_workers()  # spinning decode workers would hold the cores
     if rows >= threads * gemm.MC:  # each thread its rows (its own part of a to pack)
         tiles = -(-rows // gemm.MR)
         bounds = [min(rows, (tiles * t // threads) * gemm.MR) for t in range(threads + 1)]
-        parts = [(a[start:stop], b, out[start:stop], 0, columns) for start, stop in zip(bounds[:-1], bounds[1:])]
+        parts = [(a[start:stop], b, out[start:stop], 0, columns, columns_given)
+                 for start, stop in zip(bounds[:-1], bounds[1:])]
     else:  # a short prompt: each thread its columns
         bounds = [min(columns, (panels * t // threads) * gemm.NR) for t in range(threads + 1)]
-        parts = [(a, b, out, start, stop) for start, stop in zip(bounds[:-1], bounds[1:])]
+        parts = [(a, b, out, start, stop, columns_given) for start, stop in zip(bounds[:-1], bounds[1:])]
     helpers.run_parts(_product, parts)
 
 
@@ -110,12 +116,22 @@ def matmul(a, b, out=None):
         return out
     result = np.empty(shape, np.float32) if out is None else out
     if b.ndim == 2 and a.flags.c_contiguous and result.flags.c_contiguous:  # all rows times b: one product
-        _matrix_product(a.reshape(-1, a.shape[-1]), np.ascontiguousarray(b), result.reshape(-1, shape[-1]))
+        matrix, columns_given = _rows_or_columns(b)
+        _matrix_product(a.reshape(-1, a.shape[-1]), matrix, result.reshape(-1, shape[-1]), columns_given)
         return result
     a, b = np.broadcast_to(a, batch + a.shape[-2:]), np.broadcast_to(b, batch + b.shape[-2:])
     for index in np.ndindex(batch):
-        _matrix_product(np.ascontiguousarray(a[index]), np.ascontiguousarray(b[index]), result[index])
+        matrix, columns_given = _rows_or_columns(b[index])
+        _matrix_product(np.ascontiguousarray(a[index]), matrix, result[index], columns_given)
     return result
+
+
+def _rows_or_columns(b):
+    """(b, False) with b's rows contiguous, or (b.T, True) when b's columns are (a transposed
+    operand, a weight panel dequantized by columns): the kernel packs those, no copy is made."""
+    if not b.flags.c_contiguous and b.T.flags.c_contiguous:
+        return b.T, True
+    return np.ascontiguousarray(b), False
 
 
 def load_kernels() -> None:

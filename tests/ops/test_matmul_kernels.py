@@ -113,6 +113,29 @@ def test_products_shared_among_threads_are_the_same_bits(own, monkeypatch):
 
 
 @needs_avx512
+@pytest.mark.parametrize("rows, depth, columns", [(1, 1, 1), (13, 300, 33), (131, 257, 545), (40, 600, 1100)])
+def test_b_given_by_its_columns_is_packed_not_copied_and_gives_the_same_bits(own, monkeypatch, rows, depth, columns):
+    """b as a transposed view (a weight panel dequantized column by column, keys for scores): the
+    kernel packs its columns (`columns_given`), across the KC and BLOCK_COLUMNS edges and the
+    rows-in-place limit, on one thread or two, and every element is the contiguous b's."""
+    a, b = _operands(rows, depth, columns)
+    reference = _matmul.matmul(a, b)
+    _close_to_exact(reference, a, b)
+    by_columns = np.ascontiguousarray(b.T).T
+    given = []
+    original = gemm.gemm_columns
+    monkeypatch.setattr(gemm, "gemm_columns", lambda *args: given.append(args[8]) or original(*args))
+    assert np.array_equal(_matmul.matmul(a, by_columns), reference)
+    assert given and all(given) != by_columns.flags.c_contiguous  # (a 1 x 1 b is both)
+    stack = np.stack([by_columns, by_columns])  # a stack of transposed operands (heads' keys)
+    assert np.array_equal(_matmul.matmul(np.stack([a, a]), stack), np.stack([reference, reference]))
+    monkeypatch.setattr(blas_split, "blas_threads", lambda: 2)
+    monkeypatch.setattr(_matmul, "_SPLIT_FROM", 1)
+    assert np.array_equal(_matmul.matmul(a, by_columns), reference)
+    assert np.array_equal(_matmul.matmul(a[:1], by_columns), reference[:1])
+
+
+@needs_avx512
 def test_a_decoders_load_loads_the_products_kernel_with_one_thread_too():
     """`start_in_background` (a decoder's or an encoder's load) loads the products' kernel from
     numba's cache on a thread of its own, for every type its calls give it (a fresh process)."""
