@@ -35,7 +35,7 @@ def _nbits_inputs(rows, K, N, bits, block_size, zero_points, dtype=np.float32, r
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
 @pytest.mark.parametrize("K,block_size", [(64, 16), (67, 32), (128, 32), (200, 64), (130, 128), (300, 256)])
-@pytest.mark.parametrize("rows", [(1,), (2, 3), (19,)])  # streamed (one and few rows) and BLAS panels
+@pytest.mark.parametrize("rows", [(1,), (2, 3), (19,), (70,)])  # streamed or tiled (up to 64 rows), and panels
 def test_matmul_nbits(bits, zero_points, K, block_size, rows):
     N = 33
     a, b, scales, zeros = _nbits_inputs(rows, K, N, bits, block_size, zero_points)
@@ -84,20 +84,22 @@ def test_matmul_nbits_two_bits(zero_points, K, block_size, rows):
 
 
 @pytest.mark.parametrize("K,block_size", [(576, 32), (320, 64)])
-def test_matmul_nbits_few_rows_stream_deterministically(monkeypatch, K, block_size):
-    """Decoding's few-row products read the packed weights (no panel dequantized), and a row's
-    result does not depend on the rows beside it: one row alone equals it inside a batch of
-    eight, bit for bit."""
+@pytest.mark.parametrize("count", [8, 64])
+def test_matmul_nbits_few_rows_stream_deterministically(monkeypatch, K, block_size, count):
+    """Decoding's few-row products and a short prompt's (up to `_TILED_ROWS`) read the packed
+    weights (no panel dequantized), and a row's result does not depend on the rows beside it: one
+    row alone equals it inside a batch, bit for bit."""
     from runnx.ops import contrib_quantized
 
     def refuse(*args):
         raise AssertionError("a panel was dequantized for a few rows")
     monkeypatch.setattr(contrib_quantized, "nbits_dequantize", refuse)
+    monkeypatch.setattr(contrib_quantized, "nibble_lanes_panel", refuse)
     N = 70
-    a, b, scales, zeros = _nbits_inputs((8,), K, N, 4, block_size, "packed")
+    a, b, scales, zeros = _nbits_inputs((count,), K, N, 4, block_size, "packed")
     attributes = dict(K=K, N=N, bits=4, block_size=block_size)
     batch = contrib_quantized.MatMulNBits(a, b, scales, zeros, **attributes)
-    for row in (0, 5):
+    for row in (0, 5, count - 1):
         alone = contrib_quantized.MatMulNBits(a[row:row + 1], b, scales, zeros, **attributes)
         np.testing.assert_array_equal(alone[0], batch[row])
     np.testing.assert_allclose(batch, _nbits_reference(a, b, scales, zeros, K, N, 4, block_size), rtol=1e-4,
@@ -160,7 +162,7 @@ BNB4_SHAPES = [(64, 33, 16), (67, 33, 32), (200, 31, 64), (131, 17, 128), (300, 
 
 @pytest.mark.parametrize("quant_type", [0, 1], ids=["fp4", "nf4"])
 @pytest.mark.parametrize("K,N,block_size", BNB4_SHAPES)  # odd K; K not a multiple of the block; K*N odd
-@pytest.mark.parametrize("rows", [(1,), (2, 3), (19,)])  # streamed (one and few rows) and BLAS panels
+@pytest.mark.parametrize("rows", [(1,), (2, 3), (19,), (70,)])  # streamed or tiled (up to 64 rows), and panels
 def test_matmul_bnb4(quant_type, K, N, block_size, rows):
     a, b, absmax = _bnb4_inputs(rows, K, N, block_size)
     got, expected = run_both("MatMulBnb4", [a, b, absmax], initializers=(1, 2), K=K, N=N, block_size=block_size,
