@@ -1,7 +1,7 @@
 """Time to first token in a fresh process: runnx, onnxruntime-genai and onnxruntime side by side.
 
     .venv/bin/python scripts/bench_first_token.py [--threads 1,2] [--processes 5] [--prompt-tokens 32]
-                                                  [--tree PATH] [--write] [--profile]
+                                                  [--weights fp32,int4] [--tree PATH] [--write] [--profile]
 
 Each engine runs greedily from the same prompt ids in processes of its own (import, load, then the
 clock): the first token of the process's first generation (prefill of the prompt and the choice of
@@ -10,6 +10,7 @@ first token again in that process (steady). The figures are medians over `--proc
 per engine and thread count, the engines taking turns. runnx: `Generator.from_folder` on Optimum's
 SmolLM2-135M export; onnxruntime-genai: its own generator on its fp32 build of the same weights (its
 venv, `make models` target smollm2-genai); onnxruntime: one session run on Optimum's model.onnx.
+--weights int4: runnx and onnxruntime-genai both on onnxruntime-genai's int4 folder (MatMulNBits).
 --profile prints a cProfile of runnx's first token (one process) instead; --tree runs another
 checkout's runnx (its numba cache warmed by a run of its own first). --write puts the table into
 docs/benchmarks.md.
@@ -29,6 +30,9 @@ CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").
 SMOLLM2 = CACHE / "models" / "smollm2-135m"
 GENAI_PYTHON = CACHE / "genai-venv" / "bin" / "python"
 GENAI_MODEL = CACHE / "models" / "smollm2-135m-genai-fp32"
+GENAI_INT4 = CACHE / "models" / "smollm2-135m-genai-int4"
+MODEL_FOLDERS = {"fp32": SMOLLM2, "int4": GENAI_INT4}
+GENAI_FOLDERS = {"fp32": GENAI_MODEL, "int4": GENAI_INT4}
 ROOT = Path(__file__).resolve().parents[1]
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 TEXT = ("Once upon a time, in a small village at the edge of a great forest, there lived an old woodcutter "
@@ -37,12 +41,12 @@ ENGINES = ("runnx", "onnxruntime-genai", "onnxruntime")
 
 
 # -- workers: one engine, one process; each prints one JSON line ---------------------------------------
-def worker_runnx(ids: list[int], threads: int, profile: bool) -> dict:
+def worker_runnx(ids: list[int], threads: int, profile: bool, weights: str) -> dict:
     started = time.perf_counter()
     import runnx  # noqa: F401  (first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS)
     from runnx.generate.generator import Generator
     imported = time.perf_counter()
-    generator = Generator.from_folder(SMOLLM2)
+    generator = Generator.from_folder(MODEL_FOLDERS[weights])
     loaded = time.perf_counter()
     loads = _count_numba_loads()
     first_loads = []
@@ -90,12 +94,12 @@ def _count_numba_loads() -> list:
     return tally
 
 
-def worker_genai(ids: list[int], threads: int) -> dict:
+def worker_genai(ids: list[int], threads: int, weights: str) -> dict:
     started = time.perf_counter()
     import numpy as np
     import onnxruntime_genai as og
     imported = time.perf_counter()
-    config = og.Config(str(GENAI_MODEL))
+    config = og.Config(str(GENAI_FOLDERS[weights]))
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
     model = og.Model(config)
     loaded = time.perf_counter()
@@ -154,10 +158,12 @@ def prompt_ids(count: int) -> list[int]:
     return ids
 
 
-def run_worker(engine: str, ids: list[int], threads: int, profile: bool = False, tree: Path = ROOT) -> dict | None:
+def run_worker(engine: str, ids: list[int], threads: int, profile: bool = False, tree: Path = ROOT,
+               weights: str = "fp32") -> dict | None:
     python = str(GENAI_PYTHON) if engine == "onnxruntime-genai" else sys.executable
     environment = dict(os.environ, **{v: str(threads) for v in THREAD_VARIABLES}, PYTHONPATH=str(tree.resolve()))
-    command = [python, __file__, "--worker", engine, "--ids", json.dumps(ids), "--threads", str(threads)]
+    command = [python, __file__, "--worker", engine, "--ids", json.dumps(ids), "--threads", str(threads),
+               "--weights", weights]
     completed = subprocess.run(command + (["--profile"] if profile else []), capture_output=True, text=True,
                                env=environment, timeout=1800)
     if profile:
@@ -168,13 +174,13 @@ def run_worker(engine: str, ids: list[int], threads: int, profile: bool = False,
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
-def table(results: dict, threads_list: list[int], processes: int) -> str:
-    header = ["threads", "engine", "first token ms", "steady ms", "numba loads in the first", "load s", "import s",
+def table(results: dict, threads_list: list[int], weights_list: list[str]) -> str:
+    header = ["threads", "weights", "engine", "first token ms", "steady ms", "numba loads in the first", "load s", "import s",
               "token"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for threads in threads_list:
-        for engine in ENGINES:
-            runs = [r for r in results.get((engine, threads), []) if r]
+        for weights, engine in ((w, e) for w in weights_list for e in ENGINES):
+            runs = [r for r in results.get((engine, threads, weights), []) if r]
             if not runs:
                 continue
             median = {k: statistics.median(r[k] for r in runs) for k in ("first_s", "steady_s", "load_s", "import_s")}
@@ -182,7 +188,7 @@ def table(results: dict, threads_list: list[int], processes: int) -> str:
             tokens = sorted({r["token"] for r in runs})
             loads = (f"{statistics.median(r['numba_loads'] for r in runs):.0f}: "
                      f"{statistics.median(r['numba_load_s'] for r in runs) * 1e3:.0f} ms") if "numba_loads" in runs[0] else "-"
-            lines.append(f"| {threads} | {engine} | {median['first_s'] * 1e3:.0f} ({firsts}) | "
+            lines.append(f"| {threads} | {weights} | {engine} | {median['first_s'] * 1e3:.0f} ({firsts}) | "
                          f"{median['steady_s'] * 1e3:.0f} | {loads} | {median['load_s']:.2f} | {median['import_s']:.2f} | "
                          f"{', '.join(map(str, tokens))} |")
     return "\n".join(lines)
@@ -190,34 +196,34 @@ def table(results: dict, threads_list: list[int], processes: int) -> str:
 
 def main(args) -> int:
     threads_list = [int(t) for t in args.threads.split(",")]
+    weights_list = [w for w in args.weights.split(",") if (MODEL_FOLDERS[w] / "model.onnx").exists()]
     ids = prompt_ids(args.prompt_tokens)
     if args.profile:
-        run_worker("runnx", ids, threads_list[0], profile=True, tree=args.tree)
+        run_worker("runnx", ids, threads_list[0], profile=True, tree=args.tree, weights=weights_list[0])
         return 0
-    engines = [e for e in ENGINES if e != "onnxruntime-genai" or
-               (GENAI_PYTHON.exists() and (GENAI_MODEL / "genai_config.json").exists())]
-    engines = [e for e in engines if e in args.engines.split(",")]
+    runs = [(e, w) for w in weights_list for e in ENGINES if e in args.engines.split(",")
+            and (e != "onnxruntime-genai" or (GENAI_PYTHON.exists() and (GENAI_FOLDERS[w] / "genai_config.json").exists()))
+            and (e != "onnxruntime" or w == "fp32")]  # (onnxruntime: Optimum's fp32 model.onnx)
     results = {}
     for round_index in range(args.processes):
         for threads in threads_list:
-            for engine in engines if round_index % 2 == 0 else engines[::-1]:  # turns: each sees the slow spells
-                result = run_worker(engine, ids, threads, tree=args.tree)
-                results.setdefault((engine, threads), []).append(result)
-                print(f"{engine}, {threads} thread(s): {result}", file=sys.stderr, flush=True)
-    text = table(results, threads_list, args.processes)
+            for engine, weights in runs if round_index % 2 == 0 else runs[::-1]:  # turns: each sees the slow spells
+                result = run_worker(engine, ids, threads, tree=args.tree, weights=weights)
+                results.setdefault((engine, threads, weights), []).append(result)
+                print(f"{engine} {weights}, {threads} thread(s): {result}", file=sys.stderr, flush=True)
+    text = table(results, threads_list, weights_list)
     print(text)
     if args.write:
         sys.path.insert(0, str(ROOT / "scripts"))
         from report import git_revision, machine, update_section
         command = (f".venv/bin/python scripts/bench_first_token.py --threads {args.threads} "
-                   f"--processes {args.processes} --prompt-tokens {args.prompt_tokens} --write")
+                   f"--processes {args.processes} --prompt-tokens {args.prompt_tokens} --weights {args.weights} --write")
         update_section("first-token", f"""## Time to first token in a fresh process (`scripts/bench_first_token.py`)
 
-A {args.prompt_tokens}-token prompt, greedy, SmolLM2-135M fp32 (runnx: `Generator.from_folder` on Optimum's export;
-onnxruntime-genai: its generator on its fp32 build; onnxruntime: a session run on model.onnx), each engine
-in its own processes: import, load, the prompt's first token (compiled code cached on disk), then the same
-again (steady). Medians of {args.processes} processes, engines taking turns; each process's first token in
-brackets; numba loads: what runnx's first token loaded from numba's cache, and its time.
+A {args.prompt_tokens}-token prompt, greedy, SmolLM2-135M: fp32 (runnx on Optimum's export, onnxruntime-genai on its fp32
+build, onnxruntime on model.onnx) and int4 (runnx and onnxruntime-genai on onnxruntime-genai's int4 folder). Each engine in
+its own processes: import, load, the first token (numba's cache warm), then again (steady); medians of {args.processes}
+processes, engines taking turns, each process's first token in brackets; numba loads: what runnx's first token loaded.
 runnx {git_revision()}; {machine()}; load average {os.getloadavg()[0]:.1f} at the end.
 Command: `{command}`.
 
@@ -232,6 +238,7 @@ def parse_args():
     parser.add_argument("--processes", type=int, default=5, help="fresh processes per engine and thread count")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"among {', '.join(ENGINES)}")
+    parser.add_argument("--weights", default="fp32,int4", help="fp32 and/or int4 (onnxruntime-genai's int4 folder)")
     parser.add_argument("--profile", action="store_true", help="cProfile of runnx's first token (one process)")
     parser.add_argument("--tree", type=Path, default=ROOT, help="the runnx checkout to run (default: this one)")
     parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
@@ -245,9 +252,9 @@ if __name__ == "__main__":
     if ARGS.worker:
         IDS, THREADS = json.loads(ARGS.ids), int(ARGS.threads)
         if ARGS.worker == "runnx":
-            print(json.dumps(worker_runnx(IDS, THREADS, ARGS.profile)))
+            print(json.dumps(worker_runnx(IDS, THREADS, ARGS.profile, ARGS.weights)))
         elif ARGS.worker == "onnxruntime-genai":
-            print(json.dumps(worker_genai(IDS, THREADS)))
+            print(json.dumps(worker_genai(IDS, THREADS, ARGS.weights)))
         else:
             print(json.dumps(worker_onnxruntime(IDS, THREADS)))
     else:

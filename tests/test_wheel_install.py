@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import re
 import shutil
 import site
 import stat
@@ -63,7 +64,9 @@ def numba_files(folder: Path) -> dict[str, float]:
 
 
 def outputs(report: str) -> list[str]:
-    """The output lines of `runnx run` (name, shape, statistics)."""
+    """The output lines of `runnx run` (name, shape, statistics), without numba's cache messages,
+    which a thread loading kernels ahead (ops/kernel_loads.py) may print inside a line."""
+    report = re.sub(r"\[cache\][^\n]*\n?", "", report)
     return [line for line in report.splitlines() if line.startswith(("  logits", "  present."))]
 
 

@@ -2,12 +2,11 @@
 
 A process's first run of a model loads each numba kernel it calls from numba's on-disk cache at
 that kernel's first call, about 5-30 ms each: most of what a first 32-token prompt costs more than
-the second. Which kernels a model calls depends on the model, not on the values. So the kernels a
-model's runs ask numba's cache for are recorded by name (`Recorder`, a small JSON file per model
-file beside numba's cache), and the next process loading the same file loads every signature the
-cache holds for each of them, on a thread of its own while it reads the weights
-(`load_in_background`): a kernel has a few signatures at most, and loading one more than a run
-calls costs only background time.
+the second. Which kernels a model calls, for which argument types, depends on the model, not on
+the values. So what a model's runs ask numba's cache for is recorded (`Recorder`: kernel and
+signature, as numba prints it, in a small JSON file per model file beside numba's cache), and the
+next process loading the same file loads those signatures from the cache, on a thread of its own
+while it reads the weights (`load_in_background`).
 
 Only loads from numba's cache happen on that thread: a kernel the cache does not hold (the sources
 changed, another numba) is left to its first call, which compiles it as before (or takes numpy's
@@ -22,6 +21,7 @@ import importlib
 import os
 import json
 import threading
+import time
 from pathlib import Path
 
 from numba.core.compiler_lock import global_compiler_lock
@@ -29,6 +29,7 @@ from numba.core.compiler_lock import global_compiler_lock
 from runnx.ops import _jit_cache, _native
 
 _running = threading.local()  # .recorder: the Recorder of the run on this thread, if any
+_KEPT_SECONDS = 30 * 24 * 3600  # a record neither loaded nor written for this long goes (its model is gone)
 
 
 def record_path(model_path: str | os.PathLike) -> Path | None:
@@ -44,8 +45,8 @@ def record_path(model_path: str | os.PathLike) -> Path | None:
 
 
 class Recorder:
-    """The kernels (module, qualified name) a model's runs asked numba's cache for, in the order
-    first asked, kept in `path`. `running()` marks the calling thread's loads as the
+    """The kernels (module, qualified name, signature as numba prints it) a model's runs asked numba's
+    cache for, in the order first asked, kept in `path`. `running()` marks the calling thread's loads as the
     model's; `save()` writes the record when it grew."""
 
     def __init__(self, path: Path | None):
@@ -75,6 +76,7 @@ class Recorder:
                 temporary.unlink()
             except OSError:
                 pass
+        _forget_old(self.path.parent)
 
     def running(self) -> _Running:
         return _Running(self)
@@ -96,16 +98,32 @@ class _Running:
             self.recorder.save()
 
 
-def read_record(path: Path) -> list[tuple[str, str]]:
-    """The (module, qualified name) entries recorded at `path`; [] when there is none or it cannot
-    be read."""
+def _forget_old(folder: Path) -> None:
+    """Remove the records neither loaded nor written for `_KEPT_SECONDS` (best effort): a record
+    is keyed by its model file's path and date, so a deleted or rewritten model leaves one behind."""
+    oldest = time.time() - _KEPT_SECONDS
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            if entry.name.endswith(".json") and entry.stat().st_mtime < oldest:
+                os.remove(entry.path)
+        except OSError:
+            continue
+
+
+def read_record(path: Path) -> list[tuple[str, str, str]]:
+    """The (module, qualified name, signature) entries recorded at `path`; [] when there is none or
+    it cannot be read."""
     try:
         entries = json.loads(path.read_text())
     except (OSError, ValueError):  # no record, or a damaged one: load nothing ahead
         return []
     if not isinstance(entries, list):
         return []
-    return [tuple(entry) for entry in entries if isinstance(entry, list) and len(entry) == 2
+    return [tuple(entry) for entry in entries if isinstance(entry, list) and len(entry) == 3
             and all(isinstance(part, str) for part in entry)]
 
 
@@ -113,7 +131,7 @@ def _noted(py_func, signature) -> None:
     """`_jit_cache`'s hook, on every request to numba's cache for one of runnx's kernels."""
     recorder = getattr(_running, "recorder", None)
     if recorder is not None and "<locals>" not in py_func.__qualname__:
-        recorder.note((py_func.__module__, py_func.__qualname__))
+        recorder.note((py_func.__module__, py_func.__qualname__, str(signature)))
 
 
 _jit_cache.on_cache_request = _noted
@@ -128,20 +146,28 @@ def load_in_background(path: Path | None) -> threading.Thread | None:
     entries = read_record(path)
     if not entries:
         return None
+    try:
+        os.utime(path)  # in use: kept (`_forget_old`)
+    except OSError:
+        pass
     thread = threading.Thread(target=load_cached, args=(entries,), name="runnx-kernel-loads")
     thread.start()
     return thread
 
 
-def load_cached(entries: list[tuple[str, str]]) -> int:
-    """Load every signature numba's cache holds of each (module, qualified name); how many were
-    loaded. Nothing compiles: a missing function, or one without cached code, is skipped."""
+def load_cached(entries: list[tuple[str, str, str]]) -> int:
+    """Load each (module, qualified name, signature) from numba's cache where it holds it; how many
+    were loaded. Nothing compiles: a missing function or signature is skipped."""
+    wanted: dict[tuple[str, str], set[str]] = {}
+    for module_name, qualname, signature in entries:
+        wanted.setdefault((module_name, qualname), set()).add(signature)
     loaded = 0
-    for module_name, qualname in entries:
+    for (module_name, qualname), signatures in wanted.items():
         try:
             dispatcher = _resolve(module_name, qualname)
             for signature in _cached_signatures(dispatcher):
-                loaded += _load_cached(dispatcher, signature)
+                if str(signature) in signatures:
+                    loaded += _load_cached(dispatcher, signature)
         except Exception:  # a renamed kernel, an index of another numba: its first call decides
             continue
     return loaded

@@ -59,7 +59,7 @@ def test_a_second_process_loads_the_first_ones_kernels_before_its_first_run(tmp_
         first = _first_generation(folder)
         assert first["requests"], "the first process's run should load kernels from numba's cache"
         assert record.exists()
-        recorded = {qualname for _, qualname in kernel_loads.read_record(record)}
+        recorded = {qualname for _, qualname, _ in kernel_loads.read_record(record)}
         assert set(first["requests"]) <= recorded
         second = _first_generation(folder)
         assert second["requests"] == []  # every kernel its run calls was there before it started
@@ -84,26 +84,28 @@ def test_a_record_that_cannot_be_read_loads_nothing(tmp_path):
     assert kernel_loads.read_record(path) == []
     path.write_text(json.dumps({"a": 1}))
     assert kernel_loads.read_record(path) == []
-    path.write_text(json.dumps([["runnx.ops._kernels_fused", "rms_norm"], ["bad"], 3, ["a", 1]]))
-    assert kernel_loads.read_record(path) == [("runnx.ops._kernels_fused", "rms_norm")]
+    path.write_text(json.dumps([["runnx.ops._kernels_fused", "rms_norm", "()"], ["bad"], 3, ["a", 1, "()"]]))
+    assert kernel_loads.read_record(path) == [("runnx.ops._kernels_fused", "rms_norm", "()")]
     assert kernel_loads.load_in_background(tmp_path / "absent.json") is None
 
 
-def test_only_signatures_in_numbas_cache_load_and_nothing_compiles():
+def test_only_the_recorded_signatures_in_numbas_cache_load_and_nothing_compiles(monkeypatch):
     @numba.njit(cache=False)
     def uncached(x):
         return x + 1
 
-    entries = [("runnx.ops._kernels_fused", "no_such_kernel"),
-               ("numpy", "add"),  # not runnx's: never imported
-               ("runnx.ops._jit_cache", "cache_folder")]  # not a dispatcher
-    assert kernel_loads.load_cached(entries) == 0
-    assert kernel_loads._cached_signatures(uncached) == []
     signatures = kernel_loads._cached_signatures(_kernels_fused.rms_norm)
     assert signatures, "the suite's runs cache rms_norm"
+    entries = [("runnx.ops._kernels_fused", "no_such_kernel", str(signatures[0])),
+               ("numpy", "add", "()"),  # not runnx's: never imported
+               ("runnx.ops._jit_cache", "cache_folder", "()"),  # not a dispatcher
+               ("runnx.ops._kernels_fused", "rms_norm", "(float16, int8)")]  # a signature nothing compiled
+    assert kernel_loads.load_cached(entries) == 0
+    assert kernel_loads._cached_signatures(uncached) == []
     fresh = numba.njit(cache=True, error_model="numpy")(_kernels_fused.rms_norm.py_func)  # no overload yet
-    assert kernel_loads._load_cached(fresh, signatures[0]) == 1
-    assert set(fresh.overloads) == {signatures[0]}
+    monkeypatch.setattr(kernel_loads, "_resolve", lambda module, name: fresh)
+    assert kernel_loads.load_cached([("runnx.ops._kernels_fused", "rms_norm", str(signatures[0]))]) == 1
+    assert set(fresh.overloads) == {signatures[0]}  # that signature alone
     assert kernel_loads._load_cached(fresh, signatures[0]) == 0  # already there
 
 
@@ -111,7 +113,7 @@ def test_a_run_records_the_loads_of_its_own_thread(tmp_path):
     recorder = kernel_loads.Recorder(tmp_path / "loads" / "model.json")
 
     def request(name):
-        kernel_loads._noted(getattr(_kernels_fused, name).py_func, (numba.float32,))  # (signatures go unrecorded)
+        kernel_loads._noted(getattr(_kernels_fused, name).py_func, (numba.float32,))
 
     request("rms_norm")  # outside any run: not the model's
     with recorder.running():
@@ -122,7 +124,7 @@ def test_a_run_records_the_loads_of_its_own_thread(tmp_path):
         with kernel_loads.Recorder(None).running():  # a nested model's run records as its own
             request("silu_mul_into")
         request("add_rms_norm")
-    assert kernel_loads.read_record(recorder.path) == [("runnx.ops._kernels_fused", "add_rms_norm")]
+    assert kernel_loads.read_record(recorder.path) == [("runnx.ops._kernels_fused", "add_rms_norm", "(float32,)")]
     written = recorder.path.stat().st_mtime_ns
     with recorder.running():
         request("add_rms_norm")
@@ -138,10 +140,29 @@ def test_a_model_given_as_bytes_keeps_no_record():
 def test_loading_ahead_is_off_while_the_numpy_paths_run(tmp_path, monkeypatch):
     from runnx.ops import _native
     path = tmp_path / "record.json"
-    path.write_text(json.dumps([["runnx.ops._kernels_fused", "rms_norm"]]))
+    path.write_text(json.dumps([["runnx.ops._kernels_fused", "rms_norm", "()"]]))
     monkeypatch.setattr(_native, "enabled", False)
     assert kernel_loads.load_in_background(path) is None
     monkeypatch.setattr(_native, "enabled", True)
     thread = kernel_loads.load_in_background(path)
     assert thread is not None and thread.name == "runnx-kernel-loads"
     thread.join()
+
+
+def test_records_unused_for_a_month_are_forgotten_when_another_is_written(tmp_path):
+    import os
+    import time
+    folder = tmp_path / "loads"
+    folder.mkdir()
+    old, recent = folder / "old.json", folder / "recent.json"
+    for path in (old, recent):
+        path.write_text(json.dumps([["runnx.ops._kernels_fused", "rms_norm", "()"]]))
+    month_ago = time.time() - 31 * 24 * 3600
+    os.utime(old, (month_ago, month_ago))
+    os.utime(recent, (month_ago, month_ago))
+    thread = kernel_loads.load_in_background(recent)  # loading a record keeps it
+    thread.join()
+    recorder = kernel_loads.Recorder(folder / "new.json")
+    with recorder.running():
+        kernel_loads._noted(_kernels_fused.rms_norm.py_func, ())
+    assert sorted(p.name for p in folder.iterdir()) == ["new.json", "recent.json"]
