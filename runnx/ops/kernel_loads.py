@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import os
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -45,9 +45,9 @@ def record_path(model_path: str | os.PathLike) -> Path | None:
 
 
 class Recorder:
-    """The kernels (module, qualified name, signature as numba prints it) a model's runs asked numba's
-    cache for, in the order first asked, kept in `path`. `running()` marks the calling thread's loads as the
-    model's; `save()` writes the record when it grew."""
+    """The kernels (module, qualified name, signature as numba prints it) a model's runs asked
+    numba's cache for, in the order first asked, kept in `path`. `running()` marks the calling
+    thread's loads as the model's; `save()` writes the record when it grew."""
 
     def __init__(self, path: Path | None):
         self.path = path
