@@ -99,7 +99,7 @@ class DecoderStep:
         load = load or load_decoder
         layout = layout or read_folder(folder, variant)
         files = layout.files
-        start_pool_in_background()  # beside the loads
+        start_pool_in_background(files.first)  # beside the loads
         first = load(str(files.first))
         with_past = load(str(files.with_past)) if files.with_past != files.first else None
         genai = layout.kind == "onnxruntime-genai"

@@ -45,12 +45,18 @@ def pool_workers() -> int:
     return worker_count() if _native.enabled else 0
 
 
-def start_pool_in_background() -> None:
+def start_pool_in_background(model_path=None) -> None:
     """Start the decode pool on a thread of its own, beside a decoder's load (the first numba code a
     process loads carries numba's own start); nothing when the process runs one thread or the pool
-    is there already (`pool.start_in_background`)."""
+    is there already (`pool.start_in_background`). The jobs every decoder calls are loaded too,
+    unless `model_path` has a record of its kernels (`ops/kernel_loads.py`), which loads its own."""
     from runnx.runtime.pool import start_in_background
-    start_in_background()
+    recorded = False
+    if model_path is not None:
+        from runnx.ops.kernel_loads import read_record, record_path
+        path = record_path(model_path)
+        recorded = path is not None and bool(read_record(path))
+    start_in_background(load_jobs=not recorded)
 
 
 __all__ = ["keep_freed", "opening", "pool_workers", "set_threads", "settle", "start_pool_in_background", "threads"]

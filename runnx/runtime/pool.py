@@ -372,10 +372,11 @@ def pool() -> DecodePool | None:
     return _pool
 
 
-def start_in_background() -> None:
+def start_in_background(load_jobs: bool = True) -> None:
     """Start the pool on a thread of its own while the caller loads a decoder: its start loads the
     workers' loop from numba's cache, the first numba code of a process (with numba's own start,
-    a noticeable part of a first transcription), then the jobs every decoder calls (`_load_jobs`)
+    a noticeable part of a first transcription), then the jobs every decoder calls (`_load_jobs`;
+    not with `load_jobs` False: a model's record of its kernels loads what it calls, and only that)
     and the products' kernel of a prompt (with no workers, the unit loop and that kernel alone).
     Not a daemon thread: a process ending while numba loads aborts inside LLVM, so the interpreter
     waits for it at exit."""
@@ -383,7 +384,7 @@ def start_in_background() -> None:
     if not _native.enabled or (_starting is not None and _starting.is_alive()):
         return
     if _pool is None and worker_count() > 0:
-        _starting = threading.Thread(target=_start_and_load, name="runnx-decode-start")
+        _starting = threading.Thread(target=_start_and_load, args=(load_jobs,), name="runnx-decode-start")
     elif not _products_loaded:
         _starting = threading.Thread(target=_load_alone, name="runnx-products-load")
     else:
@@ -391,9 +392,10 @@ def start_in_background() -> None:
     _starting.start()
 
 
-def _start_and_load() -> None:
+def _start_and_load(load_jobs: bool) -> None:
     pool()
-    _load_jobs()
+    if load_jobs:
+        _load_jobs()
     _load_products()
 
 

@@ -287,6 +287,35 @@ def test_worker_count_follows_the_setting():
         decode_pool.set_workers(None)
 
 
+def test_a_decoder_with_a_record_of_its_kernels_starts_the_pool_without_the_jobs_loads(monkeypatch, tmp_path):
+    """A model whose runs recorded their kernels (`ops/kernel_loads.py`) loads those itself: the
+    pool's start then skips the jobs every decoder calls, which would only contend with the load."""
+    import json
+    import runnx.runtime as runtime
+    from runnx.ops import kernel_loads
+    started = []
+    monkeypatch.setattr(decode_pool, "start_in_background", lambda load_jobs=True: started.append(load_jobs))
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"weights")
+    runtime.start_pool_in_background(model)
+    record = kernel_loads.record_path(model)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        record.write_text(json.dumps([["runnx.runtime.jobs", "post_products", "()"]]))
+        runtime.start_pool_in_background(model)
+        runtime.start_pool_in_background()
+    finally:
+        record.unlink()
+    assert started == [True, False, True]
+    loaded = []
+    monkeypatch.setattr(decode_pool, "pool", lambda: None)
+    monkeypatch.setattr(decode_pool, "_load_jobs", lambda: loaded.append("jobs"))
+    monkeypatch.setattr(decode_pool, "_load_products", lambda: loaded.append("products"))
+    decode_pool._start_and_load(False)
+    decode_pool._start_and_load(True)
+    assert loaded == ["products", "jobs", "products"]
+
+
 def test_a_pool_started_in_the_background_is_the_one_every_caller_gets():
     """`start_in_background` (a decoder's load) makes the pool on a thread of its own; callers on
     other threads meanwhile wait for that pool rather than make another; with no workers it only
