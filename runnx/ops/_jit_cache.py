@@ -108,19 +108,24 @@ def drop_stale(sources=_SOURCES, folders=None) -> int:
         return 0
     if newest > time.time():
         return 0
+    return sum(remove_older(folder, ".nbi", newest) for folder in folders)
+
+
+def remove_older(folder, suffix: str, before: float) -> int:
+    """Remove the files of `folder` named *suffix last modified before `before` (a time); how many.
+    Best effort: a folder or file that cannot be read or removed is left alone."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0
     removed = 0
-    for folder in folders:
+    for entry in entries:
         try:
-            entries = list(os.scandir(folder))
-        except OSError:
+            if entry.name.endswith(suffix) and entry.stat().st_mtime < before:
+                os.remove(entry.path)
+                removed += 1
+        except OSError:  # removed by another process starting at the same time, or read-only
             continue
-        for entry in entries:
-            try:
-                if entry.name.endswith(".nbi") and entry.stat().st_mtime < newest:
-                    os.remove(entry.path)
-                    removed += 1
-            except OSError:  # removed by another process starting at the same time, or read-only
-                continue
     return removed
 
 

@@ -101,17 +101,7 @@ class _Running:
 def _forget_old(folder: Path) -> None:
     """Remove the records neither loaded nor written for `_KEPT_SECONDS` (best effort): a record
     is keyed by its model file's path and date, so a deleted or rewritten model leaves one behind."""
-    oldest = time.time() - _KEPT_SECONDS
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return
-    for entry in entries:
-        try:
-            if entry.name.endswith(".json") and entry.stat().st_mtime < oldest:
-                os.remove(entry.path)
-        except OSError:
-            continue
+    _jit_cache.remove_older(folder, ".json", time.time() - _KEPT_SECONDS)
 
 
 def read_record(path: Path) -> list[tuple[str, str, str]]:

@@ -53,9 +53,9 @@ def start_pool_in_background(model_path=None) -> None:
     from runnx.runtime.pool import start_in_background
     recorded = False
     if model_path is not None:
-        from runnx.ops.kernel_loads import read_record, record_path
+        from runnx.ops.kernel_loads import record_path
         path = record_path(model_path)
-        recorded = path is not None and bool(read_record(path))
+        recorded = path is not None and path.is_file()  # (records are written only when not empty)
     start_in_background(load_jobs=not recorded)
 
 
