@@ -89,6 +89,10 @@ class DecoderStep:
         self._cross_pasts = [k.past for k in self.past_io.kv if k.is_cross_attention and k.past]
         self._ids_dtype = _input_dtype(model, self.first_io.input_ids, np.dtype(np.int64))
         self.reset()
+        for decoder in {id(m): m for m in (self.first_model, self.past_model)}.values():
+            prepack = getattr(decoder, "prepack_in_background", None)  # a runnx Model's (tests step onnxruntime's too)
+            if prepack is not None:  # its weights' tiles made beside the first prompt (`Model.prepack_in_background`)
+                prepack()
 
     @classmethod
     def from_folder(cls, folder, *, capacity: int = 256, profile=None, load=None, variant: str | None = None,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -16,12 +17,14 @@ from runnx.interp.executor import Executor
 from runnx.interp.float16 import widen_float16
 from runnx.interp.folding import fold_constants
 from runnx.interp.fusion import fuse, quantizes_computed_values, rewrite
+from runnx.interp.ir import MISSING
 from runnx.interp.last_position import keep_last_position
 from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
 from runnx.interp.profiler import Profile
-from runnx.interp.shape_cache import memoize_shapes
+from runnx.interp.shape_cache import memoize_shapes, topological
 from runnx.interp.validation import bind_feeds, feed_specs
+from runnx.ops.registry import COMPUTED
 from runnx.runtime import keep_freed, set_threads, threads
 
 if TYPE_CHECKING:
@@ -160,9 +163,37 @@ class Model:
         own kernels around its runs (its cache's), which `run` alone does not cover."""
         return self._kernel_loads.running()
 
+    def prepack_in_background(self) -> threading.Thread | None:
+        """Make on a thread of its own, node by node in the graph's order, what kernels declaring
+        `prepack` would make from their constant inputs on their first call (a 4-bit weight's
+        tiles, an 8-bit weight's VNNI tiles: `ops/registry.py`), as onnxruntime prepacks weights
+        when a session is created. Each is kept as the call would keep it, so the model's first
+        few-row run finds the nodes before it ahead of it made; a node that run reaches first makes
+        its own, once (`Remembered`). The generation API starts it for a decoder, whose every step
+        takes those paths; a model run only with long inputs would keep tiles it never reads. The
+        thread (returned, None when no node has anything to make) ends when all are made; what a
+        prepack raises is dropped (the node's run raises it)."""
+        work = [(node.kernel.prepack, tuple(None if v == MISSING else graph.constants.get(v, COMPUTED)
+                                            for v in node.inputs), node.kernel.attributes_of(node.attrs))
+                for graph in _graphs(self.graph) for node in topological(graph)
+                if node.kernel is not None and node.kernel.prepack is not None]
+        if not work:
+            return None
+        thread = threading.Thread(target=_prepack, args=(work,), name="runnx-prepack")
+        thread.start()
+        return thread
+
     def describe_io(self):
         return ([(i.name, type_name(i.elem_type or 0), i.shape) for i in self.inputs],
                 [(o.name, type_name(o.elem_type or 0), o.shape) for o in self.outputs])
+
+
+def _prepack(work: list) -> None:
+    for prepack, inputs, attrs in work:
+        try:
+            prepack(inputs, attrs)
+        except Exception:  # noqa: BLE001 (the node's own run raises it, with its name)
+            pass
 
 
 def _graphs(graph):

@@ -13,6 +13,7 @@ never found again for an object the caller may write through between runs.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 
 import numpy as np
@@ -28,11 +29,14 @@ class Remembered:
     kept alive by facts about them. fn returns facts (numbers, shapes, None) that do not hold the
     arrays, never an array a caller could write."""
 
-    __slots__ = ("fn", "known")
+    __slots__ = ("fn", "known", "_computing")
 
     def __init__(self, fn=None):
         self.fn = fn  # None: results come from each `lookup`'s compute
         self.known: dict[tuple, tuple] = {}
+        # held while a missing entry is computed: a prepacking thread (`registry`'s prepack) and a
+        # run asking for the same weight's tiles make them once; a hit never takes it
+        self._computing = threading.RLock()
 
     def __call__(self, values, *arrays):
         return self.lookup(values, arrays, self.fn)
@@ -49,12 +53,16 @@ class Remembered:
         known = self.known.get(key) if enabled else None
         if known is not None:  # its arrays are alive (else it would be gone), so they are these
             return known[1]
-        result = compute(values, *arrays)
-        if enabled and all(a is None or (type(a) is np.ndarray and not a.flags.writeable) for a in arrays):
-            if len(self.known) >= _LIMIT:
-                self.known.clear()
-            forget = functools.partial(_forget, self.known, key)
-            self.known[key] = (tuple([weakref.ref(a, forget) for a in arrays if a is not None]), result)
+        with self._computing:
+            known = self.known.get(key) if enabled else None
+            if known is not None:  # made by another thread meanwhile
+                return known[1]
+            result = compute(values, *arrays)
+            if enabled and all(a is None or (type(a) is np.ndarray and not a.flags.writeable) for a in arrays):
+                if len(self.known) >= _LIMIT:
+                    self.known.clear()
+                forget = functools.partial(_forget, self.known, key)
+                self.known[key] = (tuple([weakref.ref(a, forget) for a in arrays if a is not None]), result)
         return result
 
 

@@ -22,7 +22,7 @@ from runnx.ops._remembered import Remembered
 from runnx.ops.fused import SiluMul
 from runnx.ops.linalg_integer import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
-from runnx.ops.registry import register
+from runnx.ops.registry import COMPUTED, register
 from runnx.ops._matmul import matmul, own_kernels
 from runnx.runtime import pool as decode_pool
 
@@ -103,7 +103,21 @@ def _check_g_idx(g_idx, depth: int, block_size: int):
                          "supported; re-quantize the model without act-order")
 
 
-@register("MatMulNBits", since=1, domain=DOMAIN, overlaps_jobs=True)
+def _prepack_tiles(inputs: tuple, attrs: dict) -> None:
+    """MatMulNBits' tiles made ahead (`registry`'s prepack): a constant 4-bit weight that its few-row
+    products read as tiles (`_nibble_product`), checked as MatMulNBits checks it first."""
+    b, scales, zero_points, g_idx = (inputs[1:] + (None, None, None))[:4]
+    K, N, block_size = attrs.get("K"), attrs.get("N"), attrs.get("block_size")
+    if (any(x is COMPUTED for x in (b, scales, zero_points)) or b is None or scales is None or g_idx is not None
+            or attrs.get("bits") != 4 or not isinstance(block_size, int) or block_size < 32
+            or block_size & (block_size - 1) or not isinstance(K, int) or not isinstance(N, int)):
+        return
+    blocks = (K + block_size - 1) // block_size
+    if b.dtype == np.uint8 and b.shape == (N, blocks, block_size // 2) and scales.size == N * blocks:
+        _remembered_tiles((), b, scales, zero_points)
+
+
+@register("MatMulNBits", since=1, domain=DOMAIN, overlaps_jobs=True, prepack=_prepack_tiles)
 def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int, N: int, bits: int = 4,
                 block_size: int, accuracy_level: int = 0):
     """a (..., K) @ dequantize(b).T (+ bias): b (N, blocks, block_size * bits / 8) uint8, value i of a
@@ -179,7 +193,15 @@ def _joined_tiles(shape: tuple, *parts):
 _remembered_joined_tiles = Remembered(_joined_tiles)
 
 
-@register("SharedInputMatMulNBits", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True)
+def _prepack_joined_tiles(inputs: tuple, attrs: dict) -> None:
+    """SharedInputMatMulNBits' joined tiles made ahead (`registry`'s prepack), checked as they are
+    when a few-row product makes them (`_joined_tiles`)."""
+    parts = inputs[1:]
+    if parts and not any(x is COMPUTED for x in parts) and attrs.get("block_size", 0) >= 32:
+        _remembered_joined_tiles((attrs["K"], attrs["block_size"], tuple(attrs["columns"])), *parts)
+
+
+@register("SharedInputMatMulNBits", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True, prepack=_prepack_joined_tiles)
 def SharedInputMatMulNBits(a, *parts, K: int, columns: tuple, block_size: int, gated: tuple = ()):
     """(MatMulNBits(a, b, scales, zero_points, K=K, N=n, bits=4, block_size=block_size) for each
     (b, scales, zero_points) of `parts` and n of `columns`): the 4-bit products of one input (a

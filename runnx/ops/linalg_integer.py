@@ -52,7 +52,15 @@ def DequantizedMatMul(a, b, b_scale, b_zero_point=None):
     return MatMul(a, _remembered_dequantized((), b, b_scale, b_zero_point))
 
 
-@register("MatMulInteger", since=10)
+def _prepack_vnni(inputs: tuple, attrs: dict) -> None:
+    """A constant 8-bit weight repacked ahead for `pool.vnni_rows` (`registry`'s prepack)."""
+    b = inputs[1]
+    if isinstance(b, np.ndarray) and b.ndim == 2 and b.dtype.itemsize == 1 and b.dtype.kind in "iu" and b.size and _native.enabled \
+            and vnni.AVAILABLE and not b.flags.writeable:
+        _vnni_weights((), b)
+
+
+@register("MatMulInteger", since=10, prepack=_prepack_vnni)
 def MatMulInteger(a, b, a_zero_point=None, b_zero_point=None):
     """(a - a_zero_point) @ (b - b_zero_point) in int32 (the spec lets only the accumulation wrap):
     a few rows of 8-bit values through `integer_rows` (one pass over b), or for a constant b on a

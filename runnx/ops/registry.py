@@ -27,6 +27,14 @@ plan then settles that job before the next node that is not declared so. Such a 
 input's data before its post finishes the previous job (the post does that first), and settles
 before reading data any other way.
 
+``prepack=fn`` declares a kernel that prepares something from its constant inputs on its first
+call and keeps it (a 4-bit weight's tiles, in a `Remembered`): fn(inputs, attrs), given the
+node's inputs (its constants; None for an input left out, `COMPUTED` for one computed by a run)
+and its attributes with their defaults,
+makes it ahead (`Model.prepack_in_background`, as onnxruntime's kernels prepack at session
+creation) and returns nothing. It checks what the kernel would check before making it, and what
+it raises is dropped: the node's own run raises it.
+
 A kernel returns one value, or a tuple for several outputs (a list is a sequence value). It must
 never return a writeable array that it keeps a reference to (module caches must be read-only).
 Resolution picks the newest registration whose since-version is <= the model's opset.
@@ -46,6 +54,7 @@ from runnx.capture.env import Subgraph
 REQUIRED = inspect.Parameter.empty
 RESERVED = ("overwrite", "ctx", "output_count", "state")
 DEFAULT_DOMAIN = ""
+COMPUTED = type("Computed", (), {"__repr__": lambda self: "COMPUTED"})()  # a prepack's input that a run computes
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +74,13 @@ class Kernel:
     ufunc: typing.Any = None  # the numpy ufunc the kernel is `binary`/`unary` of, if it is exactly that
     wants_state: bool = False
     overlaps_jobs: bool = False  # may return while a pool job still writes its output (`runtime/pool.py`)
+    prepack: typing.Callable | None = None  # fn(constant inputs, attributes): what a first call would make
+
+    def attributes_of(self, attrs: dict) -> dict:
+        """A node's attributes `attrs` with the defaults of those it leaves out (required ones it
+        lacks stay missing)."""
+        return {name: attrs[name] if name in attrs else default for name, (_, default) in self.attrs.items()
+                if name in attrs or default is not REQUIRED}
 
     def can_overwrite(self, position: int) -> bool:
         return position in self.inplace or (self.inplace_from is not None and position >= self.inplace_from)
@@ -96,7 +112,7 @@ def _allowed_types(annotation) -> tuple:
 
 def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace: tuple[int, ...] = (),
              inplace_from: int | None = None, shape_only: tuple[int, ...] = (), ufunc=None,
-             overlaps_jobs: bool = False):
+             overlaps_jobs: bool = False, prepack=None):
     """Register a kernel for `op_type` from opset `since` on; see the module docstring."""
 
     def decorate(fn):
@@ -118,7 +134,7 @@ def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace:
         arity = (sum(p.default is REQUIRED for p in positional), None if variadic else len(positional))
         kernel = Kernel(op_type, _canonical_domain(domain), since, fn, tuple(inplace), inplace_from, attrs,
                         tuple(subgraphs), "ctx" in params, "output_count" in params, arity, tuple(shape_only), ufunc,
-                        "state" in params, overlaps_jobs)
+                        "state" in params, overlaps_jobs, prepack)
         versions = _REGISTRY.setdefault((kernel.domain, op_type), [])
         if any(k.since == since for k in versions):
             raise ValueError(f"{op_type} since {since} registered twice")

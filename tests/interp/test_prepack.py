@@ -1,0 +1,141 @@
+"""Kernels' state made ahead from constant inputs (`Model.prepack_in_background`, `register(prepack=)`):
+what a first few-row run would make (a 4-bit weight's tiles, joined or alone; an 8-bit weight's VNNI
+tiles) is made on a thread of its own, kept as the run keeps it, made once when a run asks for it
+meanwhile, and the outputs are bitwise those of a model that made it in its run; what a prepack
+cannot make is left to the run, which refuses it."""
+import threading
+import time
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import runnx
+from runnx.errors import RunnxError
+from runnx.generate.decoder import DecoderStep, load_decoder
+from runnx.ops import _kernels_vnni as vnni, contrib_quantized, linalg_integer
+
+F = TensorProto.FLOAT
+MS = "com.microsoft"
+RNG = np.random.default_rng(5)
+K, BLOCK = 96, 32
+
+
+def _nbits(N, blocks=(K + BLOCK - 1) // BLOCK):
+    return (RNG.integers(0, 256, (N, blocks, BLOCK // 2), dtype=np.uint8),
+            (RNG.random((N, blocks)) * 0.1 + 0.01).astype(np.float32),
+            RNG.integers(0, 256, (N, (blocks + 1) // 2), dtype=np.uint8))
+
+
+def _model(b_shape_wrong=False, integer=False):
+    """x -> three 4-bit products of x (one SharedInputMatMulNBits after fusion), and a 4-bit
+    product of the first one's output (a MatMulNBits alone); integer: also y0 quantized
+    (DynamicQuantizeLinear) times a constant int8 matrix (MatMulInteger)."""
+    nodes, constants, outputs = [], {}, []
+    for i, (source, N) in enumerate((("x", 48), ("x", 32), ("x", 32), ("y0", 40))):
+        depth = 48 if source == "y0" else K
+        b, scales, zeros = _nbits(N, (depth + BLOCK - 1) // BLOCK)
+        if b_shape_wrong and i == 3:
+            b = b[:, :1]
+        constants.update({f"b{i}": b, f"s{i}": scales, f"z{i}": zeros})
+        nodes.append(helper.make_node("MatMulNBits", [source, f"b{i}", f"s{i}", f"z{i}"], [f"y{i}"], domain=MS,
+                                      K=depth, N=N, bits=4, block_size=BLOCK))
+        outputs.append(f"y{i}")
+    if integer:
+        constants["w8"] = RNG.integers(-128, 128, (48, 24), dtype=np.int8)
+        nodes += [helper.make_node("DynamicQuantizeLinear", ["y0"], ["q", "q_scale", "q_zero"]),
+                  helper.make_node("MatMulInteger", ["q", "w8", "q_zero"], ["i8"])]
+        outputs.append("i8")
+    graph = helper.make_graph(nodes, "products", [helper.make_tensor_value_info("x", F, None)],
+                              [helper.make_tensor_value_info(n, TensorProto.UNDEFINED, None) for n in outputs],
+                              [numpy_helper.from_array(v, k) for k, v in constants.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
+                             ir_version=10).SerializeToString()
+
+
+@pytest.fixture
+def made(monkeypatch):
+    """Every computation of 4-bit tiles (joined or alone) and VNNI tiles, by thread and weight."""
+    calls = []
+    for remembered in (contrib_quantized._remembered_tiles, contrib_quantized._remembered_joined_tiles,
+                       linalg_integer._vnni_weights):
+        def counted(values, *arrays, original=remembered.fn, kind=remembered):
+            calls.append((threading.current_thread().name, kind, id(arrays[0])))
+            return original(values, *arrays)
+        monkeypatch.setattr(remembered, "fn", counted)
+    return calls
+
+
+def _kinds(model) -> list[str]:
+    return sorted(node.op_type for node in model.graph.nodes)
+
+
+def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made):
+    model_bytes = _model(integer=vnni.AVAILABLE)
+    x = RNG.standard_normal((1, 3, K)).astype(np.float32)
+    reference = runnx.load(model_bytes).run({"x": x})  # its run makes its own tiles
+    made.clear()
+    model = runnx.load(model_bytes)
+    assert {"SharedInputMatMulNBits", "MatMulNBits"} <= set(_kinds(model))
+    thread = model.prepack_in_background()
+    thread.join()
+    assert thread.name == "runnx-prepack"
+    expected = 2 + vnni.AVAILABLE  # the joined tiles of x's products, y0's product's, the int8 weight's
+    assert len(made) == expected and {name for name, _, _ in made} == {"runnx-prepack"}
+    made.clear()
+    outputs = model.run({"x": x})
+    assert made == []  # the run found all of it made
+    for name, value in reference.items():
+        assert np.array_equal(outputs[name], value), name
+
+
+def test_a_run_beside_the_prepack_makes_each_weight_once(made, monkeypatch):
+    """The run reaches the weights while the prepack is still making them (made slow here): each
+    is made once, by whichever thread got to it first, and the outputs are the same bits."""
+    model_bytes = _model()
+    x = RNG.standard_normal((1, 1, K)).astype(np.float32)
+    reference = runnx.load(model_bytes).run({"x": x})
+    made.clear()
+    model = runnx.load(model_bytes)
+    slow = contrib_quantized._remembered_joined_tiles.fn
+
+    def slowly(*args):
+        time.sleep(0.2)
+        return slow(*args)
+
+    monkeypatch.setattr(contrib_quantized._remembered_joined_tiles, "fn", slowly)
+    thread = model.prepack_in_background()
+    outputs = model.run({"x": x})
+    thread.join()
+    weights = [weight for _, _, weight in made]
+    assert len(weights) == len(set(weights)) == 2
+    for name, value in reference.items():
+        assert np.array_equal(outputs[name], value), name
+
+
+def test_what_a_prepack_cannot_make_is_left_to_the_run_which_refuses_it(made):
+    model = runnx.load(_model(b_shape_wrong=True))
+    model.prepack_in_background().join()  # nothing raised on its thread
+    assert [kind for _, kind, _ in made] == [contrib_quantized._remembered_joined_tiles]
+    with pytest.raises(RunnxError, match="B must be uint8 of shape"):
+        model.run({"x": RNG.standard_normal((1, 1, K)).astype(np.float32)})
+
+
+def test_a_model_with_nothing_to_prepack_starts_no_thread():
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", F, None)],
+                              [helper.make_tensor_value_info("y", F, None)])
+    model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10))
+    assert model.prepack_in_background() is None
+
+
+def test_a_decoder_step_prepacks_each_of_its_models_once(monkeypatch, fixtures_dir):
+    started = []
+    monkeypatch.setattr(runnx.interp.model.Model, "prepack_in_background", lambda self: started.append(self))
+    folder = fixtures_dir / "tiny-llama-merged"
+    first, later = (load_decoder(str(folder / name)) for name in ("decoder_model.onnx", "decoder_with_past_model.onnx"))
+    DecoderStep(first, later)
+    assert started == [first, later]
+    started.clear()
+    merged = load_decoder(str(folder / "decoder_model_merged.onnx"))
+    DecoderStep(merged)
+    assert started == [merged]
