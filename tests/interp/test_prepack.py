@@ -139,3 +139,23 @@ def test_a_decoder_step_prepacks_each_of_its_models_once(monkeypatch, fixtures_d
     merged = load_decoder(str(folder / "decoder_model_merged.onnx"))
     DecoderStep(merged)
     assert started == [merged]
+
+
+def test_a_real_int4_decoder_finds_every_weight_prepacked(smollm2_genai_int4_dir, made, monkeypatch):
+    """onnxruntime-genai's int4 SmolLM2 through the generation API: the prepack thread makes the
+    tiles of every 4-bit product (q/k/v and gate/up joined, o, down, the LM head), so its first
+    prompt makes none, and its greedy token is the one the prompt gives without a prepack."""
+    decoder = DecoderStep.from_folder(smollm2_genai_int4_dir, capacity=64)
+    for thread in threading.enumerate():
+        if thread.name == "runnx-prepack":
+            thread.join()
+    kinds = [node.op_type for node in decoder.past_model.graph.nodes]
+    assert len(made) == kinds.count("MatMulNBits") + kinds.count("SharedInputMatMulNBits") > 30 * 4
+    made.clear()
+    prompt = np.arange(1000, 1032, dtype=np.int64)[None]
+    token = int(decoder.step(prompt)[0, -1].argmax())
+    assert made == []
+    monkeypatch.setattr(runnx.interp.model.Model, "prepack_in_background", lambda self: None)
+    fresh = DecoderStep.from_folder(smollm2_genai_int4_dir, capacity=64)  # its first prompt makes its own
+    assert int(fresh.step(prompt)[0, -1].argmax()) == token
+    assert len(made) > 30 * 4
