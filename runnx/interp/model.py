@@ -179,6 +179,7 @@ class Model:
                 if node.kernel is not None and node.kernel.prepack is not None]
         if not work:
             return None
+        # not a daemon: a process ending while numba loads a kernel for it aborts inside LLVM
         thread = threading.Thread(target=_prepack, args=(work,), name="runnx-prepack")
         thread.start()
         return thread

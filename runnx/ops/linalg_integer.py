@@ -55,8 +55,8 @@ def DequantizedMatMul(a, b, b_scale, b_zero_point=None):
 def _prepack_vnni(inputs: tuple, attrs: dict) -> None:
     """A constant 8-bit weight repacked ahead for `pool.vnni_rows` (`registry`'s prepack)."""
     b = inputs[1]
-    if isinstance(b, np.ndarray) and b.ndim == 2 and b.dtype.itemsize == 1 and b.dtype.kind in "iu" and b.size and _native.enabled \
-            and vnni.AVAILABLE and not b.flags.writeable:
+    if (isinstance(b, np.ndarray) and b.ndim == 2 and b.dtype.itemsize == 1 and b.dtype.kind in "iu" and b.size
+            and _native.enabled and vnni.AVAILABLE and not b.flags.writeable):
         _vnni_weights((), b)
 
 

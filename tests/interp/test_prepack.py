@@ -122,8 +122,8 @@ def test_what_a_prepack_cannot_make_is_left_to_the_run_which_refuses_it(made):
 
 
 def test_a_model_with_nothing_to_prepack_starts_no_thread():
-    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", [helper.make_tensor_value_info("x", F, None)],
-                              [helper.make_tensor_value_info("y", F, None)])
+    value = [helper.make_tensor_value_info("x", F, None)], [helper.make_tensor_value_info("y", F, None)]
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g", *value)
     model = runnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10))
     assert model.prepack_in_background() is None
 
