@@ -50,7 +50,7 @@ ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED = 0, 1, 2
 
 
 @_kernel
-def _zero_points(packed, typed, mode, bits, first, blocks, out):
+def block_zero_points(packed, typed, mode, bits, first, blocks, out):
     """out[c, block] = the zero point of block `block` of column first + c: the default 2^(bits-1),
     an unsigned integer packed 8 // bits to a byte (each column's bytes starting afresh), or a
     float of the scales' type."""
@@ -195,7 +195,7 @@ def nbits_dequantize(weights, scales, packed_zeros, typed_zeros, zero_mode, bits
     depth = out.shape[1]
     blocks = weights.shape[1]
     zeros = np.empty((out.shape[0], blocks), out.dtype)
-    _zero_points(packed_zeros, typed_zeros, zero_mode, bits, first, blocks, zeros)
+    block_zero_points(packed_zeros, typed_zeros, zero_mode, bits, first, blocks, zeros)
     for p in range(out.shape[0]):
         n = first + p
         for block in range(blocks):
@@ -219,7 +219,7 @@ def nibble_lanes_panel(weights, scales, packed_zeros, typed_zeros, zero_mode, bl
     pairs, odd = depth >> 1, depth & 1
     whole = pairs // half  # blocks whose every byte holds two values
     zeros = np.empty((out.shape[0], blocks), out.dtype)
-    _zero_points(packed_zeros, typed_zeros, zero_mode, 4, first, blocks, zeros)
+    block_zero_points(packed_zeros, typed_zeros, zero_mode, 4, first, blocks, zeros)
     if zero_mode == ZERO_TYPED:
         _lanes_panel_wide(weights, scales, zeros, first, out)
         return

@@ -17,8 +17,13 @@ thread that computes it.
 
 Layout (`repack`): for weights of `chunks` chunks of 32 values (16 bytes, a block of 32, or a part
 of a larger block), tiles[t, c, j, i] is byte j of chunk c of column 16 t + i (low nibble value
-2 j, high nibble 2 j + 1); scales[t, c, i] the scale of that chunk's block and zero_scales[t, c, i]
-its zero point times that scale. Columns past N (the last tile's padding) are zeros.
+2 j, high nibble 2 j + 1); scales[t, c, i] the scale of that chunk's block and zeros[t, c, i] its
+zero point, as the model gives it: uint8 for 4-bit zero points, float32 for zero points of the
+scales' type; weights without zero points (the default, 8) share one row of 16 (`zeros` of shape
+(1, 1, 16)). The kernel multiplies a zero point by its scale as it reads them: one multiply, the
+value a product made ahead would have, and a decode step streams 16 bytes of weights and 4 of
+scale a chunk and column (17 with byte zero points) instead of 24. Columns past N (the last tile's
+padding) are zeros.
 """
 from __future__ import annotations
 
@@ -41,13 +46,14 @@ _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
 @intrinsic
-def _tile_dot(typingctx, tiles, low, high, sums, scales, zero_scales, tile, out):
+def _tile_dot(typingctx, tiles, low, high, sums, scales, zeros, tile, out):
     """out[:16] = one row times tile `tile`: in chunk order, each chunk c adds to the 16 columns'
     sums (sum over its 16 bytes j of low nibble * low[16 c + j] + high nibble * high[16 c + j])
-    times the chunk's scale, less its zero point times scale (`zero_scales`) times the row's sum
-    over the chunk (`sums[c]`). low, high: the row's values at even and odd positions; out: 16
-    contiguous float32."""
-    signature = types.void(tiles, low, high, sums, scales, zero_scales, tile, out)
+    times the chunk's scale, less its zero point times its scale times the row's sum over the chunk
+    (`sums[c]`). low, high: the row's values at even and odd positions; zeros: uint8 or float32,
+    one row of 16 per chunk or (shape (1, 1, 16)) one for all; out: 16 contiguous float32."""
+    signature = types.void(tiles, low, high, sums, scales, zeros, tile, out)
+    zero_bytes = zeros.dtype == types.uint8
 
     def codegen(context, builder, sig, args):
         arrays = [context.make_array(kind)(context, builder, value)
@@ -77,6 +83,7 @@ def _tile_dot(typingctx, tiles, low, high, sums, scales, zero_scales, tile, out)
             builder.call(prefetch_function, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
         chunks = builder.extract_value(tiles_a.shape, 1)
+        shared_zeros = builder.icmp_unsigned("==", builder.extract_value(zeros_a.shape, 1), ir.Constant(i64, 1))
         total = cgutils.alloca_once_value(builder, nothing)
         first_chunk = builder.mul(args[6], chunks)
         with cgutils.for_range(builder, chunks) as loop:
@@ -86,8 +93,9 @@ def _tile_dot(typingctx, tiles, low, high, sums, scales, zero_scales, tile, out)
             columns_at = builder.mul(builder.add(first_chunk, chunk), ir.Constant(i64, TILE))
             for line in range(0, CHUNK_BYTES * TILE, 64):  # (past the last tile: prefetches never fault)
                 prefetch(tiles_a.data, builder.add(bytes_at, ir.Constant(i64, _PREFETCH_AHEAD + line)))
-            for numbers in (scales_a, zeros_a):
-                prefetch(numbers.data, builder.add(columns_at, ir.Constant(i64, _PREFETCH_AHEAD // 4)))
+            zeros_at = builder.select(shared_zeros, ir.Constant(i64, 0), columns_at)
+            prefetch(scales_a.data, builder.add(columns_at, ir.Constant(i64, _PREFETCH_AHEAD // 4)))
+            prefetch(zeros_a.data, builder.add(zeros_at, ir.Constant(i64, _PREFETCH_AHEAD // 4)))
             sums = [nothing] * 4  # two chains of low and high nibbles: the adds overlap
             for j in range(CHUNK_BYTES):
                 packed = builder.zext(vector(tiles_a.data, builder.add(bytes_at, ir.Constant(i64, TILE * j)),
@@ -99,9 +107,13 @@ def _tile_dot(typingctx, tiles, low, high, sums, scales, zero_scales, tile, out)
                 sums[chain] = builder.call(fmuladd, [lows, broadcast(low_a.data, position), sums[chain]])
                 sums[chain + 1] = builder.call(fmuladd, [highs, broadcast(high_a.data, position), sums[chain + 1]])
             chunk_sum = builder.fadd(builder.fadd(sums[0], sums[1]), builder.fadd(sums[2], sums[3]))
-            zero_share = builder.fmul(vector(zeros_a.data, columns_at, floats), broadcast(sums_a.data, chunk))
-            scaled = builder.call(fmuladd, [chunk_sum, vector(scales_a.data, columns_at, floats),
-                                            builder.load(total)])
+            scale = vector(scales_a.data, columns_at, floats)
+            if zero_bytes:
+                zero = builder.uitofp(builder.zext(vector(zeros_a.data, zeros_at, octets), words), floats)
+            else:
+                zero = vector(zeros_a.data, zeros_at, floats)
+            zero_share = builder.fmul(builder.fmul(zero, scale), broadcast(sums_a.data, chunk))
+            scaled = builder.call(fmuladd, [chunk_sum, scale, builder.load(total)])
             builder.store(builder.fsub(scaled, zero_share), total)
         builder.store(builder.load(total), builder.bitcast(out_a.data, floats.as_pointer()), align=4)
         return context.get_dummy_value()
@@ -110,31 +122,32 @@ def _tile_dot(typingctx, tiles, low, high, sums, scales, zero_scales, tile, out)
 
 
 @_kernel
-def tile_rows(lanes, sums, tiles, scales, zero_scales, out, first, stop):
+def tile_rows(lanes, sums, tiles, scales, zeros, out, first, stop):
     """out (M, N) columns of tiles first .. stop = the rows (as `lanes` (M, 2, 16 chunks): even and
     odd positions, zero past K; `sums` (M, chunks)) times the repacked weights (module docstring).
-    All arrays C-contiguous float32 but the uint8 tiles."""
+    All arrays C-contiguous float32 but the uint8 tiles (and zeros, uint8 or float32)."""
     rows, columns = out.shape
     for t in range(first, stop):
         start = t * TILE
         count = min(TILE, columns - start)
         for m in range(rows):
             if count == TILE:
-                _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zero_scales, t, out[m, start:start + TILE])
+                _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, out[m, start:start + TILE])
             else:  # the last tile's padding columns go to scratch (allocated here only: a unit each job)
                 scratch = np.empty(TILE, np.float32)
-                _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zero_scales, t, scratch)
+                _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, scratch)
                 out[m, start:columns] = scratch[:count]
 
 
 @_kernel
-def repack(weights, block_scales, block_zero_scales, tiles, scales, zero_scales):
-    """weights (N, blocks, blob) uint8 with a scale and a zero point times scale per block (flat,
-    N x blocks) into the tile layout (module docstring), tile by tile and chunk by chunk; the
-    outputs zero-filled beforehand (the last tile's padding)."""
+def repack(weights, block_scales, block_zeros, tiles, scales, zeros):
+    """weights (N, blocks, blob) uint8 with a scale and a zero point per block (flat, N x blocks;
+    `block_zeros` empty when they share zeros' one row) into the tile layout (module docstring),
+    tile by tile and chunk by chunk; the outputs zero-filled beforehand (the last tile's padding)."""
     columns, blocks, blob = weights.shape
     per_block = blob // CHUNK_BYTES
     flat = weights.reshape(columns, blocks * blob)
+    own_zeros = block_zeros.size > 0
     for t in range(tiles.shape[0]):
         width = min(TILE, columns - t * TILE)
         for c in range(tiles.shape[1]):
@@ -142,7 +155,8 @@ def repack(weights, block_scales, block_zero_scales, tiles, scales, zero_scales)
             for i in range(width):
                 n = t * TILE + i
                 scales[t, c, i] = block_scales[n * blocks + block]
-                zero_scales[t, c, i] = block_zero_scales[n * blocks + block]
+                if own_zeros:
+                    zeros[t, c, i] = block_zeros[n * blocks + block]
                 column = flat[n, c * CHUNK_BYTES:(c + 1) * CHUNK_BYTES]
                 for j in range(CHUNK_BYTES):
                     tiles[t, c, j, i] = column[j]

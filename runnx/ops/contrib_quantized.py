@@ -13,9 +13,9 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.ops import _native
-from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, bnb4_dequantize, bnb4_rows,
-                                        nbits_dequantize, nbits_lanes, nbits_rows, nibble_lanes_panel,
-                                        zero_scales_of)
+from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, block_zero_points,
+                                        bnb4_dequantize, bnb4_rows, nbits_dequantize, nbits_lanes, nbits_rows,
+                                        nibble_lanes_panel)
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, repack
 from runnx.ops._fused_common import DOMAIN as FUSED_DOMAIN
 from runnx.ops._remembered import Remembered
@@ -67,20 +67,26 @@ def _lanes(rows, blocks: int, block_size: int, bits: int):
 
 def _nibble_tiles(_, weights, scales, zero_points):
     """4-bit weights with blobs of 16 bytes or more repacked in tiles of 16 columns, with a scale
-    and a zero point times scale for each 32 values (`_kernels_nibble_tiles`), read-only."""
+    and a zero point for each 32 values (`_kernels_nibble_tiles`: uint8 zero points, float32 ones
+    of the scales' type, or one shared row of the default), read-only."""
     columns, blocks, blob = weights.shape
     work = np.dtype(np.float32)
     mode, packed, typed = _nbits_zero_points(zero_points, columns, blocks, 4, work)
     flat = np.ascontiguousarray(scales.reshape(-1), dtype=work)
-    zero_scales = np.empty(columns * blocks, work)
-    zero_scales_of(packed, typed, mode, 4, blocks, flat, zero_scales)
     count, chunks = (columns + TILE - 1) // TILE, blocks * blob // CHUNK_BYTES
     tiles = np.zeros((count, chunks, CHUNK_BYTES, TILE), np.uint8)
-    tile_scales, tile_zero_scales = np.zeros((count, chunks, TILE), work), np.zeros((count, chunks, TILE), work)
-    repack(weights, flat, zero_scales, tiles, tile_scales, tile_zero_scales)
-    for array in (tiles, tile_scales, tile_zero_scales):
+    tile_scales = np.zeros((count, chunks, TILE), work)
+    if mode == ZERO_DEFAULT:
+        block_zeros, tile_zeros = np.empty(0, np.uint8), np.full((1, 1, TILE), 1 << 3, np.uint8)
+    else:
+        kind = np.uint8 if mode == ZERO_PACKED else work
+        block_zeros = np.empty((columns, blocks), kind)
+        block_zero_points(packed, typed, mode, 4, 0, blocks, block_zeros)
+        tile_zeros = np.zeros((count, chunks, TILE), kind)
+    repack(weights, flat, block_zeros.reshape(-1), tiles, tile_scales, tile_zeros)
+    for array in (tiles, tile_scales, tile_zeros):
         array.flags.writeable = False
-    return tiles, tile_scales, tile_zero_scales
+    return tiles, tile_scales, tile_zeros
 
 
 # a constant weight's tiles are made on its first product and kept while it lives (an extra copy of

@@ -27,11 +27,12 @@ from runnx.runtime.mailbox import PATIENCE, begin_job, finish, open_job, run_job
 from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS,
                                  GELU_ROWS, GROUPS, HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX, MAX_MATRICES, NBITS,
                                  NBITS_CHUNKS, NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS,
-                                 NBITS_TILE_COUNT, NBITS_TILES, NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZEROS, OUT,
-                                 PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY, ROW, ROW_ARGUMENTS, ROW_BLOCK,
-                                 ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS, ROWS_IN, ROWS_OUT, SCALE, SIGNED,
-                                 SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW,
-                                 VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT, VNNI_WORDS, WIDTH, post_array)
+                                 NBITS_TILE_COUNT, NBITS_TILES, NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZERO_BYTES,
+                                 NBITS_ZERO_ROWS, NBITS_ZEROS, OUT, PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY,
+                                 ROW, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS, ROWS_IN,
+                                 ROWS_OUT, SCALE, SIGNED, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI,
+                                 VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT,
+                                 VNNI_WORDS, WIDTH, post_array)
 
 # a few rows (a short prompt's) take a products job rather than OpenBLAS, which packs the whole
 # matrix for them: up to FEW_ROWS, their partial sums in one pass over the matrix (rows x columns)
@@ -184,7 +185,7 @@ def post_attention(box, workers, query, key, value, bias, scale, fill, out):
 
 
 @_jit
-def _check_nbits(rows, lanes, sums, tiles, scales, zero_scales, out):
+def _check_nbits(rows, lanes, sums, tiles, scales, zeros, out):
     """ValueError unless the arrays are what `open_nbits` reads and writes by address."""
     count, chunks = tiles.shape[0], tiles.shape[1]
     columns = out.shape[1]
@@ -193,26 +194,28 @@ def _check_nbits(rows, lanes, sums, tiles, scales, zero_scales, out):
             or not lanes.flags.c_contiguous or not sums.flags.c_contiguous):
         raise ValueError("a 4-bit products job splits its rows (M, K) into lanes (M, 2, 16 C) and sums (M, C), "
                          "C-contiguous float32")
+    shared_zeros = zeros.shape[0] == 1 and zeros.shape[1] == 1
     if (rows.shape[0] != out.shape[0] or rows.shape[1] > chunks * 2 * CHUNK_BYTES or tiles.shape[2] != CHUNK_BYTES
             or tiles.shape[3] != TILE or count != (columns + TILE - 1) // TILE
             or scales.shape[0] != count or scales.shape[1] != chunks or scales.shape[2] != TILE
-            or zero_scales.shape[0] != count or zero_scales.shape[1] != chunks or zero_scales.shape[2] != TILE):
+            or not (shared_zeros or zeros.shape[0] == count and zeros.shape[1] == chunks) or zeros.shape[2] != TILE):
         raise ValueError("a 4-bit products job takes rows (M, K <= 32 C), tiles (N / 16, C, 16, 16) bytes, their "
-                         "scales and zero points times scales (N / 16, C, 16) and out (M, N)")
-    if (rows.itemsize != 4 or scales.itemsize != 4 or zero_scales.itemsize != 4 or out.itemsize != 4
-            or tiles.itemsize != 1 or not tiles.flags.c_contiguous or not scales.flags.c_contiguous
-            or not zero_scales.flags.c_contiguous or not out.flags.c_contiguous):
-        raise ValueError("a 4-bit products job takes C-contiguous float32 arrays and uint8 tiles")
+                         "scales and zero points (N / 16, C, 16; zero points shared: 1, 1, 16) and out (M, N)")
+    if (rows.itemsize != 4 or scales.itemsize != 4 or not (zeros.itemsize == 1 or zeros.itemsize == 4)
+            or out.itemsize != 4 or tiles.itemsize != 1 or not tiles.flags.c_contiguous
+            or not scales.flags.c_contiguous or not zeros.flags.c_contiguous or not out.flags.c_contiguous):
+        raise ValueError("a 4-bit products job takes C-contiguous float32 arrays, uint8 tiles and uint8 or "
+                         "float32 zero points")
 
 
 @_inlined
-def open_nbits(box, workers, rows, lanes, sums, tiles, scales, zero_scales, out):
+def open_nbits(box, workers, rows, lanes, sums, tiles, scales, zeros, out):
     """out (M, N) = rows (M, K) times the tiles as `tile_rows` computes it, as one job of column
     tiles, opened (`mailbox.open_job`): it returns before the units are computed, and every array
     must live until `mailbox.finish` returns. rows are first split into lanes (M, 2, 16 C) and
     sums (M, C), after the last job finished (rows may be its output). Whether a worker was
     idle. Arrays that do not fit raise ValueError before anything is posted."""
-    _check_nbits(rows, lanes, sums, tiles, scales, zero_scales, out)
+    _check_nbits(rows, lanes, sums, tiles, scales, zeros, out)
     finish(box)
     nbits_lanes(rows, 2 * CHUNK_BYTES, lanes, sums)
     height, columns = out.shape
@@ -222,7 +225,9 @@ def open_nbits(box, workers, rows, lanes, sums, tiles, scales, zero_scales, out)
     store(box, NBITS_SUMS, sums.ctypes.data)
     store(box, NBITS_TILES_AT, tiles.ctypes.data)
     store(box, NBITS_SCALES, scales.ctypes.data)
-    store(box, NBITS_ZEROS, zero_scales.ctypes.data)
+    store(box, NBITS_ZEROS, zeros.ctypes.data)
+    store(box, NBITS_ZERO_BYTES, zeros.itemsize)
+    store(box, NBITS_ZERO_ROWS, zeros.shape[0] * zeros.shape[1])
     store(box, NBITS_OUT, out.ctypes.data)
     store(box, NBITS_ROWS, height)
     store(box, NBITS_WIDTH, columns)
@@ -232,13 +237,13 @@ def open_nbits(box, workers, rows, lanes, sums, tiles, scales, zero_scales, out)
 
 
 @_jit
-def post_nbits(box, workers, rows, tiles, scales, zero_scales, out):
+def post_nbits(box, workers, rows, tiles, scales, zeros, out):
     """`open_nbits`, finished before it returns (its lanes and sums allocated here); whether a
     worker was idle."""
     chunks = tiles.shape[1]
     lanes = np.empty((rows.shape[0], 2, chunks * CHUNK_BYTES), np.float32)
     sums = np.empty((rows.shape[0], chunks), np.float32)
-    idle = open_nbits(box, workers, rows, lanes, sums, tiles, scales, zero_scales, out)
+    idle = open_nbits(box, workers, rows, lanes, sums, tiles, scales, zeros, out)
     _finish_holding(box, lanes, sums)
     return idle
 

@@ -122,18 +122,18 @@ class DecodePool:
         finish(self.box)
         self._leave(None)
 
-    def open_nbits(self, rows, tiles, scales, zero_scales, out) -> bool:
+    def open_nbits(self, rows, tiles, scales, zeros, out) -> bool:
         """Post `open_nbits` and return before its units are computed, keeping its arrays and the
         pool's lock until this thread's `settle`; False when the pool is busy (nothing posted)."""
         if not self._enter():
             return False
         lanes, sums = self._nbits_scratch(rows.shape[0], tiles.shape[1])
         try:
-            idle = open_nbits(self.box, self._workers, rows, lanes, sums, tiles, scales, zero_scales, out)
+            idle = open_nbits(self.box, self._workers, rows, lanes, sums, tiles, scales, zeros, out)
         except BaseException:
             self.settle()
             raise
-        self._leave((rows, lanes, sums, tiles, scales, zero_scales, out))
+        self._leave((rows, lanes, sums, tiles, scales, zeros, out))
         if idle:
             self._wake()
         return True
@@ -290,20 +290,20 @@ def gelu_rows(x, bias, divisor, one, half, out) -> None:
         shared_call(post_gelu, *arguments)
 
 
-def open_nbits_rows(rows, tiles, scales, zero_scales, out) -> None:
+def open_nbits_rows(rows, tiles, scales, zeros, out) -> None:
     """`nbits_rows`, left open when this call has leave (`opening`) and the pool is free:
     `out` is then written while the caller goes on, until `settle`."""
     if opening.allowed and (workers := pool()) is not None:
-        if workers.open_nbits(rows, tiles, scales, zero_scales, out):
+        if workers.open_nbits(rows, tiles, scales, zeros, out):
             return
-    nbits_rows(rows, tiles, scales, zero_scales, out)
+    nbits_rows(rows, tiles, scales, zeros, out)
 
 
-def nbits_rows(rows, tiles, scales, zero_scales, out) -> None:
+def nbits_rows(rows, tiles, scales, zeros, out) -> None:
     """out (M, N) = rows (M, K) times 4-bit tiles (`post_nbits`: C-contiguous float32 arrays, uint8
     tiles), with the pool's workers when there are any: the same compiled code on every thread,
     so the same values whatever the thread count."""
-    shared_call(post_nbits, rows, tiles, scales, zero_scales, out)
+    shared_call(post_nbits, rows, tiles, scales, zeros, out)
 
 
 def vnni_rows(a, flip: bool, tiles, column_sums, a_zero, b_zero, out) -> None:

@@ -38,16 +38,17 @@ ROW_KERNEL, ROWS_IN, ROWS_OUT, ROW_COUNT, ROW_COLUMNS, ROW_ARGUMENTS = range(OWN
 SOFTMAX_ROWS, GELU_ROWS = 0, 1
 ROW_BLOCK = 16  # rows per unit
 # 4-bit products: the addresses of the row lanes, chunk sums, tiles, their scales, their zero points
-# times scales and the output (all C-contiguous), then rows, columns, tiles and chunks
+# and the output (all C-contiguous), then rows, columns, tiles and chunks, the zero points' bytes each
+# (1: uint8, 4: float32) and rows of 16 (1: one shared by all chunks)
 (NBITS_LANES, NBITS_SUMS, NBITS_TILES_AT, NBITS_SCALES, NBITS_ZEROS, NBITS_OUT, NBITS_ROWS, NBITS_WIDTH,
- NBITS_TILE_COUNT, NBITS_CHUNKS) = range(OWN, OWN + 10)
+ NBITS_TILE_COUNT, NBITS_CHUNKS, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS) = range(OWN, OWN + 12)
 NBITS_TILES = 4  # tiles of 16 output columns per unit
 # 8-bit products: the addresses of the rows' unsigned words, the tiles and the raw int32 sums (all
 # C-contiguous), then rows, tiles and groups of 4 bytes
 VNNI_WORDS, VNNI_TILES_AT, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_GROUPS = range(OWN, OWN + 6)
 VNNI_TILES = 8  # tiles of 16 output columns per unit
 # the address of `mailbox._units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
-UNITS_CODE = max(MATRICES + PER_MATRIX * MAX_MATRICES, SPAN_STATS + 9, NBITS_CHUNKS + 1, VNNI_GROUPS + 1)
+UNITS_CODE = max(MATRICES + PER_MATRIX * MAX_MATRICES, SPAN_STATS + 9, NBITS_ZERO_ROWS + 1, VNNI_GROUPS + 1)
 # a claim takes the units left shifted right by this (`mailbox._work`; a mailbox's own, set by `new_box`)
 CLAIM_SHIFT = UNITS_CODE + 1
 MAILBOX_SIZE = CLAIM_SHIFT + 1

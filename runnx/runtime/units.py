@@ -25,11 +25,11 @@ from runnx.runtime.atomics import byte_pointer, float32_pointer, float64_from_bi
 from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS,
                                  GROUPS, HAS_BIAS, HEIGHT, MATRICES, MATRIX, NBITS, NBITS_CHUNKS, NBITS_LANES,
                                  NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILE_COUNT, NBITS_TILES,
-                                 NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZEROS, OUT, PARTIAL_SUMS, PARTIALS, PER_MATRIX,
-                                 PRODUCTS, QUERY, KEY, ROW, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT,
-                                 ROW_KERNEL, ROWS_IN, ROWS_OUT, SCALE, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED,
-                                 VALUE, VNNI, VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES,
-                                 VNNI_TILES_AT, VNNI_WORDS, WIDTH, posted_array)
+                                 NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, NBITS_ZEROS, OUT,
+                                 PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY, KEY, ROW, ROW_ARGUMENTS,
+                                 ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS_IN, ROWS_OUT, SCALE, SOFTMAX_ROWS,
+                                 SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW, VNNI_ROWS,
+                                 VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT, VNNI_WORDS, WIDTH, posted_array)
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -127,10 +127,16 @@ def _nbits_block(box, index):
     tiles = numba.carray(float32_pointer(load(box, NBITS_TILES_AT)),
                          (count, chunks, CHUNK_BYTES, TILE >> 2)).view(np.uint8)
     scales = numba.carray(float32_pointer(load(box, NBITS_SCALES)), (count, chunks, TILE))
-    zero_scales = numba.carray(float32_pointer(load(box, NBITS_ZEROS)), (count, chunks, TILE))
     out = numba.carray(float32_pointer(load(box, NBITS_OUT)), (rows, columns))
     first = index * NBITS_TILES
-    tile_rows(lanes, sums, tiles, scales, zero_scales, out, first, min(first + NBITS_TILES, count))
+    stop = min(first + NBITS_TILES, count)
+    zero_shape = (count, chunks, TILE) if load(box, NBITS_ZERO_ROWS) > 1 else (1, 1, TILE)
+    if load(box, NBITS_ZERO_BYTES) == 1:
+        zeros = numba.carray(byte_pointer(load(box, NBITS_ZEROS)), zero_shape)
+        tile_rows(lanes, sums, tiles, scales, zeros, out, first, stop)
+    else:
+        zeros = numba.carray(float32_pointer(load(box, NBITS_ZEROS)), zero_shape)
+        tile_rows(lanes, sums, tiles, scales, zeros, out, first, stop)
 
 
 @_jit

@@ -341,3 +341,31 @@ def test_matmul_nbits_4_bit_rows_are_the_same_bits_on_any_thread_count(K, N, blo
     finally:
         decode_pool.set_workers(workers)
     np.testing.assert_allclose(alone, _nbits_reference(a, b, scales, zeros, K, N, 4, block_size), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("K,N,block_size", [(576, 70, 32), (130, 33, 128)])
+@pytest.mark.parametrize("rows", [(1,), (5,)])
+def test_matmul_nbits_4_bit_tiles_keep_zero_points_as_given(K, N, block_size, rows):
+    """A few-row 4-bit product streams its tiles: 16 bytes of weights and a float32 scale for each
+    32 values of a column, and the zero points as the model gives them (a byte for 4-bit ones, one
+    shared row for the default), each multiplied by its scale in the kernel. The same zero points
+    given as bytes, as floats of the scales' type, or left to the default (8), give the same bits."""
+    from runnx.ops.contrib_quantized import MatMulNBits, _nibble_tiles
+
+    a, b, scales, _ = _nbits_inputs(rows, K, N, 4, block_size, None)
+    blocks, chunks, tiles = b.shape[1], b.shape[1] * block_size // 32, (N + 15) // 16
+    attributes = dict(K=K, N=N, bits=4, block_size=block_size)
+    default = MatMulNBits(a, b, scales, None, **attributes)
+    eights = np.full(N * ((blocks + 1) // 2), 0x88, np.uint8)
+    np.testing.assert_array_equal(MatMulNBits(a, b, scales, eights, **attributes), default)
+    typed = np.full(N * blocks, 8, np.float32)
+    np.testing.assert_array_equal(MatMulNBits(a, b, scales, typed, **attributes), default)
+    np.testing.assert_allclose(default, _nbits_reference(a, b, scales, None, K, N, 4, block_size), rtol=1e-4,
+                               atol=1e-4)
+
+    weights, tile_scales, zeros = _nibble_tiles((), b, scales, None)
+    assert (weights.nbytes, tile_scales.nbytes) == (tiles * chunks * 16 * 16, tiles * chunks * 16 * 4)
+    assert zeros.dtype == np.uint8 and zeros.shape == (1, 1, 16) and (zeros == 8).all()
+    assert _nibble_tiles((), b, scales, eights)[2].shape == (tiles, chunks, 16)
+    assert _nibble_tiles((), b, scales, eights)[2].dtype == np.uint8
+    assert _nibble_tiles((), b, scales, typed)[2].dtype == np.float32

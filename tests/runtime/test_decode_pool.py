@@ -606,17 +606,20 @@ def test_attention_and_rows_jobs_refuse_arrays_that_do_not_fit_before_posting():
 
 
 @pytest.mark.parametrize("change", ["long rows", "few tiles", "few scales", "float64 out", "strided tiles",
-                                    "float tiles"])
+                                    "float tiles", "few zero points", "int16 zero points", "strided zero points"])
 def test_a_4_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
     arrays = dict(rows=np.ones((2, 64), np.float32), tiles=np.ones((2, 2, 16, 16), np.uint8),
-                  scales=np.ones((2, 2, 16), np.float32), zero_scales=np.ones((2, 2, 16), np.float32),
+                  scales=np.ones((2, 2, 16), np.float32), zeros=np.ones((2, 2, 16), np.uint8),
                   out=np.empty((2, 17), np.float32))
     changed = {"long rows": ("rows", np.ones((2, 65), np.float32)),
                "few tiles": ("tiles", np.ones((1, 2, 16, 16), np.uint8)),
                "few scales": ("scales", np.ones((2, 1, 16), np.float32)),
                "float64 out": ("out", np.empty((2, 17))),
                "strided tiles": ("tiles", np.ones((2, 2, 16, 32), np.uint8)[..., ::2]),
-               "float tiles": ("tiles", np.ones((2, 2, 16, 16), np.float32))}[change]
+               "float tiles": ("tiles", np.ones((2, 2, 16, 16), np.float32)),
+               "few zero points": ("zeros", np.ones((2, 1, 16), np.uint8)),
+               "int16 zero points": ("zeros", np.ones((2, 2, 16), np.int16)),
+               "strided zero points": ("zeros", np.ones((2, 2, 32), np.float32)[..., ::2])}[change]
     arrays[changed[0]] = changed[1]
     box = mailbox.new_box()
     with pytest.raises(ValueError, match="a 4-bit products job"):
