@@ -38,9 +38,10 @@ from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kern
 
 TILE = 16  # columns a tile: one 512-bit vector of float32 sums
 CHUNK_BYTES = 16  # bytes of a column a chunk: 32 4-bit values with one scale
-# how far ahead each chunk asks for the weights and scales it will need: a model's weights stream
-# from memory, and the hardware prefetcher alone left a decode step's products 1.3x slower
-_PREFETCH_AHEAD = 2048
+# how far ahead (bytes of tiles) each chunk asks for the weights and scales it will need: a model's
+# weights stream from memory, and the hardware prefetcher alone left a decode step's products 1.3x
+# slower; 2 KB ahead (64 chunks of a column tile) still stalled on memory, 16 KB does not
+_PREFETCH_AHEAD = 16384
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
