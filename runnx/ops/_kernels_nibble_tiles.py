@@ -21,8 +21,8 @@ of a larger block), tiles[t, c, j, i] is byte j of chunk c of column 16 t + i (l
 zero point, as the model gives it: uint8 for 4-bit zero points, float32 for zero points of the
 scales' type; weights without zero points (the default, 8) share one row of 16 (`zeros` of shape
 (1, 1, 16)). The kernel multiplies a zero point by its scale as it reads them: one multiply, the
-value a product made ahead would have, and a decode step streams 16 bytes of weights and 4 of
-scale a chunk and column (17 with byte zero points) instead of 24. Columns past N (the last tile's
+value a product made ahead would have, and a decode step streams 20 bytes a chunk and column (16 of
+weights, 4 of scale; 21 with byte zero points) instead of 24. Columns past N (the last tile's
 padding) are zeros.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ TILE = 16  # columns a tile: one 512-bit vector of float32 sums
 CHUNK_BYTES = 16  # bytes of a column a chunk: 32 4-bit values with one scale
 # how far ahead (bytes of tiles) each chunk asks for the weights and scales it will need: a model's
 # weights stream from memory, and the hardware prefetcher alone left a decode step's products 1.3x
-# slower; 2 KB ahead (64 chunks of a column tile) still stalled on memory, 16 KB does not
+# slower; 2 KB ahead (8 chunks of a tile) still stalled on memory at each unit's start
 _PREFETCH_AHEAD = 16384
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
