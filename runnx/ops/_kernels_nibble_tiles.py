@@ -84,7 +84,8 @@ def _tile_dot(typingctx, tiles, low, high, sums, scales, zeros, tile, out):
             builder.call(prefetch_function, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
         chunks = builder.extract_value(tiles_a.shape, 1)
-        shared_zeros = builder.icmp_unsigned("==", builder.extract_value(zeros_a.shape, 1), ir.Constant(i64, 1))
+        zero_rows = builder.mul(builder.extract_value(zeros_a.shape, 0), builder.extract_value(zeros_a.shape, 1))
+        shared_zeros = builder.icmp_unsigned("==", zero_rows, ir.Constant(i64, 1))  # (one tile of one chunk: alike)
         total = cgutils.alloca_once_value(builder, nothing)
         first_chunk = builder.mul(args[6], chunks)
         with cgutils.for_range(builder, chunks) as loop:

@@ -34,7 +34,7 @@ def _nbits_inputs(rows, K, N, bits, block_size, zero_points, dtype=np.float32, r
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
-@pytest.mark.parametrize("K,block_size", [(64, 16), (67, 32), (128, 32), (200, 64), (130, 128), (300, 256)])
+@pytest.mark.parametrize("K,block_size", [(64, 16), (32, 32), (67, 32), (128, 32), (200, 64), (130, 128), (300, 256)])
 @pytest.mark.parametrize("rows", [(1,), (2, 3), (19,), (70,)])  # streamed or tiled (up to 64 rows), and panels
 def test_matmul_nbits(bits, zero_points, K, block_size, rows):
     N = 33
