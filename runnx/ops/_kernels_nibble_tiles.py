@@ -40,25 +40,29 @@ TILE = 16  # columns a tile: one 512-bit vector of float32 sums
 CHUNK_BYTES = 16  # bytes of a column a chunk: 32 4-bit values with one scale
 # how far ahead (bytes of tiles) each chunk asks for the weights and scales it will need: a model's
 # weights stream from memory, and the hardware prefetcher alone left a decode step's products 1.3x
-# slower; 2 KB ahead (8 chunks of a tile) still stalled on memory at each unit's start
-_PREFETCH_AHEAD = 16384
+# slower. One row (a decode step) asks 16 KB ahead: 2 KB (8 chunks of a tile) still stalled on
+# memory at each unit's start. Several rows read each tile once a row, from cache after the first:
+# there 16 KB ahead slowed a first 32-token prompt by a third (its tiles still being made beside
+# it, `registry`'s prepack), so they ask 2 KB ahead
+_ROW_AHEAD, _ROWS_AHEAD = 16384, 2048
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
 @intrinsic
-def _tile_dot(typingctx, tiles, low, high, sums, scales, zeros, tile, out):
+def _tile_dot(typingctx, tiles, low, high, sums, scales, zeros, tile, ahead, out):
     """out[:16] = one row times tile `tile`: in chunk order, each chunk c adds to the 16 columns'
     sums (sum over its 16 bytes j of low nibble * low[16 c + j] + high nibble * high[16 c + j])
     times the chunk's scale, less its zero point times its scale times the row's sum over the chunk
     (`sums[c]`). low, high: the row's values at even and odd positions; zeros: uint8 or float32,
-    one row of 16 per chunk or (shape (1, 1, 16)) one for all; out: 16 contiguous float32."""
-    signature = types.void(tiles, low, high, sums, scales, zeros, tile, out)
+    one row of 16 per chunk or (shape (1, 1, 16)) one for all; ahead: how many bytes of tiles ahead
+    to prefetch; out: 16 contiguous float32."""
+    signature = types.void(tiles, low, high, sums, scales, zeros, tile, ahead, out)
     zero_bytes = zeros.dtype == types.uint8
 
     def codegen(context, builder, sig, args):
         arrays = [context.make_array(kind)(context, builder, value)
-                  for kind, value in zip(sig.args[:6] + sig.args[7:], args[:6] + args[7:])]
+                  for kind, value in zip(sig.args[:6] + sig.args[8:], args[:6] + args[8:])]
         tiles_a, low_a, high_a, sums_a, scales_a, zeros_a, out_a = arrays
         f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
         floats, words, octets = ir.VectorType(f32, TILE), ir.VectorType(i32, TILE), ir.VectorType(ir.IntType(8), TILE)
@@ -94,10 +98,11 @@ def _tile_dot(typingctx, tiles, low, high, sums, scales, zeros, tile, out):
             values_at = builder.mul(chunk, ir.Constant(i64, CHUNK_BYTES))
             columns_at = builder.mul(builder.add(first_chunk, chunk), ir.Constant(i64, TILE))
             for line in range(0, CHUNK_BYTES * TILE, 64):  # (past the last tile: prefetches never fault)
-                prefetch(tiles_a.data, builder.add(bytes_at, ir.Constant(i64, _PREFETCH_AHEAD + line)))
+                prefetch(tiles_a.data, builder.add(bytes_at, builder.add(args[7], ir.Constant(i64, line))))
             zeros_at = builder.select(shared_zeros, ir.Constant(i64, 0), columns_at)
-            prefetch(scales_a.data, builder.add(columns_at, ir.Constant(i64, _PREFETCH_AHEAD // 4)))
-            prefetch(zeros_a.data, builder.add(zeros_at, ir.Constant(i64, _PREFETCH_AHEAD // 4)))
+            numbers_ahead = builder.ashr(args[7], ir.Constant(i64, 2))
+            prefetch(scales_a.data, builder.add(columns_at, numbers_ahead))
+            prefetch(zeros_a.data, builder.add(zeros_at, numbers_ahead))
             sums = [nothing] * 4  # two chains of low and high nibbles: the adds overlap
             for j in range(CHUNK_BYTES):
                 packed = builder.zext(vector(tiles_a.data, builder.add(bytes_at, ir.Constant(i64, TILE * j)),
@@ -129,15 +134,16 @@ def tile_rows(lanes, sums, tiles, scales, zeros, out, first, stop):
     odd positions, zero past K; `sums` (M, chunks)) times the repacked weights (module docstring).
     All arrays C-contiguous float32 but the uint8 tiles (and zeros, uint8 or float32)."""
     rows, columns = out.shape
+    ahead = _ROW_AHEAD if rows == 1 else _ROWS_AHEAD
     for t in range(first, stop):
         start = t * TILE
         count = min(TILE, columns - start)
         for m in range(rows):
             if count == TILE:
-                _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, out[m, start:start + TILE])
+                _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, ahead, out[m, start:start + TILE])
             else:  # the last tile's padding columns go to scratch (allocated here only: a unit each job)
                 scratch = np.empty(TILE, np.float32)
-                _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, scratch)
+                _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, ahead, scratch)
                 out[m, start:columns] = scratch[:count]
 
 
