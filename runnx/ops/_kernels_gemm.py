@@ -218,3 +218,87 @@ def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, co
                         else:
                             _tile(a_panels, a_at, 0, b_source, b_at, b_from, k_count, edge, 0, 0, first)
                         c[row:row + tile_rows, column:column + tile_columns] = edge[:tile_rows, :tile_columns]
+
+
+@intrinsic
+def _fma(typingctx, x, y, z):
+    """x * y + z rounded once (llvm.fma.f32): the tiles' arithmetic, one element at a time."""
+    def codegen(context, builder, sig, args):
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType()] * 3),
+                                                  "llvm.fma.f32")
+        return builder.call(function, args)
+
+    return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+@intrinsic
+def _strip(typingctx, row, columns, first, k_start, k_stop, sums):
+    """sums[first:first + 16] = the chains of fused multiply-adds, from zero, of row[k] times
+    columns[first + lane, k] for k in k_start .. k_stop (columns: C-contiguous (N, K), a b given
+    by its columns), 16 columns in one register: each lane's chain in order, as a tile sums it."""
+    def codegen(context, builder, sig, args):
+        row_a, columns_a, sums_a = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 5))
+        first, k_start, k_stop = args[2], args[3], args[4]
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        vector = ir.VectorType(ir.FloatType(), LANES)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+        depth = builder.extract_value(columns_a.shape, 1)
+        total = cgutils.alloca_once_value(builder, ir.Constant(vector, [0.0] * LANES))
+        undefined, broadcast = ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
+        starts = [builder.mul(builder.add(first, ir.Constant(i64, lane)), depth) for lane in range(LANES)]
+        with cgutils.for_range_slice(builder, k_start, k_stop, ir.Constant(i64, 1)) as (k, _):
+            value = builder.load(builder.gep(row_a.data, [k]))
+            x = builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(i32, 0)), undefined,
+                                       broadcast)
+            column = undefined
+            for lane in range(LANES):
+                entry = builder.load(builder.gep(columns_a.data, [builder.add(starts[lane], k)]))
+                column = builder.insert_element(column, entry, ir.Constant(i32, lane))
+            builder.store(builder.call(fma, [x, column, builder.load(total)]), total)
+        pointer = builder.bitcast(builder.gep(sums_a.data, [first]), vector.as_pointer())
+        builder.store(builder.load(total), pointer, align=4)
+        return context.get_dummy_value()
+
+    return types.void(row, columns, types.int64, types.int64, types.int64, sums), codegen
+
+
+@_kernel
+def few_rows(a, b, c, columns_given, sums):
+    """c = a @ b for a few rows (a decode step's one, stacks of them: an attention's heads), the
+    tiles' arithmetic without packing anything: each element the sum over its k in blocks of KC, in
+    order, each block a chain of fused multiply-adds from zero, so the same bits as `gemm_columns`
+    (which packs b's panels, a's rows and, when `columns_given`, b's columns: more work than one
+    row's multiply-adds). a (M, K), b (K, N) or, columns given, (N, K), C-contiguous; c (M, N);
+    sums: N float32."""
+    if not b.flags.c_contiguous:
+        raise ValueError("few_rows reads b (or its columns) as a C-contiguous matrix")
+    rows, depth = a.shape
+    columns = c.shape[1]
+    for i in range(rows):
+        for k_block in range(0, depth, KC):
+            sums[:columns] = 0
+            stop = min(k_block + KC, depth)
+            if columns_given:  # 16 columns at a time in one register, each lane its own chain
+                whole = columns // LANES * LANES
+                for first in range(0, whole, LANES):
+                    _strip(a[i], b, first, k_block, stop, sums)
+                for j in range(whole, columns):
+                    for k in range(k_block, stop):
+                        sums[j] = _fma(a[i, k], b[j, k], sums[j])
+            else:
+                for k in range(k_block, stop):
+                    x = a[i, k]
+                    for j in range(columns):
+                        sums[j] = _fma(x, b[k, j], sums[j])
+            if k_block == 0:
+                c[i, :] = sums[:columns]
+            else:
+                for j in range(columns):
+                    c[i, j] = c[i, j] + sums[j]
+
+
+@_kernel
+def few_rows_stack(a, b, c, columns_given, sums):
+    """`few_rows` for each matrix of the stacks a (S, M, K), b (S, K, N) or (S, N, K), c (S, M, N)."""
+    for s in range(a.shape[0]):
+        few_rows(a[s], b[s], c[s], columns_given, sums)

@@ -9,7 +9,7 @@ Their results do not depend on the thread count: a product of at least _SPLIT_FR
 has its rows (or, for a short prompt, its columns) shared among runnx's threads
 (`runtime/helpers.py`), each element summed alike. They take every float32 product, small ones
 too, whatever its number of rows, so a row comes out the same in a prompt of any length or a
-block of one.
+block of one; up to FEW_ROWS rows they pack nothing (`gemm.few_rows`, the same arithmetic).
 """
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ from runnx.runtime import pool as decode_pool
 
 _AVX512_OPENBLAS = {"skylakex", "cooperlake", "sapphirerapids"}  # OpenBLAS's AVX-512 kernel sets
 _SPLIT_FROM = 1 << 26  # multiply-adds (half a millisecond and more) from which a product is shared among threads
+# up to this many rows (a decode step's products, an attention's heads) a product is summed without
+# packing anything (`gemm.few_rows`: the same bits); from 4 rows packing pays
+FEW_ROWS = 2
 _FLOAT32 = np.dtype(np.float32)
 _scratch = threading.local()
 _enabled: bool | None = None
@@ -87,6 +90,9 @@ def _matrix_product(a, b, out, columns_given: bool = False) -> None:
     """out = a @ b for 2-D C-contiguous a and b (b.T when `columns_given`: b's columns as its rows),
     out's rows contiguous."""
     rows, columns = a.shape[0], out.shape[1]
+    if rows <= FEW_ROWS and out.flags.c_contiguous:
+        gemm.few_rows(_read_only(a), _read_only(b), out, columns_given, np.empty(columns, np.float32))
+        return
     threads = blas_split.blas_threads() if rows * a.shape[1] * columns >= _SPLIT_FROM else 1
     panels = -(-columns // gemm.NR)
     if threads < 2 or (rows < threads * gemm.MC and panels < threads):
@@ -119,11 +125,27 @@ def matmul(a, b, out=None):
         matrix, columns_given = _rows_or_columns(b)
         _matrix_product(a.reshape(-1, a.shape[-1]), matrix, result.reshape(-1, shape[-1]), columns_given)
         return result
+    if a.shape[-2] <= FEW_ROWS and a.shape[:-2] == batch and b.shape[:-2] == batch and result.flags.c_contiguous:
+        _few_rows_stack(a, b, result)  # an attention's heads: one call, nothing packed
+        return result
     a, b = np.broadcast_to(a, batch + a.shape[-2:]), np.broadcast_to(b, batch + b.shape[-2:])
     for index in np.ndindex(batch):
         matrix, columns_given = _rows_or_columns(b[index])
         _matrix_product(np.ascontiguousarray(a[index]), matrix, result[index], columns_given)
     return result
+
+
+def _few_rows_stack(a, b, out) -> None:
+    """out = a @ b for stacks of one shape whose matrices have at most FEW_ROWS rows, in one call of
+    `gemm.few_rows_stack` (b's matrices read by their rows, or by their columns when those are
+    contiguous: a transposed operand)."""
+    depth, columns = b.shape[-2:]
+    a_stack = np.ascontiguousarray(a).reshape(-1, a.shape[-2], depth)
+    b_stack = b.reshape(-1, depth, columns)
+    columns_given = not b_stack.flags.c_contiguous and b_stack.transpose(0, 2, 1).flags.c_contiguous
+    b_stack = b_stack.transpose(0, 2, 1) if columns_given else np.ascontiguousarray(b_stack)
+    gemm.few_rows_stack(_read_only(a_stack), _read_only(b_stack), out.reshape(-1, a.shape[-2], columns),
+                        columns_given, np.empty(columns, np.float32))
 
 
 def _rows_or_columns(b):
@@ -135,9 +157,15 @@ def _rows_or_columns(b):
 
 
 def load_kernels() -> None:
-    """Load the kernel from numba's cache (or compile it) for the types its calls give it: an output
-    with contiguous rows and one without (a head's rows in a merged-heads layout)."""
+    """Load the kernels from numba's cache (or compile them) for the types their calls give them: an
+    output with contiguous rows and one without (a head's rows in a merged-heads layout); a few
+    rows times b by its rows or its columns, alone and in stacks."""
     if _native.enabled and own_kernels():
-        one = np.ones((2, 1), np.float32)
-        matmul(one, one[:1])
-        matmul(one, one[:1], out=np.empty((2, 2), np.float32)[:, :1])
+        many = np.ones((FEW_ROWS + 1, 1), np.float32)
+        matmul(many, many[:1])
+        matmul(many, many[:1], out=np.empty((FEW_ROWS + 1, 2), np.float32)[:, :1])
+        row, columns = np.ones((1, 3), np.float32), np.ones((2, 3), np.float32)
+        matmul(row, columns.T)
+        matmul(row, np.ones((3, 2), np.float32))
+        matmul(row.reshape(1, 1, 3), columns.reshape(1, 2, 3).transpose(0, 2, 1))
+        matmul(row.reshape(1, 1, 3), np.ones((1, 3, 2), np.float32))

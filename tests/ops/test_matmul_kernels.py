@@ -13,6 +13,8 @@ import pytest
 from runnx.ops import _kernels_gemm as gemm, _matmul
 from runnx.runtime import blas_split, helpers
 
+FEW = _matmul.FEW_ROWS
+
 RNG = np.random.default_rng(7)
 needs_avx512 = pytest.mark.skipif(not gemm.AVAILABLE, reason="this CPU has no AVX-512: numpy's BLAS multiplies")
 
@@ -113,7 +115,7 @@ def test_products_shared_among_threads_are_the_same_bits(own, monkeypatch):
 
 
 @needs_avx512
-@pytest.mark.parametrize("rows, depth, columns", [(1, 1, 1), (13, 300, 33), (131, 257, 545), (40, 600, 1100)])
+@pytest.mark.parametrize("rows, depth, columns", [(3, 1, 1), (13, 300, 33), (131, 257, 545), (40, 600, 1100)])
 def test_b_given_by_its_columns_is_packed_not_copied_and_gives_the_same_bits(own, monkeypatch, rows, depth, columns):
     """b as a transposed view (a weight panel dequantized column by column, keys for scores): the
     kernel packs its columns (`columns_given`), across the KC and BLOCK_COLUMNS edges and the
@@ -201,3 +203,27 @@ def test_own_kernels_run_only_where_blas_is_narrower_than_the_cpu(monkeypatch, l
     monkeypatch.setattr(_matmul, "_enabled", None)
     assert _matmul.own_kernels() is (expected and gemm.AVAILABLE)
     monkeypatch.setattr(_matmul, "_enabled", None)
+
+
+@needs_avx512
+@pytest.mark.parametrize("depth", [1, 64, 255, 257, 600])
+@pytest.mark.parametrize("columns", [1, 15, 16, 33, 512])
+@pytest.mark.parametrize("columns_given", [False, True])
+def test_a_few_rows_are_summed_unpacked_to_the_same_bits(own, monkeypatch, depth, columns, columns_given):
+    """Up to FEW_ROWS rows (a decode step's products, an attention's heads) skip the packing, which
+    costs more than one row's multiply-adds: `few_rows` sums each element in the tiles' order, so
+    every row has the bits the packed kernel gives it inside a larger product, b given by its rows
+    or its columns, alone or in a stack of heads (one call for the stack)."""
+    a = RNG.standard_normal((3, 2, FEW + 1, depth), dtype=np.float32)
+    b = RNG.standard_normal((3, 2, columns, depth) if columns_given else (3, 2, depth, columns), dtype=np.float32)
+    b = b.transpose(0, 1, 3, 2) if columns_given else b
+    packed = _matmul.matmul(a, b)  # FEW + 1 rows: packed, head by head
+    calls = []
+    for name in ("few_rows", "few_rows_stack"):
+        original = getattr(gemm, name)
+        monkeypatch.setattr(gemm, name,
+                            lambda *args, original=original, name=name: calls.append(name) or original(*args))
+    assert np.array_equal(_matmul.matmul(a[:, :, :FEW], b), packed[:, :, :FEW])
+    assert np.array_equal(_matmul.matmul(a[1, 1, :1], b[1, 1]), packed[1, 1, :1])
+    assert calls == ["few_rows_stack", "few_rows"]
+    _close_to_exact(packed, a, b)
