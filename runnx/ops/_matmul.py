@@ -23,8 +23,8 @@ from runnx.runtime import pool as decode_pool
 
 _AVX512_OPENBLAS = {"skylakex", "cooperlake", "sapphirerapids"}  # OpenBLAS's AVX-512 kernel sets
 _SPLIT_FROM = 1 << 26  # multiply-adds (half a millisecond and more) from which a product is shared among threads
-# up to this many rows (a decode step's products, an attention's heads) a product is summed without
-# packing anything (`gemm.few_rows`: the same bits); from 4 rows packing pays
+# up to this many rows (a decode step's products, an attention's heads) a product that stays on one
+# thread is summed without packing anything (`gemm.few_rows`: the same bits); from 4 rows packing pays
 FEW_ROWS = 2
 _FLOAT32 = np.dtype(np.float32)
 _scratch = threading.local()
@@ -90,10 +90,10 @@ def _matrix_product(a, b, out, columns_given: bool = False) -> None:
     """out = a @ b for 2-D C-contiguous a and b (b.T when `columns_given`: b's columns as its rows),
     out's rows contiguous."""
     rows, columns = a.shape[0], out.shape[1]
-    if rows <= FEW_ROWS and out.flags.c_contiguous:
+    threads = blas_split.blas_threads() if rows * a.shape[1] * columns >= _SPLIT_FROM else 1
+    if rows <= FEW_ROWS and threads < 2 and out.flags.c_contiguous:
         gemm.few_rows(_read_only(a), _read_only(b), out, columns_given, np.empty(columns, np.float32))
         return
-    threads = blas_split.blas_threads() if rows * a.shape[1] * columns >= _SPLIT_FROM else 1
     panels = -(-columns // gemm.NR)
     if threads < 2 or (rows < threads * gemm.MC and panels < threads):
         _product((a, b, out, 0, columns, columns_given))
@@ -125,7 +125,8 @@ def matmul(a, b, out=None):
         matrix, columns_given = _rows_or_columns(b)
         _matrix_product(a.reshape(-1, a.shape[-1]), matrix, result.reshape(-1, shape[-1]), columns_given)
         return result
-    if a.shape[-2] <= FEW_ROWS and a.shape[:-2] == batch and b.shape[:-2] == batch and result.flags.c_contiguous:
+    if (a.shape[-2] <= FEW_ROWS and a.shape[:-2] == batch and b.shape[:-2] == batch and result.flags.c_contiguous
+            and a.shape[-2] * b.shape[-2] * b.shape[-1] < _SPLIT_FROM):
         _few_rows_stack(a, b, result)  # an attention's heads: one call, nothing packed
         return result
     a, b = np.broadcast_to(a, batch + a.shape[-2:]), np.broadcast_to(b, batch + b.shape[-2:])

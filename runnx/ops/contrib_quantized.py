@@ -77,7 +77,7 @@ def _nibble_tiles(_, weights, scales, zero_points):
     tiles = np.zeros((count, chunks, CHUNK_BYTES, TILE), np.uint8)
     tile_scales = np.zeros((count, chunks, TILE), work)
     if mode == ZERO_DEFAULT:
-        block_zeros, tile_zeros = np.empty(0, np.uint8), np.full((1, 1, TILE), 1 << 3, np.uint8)
+        block_zeros, tile_zeros = np.empty(0, np.uint8), np.full((1, 1, TILE), 8, np.uint8)  # 4 bits' default
     else:
         kind = np.uint8 if mode == ZERO_PACKED else work
         block_zeros = np.empty((columns, blocks), kind)

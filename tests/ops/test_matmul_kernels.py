@@ -111,7 +111,8 @@ def test_products_shared_among_threads_are_the_same_bits(own, monkeypatch):
     for _ in range(5):
         assert np.array_equal(_matmul.matmul(a, b), alone)
     assert np.array_equal(_matmul.matmul(a[:50], b), alone[:50])  # a short prompt: split by columns
-    assert parts == [2] * 6
+    assert np.array_equal(_matmul.matmul(a[:1], b), alone[:1])  # one row, large enough: split too, not few_rows
+    assert parts == [2] * 7
 
 
 @needs_avx512
