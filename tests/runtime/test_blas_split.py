@@ -96,3 +96,30 @@ def test_encoder_attention_split_by_heads_is_bitwise_the_one_thread_result(sleep
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     want = (weights / weights.sum(-1, keepdims=True)) @ values
     np.testing.assert_allclose(split, want.transpose(0, 2, 1, 3), rtol=1e-4, atol=1e-5)
+
+
+def test_a_part_splitting_again_runs_its_parts_itself_even_when_blas_threads_came_back(sleeping_blas):
+    """Inside a part, BLAS set back to two threads by another thread (a model loading applies its
+    thread count), a product's own split used to wait for the helper busy with its sibling, for
+    ever (a server's transcription hung so). Now a part's parts run on the part's thread."""
+    from runnx.runtime import helpers
+    ran, where = [], []
+
+    def inner(part):
+        where.append((part, threading.current_thread().name))
+
+    def outer(part):
+        threadpoolctl.threadpool_limits(2, user_api="blas")  # as a model loading on another thread would
+        helpers.run_parts(inner, [(part, 0), (part, 1)])
+        ran.append(part)
+
+    finished = threading.Event()
+    worker = threading.Thread(target=lambda: (blas_split.split_among_threads(outer, [0, 1], calls_blas=False),
+                                              finished.set()), daemon=True)
+    worker.start()
+    assert finished.wait(60), "a part's own split waited for busy helpers"
+    assert sorted(ran) == [0, 1]
+    by_part = {}
+    for (part, _), thread in where:
+        by_part.setdefault(part, set()).add(thread)
+    assert all(len(threads) == 1 for threads in by_part.values())  # each part's parts on its own thread
