@@ -24,6 +24,9 @@ class KVCache:
 
     def __init__(self, arrays: dict[str, np.ndarray], *, zeroed: bool = False):
         self.arrays = dict(arrays)
+        # each tensor's whole buffer, of which it is a prefix view (None: no room known): a step
+        # then reads the room and hands buffers over without asking numpy where views start
+        self._buffers = {name: _buffer_of(array) for name, array in self.arrays.items()}
         # buffers' spare rows zero, not uninitialised: a model reading whole buffers (handover(whole=
         # True)) masks the rows past each sequence's length, and a mask cannot hide a NaN
         self.zeroed = zeroed
@@ -54,15 +57,20 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """The smallest room (rows) of any buffer: how long the cache can grow without a copy."""
-        return min((self.length + spare_capacity(a, SEQUENCE_AXIS) for a in self.arrays.values()), default=0)
+        return min((self._rows(name) for name in self.arrays), default=0)
+
+    def _rows(self, name: str) -> int:
+        """Rows the buffer of tensor `name` holds, filled or not."""
+        buffer = self._buffers[name]
+        return (buffer if buffer is not None else self.arrays[name]).shape[SEQUENCE_AXIS]
 
     def reserve(self, rows: int) -> None:
         """Make room for `rows` more rows in every buffer, doubling the capacity when short."""
         for name, array in self.arrays.items():
-            if spare_capacity(array, SEQUENCE_AXIS) < rows:
-                needed = array.shape[SEQUENCE_AXIS] + rows
-                current = array.shape[SEQUENCE_AXIS] + spare_capacity(array, SEQUENCE_AXIS)
-                self.arrays[name] = _copy_into_buffer(array, max(2 * current, needed, 1), self.zeroed)
+            length, current = array.shape[SEQUENCE_AXIS], self._rows(name)
+            if current - length < rows:
+                view = _copy_into_buffer(array, max(2 * current, length + rows, 1), self.zeroed)
+                self.arrays[name], self._buffers[name] = view, view.base
                 self.regrowths += 1
 
     def handover(self, new_tokens: int, *, whole: bool = False) -> dict[str, Owned]:
@@ -77,7 +85,9 @@ class KVCache:
             self.reserve(new_tokens)
         self._handed_over = True
         if whole:
-            return {name: Owned(_whole_buffer(array)) for name, array in self.arrays.items()}
+            buffers = self._buffers
+            return {name: Owned(array if buffers[name] is None else buffers[name])
+                    for name, array in self.arrays.items()}
         return {name: Owned(array) for name, array in self.arrays.items()}
 
     def accept(self, arrays: dict[str, np.ndarray], length: int | None = None) -> None:
@@ -85,12 +95,20 @@ class KVCache:
         keeps only that many rows of each (the filled part of whole buffers)."""
         if arrays.keys() != self.arrays.keys():
             raise RunnxError(f"KV cache update names {sorted(set(arrays) ^ set(self.arrays))} do not match")
-        if length is not None:
-            index = (slice(None),) * SEQUENCE_AXIS + (slice(0, length),)
-            arrays = {name: array[index] for name, array in arrays.items()}
-        self.appended_in_place = all(storage_root(array) is storage_root(self.arrays[name])
-                                     for name, array in arrays.items())
-        self.arrays = dict(arrays)
+        index = None if length is None else (slice(None),) * SEQUENCE_AXIS + (slice(0, length),)
+        views, buffers, in_place = {}, {}, True
+        for name, array in arrays.items():
+            buffer = self._buffers[name]
+            if buffer is None or array is not buffer:  # (a whole buffer handed back is its own buffer)
+                if index is not None:
+                    array = array[index]
+                in_place = in_place and storage_root(array) is storage_root(self.arrays[name])
+                buffer = _buffer_of(array)
+            elif index is not None:
+                array = array[index]
+            views[name], buffers[name] = array, buffer
+        self.appended_in_place = in_place
+        self.arrays, self._buffers = views, buffers
         self._handed_over = False
 
     def copy_arrays(self) -> dict[str, np.ndarray]:
@@ -98,12 +116,9 @@ class KVCache:
         return {name: np.ascontiguousarray(array) for name, array in self.arrays.items()}
 
 
-def _whole_buffer(view: np.ndarray) -> np.ndarray:
-    """The whole buffer a prefix view was cut from (the view itself when it has no spare room)."""
-    if spare_capacity(view, SEQUENCE_AXIS) == 0:
-        return view
-    index = (slice(None),) * SEQUENCE_AXIS + (slice(0, view.shape[SEQUENCE_AXIS] + spare_capacity(view, SEQUENCE_AXIS)),)
-    return view.base[index]
+def _buffer_of(view: np.ndarray) -> np.ndarray | None:
+    """The whole buffer a prefix view was cut from, or None when it has no spare room in one."""
+    return view.base if spare_capacity(view, SEQUENCE_AXIS) > 0 else None
 
 
 def _allocate(shape: tuple, capacity: int, dtype, zeroed: bool) -> np.ndarray:
