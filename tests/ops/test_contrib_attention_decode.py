@@ -160,3 +160,46 @@ def test_a_one_token_prompt_equals_onnxruntime(spy, capacity):
     inputs = [q, k, v, *past, np.zeros(2, np.int32), np.array(1, np.int32), cos, sin]
     _compare(inputs, [0, 0], num_heads=4, kv_num_heads=2, do_rotary=1)
     assert _decode_path_ran(spy)
+
+
+@pytest.mark.parametrize("case", ["rotary", "interleaved", "plain", "window", "scale", "full buffer"])
+def test_one_packed_row_takes_a_shorter_road_to_the_same_bits(monkeypatch, case):
+    """A decode step's common case (one sequence, one row of packed q, k, v, a shared buffer) goes
+    through `_one_packed_row`, with the general path's checks made on its few numbers: the same
+    outputs, bit for bit, as the general path given the same inputs."""
+    lengths, capacity = ([15], 16) if case == "full buffer" else ([7], 16)
+    inputs = _step(lengths, capacity, 6, 2, 16, packed=True, rotary_positions=0 if case == "plain" else 32)
+    attributes = dict(num_heads=6, kv_num_heads=2, do_rotary=int(case != "plain"),
+                      rotary_interleaved=int(case == "interleaved"), local_window_size=4 if case == "window" else -1,
+                      scale=0.3 if case == "scale" else 0.0)
+    taken = []
+    original = contrib_attention._one_packed_row
+    monkeypatch.setattr(contrib_attention, "_one_packed_row", lambda *a: taken.append(original(*a)) or taken[-1])
+    short = _run(inputs, **attributes)
+    assert len(taken) == 1 and taken[0] is not None
+    monkeypatch.setattr(contrib_attention, "_one_packed_row", lambda *a: None)
+    general = _run(inputs, **attributes)
+    for s, g in zip(short, general):
+        np.testing.assert_array_equal(s, g)
+
+
+def test_one_packed_row_leaves_other_steps_to_the_general_path(monkeypatch):
+    """A first prompt's row, rows past the buffer, two sequences, rotary without its caches: the
+    general path decides (growing the cache, raising) as it always did."""
+    taken = []
+    original = contrib_attention._one_packed_row
+    monkeypatch.setattr(contrib_attention, "_one_packed_row", lambda *a: taken.append(original(*a)) or taken[-1])
+    attributes = dict(num_heads=4, kv_num_heads=2, do_rotary=1)
+    first = _step([0], 8, 4, 2, 16, packed=True, rotary_positions=16)
+    first[6] = np.array(1, np.int32)
+    _run(first, **attributes)
+    assert taken == [None]
+    past_the_buffer = _step([8], 8, 4, 2, 16, packed=True, rotary_positions=16)
+    assert _run(past_the_buffer, **attributes)[1].shape[2] == 9  # present is past and the new row
+    assert taken == [None, None]
+    two = _step([5, 5], 8, 4, 2, 16, packed=True, rotary_positions=16)
+    _run(two, **attributes)
+    assert len(taken) == 2  # (two sequences never reach it)
+    no_caches = _step([5], 8, 4, 2, 16, packed=True)
+    with pytest.raises(RunnxError, match="do_rotary=1 needs cos_cache"):
+        _run(no_caches, **attributes)
