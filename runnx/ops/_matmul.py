@@ -149,6 +149,22 @@ def _few_rows_stack(a, b, out) -> None:
                         columns_given, np.empty(columns, np.float32))
 
 
+GROUPED_FEW_ROWS = 4  # rows of a matrix from which `stacked_product` packs (an attention's query heads of a group)
+
+
+def stacked_product(a, b, out, columns_given: bool) -> None:
+    """out[s] = a[s] @ b[s] for C-contiguous stacks a (S, M, K), out (S, M, N) and b (S, K', N) or,
+    columns given, (S, N', K), whose matrices may hold rows past the K (N) read (a KV cache's heads
+    in their capacity buffer): up to GROUPED_FEW_ROWS rows unpacked (`few_rows_stack`), more packed
+    (`_matrix_product`), the same bits either way (module docstring)."""
+    if a.shape[1] <= GROUPED_FEW_ROWS:
+        gemm.few_rows_stack(_read_only(a), _read_only(b), out, columns_given, np.empty(out.shape[2], np.float32))
+        return
+    used = out.shape[2] if columns_given else a.shape[2]
+    for s in range(a.shape[0]):
+        _matrix_product(a[s], b[s, :used], out[s], columns_given)
+
+
 def _rows_or_columns(b):
     """(b, False) with b's rows contiguous, or (b.T, True) when b's columns are (a transposed
     operand, a weight panel dequantized by columns): the kernel packs those, no copy is made."""
@@ -170,3 +186,6 @@ def load_kernels() -> None:
         matmul(row, np.ones((3, 2), np.float32))
         matmul(row.reshape(1, 1, 3), columns.reshape(1, 2, 3).transpose(0, 2, 1))
         matmul(row.reshape(1, 1, 3), np.ones((1, 3, 2), np.float32))
+        heads = np.ones((2, 3, 3), np.float32)  # a cache's heads in their buffer, two rows of three read
+        stacked_product(np.ones((2, 3, 2), np.float32), heads, np.empty((2, 3, 3), np.float32), False)
+        stacked_product(np.ones((2, 3, 3), np.float32), heads, np.empty((2, 3, 2), np.float32), True)

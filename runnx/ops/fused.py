@@ -333,11 +333,12 @@ def _repeat_shapes(shape: tuple, axes: tuple, expand: tuple, target: tuple) -> t
     return unsqueezed, expanded, reshaped, repeat
 
 
-def _repeat(kv, axes, expand, target) -> tuple:
+def head_repeat(kv, axes, expand, target) -> tuple:
+    """`_repeat_shapes` for the array kv and the repeat's inputs."""
     return _repeat_shapes(kv.shape, int_tuple(axes), int_tuple(expand), int_tuple(target))
 
 
-def _materialised(kv, shapes):
+def materialised_repeat(kv, shapes):
     """The unfused computation of the repeated cache, for shapes that are not a plain head repeat."""
     unsqueezed, expanded, reshaped, _ = shapes
     return np.broadcast_to(kv.reshape(unsqueezed), expanded).reshape(reshaped)
@@ -346,7 +347,7 @@ def _materialised(kv, shapes):
 @register("RepeatedKVShape", since=1, domain=DOMAIN, shape_only=(0,))
 def RepeatedKVShape(kv, axes, expand, target):
     """A stand-in with the shape of the repeated cache, for nodes that only read its shape."""
-    return stand_in(kv.dtype, _repeat(kv, axes, expand, target)[2])
+    return stand_in(kv.dtype, head_repeat(kv, axes, expand, target)[2])
 
 
 @register("RMSNormShape", since=1, domain=DOMAIN, shape_only=(0,))
@@ -424,8 +425,8 @@ def repeated_kv_cache(query, key, value, bias, key_axes, key_expand, key_target,
     (the rest comes from constants and the query's shape)."""
     if mask is not None:
         bias = _mask_bias(mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then, masked_else, ctx)
-    repeat = _repeat(key, key_axes, key_expand, key_target)[3]
-    if (repeat is None or repeat != _repeat(value, value_axes, value_expand, value_target)[3]
+    repeat = head_repeat(key, key_axes, key_expand, key_target)[3]
+    if (repeat is None or repeat != head_repeat(value, value_axes, value_expand, value_target)[3]
             or not _grouped(query, key, value) or key.dtype != _FLOAT32 or value.dtype != _FLOAT32
             or query.shape[1] // key.shape[1] > _KERNEL_ROWS):
         return None
@@ -456,12 +457,12 @@ def _merged_shape(heads: tuple, target) -> tuple | None:
 
 def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
                            key_target, value_axes, value_expand, value_target, axis):
-    key_shapes = _repeat(key, key_axes, key_expand, key_target)
-    value_shapes = _repeat(value, value_axes, value_expand, value_target)
+    key_shapes = head_repeat(key, key_axes, key_expand, key_target)
+    value_shapes = head_repeat(value, value_axes, value_expand, value_target)
     repeat = key_shapes[3]
     if repeat is None or repeat != value_shapes[3] or axis % 4 != 3 or not _grouped(query, key, value):
-        keys = _materialised(key, key_shapes)
-        values = _materialised(value, value_shapes)
+        keys = materialised_repeat(key, key_shapes)
+        values = materialised_repeat(value, value_shapes)
         scores = matmul(np.multiply(query, query_scale), np.multiply(np.swapaxes(keys, -1, -2), key_scale))
         return matmul(_probabilities(scores, bias, nan_fill, axis), values)
     dtype = query.dtype

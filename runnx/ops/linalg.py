@@ -12,14 +12,16 @@ import numpy as np
 
 from runnx.capture.capacity import prefix_room
 from runnx.errors import RunnxError
+from runnx.capture.capacity import spare_capacity
 from runnx.ops import _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
 from runnx.ops._kernels_linalg import rows_times_matrix
-from runnx.ops._matmul import matmul
+from runnx.ops._matmul import matmul, own_kernels, stacked_product
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
-from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, norm_fits
+from runnx.ops.fused import (DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, head_repeat,
+                              materialised_repeat, norm_fits)
 from runnx.ops.fused_layer_norm_blocks import (ErfGelu, HeadsAttention, SplitHeads, add_layer_norm, attended_row, attention_row,
                                      split_shape)
 from runnx.ops.registry import register
@@ -83,6 +85,61 @@ def MatMul(a, b):
         rows = matmul(a.reshape(-1, a.shape[-1]), b)
         return _in_dtype(rows.reshape(a.shape[:-1] + (b.shape[1],)), a.dtype)
     return _in_dtype(matmul(a, b), a.dtype)
+
+
+@register("RepeatedKVMatMul", since=1, domain=FUSED_DOMAIN)
+def RepeatedKVMatMul(a, kv, axes, expand, target, scale=None, *, transposed: int = 0):
+    """MatMul(a, r), r = Reshape(Expand(Unsqueeze(kv, axes), expand), target): a KV cache's heads
+    repeated for grouped-query attention as exporters write it; transposed: r's last two axes
+    swapped first (Transpose perm (0, 1, 3, 2)); scale: r times that scalar (a Mul after it). The
+    query heads sharing a KV head go as one product of their rows against that head, read in place
+    in the cache's buffer (r is never made: at a long context it is megabytes a layer a step), each
+    element summed as runnx's own kernels sum it for the unfused MatMul, so the same bits
+    (`interp/fusion/repeated_kv_products.py`). Where those kernels do not run, or the shapes are not
+    a plain head repeat, the nodes' own computation."""
+    shapes = head_repeat(kv, axes, expand, target)
+    repeat = shapes[3]
+    if repeat is not None and _grouped_product_applies(a, kv, scale, repeat, transposed):
+        return _grouped_product(a, kv, scale, repeat, transposed)
+    repeated = materialised_repeat(kv, shapes)
+    if transposed:
+        repeated = np.transpose(repeated, (0, 1, 3, 2))
+    if scale is not None:
+        repeated = np.multiply(repeated, scale)
+    return MatMul(a, repeated)
+
+
+def _grouped_product_applies(a, kv, scale, repeat: int, transposed: int) -> bool:
+    """Whether the unfused MatMul of float32 heads (B, G * repeat, S, D) would run on runnx's own
+    kernels, which sum each element alike whatever rows come with it."""
+    return (_native.enabled and a.dtype == _FLOAT32 and kv.dtype == _FLOAT32 and a.ndim == 4 and a.size and kv.size
+            and a.shape[:2] == (kv.shape[0], kv.shape[1] * repeat) and a.shape[3] == kv.shape[3 if transposed else 2]
+            and (scale is None or (scale.dtype == _FLOAT32 and scale.size == 1 and scale.ndim <= 4)) and own_kernels())
+
+
+def _grouped_product(a, kv, scale, repeat: int, transposed: int):
+    batch, groups = kv.shape[:2]
+    steps = a.shape[2]
+    rows = np.ascontiguousarray(a).reshape(batch, groups, repeat * steps, a.shape[3])
+    # the Mul's products, of the cache's heads only; else the heads read in place, each the first rows of its
+    # head in a C-contiguous buffer (`stacked_product` reads no row past those)
+    heads = np.multiply(kv, scale) if scale is not None else _whole_heads(kv)
+    columns = kv.shape[2] if transposed else kv.shape[3]
+    out = np.empty((batch, groups, repeat * steps, columns), _FLOAT32)
+    for b in range(batch):
+        stacked_product(rows[b], heads[b], out[b], bool(transposed))
+    return out.reshape(batch, groups * repeat, steps, columns)
+
+
+def _whole_heads(kv):
+    """kv (B, G, T, D) itself when C-contiguous, else the capacity buffer (B, G, capacity, D) it is
+    the prefix of (`capture/capacity.py`), else a C-contiguous copy."""
+    if kv.flags.c_contiguous:
+        return kv
+    buffer = kv.base
+    if spare_capacity(kv, 2) > 0 and buffer.flags.c_contiguous:
+        return buffer
+    return np.ascontiguousarray(kv)
 
 
 @register("SharedInputMatMul", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True)

@@ -137,7 +137,7 @@ def test_a_dynamically_quantized_product_becomes_onnxruntimes_matmul_integer_to_
     node (its standard fused op), in the graph that quantizes computed values too: bitwise. The
     quantizer's outputs are graph outputs here, so it stays a node of its own."""
     loaded = runnx.load(attention_then_quantized_projection())
-    assert loaded.fused == {"MatMulIntegerToFloat": 1}
+    assert loaded.fused == {"MatMulIntegerToFloat": 1, "RepeatedKVMatMul": 2}
     fused = [n for n in loaded.graph.nodes if n.op_type == "MatMulIntegerToFloat"]
     assert len(fused) == 1 and fused[0].domain == "com.microsoft"
     assert not any(n.op_type in ("MatMulInteger", "Cast") for n in loaded.graph.nodes)

@@ -17,7 +17,7 @@ quantized decoder's greedy tokens change).
 from __future__ import annotations
 
 from runnx.interp.fusion import (dequantized_products, integer_products, layer_norm_blocks, nbits_products,
-                                 products, rms_norm_blocks, split_products)
+                                 products, repeated_kv_products, rms_norm_blocks, split_products)
 from runnx.interp.fusion.identity_cuts import drop_identity_cuts
 from runnx.interp.fusion.matcher import Matcher
 from runnx.interp.ir import MISSING, Graph, Node
@@ -25,16 +25,17 @@ from runnx.ops import registry
 from runnx.ops._fused_common import DOMAIN
 
 PATTERNS = (dequantized_products.PATTERNS + integer_products.PATTERNS + rms_norm_blocks.PATTERNS
-            + layer_norm_blocks.PATTERNS + nbits_products.PATTERNS + products.PATTERNS)  # products last: see products.py
+            + layer_norm_blocks.PATTERNS + repeated_kv_products.PATTERNS + nbits_products.PATTERNS
+            + products.PATTERNS)  # products last: see products.py
 ROUNDS_APART = frozenset(rms_norm_blocks.ROUNDS_APART + layer_norm_blocks.ROUNDS_APART + products.ROUNDS_APART
                          + split_products.ROUNDS_APART + integer_products.ROUNDS_APART + nbits_products.ROUNDS_APART
-                         + dequantized_products.ROUNDS_APART)
+                         + dequantized_products.ROUNDS_APART + repeated_kv_products.ROUNDS_APART)
 # the domains of anchor nodes: standard ops, runnx's fused ones, onnxruntime's contrib ops
 ANCHOR_DOMAINS = ("", DOMAIN, "com.microsoft")
 # Rewrites into standard ops, run before the shape memos (which would hide the shape nodes they
 # evaluate) so that the patterns then match the graph they leave
 REWRITES = (split_products.split_products, drop_identity_cuts)
-STAND_INS = (rms_norm_blocks.shape_stand_ins, products.shape_stand_ins)
+STAND_INS = (rms_norm_blocks.shape_stand_ins, products.shape_stand_ins, repeated_kv_products.shape_stand_ins)
 # Ops rounding a float input they may be given computed to an integer grid: (domain, op type)
 QUANTIZERS = frozenset({("", "QuantizeLinear"), ("", "DynamicQuantizeLinear"), ("com.microsoft", "QuantizeLinear"),
                         ("com.microsoft", "DynamicQuantizeMatMul"), ("com.microsoft", "DynamicQuantizeLSTM"),
