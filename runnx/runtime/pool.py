@@ -365,7 +365,9 @@ def pool() -> DecodePool | None:
     global _pool
     if not _native.enabled:
         return None
-    if _pool is None and worker_count() > 0:
+    if _pool is not None or _workers == 0:  # (a decode step asks a few hundred times)
+        return _pool
+    if worker_count() > 0:
         with _pool_lock:
             if _pool is None and worker_count() > 0:
                 _pool = DecodePool(worker_count())
