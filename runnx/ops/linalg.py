@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from runnx.capture.capacity import prefix_room
+from runnx.capture.capacity import prefix_room, spare_capacity
 from runnx.errors import RunnxError
-from runnx.capture.capacity import spare_capacity
 from runnx.ops import _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
