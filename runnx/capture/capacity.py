@@ -80,6 +80,12 @@ def spare_capacity(view: np.ndarray, axis: int) -> int:
     return max(_room(view, buffer, axis, start), 0)
 
 
+def whole_buffer(view: np.ndarray, axis: int) -> np.ndarray | None:
+    """The whole buffer `view` is a prefix of along `axis` (its base, `spare_capacity` rows longer),
+    or None when it has no spare room in one."""
+    return view.base if spare_capacity(view, axis) > 0 else None
+
+
 def write_rows(buffer: np.ndarray, axis: int, start: int, rows: np.ndarray) -> None:
     """buffer[..., start:start+n, ...] = rows along `axis`."""
     index = (slice(None),) * axis + (slice(start, start + rows.shape[axis]),)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runnx.capture.capacity import allocate_prefix, spare_capacity
+from runnx.capture.capacity import allocate_prefix, whole_buffer
 from runnx.capture.ownership import Owned, storage_root
 from runnx.errors import RunnxError
 
@@ -26,7 +26,7 @@ class KVCache:
         self.arrays = dict(arrays)
         # each tensor's whole buffer, of which it is a prefix view (None: no room known): a step
         # then reads the room and hands buffers over without asking numpy where views start
-        self._buffers = {name: _buffer_of(array) for name, array in self.arrays.items()}
+        self._buffers = {name: whole_buffer(array, SEQUENCE_AXIS) for name, array in self.arrays.items()}
         # buffers' spare rows zero, not uninitialised: a model reading whole buffers (handover(whole=
         # True)) masks the rows past each sequence's length, and a mask cannot hide a NaN
         self.zeroed = zeroed
@@ -103,7 +103,7 @@ class KVCache:
                 if index is not None:
                     array = array[index]
                 in_place = in_place and storage_root(array) is storage_root(self.arrays[name])
-                buffer = _buffer_of(array)
+                buffer = whole_buffer(array, SEQUENCE_AXIS)
             elif index is not None:
                 array = array[index]
             views[name], buffers[name] = array, buffer
@@ -114,11 +114,6 @@ class KVCache:
     def copy_arrays(self) -> dict[str, np.ndarray]:
         """Exact-size copies of the current tensors (for saving; the buffers stay the cache's)."""
         return {name: np.ascontiguousarray(array) for name, array in self.arrays.items()}
-
-
-def _buffer_of(view: np.ndarray) -> np.ndarray | None:
-    """The whole buffer a prefix view was cut from, or None when it has no spare room in one."""
-    return view.base if spare_capacity(view, SEQUENCE_AXIS) > 0 else None
 
 
 def _allocate(shape: tuple, capacity: int, dtype, zeroed: bool) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runnx.capture.capacity import prefix_room, spare_capacity
+from runnx.capture.capacity import prefix_room, whole_buffer
 from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
@@ -132,13 +132,11 @@ def _grouped_product(a, kv, scale, repeat: int, transposed: int):
 
 def _whole_heads(kv):
     """kv (B, G, T, D) itself when C-contiguous, else the capacity buffer (B, G, capacity, D) it is
-    the prefix of (`capture/capacity.py`), else a C-contiguous copy."""
+    the prefix of, else a C-contiguous copy."""
     if kv.flags.c_contiguous:
         return kv
-    buffer = kv.base
-    if spare_capacity(kv, 2) > 0 and buffer.flags.c_contiguous:
-        return buffer
-    return np.ascontiguousarray(kv)
+    buffer = whole_buffer(kv, 2)
+    return buffer if buffer is not None and buffer.flags.c_contiguous else np.ascontiguousarray(kv)
 
 
 @register("SharedInputMatMul", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True)
