@@ -145,11 +145,12 @@ def _few_rows_stack(a, b, out) -> None:
     b_stack = b.reshape(-1, depth, columns)
     columns_given = not b_stack.flags.c_contiguous and b_stack.transpose(0, 2, 1).flags.c_contiguous
     b_stack = b_stack.transpose(0, 2, 1) if columns_given else np.ascontiguousarray(b_stack)
-    gemm.few_rows_stack(_read_only(a_stack), _read_only(b_stack), out.reshape(-1, a.shape[-2], columns),
-                        columns_given, np.empty(columns, np.float32))
+    stacked_product(a_stack, b_stack, out.reshape(-1, a.shape[-2], columns), columns_given)
 
 
-GROUPED_FEW_ROWS = 4  # rows of a matrix from which `stacked_product` packs (an attention's query heads of a group)
+# rows of a stack's matrices up to which `stacked_product` packs nothing: a cache head's depth (64)
+# is short, so packing its columns pays later than a weight's (FEW_ROWS)
+GROUPED_FEW_ROWS = 4
 
 
 def stacked_product(a, b, out, columns_given: bool) -> None:

@@ -60,6 +60,16 @@ class Matcher:
                         return False
         return True
 
+    def head_repeat(self, vid: int) -> tuple | None:
+        """(Unsqueeze, Expand, Reshape) nodes repeating a KV cache's heads, ending in `vid`, as
+        transformers exports `repeat_kv` (whether they repeat heads the kernels check on the shapes)."""
+        reshape = self.node(vid, "Reshape")
+        expand = self.node(reshape.inputs[0], "Expand") if reshape is not None else None
+        unsqueeze = self.node(expand.inputs[0], "Unsqueeze") if expand is not None else None
+        if unsqueeze is None or reshape.attrs.get("allowzero", 0) or unsqueeze.since < 13:
+            return None
+        return unsqueeze, expand, reshape
+
     def other(self, node: Node, vid: int) -> int:
         """The other input of a binary node, given one."""
         a, b = node.inputs[:2]

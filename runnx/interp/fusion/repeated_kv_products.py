@@ -9,7 +9,6 @@ once per query head sharing it.
 from __future__ import annotations
 
 from runnx.interp.fusion.matcher import Fused, Matcher
-from runnx.interp.fusion.rms_norm_blocks import head_repeat_nodes
 from runnx.interp.ir import MISSING, Node
 
 
@@ -29,7 +28,7 @@ def _repeated_kv_product(m: Matcher, matmul: Node) -> Fused | None:
             return None
         operand = transpose.inputs[0]
         between.append(transpose)
-    repeat = head_repeat_nodes(m, operand)
+    repeat = m.head_repeat(operand)
     if repeat is None:
         return None
     unsqueeze, expand, reshape = repeat

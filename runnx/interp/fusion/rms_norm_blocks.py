@@ -136,16 +136,6 @@ def _rotate_half(m: Matcher, concat: Node) -> Fused | None:
     return Fused("RotateHalf", chain, inputs, add.outputs, {"axis": concat.attrs["axis"]})
 
 
-def head_repeat_nodes(m: Matcher, vid: int):
-    """(Unsqueeze, Expand, Reshape) nodes repeating a KV cache's heads, ending in `vid`."""
-    reshape = m.node(vid, "Reshape")
-    expand = m.node(reshape.inputs[0], "Expand") if reshape is not None else None
-    unsqueeze = m.node(expand.inputs[0], "Unsqueeze") if expand is not None else None
-    if unsqueeze is None or reshape.attrs.get("allowzero", 0) or unsqueeze.since < 13:
-        return None
-    return unsqueeze, expand, reshape
-
-
 def _attention(m: Matcher, softmax: Node) -> Fused | None:
     """Where(IsNaN(p), fill, p) @ repeat(V) with p = Softmax((q * a) @ (Transpose(repeat(K)) * b) + bias)"""
     axis = softmax.attrs.get("axis", -1 if softmax.since >= 13 else 1)
@@ -173,7 +163,7 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
     transpose = m.node(m.other(key_mul, key_scale), "Transpose")
     if transpose is None or transpose.attrs.get("perm") != (0, 1, 3, 2):
         return None
-    key_repeat = head_repeat_nodes(m, transpose.inputs[0])
+    key_repeat = m.head_repeat(transpose.inputs[0])
     readers = m.readers.get(softmax.outputs[0], ())
     if key_repeat is None or len(readers) != 2:
         return None
@@ -186,7 +176,7 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
     if m.scalar(nan_fill) is None or len(readers) != 1 or readers[0].op_type != "MatMul":
         return None
     output = readers[0]
-    if output.inputs[0] != where.outputs[0] or (value_repeat := head_repeat_nodes(m, output.inputs[1])) is None:
+    if output.inputs[0] != where.outputs[0] or (value_repeat := m.head_repeat(output.inputs[1])) is None:
         return None
     chain = [*key_repeat, transpose, key_mul, query_mul, scores, add, softmax, isnan, where, *value_repeat, output]
     if not m.private(chain, output.outputs[0], shape_read=(key_repeat[2].outputs[0], value_repeat[2].outputs[0])):
