@@ -312,26 +312,23 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
 def _one_packed_row(query, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache, heads: int,
                     kv_heads: int, window: int, scale: float, interleaved: bool, overwrite, ctx, output_count: int):
     """A decode step's common case, one sequence's one new row of packed q, k and v into a shared
-    float32 buffer, sent to `_decode_step` as the general path sends it, with its checks made on
-    the few numbers it reads (a decode step runs it once a layer); None when any of them differs,
-    the general path then deciding (and raising) as always."""
-    width = query.shape[2] // (heads + 2 * kv_heads)
-    if (not _native.enabled or query.dtype != _FLOAT32 or width * (heads + 2 * kv_heads) != query.shape[2]
-            or seqlens_k.size != 1 or total_sequence_length.size != 1):
+    buffer, sent to `_decode_step` as the general path sends it, its checks made on the few
+    numbers it reads (a decode step runs it once a layer); None when any of them differs, the
+    general path then deciding (and raising) as always."""
+    if seqlens_k.size != 1 or total_sequence_length.size != 1:
         return None
+    q, k, v = _split_packed(query, None, None, heads, kv_heads)
+    width = q.shape[2] // heads
     count, total, length = int(seqlens_k.item()) + 1, int(total_sequence_length.item()), past_key.shape[2]
-    if (total == 1 or count < 1 or total > length or past_value.shape[2] != length or past_key.dtype != _FLOAT32
-            or past_value.dtype != _FLOAT32 or past_key.shape[3] != width or past_value.shape[3] != width):
-        return None  # (a first prompt's row, rows past the buffer, a cache the rows kernel does not take)
-    if cos_cache is not None and not (cos_cache.dtype == _FLOAT32 == sin_cache.dtype and cos_cache.ndim == 2
-                                      and sin_cache.shape == cos_cache.shape and 2 * cos_cache.shape[1] <= width):
+    if (total == 1 or count < 1 or total > length or past_value.shape[2] != length  # (a first prompt's row, rows
+            or not _rows_kernel_applies(q, k, v, past_key, past_value, cos_cache, sin_cache,  # past the buffer)
+                                        cos_cache is not None, width)):
         return None
-    q = query[:, :, :heads * width].reshape(1, 1, heads, width)
-    k = query[:, :, heads * width:(heads + kv_heads) * width].reshape(1, 1, kv_heads, width)
-    v = query[:, :, (heads + kv_heads) * width:].reshape(1, 1, kv_heads, width)
     starts = np.array([count - 1], np.int64)
-    return _decode_step(q, k, v, past_key, past_value, starts.reshape(1, 1), starts, count, window,
-                        scale or 1 / math.sqrt(width), cos_cache, sin_cache, interleaved, overwrite, ctx, output_count)
+    return _decode_step(q.reshape(1, 1, heads, width), k.reshape(1, 1, kv_heads, width),
+                        v.reshape(1, 1, kv_heads, width), past_key, past_value, starts.reshape(1, 1), starts, count,
+                        window, scale or 1 / math.sqrt(width), cos_cache, sin_cache, interleaved, overwrite, ctx,
+                        output_count)
 
 
 def _outputs(output, present_key, present_value, output_count: int):
