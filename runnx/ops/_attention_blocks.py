@@ -19,7 +19,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._matmul import matmul
+from runnx.ops._matmul import matmul, rest_workers_before
 from runnx.runtime import pool as decode_pool
 
 BLOCK = 64  # query positions a block: a block's scores (query heads a KV head x 64 x keys) stay in L2
@@ -59,7 +59,7 @@ def attend_blocks(scaled, key, value, bias, fill: float):
         ends = np.empty(bias.shape[:3], np.int64)
         visible_ends(bias, ends)
     out = np.empty((batch, heads, length, value.shape[3]), np.float32)
-    decode_pool.rest_workers(batch * heads * length * size * depth)
+    rest_workers_before(batch * heads * length * size * depth)
     for b in range(batch):
         bias_b = None if bias is None else bias[b if bias.shape[0] > 1 else 0]
         ends_b = None if ends is None else ends[b if ends.shape[0] > 1 else 0]

@@ -5,9 +5,9 @@ Every product of a prompt or an encoder goes through `matmul`, so a fused op and
 replaces take the same kernel for the same shapes and round alike. The own kernels run when numba
 compiles for AVX-512 and every BLAS numpy loaded is OpenBLAS with kernels that are not AVX-512 ones
 (OPENBLAS_CORETYPE=Haswell on such a CPU); MKL and OpenBLAS's own AVX-512 kernels are as fast.
-Their results do not depend on the thread count: a product of at least _SPLIT_FROM multiply-adds
-has its rows (or, for a short prompt, its columns) shared among runnx's threads
-(`runtime/helpers.py`), each element summed alike. They take every float32 product, small ones
+Their results do not depend on the thread count: a short prompt's product has its columns shared
+with the decode pool's workers (`runtime/pool.py`), a larger product of at least _SPLIT_FROM
+multiply-adds its rows among runnx's threads (`runtime/helpers.py`), each element summed alike. They take every float32 product, small ones
 too, whatever its number of rows, so a row comes out the same in a prompt of any length or a
 block of one; up to FEW_ROWS rows they pack nothing (`gemm.few_rows`, the same arithmetic).
 """
@@ -23,6 +23,10 @@ from runnx.runtime import pool as decode_pool
 
 _AVX512_OPENBLAS = {"skylakex", "cooperlake", "sapphirerapids"}  # OpenBLAS's AVX-512 kernel sets
 _SPLIT_FROM = 1 << 26  # multiply-adds (half a millisecond and more) from which a product is shared among threads
+# a product of fewer rows (a short prompt's) and at least _POOL_FROM multiply-adds shares its columns
+# with the decode pool's workers, spinning in native code, when the process has them: handing a
+# part to a helper thread costs a tenth of a millisecond, a pool job a few microseconds
+_POOL_ROWS, _POOL_FROM = 2 * gemm.MC, 1 << 21
 # up to this many rows (a decode step's products, an attention's heads) a product that stays on one
 # thread is summed without packing anything (`gemm.few_rows`: the same bits); from 4 rows packing pays
 FEW_ROWS = 2
@@ -46,6 +50,15 @@ def set_own_kernels(enabled: bool | None) -> None:
     """Force the choice (tests and benchmarks compare the two); None: detect it again."""
     global _enabled
     _enabled = None if enabled is None else bool(enabled) and gemm.AVAILABLE
+
+
+def rest_workers_before(multiply_adds: int) -> None:
+    """Let the decode pool's spinning workers sleep before a product of `multiply_adds` that numpy's
+    BLAS computes (its threads need the cores); not when runnx's own kernels take float32
+    products: they share a short prompt's with the workers, or rest them before they split one
+    among helper threads (`_matrix_product`)."""
+    if not (_native.enabled and own_kernels()):
+        decode_pool.rest_workers(multiply_adds)
 
 
 def _takes(a, b) -> bool:
@@ -90,7 +103,11 @@ def _matrix_product(a, b, out, columns_given: bool = False) -> None:
     """out = a @ b for 2-D C-contiguous a and b (b.T when `columns_given`: b's columns as its rows),
     out's rows contiguous."""
     rows, columns = a.shape[0], out.shape[1]
-    threads = blas_split.blas_threads() if rows * a.shape[1] * columns >= _SPLIT_FROM else 1
+    multiply_adds = rows * a.shape[1] * columns
+    threads = blas_split.blas_threads() if multiply_adds >= _SPLIT_FROM else 1
+    if (FEW_ROWS < rows < _POOL_ROWS and multiply_adds >= _POOL_FROM and not helpers.inside_parts()
+            and decode_pool.columns_product(_read_only(a), _read_only(b), out, columns_given)):
+        return
     if rows <= FEW_ROWS and threads < 2 and out.flags.c_contiguous:
         gemm.few_rows(_read_only(a), _read_only(b), out, columns_given, np.empty(columns, np.float32))
         return

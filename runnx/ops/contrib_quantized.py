@@ -23,7 +23,7 @@ from runnx.ops.fused import SiluMul
 from runnx.ops.linalg_integer import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import COMPUTED, register
-from runnx.ops._matmul import matmul, own_kernels
+from runnx.ops._matmul import matmul, own_kernels, rest_workers_before
 from runnx.runtime import pool as decode_pool
 
 DOMAIN = "com.microsoft"
@@ -247,7 +247,7 @@ def _panel_product(rows, b, scales, zero_points: tuple, bits: int, block_size: i
     panel_bytes = _OWN_PANEL_BYTES if own_kernels() else _PANEL_BYTES
     width = max(1, min(columns, panel_bytes // (depth * rows.itemsize)))
     panel = np.empty((width, depth), rows.dtype)
-    decode_pool.rest_workers(rows.size * columns)  # BLAS's threads need the cores
+    rest_workers_before(rows.size * columns)  # BLAS's threads need the cores
     if bits == 4:
         rows = lanes_order(rows)
     for first in range(0, columns, width):

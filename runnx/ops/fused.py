@@ -41,7 +41,7 @@ from runnx.ops.cache import Concat, count_appends
 from runnx.ops.elementwise import Where
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape, Slice
-from runnx.ops._matmul import matmul
+from runnx.ops._matmul import matmul, rest_workers_before
 from runnx.runtime import pool as decode_pool
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the numba kernels' (others: numpy)
@@ -544,7 +544,7 @@ def _attend_numpy(scaled, key, value, bias, fill):
     batch, heads, length, depth = scaled.shape
     groups, size = key.shape[1], key.shape[2]
     grouped = scaled.reshape(batch, groups, heads // groups * length, depth)
-    decode_pool.rest_workers(grouped.size * size)
+    rest_workers_before(grouped.size * size)
     scores = matmul(grouped, np.swapaxes(key, -1, -2)).reshape(batch, heads, length, size)
     if (_native.enabled and scores.dtype == np.float32 and scores.flags.c_contiguous
             and (bias is None or bias.dtype == np.float32)

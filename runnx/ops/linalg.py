@@ -16,7 +16,7 @@ from runnx.ops import _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
 from runnx.ops._kernels_linalg import rows_times_matrix
-from runnx.ops._matmul import matmul, own_kernels, stacked_product
+from runnx.ops._matmul import matmul, own_kernels, rest_workers_before, stacked_product
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import (DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, head_repeat,
@@ -78,7 +78,7 @@ def MatMul(a, b):
     decode_pool.settle()  # a may be the output of a job left open
     if _few_rows(a, b):
         return rows_times_matrix(np.ascontiguousarray(a).reshape(-1, b.shape[0]), b).reshape(a.shape[:-1] + b.shape[1:])
-    decode_pool.rest_workers(a.size * b.shape[-1])
+    rest_workers_before(a.size * b.shape[-1])
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # one GEMM over all leading rows instead of numpy's GEMM (or GEMV) per batch entry
         rows = matmul(a.reshape(-1, a.shape[-1]), b)

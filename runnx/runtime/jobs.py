@@ -19,20 +19,22 @@ from numba.extending import overload
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_fused import attention_combine, attention_scratch
 from runnx.ops._kernels_contrib import nbits_lanes
+from runnx.ops._kernels_gemm import NR
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE
 from runnx.ops._kernels_vnni import unsigned_rows, with_zero_points
 from runnx.runtime.atomics import bits_of_float64, store
 from runnx.runtime.mailbox import PATIENCE, begin_job, finish, open_job, run_job
 from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS,
-                                 GELU_ROWS, GROUPS, HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX, MAX_MATRICES, NBITS,
-                                 NBITS_CHUNKS, NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS,
+                                 GELU_ROWS, GEMM, GEMM_A, GEMM_B, GEMM_COLUMNS_GIVEN, GEMM_DEPTH, GEMM_OUT, GEMM_ROWS,
+                                 GEMM_UNIT, GEMM_WIDTH, GROUPS, HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX,
+                                 MAX_MATRICES, NBITS, NBITS_CHUNKS, NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS,
                                  NBITS_TILE_COUNT, NBITS_TILES, NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZERO_BYTES,
                                  NBITS_ZERO_ROWS, NBITS_ZEROS, OUT, PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY,
                                  ROW, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS, ROWS_IN,
                                  ROWS_OUT, SCALE, SIGNED, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI,
                                  VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT,
-                                 VNNI_WORDS, WIDTH, post_array)
+                                 VNNI_WORDS, WIDTH, post_array, post_matrix)
 
 # a few rows (a short prompt's) take a products job rather than OpenBLAS, which packs the whole
 # matrix for them: up to FEW_ROWS, their partial sums in one pass over the matrix (rows x columns)
@@ -326,3 +328,37 @@ def post_gelu(box, workers, x, bias, divisor, one, half, out):
     store(box, ROW_ARGUMENTS + 3, bits_of_float64(one))
     store(box, ROW_ARGUMENTS + 4, bits_of_float64(half))
     _rows(box, workers, GELU_ROWS, x, out)
+
+
+@_jit
+def _check_gemm(a, b, out, columns_given, unit):
+    """ValueError unless the arrays are what `post_gemm` reads and writes by address."""
+    rows, depth = a.shape
+    columns = out.shape[1]
+    b_shape = (columns, depth) if columns_given else (depth, columns)
+    if (out.shape[0] != rows or b.shape[0] != b_shape[0] or b.shape[1] != b_shape[1] or a.itemsize != 4
+            or b.itemsize != 4 or out.itemsize != 4 or not a.flags.c_contiguous or not b.flags.c_contiguous
+            or out.strides[1] != 4 or out.strides[0] < 0 or out.strides[0] % 4 != 0 or unit <= 0 or unit % NR != 0):
+        raise ValueError("a prompt's products job takes C-contiguous float32 a (M, K) and b (K, N; (N, K) when its "
+                         "columns are given), out (M, N) with contiguous rows, and columns a unit, a multiple of NR")
+
+
+@_jit
+def post_gemm(box, workers, a, b, out, columns_given, unit):
+    """out = a @ b (b.T given, when `columns_given`) by `gemm_columns`, as one job of `unit` columns a
+    unit; whether a worker was idle. Every element is summed alike whichever unit holds it (the
+    kernel's docstring), so the result is the one-thread product's. Arrays that do not fit raise
+    ValueError before anything is posted."""
+    _check_gemm(a, b, out, columns_given, unit)
+    finish(box)  # a may be the last job's output
+    sequence = begin_job(box, PATIENCE)
+    store(box, KIND, GEMM)
+    store(box, GEMM_A, a.ctypes.data)
+    store(box, GEMM_B, b.ctypes.data)
+    store(box, GEMM_ROWS, a.shape[0])
+    store(box, GEMM_DEPTH, a.shape[1])
+    store(box, GEMM_WIDTH, out.shape[1])
+    store(box, GEMM_COLUMNS_GIVEN, 1 if columns_given else 0)
+    store(box, GEMM_UNIT, unit)
+    post_matrix(box, GEMM_OUT, out)
+    return run_job(box, workers, sequence, (out.shape[1] + unit - 1) // unit)

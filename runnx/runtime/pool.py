@@ -32,10 +32,10 @@ import threading
 import numba
 import numpy as np
 
-from runnx.ops import _native
+from runnx.ops import _kernels_gemm as gemm, _native
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_matrix
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
-from runnx.runtime.jobs import (open_nbits, open_products, post_attention, post_gelu, post_nbits,
+from runnx.runtime.jobs import (open_nbits, open_products, post_attention, post_gelu, post_gemm, post_nbits,
                                 post_products, post_softmax, post_vnni)
 from runnx.runtime.mailbox import finish, new_box, rest, serve, stop
 from runnx.runtime.open_jobs import holding, opening, settle
@@ -310,6 +310,24 @@ def vnni_rows(a, flip: bool, tiles, column_sums, a_zero, b_zero, out) -> None:
     """out (M, N) int32 = the 8-bit product of `post_vnni` (C-contiguous tiles), with the pool's
     workers when there are any (exact integer sums: the same values whoever computes them)."""
     shared_call(post_vnni, a, flip, tiles, column_sums, a_zero, b_zero, out)
+
+
+# a prompt's product is cut into about this many units of columns: a claim takes an eighth of the
+# units left, so the threads' shares come out even
+GEMM_UNITS = 16
+
+
+def columns_product(a, b, out, columns_given: bool) -> bool:
+    """out = a @ b (`post_gemm`: C-contiguous float32 a (M, K), b (K, N) or its columns (N, K), out's
+    rows contiguous), its columns shared with the pool's workers; False, having done nothing, when
+    there are none or another thread has the pool. The same compiled kernel on every thread, each
+    element summed alike in any unit: the one-thread product's values."""
+    workers = pool()
+    if workers is None:
+        return False
+    columns = out.shape[1]
+    unit = max(gemm.NR, -(-columns // (GEMM_UNITS * gemm.NR)) * gemm.NR)
+    return workers.call(post_gemm, a, b, out, columns_given, unit) is not BUSY
 
 
 def shared_call(job, *arguments):

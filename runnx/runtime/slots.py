@@ -15,7 +15,7 @@ MAX_WORKERS = STOP - IDLE
 # a job's fields: its kind, unit count, polls a worker spins after it and the units of its first
 # phase (0: one phase; none of the later units starts before those are complete), then the kind's own
 KIND, UNITS, LINGER, FIRST_PHASE, OWN = FIELDS, FIELDS + 1, FIELDS + 2, FIELDS + 3, FIELDS + 4
-PRODUCTS, ATTENTION, ROWS, NBITS, VNNI = 0, 1, 2, 3, 4
+PRODUCTS, ATTENTION, ROWS, NBITS, VNNI, GEMM = 0, 1, 2, 3, 4, 5
 # products: the rows (address, count), then (matrix, width, partial rows, output) for each matrix;
 # its first phase computes the partial rows (a unit a chunk of rows of one matrix), the second adds
 # them into the outputs (a unit `SUM_BLOCK` columns of one output)
@@ -47,8 +47,13 @@ NBITS_TILES = 4  # tiles of 16 output columns per unit
 # C-contiguous), then rows, tiles and groups of 4 bytes
 VNNI_WORDS, VNNI_TILES_AT, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_GROUPS = range(OWN, OWN + 6)
 VNNI_TILES = 8  # tiles of 16 output columns per unit
+# a prompt's float32 product: the addresses of a (M, K) and b (K, N; or its columns, (N, K)), both
+# C-contiguous, M, K, N, whether b's columns are given, the columns a unit computes, then the output
+# (M, N) as posted by `post_array` (its rows contiguous, any row stride)
+GEMM_A, GEMM_B, GEMM_ROWS, GEMM_DEPTH, GEMM_WIDTH, GEMM_COLUMNS_GIVEN, GEMM_UNIT, GEMM_OUT = range(OWN, OWN + 8)
 # the address of `mailbox._units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
-UNITS_CODE = max(MATRICES + PER_MATRIX * MAX_MATRICES, SPAN_STATS + 9, NBITS_ZERO_ROWS + 1, VNNI_GROUPS + 1)
+UNITS_CODE = max(MATRICES + PER_MATRIX * MAX_MATRICES, SPAN_STATS + 9, NBITS_ZERO_ROWS + 1, VNNI_GROUPS + 1,
+                 GEMM_OUT + 9)
 # a claim takes the units left shifted right by this (`mailbox._work`; a mailbox's own, set by `new_box`)
 CLAIM_SHIFT = UNITS_CODE + 1
 MAILBOX_SIZE = CLAIM_SHIFT + 1
@@ -74,3 +79,18 @@ def post_array(box, slot, array):
     for axis in range(4):
         store(box, slot + 1 + axis, array.shape[axis])
         store(box, slot + 5 + axis, array.strides[axis])
+
+
+@_jit
+def post_matrix(box, slot, matrix):
+    """Posts a 2-D `matrix` at slot .. slot + 9 as `post_array` posts a (1, 1, M, N) array, which
+    `posted_array(box, slot)[0, 0]` views again."""
+    store(box, slot, matrix.ctypes.data)
+    store(box, slot + 1, 1)
+    store(box, slot + 2, 1)
+    store(box, slot + 3, matrix.shape[0])
+    store(box, slot + 4, matrix.shape[1])
+    store(box, slot + 5, 0)
+    store(box, slot + 6, 0)
+    store(box, slot + 7, matrix.strides[0])
+    store(box, slot + 8, matrix.strides[1])

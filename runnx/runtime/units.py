@@ -8,7 +8,9 @@ where each field is). A unit gives the same result whichever thread computes it:
 - 4-bit products: `NBITS_TILES` tiles of 16 output columns (`tile_rows`, `ops/_kernels_nibble_tiles.py`),
   each column computed whole by one unit;
 - 8-bit products: `VNNI_TILES` tiles of 16 output columns (`tile_sums_into`, `ops/_kernels_vnni.py`);
-- rows: `ROW_BLOCK` rows of a row kernel (softmax or GELU, `ops/_kernels_rows.py`).
+- rows: `ROW_BLOCK` rows of a row kernel (softmax or GELU, `ops/_kernels_rows.py`);
+- a prompt's float32 product: `GEMM_UNIT` columns of it (`gemm_columns`, `ops/_kernels_gemm.py`,
+  whose elements are summed alike for any split of the columns), its scratch its own.
 """
 from __future__ import annotations
 
@@ -17,13 +19,15 @@ import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_fused import attention_span
+from runnx.ops._kernels_gemm import KC, MC, MR, NR, gemm_columns
 from runnx.ops._kernels_linalg import chunk_bounds, rows_into, rows_into_bytes
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, tile_rows
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
 from runnx.ops._kernels_vnni import tile_sums_into
 from runnx.runtime.atomics import byte_pointer, float32_pointer, float64_from_bits, load
 from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS,
-                                 GROUPS, HAS_BIAS, HEIGHT, MATRICES, MATRIX, NBITS, NBITS_CHUNKS, NBITS_LANES,
+                                 GEMM, GEMM_A, GEMM_B, GEMM_COLUMNS_GIVEN, GEMM_DEPTH, GEMM_OUT, GEMM_ROWS, GEMM_UNIT,
+                                 GEMM_WIDTH, GROUPS, HAS_BIAS, HEIGHT, MATRICES, MATRIX, NBITS, NBITS_CHUNKS, NBITS_LANES,
                                  NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILE_COUNT, NBITS_TILES,
                                  NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, NBITS_ZEROS, OUT,
                                  PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY, KEY, ROW, ROW_ARGUMENTS,
@@ -151,6 +155,21 @@ def _vnni_block(box, index):
 
 
 @_jit
+def _gemm_block(box, index):
+    """Unit `index` of a prompt's product: its `GEMM_UNIT` columns, packing into scratch of its own."""
+    rows, depth, columns = load(box, GEMM_ROWS), load(box, GEMM_DEPTH), load(box, GEMM_WIDTH)
+    given, unit = load(box, GEMM_COLUMNS_GIVEN) != 0, load(box, GEMM_UNIT)
+    a = numba.carray(float32_pointer(load(box, GEMM_A)), (rows, depth))
+    b = numba.carray(float32_pointer(load(box, GEMM_B)), (columns, depth) if given else (depth, columns))
+    out = posted_array(box, GEMM_OUT)[0, 0]
+    first = index * unit
+    stop = min(first + unit, columns)
+    packed_rows = (min(rows, MC) + MR - 1) // MR * MR
+    gemm_columns(a, b, out, first, stop, np.empty(packed_rows * KC, np.float32), np.empty(KC * NR, np.float32),
+                 np.empty((MR, NR), np.float32), given, np.empty(KC * ((stop - first + NR - 1) // NR * NR) if given else 0, np.float32))
+
+
+@_jit
 def compute_unit(box, kind, index):
     """Unit `index` of the posted job, of kind `kind`."""
     if kind == PRODUCTS:
@@ -165,5 +184,7 @@ def compute_unit(box, kind, index):
         _nbits_block(box, index)
     elif kind == VNNI:
         _vnni_block(box, index)
+    elif kind == GEMM:
+        _gemm_block(box, index)
     else:
         _row_block(box, index)

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from runnx.ops import _kernels_gemm as gemm, _matmul
-from runnx.runtime import blas_split, helpers
+from runnx.runtime import blas_split, helpers, slots
 
 FEW = _matmul.FEW_ROWS
 
@@ -116,6 +117,33 @@ def test_products_shared_among_threads_are_the_same_bits(own, monkeypatch):
 
 
 @needs_avx512
+def test_a_short_prompts_product_shares_its_columns_with_the_pool(own, monkeypatch):
+    """A product of a few dozen rows (a short prompt's) is a pool job of column blocks when the
+    process has workers, bitwise the one-thread product; never inside a part of a split (whose
+    threads are the cores), nor for a product too small for a hand-off."""
+    from runnx.runtime import pool as decode_pool
+    monkeypatch.setattr(decode_pool, "_workers", None)
+    decode_pool.set_workers(1)
+    try:
+        workers = decode_pool.pool()
+        a, b = _operands(40, 600, 1100)
+        alone = np.empty((40, 1100), np.float32)
+        _matmul._product((a, b, alone, 0, 1100, False))
+        shared = workers.shared_units
+        deadline = time.monotonic() + 60  # a loaded machine may give the worker no core for a while
+        while workers.shared_units == shared and time.monotonic() < deadline:
+            assert np.array_equal(_matmul.matmul(a, b), alone)
+        assert workers.shared_units > shared  # the worker took units of it
+        posted = workers.box[slots.POSTED]
+        helpers.run_parts(lambda part: _matmul.matmul(*part), [(a, b), (a, b)])
+        small = _matmul.matmul(a[:3, :20], np.ascontiguousarray(b[:20, :30]))
+        _close_to_exact(small, a[:3, :20], b[:20, :30])
+        assert workers.box[slots.POSTED] == posted  # inside parts, and a small product: no job
+    finally:
+        decode_pool.set_workers(None)
+
+
+@needs_avx512
 @pytest.mark.parametrize("rows, depth, columns", [(3, 1, 1), (13, 300, 33), (131, 257, 545), (40, 600, 1100)])
 def test_b_given_by_its_columns_is_packed_not_copied_and_gives_the_same_bits(own, monkeypatch, rows, depth, columns):
     """b as a transposed view (a weight panel dequantized column by column, keys for scores): the
@@ -125,6 +153,8 @@ def test_b_given_by_its_columns_is_packed_not_copied_and_gives_the_same_bits(own
     reference = _matmul.matmul(a, b)
     _close_to_exact(reference, a, b)
     by_columns = np.ascontiguousarray(b.T).T
+    assert np.array_equal(_matmul.matmul(a, by_columns), reference)  # (a short prompt's: a pool job, if any)
+    monkeypatch.setattr(_matmul, "_POOL_FROM", 1 << 62)  # on this thread, where the spy sees the calls
     given = []
     original = gemm.gemm_columns
     monkeypatch.setattr(gemm, "gemm_columns", lambda *args: given.append(args[8]) or original(*args))

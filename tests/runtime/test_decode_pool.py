@@ -10,6 +10,7 @@ import llvmlite.binding as llvm
 import numpy as np
 import pytest
 
+from runnx.ops import _kernels_gemm as gemm, _matmul
 from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, row_times_matrix
 from runnx.ops.linalg import MatMul
@@ -17,6 +18,7 @@ from runnx.runtime import jobs, mailbox, slots
 from runnx.runtime import pool as decode_pool
 
 RNG = np.random.default_rng(0)
+needs_avx512 = pytest.mark.skipif(not gemm.AVAILABLE, reason="this CPU has no AVX-512: numpy's BLAS multiplies")
 _HOST_FMA = bool(llvm.get_host_cpu_features().get("fma"))
 # (depth, width): fewer rows than chunks, rows not a multiple of four, wide rows (four per pass), an
 # LM head's width (its partial rows added by the pool in blocks of columns, the last one short)
@@ -219,7 +221,22 @@ def test_a_product_as_large_as_an_lm_head_wakes_sleeping_workers_before_its_job(
     assert pool.shared_units > before  # a worker took units of the job it was woken for
 
 
-def test_products_worth_blas_threads_let_spinning_workers_sleep(pool):
+@pytest.fixture
+def blas_products():
+    """float32 products on numpy's BLAS, not runnx's own kernels (`ops/_matmul.py`)."""
+    _matmul.set_own_kernels(False)
+    yield
+    _matmul.set_own_kernels(None)
+
+
+@pytest.fixture
+def own_products():
+    _matmul.set_own_kernels(True)
+    yield
+    _matmul.set_own_kernels(None)
+
+
+def test_products_worth_blas_threads_let_spinning_workers_sleep(pool, blas_products):
     # Whisper's first decoder step runs OpenBLAS products of 1500 rows between pool jobs: workers
     # spinning after a job would hold the cores OpenBLAS's threads need. A product too small for
     # them (the rotary MatMul of every SmolLM2 step) must leave the workers spinning.
@@ -240,6 +257,21 @@ def test_products_worth_blas_threads_let_spinning_workers_sleep(pool):
     assert rested and pool.box[slots.LINGER] == 0  # ...after which workers sleep at once
     assert _asleep(pool, 2)
     np.testing.assert_array_equal(pool.products(row, (matrix,))[0], row_times_matrix(row, matrix))
+
+
+@needs_avx512
+def test_a_short_prompts_product_on_runnxs_kernels_is_a_pool_job_not_a_rest(pool, own_products):
+    """runnx's own kernels share a short prompt's product with the spinning workers (a job of column
+    blocks), where a BLAS product would have put them to sleep first: woken again for the next
+    job, they would miss its start."""
+    matrix = RNG.standard_normal((512, 256)).astype(np.float32)
+    rows = RNG.standard_normal((64, 512)).astype(np.float32)
+    expected = np.empty((64, 256), np.float32)
+    _matmul._product((rows, matrix, expected, 0, 256, False))  # one thread, one call
+    posted = pool.box[slots.POSTED]
+    assert np.array_equal(MatMul(rows, matrix), expected)
+    assert pool.box[slots.POSTED] == posted + 1 and pool.box[slots.KIND] == slots.GEMM
+    assert pool.box[slots.LINGER] == mailbox.PATIENCE
 
 
 def test_a_pool_of_sleeping_workers_closes():
@@ -649,13 +681,16 @@ def test_only_the_posting_functions_turn_arrays_into_addresses():
         return {name for name, node in functions.items()
                 if text in ast.get_source_segment(source, node).split(":", 1)[1]}  # (after its signature)
 
-    assert using("jobs.py", "ctypes.data") == {"open_products", "post_gelu", "open_nbits", "post_vnni", "_rows"}
-    assert using("slots.py", "ctypes.data") == {"post_array"}
+    assert using("jobs.py", "ctypes.data") == {"open_products", "post_gelu", "open_nbits", "post_vnni", "_rows",
+                                               "post_gemm"}
+    assert using("slots.py", "ctypes.data") == {"post_array", "post_matrix"}
     assert using("mailbox.py", "ctypes.data") == using("units.py", "ctypes.data") == set()
     assert using("jobs.py", "post_array(") == {"post_attention"}
-    assert all(not using(module, "post_array(") for module in ("mailbox.py", "units.py"))
+    assert using("jobs.py", "post_matrix(") == {"post_gemm"}
+    assert all(not using(module, "post_array(") and not using(module, "post_matrix(")
+               for module in ("mailbox.py", "units.py"))
     _, functions = functions_of("jobs.py")
-    for name in using("jobs.py", "ctypes.data") | using("jobs.py", "post_array("):
+    for name in using("jobs.py", "ctypes.data") | using("jobs.py", "post_array(") | using("jobs.py", "post_matrix("):
         first_call = next(node for node in functions[name].body
                           if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call))
         assert first_call.value.func.id.startswith("_check_"), name  # before any store
@@ -728,3 +763,51 @@ def test_steady_decode_steps_take_numbas_fast_dispatch(pool, fixtures_dir, name,
     for token in range(5, 9):  # the kernels of every shape a step meets, loaded or compiled
         decoder.step(np.array([[token]]))
     assert _slow_dispatches(lambda: [decoder.step(np.array([[token]])) for token in range(9, 13)]) == []
+
+
+# (rows, depth, columns, columns given, unit): one unit and many, a last unit short of a panel, the
+# columns-given packing across KC, a unit of one panel (a's rows read in place), rows past a block
+_GEMM_CASES = [(3, 7, 5, False, 32), (32, 576, 960, False, 64), (17, 300, 1000, True, 96),
+               (40, 600, 70, True, 32), (13, 257, 545, False, 512), (250, 64, 200, False, 32)]
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows, depth, columns, given, unit", _GEMM_CASES)
+def test_a_prompts_product_job_is_bitwise_the_one_thread_product(pool, rows, depth, columns, given, unit):
+    """A prompt's product cut into units of columns, claimed by any thread in claims of any size,
+    into an output whose rows lie apart (a view of a wider buffer), is the one-thread product's
+    bits, and writes nothing outside its output."""
+    a = RNG.standard_normal((rows, depth)).astype(np.float32)
+    b = RNG.standard_normal((columns, depth) if given else (depth, columns)).astype(np.float32)
+    expected = np.empty((rows, columns), np.float32)
+    _matmul._product((a, b, expected, 0, columns, given))
+    try:
+        for shift in (0, 3, 30):  # a claim takes one unit (shift 30) or an eighth of those left
+            pool.box[slots.CLAIM_SHIFT] = shift
+            wide = np.full((rows, columns + 9), np.nan, np.float32)
+            out = wide[:, 4:4 + columns]
+            jobs.post_gemm(pool.box, 2, a, b, out, given, unit)
+            assert np.array_equal(out, expected)
+            assert np.isnan(wide[:, :4]).all() and np.isnan(wide[:, 4 + columns:]).all()
+            assert pool.box[slots.COMPLETED] == pool.box[slots.UNITS] == -(-columns // unit)
+    finally:
+        pool.box[slots.CLAIM_SHIFT] = mailbox.DEFAULT_CLAIM_SHIFT
+
+
+@pytest.mark.parametrize("change", ["depth", "short out", "transposed a", "columns of b", "unit", "float64 out",
+                                    "strided out"])
+def test_a_prompts_product_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+    arrays = dict(a=np.ones((4, 8), np.float32), b=np.ones((8, 6), np.float32), out=np.empty((4, 6), np.float32),
+                  given=False, unit=32)
+    changed = {"depth": ("b", np.ones((7, 6), np.float32)),
+               "short out": ("out", np.empty((3, 6), np.float32)),
+               "transposed a": ("a", np.ones((8, 4), np.float32).T),
+               "columns of b": ("given", True),
+               "unit": ("unit", 20),
+               "float64 out": ("out", np.empty((4, 6))),
+               "strided out": ("out", np.empty((4, 12), np.float32)[:, ::2])}[change]
+    arrays[changed[0]] = changed[1]
+    box = mailbox.new_box()
+    with pytest.raises(ValueError, match="a prompt's products job"):
+        jobs.post_gemm(box, 0, *arrays.values())
+    assert box[slots.POSTED] == 0
