@@ -49,6 +49,74 @@ _ROW_AHEAD, _ROWS_AHEAD = 16384, 2048
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
+def _emit_tiles(context, builder, tiles_a, scales_a, zeros_a, zero_bytes: bool, tile, ahead, rows: list) -> None:
+    """The code of `_tile_dot` for each of `rows`, (low, high, sums, out) pointers of one row, over one
+    unpacking of the tile's bytes: each row's sums are the same chains, in the same order, as its
+    own `_tile_dot`'s."""
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    floats, words, octets = ir.VectorType(f32, TILE), ir.VectorType(i32, TILE), ir.VectorType(ir.IntType(8), TILE)
+    fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3),
+                                             "llvm.fmuladd.v16f32")
+    nothing = ir.Constant(floats, [0.0] * TILE)
+    fifteen, four = ir.Constant(words, [15] * TILE), ir.Constant(words, [4] * TILE)
+    undefined, first_lane = ir.Constant(floats, ir.Undefined), ir.Constant(words, [0] * TILE)
+
+    def broadcast(pointer, index):
+        value = builder.insert_element(undefined, builder.load(builder.gep(pointer, [index])), ir.Constant(i32, 0))
+        return builder.shuffle_vector(value, undefined, first_lane)
+
+    def vector(pointer, index, kind):
+        return builder.load(builder.bitcast(builder.gep(pointer, [index]), kind.as_pointer()), align=1)
+
+    prefetch_function = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
+        "llvm.prefetch.p0i8")
+
+    def prefetch(pointer, index):  # a read, kept in every cache level, of data (not code)
+        address = builder.bitcast(builder.gep(pointer, [index]), ir.IntType(8).as_pointer())
+        builder.call(prefetch_function, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+    chunks = builder.extract_value(tiles_a.shape, 1)
+    zero_rows = builder.mul(builder.extract_value(zeros_a.shape, 0), builder.extract_value(zeros_a.shape, 1))
+    shared_zeros = builder.icmp_unsigned("==", zero_rows, ir.Constant(i64, 1))  # (one tile of one chunk: alike)
+    totals = [cgutils.alloca_once_value(builder, nothing) for _ in rows]
+    first_chunk = builder.mul(tile, chunks)
+    with cgutils.for_range(builder, chunks) as loop:
+        chunk = loop.index
+        bytes_at = builder.mul(builder.add(first_chunk, chunk), ir.Constant(i64, CHUNK_BYTES * TILE))
+        values_at = builder.mul(chunk, ir.Constant(i64, CHUNK_BYTES))
+        columns_at = builder.mul(builder.add(first_chunk, chunk), ir.Constant(i64, TILE))
+        for line in range(0, CHUNK_BYTES * TILE, 64):  # (past the last tile: prefetches never fault)
+            prefetch(tiles_a.data, builder.add(bytes_at, builder.add(ahead, ir.Constant(i64, line))))
+        zeros_at = builder.select(shared_zeros, ir.Constant(i64, 0), columns_at)
+        numbers_ahead = builder.ashr(ahead, ir.Constant(i64, 2))
+        prefetch(scales_a.data, builder.add(columns_at, numbers_ahead))
+        prefetch(zeros_a.data, builder.add(zeros_at, numbers_ahead))
+        sums = [[nothing] * 4 for _ in rows]  # two chains of low and high nibbles a row: the adds overlap
+        for j in range(CHUNK_BYTES):
+            packed = builder.zext(vector(tiles_a.data, builder.add(bytes_at, ir.Constant(i64, TILE * j)),
+                                         octets), words)
+            lows = builder.uitofp(builder.and_(packed, fifteen), floats)
+            highs = builder.uitofp(builder.lshr(packed, four), floats)
+            position = builder.add(values_at, ir.Constant(i64, j))
+            chain = 2 * (j & 1)
+            for (low, high, _, _), row_sums in zip(rows, sums):
+                row_sums[chain] = builder.call(fmuladd, [lows, broadcast(low, position), row_sums[chain]])
+                row_sums[chain + 1] = builder.call(fmuladd, [highs, broadcast(high, position), row_sums[chain + 1]])
+        scale = vector(scales_a.data, columns_at, floats)
+        if zero_bytes:
+            zero = builder.uitofp(builder.zext(vector(zeros_a.data, zeros_at, octets), words), floats)
+        else:
+            zero = vector(zeros_a.data, zeros_at, floats)
+        for (_, _, row_chunk_sums, _), row_sums, total in zip(rows, sums, totals):
+            chunk_sum = builder.fadd(builder.fadd(row_sums[0], row_sums[1]), builder.fadd(row_sums[2], row_sums[3]))
+            zero_share = builder.fmul(builder.fmul(zero, scale), broadcast(row_chunk_sums, chunk))
+            scaled = builder.call(fmuladd, [chunk_sum, scale, builder.load(total)])
+            builder.store(builder.fsub(scaled, zero_share), total)
+    for (_, _, _, out), total in zip(rows, totals):
+        builder.store(builder.load(total), builder.bitcast(out, floats.as_pointer()), align=4)
+
+
 @intrinsic
 def _tile_dot(typingctx, tiles, low, high, sums, scales, zeros, tile, ahead, out):
     """out[:16] = one row times tile `tile`: in chunk order, each chunk c adds to the 16 columns'
@@ -64,65 +132,38 @@ def _tile_dot(typingctx, tiles, low, high, sums, scales, zeros, tile, ahead, out
         arrays = [context.make_array(kind)(context, builder, value)
                   for kind, value in zip(sig.args[:6] + sig.args[8:], args[:6] + args[8:])]
         tiles_a, low_a, high_a, sums_a, scales_a, zeros_a, out_a = arrays
-        f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-        floats, words, octets = ir.VectorType(f32, TILE), ir.VectorType(i32, TILE), ir.VectorType(ir.IntType(8), TILE)
-        fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3),
-                                                 "llvm.fmuladd.v16f32")
-        nothing = ir.Constant(floats, [0.0] * TILE)
-        fifteen, four = ir.Constant(words, [15] * TILE), ir.Constant(words, [4] * TILE)
-        undefined, first_lane = ir.Constant(floats, ir.Undefined), ir.Constant(words, [0] * TILE)
+        _emit_tiles(context, builder, tiles_a, scales_a, zeros_a, zero_bytes, args[6], args[7],
+                    [(low_a.data, high_a.data, sums_a.data, out_a.data)])
+        return context.get_dummy_value()
 
-        def broadcast(pointer, index):
-            value = builder.insert_element(undefined, builder.load(builder.gep(pointer, [index])), ir.Constant(i32, 0))
-            return builder.shuffle_vector(value, undefined, first_lane)
+    return signature, codegen
 
-        def vector(pointer, index, kind):
-            return builder.load(builder.bitcast(builder.gep(pointer, [index]), kind.as_pointer()), align=1)
 
-        prefetch_function = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
-            "llvm.prefetch.p0i8")
+GROUPED_ROWS = 4  # rows `_tiles_dot` takes over one unpacking of a tile: 20 of the 32 vector registers
 
-        def prefetch(pointer, index):  # a read, kept in every cache level, of data (not code)
-            address = builder.bitcast(builder.gep(pointer, [index]), ir.IntType(8).as_pointer())
-            builder.call(prefetch_function, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
 
-        chunks = builder.extract_value(tiles_a.shape, 1)
-        zero_rows = builder.mul(builder.extract_value(zeros_a.shape, 0), builder.extract_value(zeros_a.shape, 1))
-        shared_zeros = builder.icmp_unsigned("==", zero_rows, ir.Constant(i64, 1))  # (one tile of one chunk: alike)
-        total = cgutils.alloca_once_value(builder, nothing)
-        first_chunk = builder.mul(args[6], chunks)
-        with cgutils.for_range(builder, chunks) as loop:
-            chunk = loop.index
-            bytes_at = builder.mul(builder.add(first_chunk, chunk), ir.Constant(i64, CHUNK_BYTES * TILE))
-            values_at = builder.mul(chunk, ir.Constant(i64, CHUNK_BYTES))
-            columns_at = builder.mul(builder.add(first_chunk, chunk), ir.Constant(i64, TILE))
-            for line in range(0, CHUNK_BYTES * TILE, 64):  # (past the last tile: prefetches never fault)
-                prefetch(tiles_a.data, builder.add(bytes_at, builder.add(args[7], ir.Constant(i64, line))))
-            zeros_at = builder.select(shared_zeros, ir.Constant(i64, 0), columns_at)
-            numbers_ahead = builder.ashr(args[7], ir.Constant(i64, 2))
-            prefetch(scales_a.data, builder.add(columns_at, numbers_ahead))
-            prefetch(zeros_a.data, builder.add(zeros_at, numbers_ahead))
-            sums = [nothing] * 4  # two chains of low and high nibbles: the adds overlap
-            for j in range(CHUNK_BYTES):
-                packed = builder.zext(vector(tiles_a.data, builder.add(bytes_at, ir.Constant(i64, TILE * j)),
-                                             octets), words)
-                lows = builder.uitofp(builder.and_(packed, fifteen), floats)
-                highs = builder.uitofp(builder.lshr(packed, four), floats)
-                position = builder.add(values_at, ir.Constant(i64, j))
-                chain = 2 * (j & 1)
-                sums[chain] = builder.call(fmuladd, [lows, broadcast(low_a.data, position), sums[chain]])
-                sums[chain + 1] = builder.call(fmuladd, [highs, broadcast(high_a.data, position), sums[chain + 1]])
-            chunk_sum = builder.fadd(builder.fadd(sums[0], sums[1]), builder.fadd(sums[2], sums[3]))
-            scale = vector(scales_a.data, columns_at, floats)
-            if zero_bytes:
-                zero = builder.uitofp(builder.zext(vector(zeros_a.data, zeros_at, octets), words), floats)
-            else:
-                zero = vector(zeros_a.data, zeros_at, floats)
-            zero_share = builder.fmul(builder.fmul(zero, scale), broadcast(sums_a.data, chunk))
-            scaled = builder.call(fmuladd, [chunk_sum, scale, builder.load(total)])
-            builder.store(builder.fsub(scaled, zero_share), total)
-        builder.store(builder.load(total), builder.bitcast(out_a.data, floats.as_pointer()), align=4)
+@intrinsic
+def _tiles_dot(typingctx, tiles, lanes, sums, scales, zeros, tile, ahead, out, row):
+    """`_tile_dot` of rows row .. row + GROUPED_ROWS - 1 (lanes (M, 2, L), sums (M, C) and out (M, N),
+    C-contiguous; the tile's 16 columns all in out), each tile byte unpacked once for all of them:
+    every row's sums are its own `_tile_dot`'s, in the same order."""
+    signature = types.void(tiles, lanes, sums, scales, zeros, tile, ahead, out, row)
+    zero_bytes = zeros.dtype == types.uint8
+
+    def codegen(context, builder, sig, args):
+        tiles_a, lanes_a, sums_a, scales_a, zeros_a = (context.make_array(kind)(context, builder, value)
+                                                       for kind, value in zip(sig.args[:5], args[:5]))
+        out_a = context.make_array(sig.args[7])(context, builder, args[7])
+        lane_width = builder.extract_value(lanes_a.shape, 2)
+        chunks, columns = builder.extract_value(sums_a.shape, 1), builder.extract_value(out_a.shape, 1)
+        column = builder.mul(args[5], ir.Constant(ir.IntType(64), TILE))
+        rows = []
+        for r in range(GROUPED_ROWS):
+            m = builder.add(args[8], ir.Constant(ir.IntType(64), r))
+            low = builder.gep(lanes_a.data, [builder.mul(m, builder.add(lane_width, lane_width))])
+            rows.append((low, builder.gep(low, [lane_width]), builder.gep(sums_a.data, [builder.mul(m, chunks)]),
+                         builder.gep(out_a.data, [builder.add(builder.mul(m, columns), column)])))
+        _emit_tiles(context, builder, tiles_a, scales_a, zeros_a, zero_bytes, args[5], args[6], rows)
         return context.get_dummy_value()
 
     return signature, codegen
@@ -131,14 +172,19 @@ def _tile_dot(typingctx, tiles, low, high, sums, scales, zeros, tile, ahead, out
 @_kernel
 def tile_rows(lanes, sums, tiles, scales, zeros, out, first, stop):
     """out (M, N) columns of tiles first .. stop = the rows (as `lanes` (M, 2, 16 chunks): even and
-    odd positions, zero past K; `sums` (M, chunks)) times the repacked weights (module docstring).
+    odd positions, zero past K; `sums` (M, chunks)) times the repacked weights (module docstring),
+    GROUPED_ROWS rows at a time over one unpacking of a tile's bytes, the same bits as row by row.
     All arrays C-contiguous float32 but the uint8 tiles (and zeros, uint8 or float32)."""
     rows, columns = out.shape
     ahead = _ROW_AHEAD if rows == 1 else _ROWS_AHEAD
+    grouped = rows // GROUPED_ROWS * GROUPED_ROWS
     for t in range(first, stop):
         start = t * TILE
         count = min(TILE, columns - start)
-        for m in range(rows):
+        if count == TILE:
+            for m in range(0, grouped, GROUPED_ROWS):
+                _tiles_dot(tiles, lanes, sums, scales, zeros, t, ahead, out, m)
+        for m in range(grouped if count == TILE else 0, rows):
             if count == TILE:
                 _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, ahead, out[m, start:start + TILE])
             else:  # the last tile's padding columns go to scratch (allocated here only: a unit each job)
@@ -147,24 +193,24 @@ def tile_rows(lanes, sums, tiles, scales, zeros, out, first, stop):
                 out[m, start:columns] = scratch[:count]
 
 
-@_kernel
-def repack(weights, block_scales, block_zeros, tiles, scales, zeros):
+def repack(weights, block_scales, block_zeros, tiles, scales, zeros) -> None:
     """weights (N, blocks, blob) uint8 with a scale and a zero point per block (flat, N x blocks;
-    `block_zeros` empty when they share zeros' one row) into the tile layout (module docstring),
-    tile by tile and chunk by chunk; the outputs zero-filled beforehand (the last tile's padding)."""
+    `block_zeros` empty when they share zeros' one row, which the caller fills) into the tile
+    layout (module docstring), the last tile's padding columns zero: every element of tiles and
+    scales (and of zeros, with block_zeros) is written, so they may come from np.empty. numpy's
+    strided copies, not a compiled loop: as fast, and a decoder's first prompt, whose weights are
+    being repacked beside it, does not wait for a kernel to load from numba's cache."""
     columns, blocks, blob = weights.shape
-    per_block = blob // CHUNK_BYTES
-    flat = weights.reshape(columns, blocks * blob)
-    own_zeros = block_zeros.size > 0
-    for t in range(tiles.shape[0]):
-        width = min(TILE, columns - t * TILE)
-        for c in range(tiles.shape[1]):
-            block = c // per_block
-            for i in range(width):
-                n = t * TILE + i
-                scales[t, c, i] = block_scales[n * blocks + block]
-                if own_zeros:
-                    zeros[t, c, i] = block_zeros[n * blocks + block]
-                column = flat[n, c * CHUNK_BYTES:(c + 1) * CHUNK_BYTES]
-                for j in range(CHUNK_BYTES):
-                    tiles[t, c, j, i] = column[j]
+    count, chunks = tiles.shape[:2]
+    whole, rest = columns // TILE, columns % TILE
+    flat = weights.reshape(columns, chunks, CHUNK_BYTES)
+    chunk_blocks = np.arange(chunks) // (blob // CHUNK_BYTES)  # each chunk's block
+    parts = [(tiles, flat), (scales, block_scales.reshape(columns, blocks)[:, chunk_blocks])]
+    if block_zeros.size:
+        parts.append((zeros, block_zeros.reshape(columns, blocks)[:, chunk_blocks]))
+    for out, by_column in parts:  # (N, chunks[, 16]) -> (tiles, chunks[, 16], 16 columns)
+        axes = (0, 2, 3, 1) if by_column.ndim == 3 else (0, 2, 1)
+        np.copyto(out[:whole], by_column[:whole * TILE].reshape((whole, TILE) + by_column.shape[1:]).transpose(axes))
+        if rest:
+            out[whole] = 0
+            out[whole, ..., :rest] = np.moveaxis(by_column[whole * TILE:], 0, -1)

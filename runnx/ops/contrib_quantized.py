@@ -74,15 +74,15 @@ def _nibble_tiles(_, weights, scales, zero_points):
     mode, packed, typed = _nbits_zero_points(zero_points, columns, blocks, 4, work)
     flat = np.ascontiguousarray(scales.reshape(-1), dtype=work)
     count, chunks = (columns + TILE - 1) // TILE, blocks * blob // CHUNK_BYTES
-    tiles = np.zeros((count, chunks, CHUNK_BYTES, TILE), np.uint8)
-    tile_scales = np.zeros((count, chunks, TILE), work)
+    tiles = np.empty((count, chunks, CHUNK_BYTES, TILE), np.uint8)  # (`repack` writes every element)
+    tile_scales = np.empty((count, chunks, TILE), work)
     if mode == ZERO_DEFAULT:
         block_zeros, tile_zeros = np.empty(0, np.uint8), np.full((1, 1, TILE), 8, np.uint8)  # 4 bits' default
     else:
         kind = np.uint8 if mode == ZERO_PACKED else work
         block_zeros = np.empty((columns, blocks), kind)
         block_zero_points(packed, typed, mode, 4, 0, blocks, block_zeros)
-        tile_zeros = np.zeros((count, chunks, TILE), kind)
+        tile_zeros = np.empty((count, chunks, TILE), kind)
     repack(weights, flat, block_zeros.reshape(-1), tiles, tile_scales, tile_zeros)
     for array in (tiles, tile_scales, tile_zeros):
         array.flags.writeable = False

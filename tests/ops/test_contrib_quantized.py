@@ -369,3 +369,50 @@ def test_matmul_nbits_4_bit_tiles_keep_zero_points_as_given(K, N, block_size, ro
     assert _nibble_tiles((), b, scales, eights)[2].shape == (tiles, chunks, 16)
     assert _nibble_tiles((), b, scales, eights)[2].dtype == np.uint8
     assert _nibble_tiles((), b, scales, typed)[2].dtype == np.float32
+
+
+@pytest.mark.parametrize("K,N,block_size", [(576, 70, 32), (256, 48, 64), (130, 33, 128)])
+@pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
+def test_matmul_nbits_4_bit_prompt_rows_are_each_the_one_row_bits(K, N, block_size, zero_points):
+    """A prompt's rows go four at a time over one unpacking of each tile (`_tiles_dot`), the rest one
+    by one: every row is the bits of that row alone (a decode step's product), whatever the number
+    of rows around it, for each kind of zero point and a last tile short of 16 columns."""
+    from runnx.ops.contrib_quantized import MatMulNBits
+    from runnx.ops._kernels_nibble_tiles import GROUPED_ROWS
+
+    a, b, scales, zeros = _nbits_inputs((35,), K, N, 4, block_size, zero_points)
+    for array in (b, scales, zeros):
+        if array is not None:
+            array.flags.writeable = False
+    attributes = dict(K=K, N=N, bits=4, block_size=block_size)
+    each = np.concatenate([MatMulNBits(a[m:m + 1], b, scales, zeros, **attributes) for m in range(35)])
+    runnx.runtime.settle()
+    for count in (GROUPED_ROWS, GROUPED_ROWS + 3, 2 * GROUPED_ROWS, 35):
+        np.testing.assert_array_equal(MatMulNBits(a[:count], b, scales, zeros, **attributes), each[:count])
+        runnx.runtime.settle()
+    if zero_points != "typed":  # (the reference reads zero points as packed nibbles)
+        np.testing.assert_allclose(each, _nbits_reference(a, b, scales, zeros, K, N, 4, block_size), rtol=1e-4,
+                                   atol=1e-4)
+
+
+@pytest.mark.parametrize("N,block_size", [(77, 32), (48, 64), (5, 128)])
+@pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
+def test_4_bit_tiles_are_the_weights_bytes_in_their_layout_padding_zero(N, block_size, zero_points):
+    """`repack` fills buffers from np.empty: tile t's chunk c holds byte j of columns 16 t .. 16 t + 15
+    at [t, c, j], the chunk's scales and zero points beside it, every padding column zero."""
+    from runnx.ops.contrib_quantized import _nibble_tiles
+
+    K = 4 * block_size
+    _, b, scales, zeros = _nbits_inputs((1,), K, N, 4, block_size, zero_points)
+    tiles, tile_scales, tile_zeros = _nibble_tiles((), b, scales, zeros)
+    count, chunks = -(-N // 16), K // 32
+    padded = np.zeros((count * 16, chunks, 16), np.uint8)
+    padded[:N] = b.reshape(N, chunks, 16)
+    np.testing.assert_array_equal(tiles, padded.reshape(count, 16, chunks, 16).transpose(0, 2, 3, 1))
+    per_chunk = np.zeros((count * 16, chunks), np.float32)
+    per_chunk[:N] = np.repeat(scales.reshape(N, -1), block_size // 32, axis=1)
+    np.testing.assert_array_equal(tile_scales, per_chunk.reshape(count, 16, chunks).transpose(0, 2, 1))
+    if zero_points is None:
+        assert tile_zeros.shape == (1, 1, 16) and (tile_zeros == 8).all()
+    else:
+        assert tile_zeros.shape == (count, chunks, 16) and (tile_zeros[-1, :, N - 16 * (count - 1):] == 0).all()
