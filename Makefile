@@ -21,6 +21,9 @@ install: $(INSTALLED)
 $(INSTALLED): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --disable-pip-version-check -q -e '.[test]'
+	# bytecode for the editable sources too (pip compiles only what it copies): every command
+	# imports ~150 modules, compiled afresh each process where PYTHONDONTWRITEBYTECODE is set
+	$(BIN)/python -m compileall -q runnx > /dev/null
 	touch $@
 
 test: install
