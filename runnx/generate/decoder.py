@@ -34,6 +34,7 @@ What it does for you:
 """
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 
 import numpy as np
@@ -89,10 +90,23 @@ class DecoderStep:
         self._cross_pasts = [k.past for k in self.past_io.kv if k.is_cross_attention and k.past]
         self._ids_dtype = _input_dtype(model, self.first_io.input_ids, np.dtype(np.int64))
         self.reset()
+        self._prepacking = []  # threads making weights' tiles beside the first prompt (`Model.prepack_in_background`)
         for decoder in {id(m): m for m in (self.first_model, self.past_model)}.values():
             prepack = getattr(decoder, "prepack_in_background", None)  # a runnx Model's (tests step onnxruntime's too)
-            if prepack is not None:  # its weights' tiles made beside the first prompt (`Model.prepack_in_background`)
-                prepack()
+            if prepack is not None and (thread := prepack()) is not None:
+                self._prepacking.append(thread)
+
+    def wait_prepared(self, timeout: float | None = None) -> bool:
+        """Wait until the weights the decoder's models prepack in the background are made (a 4-bit
+        weight's tiles: `Model.prepack_in_background`), as onnxruntime's session creation does
+        before it returns; whether they are (False: `timeout` seconds passed first). Steps never
+        need it (a step reaching a weight first makes its tiles itself), but until then they share
+        the cores with the prepacking: a server or a benchmark wanting steady steps from the first
+        waits here."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._prepacking:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._prepacking)
 
     @classmethod
     def from_folder(cls, folder, *, capacity: int = 256, profile=None, load=None, variant: str | None = None,

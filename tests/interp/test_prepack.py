@@ -141,14 +141,34 @@ def test_a_decoder_step_prepacks_each_of_its_models_once(monkeypatch, fixtures_d
     assert started == [merged]
 
 
+def test_a_decoder_step_waits_for_its_prepacking_when_asked(monkeypatch, fixtures_dir):
+    """`wait_prepared` returns once every prepack thread of the decoder's models has ended: False
+    while one still runs past the timeout, True after."""
+    release = threading.Event()
+
+    def prepacking(self):
+        thread = threading.Thread(target=release.wait, name="runnx-prepack")
+        thread.start()
+        return thread
+
+    monkeypatch.setattr(runnx.interp.model.Model, "prepack_in_background", prepacking)
+    decoder = DecoderStep(load_decoder(str(fixtures_dir / "tiny-llama-merged" / "decoder_model_merged.onnx")))
+    try:
+        assert not decoder.wait_prepared(timeout=0.05)
+    finally:
+        release.set()
+    assert decoder.wait_prepared(timeout=10)
+    monkeypatch.setattr(runnx.interp.model.Model, "prepack_in_background", lambda self: None)
+    assert DecoderStep(load_decoder(str(fixtures_dir / "tiny-llama-merged" / "decoder_model_merged.onnx"))
+                       ).wait_prepared(timeout=0)  # nothing to prepack
+
+
 def test_a_real_int4_decoder_finds_every_weight_prepacked(smollm2_genai_int4_dir, made, monkeypatch):
     """onnxruntime-genai's int4 SmolLM2 through the generation API: the prepack thread makes the
     tiles of every 4-bit product (q/k/v and gate/up joined, o, down, the LM head), so its first
     prompt makes none, and its greedy token is the one the prompt gives without a prepack."""
     decoder = DecoderStep.from_folder(smollm2_genai_int4_dir, capacity=64)
-    for thread in threading.enumerate():
-        if thread.name == "runnx-prepack":
-            thread.join()
+    assert decoder.wait_prepared()
     kinds = [node.op_type for node in decoder.past_model.graph.nodes]
     assert len(made) == kinds.count("MatMulNBits") + kinds.count("SharedInputMatMulNBits") > 30 * 4
     made.clear()
