@@ -20,6 +20,7 @@ import numpy as np
 from runnx.ops import _kernels_gemm as gemm, _native
 from runnx.runtime import blas_split, helpers
 from runnx.runtime import pool as decode_pool
+from runnx.runtime.jobs import post_gemm
 
 _AVX512_OPENBLAS = {"skylakex", "cooperlake", "sapphirerapids"}  # OpenBLAS's AVX-512 kernel sets
 _SPLIT_FROM = 1 << 26  # multiply-adds (half a millisecond and more) from which a product is shared among threads
@@ -194,8 +195,13 @@ def _rows_or_columns(b):
 def load_kernels() -> None:
     """Load the kernels from numba's cache (or compile them) for the types their calls give them: an
     output with contiguous rows and one without (a head's rows in a merged-heads layout); a few
-    rows times b by its rows or its columns, alone and in stacks."""
+    rows times b by its rows or its columns, alone and in stacks; a short prompt's pool job
+    (`runtime.jobs.post_gemm`, run alone here), b by its rows and by its columns."""
     if _native.enabled and own_kernels():
+        for columns_given in (False, True):
+            decode_pool.alone(post_gemm, _read_only(np.ones((FEW_ROWS + 1, 2), np.float32)),
+                              _read_only(np.ones((2, 2), np.float32)), np.empty((FEW_ROWS + 1, 2), np.float32),
+                              columns_given, gemm.NR)
         many = np.ones((FEW_ROWS + 1, 1), np.float32)
         matmul(many, many[:1])
         matmul(many, many[:1], out=np.empty((FEW_ROWS + 1, 2), np.float32)[:, :1])
