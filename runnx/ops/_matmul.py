@@ -7,9 +7,10 @@ compiles for AVX-512 and every BLAS numpy loaded is OpenBLAS with kernels that a
 (OPENBLAS_CORETYPE=Haswell on such a CPU); MKL and OpenBLAS's own AVX-512 kernels are as fast.
 Their results do not depend on the thread count: a short prompt's product has its columns shared
 with the decode pool's workers (`runtime/pool.py`), a larger product of at least _SPLIT_FROM
-multiply-adds its rows among runnx's threads (`runtime/helpers.py`), each element summed alike. They take every float32 product, small ones
-too, whatever its number of rows, so a row comes out the same in a prompt of any length or a
-block of one; up to FEW_ROWS rows they pack nothing (`gemm.few_rows`, the same arithmetic).
+multiply-adds its rows among runnx's threads (`runtime/helpers.py`), each element summed alike. They
+take every float32 product, small ones too, whatever its number of rows, so a row comes out the same
+in a prompt of any length or a block of one; up to FEW_ROWS rows they pack nothing (`gemm.few_rows`,
+the same arithmetic).
 """
 from __future__ import annotations
 

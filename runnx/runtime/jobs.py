@@ -28,13 +28,13 @@ from runnx.runtime.mailbox import PATIENCE, begin_job, finish, open_job, run_job
 from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS,
                                  GELU_ROWS, GEMM, GEMM_A, GEMM_B, GEMM_COLUMNS_GIVEN, GEMM_DEPTH, GEMM_OUT, GEMM_ROWS,
                                  GEMM_UNIT, GEMM_WIDTH, GROUPS, HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX,
-                                 MAX_MATRICES, NBITS, NBITS_CHUNKS, NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS,
-                                 NBITS_TILE_COUNT, NBITS_TILES, NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZERO_BYTES,
-                                 NBITS_ZERO_ROWS, NBITS_ZEROS, OUT, PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY,
-                                 ROW, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS, ROWS_IN,
-                                 ROWS_OUT, SCALE, SIGNED, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI,
-                                 VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT,
-                                 VNNI_WORDS, WIDTH, post_array, post_matrix)
+                                 MAX_MATRICES, NBITS, NBITS_CHUNKS, NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES,
+                                 NBITS_SUMS, NBITS_TILE_COUNT, NBITS_TILES, NBITS_TILES_AT, NBITS_WIDTH,
+                                 NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, NBITS_ZEROS, OUT, PARTIAL_SUMS, PARTIALS,
+                                 PER_MATRIX, PRODUCTS, QUERY, ROW, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT,
+                                 ROW_KERNEL, ROWS, ROWS_IN, ROWS_OUT, SCALE, SIGNED, SOFTMAX_ROWS, SPAN_STATS,
+                                 SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT,
+                                 VNNI_TILES, VNNI_TILES_AT, VNNI_WORDS, WIDTH, post_array, post_matrix)
 
 # a few rows (a short prompt's) take a products job rather than OpenBLAS, which packs the whole
 # matrix for them: up to FEW_ROWS, their partial sums in one pass over the matrix (rows x columns)

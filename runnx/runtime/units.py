@@ -27,7 +27,8 @@ from runnx.ops._kernels_vnni import tile_sums_into
 from runnx.runtime.atomics import byte_pointer, float32_pointer, float64_from_bits, load
 from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS,
                                  GEMM, GEMM_A, GEMM_B, GEMM_COLUMNS_GIVEN, GEMM_DEPTH, GEMM_OUT, GEMM_ROWS, GEMM_UNIT,
-                                 GEMM_WIDTH, GROUPS, HAS_BIAS, HEIGHT, MATRICES, MATRIX, NBITS, NBITS_CHUNKS, NBITS_LANES,
+                                 GEMM_WIDTH, GROUPS, HAS_BIAS, HEIGHT, MATRICES, MATRIX, NBITS, NBITS_CHUNKS,
+                                 NBITS_LANES,
                                  NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILE_COUNT, NBITS_TILES,
                                  NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, NBITS_ZEROS, OUT,
                                  PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY, KEY, ROW, ROW_ARGUMENTS,
@@ -165,8 +166,9 @@ def _gemm_block(box, index):
     first = index * unit
     stop = min(first + unit, columns)
     packed_rows = (min(rows, MC) + MR - 1) // MR * MR
+    packed_columns = (stop - first + NR - 1) // NR * NR if given else 0
     gemm_columns(a, b, out, first, stop, np.empty(packed_rows * KC, np.float32), np.empty(KC * NR, np.float32),
-                 np.empty((MR, NR), np.float32), given, np.empty(KC * ((stop - first + NR - 1) // NR * NR) if given else 0, np.float32))
+                 np.empty((MR, NR), np.float32), given, np.empty(KC * packed_columns, np.float32))
 
 
 @_jit
