@@ -49,7 +49,7 @@ _ROW_AHEAD, _ROWS_AHEAD = 16384, 2048
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
-def _emit_tiles(context, builder, tiles_a, scales_a, zeros_a, zero_bytes: bool, tile, ahead, rows: list) -> None:
+def _emit_tiles(builder, tiles_a, scales_a, zeros_a, zero_bytes: bool, tile, ahead, rows: list) -> None:
     """The code of `_tile_dot` for each of `rows`, (low, high, sums, out) pointers of one row, over one
     unpacking of the tile's bytes: each row's sums are the same chains, in the same order, as its
     own `_tile_dot`'s."""
@@ -132,7 +132,7 @@ def _tile_dot(typingctx, tiles, low, high, sums, scales, zeros, tile, ahead, out
         arrays = [context.make_array(kind)(context, builder, value)
                   for kind, value in zip(sig.args[:6] + sig.args[8:], args[:6] + args[8:])]
         tiles_a, low_a, high_a, sums_a, scales_a, zeros_a, out_a = arrays
-        _emit_tiles(context, builder, tiles_a, scales_a, zeros_a, zero_bytes, args[6], args[7],
+        _emit_tiles(builder, tiles_a, scales_a, zeros_a, zero_bytes, args[6], args[7],
                     [(low_a.data, high_a.data, sums_a.data, out_a.data)])
         return context.get_dummy_value()
 
@@ -163,7 +163,7 @@ def _tiles_dot(typingctx, tiles, lanes, sums, scales, zeros, tile, ahead, out, r
             low = builder.gep(lanes_a.data, [builder.mul(m, builder.add(lane_width, lane_width))])
             rows.append((low, builder.gep(low, [lane_width]), builder.gep(sums_a.data, [builder.mul(m, chunks)]),
                          builder.gep(out_a.data, [builder.add(builder.mul(m, columns), column)])))
-        _emit_tiles(context, builder, tiles_a, scales_a, zeros_a, zero_bytes, args[5], args[6], rows)
+        _emit_tiles(builder, tiles_a, scales_a, zeros_a, zero_bytes, args[5], args[6], rows)
         return context.get_dummy_value()
 
     return signature, codegen
@@ -184,13 +184,13 @@ def tile_rows(lanes, sums, tiles, scales, zeros, out, first, stop):
         if count == TILE:
             for m in range(0, grouped, GROUPED_ROWS):
                 _tiles_dot(tiles, lanes, sums, scales, zeros, t, ahead, out, m)
-        for m in range(grouped if count == TILE else 0, rows):
-            if count == TILE:
+            for m in range(grouped, rows):
                 _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, ahead, out[m, start:start + TILE])
-            else:  # the last tile's padding columns go to scratch (allocated here only: a unit each job)
-                scratch = np.empty(TILE, np.float32)
-                _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, ahead, scratch)
-                out[m, start:columns] = scratch[:count]
+            continue
+        for m in range(rows):  # the last tile's padding columns go to scratch (allocated here only: a unit each job)
+            scratch = np.empty(TILE, np.float32)
+            _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, ahead, scratch)
+            out[m, start:columns] = scratch[:count]
 
 
 def repack(weights, block_scales, block_zeros, tiles, scales, zeros) -> None:

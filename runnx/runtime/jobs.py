@@ -350,8 +350,7 @@ def post_gemm(box, workers, a, b, out, columns_given, unit):
     kernel's docstring), so the result is the one-thread product's. Arrays that do not fit raise
     ValueError before anything is posted."""
     _check_gemm(a, b, out, columns_given, unit)
-    finish(box)  # a may be the last job's output
-    sequence = begin_job(box, PATIENCE)
+    sequence = begin_job(box, PATIENCE)  # (which finishes the last job, whose output a may be)
     store(box, KIND, GEMM)
     store(box, GEMM_A, a.ctypes.data)
     store(box, GEMM_B, b.ctypes.data)

@@ -49,7 +49,7 @@ VNNI_WORDS, VNNI_TILES_AT, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_GROUPS = r
 VNNI_TILES = 8  # tiles of 16 output columns per unit
 # a prompt's float32 product: the addresses of a (M, K) and b (K, N; or its columns, (N, K)), both
 # C-contiguous, M, K, N, whether b's columns are given, the columns a unit computes, then the output
-# (M, N) as posted by `post_array` (its rows contiguous, any row stride)
+# (M, N) as posted by `post_matrix` (its rows contiguous, any row stride)
 GEMM_A, GEMM_B, GEMM_ROWS, GEMM_DEPTH, GEMM_WIDTH, GEMM_COLUMNS_GIVEN, GEMM_UNIT, GEMM_OUT = range(OWN, OWN + 8)
 # the address of `mailbox._units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
 UNITS_CODE = max(MATRICES + PER_MATRIX * MAX_MATRICES, SPAN_STATS + 9, NBITS_ZERO_ROWS + 1, VNNI_GROUPS + 1,
