@@ -11,14 +11,24 @@ at its node by the line it was raised on, so the nodes carry no bookkeeping for 
 worded by `node_error`, as the interpreted loop words it.
 
 CPython's `compile()` costs microseconds per syntax node, paid by the run that generates the
-function: the callers emit a node's common path inline and call shared helpers for the rest. What
+function: the callers emit a node's common path inline and call shared helpers for the rest. The
+bytecode is also kept on disk, as Python keeps a module's (`generated_code_root`, one file named by
+a hash of the source, its name and the interpreter's bytecode version): the same model's plan and
+memos in a later process are read back, not compiled again (a few dozen milliseconds of a first
+token). The source is generated from the graph alone, so it is the same in every process; a file
+that cannot be read or written is compiled as if absent. What
 a plan emits for storage ownership comes from the rules themselves (capture/ownership.py), what
 it emits to find a memo's kept result from its ShapeGroup.
 """
 from __future__ import annotations
 
+import hashlib
+import marshal
+import os
 from bisect import bisect_right
+from importlib.util import MAGIC_NUMBER
 
+from runnx._cache_dirs import generated_code_root
 from runnx.interp.node_context import node_error
 from runnx.ops.registry import bound_kernel
 
@@ -80,7 +90,7 @@ class Program:
         source = "\n".join(self.head) + f"\n{INDENT}" + f"\n{INDENT}".join(self.body) + "\n" + "\n".join(tail)
         self.head = self.body = None  # the source is not kept: a plan's is megabytes
         self.namespace["FAILED"] = self._failed
-        exec(compile(source, f"<runnx {self.title}>", "exec"), self.namespace)
+        exec(compiled(source, f"<runnx {self.title}>"), self.namespace)
         return self.namespace["run"]
 
     def _failed(self, error: Exception, scope: dict) -> Exception:
@@ -89,3 +99,23 @@ class Program:
         at = bisect_right(self._starts, error.__traceback__.tb_lineno) - 1
         args = [scope[name] if name in scope else self.namespace.get(name) for name in self._arguments[at]]
         return node_error(self.graph, self._nodes[at], args, error)
+
+
+def compiled(source: str, filename: str):
+    """compile(source, filename, "exec"), read from the bytecode kept on disk by an earlier process
+    when there is one (module docstring), else compiled and kept."""
+    key = hashlib.sha256(MAGIC_NUMBER + filename.encode() + b"\0" + source.encode()).hexdigest()
+    path = generated_code_root() / key[:2] / key
+    try:
+        return marshal.loads(path.read_bytes())
+    except (OSError, EOFError, ValueError, TypeError):  # absent, unreadable or cut short
+        pass
+    code = compile(source, filename, "exec")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{key}.{os.getpid()}.tmp")
+        partial.write_bytes(marshal.dumps(code))
+        os.replace(partial, path)  # whole or not at all: another process may be reading it
+    except OSError:
+        pass
+    return code
