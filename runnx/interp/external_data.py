@@ -57,11 +57,17 @@ class ExternalData:
     def __init__(self, folder: str):
         self.folder = folder
         self._maps: dict[str, object] = {}
+        # location -> its checked path: a model's hundreds of tensors name one or a few files, and
+        # each check resolves every part of the path (a dozen system calls)
+        self._paths: dict[str, str] = {}
 
     def read(self, tensor):
         entries = {e.key: e.value for e in tensor.external_data}
         what = f"tensor '{tensor.name}'"
-        path = confined_path(self.folder, entries.get("location", ""), what)
+        location = entries.get("location", "")
+        path = self._paths.get(location) if type(location) is str else None
+        if path is None:
+            path = self._paths[location] = confined_path(self.folder, location, what)
         if path not in self._maps:
             try:
                 self._maps[path] = _map_file(path)

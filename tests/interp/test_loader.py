@@ -107,6 +107,38 @@ def test_missing_external_file_and_bytes_models_with_external_data_are_refused(t
         runnx.load(path.read_bytes())
 
 
+def _two_external(tmp_path, second_location):
+    """A model whose initializers 'w' and 'v' lie in weights.bin and `second_location`."""
+    model = _proto(nodes=[helper.make_node("Add", ["x", "w"], ["a"], name="add"),
+                          helper.make_node("Add", ["a", "v"], ["y"], name="add_v")])
+    model.graph.initializer.append(numpy_helper.from_array(WEIGHT * 2, "v"))
+    for index, (tensor, location) in enumerate(zip(model.graph.initializer, ("weights.bin", second_location))):
+        tensor.ClearField("raw_data")
+        tensor.data_location = TensorProto.EXTERNAL
+        for key, value in (("location", location), ("offset", str(index * WEIGHT.nbytes)),
+                           ("length", str(WEIGHT.nbytes))):
+            tensor.external_data.add(key=key, value=value)
+    folder = tmp_path / "model"
+    folder.mkdir(parents=True)
+    (folder / "weights.bin").write_bytes(WEIGHT.tobytes() + (WEIGHT * 2).tobytes())
+    (tmp_path / "outside.bin").write_bytes(WEIGHT.tobytes() * 2)
+    path = folder / "model.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path
+
+
+def test_tensors_of_one_external_file_check_its_path_once_and_each_other_file_its_own(tmp_path, monkeypatch):
+    from runnx.interp import external_data
+    checked = []
+    original = external_data.confined_path
+    monkeypatch.setattr(external_data, "confined_path", lambda *a: checked.append(a[1]) or original(*a))
+    model = runnx.load(_two_external(tmp_path, "weights.bin"))
+    assert checked == ["weights.bin"]
+    np.testing.assert_array_equal(model.run({"x": np.ones((3, 4), np.float32)})["y"], WEIGHT * 3 + 1)
+    with pytest.raises(runnx.ExternalDataError, match="tensor 'v'.*escapes the model folder"):
+        runnx.load(_two_external(tmp_path / "second", "../outside.bin"))
+
+
 def test_safetensors_weights_override_initializers_zero_copy(tmp_path):
     weights = tmp_path / "w.safetensors"
     safetensors.numpy.save_file({"w": np.full((3, 4), 7, np.float32)}, weights)
