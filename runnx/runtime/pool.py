@@ -235,7 +235,10 @@ class DecodePool:
         about to run, and OpenBLAS's threads need their cores (an encoder-decoder's first decoder step,
         its cross-attention keys and values of 1500 encoder rows between pool jobs)."""
         settle()
-        if not all(self.box[IDLE:IDLE + self._workers]) and self._lock.acquire(blocking=False):
+        # a worker woken after a job it came too late for still reads as idle until its thread
+        # runs: it would then spin through the product beside OpenBLAS's threads
+        waking = any([wake.is_set() for wake in self._wakes])
+        if (waking or not all(self.box[IDLE:IDLE + self._workers])) and self._lock.acquire(blocking=False):
             try:
                 rest(self.box)
             finally:

@@ -259,6 +259,28 @@ def test_products_worth_blas_threads_let_spinning_workers_sleep(pool, blas_produ
     np.testing.assert_array_equal(pool.products(row, (matrix,))[0], row_times_matrix(row, matrix))
 
 
+def test_a_worker_woken_but_not_yet_running_is_put_to_rest_before_a_blas_product(pool, blas_products):
+    # A job small enough to finish alone wakes the sleeping workers after it: a worker whose thread
+    # has not run yet still reads as idle. Left alone, it would wake during the next BLAS product and
+    # spin beside OpenBLAS's threads (a 32-token prompt's attention, then its output projection: 8x
+    # slower). rest() posts its empty job for such a worker too.
+    assert _asleep(pool, 2)
+    rows = RNG.standard_normal((64, 512)).astype(np.float32)
+    matrix = RNG.standard_normal((512, 256)).astype(np.float32)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(10.0)  # the woken workers cannot take the GIL to return from their wait
+    try:
+        pool._wake()
+        assert all(pool.box[slots.IDLE:slots.IDLE + 2])
+        posted = pool.box[slots.POSTED]
+        product = MatMul(rows, matrix)
+        assert pool.box[slots.POSTED] == posted + 1 and pool.box[slots.LINGER] == 0
+    finally:
+        sys.setswitchinterval(interval)
+    np.testing.assert_allclose(product, rows @ matrix, rtol=1e-5, atol=1e-4)
+    assert _asleep(pool, 2)
+
+
 @needs_avx512
 def test_a_short_prompts_product_on_runnxs_kernels_is_a_pool_job_not_a_rest(pool, own_products):
     """runnx's own kernels share a short prompt's product with the spinning workers (a job of column
