@@ -10,10 +10,10 @@ value are read in place whatever their strides (a KV cache is a view into its ca
 each cache row once for all the query heads of its group. bias is additive, broadcastable to
 (batch, heads, q_len, kv_len), or None. A row whose softmax is NaN (every key masked) gives
 fill * sum(value rows): NaN like the plain Softmax graph, 0 where the exporter replaced NaN by 0.
-float32/float64 in one dtype and up to `_KERNEL_ROWS` query rows per KV head go to the numba
-kernel (`_kernels_fused.py`, one thread: with BLAS threads spinning between the MatMuls a parallel
-region gains nothing on 2 cores, and OpenMP's own spinning can stall it for milliseconds);
-anything else (a long prefill: BLAS products win) computes the same with numpy.
+float32/float64 in one dtype and up to `_KERNEL_ROWS` query rows per KV head, or any number of
+them over up to `_KERNEL_KEYS` keys (a short prompt's attention over itself), go to the numba
+kernel (`_kernels_fused.py`; float32 shares the KV heads with the decode pool's workers); anything
+else (a long prefill: BLAS products win) computes the same with numpy.
 
 RMSNorm, the SiLU gate and rotate-half do the unfused arithmetic in its order (numpy's pairwise
 summation order, numpy's exp), so their results are bitwise the unfused graph's. Attention is
@@ -505,7 +505,11 @@ def _grouped(query, key, value) -> bool:
             and heads % groups == 0)
 
 
-_KERNEL_ROWS = 48  # query rows per KV head up to which the kernel beats numpy's BLAS products (decode, short prefill)
+# query rows per KV head up to which the kernel beats numpy's BLAS products (a decode step, over any
+# number of keys); over at most _KERNEL_KEYS keys it does for any number of rows (a prompt of a few
+# dozen tokens: half the time in a prefill, where each layer's attention starts with its code and
+# data evicted by the weights streamed since)
+_KERNEL_ROWS, _KERNEL_KEYS = 48, 64
 
 
 def _attend_kernel(query, key, value, bias, scale: float, fill: float):
@@ -517,7 +521,7 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float):
     batch, heads, length, depth = query.shape
     groups, size = key.shape[1], key.shape[2]
     rows = heads // groups * length
-    if rows > _KERNEL_ROWS:
+    if rows > _KERNEL_ROWS and size > _KERNEL_KEYS:
         return None
     if bias is not None:
         if bias.dtype != dtype or bias.ndim > 4:

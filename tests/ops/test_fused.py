@@ -302,7 +302,8 @@ def test_repeated_kv_attention_fills_fully_masked_rows():
     (2, 4, 4, 1, 33),  # multi-head, batch 2
     (1, 6, 2, 5, 23),  # prefill rows with a causal mask
     (1, 2, 1, 3, 1),  # a single cache row
-    (1, 4, 2, 40, 45),  # a long prefill: numpy's matrix products
+    (1, 4, 2, 40, 45),  # a short prompt's many rows over few keys: the kernel
+    (1, 4, 2, 40, 70),  # a longer one: numpy's matrix products
 ])
 def test_attend_matches_the_unfused_computation(dtype, batch, heads, groups, length, size):
     k, v = _cache(batch, groups, size, 16, dtype)
@@ -328,17 +329,36 @@ def test_attend_reads_keys_and_values_in_any_layout():
                                    rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("length", [2, 60])  # the numba kernel; numpy's products and the pool's row softmax
-def test_attend_of_a_fully_masked_row_is_nan_unless_filled(length):
-    k, v = _cache(1, 1, 4, 8, np.float32)
+# the numba kernel, for few rows and for many over few keys; numpy's products and the pool's row softmax
+@pytest.mark.parametrize("length, size", [(2, 4), (60, 4), (60, 70)])
+def test_attend_of_a_fully_masked_row_is_nan_unless_filled(length, size):
+    k, v = _cache(1, 1, size, 8, np.float32)
     q = RNG.standard_normal((1, 2, length, 8)).astype(np.float32)
-    bias = np.zeros((length, 4), np.float32)
+    bias = np.zeros((length, size), np.float32)
     bias[0, 2], bias[1] = -np.inf, -np.inf
     got = attend(q, k, v, bias, 1.0)
     assert np.isfinite(got[:, :, 0]).all() and np.isnan(got[:, :, 1]).all() and np.isfinite(got[:, :, 2:]).all()
     np.testing.assert_array_equal(attend(q, k, v, bias, 1.0, fill=0.0)[:, :, 1], 0)
     np.testing.assert_allclose(got[:, :, 2:], _grouped_reference(q, k, v, bias, 1.0, np.nan)[:, :, 2:], rtol=1e-5,
                                atol=1e-6)
+
+
+@pytest.mark.parametrize("heads, length, size, kernel", [
+    (9, 1, 2000, True),  # a decode step's few rows over a long cache
+    (9, 32, 32, True),  # a 32-token prompt over itself: 96 rows a KV head, 32 keys
+    (24, 48, 48, True),  # 384 rows a KV head over 48 keys
+    (9, 32, 300, False),  # many rows over many keys: numpy's products
+])
+def test_attend_takes_the_kernel_for_few_rows_or_few_keys(monkeypatch, heads, length, size, kernel):
+    numpy_calls = []
+    original = fused_ops._attend_numpy
+    monkeypatch.setattr(fused_ops, "_attend_numpy", lambda *a: numpy_calls.append(a) or original(*a))
+    k, v = _cache(1, 3, size, 16, np.float32)
+    q = RNG.standard_normal((1, heads, length, 16)).astype(np.float32)
+    causal = np.triu(np.full((length, size), -np.inf, np.float32), size - length + 1)
+    got = attend(q, k, v, causal, 0.25)
+    assert bool(numpy_calls) != kernel
+    np.testing.assert_allclose(got, _grouped_reference(q, k, v, causal, 0.25, np.nan), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
