@@ -416,6 +416,7 @@ def start_in_background(load_jobs: bool = True) -> None:
 
 
 def _start_and_load(load_jobs: bool) -> None:
+    _import_for_numba_typing()
     pool()
     if load_jobs:
         _load_jobs()
@@ -425,8 +426,15 @@ def _start_and_load(load_jobs: bool) -> None:
 def _load_alone() -> None:
     """With no workers: the unit loop that jobs run alone call (`alone`: a decoder's attention, a
     prompt's softmax), then the products' kernel."""
+    _import_for_numba_typing()
     new_box()
     _load_products()
+
+
+def _import_for_numba_typing() -> None:
+    """numpy.ma, which numba's typing of an array argument imports on a process's first call of a
+    kernel from Python (8-24 ms, in the first prompt's first kernel call otherwise)."""
+    import numpy.ma  # noqa: F401
 
 
 def _load_products() -> None:

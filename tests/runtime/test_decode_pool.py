@@ -425,6 +425,26 @@ print(before == [len(job.overloads) for job in jobs], min(before) > 0)
     assert done.stdout.split() == ["True", "True"]
 
 
+@pytest.mark.parametrize("workers", [1, 0])
+def test_the_background_start_imports_what_numbas_first_typing_of_an_array_would(workers):
+    """numba's first typing of an array argument imports numpy.ma: the background start does it,
+    with workers or without, so a first prompt's first kernel call does not (a fresh process:
+    importing runnx and loading nothing leaves numpy.ma out)."""
+    code = f"""
+import sys
+import runnx
+from runnx.runtime import pool as d
+print("numpy.ma" in sys.modules)
+d.set_workers({workers})
+d.start_in_background()
+d._starting.join()
+print("numpy.ma" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
+
+
 def test_a_pool_of_as_many_workers_as_idle_flags_closes_and_no_more_is_made():
     full = decode_pool.DecodePool(decode_pool.MAX_WORKERS)  # the last worker's flag ends the line
     rng = np.random.default_rng(8)
