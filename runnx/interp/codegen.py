@@ -11,14 +11,15 @@ at its node by the line it was raised on, so the nodes carry no bookkeeping for 
 worded by `node_error`, as the interpreted loop words it.
 
 CPython's `compile()` costs microseconds per syntax node, paid by the run that generates the
-function: the callers emit a node's common path inline and call shared helpers for the rest. The
-bytecode is also kept on disk, as Python keeps a module's (`generated_code_root`, one file named by
-a hash of the source, its name and the interpreter's bytecode version): the same model's plan and
-memos in a later process are read back, not compiled again (a few dozen milliseconds of a first
-token). The source is generated from the graph alone, so it is the same in every process; a file
-that cannot be read or written is compiled as if absent. What
+function: the callers emit a node's common path inline and call shared helpers for the rest. What
 a plan emits for storage ownership comes from the rules themselves (capture/ownership.py), what
 it emits to find a memo's kept result from its ShapeGroup.
+
+The bytecode is also kept on disk, as Python keeps a module's (`generated_code_root`, one file
+named by a hash of the source, its name and the interpreter's bytecode version): the same model's
+plan and memos in a later process are read back, not compiled again (a few dozen milliseconds of a
+first token). The source is generated from the graph alone, so it is the same in every process; a
+file that cannot be read or written is compiled as if absent.
 """
 from __future__ import annotations
 
