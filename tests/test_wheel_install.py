@@ -65,8 +65,10 @@ def numba_files(folder: Path) -> dict[str, float]:
 
 def outputs(report: str) -> list[str]:
     """The output lines of `runnx run` (name, shape, statistics), without numba's cache messages,
-    which a thread loading kernels ahead (ops/kernel_loads.py) may print inside a line."""
-    report = re.sub(r"\[cache\][^\n]*\n?", "", report)
+    which a thread loading kernels ahead (ops/kernel_loads.py) may print inside a line, before it
+    or after it: each message alone is removed (numba prints it and its newline in two writes, so
+    an output line may follow a message on its line)."""
+    report = re.sub(r"\[cache\] (?:index|data) (?:loaded from|saved to) '[^']*'", "", report)
     return [line for line in report.splitlines() if line.startswith(("  logits", "  present."))]
 
 
