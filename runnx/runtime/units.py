@@ -28,13 +28,12 @@ from runnx.runtime.atomics import byte_pointer, float32_pointer, float64_from_bi
 from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS,
                                  GEMM, GEMM_A, GEMM_B, GEMM_COLUMNS_GIVEN, GEMM_DEPTH, GEMM_OUT, GEMM_ROWS, GEMM_UNIT,
                                  GEMM_WIDTH, GROUPS, HAS_BIAS, HEIGHT, MATRICES, MATRIX, NBITS, NBITS_CHUNKS,
-                                 NBITS_LANES,
-                                 NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILE_COUNT, NBITS_TILES,
-                                 NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, NBITS_ZEROS, OUT,
-                                 PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY, KEY, ROW, ROW_ARGUMENTS,
-                                 ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS_IN, ROWS_OUT, SCALE, SOFTMAX_ROWS,
-                                 SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW, VNNI_ROWS,
-                                 VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT, VNNI_WORDS, WIDTH, posted_array)
+                                 NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILE_COUNT,
+                                 NBITS_TILES, NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS,
+                                 NBITS_ZEROS, OUT, PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY, KEY, ROW,
+                                 ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS_IN, ROWS_OUT, SCALE,
+                                 SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW,
+                                 VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT, VNNI_WORDS, WIDTH, posted_array)
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
