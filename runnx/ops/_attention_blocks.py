@@ -5,7 +5,11 @@ times (the product, the bias and softmax, the product with the values), and a ca
 of it exponentials of -inf. Here each KV head's query rows go a block of `BLOCK` positions at a time
 (the query heads sharing the KV head stacked: one BLAS product for them), each block against only
 the keys its rows can see: the scores stay in the core's cache, and a causal prompt costs half the
-products.
+products. Where runnx's own products run (AVX-512), the blocks are the decode pool's prompt-attention
+job (`pooled_attention`, kernels in `_kernels_attention_blocks.py`), which every prompt and encoder
+attention takes (this module's, `attention_in_blocks` and `causal_attention_in_blocks` of
+`fused_layer_norm_blocks.py`): the pool's threads take whole blocks, where numpy's BLAS split each
+small product of a block between its threads; elsewhere numpy's products compute them.
 
 A key a row cannot see is one whose bias is at most -1e30 (-inf, or the most negative float an
 exporter masks with): exp(score + bias - row maximum) is exactly 0 for it, so leaving it out does
@@ -15,34 +19,16 @@ does not tell keys apart (one column).
 """
 from __future__ import annotations
 
-import numba
 import numpy as np
 
-from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops import _kernels_gemm
+from runnx.ops._kernels_attention_blocks import block_positions, visible_ends
 from runnx.ops._matmul import matmul, rest_workers_before
 from runnx.runtime import pool as decode_pool
 
-BLOCK = 64  # query positions a block: a block's scores (query heads a KV head x 64 x keys) stay in L2
-_MASKED, _VISIBLE = -1e30, -1e20
-
-
-@numba.njit(cache=True, nogil=True, error_model="numpy")
-def visible_ends(bias, ends):
-    """ends[b, h, r] = one past the last key of bias[b, h, r] (4-D, any layout) a row can see, or the
-    key count for a row that must keep them all (see the module docstring)."""
-    size = bias.shape[3]
-    for b in range(bias.shape[0]):
-        for h in range(bias.shape[1]):
-            for r in range(bias.shape[2]):
-                end = size
-                for j in range(size - 1, -1, -1):
-                    value = bias[b, h, r, j]
-                    if value <= _MASKED:
-                        continue
-                    if value > _VISIBLE:
-                        end = j + 1
-                    break
-                ends[b, h, r] = end
+BLOCK = 64  # query positions a block (numpy's products): its scores (query heads a KV head x 64 x keys) stay in L2
+_NO_ENDS = np.empty((1, 1, 0), np.int64)
+POOLED = _kernels_gemm.AVAILABLE  # whether blocks are the pool's job (runnx's own products: AVX-512)
 
 
 def attend_blocks(scaled, key, value, bias, fill: float):
@@ -59,6 +45,8 @@ def attend_blocks(scaled, key, value, bias, fill: float):
         ends = np.empty(bias.shape[:3], np.int64)
         visible_ends(bias, ends)
     out = np.empty((batch, heads, length, value.shape[3]), np.float32)
+    if pooled_attention(scaled, key, value, bias, ends, fill, out):
+        return out
     rest_workers_before(batch * heads * length * size * depth)
     for b in range(batch):
         bias_b = None if bias is None else bias[b if bias.shape[0] > 1 else 0]
@@ -82,3 +70,35 @@ def attend_blocks(scaled, key, value, bias, fill: float):
                 decode_pool.softmax_rows(scores, fill)
                 out[b, heads_g, first:stop] = matmul(scores, value[b, g, :end]).reshape(per, count, value.shape[3])
     return out
+
+
+def pooled_attention(scaled, key, value, bias, ends, fill: float, out) -> bool:
+    """out (B, H, S, W; any layout) = softmax(scaled @ key^T + bias) @ value, NaN rows set to `fill`,
+    each row's keys from its end (`ends` (B, H, S), broadcasting, or None) on masked, as the decode
+    pool's prompt-attention job (`runtime/jobs.py`: its blocks shared with the pool's workers, the
+    same bits on any thread count), for float32 arrays on a CPU with AVX-512 (runnx's own
+    products); False, having done nothing, elsewhere or with no keys."""
+    if not POOLED or not _job_takes(scaled, key, value, bias, out):
+        return False
+    positions = block_positions(scaled.shape[1] // key.shape[1])
+    decode_pool.attention_blocks(scaled, _rows_contiguous(key), _rows_contiguous(value), bias,
+                                 _NO_ENDS if ends is None else ends, fill, positions, out)
+    return True
+
+
+def _job_takes(scaled, key, value, bias, out) -> bool:
+    """Whether the job takes these: float32, of attention's shapes (`_check_attention`), a key at least."""
+    arrays = (scaled, key, value, out) if bias is None else (scaled, key, value, out, bias)
+    if any(a.dtype != np.float32 or a.ndim != 4 for a in arrays):
+        return False
+    batch, heads, length, depth = scaled.shape
+    groups, size = key.shape[1], key.shape[2]
+    return (size > 0 and groups > 0 and heads % groups == 0 and key.shape == (batch, groups, size, depth)
+            and value.shape[:3] == key.shape[:3] and out.shape == (batch, heads, length, value.shape[3])
+            and (bias is None or all(b in (1, s) for b, s in zip(bias.shape, (batch, heads, length, size)))))
+
+
+def _rows_contiguous(x):
+    """x (B, G, K, W) with each (b, g)'s rows C-contiguous (a prefix view of a cache's buffer is):
+    itself, else a copy."""
+    return x if x.strides[3] == 4 and (x.shape[2] <= 1 or x.strides[2] == 4 * x.shape[3]) else np.ascontiguousarray(x)

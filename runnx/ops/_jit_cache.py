@@ -49,7 +49,7 @@ except ImportError:  # not on this system: saves stay unlocked, as numba makes t
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 # the modules with numba functions cached on disk (`cache=True`), which call into one another
-CACHED_MODULES = ("capture/capacity.py", "ops/_attention_blocks.py", "ops/_decode_blocks.py",
+CACHED_MODULES = ("capture/capacity.py", "ops/_decode_blocks.py", "ops/_kernels_attention_blocks.py",
                   "ops/_kernels_contrib.py", "ops/_kernels_contrib_attention.py", "ops/_kernels_elementwise.py",
                   "ops/_kernels_fused.py", "ops/_kernels_gemm.py", "ops/_kernels_integer.py", "ops/_kernels_linalg.py",
                   "ops/_kernels_nibble_tiles.py", "ops/_kernels_nn.py",

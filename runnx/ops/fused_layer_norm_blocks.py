@@ -29,6 +29,7 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.ops import _decode_blocks, _native
+from runnx.ops._attention_blocks import pooled_attention
 from runnx.ops._elementwise_util import binary, erf
 from runnx.ops._kernels_nn import add_layer_norm_rows
 from runnx.ops._kernels_rows import softmax_rows_float32, split_heads_into
@@ -218,16 +219,20 @@ def _plain(heads, keys, values, bias, nan_fill) -> bool:
 
 
 def attention_in_blocks(heads, keys, values, bias, fill: float):
-    """(batch, length, heads, width) attention output, head by head in blocks of query rows (whole
-    heads up to `_BLOCK_SCORES` scores), the heads shared among BLAS's threads, each running BLAS alone
-    (`runtime/blas_split.py`). When BLAS has one thread, or another caller is splitting, one head after the
-    other: with one thread in blocks, with more whole heads, since every BLAS product wakes BLAS's
-    threads and many short ones between softmaxes thrash (measured 5-20x)."""
+    """(batch, length, heads, width) attention output: the decode pool's prompt-attention job
+    (`_attention_blocks.pooled_attention`) where runnx's own products run; elsewhere head by head in
+    blocks of query rows (whole heads up to `_BLOCK_SCORES` scores), the heads shared among BLAS's
+    threads, each running BLAS alone (`runtime/blas_split.py`). When BLAS has one thread, or another
+    caller is splitting, one head after the other: with one thread in blocks, with more whole heads,
+    since every BLAS product wakes BLAS's threads and many short ones between softmaxes thrash
+    (measured 5-20x)."""
     batch, count, length, _ = heads.shape
     size = keys.shape[3]
     merged = np.empty((batch, length, count, values.shape[3]), np.float32)
     if bias is not None:
         bias = np.broadcast_to(bias, (batch, count, length, size))
+    if pooled_attention(heads, keys.swapaxes(2, 3), values, bias, None, fill, merged.transpose(0, 2, 1, 3)):
+        return merged
 
     blocks = -(-length // max(1, _BLOCK_SCORES // max(size, 1)))  # of even sizes, not a short last one
     block = max(1, -(-length // max(blocks, 1)))
@@ -262,13 +267,17 @@ def causal_attention_in_blocks(heads, keys, values, offset: int):
     """(batch, length, heads, width) causal attention output of scaled float32 heads (batch, heads,
     length, depth) over keys and values (batch, kv_heads, total, depth / width), heads sharing a
     KV head in turn (grouped-query attention): query row i is at position offset + i and sees the
-    keys up to it. In blocks of `_CAUSAL_BLOCK` query rows, each reading only the keys up to its
-    last row (about half the products of the whole score matrix for a first prompt), the masked
-    part of a block's last columns set to -inf before the row softmax; the heads shared among
-    BLAS's threads as in `attention_in_blocks`."""
+    keys up to it. The decode pool's prompt-attention job (`_attention_blocks.pooled_attention`)
+    where runnx's own products run; elsewhere in blocks of `_CAUSAL_BLOCK` query rows, each reading
+    only the keys up to its last row (about half the products of the whole score matrix for a first
+    prompt), the masked part of a block's last columns set to -inf before the row softmax; the heads
+    shared among BLAS's threads as in `attention_in_blocks`."""
     batch, count, length, _ = heads.shape
     groups = keys.shape[1]
     merged = np.empty((batch, length, count, values.shape[3]), np.float32)
+    ends = np.arange(offset + 1, offset + length + 1).reshape(1, 1, length)
+    if pooled_attention(heads, keys, values, None, ends, 0.0, merged.transpose(0, 2, 1, 3)):
+        return merged
     size = min(length, _CAUSAL_BLOCK) * (offset + length)
 
     def attend_head(part, scratch):

@@ -25,16 +25,18 @@ from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE
 from runnx.ops._kernels_vnni import unsigned_rows, with_zero_points
 from runnx.runtime.atomics import bits_of_float64, store
 from runnx.runtime.mailbox import PATIENCE, begin_job, finish, open_job, run_job
-from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS,
-                                 GELU_ROWS, GEMM, GEMM_A, GEMM_B, GEMM_COLUMNS_GIVEN, GEMM_DEPTH, GEMM_OUT, GEMM_ROWS,
-                                 GEMM_UNIT, GEMM_WIDTH, GROUPS, HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX,
-                                 MAX_MATRICES, NBITS, NBITS_CHUNKS, NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES,
-                                 NBITS_SUMS, NBITS_TILE_COUNT, NBITS_TILES, NBITS_TILES_AT, NBITS_WIDTH,
-                                 NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, NBITS_ZEROS, OUT, PARTIAL_SUMS, PARTIALS,
-                                 PER_MATRIX, PRODUCTS, QUERY, ROW, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT,
-                                 ROW_KERNEL, ROWS, ROWS_IN, ROWS_OUT, SCALE, SIGNED, SOFTMAX_ROWS, SPAN_STATS,
-                                 SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT,
-                                 VNNI_TILES, VNNI_TILES_AT, VNNI_WORDS, WIDTH, post_array, post_matrix)
+from runnx.runtime.slots import (ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS, BLOCK_KEY,
+                                 BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS, DEPTH,
+                                 ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS, GELU_ROWS, GEMM, GEMM_A, GEMM_B,
+                                 GEMM_COLUMNS_GIVEN, GEMM_DEPTH, GEMM_OUT, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS,
+                                 HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX, MAX_MATRICES, NBITS, NBITS_CHUNKS,
+                                 NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILES,
+                                 NBITS_TILES_AT, NBITS_TILE_COUNT, NBITS_WIDTH, NBITS_ZEROS, NBITS_ZERO_BYTES,
+                                 NBITS_ZERO_ROWS, OUT, PARTIALS, PARTIAL_SUMS, PER_MATRIX, PRODUCTS, QUERY, ROW, ROWS,
+                                 ROWS_IN, ROWS_OUT, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, SCALE,
+                                 SIGNED, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS,
+                                 VNNI_RAW, VNNI_ROWS, VNNI_TILES, VNNI_TILES_AT, VNNI_TILE_COUNT, VNNI_WORDS, WIDTH,
+                                 post_array, post_matrix)
 
 # a few rows (a short prompt's) take a products job rather than OpenBLAS, which packs the whole
 # matrix for them: up to FEW_ROWS, their partial sums in one pass over the matrix (rows x columns)
@@ -361,3 +363,58 @@ def post_gemm(box, workers, a, b, out, columns_given, unit):
     store(box, GEMM_UNIT, unit)
     post_matrix(box, GEMM_OUT, out)
     return run_job(box, workers, sequence, (out.shape[1] + unit - 1) // unit)
+
+
+@_jit
+def _check_attention_blocks(scaled, key, value, bias, ends, out, positions):
+    """ValueError unless the arrays are what `post_attention_blocks` reads and writes by address."""
+    _check_attention(scaled, key, value, bias, out)
+    depth, width = key.shape[3], value.shape[3]
+    if (key.shape[2] == 0 or positions <= 0 or key.strides[3] != 4 or key.strides[2] != 4 * depth
+            or value.strides[3] != 4 or value.strides[2] != 4 * width):
+        raise ValueError("a prompt's attention job takes keys (and values) whose rows are C-contiguous, at least "
+                         "one, and positions a block")
+    batch, heads, length = scaled.shape[0], scaled.shape[1], scaled.shape[2]
+    if ends.shape[2] > 0 and ((ends.shape[0] != 1 and ends.shape[0] != batch)
+                              or (ends.shape[1] != 1 and ends.shape[1] != heads)
+                              or (ends.shape[2] != 1 and ends.shape[2] != length)):
+        raise ValueError("a prompt's attention job's row ends broadcast to (B, H, Q)")
+    for b in range(ends.shape[0]):
+        for h in range(ends.shape[1]):
+            for r in range(ends.shape[2]):
+                if ends[b, h, r] < 1:
+                    raise ValueError("a prompt's attention job's row ends are at least 1 (a row sees a key)")
+
+
+@_jit
+def post_attention_blocks(box, workers, scaled, key, value, bias, ends, fill, positions, out):
+    """softmax(scaled @ key^T + bias) @ value into out, NaN rows set to `fill`, each row's keys from its
+    end on masked (`ends` (B, H, Q) broadcasting: `visible_ends` of the bias, or a causal prompt's;
+    (1, 1, 0): none), as one job of a unit per block of `positions` query positions of each (batch
+    entry, KV head), each against the keys its rows see; whether a worker was idle. Arrays that do
+    not fit raise ValueError before anything is posted."""
+    _check_attention_blocks(scaled, key, value, bias, ends, out, positions)
+    posted_ends = np.empty((1,) + ends.shape, np.float32)  # key counts: below 2^24, exact
+    for b in range(ends.shape[0]):
+        for h in range(ends.shape[1]):
+            for r in range(ends.shape[2]):
+                posted_ends[0, b, h, r] = ends[b, h, r]
+    sequence = begin_job(box, PATIENCE)
+    store(box, KIND, BLOCKS)
+    store(box, BLOCK_FILL, bits_of_float64(fill))
+    store(box, BLOCK_PER, scaled.shape[1] // key.shape[1])
+    store(box, BLOCK_POSITIONS, positions)
+    post_array(box, BLOCK_QUERY, scaled)
+    post_array(box, BLOCK_KEY, key)
+    post_array(box, BLOCK_VALUE, value)
+    post_array(box, BLOCK_ENDS, posted_ends)
+    post_array(box, BLOCK_OUT, out)
+    if bias is None:
+        store(box, BLOCK_HAS_BIAS, 0)
+    else:
+        store(box, BLOCK_HAS_BIAS, 1)
+        post_array(box, BLOCK_BIAS, bias)
+    units = scaled.shape[0] * key.shape[1] * ((scaled.shape[2] + positions - 1) // positions)
+    idle = open_job(box, workers, sequence, units)
+    _finish_holding(box, posted_ends, posted_ends)
+    return idle

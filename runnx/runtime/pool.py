@@ -35,8 +35,8 @@ import numpy as np
 from runnx.ops import _kernels_gemm as gemm, _native
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_matrix
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
-from runnx.runtime.jobs import (open_nbits, open_products, post_attention, post_gelu, post_gemm, post_nbits,
-                                post_products, post_softmax, post_vnni)
+from runnx.runtime.jobs import (open_nbits, open_products, post_attention, post_attention_blocks, post_gelu,
+                                post_gemm, post_nbits, post_products, post_softmax, post_vnni)
 from runnx.runtime.mailbox import finish, new_box, rest, serve, stop
 from runnx.runtime.open_jobs import holding, opening, settle
 from runnx.runtime.slots import IDLE, MAX_MATRICES, MAX_WORKERS, ROW_BLOCK, SHARED
@@ -331,6 +331,14 @@ def columns_product(a, b, out, columns_given: bool) -> bool:
     columns = out.shape[1]
     unit = max(gemm.NR, -(-columns // (GEMM_UNITS * gemm.NR)) * gemm.NR)
     return workers.call(post_gemm, a, b, out, columns_given, unit) is not BUSY
+
+
+def attention_blocks(scaled, key, value, bias, ends, fill: float, positions: int, out) -> None:
+    """A prompt's attention into out (`post_attention_blocks`: float32 arrays, keys' and values' rows
+    C-contiguous), its blocks of query positions shared with the pool's workers when there are any:
+    the same compiled code on every thread, each block computed whole by one, so the same values
+    whatever the thread count."""
+    shared_call(post_attention_blocks, scaled, key, value, bias, ends, float(fill), positions, out)
 
 
 def shared_call(job, *arguments):

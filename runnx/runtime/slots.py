@@ -15,7 +15,7 @@ MAX_WORKERS = STOP - IDLE
 # a job's fields: its kind, unit count, polls a worker spins after it and the units of its first
 # phase (0: one phase; none of the later units starts before those are complete), then the kind's own
 KIND, UNITS, LINGER, FIRST_PHASE, OWN = FIELDS, FIELDS + 1, FIELDS + 2, FIELDS + 3, FIELDS + 4
-PRODUCTS, ATTENTION, ROWS, NBITS, VNNI, GEMM = 0, 1, 2, 3, 4, 5
+PRODUCTS, ATTENTION, ROWS, NBITS, VNNI, GEMM, BLOCKS = 0, 1, 2, 3, 4, 5, 6
 # products: the rows (address, count), then (matrix, width, partial rows, output) for each matrix;
 # its first phase computes the partial rows (a unit a chunk of rows of one matrix), the second adds
 # them into the outputs (a unit `SUM_BLOCK` columns of one output)
@@ -32,6 +32,12 @@ SUM_BLOCK = 4096
 # partial sums and statistics as (address, 4 dimensions, 4 byte strides)
 SCALE, GROUPS, HAS_BIAS, ARRAYS = range(OWN, OWN + 4)
 QUERY, KEY, VALUE, BIAS, PARTIAL_SUMS, SPAN_STATS = (ARRAYS + 9 * i for i in range(6))
+# a prompt's attention in blocks: the fill (float64 bits), query heads a KV head, query positions a
+# block, whether there is a bias, then the scaled query, key, value, bias, each row's end (float32 (1,
+# B, H, Q), broadcasting; no positions: none) and the output as (address, 4 dimensions, 4 byte
+# strides); its units go from the last blocks (the most keys, under a causal mask) to the first
+BLOCK_FILL, BLOCK_PER, BLOCK_POSITIONS, BLOCK_HAS_BIAS, BLOCK_ARRAYS = range(OWN, OWN + 5)
+BLOCK_QUERY, BLOCK_KEY, BLOCK_VALUE, BLOCK_BIAS, BLOCK_ENDS, BLOCK_OUT = (BLOCK_ARRAYS + 9 * i for i in range(6))
 # rows: the row kernel, the input's and the output's addresses, rows, columns, then the kernel's own:
 # the softmax's fill; the GELU's bias (address, size), divisor, one, half (floats as float64 bits)
 ROW_KERNEL, ROWS_IN, ROWS_OUT, ROW_COUNT, ROW_COLUMNS, ROW_ARGUMENTS = range(OWN, OWN + 6)
@@ -53,7 +59,7 @@ VNNI_TILES = 8  # tiles of 16 output columns per unit
 GEMM_A, GEMM_B, GEMM_ROWS, GEMM_DEPTH, GEMM_WIDTH, GEMM_COLUMNS_GIVEN, GEMM_UNIT, GEMM_OUT = range(OWN, OWN + 8)
 # the address of `mailbox._units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
 UNITS_CODE = max(MATRICES + PER_MATRIX * MAX_MATRICES, SPAN_STATS + 9, NBITS_ZERO_ROWS + 1, VNNI_GROUPS + 1,
-                 GEMM_OUT + 9)
+                 GEMM_OUT + 9, BLOCK_OUT + 9)
 # a claim takes the units left shifted right by this (`mailbox._work`; a mailbox's own, set by `new_box`)
 CLAIM_SHIFT = UNITS_CODE + 1
 MAILBOX_SIZE = CLAIM_SHIFT + 1

@@ -10,7 +10,9 @@ where each field is). A unit gives the same result whichever thread computes it:
 - 8-bit products: `VNNI_TILES` tiles of 16 output columns (`tile_sums_into`, `ops/_kernels_vnni.py`);
 - rows: `ROW_BLOCK` rows of a row kernel (softmax or GELU, `ops/_kernels_rows.py`);
 - a prompt's float32 product: `GEMM_UNIT` columns of it (`gemm_columns`, `ops/_kernels_gemm.py`,
-  whose elements are summed alike for any split of the columns), its scratch its own.
+  whose elements are summed alike for any split of the columns), its scratch its own;
+- a prompt's attention: one block of query positions of one (batch entry, KV head) against the keys
+  it sees (`attend_block`, `ops/_kernels_attention_blocks.py`), its scratch its own.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._kernels_attention_blocks import attend_block, block_limit
 from runnx.ops._kernels_fused import attention_span
 from runnx.ops._kernels_gemm import KC, MC, MR, NR, gemm_columns
 from runnx.ops._kernels_linalg import chunk_bounds, rows_into, rows_into_bytes
@@ -25,15 +28,17 @@ from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, tile_rows
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
 from runnx.ops._kernels_vnni import tile_sums_into
 from runnx.runtime.atomics import byte_pointer, float32_pointer, float64_from_bits, load
-from runnx.runtime.slots import (ATTENTION, BIAS, CHUNKS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS,
-                                 GEMM, GEMM_A, GEMM_B, GEMM_COLUMNS_GIVEN, GEMM_DEPTH, GEMM_OUT, GEMM_ROWS, GEMM_UNIT,
-                                 GEMM_WIDTH, GROUPS, HAS_BIAS, HEIGHT, MATRICES, MATRIX, NBITS, NBITS_CHUNKS,
-                                 NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILE_COUNT,
-                                 NBITS_TILES, NBITS_TILES_AT, NBITS_WIDTH, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS,
-                                 NBITS_ZEROS, OUT, PARTIAL_SUMS, PARTIALS, PER_MATRIX, PRODUCTS, QUERY, KEY, ROW,
-                                 ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, ROWS_IN, ROWS_OUT, SCALE,
-                                 SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW,
-                                 VNNI_ROWS, VNNI_TILE_COUNT, VNNI_TILES, VNNI_TILES_AT, VNNI_WORDS, WIDTH, posted_array)
+from runnx.runtime.slots import (ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS, BLOCK_KEY,
+                                 BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS, DEPTH,
+                                 ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS, GEMM, GEMM_A, GEMM_B,
+                                 GEMM_COLUMNS_GIVEN, GEMM_DEPTH, GEMM_OUT, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS,
+                                 HAS_BIAS, HEIGHT, KEY, MATRICES, MATRIX, NBITS, NBITS_CHUNKS, NBITS_LANES, NBITS_OUT,
+                                 NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILES, NBITS_TILES_AT, NBITS_TILE_COUNT,
+                                 NBITS_WIDTH, NBITS_ZEROS, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, OUT, PARTIALS,
+                                 PARTIAL_SUMS, PER_MATRIX, PRODUCTS, QUERY, ROW, ROWS_IN, ROWS_OUT, ROW_ARGUMENTS,
+                                 ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, SCALE, SOFTMAX_ROWS, SPAN_STATS,
+                                 SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILES,
+                                 VNNI_TILES_AT, VNNI_TILE_COUNT, VNNI_WORDS, WIDTH, posted_array)
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -171,6 +176,32 @@ def _gemm_block(box, index):
 
 
 @_jit
+def _head_rows(box, slot, b, g, count):
+    """The first `count` rows of KV head g of batch entry b of the array posted at `slot`, as a
+    C-contiguous (count, width) array (the posting function checked that its rows are)."""
+    address = load(box, slot) + b * load(box, slot + 5) + g * load(box, slot + 6)
+    return numba.carray(float32_pointer(address), (count, load(box, slot + 4)))
+
+
+@_jit
+def _attention_block(box, index):
+    """Unit `index` of a prompt's attention job: one block of query positions of one (batch entry, KV
+    head), the last blocks first."""
+    query, ends, out = posted_array(box, BLOCK_QUERY), posted_array(box, BLOCK_ENDS)[0], posted_array(box, BLOCK_OUT)
+    batch, groups, length, per = query.shape[0], load(box, BLOCK_KEY + 2), query.shape[2], load(box, BLOCK_PER)
+    positions = load(box, BLOCK_POSITIONS)
+    blocks = (length + positions - 1) // positions
+    first = (blocks - 1 - index // (batch * groups)) * positions
+    stop = min(first + positions, length)
+    b, g = index % (batch * groups) // groups, index % groups
+    size = block_limit(ends, per, g, b, first, stop, load(box, BLOCK_KEY + 3))
+    keys, values = _head_rows(box, BLOCK_KEY, b, g, size), _head_rows(box, BLOCK_VALUE, b, g, size)
+    bias = posted_array(box, BLOCK_BIAS) if load(box, BLOCK_HAS_BIAS) else np.empty((1, 1, 1, 0), np.float32)
+    attend_block(query, keys, values, bias, ends, np.float32(float64_from_bits(load(box, BLOCK_FILL))), out, b, g,
+                 per, first, stop)
+
+
+@_jit
 def compute_unit(box, kind, index):
     """Unit `index` of the posted job, of kind `kind`."""
     if kind == PRODUCTS:
@@ -187,5 +218,7 @@ def compute_unit(box, kind, index):
         _vnni_block(box, index)
     elif kind == GEMM:
         _gemm_block(box, index)
+    elif kind == BLOCKS:
+        _attention_block(box, index)
     else:
         _row_block(box, index)

@@ -1,5 +1,7 @@
 """Prefill attention in blocks of query positions (`runnx/ops/_attention_blocks.py`): the same
-values as the whole score matrix, keys a row cannot see left out only where they add exactly 0."""
+values as the whole score matrix, keys a row cannot see left out only where they add exactly 0; on
+the decode pool's prompt-attention job (runnx's own products, AVX-512) and on numpy's products,
+each test on both."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,9 +9,20 @@ import pytest
 
 from runnx.ops import _attention_blocks
 from runnx.ops._attention_blocks import attend_blocks, visible_ends
+from runnx.runtime import pool as decode_pool
 
 RNG = np.random.default_rng(7)
 LOWEST = np.finfo(np.float32).min
+needs_avx512 = pytest.mark.skipif(not _attention_blocks.POOLED,
+                                  reason="this CPU has no AVX-512: numpy's products compute every block")
+
+
+@pytest.fixture(autouse=True, params=[pytest.param("job", marks=needs_avx512), "numpy"])
+def path(request, monkeypatch):
+    """Each test on the pool's job (where runnx's own products run) and on numpy's products."""
+    if request.param == "numpy":
+        monkeypatch.setattr(_attention_blocks, "POOLED", False)
+    return request.param
 
 
 def _reference(scaled, key, value, bias, fill):
@@ -53,6 +66,7 @@ def test_a_causal_block_reads_only_the_keys_its_rows_see(monkeypatch):
     visible_ends(_causal(150, 0)[None, None], ends)
     np.testing.assert_array_equal(ends[0, 0], np.arange(1, 151))
     monkeypatch.setattr(_attention_blocks, "BLOCK", 64)
+    monkeypatch.setattr(_attention_blocks, "block_positions", lambda per: 64)
     scaled, key, value = _inputs(1, 2, 1, 150, 150)
     key[:, :, 64:] = np.nan
     value[:, :, 64:] = np.nan
@@ -90,3 +104,20 @@ def test_unusual_bias_values_keep_every_key():
     ends = np.empty((1, 1, 3), np.int64)
     visible_ends(bias, ends)
     assert ends.reshape(-1).tolist() == [1, 10, 10]
+
+
+def test_cache_views_and_transposed_keys_give_the_contiguous_arrays_result(path):
+    """A prefix of a cache's buffer (rows contiguous, heads apart) is read in place; keys given
+    transposed back (an encoder's K^T swapped) are copied first: the job's values are the same bits
+    (numpy's BLAS may sum a strided operand in another order)."""
+    scaled, key, value = _inputs(1, 4, 2, 30, 40)
+    buffer_key, buffer_value = np.zeros((1, 2, 64, 16), np.float32), np.zeros((1, 2, 64, 8), np.float32)
+    buffer_key[:, :, :40], buffer_value[:, :, :40] = key, value
+    swapped = np.ascontiguousarray(key.swapaxes(2, 3)).swapaxes(2, 3)
+    bias = _causal(30, 10)[None, None]
+    expected = attend_blocks(scaled, key, value, bias, 0.0)
+    same = np.testing.assert_array_equal if path == "job" else np.testing.assert_allclose
+    same(attend_blocks(scaled, buffer_key[:, :, :40], buffer_value[:, :, :40], bias, 0.0), expected)
+    same(attend_blocks(scaled, swapped, value, bias, 0.0), expected)
+    same(attend_blocks(np.asfortranarray(scaled), key, value, bias, 0.0), expected)
+    np.testing.assert_allclose(expected, _reference(scaled, key, value, bias, 0.0), rtol=2e-5, atol=2e-6)

@@ -1,9 +1,10 @@
 """onnxruntime's contrib attention against onnxruntime: RotaryEmbedding (halves, interleaved,
 offsets, partial rotary), GroupQueryAttention (prompt and decode, separate and shared KV buffers,
 per-sequence lengths, rotary inside, local windows, softcap, packed QKV, float16) and the in-place
-growth of its KV cache. Every case runs twice: with the prompt threshold as shipped, and with
-every unmasked prompt's attention in blocks of BLAS products (`attention_in_blocks`), which runs
-for long prompts only."""
+growth of its KV cache. Every case runs three times: with the prompt threshold as shipped, and
+with every prompt's attention in blocks (`attention_in_blocks`, `causal_attention_in_blocks`), which
+runs for long prompts only: as the decode pool's prompt-attention job where runnx's own products
+run, and as numpy's BLAS products."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,11 +18,13 @@ from tests.ops._contrib_node import assert_close, contrib_model, run_both
 RNG = np.random.default_rng(44)
 
 
-@pytest.fixture(autouse=True, params=["as shipped", "in blocks"])
+@pytest.fixture(autouse=True, params=["as shipped", "in blocks", "in numpy blocks"])
 def _attention_path(request, monkeypatch):
-    if request.param == "in blocks":
-        from runnx.ops import contrib_attention
+    if request.param != "as shipped":
+        from runnx.ops import _attention_blocks, contrib_attention
         monkeypatch.setattr(contrib_attention, "_BLOCKED_ROWS", 0)
+        if request.param == "in numpy blocks":
+            monkeypatch.setattr(_attention_blocks, "POOLED", False)
 
 
 def _normal(*shape, dtype=np.float32):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import threadpoolctl
 
-from runnx.ops import fused_layer_norm_blocks
+from runnx.ops import _attention_blocks, fused_layer_norm_blocks
 from runnx.runtime import blas_split
 from runnx.runtime import openblas
 
@@ -83,6 +83,7 @@ def test_encoder_attention_split_by_heads_is_bitwise_the_one_thread_result(sleep
     values = rng.standard_normal((1, 6, 300, 16)).astype(np.float32)
     bias = rng.standard_normal((1, 1, 1, 300)).astype(np.float32)
     monkeypatch.setattr(fused_layer_norm_blocks, "_BLOCK_SCORES", 64 * 300)  # blocks of 64 rows, the last short
+    monkeypatch.setattr(_attention_blocks, "POOLED", False)  # BLAS's products, not the pool's job
     split = fused_layer_norm_blocks.attention_in_blocks(heads, keys, values, bias, np.nan)
     threads = numba.get_num_threads()
     numba.set_num_threads(1)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from runnx.ops import _kernels_gemm as gemm, _matmul
+from runnx.ops._kernels_attention_blocks import visible_ends
 from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, row_times_matrix
 from runnx.ops.linalg import MatMul
@@ -727,7 +728,7 @@ def test_only_the_posting_functions_turn_arrays_into_addresses():
                                                "post_gemm"}
     assert using("slots.py", "ctypes.data") == {"post_array", "post_matrix"}
     assert using("mailbox.py", "ctypes.data") == using("units.py", "ctypes.data") == set()
-    assert using("jobs.py", "post_array(") == {"post_attention"}
+    assert using("jobs.py", "post_array(") == {"post_attention", "post_attention_blocks"}
     assert using("jobs.py", "post_matrix(") == {"post_gemm"}
     assert all(not using(module, "post_array(") and not using(module, "post_matrix(")
                for module in ("mailbox.py", "units.py"))
@@ -853,3 +854,67 @@ def test_a_prompts_product_job_refuses_arrays_it_cannot_read_by_address_before_p
     with pytest.raises(ValueError, match="a prompt's products job"):
         jobs.post_gemm(box, 0, *arrays.values())
     assert box[slots.POSTED] == 0
+
+
+def _prompt_attention(batch, heads, groups, length, size):
+    scaled = (RNG.standard_normal((batch, heads, length, 16)) * 0.3).astype(np.float32)
+    key = RNG.standard_normal((batch, groups, size, 16)).astype(np.float32)
+    value = RNG.standard_normal((batch, groups, size, 8)).astype(np.float32)
+    keys = np.arange(size)
+    bias = np.where(keys[None, :] <= size - length + np.arange(length)[:, None], 0, -np.inf).astype(np.float32)
+    ends = np.empty((1, 1, length), np.int64)
+    visible_ends(bias[None, None], ends)
+    return scaled, key, value, bias[None, None], ends
+
+
+@needs_avx512
+@pytest.mark.parametrize("batch, heads, groups, length, size, positions",
+                         [(1, 9, 3, 130, 130, 64), (2, 6, 6, 70, 90, 16), (1, 4, 2, 5, 300, 12),
+                          (2, 2, 1, 33, 33, 40)])
+def test_a_prompts_attention_job_is_the_same_bits_on_any_thread(pool, batch, heads, groups, length, size, positions):
+    """Blocks of a prompt's attention claimed by any thread in claims of any size, into an output
+    whose rows lie apart (a view of a wider buffer), are the bits of the job run alone, each block
+    against the keys its rows see; nothing is written outside the output."""
+    scaled, key, value, bias, ends = _prompt_attention(batch, heads, groups, length, size)
+    expected = np.empty((batch, heads, length, 8), np.float32)
+    decode_pool.alone(jobs.post_attention_blocks, scaled, key, value, bias, ends, 0.0, positions, expected)
+    per = heads // groups
+    keys = np.repeat(key, per, axis=1).astype(np.float64)
+    scores = scaled.astype(np.float64) @ keys.swapaxes(2, 3) + bias
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    reference = (weights / weights.sum(-1, keepdims=True)) @ np.repeat(value, per, axis=1)
+    np.testing.assert_allclose(expected, reference, rtol=2e-5, atol=2e-6)
+    try:
+        for shift in (0, 3, 30):
+            pool.box[slots.CLAIM_SHIFT] = shift
+            wide = np.full((batch, heads, length, 8 + 5), np.nan, np.float32)
+            out = wide[..., 2:10]
+            jobs.post_attention_blocks(pool.box, 2, scaled, key, value, bias, ends, 0.0, positions, out)
+            assert np.array_equal(out, expected)
+            assert np.isnan(wide[..., :2]).all() and np.isnan(wide[..., 10:]).all()
+            assert pool.box[slots.COMPLETED] == pool.box[slots.UNITS] == batch * groups * -(-length // positions)
+    finally:
+        pool.box[slots.CLAIM_SHIFT] = mailbox.DEFAULT_CLAIM_SHIFT
+
+
+@pytest.mark.parametrize("change", ["strided keys", "no keys", "float64 values", "positions", "ends", "zero end",
+                                    "heads"])
+def test_a_prompts_attention_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+    scaled, key, value, bias, ends = _prompt_attention(1, 4, 2, 6, 10)
+    arrays = dict(scaled=scaled, key=key, value=value, bias=bias, ends=ends, fill=0.0, positions=4,
+                  out=np.empty((1, 4, 6, 8), np.float32))
+    changed = {"strided keys": ("key", np.ascontiguousarray(key.swapaxes(2, 3)).swapaxes(2, 3)),
+               "no keys": ("key", key[:, :, :0]),
+               "float64 values": ("value", value.astype(np.float64)),
+               "positions": ("positions", 0),
+               "ends": ("ends", np.ones((1, 1, 5), np.int64)),
+               "zero end": ("ends", np.where(np.arange(6) == 2, 0, ends)),
+               "heads": ("scaled", scaled[:, :3])}[change]
+    arrays[changed[0]] = changed[1]
+    if change == "no keys":
+        arrays["value"], arrays["bias"] = value[:, :, :0], None
+    box = mailbox.new_box()
+    with pytest.raises(ValueError, match="attention job"):
+        jobs.post_attention_blocks(box, 0, *arrays.values())
+    assert box[slots.POSTED] == 0
+
