@@ -25,6 +25,7 @@ from runnx.ops import _kernels_gemm
 from runnx.ops._kernels_attention_blocks import block_positions, visible_ends
 from runnx.ops._matmul import matmul, rest_workers_before
 from runnx.runtime import pool as decode_pool
+from runnx.runtime.jobs import rows_contiguous
 
 BLOCK = 64  # query positions a block (numpy's products): its scores (query heads a KV head x 64 x keys) stay in L2
 _NO_ENDS = np.empty((1, 1, 0), np.int64)
@@ -99,6 +100,6 @@ def _job_takes(scaled, key, value, bias, out) -> bool:
 
 
 def _rows_contiguous(x):
-    """x (B, G, K, W) with each (b, g)'s rows C-contiguous (a prefix view of a cache's buffer is):
-    itself, else a copy."""
-    return x if x.strides[3] == 4 and (x.shape[2] <= 1 or x.strides[2] == 4 * x.shape[3]) else np.ascontiguousarray(x)
+    """x (B, G, K, W) if each (b, g) is a C-contiguous (K, W) matrix (a prefix view of a cache's
+    buffer is), else a copy."""
+    return x if rows_contiguous(x) else np.ascontiguousarray(x)

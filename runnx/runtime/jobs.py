@@ -366,12 +366,18 @@ def post_gemm(box, workers, a, b, out, columns_given, unit):
 
 
 @_jit
+def rows_contiguous(x):
+    """Whether each (b, g) of x (B, G, K, W) is a C-contiguous (K, W) matrix, as a prompt's attention
+    job reads its keys and values (the stride of an axis of one element does not count)."""
+    return (x.shape[3] <= 1 or x.strides[3] == 4) and (x.shape[2] <= 1 or x.strides[2] == 4 * x.shape[3])
+
+
+@_jit
 def _check_attention_blocks(scaled, key, value, bias, ends, out, positions):
     """ValueError unless the arrays are what `post_attention_blocks` reads and writes by address."""
     _check_attention(scaled, key, value, bias, out)
     depth, width = key.shape[3], value.shape[3]
-    if (key.shape[2] == 0 or positions <= 0 or key.strides[3] != 4 or key.strides[2] != 4 * depth
-            or value.strides[3] != 4 or value.strides[2] != 4 * width):
+    if key.shape[2] == 0 or positions <= 0 or not rows_contiguous(key) or not rows_contiguous(value):
         raise ValueError("a prompt's attention job takes keys (and values) whose rows are C-contiguous, at least "
                          "one, and positions a block")
     batch, heads, length = scaled.shape[0], scaled.shape[1], scaled.shape[2]
