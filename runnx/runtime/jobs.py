@@ -376,7 +376,6 @@ def rows_contiguous(x):
 def _check_attention_blocks(scaled, key, value, bias, ends, out, positions):
     """ValueError unless the arrays are what `post_attention_blocks` reads and writes by address."""
     _check_attention(scaled, key, value, bias, out)
-    depth, width = key.shape[3], value.shape[3]
     if key.shape[2] == 0 or positions <= 0 or not rows_contiguous(key) or not rows_contiguous(value):
         raise ValueError("a prompt's attention job takes keys (and values) whose rows are C-contiguous, at least "
                          "one, and positions a block")

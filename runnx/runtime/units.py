@@ -177,8 +177,9 @@ def _gemm_block(box, index):
 
 @_jit
 def _head_rows(box, slot, b, g, count):
-    """The first `count` rows of KV head g of batch entry b of the array posted at `slot`, as a
-    C-contiguous (count, width) array (the posting function checked that its rows are)."""
+    """The first `count` rows of KV head g of batch entry b of the array posted at `slot` (`post_array`:
+    its address, shape, then byte strides), as a C-contiguous (count, width) array (the posting
+    function checked that its rows are)."""
     address = load(box, slot) + b * load(box, slot + 5) + g * load(box, slot + 6)
     return numba.carray(float32_pointer(address), (count, load(box, slot + 4)))
 
@@ -188,13 +189,14 @@ def _attention_block(box, index):
     """Unit `index` of a prompt's attention job: one block of query positions of one (batch entry, KV
     head), the last blocks first."""
     query, ends, out = posted_array(box, BLOCK_QUERY), posted_array(box, BLOCK_ENDS)[0], posted_array(box, BLOCK_OUT)
-    batch, groups, length, per = query.shape[0], load(box, BLOCK_KEY + 2), query.shape[2], load(box, BLOCK_PER)
+    _, groups, stored, _ = posted_array(box, BLOCK_KEY).shape
+    batch, length, per = query.shape[0], query.shape[2], load(box, BLOCK_PER)
     positions = load(box, BLOCK_POSITIONS)
     blocks = (length + positions - 1) // positions
     first = (blocks - 1 - index // (batch * groups)) * positions
     stop = min(first + positions, length)
     b, g = index % (batch * groups) // groups, index % groups
-    size = block_limit(ends, per, g, b, first, stop, load(box, BLOCK_KEY + 3))
+    size = block_limit(ends, per, g, b, first, stop, stored)
     keys, values = _head_rows(box, BLOCK_KEY, b, g, size), _head_rows(box, BLOCK_VALUE, b, g, size)
     bias = posted_array(box, BLOCK_BIAS) if load(box, BLOCK_HAS_BIAS) else np.empty((1, 1, 1, 0), np.float32)
     attend_block(query, keys, values, bias, ends, np.float32(float64_from_bits(load(box, BLOCK_FILL))), out, b, g,
