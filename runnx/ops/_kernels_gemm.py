@@ -15,7 +15,11 @@ one fused multiply-add per register a step of k, and adds the tile to c (stores 
 block of k). Reading b in place, not packing it, is as fast here for a prompt's thousands of rows
 and 3x faster for its first few dozen; b's columns go in blocks of BLOCK_COLUMNS, whose KC rows stay
 in cache while every row of a passes, and each tile prefetches the next panel's rows (a wide b, an
-LM head's, has each of its rows a page or more apart: the hardware's prefetcher follows none). Each element of c is thus the sum over its k in
+LM head's, has each of its rows a page or more apart: the hardware's prefetcher follows none). The
+tiles of a block's first MC rows also fetch the next block of b into L2, each tile a share of its
+rows (`gemm_columns`): a short prompt's weights come cold from memory, and only a few dozen rows
+pass each block, so without it the first tiles waited for each block as long as all of them
+computed it. Each element of c is thus the sum over its k in
 blocks of KC, in order, each block summed in order by fused multiply-adds: the same for any
 shape of the rest of the product, any split of its columns among threads and any position of
 the element, so results never depend on the thread count.
@@ -57,8 +61,10 @@ def _tile_codegen(a_in_place: bool):
     step k at a_at + k * MR + i) or from a's rows in place (at a_at + i * a_step + k)."""
 
     def codegen(context, builder, sig, args):
-        a_arr, b_arr, c_arr = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 3, 7))
+        a_arr, b_arr, c_arr, ahead_arr = (context.make_array(sig.args[i])(context, builder, args[i])
+                                          for i in (0, 3, 7, 11))
         a_at, a_step, b_at, b_step, depth, row, column, first = (args[i] for i in (1, 2, 4, 5, 6, 8, 9, 10))
+        ahead_at, ahead_step, ahead_rows = args[12], args[13], args[14]
         i32, i64 = ir.IntType(32), ir.IntType(64)
         vector = ir.VectorType(ir.FloatType(), LANES)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
@@ -80,6 +86,12 @@ def _tile_codegen(a_in_place: bool):
             for j in range(NR // LANES):  # the next panel's row, read in place: its own stream for the prefetcher
                 builder.call(prefetch, [builder.bitcast(builder.gep(b_arr.data, [at(b_row, NR + LANES * j)]), i8_pointer),
                                         ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            with builder.if_then(builder.icmp_signed("<", loop.index, ahead_rows)):
+                ahead_row = builder.add(ahead_at, builder.mul(loop.index, ahead_step))
+                for j in range(NR // LANES):  # a row of the next block's panel (`gemm_columns`)
+                    builder.call(prefetch, [builder.bitcast(builder.gep(ahead_arr.data, [at(ahead_row, LANES * j)]),
+                                                            i8_pointer),
+                                            ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
             if a_in_place:
                 a_places = [builder.add(start, loop.index) for start in a_rows]
             else:
@@ -107,17 +119,23 @@ def _tile_codegen(a_in_place: bool):
 
 
 @intrinsic
-def _tile(typingctx, a_panel, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first):
+def _tile(typingctx, a_panel, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first, ahead, ahead_at,
+          ahead_step, ahead_rows):
     """c[row:row + MR, column:column + NR] (+)= the a panel at a_at (depth x MR, k-major; a_step
     unused) times the b panel at b_at (depth rows of NR, b_step apart): stored when `first`, added
-    otherwise. c's rows are contiguous."""
-    return types.void(a_panel, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first), _tile_codegen(False)
+    otherwise. c's rows are contiguous. Its first `ahead_rows` steps of k also prefetch NR floats of
+    `ahead` into L2, ahead_step apart from ahead_at (nothing read: addresses past an array are
+    harmless)."""
+    return (types.void(a_panel, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first, ahead, ahead_at,
+                       ahead_step, ahead_rows), _tile_codegen(False))
 
 
 @intrinsic
-def _tile_of_rows(typingctx, a, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first):
+def _tile_of_rows(typingctx, a, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first, ahead, ahead_at,
+                  ahead_step, ahead_rows):
     """`_tile` reading a's MR rows in place: row i's values at a_at + i * a_step, one a step of k."""
-    return types.void(a, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first), _tile_codegen(True)
+    return (types.void(a, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first, ahead, ahead_at,
+                       ahead_step, ahead_rows), _tile_codegen(True))
 
 
 @_kernel
@@ -171,11 +189,16 @@ def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, co
     (an attention's values product): whole tiles read a's rows in place. Scratch: edge (MR, NR).
     When `columns_given`, b holds b's columns as its rows (b.T: a dequantized weight's panel, a
     transposed operand) and each block of them is packed into b_block (KC * BLOCK_COLUMNS) while
-    every row of a passes: the tiles' arithmetic, hence every element, is the same either way."""
+    every row of a passes: the tiles' arithmetic, hence every element, is the same either way.
+    Meanwhile the first row block's tiles prefetch the next block of b (after the range's last, the
+    block past stop_column: a pool job's next unit), tile i of n its rows i, i + n, ... (`_tile`'s
+    `ahead`: rows of b in place, so not when `columns_given`)."""
     rows, depth = a.shape
     a_flat, b_flat = a.reshape(-1), b.reshape(-1)
     b_step = b.shape[1]
     rows_in_place = stop_column - first_column <= ROWS_IN_PLACE
+    ahead_tiles = -(-min(MC, rows) // MR)  # the first row block's tiles, which share the next block's rows
+    ahead_step = ahead_tiles * b_step
     for column_block in range(first_column, stop_column, BLOCK_COLUMNS):
         block_stop = min(column_block + BLOCK_COLUMNS, stop_column)
         whole = column_block if columns_given else column_block + (block_stop - column_block) // NR * NR
@@ -186,6 +209,11 @@ def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, co
                 _pack_columns(b, k_block, k_count, column_block, block_stop - column_block, b_block)
             else:
                 _pack_b(b, k_block, k_count, whole, block_stop - whole, b_panel)
+            next_k, next_column = k_block + KC, column_block
+            if next_k >= depth:  # (after the last block: the columns after stop_column, a pool job's next unit)
+                next_k, next_column = 0, min(column_block + BLOCK_COLUMNS, stop_column)
+            ahead_rows = 0 if columns_given or next_column >= b_step else min(KC, depth - next_k)
+            ahead_shift = next_k * b_step + next_column - column_block
             for row_block in range(0, rows, MC):
                 height = min(MC, rows - row_block)
                 if rows_in_place:
@@ -196,7 +224,11 @@ def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, co
                     tile_rows, row = min(MR, height - i), row_block + i
                     in_place = rows_in_place and tile_rows == MR
                     a_at = row * depth + k_block if in_place else (0 if rows_in_place else i * k_count)
+                    tile_index = i // MR
+                    ahead_count = 0 if row_block or tile_index >= ahead_rows else (
+                        -(-(ahead_rows - tile_index) // ahead_tiles))
                     for column in range(column_block, block_stop, NR):
+                        ahead_at = ahead_shift + column + tile_index * b_step
                         if columns_given:
                             b_source, b_at, b_from = b_block, (column - column_block) * k_count, NR
                             tile_columns = min(NR, block_stop - column)
@@ -207,16 +239,19 @@ def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, co
                         if tile_rows == MR and tile_columns == NR:
                             if in_place:
                                 _tile_of_rows(a_flat, a_at, depth, b_source, b_at, b_from, k_count, c, row, column,
-                                              first)
+                                              first, b_flat, ahead_at, ahead_step, ahead_count)
                             else:
-                                _tile(a_panels, a_at, 0, b_source, b_at, b_from, k_count, c, row, column, first)
+                                _tile(a_panels, a_at, 0, b_source, b_at, b_from, k_count, c, row, column, first,
+                                      b_flat, ahead_at, ahead_step, ahead_count)
                             continue
                         if not first:
                             edge[:tile_rows, :tile_columns] = c[row:row + tile_rows, column:column + tile_columns]
                         if in_place:
-                            _tile_of_rows(a_flat, a_at, depth, b_source, b_at, b_from, k_count, edge, 0, 0, first)
+                            _tile_of_rows(a_flat, a_at, depth, b_source, b_at, b_from, k_count, edge, 0, 0, first,
+                                          b_flat, ahead_at, ahead_step, ahead_count)
                         else:
-                            _tile(a_panels, a_at, 0, b_source, b_at, b_from, k_count, edge, 0, 0, first)
+                            _tile(a_panels, a_at, 0, b_source, b_at, b_from, k_count, edge, 0, 0, first, b_flat,
+                                  ahead_at, ahead_step, ahead_count)
                         c[row:row + tile_rows, column:column + tile_columns] = edge[:tile_rows, :tile_columns]
 
 
