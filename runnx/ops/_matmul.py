@@ -1,10 +1,14 @@
 """Which kernel multiplies two float32 matrices: runnx's own (`_kernels_gemm.py`, AVX-512) where
-numpy's BLAS runs narrower than the CPU, else numpy's BLAS.
+numpy's BLAS runs narrower than the CPU or where the weights come cold from memory, else numpy's BLAS.
 
 Every product of a prompt or an encoder goes through `matmul`, so a fused op and the graph it
-replaces take the same kernel for the same shapes and round alike. The own kernels run when numba
-compiles for AVX-512 and every BLAS numpy loaded is OpenBLAS with kernels that are not AVX-512 ones
-(OPENBLAS_CORETYPE=Haswell on such a CPU); MKL and OpenBLAS's own AVX-512 kernels are as fast.
+replaces take the same kernel for the same shapes and round alike. The own kernels take every
+product when numba compiles for AVX-512 and every BLAS numpy loaded is OpenBLAS with kernels that
+are not AVX-512 ones (OPENBLAS_CORETYPE=Haswell on such a CPU: `own_kernels`). Where OpenBLAS runs
+its AVX-512 kernels they take a short prompt's products by a matrix (fewer than SHORT_ROWS rows, b
+2-D: `own_product`): such a product reads each weight from memory for a few dozen rows, and the own
+kernels fetch the next block of it while they compute the current one, where OpenBLAS waits for
+it; from a few hundred rows OpenBLAS's kernels compute faster. MKL is left its products.
 Their results do not depend on the thread count: a short prompt's product has its columns shared
 with the decode pool's workers (`runtime/pool.py`), a larger product of at least _SPLIT_FROM
 multiply-adds its rows among runnx's threads (`runtime/helpers.py`), each element summed alike. They
@@ -32,9 +36,11 @@ _POOL_ROWS, _POOL_FROM = 2 * gemm.MC, 1 << 21
 # up to this many rows (a decode step's products, an attention's heads) a product that stays on one
 # thread is summed without packing anything (`gemm.few_rows`: the same bits); from 4 rows packing pays
 FEW_ROWS = 2
+SHORT_ROWS = _POOL_ROWS  # a product by a matrix of fewer rows takes the own kernels wherever BLAS is OpenBLAS
 _FLOAT32 = np.dtype(np.float32)
 _scratch = threading.local()
-_enabled: bool | None = None
+_enabled: bool | None = None  # every product on the own kernels
+_short: bool | None = None  # a short prompt's products by a matrix on the own kernels
 
 
 def own_kernels() -> bool:
@@ -48,24 +54,41 @@ def own_kernels() -> bool:
     return _enabled
 
 
+def _short_products() -> bool:
+    """Whether a short prompt's products by a matrix run on the own kernels in this process (module
+    docstring): numba compiles for AVX-512 and every BLAS numpy loaded is OpenBLAS."""
+    global _short
+    if _short is None:
+        libraries = blas_split.blas_libraries()
+        _short = gemm.AVAILABLE and bool(libraries) and all(c.internal_api == "openblas" for c in libraries)
+    return _short
+
+
+def own_product(rows: int, matrix: bool) -> bool:
+    """Whether a float32 product of `rows` rows (all of a's) by b runs on the own kernels; `matrix`:
+    b is 2-D (a weight, a panel of one)."""
+    return _native.enabled and (own_kernels() or (matrix and rows < SHORT_ROWS and _short_products()))
+
+
 def set_own_kernels(enabled: bool | None) -> None:
-    """Force the choice (tests and benchmarks compare the two); None: detect it again."""
-    global _enabled
-    _enabled = None if enabled is None else bool(enabled) and gemm.AVAILABLE
+    """Force the choice (tests and benchmarks compare the two): True every product on the own
+    kernels, False none; None: detect it again."""
+    global _enabled, _short
+    _enabled = _short = None if enabled is None else bool(enabled) and gemm.AVAILABLE
 
 
-def rest_workers_before(multiply_adds: int) -> None:
+def rest_workers_before(multiply_adds: int, rows: int | None = None) -> None:
     """Let the decode pool's spinning workers sleep before a product of `multiply_adds` that numpy's
-    BLAS computes (its threads need the cores); not when runnx's own kernels take float32
-    products: they share a short prompt's with the workers, or rest them before they split one
-    among helper threads (`_matrix_product`)."""
-    if not (_native.enabled and own_kernels()):
+    BLAS computes (its threads need the cores); not when runnx's own kernels take it (`rows`: a
+    product of so many rows by a matrix; None: of stacks): they share a short prompt's with the
+    workers, or rest them before they split one among helper threads (`_matrix_product`)."""
+    if not (own_product(rows, True) if rows is not None else _native.enabled and own_kernels()):
         decode_pool.rest_workers(multiply_adds)
 
 
 def _takes(a, b) -> bool:
     return (a.dtype == _FLOAT32 and b.dtype == _FLOAT32 and a.ndim >= 2 and b.ndim >= 2 and a.shape[-1] == b.shape[-2]
-            and a.size and b.size and _native.enabled and own_kernels())
+            and a.size and b.size and own_product(a.size // a.shape[-1], b.ndim == 2))
 
 
 def _writable(out, shape) -> bool:
@@ -131,7 +154,7 @@ def _matrix_product(a, b, out, columns_given: bool = False) -> None:
 
 def matmul(a, b, out=None):
     """np.matmul(a, b, out=out), float32 products of matrices (or stacks of them) on the own kernels
-    when they run (`own_kernels`)."""
+    when they take them (`own_product`)."""
     if not _takes(a, b):
         return np.matmul(a, b) if out is None else np.matmul(a, b, out=out)
     batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
@@ -198,7 +221,7 @@ def load_kernels() -> None:
     output with contiguous rows and one without (a head's rows in a merged-heads layout); a few
     rows times b by its rows or its columns, alone and in stacks; a short prompt's pool job
     (`runtime.jobs.post_gemm`, run alone here), b by its rows and by its columns."""
-    if _native.enabled and own_kernels():
+    if own_product(FEW_ROWS + 1, True):
         for columns_given in (False, True):
             decode_pool.alone(post_gemm, _read_only(np.ones((FEW_ROWS + 1, 2), np.float32)),
                               _read_only(np.ones((2, 2), np.float32)), np.empty((FEW_ROWS + 1, 2), np.float32),
@@ -209,6 +232,8 @@ def load_kernels() -> None:
         row, columns = np.ones((1, 3), np.float32), np.ones((2, 3), np.float32)
         matmul(row, columns.T)
         matmul(row, np.ones((3, 2), np.float32))
+    if own_product(FEW_ROWS + 1, False):  # stacks: an attention's heads
+        row, columns = np.ones((1, 3), np.float32), np.ones((2, 3), np.float32)
         matmul(row.reshape(1, 1, 3), columns.reshape(1, 2, 3).transpose(0, 2, 1))
         matmul(row.reshape(1, 1, 3), np.ones((1, 3, 2), np.float32))
         heads = np.ones((2, 3, 3), np.float32)  # a cache's heads in their buffer, two rows of three read

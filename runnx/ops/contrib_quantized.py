@@ -23,7 +23,7 @@ from runnx.ops.fused import SiluMul
 from runnx.ops.linalg_integer import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import COMPUTED, register
-from runnx.ops._matmul import matmul, own_kernels, rest_workers_before
+from runnx.ops._matmul import matmul, own_product, rest_workers_before
 from runnx.runtime import pool as decode_pool
 
 DOMAIN = "com.microsoft"
@@ -244,10 +244,10 @@ def _panel_product(rows, b, scales, zero_points: tuple, bits: int, block_size: i
     """out = rows @ dequantized(b).T through `matmul`, a panel of columns dequantized at a time into
     a buffer that stays in cache; 4-bit panels and the rows in lanes order (`nibble_lanes_panel`)."""
     columns, depth = out.shape[1], rows.shape[1]
-    panel_bytes = _OWN_PANEL_BYTES if own_kernels() else _PANEL_BYTES
+    panel_bytes = _OWN_PANEL_BYTES if own_product(rows.shape[0], True) else _PANEL_BYTES
     width = max(1, min(columns, panel_bytes // (depth * rows.itemsize)))
     panel = np.empty((width, depth), rows.dtype)
-    rest_workers_before(rows.size * columns)  # BLAS's threads need the cores
+    rest_workers_before(rows.size * columns, rows.shape[0])  # BLAS's threads need the cores
     if bits == 4:
         rows = lanes_order(rows)
     for first in range(0, columns, width):

@@ -78,7 +78,8 @@ def MatMul(a, b):
     decode_pool.settle()  # a may be the output of a job left open
     if _few_rows(a, b):
         return rows_times_matrix(np.ascontiguousarray(a).reshape(-1, b.shape[0]), b).reshape(a.shape[:-1] + b.shape[1:])
-    rest_workers_before(a.size * b.shape[-1])
+    matrix_rows = a.size // a.shape[-1] if b.ndim == 2 and a.shape[-1] else None  # (a product by a matrix)
+    rest_workers_before(a.size * b.shape[-1], matrix_rows)
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
         # one GEMM over all leading rows instead of numpy's GEMM (or GEMV) per batch entry
         rows = matmul(a.reshape(-1, a.shape[-1]), b)

@@ -406,9 +406,11 @@ def pool() -> DecodePool | None:
 def start_in_background(load_jobs: bool = True) -> None:
     """Start the pool on a thread of its own while the caller loads a decoder: its start loads the
     workers' loop from numba's cache, the first numba code of a process (with numba's own start,
-    a noticeable part of a first transcription), then the jobs every decoder calls (`_load_jobs`;
-    not with `load_jobs` False: a model's record of its kernels loads what it calls, and only that)
-    and the products' kernel of a prompt (with no workers, the unit loop and that kernel alone).
+    a noticeable part of a first transcription), then the jobs every decoder calls (`_load_jobs`)
+    and the products' kernels of a prompt (with no workers, the unit loop and those kernels alone);
+    not those with `load_jobs` False: a model's record of its kernels loads what it calls, and only
+    that (a 4-bit model's prompt calls no float32 product kernel: loading them would only contend
+    with its first token).
     Not a daemon thread: a process ending while numba loads aborts inside LLVM, so the interpreter
     waits for it at exit."""
     global _starting
@@ -417,7 +419,7 @@ def start_in_background(load_jobs: bool = True) -> None:
     if _pool is None and worker_count() > 0:
         _starting = threading.Thread(target=_start_and_load, args=(load_jobs,), name="runnx-decode-start")
     elif not _products_loaded:
-        _starting = threading.Thread(target=_load_alone, name="runnx-products-load")
+        _starting = threading.Thread(target=_load_alone, args=(load_jobs,), name="runnx-products-load")
     else:
         return
     _starting.start()
@@ -428,15 +430,16 @@ def _start_and_load(load_jobs: bool) -> None:
     pool()
     if load_jobs:
         _load_jobs()
-    _load_products()
+        _load_products()
 
 
-def _load_alone() -> None:
+def _load_alone(load_products: bool) -> None:
     """With no workers: the unit loop that jobs run alone call (`alone`: a decoder's attention, a
-    prompt's softmax), then the products' kernel."""
+    prompt's softmax), then the products' kernels unless a model's record loads what it calls."""
     _import_for_numba_typing()
     new_box()
-    _load_products()
+    if load_products:
+        _load_products()
 
 
 def _import_for_numba_typing() -> None:

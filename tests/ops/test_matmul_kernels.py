@@ -236,6 +236,38 @@ def test_own_kernels_run_only_where_blas_is_narrower_than_the_cpu(monkeypatch, l
     monkeypatch.setattr(_matmul, "_enabled", None)
 
 
+@pytest.mark.parametrize("libraries,short", [
+    ([_Library("openblas", "Haswell")], True),
+    ([_Library("openblas", "SkylakeX")], True),
+    ([_Library("openblas", "SkylakeX"), _Library("mkl")], False),
+    ([_Library("mkl")], False),
+    ([], False),
+])
+def test_a_short_prompts_products_by_a_matrix_take_the_own_kernels_wherever_blas_is_openblas(monkeypatch, libraries,
+                                                                                               short):
+    """Where OpenBLAS runs its AVX-512 kernels, products by a matrix of fewer than SHORT_ROWS rows
+    (cold weights) still take the own kernels; longer ones and stacks (an attention's) are BLAS's."""
+    monkeypatch.setattr(blas_split, "blas_libraries", lambda: libraries)
+    monkeypatch.setattr(_matmul, "_enabled", None)
+    monkeypatch.setattr(_matmul, "_short", None)
+    every = _matmul.own_kernels()
+    short = short and gemm.AVAILABLE
+    assert _matmul.own_product(1, True) is (every or short)
+    assert _matmul.own_product(_matmul.SHORT_ROWS - 1, True) is (every or short)
+    assert _matmul.own_product(_matmul.SHORT_ROWS, True) is every
+    assert _matmul.own_product(3, False) is every
+    a = RNG.standard_normal((_matmul.SHORT_ROWS - 1, 8), dtype=np.float32)
+    calls = []
+    original = gemm.gemm_columns
+    monkeypatch.setattr(gemm, "gemm_columns", lambda *args: calls.append(1) or original(*args))
+    product = _matmul.matmul(a, RNG.standard_normal((8, 40), dtype=np.float32))
+    assert bool(calls) is (every or short) and product.shape == (_matmul.SHORT_ROWS - 1, 40)
+    _matmul.set_own_kernels(False)
+    assert not _matmul.own_product(1, True)
+    monkeypatch.setattr(_matmul, "_enabled", None)
+    monkeypatch.setattr(_matmul, "_short", None)
+
+
 @needs_avx512
 @pytest.mark.parametrize("depth", [1, 64, 255, 257, 600])
 @pytest.mark.parametrize("columns", [1, 15, 16, 33, 512])

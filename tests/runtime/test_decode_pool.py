@@ -344,7 +344,8 @@ def test_worker_count_follows_the_setting():
 
 def test_a_decoder_with_a_record_of_its_kernels_starts_the_pool_without_the_jobs_loads(monkeypatch, tmp_path):
     """A model whose runs recorded their kernels (`ops/kernel_loads.py`) loads those itself: the
-    pool's start then skips the jobs every decoder calls, which would only contend with the load."""
+    pool's start then skips the jobs every decoder calls and the products' kernels, which would only
+    contend with the load (and with a first token that calls none of them)."""
     import json
     import runnx.runtime as runtime
     from runnx.ops import kernel_loads
@@ -368,7 +369,10 @@ def test_a_decoder_with_a_record_of_its_kernels_starts_the_pool_without_the_jobs
     monkeypatch.setattr(decode_pool, "_load_products", lambda: loaded.append("products"))
     decode_pool._start_and_load(False)
     decode_pool._start_and_load(True)
-    assert loaded == ["products", "jobs", "products"]
+    assert loaded == ["jobs", "products"]
+    decode_pool._load_alone(False)
+    decode_pool._load_alone(True)
+    assert loaded == ["jobs", "products", "products"]
 
 
 def test_a_pool_started_in_the_background_is_the_one_every_caller_gets():
