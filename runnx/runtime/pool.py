@@ -315,9 +315,10 @@ def vnni_rows(a, flip: bool, tiles, column_sums, a_zero, b_zero, out) -> None:
     shared_call(post_vnni, a, flip, tiles, column_sums, a_zero, b_zero, out)
 
 
-# a prompt's product is cut into about this many units of columns: a claim takes an eighth of the
-# units left, so the threads' shares come out even
-GEMM_UNITS = 16
+# a prompt's product is cut into about this many units of columns a thread: few, since each unit packs
+# a's rows again and waits for its first block of b (the blocks after it are prefetched: `gemm_columns`),
+# and more than one, so that a slow thread's share is taken by the others
+GEMM_UNITS_PER_THREAD = 2
 
 
 def columns_product(a, b, out, columns_given: bool) -> bool:
@@ -329,7 +330,8 @@ def columns_product(a, b, out, columns_given: bool) -> bool:
     if workers is None:
         return False
     columns = out.shape[1]
-    unit = max(gemm.NR, -(-columns // (GEMM_UNITS * gemm.NR)) * gemm.NR)
+    units = GEMM_UNITS_PER_THREAD * (workers._workers + 1)
+    unit = max(gemm.NR, -(-columns // (units * gemm.NR)) * gemm.NR)
     return workers.call(post_gemm, a, b, out, columns_given, unit) is not BUSY
 
 
