@@ -11,10 +11,10 @@ kernels fetch the next block of it while they compute the current one, where Ope
 it; from a few hundred rows OpenBLAS's kernels compute faster. MKL is left its products.
 Their results do not depend on the thread count: a short prompt's product has its columns shared
 with the decode pool's workers (`runtime/pool.py`), a larger product of at least _SPLIT_FROM
-multiply-adds its rows among runnx's threads (`runtime/helpers.py`), each element summed alike. They
-take every float32 product, small ones too, whatever its number of rows, so a row comes out the same
-in a prompt of any length or a block of one; up to FEW_ROWS rows they pack nothing (`gemm.few_rows`,
-the same arithmetic).
+multiply-adds its rows among runnx's threads (`runtime/helpers.py`), each element summed alike. Where
+they take every float32 product, small ones too, a row comes out the same in a prompt of any length
+or a block of one (where they take the short ones only, in any prompt shorter than SHORT_ROWS); up to
+FEW_ROWS rows they pack nothing (`gemm.few_rows`, the same arithmetic).
 """
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def rest_workers_before(multiply_adds: int, rows: int | None = None) -> None:
     BLAS computes (its threads need the cores); not when runnx's own kernels take it (`rows`: a
     product of so many rows by a matrix; None: of stacks): they share a short prompt's with the
     workers, or rest them before they split one among helper threads (`_matrix_product`)."""
-    if not (own_product(rows, True) if rows is not None else _native.enabled and own_kernels()):
+    own = own_product(rows, True) if rows is not None else _native.enabled and own_kernels()
+    if not own:
         decode_pool.rest_workers(multiply_adds)
 
 
