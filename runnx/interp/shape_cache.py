@@ -74,6 +74,7 @@ def _roots(graph: Graph, order: list[Node]) -> dict[int, frozenset]:
             found = roots.get(reads[0], frozenset(reads))
         elif kernel.shape_only and node.domain != "":  # the shapes of some inputs, the values of the others
             shaped = {node.inputs[p] for p in kernel.shape_only if p < len(node.inputs)} - {MISSING}
+            shaped -= graph.constants.keys()  # a constant's shape is the group's own, not a key
             others = [v for v in reads if v not in shaped]
             if not shaped or not all(v in roots or v in graph.constants for v in others):
                 continue
@@ -154,18 +155,26 @@ def _structure(group) -> tuple:
     window)."""
     slots = {v: ("in", i) for i, v in enumerate(group.roots + group.external)}
     parts = []
-    for position, node in enumerate(group.members):
-        reads = tuple(("none",) if v == MISSING else slots[v] if v in slots else _constant_key(group.graph.constants[v])
-                      for v in node.inputs)
+    for index, node in enumerate(group.members):
+        shaped = node.kernel.shape_only if node.domain != "" else ()
+        reads = tuple(("none",) if v == MISSING else slots[v] if v in slots
+                      else _shape_key(group.graph.constants[v]) if position in shaped
+                      else _constant_key(group.graph.constants[v]) for position, v in enumerate(node.inputs))
         attrs = tuple(sorted((name, _constant_key(value) if isinstance(value, np.ndarray) else value)
                              for name, value in node.attrs.items()))
         if isinstance(node.kernel.fn, ShapeGroup):  # a memo of the first pass: what it computes
             attrs += (("memo", _structure(node.kernel.fn)),)
         parts.append((node.domain, node.op_type, node.since, reads, attrs))
-        for index, vid in enumerate(node.outputs):
+        for output, vid in enumerate(node.outputs):
             if vid != MISSING:
-                slots[vid] = ("node", position, index)
+                slots[vid] = ("node", index, output)
     return tuple(parts), tuple(slots[v] for v in group.outputs)
+
+
+def _shape_key(value: np.ndarray) -> tuple:
+    """A constant read only for its shape and dtype (a shape stand-in's weight): any of that shape
+    and dtype gives the same result."""
+    return "shaped", value.dtype, value.shape
 
 
 def _constant_key(value: np.ndarray):

@@ -350,7 +350,7 @@ def RepeatedKVShape(kv, axes, expand, target):
     return stand_in(kv.dtype, head_repeat(kv, axes, expand, target)[2])
 
 
-@register("RMSNormShape", since=1, domain=DOMAIN, shape_only=(0,))
+@register("RMSNormShape", since=1, domain=DOMAIN, shape_only=(0, 3))
 def RMSNormShape(x, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0):
     """A stand-in with the shape and dtype of AddRMSNorm's norm of sums shaped as x, for nodes that
     only read its shape: a fused node's norm computed inside it (AttentionGatedMLPRopeAppend's).

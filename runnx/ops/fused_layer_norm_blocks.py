@@ -341,7 +341,7 @@ def split_shape(x, target, source, dims: tuple, axes: tuple) -> tuple:
     return split.shape[:1] + split.shape[2:3] + split.shape[1:2] + split.shape[3:] if split.ndim == 4 else ()
 
 
-@register("SplitHeadsShape", since=1, domain=DOMAIN, shape_only=(0, 3))
+@register("SplitHeadsShape", since=1, domain=DOMAIN, shape_only=(0, 1, 3))
 def SplitHeadsShape(x, weight, target, source, *, dims: tuple[int, ...] = (), axes: tuple[int, ...] = ()):
     """A stand-in with the shape of SplitHeads(x @ weight, None, target, source) (zero strides), for
     nodes that only read the shape of split heads a fused node computes inside itself."""

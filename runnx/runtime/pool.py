@@ -429,6 +429,7 @@ def start_in_background(load_jobs: bool = True) -> None:
 
 def _start_and_load(load_jobs: bool) -> None:
     _import_for_numba_typing()
+    _find_blas()
     pool()
     if load_jobs:
         _load_jobs()
@@ -439,6 +440,7 @@ def _load_alone(load_products: bool) -> None:
     """With no workers: the unit loop that jobs run alone call (`alone`: a decoder's attention, a
     prompt's softmax), then the products' kernels unless a model's record loads what it calls."""
     _import_for_numba_typing()
+    _find_blas()
     new_box()
     if load_products:
         _load_products()
@@ -448,6 +450,14 @@ def _import_for_numba_typing() -> None:
     """numpy.ma, which numba's typing of an array argument imports on a process's first call of a
     kernel from Python (8-24 ms, in the first prompt's first kernel call otherwise)."""
     import numpy.ma  # noqa: F401
+
+
+def _find_blas() -> None:
+    """Which BLAS numpy loaded, and so which kernels take a prompt's products (`ops/_matmul.py`):
+    threadpoolctl looks through every library the process loaded (6-9 ms, in a first prompt's first
+    product otherwise)."""
+    from runnx.ops._matmul import own_product
+    own_product(1, True)
 
 
 def _load_products() -> None:

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from onnx import TensorProto as T
-from onnx import helper
+from onnx import helper, numpy_helper
 
 import runnx
+from runnx.interp.folding import contiguous_copy
 
 OPSET = [helper.make_opsetid("", 18)]
 
@@ -32,6 +34,24 @@ def test_constant_only_nodes_are_folded_into_contiguous_constants():
     unfolded = runnx.load(_lm_head_model(), fold_constants=False)
     assert [n.op_type for n in unfolded.plan()] == ["Transpose", "MatMul"]
     assert model.run({"x": x})["y"].tobytes() == unfolded.run({"x": x})["y"].tobytes()
+
+
+@pytest.mark.parametrize("rows, columns, dtype", [(300, 200, np.float32), (1100, 520, np.float32),
+                                                  (130, 4100, np.float16), (3, 4, np.int64)])
+def test_a_transposed_constant_folds_into_the_same_values_through_tiles(rows, columns, dtype):
+    """A tied LM head's Transpose of the embeddings: copied tile by tile (a large one into a map of
+    its own, from 2 MiB), every value where numpy's own copy puts it."""
+    weights = (np.arange(rows * columns) % 9973).astype(dtype).reshape(rows, columns)
+    copied = contiguous_copy(weights.T)
+    assert copied.flags.c_contiguous and copied.dtype == dtype
+    np.testing.assert_array_equal(copied, weights.T.copy())
+    graph = helper.make_graph([helper.make_node("Transpose", ["w"], ["w_t"])], "g", [],
+                              [helper.make_tensor_value_info("w_t", T.FLOAT, None)],
+                              [numpy_helper.from_array(weights.astype(np.float32), "w")])
+    model = runnx.load(helper.make_model(graph, opset_imports=OPSET))
+    assert model.plan() == []
+    folded = model.run({})["w_t"]
+    assert folded.tobytes() == np.ascontiguousarray(weights.astype(np.float32).T).tobytes()
 
 
 def test_an_initializer_a_feed_may_override_is_not_folded():

@@ -402,6 +402,29 @@ def test_a_pool_started_in_the_background_is_the_one_every_caller_gets():
         decode_pool.set_workers(None)
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_background_start_finds_which_kernels_take_a_prompts_products(workers):
+    """The start (with workers or without) asks which BLAS numpy loaded, so that a first prompt's
+    first product does not look through the process's libraries (a fresh process: nothing asked
+    before), and the answer is the one asked anew."""
+    code = f"""
+from runnx.ops import _matmul
+from runnx.runtime import pool as d
+d.set_workers({workers})
+assert _matmul._enabled is None and _matmul._short is None
+d.start_in_background(load_jobs=False)
+d._starting.join()
+found = _matmul._enabled if _matmul._enabled else _matmul._short
+assert found is not None
+decided = _matmul.own_product(1, True)
+_matmul.set_own_kernels(None)
+assert decided == _matmul.own_product(1, True)
+print("decided")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.split() == ["decided"], done.stderr
+
+
 def test_the_background_start_loads_the_jobs_a_decoder_calls_first():
     """After `start_in_background`, the products of a read-only matrix (one to three at a time,
     one row and two) and the rows' softmax and GELU find their compiled code: their first calls
