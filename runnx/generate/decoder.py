@@ -90,6 +90,10 @@ class DecoderStep:
         self._cross_pasts = [k.past for k in self.past_io.kv if k.is_cross_attention and k.past]
         self._ids_dtype = _input_dtype(model, self.first_io.input_ids, np.dtype(np.int64))
         self.reset()
+        for first, decoder in ((True, self.first_model), (False, self.past_model)):
+            plan_ahead = getattr(decoder, "plan_ahead", None)  # a runnx Model's (tests step onnxruntime's too)
+            if plan_ahead is not None:
+                plan_ahead(self._wanted[first])
         self._prepacking = []  # threads making weights' tiles beside the first prompt (`Model.prepack_in_background`)
         for decoder in {id(m): m for m in (self.first_model, self.past_model)}.values():
             prepack = getattr(decoder, "prepack_in_background", None)  # a runnx Model's (tests step onnxruntime's too)

@@ -163,6 +163,14 @@ class Model:
         own kernels around its runs (its cache's), which `run` alone does not cover."""
         return self._kernel_loads.running()
 
+    def plan_ahead(self, outputs=None) -> None:
+        """Make now the plan a run feeding every input and asking for `outputs` will use, as
+        onnxruntime's session creation plans before a first run (a decoder's load: 9-15 ms of
+        SmolLM2's first prompt otherwise). Nothing for a model whose runs pick a branch (each
+        branch is planned on its first run)."""
+        if self._branches is None:
+            self.plan(outputs)
+
     def prepack_in_background(self) -> threading.Thread | None:
         """Make on a thread of its own, node by node in the graph's order, what kernels declaring
         `prepack` would make from their constant inputs on their first call (a 4-bit weight's

@@ -60,6 +60,23 @@ def test_generator_from_folder_equals_onnxruntime(fixtures_dir, export):
     assert ids == ort_greedy(fixtures_dir / name / first, fixtures_dir / name / later, prompt_ids, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("export, planned", [("llama-single", [1]), ("llama-split", [1, 1]), ("gpt2-single", [1]),
+                                             ("llama-merged", [0])])
+def test_a_decoders_load_makes_the_plans_its_steps_run(fixtures_dir, export, planned):
+    """The first step finds its plan made (as onnxruntime's session creation plans), and so do the
+    later steps: nothing is planned twice, and nothing a step does not run. A merged decoder picks a
+    branch per step: each is planned on its first run."""
+    name, first, later = EXPORTS[export]
+    decoder = _decoder(fixtures_dir / name, first, later)
+    models = list({id(m): m for m in (decoder.first_model, decoder.past_model)}.values())
+    assert [len(m._plans) for m in models] == planned
+    made = [dict(m._plans) for m in models]
+    _greedy(decoder, [5, 6, 7], 3)
+    if export != "llama-merged":
+        assert [m._plans for m in models] == made
+    assert all(plan is m._plans[key] for m, plans in zip(models, made) for key, plan in plans.items())
+
+
 @pytest.mark.parametrize("export", ["llama-single", "llama-merged", "llama-split", "gpt2-single"])
 def test_every_step_appends_the_kv_cache_in_place(fixtures_dir, export):
     name, first, later = EXPORTS[export]
