@@ -1,9 +1,11 @@
 """Model: a loaded graph plus its plan cache; `run` validates feeds, plans, executes."""
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -226,7 +228,24 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
         load_in_background(record_path(source))
     from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
     keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runtime/allocator.py)
-    return Model(load_model(source, weights, options.allow_newer_opset), options)
+    with _collection_paused():
+        return Model(load_model(source, weights, options.allow_newer_opset), options)
+
+
+@contextmanager
+def _collection_paused():
+    """Python's cyclic garbage collector off while a model loads, as it was after: a load makes tens
+    of thousands of objects that live as long as the model (nodes, attributes, kernels), and each of
+    the few full collections their count set off went through every object of the process (about
+    50 ms each for SmolLM2, 0.2 s of its load); what cycles a load drops, the first collection
+    after it finds. Off already (the caller's choice, or another thread's load): left as it is."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _replace(options: Options, values: dict) -> Options:

@@ -283,3 +283,27 @@ def test_a_model_loads_after_one_op_module_was_imported_on_its_own(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert float(done.stdout) == WEIGHT.sum()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_load_pauses_the_garbage_collector_and_leaves_it_as_it_found_it(fixtures_dir, enabled, monkeypatch):
+    """The cyclic collector is off while a model loads (its full collections went through every
+    object again and again), and after a load, or a failed one, on or off as the caller had it."""
+    import gc
+
+    from runnx.interp import loader
+
+    seen = []
+    load_model = loader.load_model
+    monkeypatch.setattr(loader, "load_model", lambda *a: (seen.append(gc.isenabled()), load_model(*a))[1])
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        runnx.load(str(fixtures_dir / "tiny-llama" / "model.onnx"))
+        assert gc.isenabled() == enabled
+        with pytest.raises(runnx.RunnxError):
+            runnx.load(b"not a model")
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert seen == [False, False]
