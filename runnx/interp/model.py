@@ -21,6 +21,7 @@ from runnx.interp.folding import fold_constants
 from runnx.interp.fusion import fuse, quantizes_computed_values, rewrite
 from runnx.interp.ir import MISSING
 from runnx.interp.last_position import keep_last_position
+from runnx.interp.model_file import settle_held, settles_held
 from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
 from runnx.interp.profiler import Profile
@@ -40,6 +41,7 @@ class Model:
         self.options = (options or Options()).effective()  # the switches its optimization level allows
         self.widened = widen_float16(self.graph)  # float16 arithmetic in float32 at every level: float16.py
         self.folded = fold_constants(self.graph, self.options) if self.options.fold_constants else 0
+        settle_held()  # the weights' huge pages, once the fold's copies of them are made (model_file.py)
         # after folding (a head's weight may be a Transpose of the embedding, or read by If branches)
         self.last_position = keep_last_position(self.graph, self.options.last_position)
         self._unrewritten = replace(self.graph)  # for plans requesting values a rewrite removed
@@ -228,7 +230,7 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
         load_in_background(record_path(source))
     from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
     keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runtime/allocator.py)
-    with _collection_paused():
+    with _collection_paused(), settles_held():
         return Model(load_model(source, weights, options.allow_newer_opset), options)
 
 

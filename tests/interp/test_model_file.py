@@ -120,3 +120,38 @@ def test_the_weights_settle_into_huge_pages_on_a_thread_of_their_own():
             thread.join(30)
     assert _huge_pages_of(buffer.ctypes.data) >= 8 << 10  # at least half of the 16 MiB
     assert (buffer == 7).all()
+
+
+def test_settles_held_wait_for_the_fold_then_collapse_one_map_after_another(monkeypatch):
+    """Inside `settles_held` a map's settling waits (a load folds a tied LM head's transposed copy
+    first); `settle_held` or the block's end hands the maps over in order to one collapsing thread,
+    never two at once."""
+    import threading
+    import time
+
+    from runnx.interp import model_file
+
+    collapsed, running = [], []
+
+    def advise(mapped, advice):
+        if advice == model_file._MADV_COLLAPSE:
+            running.append(sum(t.name == "runnx-huge-pages" for t in threading.enumerate()))
+            time.sleep(0.05)
+            collapsed.append(mapped)
+        return True
+
+    monkeypatch.setattr(model_file, "_advise", advise)
+    maps = [np.zeros(4096, np.uint8) for _ in range(4)]
+    with model_file.settles_held():
+        model_file.settle(maps[0])
+        model_file.settle(maps[1])
+        assert collapsed == [] and model_file._collapsing is None
+        model_file.settle_held()
+        model_file.settle(maps[2])  # held again, until the block ends
+    model_file.settle(maps[3])
+    for _ in range(200):
+        if model_file._collapsing is None and len(collapsed) == 4:
+            break
+        time.sleep(0.02)
+    assert [id(m) for m in collapsed] == [id(m) for m in maps]
+    assert running == [1, 1, 1, 1]
