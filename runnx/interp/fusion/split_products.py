@@ -87,12 +87,12 @@ def _plan(graph: Graph, readers: dict, static: StaticDims, matmul: Node):
         value = add.outputs[0]
     if value in graph.outputs or matmul.outputs[0] in graph.outputs:
         return None
-    dims = static.dims(matmul.inputs[0])
-    shape = _Shape(None if dims is None else len(dims), n)
     cuts = [r for r in readers.get(value, ()) if r.op_type in ("Slice", "Split")]
     shapes = [r for r in readers.get(value, ()) if r.op_type == "Shape"]
     if not cuts or len(cuts) + len(shapes) != len(readers.get(value, ())):
         return None
+    dims = static.dims(matmul.inputs[0])  # (after the readers: working dims out goes back through the graph)
+    shape = _Shape(None if dims is None else len(dims), n)
     chain = _shape_chain(graph, readers, shapes, value)
     if chain is None:
         return None
