@@ -65,9 +65,11 @@ def read_model_file(path: str, skip=frozenset()) -> tuple[bytes, dict[str, np.nd
 
 def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], np.ndarray | None]:
     """(byte buffers of these lengths, 64-byte aligned slices of one zeroed anonymous map, the map's
-    bytes): faulted in 4 KiB pages while they are read (fast: a huge page at fault time may wait for
-    the kernel to compact memory, up to seconds for a small LM's weights after another process freed
-    its own), then `settle`d into huge pages. None for the map where there are no anonymous maps."""
+    bytes to `settle`, or None: nothing to settle). Its pages are faulted in by one call: in huge
+    pages at once where the kernel has free ones enough (`_free_huge_pages`), else in 4 KiB pages,
+    to be `settle`d into huge pages by a collapse (a huge page at fault time may wait for the
+    kernel to compact memory, up to seconds; the collapse takes seconds of a core beside the load
+    and the first prompts, which it made twice as slow)."""
     starts, total = [], 0
     for length in lengths:
         starts.append(total)
@@ -78,12 +80,37 @@ def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], np.ndarray | Non
     except (AttributeError, OSError, ValueError):
         arena, mapped = np.zeros(total + 64, np.uint8), None
     else:
+        if total >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE") and _free_huge_pages() * _HUGE_PAGE >= 2 * total:
+            if _advise(arena, mmap.MADV_HUGEPAGE):
+                mapped = None  # in huge pages from the start
         _advise(arena, _MADV_POPULATE_WRITE)
     base = -arena.ctypes.data % 64
     return [arena[base + start:base + start + length] for start, length in zip(starts, lengths)], mapped
 
 
 _MADV_POPULATE_WRITE, _MADV_COLLAPSE = 23, 25  # Linux 5.14 and 6.1 (Python 3.11's mmap names neither)
+_HUGE_PAGE = 2 << 20
+_HUGE_ORDER = 9  # a 2 MiB page is 2**9 of 4 KiB
+
+
+def _free_huge_pages() -> int:
+    """How many 2 MiB pages the kernel could hand out now without compacting memory: the free blocks
+    of 2 MiB and more in /proc/buddyinfo (0 where it cannot tell, or THP is off)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
+            if "[never]" in mode.read():
+                return 0
+        with open("/proc/buddyinfo") as info:
+            lines = info.read().splitlines()
+    except OSError:
+        return 0
+    free = 0
+    for line in lines:  # "Node 0, zone   Normal  <free blocks of order 0> <order 1> ..."
+        counts = line.split()[4:]
+        for order, count in enumerate(counts[_HUGE_ORDER:], _HUGE_ORDER):
+            if count.isdigit():
+                free += int(count) << (order - _HUGE_ORDER)
+    return free
 
 
 def _advise(mapped: np.ndarray, advice: int) -> bool:
