@@ -14,6 +14,8 @@ Each job says how long a worker spins after it (`LINGER`): decode jobs come ever
 """
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 
@@ -65,18 +67,23 @@ def _units_entry(box_data, sequence):
 
 
 _units_compiled = None
+_units_lock = threading.Lock()
 
 
 def _units_address() -> int:
-    """The address of `_units_entry`, compiled (or loaded from numba's cache) on first use. Every
-    thread computes a job's units through it, the caller as well as the workers: numba inlines a
-    kernel into each function that calls it, and LLVM may vectorise the copies differently (with
-    the kernels' reassociating float flags, 1 ulp apart on some rows, depending on the CPU and on
-    what was compiled first), so which thread took a unit would change the result."""
+    """The address of `_units_entry`, compiled (or loaded from numba's cache) on first use, by one
+    thread: a first prompt's first job waits for the pool's background start loading it (0.1-0.4 s)
+    rather than load it again beside it. Every thread computes a job's units through it, the caller
+    as well as the workers: numba inlines a kernel into each function that calls it, and LLVM may
+    vectorise the copies differently (with the kernels' reassociating float flags, 1 ulp apart on
+    some rows, depending on the CPU and on what was compiled first), so which thread took a unit
+    would change the result."""
     global _units_compiled
     if _units_compiled is None:
-        signature = numba.types.int64(numba.types.CPointer(numba.types.int64), numba.types.int64)
-        _units_compiled = numba.cfunc(signature, cache=True, error_model="numpy")(_units_entry)
+        with _units_lock:
+            if _units_compiled is None:
+                signature = numba.types.int64(numba.types.CPointer(numba.types.int64), numba.types.int64)
+                _units_compiled = numba.cfunc(signature, cache=True, error_model="numpy")(_units_entry)
     return _units_compiled.address
 
 
