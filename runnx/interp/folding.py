@@ -128,9 +128,9 @@ def _evaluate(graph: Graph, node, ctx) -> list | None:
     for output in outputs:
         output = np.asarray(output)
         if not output.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-D result into 1-D)
-            output = contiguous_copy(output)
-        if output.base is not None or output.flags.writeable:
-            output = output.copy() if output.base is not None else output
+            output = contiguous_copy(output)  # its own storage (a map's, for a large one): kept as it is
+        elif output.base is not None:  # a view (of an input, say): a constant of its own
+            output = output.copy()
         output.flags.writeable = False
         folded.append(output)
     return folded

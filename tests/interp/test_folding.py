@@ -1,6 +1,8 @@
 """Load-time constant folding: constant-only nodes run once at load, results identical."""
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 import pytest
 from onnx import TensorProto as T
@@ -52,6 +54,15 @@ def test_a_transposed_constant_folds_into_the_same_values_through_tiles(rows, co
     assert model.plan() == []
     folded = model.run({})["w_t"]
     assert folded.tobytes() == np.ascontiguousarray(weights.astype(np.float32).T).tobytes()
+    kept = model.graph.constants[model.graph.ids["w_t"]]
+    storage = kept
+    while isinstance(storage, np.ndarray):
+        storage = storage.base
+    # a large one stays in its own map (copied once, its huge pages kept), a small one owns its bytes
+    if kept.nbytes >= 1 << 21:
+        assert isinstance(getattr(storage, "obj", storage), mmap.mmap)
+    else:
+        assert storage is None
 
 
 def test_an_initializer_a_feed_may_override_is_not_folded():
