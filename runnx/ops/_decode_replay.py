@@ -123,7 +123,7 @@ class ChainReplay(_Replay):
 # its inputs a decode step changes: the query heads, the caches, the bias and everything the repeat and
 # the mask are made from (`repeated_kv_cache` reads them), the residual; the next layer's caches and
 # rotary tables
-_GATED_CHANGING = (0, 1, 2, 3, *range(7, 13), *range(14, 21), 23, 46, 47, 48, 49, 58, 59)
+_GATED_CHANGING = (0, 1, 2, 3, *range(7, 13), *range(14, 21), 23, 46, 47, 48, 49, 52, 53)
 # where `attended_gated_mlp_rope_append`'s arguments hold them (the query, keys and values first): the
 # attention's bias and output, the MLP's residual row, the caches and their buffers, the rotary tables
 _BIAS, _OUT, _ROW, _PAST, _TABLES = 3, 6, 9, 24, 28
@@ -156,7 +156,7 @@ class GatedRopeReplay(_Replay):
             return None
         cache = repeated_kv_cache(*inputs[:4], *inputs[7:13], *inputs[14:21], ctx)
         past_key, past_value, query_cos, query_sin = inputs[46:50]
-        key_cos, key_sin = inputs[58], inputs[59]
+        key_cos, key_sin = inputs[52], inputs[53]
         key_buffer, value_buffer = self.buffers[0](), self.buffers[1]()
         if (cache is None or past_key.base is not key_buffer or past_value.base is not value_buffer
                 or key_buffer is None or not rope_cache_fits(key_buffer.dtype, past_key, past_value, query_cos,

@@ -34,19 +34,18 @@ _BLOCK_INPUTS = 34  # AttentionGatedMLP's
 @register("ProjectedRopeAppend", since=1, domain=DOMAIN, inplace=(13, 14), shape_only=(6, 9, 12))
 def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias,
                         key_target, key_source, value_bias, value_target, value_source, past_key, past_value,
-                        query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst, key_cos, key_sin, kns, kne,
-                        kna, knst, kks, kke, kka, kkst, *, query_dims: tuple[int, ...] = (),
-                        query_axes: tuple[int, ...] = (), key_dims: tuple[int, ...] = (),
-                        key_axes: tuple[int, ...] = (), value_dims: tuple[int, ...] = (),
-                        value_axes: tuple[int, ...] = (), query_axis: int = -1, key_axis: int = -1,
-                        key_cache_axis: int, value_cache_axis: int, overwrite=(), ctx=None):
+                        query_cos, query_sin, query_start, query_end, key_cos, key_sin, key_start, key_end, *,
+                        query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
+                        key_dims: tuple[int, ...] = (), key_axes: tuple[int, ...] = (),
+                        value_dims: tuple[int, ...] = (), value_axes: tuple[int, ...] = (), query_axis: int = -1,
+                        key_axis: int = -1, key_cache_axis: int, value_cache_axis: int, overwrite=(), ctx=None):
     """RopeAppend(*SharedInputMatMul(x, query_weight, key_weight, value_weight, ...; each split into
     heads), past_key, past_value, ...): an RMSNorm layer's projections, rotary embedding and KV
     cache growth. A decode step's float32 row without biases, both caches granted, is one native
     call (`projected_rope_append`) writing the new rows in place."""
     rope = (query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias, key_target,
-            key_source, value_bias, value_target, value_source, past_key, past_value, query_cos, query_sin, qns, qne,
-            qna, qnst, qks, qke, qka, qkst, key_cos, key_sin, kns, kne, kna, knst, kks, kke, kka, kkst)
+            key_source, value_bias, value_target, value_source, past_key, past_value, query_cos, query_sin,
+            query_start, query_end, key_cos, key_sin, key_start, key_end)
     attributes = (query_dims, query_axes, key_dims, key_axes, value_dims, value_axes, query_axis, key_axis,
                   key_cache_axis, value_cache_axis)
     planned = _rope_row(x, rope, attributes, overwrite)
@@ -72,8 +71,8 @@ def _rope_row(x, rope: tuple, attributes: tuple, overwrite) -> tuple | None:
         return None
     heads = tuple([np.empty(shape, np.float32) for shape in shapes])
     past_key, past_value, query_cos, query_sin = rope[12:16]
-    arguments = rope_append_arguments(*heads, past_key, past_value, query_cos, query_sin, rope[24], rope[25],
-                                      rope[16:24] + rope[26:34], *attributes[6:])
+    arguments = rope_append_arguments(*heads, past_key, past_value, query_cos, query_sin, rope[18], rope[19],
+                                      rope[16:18] + rope[20:22], *attributes[6:])
     return (heads, arguments) if arguments else None
 
 

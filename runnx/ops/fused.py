@@ -166,53 +166,65 @@ def LastPosition(x):
 
 
 @register("RotateHalf", since=1, domain=DOMAIN)
-def RotateHalf(x, cos, sin, negated_starts, negated_ends, negated_axes, negated_steps, kept_starts, kept_ends,
-               kept_axes, kept_steps, *, axis: int = -1):
-    """x * cos + Concat(-Slice(x, negated...), Slice(x, kept...)) * sin: rotary embedding."""
+def RotateHalf(x, cos, sin, negated_start, kept_end, *, axis: int = -1):
+    """x * cos + Concat(-x[h:], x[:h']) * sin along `axis`, for h = negated_start and h' = kept_end
+    (1-element Slice starts and ends): rotary embedding by halves (the fusion checked the rest of
+    the two Slices: the first to the end, the second from 0, one axis, step 1)."""
     if (_native.enabled and x.ndim == 4 and cos.ndim == 4 and sin.ndim == 4 and x.dtype in _KERNEL_DTYPES
             and cos.dtype == x.dtype and sin.dtype == x.dtype and axis in (-1, 3)):
-        half = _half_split(x.shape[3], negated_starts, negated_ends, negated_axes, negated_steps, kept_starts,
-                           kept_ends, kept_axes, kept_steps)
+        half = _half_split(x.shape[3], negated_start, kept_end)
         if half is not None:
             try:
                 return rotate_half(x, cos, sin, half)
             except ValueError:  # cos or sin broadcast beyond x: numpy's broadcasting below
                 pass
-    rotated = np.concatenate([np.negative(_slice(x, negated_starts, negated_ends, negated_axes, negated_steps)),
-                              _slice(x, kept_starts, kept_ends, kept_axes, kept_steps)], axis=axis)
+    rotated = np.concatenate([np.negative(_cut(x, negated_start, None, axis)), _cut(x, None, kept_end, axis)],
+                             axis=axis)
     return np.add(np.multiply(x, cos), np.multiply(rotated, sin))
 
 
+def _cut(x, start, end, axis: int):
+    """x[start:end] along `axis` (start and end 1-element arrays, or None), as Slice cuts it with step 1."""
+    if not -x.ndim <= axis < x.ndim:
+        raise RunnxError(f"RotateHalf's axis {axis} is out of range for shape {list(x.shape)}")
+    for bound in (start, end):
+        if bound is not None and bound.size != 1:
+            raise RunnxError(f"RotateHalf's slice bounds must have one element, got shape {list(bound.shape)}")
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(None if start is None else int(start.reshape(-1)[0]),
+                        None if end is None else int(end.reshape(-1)[0]))
+    return x[tuple(index)]
+
+
 @register("RopeAppend", since=1, domain=DOMAIN, inplace=(3, 4))
-def RopeAppend(query, key, value, past_key, past_value, query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst,
-               key_cos, key_sin, kns, kne, kna, knst, kks, kke, kka, kkst, *, query_axis: int = -1,
-               key_axis: int = -1, key_cache_axis: int, value_cache_axis: int, overwrite=(), ctx=None):
+def RopeAppend(query, key, value, past_key, past_value, query_cos, query_sin, query_start, query_end, key_cos,
+               key_sin, key_start, key_end, *, query_axis: int = -1, key_axis: int = -1, key_cache_axis: int,
+               value_cache_axis: int, overwrite=(), ctx=None):
     """(RotateHalf(query), Concat(past_key, RotateHalf(key)), Concat(past_value, value)): a decoder
     layer's rotary embedding and KV cache growth as one node; the cache grows as Concat grows it
     (in place into spare capacity when granted, counted under Concat's names)."""
+    halves = (query_start, query_end, key_start, key_end)
     if 3 in overwrite and 4 in overwrite:
         appended = _rope_append_in_place(query, key, value, past_key, past_value, query_cos, query_sin, key_cos,
-                                         key_sin, (qns, qne, qna, qnst, qks, qke, qka, qkst, kns, kne, kna, knst,
-                                                   kks, kke, kka, kkst), query_axis, key_axis, key_cache_axis,
-                                         value_cache_axis)
+                                         key_sin, halves, query_axis, key_axis, key_cache_axis, value_cache_axis)
         if appended is not None:
             count_appends(ctx, key, value)
             return appended
-    rotated_query = RotateHalf(query, query_cos, query_sin, qns, qne, qna, qnst, qks, qke, qka, qkst, axis=query_axis)
-    rotated_key = RotateHalf(key, key_cos, key_sin, kns, kne, kna, knst, kks, kke, kka, kkst, axis=key_axis)
+    rotated_query = RotateHalf(query, query_cos, query_sin, query_start, query_end, axis=query_axis)
+    rotated_key = RotateHalf(key, key_cos, key_sin, key_start, key_end, axis=key_axis)
     present_key = Concat(past_key, rotated_key, axis=key_cache_axis, overwrite=(0,) if 3 in overwrite else (), ctx=ctx)
     present_value = Concat(past_value, value, axis=value_cache_axis, overwrite=(0,) if 4 in overwrite else (),
                            ctx=ctx)
     return rotated_query, present_key, present_value
 
 
-def _rope_append_in_place(query, key, value, past_key, past_value, query_cos, query_sin, key_cos, key_sin, slices,
+def _rope_append_in_place(query, key, value, past_key, past_value, query_cos, query_sin, key_cos, key_sin, halves,
                           query_axis, key_axis, key_cache_axis, value_cache_axis):
     """RopeAppend's decode case as one numba call (`rope_append_into`): both caches granted, prefix
     views of their buffers with room, every array 4-D of one float dtype, rotation over the last
     axis and growth along axis 2. None when any of that does not hold (nothing is written)."""
     arguments = rope_append_arguments(query, key, value, past_key, past_value, query_cos, query_sin, key_cos, key_sin,
-                                      slices, query_axis, key_axis, key_cache_axis, value_cache_axis)
+                                      halves, query_axis, key_axis, key_cache_axis, value_cache_axis)
     if arguments is None:
         return None
     done, rotated = rope_append_into(*arguments)
@@ -225,7 +237,7 @@ def appended_caches(rotated, past_key, past_value, key, value) -> tuple:
             past_value.base[:, :, :past_value.shape[2] + value.shape[2]])
 
 
-def rope_append_arguments(query, key, value, past_key, past_value, query_cos, query_sin, key_cos, key_sin, slices,
+def rope_append_arguments(query, key, value, past_key, past_value, query_cos, query_sin, key_cos, key_sin, halves,
                           query_axis, key_axis, key_cache_axis, value_cache_axis) -> tuple | None:
     """`rope_append_into`'s arguments for `_rope_append_in_place`'s case (query, key and value only
     read for their shapes and dtypes here), else None."""
@@ -240,11 +252,11 @@ def rope_append_arguments(query, key, value, past_key, past_value, query_cos, qu
             and value.ndim == 4 and key_buffer.ndim == 4 and value_buffer.ndim == 4
             and rope_cache_fits(dtype, past_key, past_value, query_cos, query_sin, key_cos, key_sin)):
         return None
-    halves = _remembered_halves((query.shape[3], key.shape[3]), *slices)
-    if halves is None:
+    split = _remembered_halves((query.shape[3], key.shape[3]), *halves)
+    if split is None:
         return None
     return (query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin, key_cos, key_sin,
-            *halves)
+            *split)
 
 
 def rope_cache_fits(dtype, past_key, past_value, query_cos, query_sin, key_cos, key_sin) -> bool:
@@ -257,25 +269,21 @@ def rope_cache_fits(dtype, past_key, past_value, query_cos, query_sin, key_cos, 
 
 
 @Remembered
-def _remembered_halves(widths: tuple, *slices) -> tuple | None:
-    """(query half, key half) by `_half_split` of the first and last 8 of `slices` for the query's
-    and the key's widths, or None; remembered for slice inputs that cannot change."""
-    halves = (_half_split(widths[0], *slices[:8]), _half_split(widths[1], *slices[8:]))
+def _remembered_halves(widths: tuple, query_start, query_end, key_start, key_end) -> tuple | None:
+    """(query half, key half) by `_half_split` for the query's and the key's widths, or None;
+    remembered for bounds that cannot change."""
+    halves = (_half_split(widths[0], query_start, query_end), _half_split(widths[1], key_start, key_end))
     return None if None in halves else halves
 
 
-def _half_split(width: int, negated_starts, negated_ends, negated_axes, negated_steps, kept_starts, kept_ends,
-                kept_axes, kept_steps) -> int | None:
-    """h when the two slices of a last axis of `width` are x[h:] (negated) and x[:h] (kept), else None."""
-    for axes, steps in ((negated_axes, negated_steps), (kept_axes, kept_steps)):
-        if axes is None or axes.size != 1 or axes.item() not in (-1, 3) or (
-                steps is not None and (steps.size != 1 or steps.item() != 1)):
-            return None
-    if negated_starts.size != 1 or negated_ends.size != 1 or kept_starts.size != 1 or kept_ends.size != 1:
+def _half_split(width: int, negated_start, kept_end) -> int | None:
+    """h when x[negated_start:] and x[:kept_end] of a last axis of `width` are x[h:] and x[:h],
+    else None."""
+    if negated_start.size != 1 or kept_end.size != 1:
         return None
-    half, end, _ = slice(negated_starts.item(), negated_ends.item()).indices(width)
-    start, stop, _ = slice(kept_starts.item(), kept_ends.item()).indices(width)
-    return half if end == width and start == 0 and stop == half else None
+    half, _, _ = slice(int(negated_start.reshape(-1)[0]), None).indices(width)
+    _, stop, _ = slice(None, int(kept_end.reshape(-1)[0])).indices(width)
+    return half if stop == half else None
 
 
 def _slice(x, starts, ends, axes, steps):

@@ -120,7 +120,29 @@ def test_rotary_embedding_is_fused_and_bitwise_equal():
              "sin": rng.standard_normal((1, 1, 5, 8)).astype(np.float32)}
     fused, plain, ops = _both(_rotary_model(), feeds)
     assert ops == ["RotateHalf"]
+    assert len(runnx.load(_rotary_model()).plan()[0].inputs) == 5  # x, cos, sin and the halves' two bounds
     np.testing.assert_array_equal(fused["y"], plain["y"])
+
+
+@pytest.mark.parametrize("change, fused_when", [
+    ({"end": np.array([8])}, False),  # the first half's end not past any axis: not known to reach the end
+    ({"zero": np.array([1])}, False),  # the second half not from 0
+    ({"last": np.array([3])}, True),  # the slices' axis 3, the Concat's -1: the same of x's stated rank 4
+])
+def test_rotary_embedding_fuses_only_slices_that_cut_one_axis_into_halves(change, fused_when):
+    model = _rotary_model()
+    for tensor in model.graph.initializer:
+        if tensor.name in change:
+            tensor.CopyFrom(numpy_helper.from_array(change[tensor.name], tensor.name))
+    model.graph.input[0].CopyFrom(helper.make_tensor_value_info("x", F, [1, 3, 5, 8]))
+    rng = np.random.default_rng(4)
+    feeds = {"x": rng.standard_normal((1, 3, 5, 8)).astype(np.float32),
+             "cos": rng.standard_normal((1, 1, 5, 8)).astype(np.float32),
+             "sin": rng.standard_normal((1, 1, 5, 8)).astype(np.float32)}
+    assert ("RotateHalf" in [n.op_type for n in runnx.load(model).plan()]) == fused_when
+    if "zero" not in change:  # (x[1:4] and x[4:] make 7 columns: x * cos has 8)
+        fused, plain, _ = _both(model, feeds)
+        np.testing.assert_array_equal(fused["y"], plain["y"])
 
 
 def _attention_model(groups, repeat, length, with_shape_reader=False, merge_heads=False):
@@ -235,9 +257,9 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
     assert ops.count("ProjectedRopeAppend") + ops.count("AttentionGatedMLPRopeAppend") == 2 and "RotateHalf" not in ops
     # heads merged (14 inputs), and the mask, Where(Slice(mask), 0, -inf), made by the node itself (21
     # inputs), which joins the layer's ResidualGatedMLP after it (13 more); the first layer's then joins
-    # the second layer's ProjectedRopeAppend (34 more, its x the norm inside)
+    # the second layer's ProjectedRopeAppend (22 more, its x the norm inside)
     assert [len(n.inputs) for n in fused.plan() if n.op_type == "AttentionGatedMLP"] == [34]
-    assert [len(n.inputs) for n in fused.plan() if n.op_type == "AttentionGatedMLPRopeAppend"] == [68]
+    assert [len(n.inputs) for n in fused.plan() if n.op_type == "AttentionGatedMLPRopeAppend"] == [56]
     assert "Where" not in ops and "Slice" not in ops and "Where" in [n.op_type for n in plain.plan()]
     rng = np.random.default_rng(5)
     past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in fused.input_names if "past" in n}

@@ -122,31 +122,38 @@ def test_last_position_of_a_vector_is_an_error():
         LastPosition(np.zeros(7, np.float32))
 
 
-@pytest.mark.parametrize("negated, kept", [
-    ((_ints(4), _ints(2**62), _ints(-1), None), (_ints(0), _ints(4), _ints(-1), None)),  # the kernel
-    ((_ints(-4), _ints(99), _ints(3), _ints(1)), (_ints(0), _ints(-4), _ints(3), _ints(1))),  # the kernel
-    ((_ints(3), _ints(99), _ints(3), _ints(1)), (_ints(0), _ints(3), _ints(3), _ints(1))),  # uneven halves
-    ((_ints(7), _ints(3), _ints(3), _ints(-1)), (_ints(0), _ints(4), _ints(3), _ints(1))),  # general Slice path
-    ((_ints(4), _ints(8), _ints(2), None), (_ints(0), _ints(4), _ints(2), None)),  # another axis: numpy
+@pytest.mark.parametrize("start, end, axis", [
+    (4, 4, -1),  # the kernel
+    (-4, -4, 3),  # the kernel
+    (3, 3, -1),  # uneven halves: the kernel
+    (4, -4, -1),  # one bound from the end: the kernel
+    (4, 4, 2),  # another axis: numpy
 ])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_rotate_half_is_bitwise_slice_neg_concat(negated, kept, dtype):
+def test_rotate_half_is_bitwise_slice_neg_concat(start, end, axis, dtype):
     x = RNG.standard_normal((1, 2, 8, 3)).astype(dtype).transpose(0, 1, 3, 2)  # strided, as after a Transpose
     cos = RNG.standard_normal((2, 1, 8, 3)).astype(dtype).transpose(0, 1, 3, 2)
     sin = RNG.standard_normal((1, 3, 8)).astype(dtype)
-    axis = -1 if negated[2].item() in (-1, 3) else 2
-    rotated = np.concatenate([-Slice(x, *negated), Slice(x, *kept)], axis=axis)
-    got = RotateHalf(x, cos, sin, *negated, *kept, axis=axis)
+    rotated = np.concatenate([-Slice(x, _ints(start), _ints(2**62), _ints(axis)),
+                              Slice(x, _ints(0), _ints(end), _ints(axis))], axis=axis)
+    got = RotateHalf(x, cos, sin, _ints(start), _ints(end), axis=axis)
     np.testing.assert_array_equal(got, x * cos + rotated * sin)
 
 
 def test_rotate_half_broadcasting_beyond_x_takes_numpy():
     x = RNG.standard_normal((1, 1, 3, 8)).astype(np.float32)
     cos, sin = RNG.standard_normal((2, 4, 3, 8)).astype(np.float32), np.ones((1, 1, 1, 8), np.float32)
-    halves = (_ints(4), _ints(8), _ints(-1), None, _ints(0), _ints(4), _ints(-1), None)
-    got = RotateHalf(x, cos, sin, *halves, axis=-1)
+    got = RotateHalf(x, cos, sin, _ints(4), _ints(4), axis=-1)
     assert got.shape == (2, 4, 3, 8)
     np.testing.assert_array_equal(got, x * cos + np.concatenate([-x[..., 4:], x[..., :4]], axis=-1) * sin)
+
+
+def test_rotate_half_with_bounds_of_several_elements_is_an_error():
+    x = RNG.standard_normal((2, 8)).astype(np.float32)
+    with pytest.raises(RunnxError, match=r"RotateHalf's slice bounds must have one element, got shape \[2\]"):
+        RotateHalf(x, x, x, np.array([4, 4]), _ints(4), axis=-1)
+    with pytest.raises(RunnxError, match=r"RotateHalf's axis 2 is out of range for shape \[2, 8\]"):
+        RotateHalf(x, x, x, _ints(4), _ints(4), axis=2)
 
 
 def _read_only(array):
@@ -163,8 +170,7 @@ def _rope_inputs(dtype, past_length: int, capacity: int):
     caches = [runnx.with_capacity(RNG.standard_normal((1, 2, past_length, 8)).astype(dtype), 2, capacity).array
               for _ in range(2)]
     cos, sin = (RNG.standard_normal((1, 1, 1, 8)).astype(dtype) for _ in range(2))
-    halves = tuple(_read_only(a) if a is not None else None
-                   for a in (_ints(4), _ints(2**62), _ints(-1), None, _ints(0), _ints(4), _ints(-1), None))
+    halves = (_read_only(_ints(4)), _read_only(_ints(4)))
     return (query, key, value, *caches, cos, sin, *halves, cos, sin, *halves)
 
 
@@ -188,7 +194,7 @@ def test_rope_append_grows_granted_caches_in_their_buffers_bitwise(dtype, monkey
     monkeypatch.setattr(fused_ops, "rope_append_into", counted)
     want = _rope_reference(inputs)
     buffers = (inputs[3].base, inputs[4].base)
-    for step in range(2):  # the second call finds its answers for the slice inputs remembered
+    for step in range(2):  # the second call finds its answers for the halves' bounds remembered
         got = RopeAppend(*inputs, key_cache_axis=2, value_cache_axis=-2, overwrite=(3, 4))
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)

@@ -32,6 +32,15 @@ class Matcher:
                 self.readers.setdefault(vid, []).append(node)
         self.requested = set(graph.outputs)
         self.taken: set[int] = set()
+        self._static = None
+
+    def rank(self, vid: int) -> int | None:
+        """The rank the graph states for `vid` before anything runs (`StaticDims`), or None."""
+        if self._static is None:
+            from runnx.interp.fusion.static_dims import StaticDims  # (it imports the folding kernels)
+            self._static = StaticDims(self.graph)
+        dims = self._static.dims(vid)
+        return None if dims is None else len(dims)
 
     def node(self, vid: int, op_type: str) -> Node | None:
         """The producer of `vid` if it is a standard `op_type` node not yet fused."""

@@ -298,7 +298,7 @@ def _rope_projected(m: Matcher, rope: Node) -> Fused | None:
     shared = m.graph.producer.get(rope.inputs[0])
     if (rope.domain != DOMAIN or shared is None or shared.op_type != "SharedInputMatMul" or shared.domain != DOMAIN
             or shared.index in m.taken or len(shared.outputs) != 3 or shared.attrs.get("gated")
-            or len(shared.attrs.get("splits", ())) != 3 or len(rope.inputs) != 25):
+            or len(shared.attrs.get("splits", ())) != 3 or len(rope.inputs) != 13):
         return None
     positions = [shared.outputs.index(v) if v in shared.outputs else -1 for v in rope.inputs[:3]]
     if sorted(positions) != [0, 1, 2] or not m.private([shared, rope], tuple(rope.outputs), tuple(rope.inputs[:3])):
@@ -318,7 +318,7 @@ def _layers_chained(m: Matcher, rope: Node) -> Fused | None:
     a decoder layer from its attention to the next layer's norm and the next layer's projections,
     rotary embedding and cache growth as one AttentionGatedMLPRopeAppend node (a decode step runs
     the two as one native call; the norm's shape readers get an RMSNormShape stand-in)."""
-    return _norm_read_next(m, rope, ("AttentionGatedMLP", 34, 35), "AttentionGatedMLPRopeAppend")
+    return _norm_read_next(m, rope, ("AttentionGatedMLP", 34, 23), "AttentionGatedMLPRopeAppend")
 
 
 def _norm_read_next(m: Matcher, reader: Node, sizes: tuple, op_type: str) -> Fused | None:

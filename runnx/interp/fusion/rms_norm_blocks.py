@@ -104,8 +104,31 @@ def _slice_inputs(node: Node) -> tuple:
     return tuple(node.inputs[1:]) + (MISSING,) * (5 - len(node.inputs))
 
 
+TO_THE_END = 2 ** 31 - 1  # a Slice end at least this reaches the end of any axis (exporters write INT64_MAX)
+
+
+def _halves_cut(m: Matcher, negated: Node, kept: Node, axis: int) -> bool:
+    """Whether Slice nodes `negated` and `kept` of x cut the Concat's `axis` into x[h:] and x[:h']
+    with step 1, whatever h and h' are: their ends and starts constants (to the end, from 0) and
+    their axes the Concat's (of x's rank where they differ in sign); h and h' are RotateHalf's inputs,
+    checked when it runs."""
+    def constant(vid: int):
+        value = m.scalar(vid)
+        return None if value is None or value.dtype.kind not in "iu" else int(value.reshape(-1)[0])
+
+    for node in (negated, kept):
+        _, _, axes, steps = _slice_inputs(node)
+        cut = constant(axes)
+        if MISSING in node.inputs[1:3] or cut is None or (steps != MISSING and constant(steps) != 1):
+            return False
+        if cut != axis and ((rank := m.rank(node.inputs[0])) is None or cut % rank != axis % rank):
+            return False
+    end, start = constant(negated.inputs[2]), constant(kept.inputs[1])
+    return end is not None and end >= TO_THE_END and start == 0
+
+
 def _rotate_half(m: Matcher, concat: Node) -> Fused | None:
-    """Add(Mul(x, cos), Mul(Concat(Neg(Slice(x)), Slice(x)), sin))"""
+    """Add(Mul(x, cos), Mul(Concat(Neg(Slice(x, h, end)), Slice(x, 0, h)), sin))"""
     if len(concat.inputs) != 2 or concat.since < 4:
         return None
     negate = m.node(concat.inputs[0], "Neg")
@@ -130,10 +153,10 @@ def _rotate_half(m: Matcher, concat: Node) -> Fused | None:
         return None
     cos = m.other(plain_mul, x)
     chain = [negated, kept, negate, concat, rotated_mul, plain_mul, add]
-    if not m.private(chain, add.outputs[0]):
+    axis = concat.attrs["axis"]
+    if not _halves_cut(m, negated, kept, axis) or not m.private(chain, add.outputs[0]):
         return None
-    inputs = (x, cos, sin) + _slice_inputs(negated) + _slice_inputs(kept)
-    return Fused("RotateHalf", chain, inputs, add.outputs, {"axis": concat.attrs["axis"]})
+    return Fused("RotateHalf", chain, (x, cos, sin, negated.inputs[1], kept.inputs[2]), add.outputs, {"axis": axis})
 
 
 def _attention(m: Matcher, softmax: Node) -> Fused | None:

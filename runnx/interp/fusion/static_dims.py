@@ -41,6 +41,16 @@ class StaticDims:
         self._dims: dict = {}
         self._ints: dict = {}
         self.ctx = RunContext(Options())
+        # a shape memo's members are the standard nodes it stands for (shape_cache.py): their outputs'
+        # producers, as before the memos were made
+        self.producer = dict(graph.producer)
+        memos = list(graph.nodes)
+        while memos:
+            node = memos.pop()
+            for member in getattr(node.kernel.fn, "members", ()) if node.kernel is not None else ():
+                memos.append(member)  # (a memo of memos: the model memoizes again after fusion)
+                for vid in member.outputs:
+                    self.producer[vid] = member
 
     def dims(self, vid: int) -> tuple | None:
         """The value's dims (None where unknown), or None when its rank is unknown."""
@@ -71,7 +81,7 @@ class StaticDims:
             return tuple(np.shape(self.graph.constants[vid]))
         if vid in self.declared:
             return self.declared[vid]
-        node = self.graph.producer.get(vid)
+        node = self.producer.get(vid)
         if node is None or node.domain != "" or node.outputs[0] != vid:
             return None
         op, ins = node.op_type, node.inputs
@@ -87,9 +97,9 @@ class StaticDims:
                 return None
             perm = node.attrs.get("perm") or tuple(reversed(range(len(own))))
             return tuple(own[p] for p in perm) if len(perm) == len(own) else None
-        if op == "Shape":
+        if op == "Shape":  # a vector whatever its input, of the input's rank when that is known
             own = self.dims(ins[0])
-            return None if own is None else (len(own[slice(node.attrs.get("start", 0), node.attrs.get("end"))]),)
+            return (None,) if own is None else (len(own[slice(node.attrs.get("start", 0), node.attrs.get("end"))]),)
         if op in REDUCE and node.attrs.get("keepdims", 1) == 1:
             own, axes = self.dims(ins[0]), _axes(self, node)
             if own is None or axes is None:
@@ -170,7 +180,7 @@ class StaticDims:
         if vid in self.graph.constants:
             value = self.graph.constants[vid]
             return value.astype(object) if value.dtype.kind in "iub" and value.size <= SMALL else None
-        node = self.graph.producer.get(vid)
+        node = self.producer.get(vid)
         if node is None or node.domain != "" or node.outputs[0] != vid:
             return None
         op = node.op_type
