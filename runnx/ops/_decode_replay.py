@@ -14,6 +14,7 @@ row afresh.
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 from operator import is_, itemgetter
 
@@ -120,13 +121,31 @@ class ChainReplay(_Replay):
 
 
 # -- an RMSNorm layer boundary (AttentionGatedMLPRopeAppend) -----------------------------------------
-# its inputs a decode step changes: the query heads, the caches, the bias and everything the repeat and
-# the mask are made from (`repeated_kv_cache` reads them), the residual; the next layer's caches and
-# rotary tables
-_GATED_CHANGING = (0, 1, 2, 3, *range(7, 13), *range(14, 21), 23, 46, 47, 48, 49, 52, 53)
-# where `attended_gated_mlp_rope_append`'s arguments hold them (the query, keys and values first): the
-# attention's bias and output, the MLP's residual row, the caches and their buffers, the rotary tables
+# where `attended_gated_mlp_rope_append`'s arguments hold what a step changes (the query, keys and values
+# first): the attention's bias and output, the MLP's residual row, the caches and their buffers, the rotary
+# tables
 _BIAS, _OUT, _ROW, _PAST, _TABLES = 3, 6, 9, 24, 28
+# the inputs that `repeated_kv_cache` reads (by its parameters' names), and the next layer's caches and rotary
+# tables
+_CACHE_NAMES = tuple([n for n in inspect.signature(repeated_kv_cache).parameters if n != "ctx"])
+_ROPE_NAMES = ("past_key", "past_value", "query_cos", "query_sin", "key_cos", "key_sin")
+
+
+class GatedPositions:
+    """Where an AttentionGatedMLPRopeAppend's inputs are, found by name (`block`: AttentionGatedMLP's
+    input names, `rope`: ProjectedRopeAppend's after them, `decoder_layers.py`): those a decode step
+    changes (the query heads, the caches, the bias and all the repeat and the mask are made from,
+    the residual; the next layer's caches and rotary tables), and getters of them."""
+
+    __slots__ = ("changing", "residual", "cache", "rope")
+
+    def __init__(self, block: tuple, rope: tuple):
+        at = {name: position for position, name in enumerate(block)}
+        at_rope = {name: len(block) + position for position, name in enumerate(rope)}
+        self.residual = at["residual"]
+        cache, tables = [at[n] for n in _CACHE_NAMES], [at_rope[n] for n in _ROPE_NAMES]
+        self.changing = tuple(sorted({*cache, self.residual, *tables}))
+        self.cache, self.rope = itemgetter(*cache), itemgetter(*tables)
 
 
 class GatedRopeReplay(_Replay):
@@ -134,29 +153,29 @@ class GatedRopeReplay(_Replay):
     anew are the attention's query, caches and bias (`repeated_kv_cache`: a plain head repeat, the
     mask's bias), the residual row (of the shape it had) and the next layer's caches and rotary
     tables (`rope_cache_fits`; views of the same buffers). `heads` are the split heads the call
-    writes, for RopeAppend's kernel when the call finds no room to append."""
+    writes, for RopeAppend's kernel when the call finds no room to append; `at` where the node's
+    inputs are."""
 
-    __slots__ = ("heads", "query_shape", "residual_shape")
+    __slots__ = ("heads", "at", "query_shape", "residual_shape")
 
-    def __init__(self, inputs: tuple, arguments: tuple, heads: tuple):
-        super().__init__(inputs, arguments, _GATED_CHANGING,
+    def __init__(self, inputs: tuple, arguments: tuple, heads: tuple, at: GatedPositions):
+        super().__init__(inputs, arguments, at.changing,
                          (0, 1, 2, _BIAS, _ROW, _PAST, _PAST + 2, *range(_TABLES, _TABLES + 4)), (_PAST + 1, _PAST + 3))
-        self.heads = heads
-        self.query_shape, self.residual_shape = inputs[0].shape, inputs[23].shape
+        self.heads, self.at = heads, at
+        self.query_shape, self.residual_shape = inputs[0].shape, inputs[at.residual].shape
 
     def arguments_for(self, inputs: tuple, ctx=None) -> tuple | None:
         """The native arguments for this step's inputs, or None when they are not such a step."""
         if not self.same(inputs):
             return None
         query, key, value = inputs[:3]
-        residual, arguments = inputs[23], self.arguments
+        residual, arguments = inputs[self.at.residual], self.arguments
         if (query.dtype != _FLOAT32 or query.shape != self.query_shape or value.ndim != 4
                 or value.shape[3] != arguments[_OUT].shape[3] or residual.dtype != _FLOAT32
                 or residual.shape != self.residual_shape or not residual.flags.c_contiguous):
             return None
-        cache = repeated_kv_cache(*inputs[:4], *inputs[7:13], *inputs[14:21], ctx)
-        past_key, past_value, query_cos, query_sin = inputs[46:50]
-        key_cos, key_sin = inputs[52], inputs[53]
+        cache = repeated_kv_cache(*self.at.cache(inputs), ctx)
+        past_key, past_value, query_cos, query_sin, key_cos, key_sin = self.at.rope(inputs)
         key_buffer, value_buffer = self.buffers[0](), self.buffers[1]()
         if (cache is None or past_key.base is not key_buffer or past_value.base is not value_buffer
                 or key_buffer is None or not rope_cache_fits(key_buffer.dtype, past_key, past_value, query_cos,

@@ -9,9 +9,11 @@ nodes they replaced.
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
-from runnx.ops._decode_replay import ChainReplay, GatedRopeReplay, remember, replayed
+from runnx.ops._decode_replay import ChainReplay, GatedPositions, GatedRopeReplay, remember, replayed
 from runnx.errors import RunnxError
 from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rope_append,
                                       attended_layer_norm_gelu_mlp, attended_layer_norm_gelu_mlp_append,
@@ -159,10 +161,20 @@ def AttentionGatedMLPRopeAppend(*inputs, axis: int = -1, norm: tuple = (-1, 0, 0
                                                  overwrite=rope_overwrite, ctx=ctx))
         heads, rope_arguments = planned
         native = (*arguments, rope[:3], tuple([h.reshape(-1) for h in heads]), *rope_arguments)
-        remember(state, GatedRopeReplay(inputs, native, heads))
+        remember(state, GatedRopeReplay(inputs, native, heads, _GATED))
     summed, done, rotated = decode_pool.shared_call(attended_gated_mlp_rope_append, *native)
     return (summed.reshape(residual.shape),
             *_rope_appended(done, rotated, heads, None, rope, attributes, rope_overwrite, ctx))
+
+
+def _input_names(kernel) -> tuple:
+    """A kernel's input names: its positional parameters."""
+    return tuple([name for name, parameter in inspect.signature(kernel).parameters.items()
+                  if parameter.kind == parameter.POSITIONAL_OR_KEYWORD])
+
+
+# AttentionGatedMLPRopeAppend's inputs: AttentionGatedMLP's, then ProjectedRopeAppend's but its x
+_GATED = GatedPositions(_input_names(AttentionGatedMLP), _input_names(ProjectedRopeAppend)[1:])
 
 
 _ATTENTION_INPUTS = 19  # AttentionLayerNorm's
