@@ -28,7 +28,7 @@ from runnx.interp.profiler import Profile
 from runnx.interp.shape_cache import memoize_shapes, topological
 from runnx.interp.validation import bind_feeds, feed_specs
 from runnx.ops.registry import COMPUTED
-from runnx.runtime import keep_freed, set_threads, threads
+from runnx.runtime import keep_freed, set_threads, sleep_after_calls, threads
 
 if TYPE_CHECKING:
     from runnx.interp.loader import LoadedModel
@@ -230,6 +230,7 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
         load_in_background(record_path(source))
     from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
     keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runtime/allocator.py)
+    sleep_after_calls()  # OpenBLAS's threads, when numpy loaded it before runnx (runtime/openblas.py)
     with _collection_paused(), settles_held():
         return Model(load_model(source, weights, options.allow_newer_opset), options)
 

@@ -5,7 +5,8 @@ These settings belong to the process, not to a model, so they live apart from `i
 applies a model's options through the functions below) and from `ops` (whose decode kernels post
 jobs to the pool: `pool.py`, `jobs.py`). `interp` and `generate` call only the names here.
 Importing this package loads neither numpy nor numba: `import runnx` imports `runtime.openblas`
-before numpy loads OpenBLAS.
+before numpy loads OpenBLAS (a process that imported numpy first gets its timeout at load:
+`sleep_after_calls`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import operator
 
 from runnx.runtime.allocator import keep_freed
 from runnx.runtime.open_jobs import opening, settle
+from runnx.runtime.openblas import sleep_after_calls
 
 
 def set_threads(count: int) -> None:
@@ -59,4 +61,5 @@ def start_pool_in_background(model_path=None) -> None:
     start_in_background(load_jobs=not recorded)
 
 
-__all__ = ["keep_freed", "opening", "pool_workers", "set_threads", "settle", "start_pool_in_background", "threads"]
+__all__ = ["keep_freed", "opening", "pool_workers", "set_threads", "settle", "sleep_after_calls",
+           "start_pool_in_background", "threads"]

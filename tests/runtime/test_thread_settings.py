@@ -96,6 +96,47 @@ def test_import_runnx_sets_the_timeout_before_numpy_loads_openblas():
     assert done.stdout.split() == ["True"], done.stderr
 
 
+_NUMPY_FIRST = """
+import ctypes, sys, threading
+import numpy as np
+import threadpoolctl
+a = np.ones((256, 256), np.float32)
+a @ a  # OpenBLAS's threads, started with its default timeout
+import runnx
+from runnx.runtime import openblas
+path = [c.filepath for c in threadpoolctl.ThreadpoolController().lib_controllers if c.internal_api == "openblas"][0]
+library = ctypes.CDLL(path)
+if sys.argv[1] == "other-thread":
+    threading.Thread(target=threading.Event().wait, args=(60,), daemon=True).start()
+print(openblas.THREADS_SLEEP, library.openblas_thread_timeout())
+runnx.load(sys.argv[2])
+print(openblas.THREADS_SLEEP, library.openblas_thread_timeout(),
+      ctypes.c_int.in_dll(library, "blas_server_avail").value)
+print(float((a @ a)[0, 0]))
+"""
+
+
+@pytest.mark.parametrize("case", ["alone", "other-thread"])
+def test_a_process_that_imported_numpy_first_gets_openblas_threads_sleeping_at_load(case, tmp_path):
+    """OpenBLAS read its variables before runnx set the timeout: runnx.load has it read them again
+    and stops its threads (none running: `blas_server_avail` 0), so its next threaded call starts
+    them with the timeout; not while a thread that is not runnx's may be inside a BLAS call."""
+    import subprocess
+    import sys
+    if not any(c.internal_api == "openblas" for c in threadpoolctl.ThreadpoolController().lib_controllers):
+        pytest.skip("numpy's BLAS is not OpenBLAS here")
+    onnx_path = tmp_path / "matmul.onnx"
+    onnx_path.write_bytes(_matmul_model().SerializeToString())
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS")}
+    env["OPENBLAS_NUM_THREADS"] = "2"
+    done = subprocess.run([sys.executable, "-c", _NUMPY_FIRST, case, str(onnx_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "False 0", done.stderr  # (0: the variable was not set when OpenBLAS read it)
+    assert lines[1] == ("True 4 0" if case == "alone" else "False 0 1"), done.stderr
+    assert lines[2] == "256.0"  # a product after the threads stopped
+
+
 def test_interp_and_generate_import_only_runtimes_public_names():
     """The layers above the runtime call `runnx.runtime`'s names, never one of its modules."""
     package = Path(runnx.__file__).parent
