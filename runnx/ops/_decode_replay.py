@@ -68,34 +68,51 @@ _CHAINED_ARGUMENTS = 45  # attended_layer_norm_gelu_mlp's, then appended_product
 # (its x row left out), then `append_arguments`' key and value buffers and position
 _X, _HEADS, _CACHE, _RESIDUAL, _CROSS_HEADS, _CROSS_CACHE = 0, 5, 6, 14, 22, 23
 _BUFFERS = _CHAINED_ARGUMENTS + 3
-# the inputs a chain's decode steps change: its query row, self-attention caches and mask, residual, and the
-# cross-attention's keys and values (the same arrays, but Model.run's read-only views of them are new each run);
-# then the next layer's caches, grown
-_CHANGING, _CHANGING_CACHES = (0, 3, 4, 5, 16, 21, 22), (45, 46)
+
+
+class ChainPositions:
+    """Where a LayerNorm layer chain's inputs are, found by name (`attention`: AttentionLayerNorm's
+    input names, `block`: AttentionGeluMLP's after them but its query and residual, `append`:
+    ProjectedAppend's after those but its x, `decoder_layers.py`): those its decode steps change
+    (its query row, self-attention caches and mask, residual, and the cross-attention's keys and
+    values: the same arrays, but Model.run's read-only views of them are new each run; then the next
+    layer's caches, grown), and a getter of them."""
+
+    __slots__ = ("changing", "caches", "residual", "cross_bias", "read")
+
+    def __init__(self, attention: tuple, block: tuple, append: tuple = ()):
+        at = {name: position for position, name in enumerate(attention)}
+        at_block = {name: len(attention) + position for position, name in enumerate(block)}
+        at_append = {name: len(attention) + len(block) + position for position, name in enumerate(append)}
+        self.residual, self.cross_bias = at["residual"], at_block["bias"]
+        self.changing = (at["query"], at["key"], at["value"], at["bias"], self.residual, at_block["key"],
+                         at_block["value"])
+        self.caches = (at_append["past_key"], at_append["past_value"]) if append else ()
+        self.read = itemgetter(*self.changing)
 
 
 class ChainReplay(_Replay):
     """A LayerNorm layer chain's decode row (`attended_layer_norm_gelu_mlp[_append]`'s arguments):
     made anew are the query and residual rows (of the shapes they had), the self-attention's and
     the cross-attention's keys, values and bias (`attended_cache`), and the next layer's caches'
-    position (`append_position`; views of the same buffers)."""
+    position (`append_position`; views of the same buffers); `at` where the node's inputs are."""
 
-    __slots__ = ("x_shape", "residual_shape", "perms", "cross_bias", "shapes")
+    __slots__ = ("at", "x_shape", "residual_shape", "perms", "cross_bias", "shapes")
 
-    def __init__(self, inputs: tuple, arguments: tuple, perms: tuple):
-        appends = len(arguments) > _CHAINED_ARGUMENTS
-        buffers = (_BUFFERS, _BUFFERS + 1) if appends else ()
-        super().__init__(inputs, arguments, _CHANGING + (_CHANGING_CACHES if appends else ()),
+    def __init__(self, inputs: tuple, arguments: tuple, perms: tuple, at: ChainPositions):
+        buffers = (_BUFFERS, _BUFFERS + 1) if at.caches else ()
+        super().__init__(inputs, arguments, at.changing + at.caches,
                          (_X, _CACHE, _CACHE + 1, _CACHE + 2, _RESIDUAL, _CROSS_CACHE, _CROSS_CACHE + 1), buffers)
-        self.x_shape, self.residual_shape = inputs[0].shape, inputs[16].shape
-        self.perms, self.cross_bias = perms, inputs[23]
+        self.at = at
+        self.x_shape, self.residual_shape = inputs[at.changing[0]].shape, inputs[at.residual].shape
+        self.perms, self.cross_bias = perms, inputs[at.cross_bias]
         self.shapes = tuple([(1, arguments[p].shape[1], 1, arguments[p].shape[3]) for p in buffers])
 
     def arguments_for(self, inputs: tuple, _ctx=None) -> tuple | None:
         """The native arguments for this step's inputs, or None when they are not such a step."""
         if not self.same(inputs):
             return None
-        x, key, value, bias, residual, cross_key, cross_value = itemgetter(*_CHANGING)(inputs)
+        x, key, value, bias, residual, cross_key, cross_value = self.at.read(inputs)
         arguments = self.arguments
         if (x.dtype != _FLOAT32 or x.shape != self.x_shape or residual.dtype != _FLOAT32
                 or residual.shape != self.residual_shape):
@@ -107,7 +124,7 @@ class ChainReplay(_Replay):
             return None
         appended = ()
         if self.shapes:
-            past_key, past_value = itemgetter(*_CHANGING_CACHES)(inputs)
+            past_key, past_value = inputs[self.at.caches[0]], inputs[self.at.caches[1]]
             key_buffer, value_buffer = self.buffers[0](), self.buffers[1]()
             if past_key.base is not key_buffer or past_value.base is not value_buffer or key_buffer is None:
                 return None

@@ -13,7 +13,8 @@ import inspect
 
 import numpy as np
 
-from runnx.ops._decode_replay import ChainReplay, GatedPositions, GatedRopeReplay, remember, replayed
+from runnx.ops._decode_replay import (ChainPositions, ChainReplay, GatedPositions, GatedRopeReplay, remember,
+                                      replayed)
 from runnx.errors import RunnxError
 from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rope_append,
                                       attended_layer_norm_gelu_mlp, attended_layer_norm_gelu_mlp_append,
@@ -177,8 +178,14 @@ def _input_names(kernel) -> tuple:
 _GATED = GatedPositions(_input_names(AttentionGatedMLP), _input_names(ProjectedRopeAppend)[1:])
 
 
-_ATTENTION_INPUTS = 19  # AttentionLayerNorm's
-_CHAINED_INPUTS = 45  # AttentionLayerNormGeluMLP's
+# AttentionLayerNormGeluMLP's inputs: AttentionLayerNorm's, then AttentionGeluMLP's but its query and residual;
+# AttentionLayerNormGeluMLPAppend's: those, then ProjectedAppend's but its x
+_ATTENTION_NAMES = _input_names(AttentionLayerNorm)
+_GELU_NAMES = tuple([n for n in _input_names(AttentionGeluMLP) if n not in ("query", "residual")])
+_CHAIN = ChainPositions(_ATTENTION_NAMES, _GELU_NAMES)
+_CHAIN_APPEND = ChainPositions(_ATTENTION_NAMES, _GELU_NAMES, _input_names(ProjectedAppend)[1:])
+_ATTENTION_INPUTS = len(_ATTENTION_NAMES)
+_CHAINED_INPUTS = _ATTENTION_INPUTS + len(_GELU_NAMES)
 _APPEND_ARGUMENTS = 6  # append_arguments', last of a chain's native arguments
 _APPEND_ATTRIBUTES = ("key_dims", "key_axes", "value_dims", "value_axes", "key_axis", "value_axis")  # ProjectedAppend's
 
@@ -199,13 +206,13 @@ def AttentionLayerNormGeluMLP(*inputs, query_dims: tuple[int, ...] = (), query_a
     what a step changes when its `_decode_replay.ChainReplay` fits."""
     arguments = replayed(state, inputs)
     if arguments is not None:
-        return _chained(arguments, inputs[16])
+        return _chained(arguments, inputs[_CHAIN.residual])
     chain = _Chain(inputs, _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm),
                    _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
                                     cross_key_perm, cross_value_perm), norm, cross_norm, down_norm)
     arguments = chain.row(chain.stand_in())
     remember(state, arguments and ChainReplay(inputs, arguments, (key_perm, value_perm, cross_key_perm,
-                                                                  cross_value_perm)))
+                                                                  cross_value_perm), _CHAIN))
     return chain.run(arguments)
 
 
@@ -223,7 +230,7 @@ class _Chain:
 
     @property
     def residual(self):
-        return self.first[16]
+        return self.first[_CHAIN.residual]
 
     def stand_in(self):
         """An empty array of the residual's shape and dtype: the sums' and norms' the blocks compute,
@@ -305,9 +312,10 @@ def AttentionLayerNormGeluMLPAppend(*inputs, query_dims: tuple[int, ...] = (), q
         if not appended:
             return _apart(chain, row, append, attributes, overwrite, ctx)
         arguments = (*row, *appended)
-        remember(state, ChainReplay(inputs, arguments, (key_perm, value_perm, cross_key_perm, cross_value_perm)))
+        remember(state, ChainReplay(inputs, arguments, (key_perm, value_perm, cross_key_perm, cross_value_perm),
+                                    _CHAIN_APPEND))
     summed, query = decode_pool.shared_call(attended_layer_norm_gelu_mlp_append, *arguments)
-    residual = inputs[16]
+    residual = inputs[_CHAIN.residual]
     return (summed.reshape(residual.shape),
             *appended_outputs(query, residual.shape, arguments[-_APPEND_ARGUMENTS:], ctx))
 
