@@ -47,7 +47,8 @@ def sleep_after_calls() -> bool:
 
 def _openblas_libraries() -> list:
     """The OpenBLAS libraries loaded (threadpoolctl finds them) that export the two functions
-    `sleep_after_calls` calls; [] when any does not."""
+    `sleep_after_calls` calls; [] when any does not, or runs threads of another kind than its own
+    (OpenMP's: the timeout is its own threads')."""
     import ctypes
 
     from runnx.runtime.blas_split import blas_libraries
@@ -55,6 +56,8 @@ def _openblas_libraries() -> list:
     for controller in blas_libraries():
         if controller.internal_api != "openblas":
             continue
+        if getattr(controller, "threading_layer", "pthreads") != "pthreads":
+            return []
         try:
             library = ctypes.CDLL(controller.filepath)
             library.openblas_read_env, library.blas_thread_shutdown_  # noqa: B018 (present?)
