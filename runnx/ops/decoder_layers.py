@@ -31,7 +31,6 @@ from runnx.runtime import pool as decode_pool
 
 _ROPE_ATTRIBUTES = ("query_dims", "query_axes", "key_dims", "key_axes", "value_dims", "value_axes", "query_axis",
                     "key_axis", "key_cache_axis", "value_cache_axis")
-_BLOCK_INPUTS = 34  # AttentionGatedMLP's
 
 
 @register("ProjectedRopeAppend", since=1, domain=DOMAIN, inplace=(13, 14), shape_only=(6, 9, 12))
@@ -176,6 +175,7 @@ def _input_names(kernel) -> tuple:
 
 # AttentionGatedMLPRopeAppend's inputs: AttentionGatedMLP's, then ProjectedRopeAppend's but its x
 _GATED = GatedPositions(_input_names(AttentionGatedMLP), _input_names(ProjectedRopeAppend)[1:])
+_BLOCK_INPUTS = len(_input_names(AttentionGatedMLP))
 
 
 # AttentionLayerNormGeluMLP's inputs: AttentionLayerNorm's, then AttentionGeluMLP's but its query and residual;
