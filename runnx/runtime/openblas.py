@@ -36,6 +36,7 @@ def sleep_after_calls() -> bool:
             return THREADS_SLEEP
         current = threading.current_thread()
         if any(t is not current and not t.name.startswith("runnx-") for t in threading.enumerate()):
+            _warn_spinning()
             return False
         libraries = _openblas_libraries()
         for library in libraries:
@@ -43,6 +44,22 @@ def sleep_after_calls() -> bool:
             library.blas_thread_shutdown_()
         THREADS_SLEEP = bool(libraries)
         return THREADS_SLEEP
+
+
+def _warn_spinning() -> None:
+    """Say once per process that OpenBLAS's threads keep spinning, when it runs more than one."""
+    global _warned
+    from runnx.runtime.blas_split import blas_threads
+    if not _warned and _openblas_libraries() and blas_threads() > 1:
+        _warned = True
+        import warnings
+        warnings.warn("runnx: numpy loaded OpenBLAS before runnx, and other threads are running, so OpenBLAS's "
+                      "threads keep spinning ~0.1 s after each call on the cores runnx's threads need (multi-"
+                      "threaded runs up to 1.5x slower); set OPENBLAS_THREAD_TIMEOUT=4 in the environment before "
+                      "numpy is imported, or import runnx first", RuntimeWarning, stacklevel=4)
+
+
+_warned = False
 
 
 def _openblas_libraries() -> list:

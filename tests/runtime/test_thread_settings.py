@@ -120,7 +120,8 @@ print(float((a @ a)[0, 0]))
 def test_a_process_that_imported_numpy_first_gets_openblas_threads_sleeping_at_load(case, tmp_path):
     """OpenBLAS read its variables before runnx set the timeout: runnx.load has it read them again
     and stops its threads (none running: `blas_server_avail` 0), so its next threaded call starts
-    them with the timeout; not while a thread that is not runnx's may be inside a BLAS call."""
+    them with the timeout; not while a thread that is not runnx's may be inside a BLAS call, which
+    a warning says (once) with what to do instead."""
     import subprocess
     import sys
     if not any(c.internal_api == "openblas" for c in threadpoolctl.ThreadpoolController().lib_controllers):
@@ -135,6 +136,8 @@ def test_a_process_that_imported_numpy_first_gets_openblas_threads_sleeping_at_l
     assert lines[0] == "False 0", done.stderr  # (0: the variable was not set when OpenBLAS read it)
     assert lines[1] == ("True 4 0" if case == "alone" else "False 0 1"), done.stderr
     assert lines[2] == "256.0"  # a product after the threads stopped
+    # left spinning: the user is told how to have them sleep
+    assert ("set OPENBLAS_THREAD_TIMEOUT=4 in the environment" in done.stderr) == (case == "other-thread")
 
 
 def test_interp_and_generate_import_only_runtimes_public_names():
