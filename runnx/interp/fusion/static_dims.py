@@ -17,6 +17,7 @@ from runnx.interp.context import RunContext
 from runnx.interp.folding import call_out_of_place
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.options import Options
+from runnx.interp.shape_cache import MEMO_DOMAIN, MEMO_OP
 
 SAME_SHAPE = frozenset({"Cast", "CastLike", "Neg", "Sqrt", "Sigmoid", "Tanh", "Relu", "Erf", "Exp", "Log", "Abs",
                         "Reciprocal", "Softmax", "LogSoftmax", "IsNaN", "Not", "Identity", "Sin", "Cos", "Floor",
@@ -44,11 +45,11 @@ class StaticDims:
         # a shape memo's members are the standard nodes it stands for (shape_cache.py): their outputs'
         # producers, as before the memos were made
         self.producer = dict(graph.producer)
-        memos = list(graph.nodes)
+        memos = [node for node in graph.nodes if node.op_type == MEMO_OP and node.domain == MEMO_DOMAIN]
         while memos:
-            node = memos.pop()
-            for member in getattr(node.kernel.fn, "members", ()) if node.kernel is not None else ():
-                memos.append(member)  # (a memo of memos: the model memoizes again after fusion)
+            for member in memos.pop().kernel.fn.members:
+                if member.op_type == MEMO_OP and member.domain == MEMO_DOMAIN:
+                    memos.append(member)  # (a memo of memos: the model memoizes again after fusion)
                 for vid in member.outputs:
                     self.producer[vid] = member
 
