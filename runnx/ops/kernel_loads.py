@@ -29,6 +29,7 @@ from numba.core.compiler_lock import global_compiler_lock
 from runnx.ops import _jit_cache, _native
 
 _running = threading.local()  # .recorder: the Recorder of the run on this thread, if any
+_RECORD_FORMAT = 2  # in a record's key: records written before callees were left out are not read
 _KEPT_SECONDS = 30 * 24 * 3600  # a record neither loaded nor written for this long goes (its model is gone)
 
 
@@ -40,7 +41,7 @@ def record_path(model_path: str | os.PathLike) -> Path | None:
         status = os.stat(real)
     except (OSError, TypeError, ValueError):
         return None
-    key = hashlib.sha256(f"{real}\0{status.st_size}\0{status.st_mtime_ns}".encode()).hexdigest()[:32]
+    key = hashlib.sha256(f"{_RECORD_FORMAT}\0{real}\0{status.st_size}\0{status.st_mtime_ns}".encode()).hexdigest()[:32]
     return _jit_cache.cache_folder() / "loads" / f"{key}.json"
 
 
@@ -118,10 +119,21 @@ def read_record(path: Path) -> list[tuple[str, str, str]]:
 
 
 def _noted(py_func, signature) -> None:
-    """`_jit_cache`'s hook, on every request to numba's cache for one of runnx's kernels."""
+    """`_jit_cache`'s hook, on every request to numba's cache for one of runnx's kernels. A request
+    made while another kernel compiles (a kernel it calls, whose code is linked into it) is not
+    the model's: a later process loads the caller whole, and loading its callees too would cost
+    a millisecond or more each, beside the first prompt, for nothing."""
     recorder = getattr(_running, "recorder", None)
-    if recorder is not None and "<locals>" not in py_func.__qualname__:
+    if recorder is not None and "<locals>" not in py_func.__qualname__ and not _inside_a_compile():
         recorder.note((py_func.__module__, py_func.__qualname__, str(signature)))
+
+
+def _inside_a_compile() -> bool:
+    """Whether this thread asks numba's cache from inside another kernel's compile: numba holds its
+    compiler lock (re-entrant) once for a kernel's own compile or load, again for each kernel that
+    compile calls. Where the lock cannot tell, every request counts (records keep callees too)."""
+    depth = getattr(global_compiler_lock._lock, "_recursion_count", None)
+    return depth is not None and depth() > 1
 
 
 _jit_cache.on_cache_request = _noted

@@ -1,6 +1,7 @@
 """Loading a model's recorded kernels ahead of its first run (runnx/ops/kernel_loads.py)."""
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -9,6 +10,7 @@ import threading
 from pathlib import Path
 
 import numba
+from numba.core.compiler_lock import global_compiler_lock
 
 from runnx.ops import _kernels_fused, kernel_loads
 
@@ -129,6 +131,26 @@ def test_a_run_records_the_loads_of_its_own_thread(tmp_path):
     with recorder.running():
         request("add_rms_norm")
     assert recorder.path.stat().st_mtime_ns == written  # nothing new: not written again
+
+
+def test_a_kernel_asked_for_while_another_compiles_is_not_recorded(tmp_path):
+    # numba holds its re-entrant compiler lock once for a kernel's own compile or load, and again
+    # for each kernel that compile calls: those are linked into it, and a later process loads it whole
+    recorder = kernel_loads.Recorder(tmp_path / "loads" / "model.json")
+    with recorder.running():
+        with global_compiler_lock:  # a kernel's own load (numba's Dispatcher.compile)
+            kernel_loads._noted(_kernels_fused.add_rms_norm.py_func, (numba.float32,))
+            with global_compiler_lock:  # a kernel the one compiling calls
+                kernel_loads._noted(_kernels_fused.rms_norm.py_func, (numba.float32,))
+    assert kernel_loads.read_record(recorder.path) == [("runnx.ops._kernels_fused", "add_rms_norm", "(float32,)")]
+
+
+def test_records_written_before_callees_were_left_out_are_not_read(tmp_path):
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"one")
+    status = model.stat()
+    old_key = hashlib.sha256(f"{model.resolve()}\0{status.st_size}\0{status.st_mtime_ns}".encode()).hexdigest()[:32]
+    assert kernel_loads.record_path(model).name != f"{old_key}.json"
 
 
 def test_a_model_given_as_bytes_keeps_no_record():
