@@ -19,6 +19,8 @@ does not tell keys apart (one column).
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from runnx.ops import _kernels_gemm
@@ -26,10 +28,16 @@ from runnx.ops._kernels_attention_blocks import block_positions, visible_ends
 from runnx.ops._matmul import matmul, rest_workers_before
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.jobs import rows_contiguous
+from runnx.runtime.rows import share_rows
 
 BLOCK = 64  # query positions a block (numpy's products): its scores (query heads a KV head x 64 x keys) stay in L2
 _NO_ENDS = np.empty((1, 1, 0), np.int64)
 POOLED = _kernels_gemm.AVAILABLE  # whether blocks are the pool's job (runnx's own products: AVX-512)
+
+
+def _visible_ends_rows(bias, ends, start: int, stop: int) -> None:
+    """`visible_ends` of the query positions start .. stop (each row's end alone: `runtime/rows.py`)."""
+    visible_ends(bias[:, :, start:stop], ends[:, :, start:stop])
 
 
 def attend_blocks(scaled, key, value, bias, fill: float):
@@ -44,7 +52,8 @@ def attend_blocks(scaled, key, value, bias, fill: float):
     ends = None
     if bias is not None and bias.shape[3] > 1:
         ends = np.empty(bias.shape[:3], np.int64)
-        visible_ends(bias, ends)
+        share_rows(functools.partial(_visible_ends_rows, bias, ends), bias.shape[2],
+                   bias.shape[0] * bias.shape[1] * bias.shape[3])
     out = np.empty((batch, heads, length, value.shape[3]), np.float32)
     if pooled_attention(scaled, key, value, bias, ends, fill, out):
         return out

@@ -393,35 +393,45 @@ def _pairwise_squares(row):
     return sums[0]
 
 
-@_kernel()
-def rms_norm(x, epsilon, one, weight):
-    """weight * (x * (one / sqrt(mean(x * x) + epsilon))) over the last axis of a C-contiguous x,
-    the unfused graph's operations in its order (bitwise equal to it)."""
-    width = x.shape[-1]
-    rows = x.reshape(x.size // width, width)
-    out = np.empty_like(x)
-    result = out.reshape(rows.shape)
-    count, epsilon, unit = x.dtype.type(width), x.dtype.type(epsilon), x.dtype.type(one)
+@_kernel(nogil=True)
+def rms_norm_into(rows, epsilon, one, weight, out):
+    """weight * (x * (one / sqrt(mean(x * x) + epsilon))) of each row x of rows (rows, width) into
+    out, both C-contiguous, the unfused graph's operations in its order (bitwise equal to it); every
+    row alone, so that a prompt's rows may be cut into ranges computed on several threads
+    (`runtime/rows.py`)."""
+    width = rows.shape[1]
+    count, epsilon, unit = rows.dtype.type(width), rows.dtype.type(epsilon), rows.dtype.type(one)
     for r in range(rows.shape[0]):
         row = rows[r]
         mean = _pairwise_squares(row) / count + epsilon
         scale = unit / np.sqrt(mean)
         for i in range(width):
-            result[r, i] = weight[i] * (row[i] * scale)
-    return out
+            out[r, i] = weight[i] * (row[i] * scale)
 
 
 @_kernel()
 def add_rms_norm(a, b, residual, epsilon, one, weight):
-    """rms_norm(residual) after residual = a + b (residual may be a or b): C-contiguous arrays of
-    one shape and dtype; the sum is numpy's, elementwise."""
-    flat_a, flat_b, flat_sum = a.reshape(a.size), b.reshape(b.size), residual.reshape(residual.size)
-    for i in range(flat_sum.size):
-        flat_sum[i] = flat_a[i] + flat_b[i]
-    return rms_norm(residual, epsilon, one, weight)
+    """The RMS norm of residual (`rms_norm_into`, over its last axis) after residual = a + b
+    (residual may be a or b): C-contiguous arrays of one shape and dtype; the sum is numpy's,
+    elementwise."""
+    width = a.shape[-1]
+    rows = (a.size // width, width)
+    out = np.empty_like(residual)
+    add_rms_norm_into(a.reshape(rows), b.reshape(rows), residual.reshape(rows), epsilon, one, weight,
+                      out.reshape(rows))
+    return out
 
 
-@_kernel()
+@_kernel(nogil=True)
+def add_rms_norm_into(a, b, residual, epsilon, one, weight, out):
+    """`add_rms_norm` of rows (rows, width), C-contiguous, its norm into out: every row alone."""
+    for r in range(a.shape[0]):
+        for i in range(a.shape[1]):
+            residual[r, i] = a[r, i] + b[r, i]
+    rms_norm_into(residual, epsilon, one, weight, out)
+
+
+@_kernel(nogil=True)
 def silu_mul_into(gate, decay, up):
     """decay = gate * (1 / (1 + decay)) * up for decay = exp(-gate) (numpy's, so that the result
     is bitwise the unfused Sigmoid and Muls): C-contiguous arrays of one shape."""

@@ -115,7 +115,7 @@ def _float64_sum(row, centre, squares, scratch):
     return pairwise_total(scratch, row.shape[0])
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def layer_norm_rows(x, scale, bias, epsilon, out, mean, inv_std):
     """Normalise every row of x (rows, cols) in two passes, statistics accumulated in float64
     (`_float64_sum`); writes out = (x - mean) * inv_std * scale + bias, and the per-row mean and
@@ -125,7 +125,7 @@ def layer_norm_rows(x, scale, bias, epsilon, out, mean, inv_std):
         mean[r], inv_std[r] = _normalised_row(x[r], scale, bias, epsilon, out[r], scratch)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def add_layer_norm_rows(a, b, offset, scale, bias, epsilon, summed, out):
     """summed = a + (b + offset) (an empty offset: a + b), row by row, each normalised into out as
     `layer_norm_rows` does while in cache: a residual add, the bias of the product b before it,

@@ -33,7 +33,7 @@ from runnx.ops import _native
 from runnx.ops._attention_blocks import attend_blocks
 from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._fused_common import DOMAIN, stand_in
-from runnx.ops._kernels_fused import (add_rms_norm, attention, rms_norm, rope_append_into, rotate_half,
+from runnx.ops._kernels_fused import (add_rms_norm_into, attention, rms_norm_into, rope_append_into, rotate_half,
                                       silu_mul_into)
 from runnx.ops._remembered import Remembered
 from runnx.ops._shape_util import int_tuple
@@ -43,6 +43,7 @@ from runnx.ops.registry import register
 from runnx.ops.shape import Reshape, Slice
 from runnx.ops._matmul import matmul, rest_workers_before
 from runnx.runtime import pool as decode_pool
+from runnx.runtime.rows import share_rows
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the numba kernels' (others: numpy)
 _FLOAT32 = np.dtype(np.float32)
@@ -69,7 +70,11 @@ def _softmax_in_place(scores, axis: int):
 def RMSNorm(x, epsilon, one, weight, *, axis: int = -1, to: int = 0):
     """weight * Cast(x * (one / sqrt(ReduceMean(x * x, axis) + epsilon)), to) (to=0: no Cast)."""
     if _norm_kernel_applies(x, epsilon, one, weight, axis, to):
-        return rms_norm(x, epsilon.item(), one.item(), weight)
+        out = np.empty_like(x)
+        rows = _rows_of(x)
+        share_rows(functools.partial(_rms_norm_rows, x.reshape(rows), epsilon.item(), one.item(), weight,
+                                     out.reshape(rows)), *rows)
+        return out
     squares = np.square(x)
     mean = np.add.reduce(squares, axis=axis, keepdims=True, dtype=squares.dtype)  # np.sum without its wrapper
     mean = np.true_divide(mean, x.shape[axis], out=mean, casting="unsafe")
@@ -117,7 +122,11 @@ def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast:
     if (a.shape == b.shape and a.dtype == b.dtype and b.flags.c_contiguous
             and rms_norm_applies(a, epsilon, one, weight, axis, to, cast)):
         residual = a if 0 in overwrite else b if 1 in overwrite else np.empty_like(a)
-        return residual, add_rms_norm(a, b, residual, epsilon.item(), one.item(), weight)
+        out = np.empty_like(a)
+        rows = _rows_of(a)
+        share_rows(functools.partial(_add_rms_norm_rows, a.reshape(rows), b.reshape(rows), residual.reshape(rows),
+                                     epsilon.item(), one.item(), weight, out.reshape(rows)), *rows)
+        return residual, out
     residual = binary(np.add, a, b, overwrite)
     if cast:
         residual = residual.astype(ONNX_TO_NUMPY[cast], copy=False)
@@ -127,9 +136,12 @@ def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast:
 @register("SiluMul", since=1, domain=DOMAIN)
 def SiluMul(gate, up):
     """gate * Sigmoid(gate) * up: the SiLU-gated MLP's activation."""
-    if (_native.enabled and gate.dtype in _KERNEL_DTYPES and up.dtype == gate.dtype and up.shape == gate.shape
-            and gate.flags.c_contiguous and up.flags.c_contiguous):
-        return silu_mul_into(gate, sigmoid_decay(gate), up)
+    if (_native.enabled and gate.ndim and gate.dtype in _KERNEL_DTYPES and up.dtype == gate.dtype
+            and up.shape == gate.shape and gate.flags.c_contiguous and up.flags.c_contiguous):
+        decay = np.empty_like(gate)
+        rows = _rows_of(gate)
+        share_rows(functools.partial(_silu_mul_rows, gate.reshape(rows), up.reshape(rows), decay.reshape(rows)), *rows)
+        return decay
     activated = sigmoid(gate)
     np.multiply(gate, activated, out=activated)
     if _fits(up, activated):
@@ -137,9 +149,25 @@ def SiluMul(gate, up):
     return np.multiply(activated, up)
 
 
-def sigmoid_decay(gate):
-    """exp(-gate), numpy's (the unfused Sigmoid's): what `silu_mul_into` divides by."""
-    return exp_in_place(np.negative(gate), math.inf)
+def _rows_of(x) -> tuple[int, int]:
+    """(rows, columns) of a C-contiguous x of rank 1 or more, rows over its last axis."""
+    columns = x.shape[-1]
+    return (x.size // columns if columns else math.prod(x.shape[:-1])), columns
+
+
+def _rms_norm_rows(x, epsilon: float, one: float, weight, out, start: int, stop: int) -> None:
+    rms_norm_into(x[start:stop], epsilon, one, weight, out[start:stop])
+
+
+def _add_rms_norm_rows(a, b, residual, epsilon: float, one: float, weight, out, start: int, stop: int) -> None:
+    add_rms_norm_into(a[start:stop], b[start:stop], residual[start:stop], epsilon, one, weight, out[start:stop])
+
+
+def _silu_mul_rows(gate, up, decay, start: int, stop: int) -> None:
+    """decay[start:stop] = SiLU(gate) * up of those rows: exp(-gate) by numpy (the unfused Sigmoid's
+    exp), then `silu_mul_into`, which divides by it."""
+    part = np.negative(gate[start:stop], out=decay[start:stop])
+    silu_mul_into(gate[start:stop], exp_in_place(part, math.inf), up[start:stop])
 
 
 _EXP_FINITE = 88.0  # float32 exp overflows from 88.72 on

@@ -43,6 +43,7 @@ from runnx.ops.softmax import Softmax_13
 from runnx.ops._matmul import matmul, own_kernels
 from runnx.runtime.blas_split import split_among_threads
 from runnx.runtime.pool import gelu_rows, shared_call, softmax_rows
+from runnx.runtime.rows import share_rows
 
 _ROW_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the LayerNormalization kernel's numba loop
 _NO_BIAS = {dtype: np.zeros(0, dtype) for dtype in _ROW_DTYPES}  # split_heads_into without a bias
@@ -385,13 +386,18 @@ def add_layer_norm(a, b, offset, scale, bias, axis: int, epsilon: float, stash_t
         summed = a if 0 in overwrite else b if 1 in overwrite else np.empty(a.shape, dtype)
         out = np.empty(a.shape, dtype)
         rows = (a.size // columns, columns)
-        add_layer_norm_rows(a.reshape(rows), b.reshape(rows), _NO_BIAS[dtype] if offset is None else offset, scale,
-                            bias, float(epsilon), summed.reshape(rows), out.reshape(rows))
+        share_rows(functools.partial(_add_layer_norm_rows, a.reshape(rows), b.reshape(rows),
+                                     _NO_BIAS[dtype] if offset is None else offset, scale, bias, float(epsilon),
+                                     summed.reshape(rows), out.reshape(rows)), *rows)
         return summed, out
     if offset is not None:
         b = binary(np.add, b, offset, (0,) if 1 in overwrite else ())
     residual = binary(np.add, a, b, overwrite)
     return residual, LayerNormalization(residual, scale, bias, axis=axis, epsilon=epsilon, stash_type=stash_type)[0]
+
+
+def _add_layer_norm_rows(a, b, offset, scale, bias, epsilon: float, summed, out, start: int, stop: int) -> None:
+    add_layer_norm_rows(a[start:stop], b[start:stop], offset, scale, bias, epsilon, summed[start:stop], out[start:stop])
 
 
 def _row_vector(v, columns: int, dtype) -> bool:

@@ -7,6 +7,7 @@ into one multiply-add per element, in place when the executor grants it.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -15,6 +16,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops.registry import register
+from runnx.runtime.rows import share_rows
 
 
 def _stash_dtype(dtype: np.dtype, stash_type: int = 1) -> np.dtype:
@@ -94,10 +96,14 @@ def _fused_layer_norm(x, scale, bias, axis, epsilon):
     out = np.empty(x.shape, x.dtype)
     stats_shape = x.shape[:axis] + (1,) * (x.ndim - axis)
     mean, inv_std = np.empty(stats_shape, x.dtype), np.empty(stats_shape, x.dtype)
-    layer_norm_rows(np.ascontiguousarray(x).reshape(rows, cols), np.ascontiguousarray(scale),
-                    np.ascontiguousarray(bias), float(epsilon), out.reshape(rows, cols), mean.reshape(rows),
-                    inv_std.reshape(rows))
+    share_rows(functools.partial(_layer_norm_rows, np.ascontiguousarray(x).reshape(rows, cols),
+                                 np.ascontiguousarray(scale), np.ascontiguousarray(bias), float(epsilon),
+                                 out.reshape(rows, cols), mean.reshape(rows), inv_std.reshape(rows)), rows, cols)
     return out, mean, inv_std
+
+
+def _layer_norm_rows(x, scale, bias, epsilon: float, out, mean, inv_std, start: int, stop: int) -> None:
+    layer_norm_rows(x[start:stop], scale, bias, epsilon, out[start:stop], mean[start:stop], inv_std[start:stop])
 
 
 @register("LayerNormalization", since=17)

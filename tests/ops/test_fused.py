@@ -47,8 +47,8 @@ def test_rms_norm_is_bitwise_the_unfused_operations(dtype, width):
 def test_add_rms_norm_is_bitwise_the_unfused_add_cast_and_norm(cast, monkeypatch):
     # a Cast to the sum's own dtype (float32 Llama exports: cast=1) takes the one-call kernel too;
     # a Cast to float64 goes the unfused way
-    kernel, calls = fused_ops.add_rms_norm, []
-    monkeypatch.setattr(fused_ops, "add_rms_norm", lambda *args: calls.append(1) or kernel(*args))
+    kernel, calls = fused_ops.add_rms_norm_into, []
+    monkeypatch.setattr(fused_ops, "add_rms_norm_into", lambda *args: calls.append(1) or kernel(*args))
     a, b = (RNG.standard_normal((1, 3, 40)).astype(np.float32) for _ in range(2))
     total = np.add(a, b).astype(np.float64 if cast == 11 else np.float32)
     epsilon, one = np.array(1e-5, total.dtype), np.array(1, total.dtype)

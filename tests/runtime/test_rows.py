@@ -1,0 +1,117 @@
+"""A prompt's row kernels shared among threads (runnx/runtime/rows.py): every row computed once, on
+as many threads as runnx has, only where it pays; and each kernel that shares its rows gives the
+same bits as one call on one thread."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from runnx.ops import _attention_blocks, fused, fused_layer_norm_blocks, normalization
+from runnx.runtime import openblas, rows
+from runnx.runtime import pool as decode_pool
+
+
+@pytest.fixture
+def threads(monkeypatch):
+    """Set runnx's thread count (the decode pool's workers + 1) for `share_rows`, OpenBLAS's
+    threads sleeping after their calls as in a process that imported runnx first."""
+    monkeypatch.setattr(openblas, "THREADS_SLEEP", True)
+
+    def count(n: int) -> None:
+        monkeypatch.setattr(decode_pool, "worker_count", lambda: n - 1)
+
+    return count
+
+
+def _ranges(row_count: int, columns: int) -> list:
+    seen, lock = [], threading.Lock()
+
+    def work(start, stop):
+        with lock:
+            seen.append((start, stop, threading.get_ident()))
+
+    rows.share_rows(work, row_count, columns)
+    return sorted(seen)
+
+
+def test_a_prompts_rows_are_cut_into_one_range_a_thread_covering_each_row_once(threads):
+    threads(2)
+    seen = _ranges(301, 512)
+    assert [(start, stop) for start, stop, _ in seen] == [(0, 150), (150, 301)]
+    assert len({ident for _, _, ident in seen}) == 2
+    threads(3)
+    assert [(start, stop) for start, stop, _ in _ranges(301, 512)] == [(0, 100), (100, 200), (200, 301)]
+
+
+def test_rows_stay_on_the_calling_thread_where_sharing_would_not_pay_or_could_not_run(threads, monkeypatch):
+    here = threading.get_ident()
+    threads(2)
+    assert _ranges(1, 576) == [(0, 1, here)]  # a decode step's row
+    assert _ranges(rows.SHARED_FROM // 512 - 1, 512) == [(0, rows.SHARED_FROM // 512 - 1, here)]
+    threads(1)
+    assert _ranges(301, 512) == [(0, 301, here)]
+    threads(2)
+    monkeypatch.setattr(openblas, "THREADS_SLEEP", False)  # OpenBLAS's threads would spin beside the helpers
+    assert _ranges(301, 512) == [(0, 301, here)]
+
+
+def test_a_ranges_failure_reaches_the_caller(threads):
+    threads(2)
+
+    def work(start, stop):
+        if start:
+            raise ValueError("the second range failed")
+
+    with pytest.raises(ValueError, match="the second range failed"):
+        rows.share_rows(work, 301, 512)
+
+
+def _cases(rng):
+    """(name, call) pairs of the kernels that share their rows, on 3 x 97 rows of 700 (rows uneven
+    among threads, a row not a multiple of a vector), gates reaching exp's overflow; a prompt's
+    attention under a causal mask of 300 positions."""
+    x = rng.standard_normal((3, 97, 700)).astype(np.float32)
+    y = rng.standard_normal((3, 97, 700)).astype(np.float32)
+    gate = (rng.standard_normal((3, 97, 700)) * 40).astype(np.float32)
+    weight = rng.standard_normal(700).astype(np.float32)
+    bias = rng.standard_normal(700).astype(np.float32)
+    epsilon, one = np.array(1e-5, np.float32), np.array(1.0, np.float32)
+    query = rng.standard_normal((1, 4, 300, 32)).astype(np.float32)
+    keys, values = (rng.standard_normal((1, 2, 300, 32)).astype(np.float32) for _ in range(2))
+    causal = np.triu(np.full((300, 300), -np.inf, np.float32), 1)[None, None]  # each row's visible keys found alone
+    return [
+        ("attend_blocks", lambda: _attention_blocks.attend_blocks(query, keys, values, causal, 0.0)),
+        ("RMSNorm", lambda: fused.RMSNorm(x, epsilon, one, weight)),
+        ("AddRMSNorm", lambda: fused.AddRMSNorm(x, y, epsilon, one, weight)),
+        ("SiluMul", lambda: fused.SiluMul(gate, y)),
+        ("AddLayerNorm", lambda: fused_layer_norm_blocks.AddLayerNorm(x, y, weight, bias)),
+        ("LayerNormalization", lambda: normalization.LayerNormalization(x, weight, bias)),
+    ]
+
+
+def _bits(result):
+    results = result if isinstance(result, (tuple, list)) else (result,)
+    return [r.view(np.uint32).copy() for r in results]
+
+
+def test_each_kernel_sharing_its_rows_gives_the_one_thread_bits(threads, monkeypatch):
+    shared, parts = {}, []
+    run_parts = rows.helpers.run_parts
+    monkeypatch.setattr(rows.helpers, "run_parts", lambda work, ranges: parts.append(len(ranges)) or run_parts(work, ranges))
+    for count in (2, 3):
+        threads(count)
+        with np.errstate(over="ignore"):
+            shared[count] = {}
+            for name, call in _cases(np.random.default_rng(0)):
+                parts.clear()
+                shared[count][name] = _bits(call())
+                assert parts == [count], (name, count)  # its rows went to `count` threads
+    threads(2)
+    monkeypatch.setattr(rows, "SHARED_FROM", 1 << 40)  # every call on one thread
+    with np.errstate(over="ignore"):
+        alone = {name: _bits(call()) for name, call in _cases(np.random.default_rng(0))}
+    for name, bits in alone.items():
+        for count in (2, 3):
+            assert all(np.array_equal(a, b) for a, b in zip(bits, shared[count][name])), (name, count)
