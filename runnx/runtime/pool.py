@@ -274,6 +274,13 @@ def rest_workers(multiply_adds: int | None = None) -> None:
         _pool.rest()
 
 
+def workers_spinning() -> bool:
+    """Whether the process's pool has workers spinning now, after a job (a short prompt's products
+    share their columns with them), rather than asleep or absent."""
+    workers = _pool
+    return workers is not None and not all(workers.box[IDLE:IDLE + workers._workers])
+
+
 def softmax_rows(scores, fill: float) -> None:
     """Softmax along the last axis of C-contiguous float32 scores (rows, columns), in place, rows
     whose softmax is NaN set to `fill` (`softmax_rows_float32`)."""

@@ -4,6 +4,7 @@ same bits as one call on one thread."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,8 +17,10 @@ from runnx.runtime import pool as decode_pool
 @pytest.fixture
 def threads(monkeypatch):
     """Set runnx's thread count (the decode pool's workers + 1) for `share_rows`, OpenBLAS's
-    threads sleeping after their calls as in a process that imported runnx first."""
+    threads sleeping after their calls as in a process that imported runnx first and the pool's
+    workers taken as asleep (a prompt attention's pool job leaves them spinning a while)."""
     monkeypatch.setattr(openblas, "THREADS_SLEEP", True)
+    monkeypatch.setattr(decode_pool, "workers_spinning", lambda: False)
 
     def count(n: int) -> None:
         monkeypatch.setattr(decode_pool, "worker_count", lambda: n - 1)
@@ -115,3 +118,27 @@ def test_each_kernel_sharing_its_rows_gives_the_one_thread_bits(threads, monkeyp
     for name, bits in alone.items():
         for count in (2, 3):
             assert all(np.array_equal(a, b) for a, b in zip(bits, shared[count][name])), (name, count)
+
+
+def test_rows_stay_on_the_caller_while_the_pools_workers_spin_after_a_job(monkeypatch):
+    # a short prompt's products are pool jobs: resting the workers for the rows, then waking them
+    # for the next product, cost more than sharing the rows gained
+    monkeypatch.setattr(openblas, "THREADS_SLEEP", True)
+    decode_pool.set_workers(1)
+    try:
+        workers = decode_pool.pool()
+        matrix = np.ones((1024, 512), np.float32)
+        here, stayed = threading.get_ident(), False
+        deadline = time.monotonic() + 10
+        while not stayed and time.monotonic() < deadline:  # (a job the caller finished alone wakes no one)
+            workers.products(np.ones(1024, np.float32), (matrix,))  # the worker spins a while after it
+            stayed = decode_pool.workers_spinning() and _ranges(301, 512) == [(0, 301, here)]
+        assert stayed
+        decode_pool.rest_workers()
+        deadline = time.monotonic() + 10
+        while decode_pool.workers_spinning() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not decode_pool.workers_spinning()
+        assert len({ident for _, _, ident in _ranges(301, 512)}) == 2
+    finally:
+        decode_pool.set_workers(None)
