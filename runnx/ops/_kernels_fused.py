@@ -500,21 +500,43 @@ def rope_append_into(query, key, value, past_key, key_buffer, past_value, value_
     with rotate_half(key) written after past_key inside key_buffer and value after past_value inside
     value_buffer, or (False, an empty array) having written nothing when the caches are not prefix
     views with room, the new rows do not match them or cos/sin do not broadcast."""
-    nothing = np.empty((0, 0, 0, 0), query.dtype)
-    for cos, sin, x in ((query_cos, query_sin, query), (key_cos, key_sin, key)):
-        if not (_broadcasts_into(cos, x) and _broadcasts_into(sin, x)):
-            return False, nothing
-    for new, past, buffer in ((key, past_key, key_buffer), (value, past_value, value_buffer)):
-        if new.shape[0] != past.shape[0] or new.shape[1] != past.shape[1] or new.shape[3] != past.shape[3]:
-            return False, nothing
-        if prefix_room(past, buffer, 2) < new.shape[2]:
-            return False, nothing
+    if not rope_append_fits(query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin,
+                            key_cos, key_sin):
+        return False, np.empty((0, 0, 0, 0), query.dtype)
     rotated = np.empty(query.shape, query.dtype)
+    rope_append_rows(query, key, value, key_buffer, value_buffer, query_cos, query_sin, key_cos, key_sin, query_half,
+                     key_half, rotated, past_key.shape[2], past_value.shape[2])
+    return True, rotated
+
+
+@_kernel(nogil=True)
+def rope_append_fits(query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin,
+                     key_cos, key_sin):
+    """Whether `rope_append_into` writes: cos/sin broadcast into the rows, the new rows match the
+    caches, which are prefix views of their buffers with room for them. (Spelled out, not looped
+    over tuples: the arrays may differ in layout, a split-heads query a transposed view.)"""
+    return (_broadcasts_into(query_cos, query) and _broadcasts_into(query_sin, query)
+            and _broadcasts_into(key_cos, key) and _broadcasts_into(key_sin, key)
+            and _grows_into(key, past_key, key_buffer) and _grows_into(value, past_value, value_buffer))
+
+
+@_kernel()
+def _grows_into(new, past, buffer):
+    """Whether the rows `new` match the cache `past`, a prefix view of `buffer` with room for them."""
+    return (new.shape[0] == past.shape[0] and new.shape[1] == past.shape[1] and new.shape[3] == past.shape[3]
+            and prefix_room(past, buffer, 2) >= new.shape[2])
+
+
+@_kernel(nogil=True)
+def rope_append_rows(query, key, value, key_buffer, value_buffer, query_cos, query_sin, key_cos, key_sin, query_half,
+                     key_half, rotated, key_start, value_start):
+    """`rope_append_into`'s writes once it fits: rotated = rotate_half(query), rotate_half(key) at
+    row key_start of key_buffer and value at row value_start of value_buffer (along axis 2). Every
+    position alone: a prompt's positions may be cut into ranges, each its views of the rows and
+    cos/sin rows (`runtime/rows.py`)."""
     _rotate_rows(query, query_cos, query_sin, query_half, rotated, 0)
-    _rotate_rows(key, key_cos, key_sin, key_half, key_buffer, past_key.shape[2])
-    start = past_value.shape[2]
+    _rotate_rows(key, key_cos, key_sin, key_half, key_buffer, key_start)
     for b in range(value.shape[0]):
         for h in range(value.shape[1]):
             for q in range(value.shape[2]):
-                value_buffer[b, h, start + q] = value[b, h, q]
-    return True, rotated
+                value_buffer[b, h, value_start + q] = value[b, h, q]

@@ -33,8 +33,8 @@ from runnx.ops import _native
 from runnx.ops._attention_blocks import attend_blocks
 from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._fused_common import DOMAIN, stand_in
-from runnx.ops._kernels_fused import (add_rms_norm_into, attention, rms_norm_into, rope_append_into, rotate_half,
-                                      silu_mul_into)
+from runnx.ops._kernels_fused import (add_rms_norm_into, attention, rms_norm_into, rope_append_fits, rope_append_into,
+                                      rope_append_rows, rotate_half, silu_mul_into)
 from runnx.ops._remembered import Remembered
 from runnx.ops._shape_util import int_tuple
 from runnx.ops.cache import Concat, count_appends
@@ -43,7 +43,7 @@ from runnx.ops.registry import register
 from runnx.ops.shape import Reshape, Slice
 from runnx.ops._matmul import matmul, rest_workers_before
 from runnx.runtime import pool as decode_pool
-from runnx.runtime.rows import share_rows
+from runnx.runtime.rows import SHARED_FROM, share_rows
 
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the numba kernels' (others: numpy)
 _FLOAT32 = np.dtype(np.float32)
@@ -255,8 +255,26 @@ def _rope_append_in_place(query, key, value, past_key, past_value, query_cos, qu
                                       halves, query_axis, key_axis, key_cache_axis, value_cache_axis)
     if arguments is None:
         return None
-    done, rotated = rope_append_into(*arguments)
-    return appended_caches(rotated, past_key, past_value, key, value) if done else None
+    positions, per_position = query.shape[2], query.shape[1] * query.shape[3]
+    if positions * per_position < SHARED_FROM or key.shape[2] != positions or value.shape[2] != positions:
+        done, rotated = rope_append_into(*arguments)  # (a decode step's row: one call)
+        return appended_caches(rotated, past_key, past_value, key, value) if done else None
+    if not rope_append_fits(*arguments[:11]):
+        return None
+    rotated = np.empty(query.shape, query.dtype)
+    share_rows(functools.partial(_rope_append_positions, arguments, rotated), positions, per_position)
+    return appended_caches(rotated, past_key, past_value, key, value)
+
+
+def _rope_append_positions(arguments: tuple, rotated, start: int, stop: int) -> None:
+    """`rope_append_rows` of a prompt's positions start .. stop (`rope_append_arguments`' arguments)."""
+    query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin, key_cos, key_sin, \
+        query_half, key_half = arguments
+    at = slice(start, stop)
+    rope_append_rows(query[:, :, at], key[:, :, at], value[:, :, at], key_buffer, value_buffer,
+                     *[table if table.shape[2] == 1 else table[:, :, at]
+                       for table in (query_cos, query_sin, key_cos, key_sin)],
+                     query_half, key_half, rotated[:, :, at], past_key.shape[2] + start, past_value.shape[2] + start)
 
 
 def appended_caches(rotated, past_key, past_value, key, value) -> tuple:

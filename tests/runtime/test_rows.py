@@ -9,6 +9,8 @@ import time
 import numpy as np
 import pytest
 
+import runnx
+
 from runnx.ops import _attention_blocks, fused, fused_layer_norm_blocks, normalization
 from runnx.runtime import openblas, rows
 from runnx.runtime import pool as decode_pool
@@ -84,7 +86,16 @@ def _cases(rng):
     query = rng.standard_normal((1, 4, 300, 32)).astype(np.float32)
     keys, values = (rng.standard_normal((1, 2, 300, 32)).astype(np.float32) for _ in range(2))
     causal = np.triu(np.full((300, 300), -np.inf, np.float32), 1)[None, None]  # each row's visible keys found alone
+    positions = 301  # a prompt's rotary embedding and cache growth, after 3 positions, in the caches' buffers
+    rotated_query = rng.standard_normal((1, positions, 4, 64)).astype(np.float32).transpose(0, 2, 1, 3)
+    new_key, new_value = (rng.standard_normal((1, 2, positions, 64)).astype(np.float32) for _ in range(2))
+    caches = [runnx.with_capacity(rng.standard_normal((1, 2, 3, 64)).astype(np.float32), 2, positions + 8).array
+              for _ in range(2)]
+    cos, sin = (rng.standard_normal((1, 1, positions, 64)).astype(np.float32) for _ in range(2))
+    half = np.array([32], np.int64)
+    rope = (rotated_query, new_key, new_value, *caches, cos, sin, half, half, cos, sin, half, half)
     return [
+        ("RopeAppend", lambda: fused.RopeAppend(*rope, key_cache_axis=2, value_cache_axis=2, overwrite=(3, 4))),
         ("attend_blocks", lambda: _attention_blocks.attend_blocks(query, keys, values, causal, 0.0)),
         ("RMSNorm", lambda: fused.RMSNorm(x, epsilon, one, weight)),
         ("AddRMSNorm", lambda: fused.AddRMSNorm(x, y, epsilon, one, weight)),
@@ -102,7 +113,8 @@ def _bits(result):
 def test_each_kernel_sharing_its_rows_gives_the_one_thread_bits(threads, monkeypatch):
     shared, parts = {}, []
     run_parts = rows.helpers.run_parts
-    monkeypatch.setattr(rows.helpers, "run_parts", lambda work, ranges: parts.append(len(ranges)) or run_parts(work, ranges))
+    monkeypatch.setattr(rows.helpers, "run_parts",
+                        lambda work, ranges: parts.append(len(ranges)) or run_parts(work, ranges))
     for count in (2, 3):
         threads(count)
         with np.errstate(over="ignore"):
@@ -142,3 +154,20 @@ def test_rows_stay_on_the_caller_while_the_pools_workers_spin_after_a_job(monkey
         assert len({ident for _, _, ident in _ranges(301, 512)}) == 2
     finally:
         decode_pool.set_workers(None)
+
+
+def test_a_prompts_rotary_embedding_shared_among_threads_is_the_unfused_arithmetic(threads):
+    threads(2)
+    rng = np.random.default_rng(3)
+    query = rng.standard_normal((1, 301, 4, 64)).astype(np.float32).transpose(0, 2, 1, 3)  # split heads: a view
+    key, value, past_key, past_value = (rng.standard_normal((1, 2, n, 64)).astype(np.float32) for n in (301, 301, 3, 3))
+    caches = [runnx.with_capacity(past, 2, 320).array for past in (past_key, past_value)]
+    cos, sin = (rng.standard_normal((1, 1, 301, 64)).astype(np.float32) for _ in range(2))
+    half = np.array([32], np.int64)
+    rotated, keys, values = fused.RopeAppend(query, key, value, *caches, cos, sin, half, half, cos, sin, half, half,
+                                             key_cache_axis=2, value_cache_axis=2, overwrite=(3, 4))
+    rotate = lambda x: x * cos + np.concatenate([-x[..., 32:], x[..., :32]], axis=-1) * sin  # noqa: E731
+    np.testing.assert_array_equal(rotated, rotate(query))
+    np.testing.assert_array_equal(keys, np.concatenate([past_key, rotate(key)], 2))
+    np.testing.assert_array_equal(values, np.concatenate([past_value, value], 2))
+    assert keys.base is caches[0].base and values.base is caches[1].base  # grown in their buffers
