@@ -238,11 +238,15 @@ class DecodePool:
         # a worker woken after a job it came too late for still reads as idle until its thread
         # runs: it would then spin through the product beside OpenBLAS's threads
         waking = any([wake.is_set() for wake in self._wakes])
-        if (waking or not all(self.box[IDLE:IDLE + self._workers])) and self._lock.acquire(blocking=False):
+        if (waking or self.spinning()) and self._lock.acquire(blocking=False):
             try:
                 rest(self.box)
             finally:
                 self._lock.release()
+
+    def spinning(self) -> bool:
+        """Whether a worker is awake (spinning after a job, or computing one) rather than asleep."""
+        return not all(self.box[IDLE:IDLE + self._workers])
 
     @property
     def shared_units(self) -> int:
@@ -278,7 +282,7 @@ def workers_spinning() -> bool:
     """Whether the process's pool has workers spinning now, after a job (a short prompt's products
     share their columns with them), rather than asleep or absent."""
     workers = _pool
-    return workers is not None and not all(workers.box[IDLE:IDLE + workers._workers])
+    return workers is not None and workers.spinning()
 
 
 def softmax_rows(scores, fill: float) -> None:
