@@ -21,7 +21,8 @@ from operator import is_, itemgetter
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops.fused import repeated_kv_cache, rope_cache_fits
+from runnx.ops.fused import repeated_kv_cache
+from runnx.ops.fused_rotary import rope_cache_fits
 from runnx.ops.fused_layer_norm_blocks import attended_cache
 from runnx.ops.linalg import append_position
 

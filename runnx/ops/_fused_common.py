@@ -1,5 +1,6 @@
-"""What the interpreter needs of the fused kernels (`fused.py`) without loading them and numba:
-their private domain, and the stand-in arrays their shape-only runs hand out."""
+"""What the interpreter needs of the fused kernels (`fused*.py`) without loading them and numba:
+their private domain, and the stand-in arrays their shape-only runs hand out; and what the fused op
+modules share."""
 from __future__ import annotations
 
 import functools
@@ -7,6 +8,13 @@ import functools
 import numpy as np
 
 DOMAIN = "runnx.fused"
+KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the numba kernels' (others: numpy)
+
+
+def fits(operand, result) -> bool:
+    """Whether `result op= operand` is `result op operand` (same dtype, operand broadcasts into it)."""
+    return (operand.dtype == result.dtype and operand.ndim <= result.ndim
+            and all(o == 1 or o == r for o, r in zip(operand.shape[::-1], result.shape[::-1])))
 
 
 @functools.lru_cache(maxsize=256)

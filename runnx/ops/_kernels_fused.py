@@ -1,4 +1,4 @@
-"""numba kernels of the fused decoder ops (`runnx/ops/fused.py`): attention over a KV cache read
+"""numba kernels of the fused decoder ops (`runnx/ops/fused*.py`): attention over a KV cache read
 in place (any strides, grouped-query heads), RMSNorm, the SiLU gate and rotate-half.
 
 Dot products and sums are vectorised in any order (`_REORDER`: float rounding only); NaN and inf

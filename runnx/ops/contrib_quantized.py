@@ -19,7 +19,7 @@ from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, 
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, repack
 from runnx.ops._fused_common import DOMAIN as FUSED_DOMAIN
 from runnx.ops._remembered import Remembered
-from runnx.ops.fused import SiluMul
+from runnx.ops.fused_norms import SiluMul
 from runnx.ops.linalg_integer import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import COMPUTED, register

@@ -20,8 +20,8 @@ from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rop
                                       attended_layer_norm_gelu_mlp, attended_layer_norm_gelu_mlp_append,
                                       projected_rope_append)
 from runnx.ops.cache import count_appends
-from runnx.ops.fused import (DOMAIN, RepeatedKVAttention, RopeAppend, appended_caches, repeated_kv_row,
-                             rope_append_arguments)
+from runnx.ops.fused import DOMAIN, RepeatedKVAttention, repeated_kv_row
+from runnx.ops.fused_rotary import RopeAppend, appended_caches, rope_append_arguments
 from runnx.ops.fused_layer_norm_blocks import attention_row
 from runnx.ops.linalg import (AttentionGeluMLP, AttentionLayerNorm, ProjectedAppend, ResidualGatedMLP,
                               SharedInputMatMul, _attention_attrs, _gated_mlp_row, _gelu_mlp_row, _layer_norm_row,

@@ -19,8 +19,8 @@ from runnx.ops._kernels_linalg import rows_times_matrix
 from runnx.ops._matmul import matmul, own_kernels, rest_workers_before, stacked_product
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
-from runnx.ops.fused import (DOMAIN as FUSED_DOMAIN, AddRMSNorm, SiluMul, exp_in_place, head_repeat,
-                              materialised_repeat, norm_fits)
+from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, head_repeat, materialised_repeat
+from runnx.ops.fused_norms import AddRMSNorm, SiluMul, exp_in_place, norm_fits
 from runnx.ops.fused_layer_norm_blocks import (ErfGelu, HeadsAttention, SplitHeads, add_layer_norm, attended_row, attention_row,
                                      split_shape)
 from runnx.ops.registry import register

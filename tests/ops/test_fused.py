@@ -1,4 +1,4 @@
-"""Fused kernels (runnx/ops/fused.py, runnx/ops/_kernels_fused.py) against numpy written the
+"""Fused kernels (runnx/ops/fused*.py, runnx/ops/_kernels_fused.py) against numpy written the
 unfused way: RMSNorm, SiluMul and RotateHalf bitwise, attention within float rounding, and a
 fused model's logits against the unfused model's."""
 import numpy as np
@@ -6,9 +6,12 @@ import pytest
 
 import runnx
 import runnx.ops.fused as fused_ops
+import runnx.ops.fused_norms as norm_ops
+import runnx.ops.fused_rotary as rotary_ops
 from runnx.errors import RunnxError
-from runnx.ops.fused import (AddRMSNorm, LastPosition, RepeatedKVAttention, RepeatedKVShape, RMSNorm, RMSNormShape,
-                             RopeAppend, RotateHalf, SiluMul, attend)
+from runnx.ops.fused import LastPosition, RepeatedKVAttention, RepeatedKVShape, attend
+from runnx.ops.fused_norms import AddRMSNorm, RMSNorm, RMSNormShape, SiluMul
+from runnx.ops.fused_rotary import RopeAppend, RotateHalf
 from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops.shape import Slice
 
@@ -47,8 +50,8 @@ def test_rms_norm_is_bitwise_the_unfused_operations(dtype, width):
 def test_add_rms_norm_is_bitwise_the_unfused_add_cast_and_norm(cast, monkeypatch):
     # a Cast to the sum's own dtype (float32 Llama exports: cast=1) takes the one-call kernel too;
     # a Cast to float64 goes the unfused way
-    kernel, calls = fused_ops.add_rms_norm_into, []
-    monkeypatch.setattr(fused_ops, "add_rms_norm_into", lambda *args: calls.append(1) or kernel(*args))
+    kernel, calls = norm_ops.add_rms_norm_into, []
+    monkeypatch.setattr(norm_ops, "add_rms_norm_into", lambda *args: calls.append(1) or kernel(*args))
     a, b = (RNG.standard_normal((1, 3, 40)).astype(np.float32) for _ in range(2))
     total = np.add(a, b).astype(np.float64 if cast == 11 else np.float32)
     epsilon, one = np.array(1e-5, total.dtype), np.array(1, total.dtype)
@@ -184,14 +187,14 @@ def _rope_reference(inputs):
 def test_rope_append_grows_granted_caches_in_their_buffers_bitwise(dtype, monkeypatch):
     inputs = _rope_inputs(dtype, past_length=5, capacity=8)
     calls = []
-    kernel = fused_ops.rope_append_into
+    kernel = rotary_ops.rope_append_into
 
     def counted(*args):
         result = kernel(*args)
         calls.append(result[0])
         return result
 
-    monkeypatch.setattr(fused_ops, "rope_append_into", counted)
+    monkeypatch.setattr(rotary_ops, "rope_append_into", counted)
     want = _rope_reference(inputs)
     buffers = (inputs[3].base, inputs[4].base)
     for step in range(2):  # the second call finds its answers for the halves' bounds remembered

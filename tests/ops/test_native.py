@@ -19,7 +19,7 @@ from runnx.generate.audio import load_audio
 from runnx.generate.generator import Generator
 from runnx.generate.mel import window_features
 from runnx.generate.whisper import Whisper
-from runnx.ops import _native, fused
+from runnx.ops import _native, fused_norms
 from runnx.runtime import pool as decode_pool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,14 +82,14 @@ def test_generation_and_transcription_alike_either_way(fixtures_dir):
 
 def test_the_switch_takes_effect_at_the_next_op(monkeypatch, native_off):
     calls = []
-    kernel = fused.rms_norm_into
-    monkeypatch.setattr(fused, "rms_norm_into", lambda *a: calls.append(1) or kernel(*a))
+    kernel = fused_norms.rms_norm_into
+    monkeypatch.setattr(fused_norms, "rms_norm_into", lambda *a: calls.append(1) or kernel(*a))
     x = np.random.default_rng(1).standard_normal((2, 3, 8)).astype(np.float32)
     epsilon, one, weight = np.float32(1e-6), np.float32(1.0), np.linspace(0.5, 1.5, 8, dtype=np.float32)
-    numpy = fused.RMSNorm(x, np.asarray(epsilon), np.asarray(one), weight)
+    numpy = fused_norms.RMSNorm(x, np.asarray(epsilon), np.asarray(one), weight)
     assert not calls and decode_pool.pool() is None
     _native.enable()
-    compiled = fused.RMSNorm(x, np.asarray(epsilon), np.asarray(one), weight)
+    compiled = fused_norms.RMSNorm(x, np.asarray(epsilon), np.asarray(one), weight)
     assert calls == [1]
     np.testing.assert_allclose(numpy, compiled, rtol=1e-6)
 

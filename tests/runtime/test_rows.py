@@ -11,7 +11,7 @@ import pytest
 
 import runnx
 
-from runnx.ops import _attention_blocks, fused, fused_layer_norm_blocks, normalization
+from runnx.ops import _attention_blocks, fused_layer_norm_blocks, fused_norms, fused_rotary, normalization
 from runnx.runtime import openblas, rows
 from runnx.runtime import pool as decode_pool
 
@@ -95,11 +95,11 @@ def _cases(rng):
     half = np.array([32], np.int64)
     rope = (rotated_query, new_key, new_value, *caches, cos, sin, half, half, cos, sin, half, half)
     return [
-        ("RopeAppend", lambda: fused.RopeAppend(*rope, key_cache_axis=2, value_cache_axis=2, overwrite=(3, 4))),
+        ("RopeAppend", lambda: fused_rotary.RopeAppend(*rope, key_cache_axis=2, value_cache_axis=2, overwrite=(3, 4))),
         ("attend_blocks", lambda: _attention_blocks.attend_blocks(query, keys, values, causal, 0.0)),
-        ("RMSNorm", lambda: fused.RMSNorm(x, epsilon, one, weight)),
-        ("AddRMSNorm", lambda: fused.AddRMSNorm(x, y, epsilon, one, weight)),
-        ("SiluMul", lambda: fused.SiluMul(gate, y)),
+        ("RMSNorm", lambda: fused_norms.RMSNorm(x, epsilon, one, weight)),
+        ("AddRMSNorm", lambda: fused_norms.AddRMSNorm(x, y, epsilon, one, weight)),
+        ("SiluMul", lambda: fused_norms.SiluMul(gate, y)),
         ("AddLayerNorm", lambda: fused_layer_norm_blocks.AddLayerNorm(x, y, weight, bias)),
         ("LayerNormalization", lambda: normalization.LayerNormalization(x, weight, bias)),
     ]
@@ -164,7 +164,7 @@ def test_a_prompts_rotary_embedding_shared_among_threads_is_the_unfused_arithmet
     caches = [runnx.with_capacity(past, 2, 320).array for past in (past_key, past_value)]
     cos, sin = (rng.standard_normal((1, 1, 301, 64)).astype(np.float32) for _ in range(2))
     half = np.array([32], np.int64)
-    rotated, keys, values = fused.RopeAppend(query, key, value, *caches, cos, sin, half, half, cos, sin, half, half,
+    rotated, keys, values = fused_rotary.RopeAppend(query, key, value, *caches, cos, sin, half, half, cos, sin, half, half,
                                              key_cache_axis=2, value_cache_axis=2, overwrite=(3, 4))
     rotate = lambda x: x * cos + np.concatenate([-x[..., 32:], x[..., :32]], axis=-1) * sin  # noqa: E731
     np.testing.assert_array_equal(rotated, rotate(query))

@@ -1,7 +1,7 @@
 """Fusion patterns of RMSNorm decoder blocks (pre-norm decoders with rotary attention): RMSNorm, the
 SiLU-gated MLP activation, rotary embedding (rotate-half), attention over a grouped-query KV cache (the head repeat
 by Unsqueeze/Expand/Reshape is what it removes) and the residual add feeding an RMSNorm.
-Kernels: `runnx/ops/fused.py`.
+Kernels: `runnx/ops/fused_norms.py`, `fused_rotary.py` and `fused.py` (the attention).
 """
 from __future__ import annotations
 

@@ -1,0 +1,150 @@
+"""RMS norms and the SiLU gate of decoders' fused patterns (`interp/fusion/rms_norm_blocks.py`):
+RMSNorm, AddRMSNorm (a residual add and the norm reading it, onnxruntime's
+SkipSimplifiedLayerNormalization), SiluMul (the SiLU-gated MLP's activation) and RMSNormShape (a
+stand-in for nodes that read a fused norm's shape only).
+
+They do the unfused arithmetic in its order (numpy's pairwise summation order, numpy's exp), so
+their results are bitwise the unfused graph's. Each row is computed alone, so a prompt's rows are
+shared among runnx's threads (`runtime/rows.py`) with the same bits.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from runnx.interp.dtypes import ONNX_TO_NUMPY
+from runnx.ops import _native
+from runnx.ops._elementwise_util import binary, sigmoid
+from runnx.ops._fused_common import DOMAIN, KERNEL_DTYPES, fits, stand_in
+from runnx.ops._kernels_fused import add_rms_norm_into, rms_norm_into, silu_mul_into
+from runnx.ops.registry import register
+from runnx.runtime.rows import share_rows
+
+
+@register("RMSNorm", since=1, domain=DOMAIN)
+def RMSNorm(x, epsilon, one, weight, *, axis: int = -1, to: int = 0):
+    """weight * Cast(x * (one / sqrt(ReduceMean(x * x, axis) + epsilon)), to) (to=0: no Cast)."""
+    if _norm_kernel_applies(x, epsilon, one, weight, axis, to):
+        out = np.empty_like(x)
+        rows = _rows_of(x)
+        share_rows(functools.partial(_rms_norm_rows, x.reshape(rows), epsilon.item(), one.item(), weight,
+                                     out.reshape(rows)), *rows)
+        return out
+    squares = np.square(x)
+    mean = np.add.reduce(squares, axis=axis, keepdims=True, dtype=squares.dtype)  # np.sum without its wrapper
+    mean = np.true_divide(mean, x.shape[axis], out=mean, casting="unsafe")
+    np.add(mean, epsilon, out=mean, casting="unsafe")
+    np.sqrt(mean, out=mean)
+    normed = np.multiply(x, np.divide(one, mean))
+    if to:
+        normed = normed.astype(ONNX_TO_NUMPY[to], copy=False)
+    return np.multiply(weight, normed)
+
+
+def _norm_kernel_applies(x, epsilon, one, weight, axis: int, to: int) -> bool:
+    """Whether RMSNorm of x is the numba kernel's: a C-contiguous float32/64 x normed over its last
+    axis by scalars and a vector weight of its dtype (and no Cast to another)."""
+    return (_native.enabled and x.flags.c_contiguous
+            and norm_fits(x.dtype, x.ndim, x.shape[-1:], epsilon, one, weight, axis, to, 0))
+
+
+def rms_norm_applies(x, epsilon, one, weight, axis: int, to: int, cast: int) -> bool:
+    """Whether AddRMSNorm's sum x (Cast to `cast`, 0: none) is normed by the numba kernel."""
+    return (_native.enabled and x.flags.c_contiguous
+            and norm_fits(x.dtype, x.ndim, x.shape[-1:], epsilon, one, weight, axis, to, cast))
+
+
+def norm_fits(dtype, ndim: int, width: tuple, epsilon, one, weight, axis: int, to: int, cast: int) -> bool:
+    """`rms_norm_applies` for a C-contiguous x of this dtype, rank and last dimension (a tuple: () at rank 0)."""
+    return bool(dtype in KERNEL_DTYPES and ndim and axis in (-1, ndim - 1) and epsilon.dtype == dtype
+                and one.dtype == dtype and weight.dtype == dtype and weight.shape == width and epsilon.size == 1
+                and one.size == 1 and epsilon.ndim <= ndim and one.ndim <= ndim and _casts_to_itself(to, dtype)
+                and _casts_to_itself(cast, dtype))
+
+
+def _casts_to_itself(to: int, dtype) -> bool:
+    """Whether Cast(to) (0: no Cast) leaves a `dtype` value as it is (float32 exports may cast
+    float32 to float32)."""
+    return to == 0 or ONNX_TO_NUMPY.get(to) == dtype
+
+
+@register("AddRMSNorm", since=1, domain=DOMAIN, inplace=(0, 1))
+def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0, overwrite=()):
+    """(s, RMSNorm(s)) with s = Cast(a + b, cast) (cast=0: no Cast): a residual add, kept for the
+    next one, and the norm reading it (onnxruntime's SkipSimplifiedLayerNormalization). Equal
+    shapes and dtypes, both C-contiguous, no Cast to another dtype: one numba call (the sum into a
+    or b when granted)."""
+    if (a.shape == b.shape and a.dtype == b.dtype and b.flags.c_contiguous
+            and rms_norm_applies(a, epsilon, one, weight, axis, to, cast)):
+        residual = a if 0 in overwrite else b if 1 in overwrite else np.empty_like(a)
+        out = np.empty_like(a)
+        rows = _rows_of(a)
+        share_rows(functools.partial(_add_rms_norm_rows, a.reshape(rows), b.reshape(rows), residual.reshape(rows),
+                                     epsilon.item(), one.item(), weight, out.reshape(rows)), *rows)
+        return residual, out
+    residual = binary(np.add, a, b, overwrite)
+    if cast:
+        residual = residual.astype(ONNX_TO_NUMPY[cast], copy=False)
+    return residual, RMSNorm(residual, epsilon, one, weight, axis=axis, to=to)
+
+
+@register("SiluMul", since=1, domain=DOMAIN)
+def SiluMul(gate, up):
+    """gate * Sigmoid(gate) * up: the SiLU-gated MLP's activation."""
+    if (_native.enabled and gate.ndim and gate.dtype in KERNEL_DTYPES and up.dtype == gate.dtype
+            and up.shape == gate.shape and gate.flags.c_contiguous and up.flags.c_contiguous):
+        decay = np.empty_like(gate)
+        rows = _rows_of(gate)
+        share_rows(functools.partial(_silu_mul_rows, gate.reshape(rows), up.reshape(rows), decay.reshape(rows)), *rows)
+        return decay
+    activated = sigmoid(gate)
+    np.multiply(gate, activated, out=activated)
+    if fits(up, activated):
+        return np.multiply(activated, up, out=activated)
+    return np.multiply(activated, up)
+
+
+def _rows_of(x) -> tuple[int, int]:
+    """(rows, columns) of a C-contiguous x of rank 1 or more, rows over its last axis."""
+    columns = x.shape[-1]
+    return (x.size // columns if columns else math.prod(x.shape[:-1])), columns
+
+
+def _rms_norm_rows(x, epsilon: float, one: float, weight, out, start: int, stop: int) -> None:
+    rms_norm_into(x[start:stop], epsilon, one, weight, out[start:stop])
+
+
+def _add_rms_norm_rows(a, b, residual, epsilon: float, one: float, weight, out, start: int, stop: int) -> None:
+    add_rms_norm_into(a[start:stop], b[start:stop], residual[start:stop], epsilon, one, weight, out[start:stop])
+
+
+def _silu_mul_rows(gate, up, decay, start: int, stop: int) -> None:
+    """decay[start:stop] = SiLU(gate) * up of those rows: exp(-gate) by numpy (the unfused Sigmoid's
+    exp), then `silu_mul_into`, which divides by it."""
+    part = np.negative(gate[start:stop], out=decay[start:stop])
+    silu_mul_into(gate[start:stop], exp_in_place(part, math.inf), up[start:stop])
+
+
+_EXP_FINITE = 88.0  # float32 exp overflows from 88.72 on
+
+
+def exp_in_place(x, largest: float):
+    """np.exp(x) into x, whose largest element is `largest` (or more: inf when unknown), with
+    numpy's overflow warning silenced (an exp(-gate) of inf is a sigmoid of 0) only when it can
+    overflow: numpy's errstate costs a few microseconds."""
+    if largest < _EXP_FINITE:
+        return np.exp(x, out=x)
+    with np.errstate(over="ignore"):
+        return np.exp(x, out=x)
+
+
+@register("RMSNormShape", since=1, domain=DOMAIN, shape_only=(0, 3))
+def RMSNormShape(x, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0):
+    """A stand-in with the shape and dtype of AddRMSNorm's norm of sums shaped as x, for nodes that
+    only read its shape: a fused node's norm computed inside it (AttentionGatedMLPRopeAppend's).
+    Both come from AddRMSNorm itself, on ones of x's shape and dtype (numpy's promotion rules)."""
+    ones = np.ones(x.shape, x.dtype)
+    normed = AddRMSNorm(ones, ones, epsilon, one, weight, axis=axis, to=to, cast=cast)[1]
+    return stand_in(normed.dtype, normed.shape)
