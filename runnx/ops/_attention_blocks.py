@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 from runnx.ops import _kernels_gemm
-from runnx.ops._kernels_attention_blocks import block_positions, visible_ends
+from runnx.ops._kernels_attention_blocks import adds_nothing, block_positions, visible_ends
 from runnx.ops._matmul import matmul, rest_workers_before
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.jobs import rows_contiguous
@@ -35,9 +35,11 @@ _NO_ENDS = np.empty((1, 1, 0), np.int64)
 POOLED = _kernels_gemm.AVAILABLE  # whether blocks are the pool's job (runnx's own products: AVX-512)
 
 
-def _visible_ends_rows(bias, ends, start: int, stop: int) -> None:
-    """`visible_ends` of the query positions start .. stop (each row's end alone: `runtime/rows.py`)."""
+def _visible_ends_rows(bias, ends, zero, start: int, stop: int) -> None:
+    """`visible_ends` and `adds_nothing` of the query positions start .. stop (each row alone:
+    `runtime/rows.py`)."""
     visible_ends(bias[:, :, start:stop], ends[:, :, start:stop])
+    adds_nothing(bias[:, :, start:stop], ends[:, :, start:stop], zero[:, :, start:stop])
 
 
 def attend_blocks(scaled, key, value, bias, fill: float):
@@ -49,13 +51,17 @@ def attend_blocks(scaled, key, value, bias, fill: float):
     per = heads // groups
     if bias is not None and bias.ndim < 4:
         bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-    ends = None
+    ends = zero = None
     if bias is not None and bias.shape[3] > 1:
-        ends = np.empty(bias.shape[:3], np.int64)
-        share_rows(functools.partial(_visible_ends_rows, bias, ends), bias.shape[2],
+        ends, zero = np.empty(bias.shape[:3], np.int64), np.empty(bias.shape[:3], np.bool_)
+        share_rows(functools.partial(_visible_ends_rows, bias, ends, zero), bias.shape[2],
                    bias.shape[0] * bias.shape[1] * bias.shape[3])
     out = np.empty((batch, heads, length, value.shape[3]), np.float32)
-    if pooled_attention(scaled, key, value, bias, ends, fill, out):
+    # The job masks each row's keys from its end on itself: a bias that is 0 before every end (a
+    # causal mask over a prompt with no padding) adds nothing it needs, and every query head's
+    # blocks would read it again. (numpy's blocks below take a row's mask from the bias.)
+    needed = bias if zero is None or not zero.all() else None
+    if pooled_attention(scaled, key, value, needed, ends, fill, out):
         return out
     rest_workers_before(batch * heads * length * size * depth)
     for b in range(batch):
@@ -91,7 +97,7 @@ def pooled_attention(scaled, key, value, bias, ends, fill: float, out) -> bool:
     if not POOLED or not _job_takes(scaled, key, value, bias, out):
         return False
     positions = block_positions(scaled.shape[1] // key.shape[1])
-    decode_pool.attention_blocks(scaled, _rows_contiguous(key), _rows_contiguous(value), bias,
+    decode_pool.attention_blocks(scaled, _rows_contiguous(key.swapaxes(2, 3)), _rows_contiguous(value), bias,
                                  _NO_ENDS if ends is None else ends, fill, positions, out)
     return True
 
@@ -109,6 +115,6 @@ def _job_takes(scaled, key, value, bias, out) -> bool:
 
 
 def _rows_contiguous(x):
-    """x (B, G, K, W) if each (b, g) is a C-contiguous (K, W) matrix (a prefix view of a cache's
-    buffer is), else a copy."""
+    """x (B, G, R, C) if each (b, g) is a C-contiguous (R, C) matrix (a prefix view of a cache's
+    values is; keys by their columns are where an encoder computed them transposed), else a copy."""
     return x if rows_contiguous(x) else np.ascontiguousarray(x)

@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._kernels_gemm import BLOCK_COLUMNS, KC, MC, MR, NR, gemm_columns
+from runnx.ops._kernels_gemm import KC, MC, MR, NR, gemm_columns
 from runnx.ops._kernels_rows import softmax_rows_float32
 
 _MASKED, _VISIBLE = -1e30, -1e20
@@ -42,6 +42,21 @@ def visible_ends(bias, ends):
                 ends[b, h, r] = end
 
 
+@_jit
+def adds_nothing(bias, ends, out):
+    """out[b, h, r] = whether every value of bias[b, h, r] (4-D, any layout) before the row's end
+    (`visible_ends`) is 0: adding such a row to a score changes no softmax weight (x + 0.0 is x but
+    for -0.0, whose exponential is the same), and the keys from the end on are masked apart."""
+    for b in range(bias.shape[0]):
+        for h in range(bias.shape[1]):
+            for r in range(bias.shape[2]):
+                row = bias[b, h, r]
+                others = 0
+                for j in range(ends[b, h, r]):
+                    others += row[j] != 0  # NaN too
+                out[b, h, r] = others == 0
+
+
 def block_positions(per: int) -> int:
     """Query positions a block takes when `per` query heads share a KV head."""
     return max(MR, BLOCK_ROWS // max(per, 1))
@@ -67,13 +82,16 @@ def block_limit(ends, per, g, b, first, stop, size):
 
 
 @_jit
-def attend_block(scaled, keys, values, bias, ends, fill, out, b, g, per, first, stop):
+def attend_block(scaled, key_columns, values, bias, ends, fill, out, b, g, per, first, stop):
     """out[b, g's query heads, first:stop] = softmax(their scaled rows @ keys.T + bias) @ values, a
     row whose softmax is NaN set to `fill`, for KV head g shared by `per` query heads: scaled (B, H,
-    Q, D) the query times the scale and out (B, H, Q, W), any layout; keys (K, D) and values (K, W)
-    the KV head's rows the block sees (C-contiguous, K >= 1); bias broadcasting to (B, H, Q, >= K),
-    or with no columns (none); the keys from each row's end on (ends as in `block_limit`) masked."""
-    depth, width, size = scaled.shape[3], out.shape[3], keys.shape[0]
+    Q, D) the query times the scale and out (B, H, Q, W), any layout; values (K, W) the KV head's
+    rows the block sees and key_columns (D, >= K) the head's keys by their columns (keys.T, of which
+    the first K columns count: read in place, as a weight is, where keys given by their rows would
+    be packed again for every block), both C-contiguous, K >= 1; bias broadcasting to (B, H, Q,
+    >= K), or with no columns (none); the keys from each row's end on (ends as in `block_limit`)
+    masked."""
+    depth, width, size = scaled.shape[3], out.shape[3], values.shape[0]
     count = stop - first
     rows = per * count
     stacked = np.empty((rows, depth), np.float32)
@@ -83,8 +101,7 @@ def attend_block(scaled, keys, values, bias, ends, fill, out, b, g, per, first, 
     scores = np.empty((rows, size), np.float32)
     a_panels = np.empty((min(rows, MC) + MR - 1) // MR * MR * KC, np.float32)
     b_panel, edge = np.empty(KC * NR, np.float32), np.empty((MR, NR), np.float32)
-    gemm_columns(stacked, keys, scores, 0, size, a_panels, b_panel, edge, True,
-                 np.empty(KC * BLOCK_COLUMNS, np.float32))
+    gemm_columns(stacked, key_columns, scores, 0, size, a_panels, b_panel, edge, False, b_panel)
     for h in range(per):
         for r in range(count):
             row = scores[h * count + r]

@@ -373,12 +373,13 @@ def rows_contiguous(x):
 
 
 @_jit
-def _check_attention_blocks(scaled, key, value, bias, ends, out, positions):
+def _check_attention_blocks(scaled, key_columns, value, bias, ends, out, positions):
     """ValueError unless the arrays are what `post_attention_blocks` reads and writes by address."""
-    _check_attention(scaled, key, value, bias, out)
-    if key.shape[2] == 0 or positions <= 0 or not rows_contiguous(key) or not rows_contiguous(value):
-        raise ValueError("a prompt's attention job takes keys (and values) whose rows are C-contiguous, at least "
-                         "one, and positions a block")
+    _check_attention(scaled, key_columns.transpose((0, 1, 3, 2)), value, bias, out)
+    if (key_columns.shape[3] == 0 or positions <= 0 or not rows_contiguous(key_columns)
+            or not rows_contiguous(value)):
+        raise ValueError("a prompt's attention job takes keys by their columns and values by their rows, each "
+                         "KV head's C-contiguous, at least one key, and positions a block")
     batch, heads, length = scaled.shape[0], scaled.shape[1], scaled.shape[2]
     if ends.shape[2] > 0 and ((ends.shape[0] != 1 and ends.shape[0] != batch)
                               or (ends.shape[1] != 1 and ends.shape[1] != heads)
@@ -392,13 +393,14 @@ def _check_attention_blocks(scaled, key, value, bias, ends, out, positions):
 
 
 @_jit
-def post_attention_blocks(box, workers, scaled, key, value, bias, ends, fill, positions, out):
-    """softmax(scaled @ key^T + bias) @ value into out, NaN rows set to `fill`, each row's keys from its
+def post_attention_blocks(box, workers, scaled, key_columns, value, bias, ends, fill, positions, out):
+    """softmax(scaled @ key_columns + bias) @ value into out (key_columns (B, G, D, K): the keys
+    transposed), NaN rows set to `fill`, each row's keys from its
     end on masked (`ends` (B, H, Q) broadcasting: `visible_ends` of the bias, or a causal prompt's;
     (1, 1, 0): none), as one job of a unit per block of `positions` query positions of each (batch
     entry, KV head), each against the keys its rows see; whether a worker was idle. Arrays that do
     not fit raise ValueError before anything is posted."""
-    _check_attention_blocks(scaled, key, value, bias, ends, out, positions)
+    _check_attention_blocks(scaled, key_columns, value, bias, ends, out, positions)
     posted_ends = np.empty((1,) + ends.shape, np.float32)  # key counts: below 2^24, exact
     for b in range(ends.shape[0]):
         for h in range(ends.shape[1]):
@@ -407,10 +409,10 @@ def post_attention_blocks(box, workers, scaled, key, value, bias, ends, fill, po
     sequence = begin_job(box, PATIENCE)
     store(box, KIND, BLOCKS)
     store(box, BLOCK_FILL, bits_of_float64(fill))
-    store(box, BLOCK_PER, scaled.shape[1] // key.shape[1])
+    store(box, BLOCK_PER, scaled.shape[1] // key_columns.shape[1])
     store(box, BLOCK_POSITIONS, positions)
     post_array(box, BLOCK_QUERY, scaled)
-    post_array(box, BLOCK_KEY, key)
+    post_array(box, BLOCK_KEY, key_columns)
     post_array(box, BLOCK_VALUE, value)
     post_array(box, BLOCK_ENDS, posted_ends)
     post_array(box, BLOCK_OUT, out)
@@ -419,7 +421,7 @@ def post_attention_blocks(box, workers, scaled, key, value, bias, ends, fill, po
     else:
         store(box, BLOCK_HAS_BIAS, 1)
         post_array(box, BLOCK_BIAS, bias)
-    units = scaled.shape[0] * key.shape[1] * ((scaled.shape[2] + positions - 1) // positions)
+    units = scaled.shape[0] * key_columns.shape[1] * ((scaled.shape[2] + positions - 1) // positions)
     idle = open_job(box, workers, sequence, units)
     _finish_holding(box, posted_ends, posted_ends)
     return idle

@@ -346,12 +346,12 @@ def columns_product(a, b, out, columns_given: bool) -> bool:
     return workers.call(post_gemm, a, b, out, columns_given, unit) is not BUSY
 
 
-def attention_blocks(scaled, key, value, bias, ends, fill: float, positions: int, out) -> None:
-    """A prompt's attention into out (`post_attention_blocks`: float32 arrays, keys' and values' rows
-    C-contiguous), its blocks of query positions shared with the pool's workers when there are any:
+def attention_blocks(scaled, key_columns, value, bias, ends, fill: float, positions: int, out) -> None:
+    """A prompt's attention into out (`post_attention_blocks`: float32 arrays, each KV head's keys
+    transposed and values C-contiguous), its blocks of query positions shared with the pool's workers when there are any:
     the same compiled code on every thread, each block computed whole by one, so the same values
     whatever the thread count."""
-    shared_call(post_attention_blocks, scaled, key, value, bias, ends, float(fill), positions, out)
+    shared_call(post_attention_blocks, scaled, key_columns, value, bias, ends, float(fill), positions, out)
 
 
 def shared_call(job, *arguments):

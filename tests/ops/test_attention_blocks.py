@@ -132,3 +132,36 @@ def test_a_single_key_whose_row_has_any_stride_is_read_as_it_is():
     got = attend_blocks(scaled, odd, value, None, 0.0)
     np.testing.assert_allclose(got, _reference(scaled, key, value, None, 0.0), rtol=2e-5, atol=2e-6)
     np.testing.assert_allclose(got, np.repeat(value, 2, axis=1).repeat(3, axis=2), rtol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["causal", "causal -0.0", "padded", "added", "nan"])
+def test_a_bias_that_adds_nothing_before_each_rows_end_is_left_out_with_the_same_bits(case, path, monkeypatch):
+    """The job masks each row's keys from its end on itself, so a bias that is 0 (or -0.0) before
+    every row's end is not read; any other bias is. Either way the bits are the job's with the bias.
+    (numpy's blocks take each row's mask from the bias: they always read it.)"""
+    scaled, key, value = _inputs(1, 6, 2, 90, 100)
+    bias = _causal(90, 10)
+    if case == "causal -0.0":
+        bias[bias == 0] = -0.0
+    elif case == "padded":
+        bias[:, :3] = LOWEST  # a left-padded prompt: masked keys before a row's end
+    elif case == "added":
+        bias[40, 2] = 0.5
+    elif case == "nan":
+        bias[40, 2] = np.nan
+    bias = bias[None, None]
+    given = []
+    real = decode_pool.attention_blocks
+    monkeypatch.setattr(decode_pool, "attention_blocks", lambda *a: (given.append(a[3]), real(*a))[1])
+    got = attend_blocks(scaled, key, value, bias, 0.0)
+    np.testing.assert_allclose(got, _reference(scaled, key, value, bias, 0.0), rtol=2e-5, atol=2e-6)
+    if path == "numpy":
+        assert given == []
+        return
+    assert (given[0] is None) == (case in ("causal", "causal -0.0"))
+    ends = np.empty((1, 1, 90), np.int64)
+    visible_ends(bias, ends)
+    with_bias = np.empty_like(got)
+    assert _attention_blocks.pooled_attention(scaled, key, value, bias, ends, 0.0, with_bias)
+    assert given[-1] is bias
+    np.testing.assert_array_equal(got, with_bias)

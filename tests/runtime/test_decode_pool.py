@@ -927,8 +927,9 @@ def test_a_prompts_attention_job_is_the_same_bits_on_any_thread(pool, batch, hea
     whose rows lie apart (a view of a wider buffer), are the bits of the job run alone, each block
     against the keys its rows see; nothing is written outside the output."""
     scaled, key, value, bias, ends = _prompt_attention(batch, heads, groups, length, size)
+    key_columns = np.ascontiguousarray(key.swapaxes(2, 3))
     expected = np.empty((batch, heads, length, 8), np.float32)
-    decode_pool.alone(jobs.post_attention_blocks, scaled, key, value, bias, ends, 0.0, positions, expected)
+    decode_pool.alone(jobs.post_attention_blocks, scaled, key_columns, value, bias, ends, 0.0, positions, expected)
     per = heads // groups
     keys = np.repeat(key, per, axis=1).astype(np.float64)
     scores = scaled.astype(np.float64) @ keys.swapaxes(2, 3) + bias
@@ -940,7 +941,7 @@ def test_a_prompts_attention_job_is_the_same_bits_on_any_thread(pool, batch, hea
             pool.box[slots.CLAIM_SHIFT] = shift
             wide = np.full((batch, heads, length, 8 + 5), np.nan, np.float32)
             out = wide[..., 2:10]
-            jobs.post_attention_blocks(pool.box, 2, scaled, key, value, bias, ends, 0.0, positions, out)
+            jobs.post_attention_blocks(pool.box, 2, scaled, key_columns, value, bias, ends, 0.0, positions, out)
             assert np.array_equal(out, expected)
             assert np.isnan(wide[..., :2]).all() and np.isnan(wide[..., 10:]).all()
             assert pool.box[slots.COMPLETED] == pool.box[slots.UNITS] == batch * groups * -(-length // positions)
@@ -952,10 +953,11 @@ def test_a_prompts_attention_job_is_the_same_bits_on_any_thread(pool, batch, hea
                                     "heads"])
 def test_a_prompts_attention_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
     scaled, key, value, bias, ends = _prompt_attention(1, 4, 2, 6, 10)
-    arrays = dict(scaled=scaled, key=key, value=value, bias=bias, ends=ends, fill=0.0, positions=4,
+    key_columns = np.ascontiguousarray(key.swapaxes(2, 3))
+    arrays = dict(scaled=scaled, key=key_columns, value=value, bias=bias, ends=ends, fill=0.0, positions=4,
                   out=np.empty((1, 4, 6, 8), np.float32))
-    changed = {"strided keys": ("key", np.ascontiguousarray(key.swapaxes(2, 3)).swapaxes(2, 3)),
-               "no keys": ("key", key[:, :, :0]),
+    changed = {"strided keys": ("key", key.swapaxes(2, 3)),
+               "no keys": ("key", key_columns[..., :0]),
                "float64 values": ("value", value.astype(np.float64)),
                "positions": ("positions", 0),
                "ends": ("ends", np.ones((1, 1, 5), np.int64)),
