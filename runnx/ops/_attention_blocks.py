@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 from runnx.ops import _kernels_gemm
-from runnx.ops._kernels_attention_blocks import adds_nothing, block_positions, visible_ends
+from runnx.ops._kernels_attention_blocks import adds_nothing, block_positions, key_columns_into, visible_ends
 from runnx.ops._matmul import matmul, rest_workers_before
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.jobs import rows_contiguous
@@ -97,7 +97,7 @@ def pooled_attention(scaled, key, value, bias, ends, fill: float, out) -> bool:
     if not POOLED or not _job_takes(scaled, key, value, bias, out):
         return False
     positions = block_positions(scaled.shape[1] // key.shape[1])
-    decode_pool.attention_blocks(scaled, _rows_contiguous(key.swapaxes(2, 3)), _rows_contiguous(value), bias,
+    decode_pool.attention_blocks(scaled, _key_columns(key), _rows_contiguous(value), bias,
                                  _NO_ENDS if ends is None else ends, fill, positions, out)
     return True
 
@@ -114,7 +114,18 @@ def _job_takes(scaled, key, value, bias, out) -> bool:
             and (bias is None or all(b in (1, s) for b, s in zip(bias.shape, (batch, heads, length, size)))))
 
 
+def _key_columns(key):
+    """key (B, G, K, D) by its columns: (B, G, D, K), each (b, g) C-contiguous; a view where an
+    encoder computed its keys transposed, else a copy."""
+    columns = key.swapaxes(2, 3)
+    if rows_contiguous(columns):
+        return columns
+    out = np.empty(columns.shape, np.float32)
+    key_columns_into(key, out)
+    return out
+
+
 def _rows_contiguous(x):
-    """x (B, G, R, C) if each (b, g) is a C-contiguous (R, C) matrix (a prefix view of a cache's
-    values is; keys by their columns are where an encoder computed them transposed), else a copy."""
+    """x (B, G, K, W) if each (b, g) is a C-contiguous (K, W) matrix (a prefix view of a cache's
+    buffer is), else a copy."""
     return x if rows_contiguous(x) else np.ascontiguousarray(x)

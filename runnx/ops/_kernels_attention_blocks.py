@@ -57,6 +57,21 @@ def adds_nothing(bias, ends, out):
                 out[b, h, r] = others == 0
 
 
+@_jit
+def key_columns_into(key, out):
+    """out[b, g] = key[b, g].T for key (B, G, K, D) of any layout: the keys by their columns, as the
+    prompt-attention job reads them, 16 keys at a time (each of their D elements a row of out, while
+    those keys' rows stay in L1)."""
+    size, depth = key.shape[2], key.shape[3]
+    for b in range(key.shape[0]):
+        for g in range(key.shape[1]):
+            for first in range(0, size, 16):
+                stop = min(first + 16, size)
+                for d in range(depth):
+                    for k in range(first, stop):
+                        out[b, g, d, k] = key[b, g, k, d]
+
+
 def block_positions(per: int) -> int:
     """Query positions a block takes when `per` query heads share a KV head."""
     return max(MR, BLOCK_ROWS // max(per, 1))

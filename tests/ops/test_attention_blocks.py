@@ -165,3 +165,16 @@ def test_a_bias_that_adds_nothing_before_each_rows_end_is_left_out_with_the_same
     assert _attention_blocks.pooled_attention(scaled, key, value, bias, ends, 0.0, with_bias)
     assert given[-1] is bias
     np.testing.assert_array_equal(got, with_bias)
+
+
+@pytest.mark.parametrize("layout", ["rows", "heads interleaved", "columns"])
+def test_keys_reach_the_job_by_their_columns_copied_only_when_they_must_be(layout):
+    """The job reads each KV head's keys transposed: keys computed that way are passed as they
+    are; a cache's rows or a projection's heads interleaved are transposed into a copy."""
+    key = RNG.standard_normal((2, 3, 37, 16)).astype(np.float32)
+    given = {"rows": key, "heads interleaved": np.ascontiguousarray(key.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3),
+             "columns": np.ascontiguousarray(key.swapaxes(2, 3)).swapaxes(2, 3)}[layout]
+    columns = _attention_blocks._key_columns(given)
+    np.testing.assert_array_equal(columns, key.swapaxes(2, 3))
+    assert columns.shape == (2, 3, 16, 37) and columns[0, 0].flags.c_contiguous
+    assert np.shares_memory(columns, given) == (layout == "columns")
