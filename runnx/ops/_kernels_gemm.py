@@ -22,7 +22,9 @@ pass each block, so without it the first tiles waited for each block as long as 
 computed it. Each element of c is thus the sum over its k in
 blocks of KC, in order, each block summed in order by fused multiply-adds: the same for any
 shape of the rest of the product, any split of its columns among threads and any position of
-the element, so results never depend on the thread count.
+the element, so results never depend on the thread count. A short prompt's product by a weight
+(`product_columns`) runs the same chains over slices of b's rows read across whole rows
+(`gemm_streamed`): a weight cold from memory then streams at memory's pace.
 """
 from __future__ import annotations
 
@@ -41,6 +43,9 @@ LANES = 16  # float32 lanes of a 512-bit register
 KC, MC = 256, 120  # blocks of k (a panel of b: 32 KiB) and of a's rows (a's packed block: 120 KiB)
 BLOCK_COLUMNS = 512  # b's columns a block: KC rows of them (512 KiB) stay in cache for every row of a
 ROWS_IN_PLACE = 2 * NR  # products of at most this many columns read a's rows in place
+SLICE_ROWS, STREAMED_COLUMNS = 32, 2048  # `gemm_streamed`: b's rows a slice and columns a pass
+# a product of at most STREAMED_ROWS rows, over a range of at least STREAMED_FROM columns, is streamed
+STREAMED_ROWS, STREAMED_FROM = 4 * MR, 4 * NR
 
 
 def _compiles_avx512() -> bool:
@@ -56,9 +61,10 @@ AVAILABLE = _compiles_avx512()
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
-def _tile_codegen(a_in_place: bool):
-    """The code of a tile (`_tile`, `_tile_of_rows`): a's values from a packed panel (element i of
-    step k at a_at + k * MR + i) or from a's rows in place (at a_at + i * a_step + k)."""
+def _tile_codegen(a_in_place: bool, resumable: bool = False):
+    """The code of a tile (`_tile`, `_tile_of_rows`, `_tile_resumed`): a's values from a packed panel
+    (element i of step k at a_at + k * MR + i) or from a's rows in place (at a_at + i * a_step + k);
+    its sums from zero, or (resumable, when `resume`) from the float32 sums a tile stored before."""
 
     def codegen(context, builder, sig, args):
         a_arr, b_arr, c_arr, ahead_arr = (context.make_array(sig.args[i])(context, builder, args[i])
@@ -77,6 +83,16 @@ def _tile_codegen(a_in_place: bool):
 
         def at(base, offset):
             return builder.add(base, ir.Constant(i64, offset))
+
+        if resumable:  # the chains go on from the sums stored at init_at (rows init_step apart)
+            init_arr = context.make_array(sig.args[15])(context, builder, args[15])
+            init_at, init_step, resume = args[16], args[17], args[18]
+            with builder.if_then(builder.icmp_unsigned("!=", resume, ir.Constant(resume.type, 0))):
+                for i in range(MR):
+                    start = builder.add(init_at, builder.mul(ir.Constant(i64, i), init_step))
+                    for j in range(NR // LANES):
+                        pointer = builder.bitcast(builder.gep(init_arr.data, [at(start, LANES * j)]), vector.as_pointer())
+                        builder.store(builder.load(pointer, align=4), sums[i][j])
 
         a_rows = [builder.add(a_at, builder.mul(a_step, ir.Constant(i64, i))) for i in range(MR)]
         with cgutils.for_range(builder, depth) as loop:
@@ -136,6 +152,16 @@ def _tile_of_rows(typingctx, a, a_at, a_step, b_panel, b_at, b_step, depth, c, r
     """`_tile` reading a's MR rows in place: row i's values at a_at + i * a_step, one a step of k."""
     return (types.void(a, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first, ahead, ahead_at,
                        ahead_step, ahead_rows), _tile_codegen(True))
+
+
+@intrinsic
+def _tile_resumed(typingctx, a_panel, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first, ahead,
+                  ahead_at, ahead_step, ahead_rows, init, init_at, init_step, resume):
+    """`_tile` whose chains start, when `resume`, from the sums at init_at of init (MR rows of NR,
+    init_step apart) rather than from zero: a float32 sum stored and loaded back is the same value,
+    so a chain cut into steps of k is the chain uncut."""
+    return (types.void(a_panel, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first, ahead, ahead_at,
+                       ahead_step, ahead_rows, init, init_at, init_step, resume), _tile_codegen(False, True))
 
 
 @_kernel
@@ -253,6 +279,77 @@ def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, co
                             _tile(a_panels, a_at, 0, b_source, b_at, b_from, k_count, edge, 0, 0, first, b_flat,
                                   ahead_at, ahead_step, ahead_count)
                         c[row:row + tile_rows, column:column + tile_columns] = edge[:tile_rows, :tile_columns]
+
+
+@_kernel
+def gemm_streamed(a, b, c, first_column, stop_column, a_panels, b_panel, edge, sums):
+    """`gemm_columns` (columns not given, its bits) for a few rows of a (at most MC) whose b comes
+    cold from memory: b is read SLICE_ROWS rows at a time across as many columns as sums has (a
+    multiple of NR; STREAMED_COLUMNS where a range is that wide), panel by panel, so each of those rows' lines is asked for in order and the hardware's streamer fetches
+    ahead of them (a KC-row block of 512 columns, read down each panel, touches two lines of a page
+    and leaves it: the core's fill buffers then bound the stream, a third of memory's pace). Each
+    tile's chains run a slice of k and are stored into sums (float32, a's rows rounded up to MR),
+    the next slice's tile resuming them; the block's last slice adds them to c as `gemm_columns`
+    does, so every element is the same chain of fused multiply-adds over its KC block."""
+    rows, depth = a.shape
+    b_flat, b_step = b.reshape(-1), b.shape[1]
+    sums_step = span = sums.shape[1]
+    tiles = -(-rows // MR)
+    for chunk in range(first_column, stop_column, span):
+        chunk_stop = min(chunk + span, stop_column)
+        whole = chunk + (chunk_stop - chunk) // NR * NR
+        for k_block in range(0, depth, KC):
+            k_count = min(KC, depth - k_block)
+            first = k_block == 0
+            _pack_a(a, 0, rows, k_block, k_count, a_panels)
+            _pack_b(b, k_block, k_count, whole, chunk_stop - whole, b_panel)
+            for k_slice in range(0, k_count, SLICE_ROWS):
+                steps = min(SLICE_ROWS, k_count - k_slice)
+                resume, last = k_slice > 0, k_slice + SLICE_ROWS >= k_count
+                for tile in range(tiles):
+                    row = tile * MR
+                    tile_rows = min(MR, rows - row)
+                    a_at = row * k_count + k_slice * MR
+                    for column in range(chunk, chunk_stop, NR):
+                        init_at = row * sums_step + column - chunk
+                        if column < whole:
+                            b_source, b_at, b_from, tile_columns = b_flat, (k_block + k_slice) * b_step + column, b_step, NR
+                        else:
+                            b_source, b_at, b_from, tile_columns = b_panel, k_slice * NR, NR, chunk_stop - whole
+                        if not last:
+                            _tile_resumed(a_panels, a_at, 0, b_source, b_at, b_from, steps, sums, row, column - chunk,
+                                          True, b_flat, 0, 0, 0, sums, init_at, sums_step, resume)
+                        elif tile_rows == MR and tile_columns == NR:
+                            _tile_resumed(a_panels, a_at, 0, b_source, b_at, b_from, steps, c, row, column, first,
+                                          b_flat, 0, 0, 0, sums, init_at, sums_step, resume)
+                        else:
+                            if not first:
+                                edge[:tile_rows, :tile_columns] = c[row:row + tile_rows, column:column + tile_columns]
+                            _tile_resumed(a_panels, a_at, 0, b_source, b_at, b_from, steps, edge, 0, 0, first,
+                                          b_flat, 0, 0, 0, sums, init_at, sums_step, resume)
+                            c[row:row + tile_rows, column:column + tile_columns] = edge[:tile_rows, :tile_columns]
+
+
+@_kernel
+def streams(rows, columns, columns_given):
+    """Whether `product_columns` streams a product of `rows` rows over `columns` columns of b."""
+    return not columns_given and rows <= STREAMED_ROWS and columns >= STREAMED_FROM
+
+
+@_kernel
+def product_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, columns_given, b_block, sums):
+    """c[:, first_column:stop_column] = a @ b[:, ...] as `gemm_columns` (its arguments, the same bits),
+    streamed (`gemm_streamed`, its sums at least a's rows rounded up to MR) when a has at most
+    STREAMED_ROWS rows, b is given by its rows and the range has STREAMED_FROM columns or more: a
+    short prompt's product by a weight, which comes from memory at the pace of its multiply-adds.
+    (Narrower ranges have rows too short for the streamer to pay for the slices' stored sums; from
+    a few dozen rows the weights' time is the smaller part, and whole KC chains compute faster.)"""
+    rows = a.shape[0]
+    if (streams(rows, stop_column - first_column, columns_given) and sums.shape[0] >= -(-rows // MR) * MR
+            and sums.shape[1] >= NR and sums.shape[1] % NR == 0):
+        gemm_streamed(a, b, c, first_column, stop_column, a_panels, b_panel, edge, sums)
+    else:
+        gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, columns_given, b_block)
 
 
 @intrinsic

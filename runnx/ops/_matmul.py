@@ -99,13 +99,14 @@ def _writable(out, shape) -> bool:
 
 
 def _buffers():
-    """This thread's scratch: a's panels, b's last columns' panel, an edge tile and a block of b's
-    panels (packed from b's columns)."""
+    """This thread's scratch: a's panels, b's last columns' panel, an edge tile, a block of b's
+    panels (packed from b's columns) and a streamed product's sums (`gemm.product_columns`)."""
     buffers = getattr(_scratch, "buffers", None)
     if buffers is None:
         buffers = _scratch.buffers = (np.empty(gemm.MC * gemm.KC, np.float32), np.empty(gemm.KC * gemm.NR, np.float32),
                                       np.empty((gemm.MR, gemm.NR), np.float32),
-                                      np.empty(gemm.KC * gemm.BLOCK_COLUMNS, np.float32))
+                                      np.empty(gemm.KC * gemm.BLOCK_COLUMNS, np.float32),
+                                      np.empty((gemm.STREAMED_ROWS, gemm.STREAMED_COLUMNS), np.float32))
     return buffers
 
 
@@ -120,9 +121,9 @@ def _read_only(array):
 
 def _product(part):
     a, b, out, first_column, stop_column, columns_given = part
-    a_panels, b_panel, edge, b_block = _buffers()
-    gemm.gemm_columns(_read_only(a), _read_only(b), out, first_column, stop_column, a_panels, b_panel, edge,
-                      columns_given, b_block)
+    a_panels, b_panel, edge, b_block, sums = _buffers()
+    gemm.product_columns(_read_only(a), _read_only(b), out, first_column, stop_column, a_panels, b_panel, edge,
+                         columns_given, b_block, sums)
 
 
 def _matrix_product(a, b, out, columns_given: bool = False) -> None:

@@ -347,7 +347,7 @@ def _check_gemm(a, b, out, columns_given, unit):
 
 @_jit
 def post_gemm(box, workers, a, b, out, columns_given, unit):
-    """out = a @ b (b.T given, when `columns_given`) by `gemm_columns`, as one job of `unit` columns a
+    """out = a @ b (b.T given, when `columns_given`) by `product_columns`, as one job of `unit` columns a
     unit; whether a worker was idle. Every element is summed alike whichever unit holds it (the
     kernel's docstring), so the result is the one-thread product's. Arrays that do not fit raise
     ValueError before anything is posted."""

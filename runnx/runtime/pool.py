@@ -327,7 +327,7 @@ def vnni_rows(a, flip: bool, tiles, column_sums, a_zero, b_zero, out) -> None:
 
 
 # a prompt's product is cut into about this many units of columns a thread: few, since each unit packs
-# a's rows again and waits for its first block of b (the blocks after it are prefetched: `gemm_columns`),
+# a's rows again and waits for its first block of b (the blocks after it are streamed: `product_columns`),
 # and more than one, so that a slow thread's share is taken by the others
 GEMM_UNITS_PER_THREAD = 2
 

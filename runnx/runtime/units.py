@@ -9,7 +9,7 @@ where each field is). A unit gives the same result whichever thread computes it:
   each column computed whole by one unit;
 - 8-bit products: `VNNI_TILES` tiles of 16 output columns (`tile_sums_into`, `ops/_kernels_vnni.py`);
 - rows: `ROW_BLOCK` rows of a row kernel (softmax or GELU, `ops/_kernels_rows.py`);
-- a prompt's float32 product: `GEMM_UNIT` columns of it (`gemm_columns`, `ops/_kernels_gemm.py`,
+- a prompt's float32 product: `GEMM_UNIT` columns of it (`product_columns`, `ops/_kernels_gemm.py`,
   whose elements are summed alike for any split of the columns), its scratch its own;
 - a prompt's attention: one block of query positions of one (batch entry, KV head) against the keys
   it sees (`attend_block`, `ops/_kernels_attention_blocks.py`), its scratch its own.
@@ -22,7 +22,7 @@ import numpy as np
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_attention_blocks import attend_block, block_limit
 from runnx.ops._kernels_fused import attention_span
-from runnx.ops._kernels_gemm import KC, MC, MR, NR, gemm_columns
+from runnx.ops._kernels_gemm import KC, MC, MR, NR, STREAMED_COLUMNS, STREAMED_ROWS, product_columns
 from runnx.ops._kernels_linalg import chunk_bounds, rows_into, rows_into_bytes
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, tile_rows
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
@@ -171,8 +171,10 @@ def _gemm_block(box, index):
     stop = min(first + unit, columns)
     packed_rows = (min(rows, MC) + MR - 1) // MR * MR
     packed_columns = (stop - first + NR - 1) // NR * NR if given else 0
-    gemm_columns(a, b, out, first, stop, np.empty(packed_rows * KC, np.float32), np.empty(KC * NR, np.float32),
-                 np.empty((MR, NR), np.float32), given, np.empty(KC * packed_columns, np.float32))
+    span = min(STREAMED_COLUMNS, (stop - first + NR - 1) // NR * NR) if rows <= STREAMED_ROWS and not given else 0
+    product_columns(a, b, out, first, stop, np.empty(packed_rows * KC, np.float32), np.empty(KC * NR, np.float32),
+                    np.empty((MR, NR), np.float32), given, np.empty(KC * packed_columns, np.float32),
+                    np.empty((packed_rows, span), np.float32))
 
 
 @_jit

@@ -52,8 +52,8 @@ def test_products_match_float64_arithmetic_at_every_block_edge(own, rows, depth,
 def test_own_kernels_take_the_product(own, monkeypatch):
     """The test above measures the own kernels, not numpy's BLAS."""
     calls = []
-    original = gemm.gemm_columns
-    monkeypatch.setattr(gemm, "gemm_columns", lambda *args: calls.append(1) or original(*args))
+    original = gemm.product_columns
+    monkeypatch.setattr(gemm, "product_columns", lambda *args: calls.append(1) or original(*args))
     a, b = _operands(20, 30, 40)
     _matmul.matmul(a, b)
     assert calls
@@ -156,8 +156,8 @@ def test_b_given_by_its_columns_is_packed_not_copied_and_gives_the_same_bits(own
     assert np.array_equal(_matmul.matmul(a, by_columns), reference)  # (a short prompt's: a pool job, if any)
     monkeypatch.setattr(_matmul, "_POOL_FROM", 1 << 62)  # on this thread, where the spy sees the calls
     given = []
-    original = gemm.gemm_columns
-    monkeypatch.setattr(gemm, "gemm_columns", lambda *args: given.append(args[8]) or original(*args))
+    original = gemm.product_columns
+    monkeypatch.setattr(gemm, "product_columns", lambda *args: given.append(args[8]) or original(*args))
     assert np.array_equal(_matmul.matmul(a, by_columns), reference)
     assert given and all(given) != by_columns.flags.c_contiguous  # (a 1 x 1 b is both)
     stack = np.stack([by_columns, by_columns])  # a stack of transposed operands (heads' keys)
@@ -180,14 +180,14 @@ _matmul.set_own_kernels(True)
 d.set_workers(0)
 d.start_in_background()
 d._starting.join()
-before = len(gemm.gemm_columns.overloads)
+before = len(gemm.product_columns.overloads)
 a = np.ones((40, 30), np.float32)
 w = np.ones((30, 50), np.float32)
 w.flags.writeable = False
 _matmul.matmul(a, w)
 _matmul.matmul(a, a.T.copy())
 _matmul.matmul(a, w, out=np.empty((40, 2, 50), np.float32)[:, 0])
-print(before > 0, before == len(gemm.gemm_columns.overloads))
+print(before > 0, before == len(gemm.product_columns.overloads))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -258,8 +258,8 @@ def test_a_short_prompts_products_by_a_matrix_take_the_own_kernels_wherever_blas
     assert _matmul.own_product(3, False) is every
     a = RNG.standard_normal((_matmul.SHORT_ROWS - 1, 8), dtype=np.float32)
     calls = []
-    original = gemm.gemm_columns
-    monkeypatch.setattr(gemm, "gemm_columns", lambda *args: calls.append(1) or original(*args))
+    original = gemm.product_columns
+    monkeypatch.setattr(gemm, "product_columns", lambda *args: calls.append(1) or original(*args))
     product = _matmul.matmul(a, RNG.standard_normal((8, 40), dtype=np.float32))
     assert bool(calls) is (every or short) and product.shape == (_matmul.SHORT_ROWS - 1, 40)
     _matmul.set_own_kernels(False)
@@ -281,6 +281,7 @@ def test_a_few_rows_are_summed_unpacked_to_the_same_bits(own, monkeypatch, depth
     b = RNG.standard_normal((3, 2, columns, depth) if columns_given else (3, 2, depth, columns), dtype=np.float32)
     b = b.transpose(0, 1, 3, 2) if columns_given else b
     packed = _matmul.matmul(a, b)  # FEW + 1 rows: packed, head by head
+    _matmul.matmul(a[:, :, :FEW], b)  # compiled before the spies stand in (a compile would call them)
     calls = []
     for name in ("few_rows", "few_rows_stack"):
         original = getattr(gemm, name)
@@ -290,3 +291,39 @@ def test_a_few_rows_are_summed_unpacked_to_the_same_bits(own, monkeypatch, depth
     assert np.array_equal(_matmul.matmul(a[1, 1, :1], b[1, 1]), packed[1, 1, :1])
     assert calls == ["few_rows_stack", "few_rows"]
     _close_to_exact(packed, a, b)
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows", [3, 12, 13, 32, 48])
+@pytest.mark.parametrize("depth", [1, 31, 33, 256, 600])
+@pytest.mark.parametrize("columns, first, stop, span", [(128, 0, 128, 128), (545, 0, 545, 2048), (545, 64, 545, 96),
+                                                         (2100, 0, 2100, 2048), (700, 32, 417, 416)])
+def test_a_streamed_product_is_the_same_bits_as_the_blocked_one(rows, depth, columns, first, stop, span):
+    """`gemm_streamed` reads b a slice of rows at a time across whole rows (for the hardware's
+    streamer) and keeps each tile's chains in memory between slices: every element the same bits
+    as `gemm_columns`, across KC blocks, slices, partial tiles and panels, column ranges and passes
+    narrower than the range; nothing written outside the range."""
+    a, b = _operands(rows, depth, columns)
+    scratch = lambda: (np.empty(gemm.MC * gemm.KC, np.float32), np.empty(gemm.KC * gemm.NR, np.float32),
+                       np.empty((gemm.MR, gemm.NR), np.float32))
+    blocked = np.full((rows, columns), np.nan, np.float32)
+    gemm.gemm_columns(a, b, blocked, first, stop, *scratch(), False, np.empty(1, np.float32))
+    streamed = np.full((rows, columns), np.nan, np.float32)
+    gemm.gemm_streamed(a, b, streamed, first, stop, *scratch(), np.empty((-(-rows // gemm.MR) * gemm.MR, span),
+                                                                         np.float32))
+    np.testing.assert_array_equal(streamed, blocked)
+    assert np.isnan(streamed[:, :first]).all() and np.isnan(streamed[:, stop:]).all()
+    _close_to_exact(streamed[:, first:stop], a, b[:, first:stop])
+
+
+@needs_avx512
+def test_a_short_prompts_product_by_a_wide_weight_is_streamed_and_others_are_not(own):
+    """A few dozen rows by a weight's range of 4 panels or more stream; more rows, narrower ranges
+    and b given by its columns take the blocked kernel. The products are the same bits either way."""
+    assert gemm.streams(32, 1536, False) and gemm.streams(1, gemm.STREAMED_FROM, False)
+    assert not gemm.streams(gemm.STREAMED_ROWS + 1, 1536, False)
+    assert not gemm.streams(32, gemm.STREAMED_FROM - 1, False) and not gemm.streams(32, 1536, True)
+    a, b = _operands(32, 300, 700)
+    streamed = _matmul.matmul(a, b)
+    _close_to_exact(streamed, a, b)
+    assert np.array_equal(streamed[:1], _matmul.matmul(a[:1], b))  # (one row: unpacked chains)
