@@ -326,10 +326,10 @@ def vnni_rows(a, flip: bool, tiles, column_sums, a_zero, b_zero, out) -> None:
     shared_call(post_vnni, a, flip, tiles, column_sums, a_zero, b_zero, out)
 
 
-# a prompt's product is cut into about this many units of columns a thread: few, since each unit packs
-# a's rows again and waits for its first block of b (the blocks after it are streamed: `product_columns`),
-# and more than one, so that a slow thread's share is taken by the others
-GEMM_UNITS_PER_THREAD = 2
+# a prompt's product is cut into about this many units of columns a thread: one, since each unit packs
+# a's rows again and a short prompt's weights stream faster the wider its rows are (`product_columns`);
+# more units, letting a fast thread take a slow one's share, measured slower on two cores
+GEMM_UNITS_PER_THREAD = 1
 
 
 def columns_product(a, b, out, columns_given: bool) -> bool:
