@@ -69,21 +69,36 @@ def _nibble_tiles(_, weights, scales, zero_points):
     """4-bit weights with blobs of 16 bytes or more repacked in tiles of 16 columns, with a scale
     and a zero point for each 32 values (`_kernels_nibble_tiles`: uint8 zero points, float32 ones
     of the scales' type, or one shared row of the default), read-only."""
-    columns, blocks, blob = weights.shape
+    return _tiles_of_parts([(weights, scales, zero_points)])
+
+
+def _tiles_of_parts(parts: list):
+    """The tiles (read-only) of the 4-bit weights of parts ((b, scales, zero points) triples, zero
+    points all absent or all of one type) side by side, each part repacked into its share: every
+    part but the last has whole tiles (its columns a multiple of 16)."""
     work = np.dtype(np.float32)
-    mode, packed, typed = _nbits_zero_points(zero_points, columns, blocks, 4, work)
-    flat = np.ascontiguousarray(scales.reshape(-1), dtype=work)
-    count, chunks = (columns + TILE - 1) // TILE, blocks * blob // CHUNK_BYTES
+    chunks = parts[0][0].shape[1] * parts[0][0].shape[2] // CHUNK_BYTES
+    count = sum(b.shape[0] for b, _, _ in parts[:-1]) // TILE + -(-parts[-1][0].shape[0] // TILE)
     tiles = np.empty((count, chunks, CHUNK_BYTES, TILE), np.uint8)  # (`repack` writes every element)
     tile_scales = np.empty((count, chunks, TILE), work)
-    if mode == ZERO_DEFAULT:
-        block_zeros, tile_zeros = np.empty(0, np.uint8), np.full((1, 1, TILE), 8, np.uint8)  # 4 bits' default
-    else:
-        kind = np.uint8 if mode == ZERO_PACKED else work
-        block_zeros = np.empty((columns, blocks), kind)
-        block_zero_points(packed, typed, mode, 4, 0, blocks, block_zeros)
-        tile_zeros = np.empty((count, chunks, TILE), kind)
-    repack(weights, flat, block_zeros.reshape(-1), tiles, tile_scales, tile_zeros)
+    tile_zeros = None
+    first = 0
+    for weights, scales, zero_points in parts:
+        columns, blocks, _ = weights.shape
+        mode, packed, typed = _nbits_zero_points(zero_points, columns, blocks, 4, work)
+        own = slice(first, first + -(-columns // TILE))
+        if mode == ZERO_DEFAULT:
+            block_zeros, tile_zeros = np.empty(0, np.uint8), np.full((1, 1, TILE), 8, np.uint8)  # 4 bits' default
+        else:
+            kind = np.uint8 if mode == ZERO_PACKED else work
+            block_zeros = np.empty((columns, blocks), kind)
+            block_zero_points(packed, typed, mode, 4, 0, blocks, block_zeros)
+            if tile_zeros is None:
+                tile_zeros = np.empty((count, chunks, TILE), kind)
+        part_zeros = tile_zeros if mode == ZERO_DEFAULT else tile_zeros[own]
+        repack(weights, np.ascontiguousarray(scales.reshape(-1), dtype=work), block_zeros.reshape(-1), tiles[own],
+               tile_scales[own], part_zeros)
+        first = own.stop
     for array in (tiles, tile_scales, tile_zeros):
         array.flags.writeable = False
     return tiles, tile_scales, tile_zeros
@@ -189,6 +204,8 @@ def _joined_tiles(shape: tuple, *parts):
     if any((zero_points is None) != (triples[0][2] is None) or zero_points is not None
            and zero_points.dtype != triples[0][2].dtype for _, _, zero_points in triples):
         raise RunnxError("SharedInputMatMulNBits: every product needs zero points of one type, or none")
+    if all(b.shape[0] % TILE == 0 for b, _, _ in triples[:-1]):  # each part into its own tiles
+        return _tiles_of_parts(triples)
     weights = np.concatenate([b for b, _, _ in triples])
     scales = np.concatenate([s.reshape(-1) for _, s, _ in triples])
     zero_points = None if triples[0][2] is None else np.concatenate([z.reshape(-1) for _, _, z in triples])

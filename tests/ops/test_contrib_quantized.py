@@ -416,3 +416,21 @@ def test_4_bit_tiles_are_the_weights_bytes_in_their_layout_padding_zero(N, block
         assert tile_zeros.shape == (1, 1, 16) and (tile_zeros == 8).all()
     else:
         assert tile_zeros.shape == (count, chunks, 16) and (tile_zeros[-1, :, N - 16 * (count - 1):] == 0).all()
+
+
+@pytest.mark.parametrize("columns", [(32, 16, 48), (32, 20), (16, 21, 16)])
+@pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
+def test_joined_4_bit_tiles_are_the_tiles_of_the_joined_weights(columns, zero_points):
+    """SharedInputMatMulNBits' tiles: each part repacked into its share when the parts before the
+    last have whole tiles, else the parts joined then repacked; the same arrays either way."""
+    from runnx.ops.contrib_quantized import _joined_tiles, _nibble_tiles
+
+    K, block_size = 128, 32
+    parts = [_nbits_inputs((1,), K, n, 4, block_size, zero_points)[1:] for n in columns]
+    joined = _joined_tiles((K, block_size, columns), *[x for part in parts for x in part])
+    weights = np.concatenate([b for b, _, _ in parts])
+    scales = np.concatenate([s.reshape(-1) for _, s, _ in parts])
+    zeros = None if zero_points is None else np.concatenate([z.reshape(-1) for _, _, z in parts])
+    for got, expected in zip(joined, _nibble_tiles((), weights, scales, zeros)):
+        np.testing.assert_array_equal(got, expected)
+        assert not got.flags.writeable
