@@ -193,36 +193,24 @@ def tile_rows(lanes, sums, tiles, scales, zeros, out, first, stop):
             out[m, start:columns] = scratch[:count]
 
 
-@_kernel
 def repack(weights, block_scales, block_zeros, tiles, scales, zeros) -> None:
     """weights (N, blocks, blob) uint8 with a scale and a zero point per block (flat, N x blocks;
     `block_zeros` empty when they share zeros' one row, which the caller fills) into the tile
     layout (module docstring), the last tile's padding columns zero: every element of tiles and
-    scales (and of zeros, with block_zeros) is written, so they may come from np.empty. A column's
-    16 bytes of a chunk are read together and written to their 16 rows of the tile (a decoder's
-    load prepacks every weight of a model this way: numpy's strided byte copies were 2x slower)."""
+    scales (and of zeros, with block_zeros) is written, so they may come from np.empty. numpy's
+    strided copies, not a compiled loop: as fast, and a decoder's first prompt, whose weights are
+    being repacked beside it, does not wait for a kernel to load from numba's cache."""
     columns, blocks, blob = weights.shape
-    count, chunks = tiles.shape[0], tiles.shape[1]
-    per_block = blob // CHUNK_BYTES
-    flat = weights.reshape(columns, chunks * CHUNK_BYTES)
-    with_zeros = block_zeros.size > 0
-    for t in range(count):
-        for i in range(TILE):
-            n = t * TILE + i
-            if n >= columns:
-                for c in range(chunks):
-                    for j in range(CHUNK_BYTES):
-                        tiles[t, c, j, i] = 0
-                    scales[t, c, i] = 0
-                    if with_zeros:
-                        zeros[t, c, i] = 0
-                continue
-            row = flat[n]
-            for c in range(chunks):
-                at = c * CHUNK_BYTES
-                for j in range(CHUNK_BYTES):
-                    tiles[t, c, j, i] = row[at + j]
-                block = n * blocks + c // per_block
-                scales[t, c, i] = block_scales[block]
-                if with_zeros:
-                    zeros[t, c, i] = block_zeros[block]
+    count, chunks = tiles.shape[:2]
+    whole, rest = columns // TILE, columns % TILE
+    flat = weights.reshape(columns, chunks, CHUNK_BYTES)
+    chunk_blocks = np.arange(chunks) // (blob // CHUNK_BYTES)  # each chunk's block
+    parts = [(tiles, flat), (scales, block_scales.reshape(columns, blocks)[:, chunk_blocks])]
+    if block_zeros.size:
+        parts.append((zeros, block_zeros.reshape(columns, blocks)[:, chunk_blocks]))
+    for out, by_column in parts:  # (N, chunks[, 16]) -> (tiles, chunks[, 16], 16 columns)
+        axes = (0, 2, 3, 1) if by_column.ndim == 3 else (0, 2, 1)
+        np.copyto(out[:whole], by_column[:whole * TILE].reshape((whole, TILE) + by_column.shape[1:]).transpose(axes))
+        if rest:
+            out[whole] = 0
+            out[whole, ..., :rest] = np.moveaxis(by_column[whole * TILE:], 0, -1)
