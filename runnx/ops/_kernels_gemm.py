@@ -91,7 +91,8 @@ def _tile_codegen(a_in_place: bool, resumable: bool = False):
                 for i in range(MR):
                     start = builder.add(init_at, builder.mul(ir.Constant(i64, i), init_step))
                     for j in range(NR // LANES):
-                        pointer = builder.bitcast(builder.gep(init_arr.data, [at(start, LANES * j)]), vector.as_pointer())
+                        pointer = builder.bitcast(builder.gep(init_arr.data, [at(start, LANES * j)]),
+                                                  vector.as_pointer())
                         builder.store(builder.load(pointer, align=4), sums[i][j])
 
         a_rows = [builder.add(a_at, builder.mul(a_step, ir.Constant(i64, i))) for i in range(MR)]
@@ -285,12 +286,13 @@ def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, co
 def gemm_streamed(a, b, c, first_column, stop_column, a_panels, b_panel, edge, sums):
     """`gemm_columns` (columns not given, its bits) for a few rows of a (at most MC) whose b comes
     cold from memory: b is read SLICE_ROWS rows at a time across as many columns as sums has (a
-    multiple of NR; STREAMED_COLUMNS where a range is that wide), panel by panel, so each of those rows' lines is asked for in order and the hardware's streamer fetches
-    ahead of them (a KC-row block of 512 columns, read down each panel, touches two lines of a page
-    and leaves it: the core's fill buffers then bound the stream, a third of memory's pace). Each
-    tile's chains run a slice of k and are stored into sums (float32, a's rows rounded up to MR),
-    the next slice's tile resuming them; the block's last slice adds them to c as `gemm_columns`
-    does, so every element is the same chain of fused multiply-adds over its KC block."""
+    multiple of NR; STREAMED_COLUMNS where a range is that wide), panel by panel, so each of those
+    rows' lines is asked for in order and the hardware's streamer fetches ahead of them (a KC-row
+    block of 512 columns, read down each panel, touches two lines of a page and leaves it: the
+    core's fill buffers then bound the stream, a third of memory's pace). Each tile's chains run a
+    slice of k and are stored into sums (float32, a's rows rounded up to MR), the next slice's tile
+    resuming them; the block's last slice adds them to c as `gemm_columns` does, so every element
+    is the same chain of fused multiply-adds over its KC block."""
     rows, depth = a.shape
     b_flat, b_step = b.reshape(-1), b.shape[1]
     sums_step = span = sums.shape[1]
@@ -313,9 +315,11 @@ def gemm_streamed(a, b, c, first_column, stop_column, a_panels, b_panel, edge, s
                     for column in range(chunk, chunk_stop, NR):
                         init_at = row * sums_step + column - chunk
                         if column < whole:
-                            b_source, b_at, b_from, tile_columns = b_flat, (k_block + k_slice) * b_step + column, b_step, NR
+                            b_at = (k_block + k_slice) * b_step + column
+                            b_source, b_from, tile_columns = b_flat, b_step, NR
                         else:
-                            b_source, b_at, b_from, tile_columns = b_panel, k_slice * NR, NR, chunk_stop - whole
+                            b_at = k_slice * NR
+                            b_source, b_from, tile_columns = b_panel, NR, chunk_stop - whole
                         if not last:
                             _tile_resumed(a_panels, a_at, 0, b_source, b_at, b_from, steps, sums, row, column - chunk,
                                           True, b_flat, 0, 0, 0, sums, init_at, sums_step, resume)
