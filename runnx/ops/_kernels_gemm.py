@@ -32,7 +32,7 @@ import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import literally, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -43,9 +43,11 @@ LANES = 16  # float32 lanes of a 512-bit register
 KC, MC = 256, 120  # blocks of k (a panel of b: 32 KiB) and of a's rows (a's packed block: 120 KiB)
 BLOCK_COLUMNS = 512  # b's columns a block: KC rows of them (512 KiB) stay in cache for every row of a
 ROWS_IN_PLACE = 2 * NR  # products of at most this many columns read a's rows in place
-SLICE_ROWS, STREAMED_COLUMNS = 32, 2048  # `gemm_streamed`: b's rows a slice and columns a pass
+SLICE_ROWS, STREAMED_COLUMNS = 32, 2016  # `gemm_streamed`: b's rows a slice and columns a pass
 # a product of at most STREAMED_ROWS rows, over a range of at least STREAMED_FROM columns, is streamed
 STREAMED_ROWS, STREAMED_FROM = 4 * MR, 4 * NR
+SHORT_MR, SHORT_NR = 8, 48  # `gemm_streamed`'s tile for more than MR rows: 24 registers too
+STREAMED_SPAN = 96  # `gemm_streamed`'s passes are a multiple of this many columns (of NR and SHORT_NR)
 
 
 def _compiles_avx512() -> bool:
@@ -61,10 +63,11 @@ AVAILABLE = _compiles_avx512()
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
-def _tile_codegen(a_in_place: bool, resumable: bool = False):
+def _tile_codegen(a_in_place: bool, resumable: bool = False, rows: int = MR, columns: int = NR):
     """The code of a tile (`_tile`, `_tile_of_rows`, `_tile_resumed`): a's values from a packed panel
-    (element i of step k at a_at + k * MR + i) or from a's rows in place (at a_at + i * a_step + k);
-    its sums from zero, or (resumable, when `resume`) from the float32 sums a tile stored before."""
+    (element i of step k at a_at + k * rows + i) or from a's rows in place (at a_at + i * a_step + k);
+    its sums from zero, or (resumable, when `resume`) from the float32 sums a tile stored before;
+    `rows` x `columns` sums (MR x NR but for `_tile_short`)."""
 
     def codegen(context, builder, sig, args):
         a_arr, b_arr, c_arr, ahead_arr = (context.make_array(sig.args[i])(context, builder, args[i])
@@ -78,7 +81,7 @@ def _tile_codegen(a_in_place: bool, resumable: bool = False):
         prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8_pointer, i32, i32, i32]),
                                                   "llvm.prefetch.p0i8")
         zeros = ir.Constant(vector, [0.0] * LANES)
-        sums = [[cgutils.alloca_once_value(builder, zeros) for _ in range(NR // LANES)] for _ in range(MR)]
+        sums = [[cgutils.alloca_once_value(builder, zeros) for _ in range(columns // LANES)] for _ in range(rows)]
         undefined, broadcast = ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
 
         def at(base, offset):
@@ -88,33 +91,33 @@ def _tile_codegen(a_in_place: bool, resumable: bool = False):
             init_arr = context.make_array(sig.args[15])(context, builder, args[15])
             init_at, init_step, resume = args[16], args[17], args[18]
             with builder.if_then(builder.icmp_unsigned("!=", resume, ir.Constant(resume.type, 0))):
-                for i in range(MR):
+                for i in range(rows):
                     start = builder.add(init_at, builder.mul(ir.Constant(i64, i), init_step))
-                    for j in range(NR // LANES):
+                    for j in range(columns // LANES):
                         pointer = builder.bitcast(builder.gep(init_arr.data, [at(start, LANES * j)]),
                                                   vector.as_pointer())
                         builder.store(builder.load(pointer, align=4), sums[i][j])
 
-        a_rows = [builder.add(a_at, builder.mul(a_step, ir.Constant(i64, i))) for i in range(MR)]
+        a_rows = [builder.add(a_at, builder.mul(a_step, ir.Constant(i64, i))) for i in range(rows)]
         with cgutils.for_range(builder, depth) as loop:
             b_row = builder.add(b_at, builder.mul(loop.index, b_step))
             b_vectors = [builder.load(builder.bitcast(builder.gep(b_arr.data, [at(b_row, LANES * j)]),
-                                                      vector.as_pointer()), align=4) for j in range(NR // LANES)]
-            for j in range(NR // LANES):  # the next panel's row, read in place: its own stream for the prefetcher
-                builder.call(prefetch, [builder.bitcast(builder.gep(b_arr.data, [at(b_row, NR + LANES * j)]), i8_pointer),
+                                                      vector.as_pointer()), align=4) for j in range(columns // LANES)]
+            for j in range(columns // LANES):  # the next panel's row, read in place: its own stream for the prefetcher
+                builder.call(prefetch, [builder.bitcast(builder.gep(b_arr.data, [at(b_row, columns + LANES * j)]), i8_pointer),
                                         ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
             with builder.if_then(builder.icmp_signed("<", loop.index, ahead_rows)):
                 ahead_row = builder.add(ahead_at, builder.mul(loop.index, ahead_step))
-                for j in range(NR // LANES):  # a row of the next block's panel (`gemm_columns`)
+                for j in range(columns // LANES):  # a row of the next block's panel (`gemm_columns`)
                     builder.call(prefetch, [builder.bitcast(builder.gep(ahead_arr.data, [at(ahead_row, LANES * j)]),
                                                             i8_pointer),
                                             ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
             if a_in_place:
                 a_places = [builder.add(start, loop.index) for start in a_rows]
             else:
-                a_column = builder.add(a_at, builder.mul(loop.index, ir.Constant(i64, MR)))
-                a_places = [at(a_column, i) for i in range(MR)]
-            for i in range(MR):
+                a_column = builder.add(a_at, builder.mul(loop.index, ir.Constant(i64, rows)))
+                a_places = [at(a_column, i) for i in range(rows)]
+            for i in range(rows):
                 value = builder.load(builder.gep(a_arr.data, [a_places[i]]))
                 a_vector = builder.shuffle_vector(builder.insert_element(undefined, value, ir.Constant(i32, 0)),
                                                   undefined, broadcast)
@@ -123,9 +126,9 @@ def _tile_codegen(a_in_place: bool, resumable: bool = False):
         stored = builder.icmp_unsigned("!=", first, ir.Constant(first.type, 0))
         row_step = builder.sdiv(builder.extract_value(c_arr.strides, 0), ir.Constant(i64, 4))
         corner = builder.add(builder.mul(row, row_step), column)
-        for i in range(MR):
+        for i in range(rows):
             start = builder.add(corner, builder.mul(ir.Constant(i64, i), row_step))
-            for j in range(NR // LANES):
+            for j in range(columns // LANES):
                 pointer = builder.bitcast(builder.gep(c_arr.data, [at(start, LANES * j)]), vector.as_pointer())
                 total = builder.load(sums[i][j])
                 builder.store(builder.select(stored, total, builder.fadd(builder.load(pointer, align=4), total)),
@@ -165,17 +168,20 @@ def _tile_resumed(typingctx, a_panel, a_at, a_step, b_panel, b_at, b_step, depth
                        ahead_step, ahead_rows, init, init_at, init_step, resume), _tile_codegen(False, True))
 
 
+@intrinsic
+def _tile_short(typingctx, a_panel, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first, ahead,
+                ahead_at, ahead_step, ahead_rows, init, init_at, init_step, resume):
+    """`_tile_resumed` of SHORT_MR rows by SHORT_NR columns (`gemm_streamed`'s for more than MR rows)."""
+    return (types.void(a_panel, a_at, a_step, b_panel, b_at, b_step, depth, c, row, column, first, ahead, ahead_at,
+                       ahead_step, ahead_rows, init, init_at, init_step, resume),
+            _tile_codegen(False, True, SHORT_MR, SHORT_NR))
+
+
 @_kernel
 def _pack_b(b, first_k, depth, first_column, width, panels):
     """b[first_k:first_k + depth, first_column:first_column + width] as panels of depth rows of NR
     (panel p at p * depth * NR), the last one zero-filled (a block's last columns short of NR)."""
-    for k in range(depth):
-        row = b[first_k + k]
-        for start in range(0, width, NR):
-            at = start * depth + k * NR
-            count = min(NR, width - start)
-            for j in range(NR):
-                panels[at + j] = row[first_column + start + j] if j < count else 0.0
+    _pack_b_columns(b, first_k, depth, first_column, width, panels, NR)
 
 
 @_kernel
@@ -196,15 +202,38 @@ def _pack_columns(columns, first_k, depth, first_column, width, panels):
 
 
 @_kernel
+def _pack_a_rows(a, first_row, height, first_k, depth, panels, mr):
+    """a[first_row:first_row + height, first_k:first_k + depth] into panels of mr rows, k-major
+    (panel i: depth columns of mr at i * depth * mr), the last one zero-filled; mr compiled in
+    (`literally`: a constant inner loop, as a tile's rows are)."""
+    mr = literally(mr)
+    for start in range(0, height, mr):
+        at = start * depth
+        count = min(mr, height - start)
+        for k in range(depth):
+            for i in range(mr):
+                panels[at + k * mr + i] = a[first_row + start + i, first_k + k] if i < count else 0.0
+
+
+@_kernel
+def _pack_b_columns(b, first_k, depth, first_column, width, panels, nr):
+    """b[first_k:first_k + depth, first_column:first_column + width] as panels of depth rows of nr
+    (panel p at p * depth * nr), the last one zero-filled; nr compiled in (`literally`)."""
+    nr = literally(nr)
+    for k in range(depth):
+        row = b[first_k + k]
+        for start in range(0, width, nr):
+            at = start * depth + k * nr
+            count = min(nr, width - start)
+            for j in range(nr):
+                panels[at + j] = row[first_column + start + j] if j < count else 0.0
+
+
+@_kernel
 def _pack_a(a, first_row, height, first_k, depth, panels):
     """a[first_row:first_row + height, first_k:first_k + depth] into panels of MR rows, k-major
     (panel i: depth columns of MR at i * depth * MR), the last one zero-filled."""
-    for start in range(0, height, MR):
-        at = start * depth
-        count = min(MR, height - start)
-        for k in range(depth):
-            for i in range(MR):
-                panels[at + k * MR + i] = a[first_row + start + i, first_k + k] if i < count else 0.0
+    _pack_a_rows(a, first_row, height, first_k, depth, panels, MR)
 
 
 @_kernel
@@ -283,55 +312,83 @@ def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, co
 
 
 @_kernel
-def gemm_streamed(a, b, c, first_column, stop_column, a_panels, b_panel, edge, sums):
+def _streamed_tile(short, a_panels, a_at, b_source, b_at, b_from, steps, c, row, column, first, b_flat, sums,
+                   init_at, sums_step, resume):
+    """One tile of `gemm_streamed`: SHORT_MR x SHORT_NR when `short`, else MR x NR."""
+    if short:
+        _tile_short(a_panels, a_at, 0, b_source, b_at, b_from, steps, c, row, column, first, b_flat, 0, 0, 0, sums,
+                    init_at, sums_step, resume)
+    else:
+        _tile_resumed(a_panels, a_at, 0, b_source, b_at, b_from, steps, c, row, column, first, b_flat, 0, 0, 0, sums,
+                      init_at, sums_step, resume)
+
+
+@_kernel
+def gemm_streamed(a, b, c, first_column, stop_column, sums):
     """`gemm_columns` (columns not given, its bits) for a few rows of a (at most MC) whose b comes
     cold from memory: b is read SLICE_ROWS rows at a time across as many columns as sums has (a
-    multiple of NR; STREAMED_COLUMNS where a range is that wide), panel by panel, so each of those
-    rows' lines is asked for in order and the hardware's streamer fetches ahead of them (a KC-row
-    block of 512 columns, read down each panel, touches two lines of a page and leaves it: the
-    core's fill buffers then bound the stream, a third of memory's pace). Each tile's chains run a
-    slice of k and are stored into sums (float32, a's rows rounded up to MR), the next slice's tile
-    resuming them; the block's last slice adds them to c as `gemm_columns` does, so every element
-    is the same chain of fused multiply-adds over its KC block."""
+    multiple of STREAMED_SPAN; STREAMED_COLUMNS where a range is that wide), panel by panel, so
+    each of those rows' lines is asked for in order and the hardware's streamer fetches ahead of
+    them (a KC-row block of 512 columns, read down each panel, touches two lines of a page and
+    leaves it: the core's fill buffers then bound the stream, a third of memory's pace). Each
+    tile's chains run a slice of k and are stored into sums (float32, `streamed_rows` rows), the
+    next slice's tile resuming them; the block's last slice adds them to c as `gemm_columns` does,
+    so every element is the same chain of fused multiply-adds over its KC block. Tiles of MR x NR
+    for at most MR rows, else of SHORT_MR x SHORT_NR: a prompt of a few dozen rows fills tiles of
+    8 rows, where tiles of 12 leave up to two thirds of the last one empty."""
     rows, depth = a.shape
+    short = rows > MR
+    mr, nr = (SHORT_MR, SHORT_NR) if short else (MR, NR)
     b_flat, b_step = b.reshape(-1), b.shape[1]
     sums_step = span = sums.shape[1]
-    tiles = -(-rows // MR)
+    tiles = -(-rows // mr)
+    a_panels = np.empty(tiles * mr * KC, np.float32)
+    b_panel, edge = np.empty(KC * nr, np.float32), np.empty((mr, nr), np.float32)
     for chunk in range(first_column, stop_column, span):
         chunk_stop = min(chunk + span, stop_column)
-        whole = chunk + (chunk_stop - chunk) // NR * NR
+        whole = chunk + (chunk_stop - chunk) // nr * nr
         for k_block in range(0, depth, KC):
             k_count = min(KC, depth - k_block)
             first = k_block == 0
-            _pack_a(a, 0, rows, k_block, k_count, a_panels)
-            _pack_b(b, k_block, k_count, whole, chunk_stop - whole, b_panel)
+            if short:  # (constant panel sizes: `literally`)
+                _pack_a_rows(a, 0, rows, k_block, k_count, a_panels, SHORT_MR)
+                _pack_b_columns(b, k_block, k_count, whole, chunk_stop - whole, b_panel, SHORT_NR)
+            else:
+                _pack_a(a, 0, rows, k_block, k_count, a_panels)
+                _pack_b(b, k_block, k_count, whole, chunk_stop - whole, b_panel)
             for k_slice in range(0, k_count, SLICE_ROWS):
                 steps = min(SLICE_ROWS, k_count - k_slice)
                 resume, last = k_slice > 0, k_slice + SLICE_ROWS >= k_count
                 for tile in range(tiles):
-                    row = tile * MR
-                    tile_rows = min(MR, rows - row)
-                    a_at = row * k_count + k_slice * MR
-                    for column in range(chunk, chunk_stop, NR):
+                    row = tile * mr
+                    tile_rows = min(mr, rows - row)
+                    a_at = row * k_count + k_slice * mr
+                    for column in range(chunk, chunk_stop, nr):
                         init_at = row * sums_step + column - chunk
                         if column < whole:
                             b_at = (k_block + k_slice) * b_step + column
-                            b_source, b_from, tile_columns = b_flat, b_step, NR
+                            b_source, b_from, tile_columns = b_flat, b_step, nr
                         else:
-                            b_at = k_slice * NR
-                            b_source, b_from, tile_columns = b_panel, NR, chunk_stop - whole
+                            b_at = k_slice * nr
+                            b_source, b_from, tile_columns = b_panel, nr, chunk_stop - whole
                         if not last:
-                            _tile_resumed(a_panels, a_at, 0, b_source, b_at, b_from, steps, sums, row, column - chunk,
-                                          True, b_flat, 0, 0, 0, sums, init_at, sums_step, resume)
-                        elif tile_rows == MR and tile_columns == NR:
-                            _tile_resumed(a_panels, a_at, 0, b_source, b_at, b_from, steps, c, row, column, first,
-                                          b_flat, 0, 0, 0, sums, init_at, sums_step, resume)
+                            _streamed_tile(short, a_panels, a_at, b_source, b_at, b_from, steps, sums, row,
+                                           column - chunk, True, b_flat, sums, init_at, sums_step, resume)
+                        elif tile_rows == mr and tile_columns == nr:
+                            _streamed_tile(short, a_panels, a_at, b_source, b_at, b_from, steps, c, row, column,
+                                           first, b_flat, sums, init_at, sums_step, resume)
                         else:
                             if not first:
                                 edge[:tile_rows, :tile_columns] = c[row:row + tile_rows, column:column + tile_columns]
-                            _tile_resumed(a_panels, a_at, 0, b_source, b_at, b_from, steps, edge, 0, 0, first,
-                                          b_flat, 0, 0, 0, sums, init_at, sums_step, resume)
+                            _streamed_tile(short, a_panels, a_at, b_source, b_at, b_from, steps, edge, 0, 0, first,
+                                           b_flat, sums, init_at, sums_step, resume)
                             c[row:row + tile_rows, column:column + tile_columns] = edge[:tile_rows, :tile_columns]
+
+
+@_kernel
+def streamed_rows(rows):
+    """The rows of `gemm_streamed`'s sums for a of `rows` rows (its tiles')."""
+    return MR if rows <= MR else -(-rows // SHORT_MR) * SHORT_MR
 
 
 @_kernel
@@ -343,15 +400,15 @@ def streams(rows, columns, columns_given):
 @_kernel
 def product_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, columns_given, b_block, sums):
     """c[:, first_column:stop_column] = a @ b[:, ...] as `gemm_columns` (its arguments, the same bits),
-    streamed (`gemm_streamed`, its sums at least a's rows rounded up to MR) when a has at most
+    streamed (`gemm_streamed`, into sums of `streamed_rows` rows) when a has at most
     STREAMED_ROWS rows, b is given by its rows and the range has STREAMED_FROM columns or more: a
     short prompt's product by a weight, which comes from memory at the pace of its multiply-adds.
     (Narrower ranges have rows too short for the streamer to pay for the slices' stored sums; from
     a few dozen rows the weights' time is the smaller part, and whole KC chains compute faster.)"""
     rows = a.shape[0]
-    if (streams(rows, stop_column - first_column, columns_given) and sums.shape[0] >= -(-rows // MR) * MR
-            and sums.shape[1] >= NR and sums.shape[1] % NR == 0):
-        gemm_streamed(a, b, c, first_column, stop_column, a_panels, b_panel, edge, sums)
+    if (streams(rows, stop_column - first_column, columns_given) and sums.shape[0] >= streamed_rows(rows)
+            and sums.shape[1] >= STREAMED_SPAN and sums.shape[1] % STREAMED_SPAN == 0):
+        gemm_streamed(a, b, c, first_column, stop_column, sums)
     else:
         gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, columns_given, b_block)
 

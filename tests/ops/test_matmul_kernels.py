@@ -296,21 +296,20 @@ def test_a_few_rows_are_summed_unpacked_to_the_same_bits(own, monkeypatch, depth
 @needs_avx512
 @pytest.mark.parametrize("rows", [3, 12, 13, 32, 48])
 @pytest.mark.parametrize("depth", [1, 31, 33, 256, 600])
-@pytest.mark.parametrize("columns, first, stop, span", [(128, 0, 128, 128), (545, 0, 545, 2048), (545, 64, 545, 96),
-                                                         (2100, 0, 2100, 2048), (700, 32, 417, 416)])
+@pytest.mark.parametrize("columns, first, stop, span", [(128, 0, 128, 192), (545, 0, 545, 2016), (545, 64, 545, 96),
+                                                         (2100, 0, 2100, 2016), (700, 32, 417, 480)])
 def test_a_streamed_product_is_the_same_bits_as_the_blocked_one(rows, depth, columns, first, stop, span):
     """`gemm_streamed` reads b a slice of rows at a time across whole rows (for the hardware's
-    streamer) and keeps each tile's chains in memory between slices: every element the same bits
-    as `gemm_columns`, across KC blocks, slices, partial tiles and panels, column ranges and passes
-    narrower than the range; nothing written outside the range."""
+    streamer), in tiles of another shape, and keeps each tile's chains in memory between slices:
+    every element the same bits as `gemm_columns`, across KC blocks, slices, partial tiles and
+    panels, column ranges and passes narrower than the range; nothing written outside the range."""
     a, b = _operands(rows, depth, columns)
     scratch = lambda: (np.empty(gemm.MC * gemm.KC, np.float32), np.empty(gemm.KC * gemm.NR, np.float32),
                        np.empty((gemm.MR, gemm.NR), np.float32))
     blocked = np.full((rows, columns), np.nan, np.float32)
     gemm.gemm_columns(a, b, blocked, first, stop, *scratch(), False, np.empty(1, np.float32))
     streamed = np.full((rows, columns), np.nan, np.float32)
-    gemm.gemm_streamed(a, b, streamed, first, stop, *scratch(), np.empty((-(-rows // gemm.MR) * gemm.MR, span),
-                                                                         np.float32))
+    gemm.gemm_streamed(a, b, streamed, first, stop, np.empty((gemm.streamed_rows(rows), span), np.float32))
     np.testing.assert_array_equal(streamed, blocked)
     assert np.isnan(streamed[:, :first]).all() and np.isnan(streamed[:, stop:]).all()
     _close_to_exact(streamed[:, first:stop], a, b[:, first:stop])
