@@ -22,8 +22,8 @@ import numpy as np
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_attention_blocks import attend_block, block_limit
 from runnx.ops._kernels_fused import attention_span
-from runnx.ops._kernels_gemm import (KC, MC, MR, NR, STREAMED_COLUMNS, STREAMED_ROWS, STREAMED_SPAN,
-                                     product_columns, streamed_rows)
+from runnx.ops._kernels_gemm import (KC, MC, MR, NR, STREAMED_COLUMNS, STREAMED_SPAN, product_columns, streamed_rows,
+                                     streams)
 from runnx.ops._kernels_linalg import chunk_bounds, rows_into, rows_into_bytes
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, tile_rows
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
@@ -172,7 +172,7 @@ def _gemm_block(box, index):
     stop = min(first + unit, columns)
     packed_rows = (min(rows, MC) + MR - 1) // MR * MR
     packed_columns = (stop - first + NR - 1) // NR * NR if given else 0
-    streamed = rows <= STREAMED_ROWS and not given
+    streamed = streams(rows, stop - first, given)  # (else no sums: `product_columns` takes `gemm_columns`)
     span = min(STREAMED_COLUMNS, -(-(stop - first) // STREAMED_SPAN) * STREAMED_SPAN) if streamed else 0
     product_columns(a, b, out, first, stop, np.empty(packed_rows * KC, np.float32), np.empty(KC * NR, np.float32),
                     np.empty((MR, NR), np.float32), given, np.empty(KC * packed_columns, np.float32),
