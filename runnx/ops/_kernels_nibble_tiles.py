@@ -203,13 +203,13 @@ def repack(weights, block_scales, block_zeros, tiles, scales, zeros) -> None:
     columns, blocks, blob = weights.shape
     count, chunks = tiles.shape[:2]
     whole, rest = columns // TILE, columns % TILE
-    flat = weights.reshape(columns, chunks, CHUNK_BYTES)
-    chunk_blocks = np.arange(chunks) // (blob // CHUNK_BYTES)  # each chunk's block
-    parts = [(tiles, flat), (scales, block_scales.reshape(columns, blocks)[:, chunk_blocks])]
+    per = blob // CHUNK_BYTES  # chunks a block: its scale and zero point repeat for each
+    parts = [(tiles, weights.reshape(columns, chunks, CHUNK_BYTES))]
+    parts.append((scales.reshape(count, blocks, per, TILE), block_scales.reshape(columns, blocks, 1)))
     if block_zeros.size:
-        parts.append((zeros, block_zeros.reshape(columns, blocks)[:, chunk_blocks]))
-    for out, by_column in parts:  # (N, chunks[, 16]) -> (tiles, chunks[, 16], 16 columns)
-        axes = (0, 2, 3, 1) if by_column.ndim == 3 else (0, 2, 1)
+        parts.append((zeros.reshape(count, blocks, per, TILE), block_zeros.reshape(columns, blocks, 1)))
+    for out, by_column in parts:  # (N, chunks, 16 | blocks, 1) -> (tiles, chunks, 16 | blocks, per, 16 columns)
+        axes = (0, 2, 3, 1)  # (a block's value broadcast to its chunks: no gathered copy of each first)
         np.copyto(out[:whole], by_column[:whole * TILE].reshape((whole, TILE) + by_column.shape[1:]).transpose(axes))
         if rest:
             out[whole] = 0

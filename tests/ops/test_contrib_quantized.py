@@ -414,8 +414,16 @@ def test_4_bit_tiles_are_the_weights_bytes_in_their_layout_padding_zero(N, block
     np.testing.assert_array_equal(tile_scales, per_chunk.reshape(count, 16, chunks).transpose(0, 2, 1))
     if zero_points is None:
         assert tile_zeros.shape == (1, 1, 16) and (tile_zeros == 8).all()
+        return
+    blocks = K // block_size
+    if zero_points == "packed":  # two 4-bit zero points a byte, the first block's in the low nibble
+        block_zeros = np.stack([zeros.reshape(N, -1) & 15, zeros.reshape(N, -1) >> 4], axis=2).reshape(N, -1)[:, :blocks]
     else:
-        assert tile_zeros.shape == (count, chunks, 16) and (tile_zeros[-1, :, N - 16 * (count - 1):] == 0).all()
+        block_zeros = zeros.reshape(N, blocks)
+    zeros_per_chunk = np.zeros((count * 16, chunks), tile_zeros.dtype)
+    zeros_per_chunk[:N] = np.repeat(block_zeros, block_size // 32, axis=1)
+    assert tile_zeros.dtype == (np.uint8 if zero_points == "packed" else np.float32)
+    np.testing.assert_array_equal(tile_zeros, zeros_per_chunk.reshape(count, 16, chunks).transpose(0, 2, 1))
 
 
 @pytest.mark.parametrize("columns", [(32, 16, 48), (32, 20), (16, 21, 16)])
