@@ -25,7 +25,7 @@ import numpy as np
 from runnx.ops import _kernels_gemm as gemm, _native
 from runnx.runtime import blas_split, helpers
 from runnx.runtime import pool as decode_pool
-from runnx.runtime.jobs import post_gemm
+from runnx.runtime.jobs import few, post_gemm
 
 _AVX512_OPENBLAS = {"skylakex", "cooperlake", "sapphirerapids"}  # OpenBLAS's AVX-512 kernel sets
 _SPLIT_FROM = 1 << 26  # multiply-adds (half a millisecond and more) from which a product is shared among threads
@@ -124,6 +124,28 @@ def _product(part):
     a_panels, b_panel, edge, b_block, sums = _buffers()
     gemm.product_columns(_read_only(a), _read_only(b), out, first_column, stop_column, a_panels, b_panel, edge,
                          columns_given, b_block, sums)
+
+
+def shared_input_products(a, weights: tuple) -> list | None:
+    """[a @ w for w in weights] (each C-contiguous) as one job of the decode pool's (`columns_products`:
+    one hand-off for all, each element the bits of its product alone) when a is a short prompt's
+    C-contiguous float32 rows (M, K) whose products MatMul would give runnx's own kernels one by
+    one (`_matrix_product`) and each weight a C-contiguous float32 (K, N); else None, nothing done."""
+    rows, depth = a.shape
+    if (not FEW_ROWS < rows < _POOL_ROWS or not 1 < len(weights) <= decode_pool.MAX_MATRICES
+            or a.dtype != _FLOAT32 or not a.flags.c_contiguous or not own_product(rows, True)
+            or helpers.inside_parts()):
+        return None
+    for w in weights:  # (few rows by a narrow weight: MatMul's products loop, whose sums are not these)
+        if (w.dtype != _FLOAT32 or w.ndim != 2 or w.shape[0] != depth or not w.flags.c_contiguous
+                or few(rows, w.shape[1])):
+            return None
+    if rows * depth * sum(w.shape[1] for w in weights) < _POOL_FROM:
+        return None
+    outs = tuple([np.empty((rows, w.shape[1]), np.float32) for w in weights])
+    if not decode_pool.columns_products(_read_only(a), tuple([_read_only(w) for w in weights]), outs):
+        return None
+    return list(outs)
 
 
 def _matrix_product(a, b, out, columns_given: bool = False) -> None:

@@ -16,7 +16,7 @@ from runnx.ops import _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
 from runnx.ops._kernels_linalg import rows_times_matrix
-from runnx.ops._matmul import matmul, own_kernels, rest_workers_before, stacked_product
+from runnx.ops._matmul import matmul, own_kernels, rest_workers_before, shared_input_products, stacked_product
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, head_repeat, materialised_repeat
@@ -144,7 +144,8 @@ def _whole_heads(kv):
 def SharedInputMatMul(x, *inputs, splits: tuple = (), gated: tuple = ()):
     """(MatMul(x, w) for w in weights): the products of one input (a layer's query, key and value
     projections; its gate and up projections), matched by `runnx/interp/fusion/products.py`. A
-    decode step's one-row products go to the decode pool as one job (one hand-off, not three).
+    decode step's one-row products go to the decode pool as one job (one hand-off, not three), and
+    so do a short prompt's (`shared_input_products`), each the bits of its MatMul.
     inputs: the weights, then (bias, target, source) of SplitHeads for each (position, dims, axes)
     of `splits`: product `position` comes out with its heads split. gated (gate, up): those two
     products come out as one, SiluMul(gate, up), after the others."""
@@ -154,6 +155,8 @@ def SharedInputMatMul(x, *inputs, splits: tuple = (), gated: tuple = ()):
         lead = x.shape[:-1]
         rows = workers.products(_rows(x), weights, leave_open=not (splits or gated))
         products = [product.reshape(lead + w.shape[1:]) for product, w in zip(rows, weights)]
+    elif x.ndim and x.shape[-1] and (rows := shared_input_products(x.reshape(-1, x.shape[-1]), weights)) is not None:
+        products = [product.reshape(x.shape[:-1] + w.shape[1:]) for product, w in zip(rows, weights)]
     else:
         products = [MatMul(x, w) for w in weights]
         decode_pool.settle()  # (MatMul may leave its job open)

@@ -28,7 +28,8 @@ from runnx.runtime.mailbox import PATIENCE, begin_job, finish, open_job, run_job
 from runnx.runtime.slots import (ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS, BLOCK_KEY,
                                  BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS, DEPTH,
                                  ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS, GELU_ROWS, GEMM, GEMM_A, GEMM_B,
-                                 GEMM_COLUMNS_GIVEN, GEMM_DEPTH, GEMM_OUT, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS,
+                                 GEMM_COLUMNS_GIVEN, GEMM_COUNT, GEMM_DEPTH, GEMM_FIRST_UNIT, GEMM_OUT, GEMM_PARTS,
+                                 GEMM_PER_PART, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS, MAX_GEMM_PARTS,
                                  HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX, MAX_MATRICES, NBITS, NBITS_CHUNKS,
                                  NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILES,
                                  NBITS_TILES_AT, NBITS_TILE_COUNT, NBITS_WIDTH, NBITS_ZEROS, NBITS_ZERO_BYTES,
@@ -346,23 +347,47 @@ def _check_gemm(a, b, out, columns_given, unit):
 
 
 @_jit
+def _check_gemms(a, weights, outs, columns_given, unit):
+    """ValueError unless the arrays are what `post_gemms` reads and writes by address."""
+    if len(weights) != len(outs) or len(weights) > MAX_GEMM_PARTS:
+        raise ValueError("a prompt's products job takes one output a weight, at most MAX_GEMM_PARTS of them")
+    for p in range(len(weights)):
+        _check_gemm(a, weights[p], outs[p], columns_given, unit)
+
+
+@_jit
 def post_gemm(box, workers, a, b, out, columns_given, unit):
     """out = a @ b (b.T given, when `columns_given`) by `product_columns`, as one job of `unit` columns a
-    unit; whether a worker was idle. Every element is summed alike whichever unit holds it (the
-    kernel's docstring), so the result is the one-thread product's. Arrays that do not fit raise
-    ValueError before anything is posted."""
-    _check_gemm(a, b, out, columns_given, unit)
+    unit (`post_gemms` of one product); whether a worker was idle."""
+    return post_gemms(box, workers, a, (b,), (out,), columns_given, unit)
+
+
+@_jit
+def post_gemms(box, workers, a, weights, outs, columns_given, unit):
+    """outs[p] = a @ weights[p] (weights[p].T given, when `columns_given`) for each p: the products of
+    one input (a layer's query, key and value projections), by `product_columns`, as one job of
+    `unit` columns a unit, each product's units after the one before's (one hand-off for all);
+    whether a worker was idle. Every element is summed alike whichever unit holds it (the kernel's
+    docstring), so each output is its one-thread product's bits. Arrays that do not fit (or more
+    than MAX_GEMM_PARTS products) raise ValueError before anything is posted."""
+    _check_gemms(a, weights, outs, columns_given, unit)
     sequence = begin_job(box, PATIENCE)  # (which finishes the last job, whose output a may be)
     store(box, KIND, GEMM)
     store(box, GEMM_A, a.ctypes.data)
-    store(box, GEMM_B, b.ctypes.data)
     store(box, GEMM_ROWS, a.shape[0])
     store(box, GEMM_DEPTH, a.shape[1])
-    store(box, GEMM_WIDTH, out.shape[1])
     store(box, GEMM_COLUMNS_GIVEN, 1 if columns_given else 0)
     store(box, GEMM_UNIT, unit)
-    post_matrix(box, GEMM_OUT, out)
-    return run_job(box, workers, sequence, (out.shape[1] + unit - 1) // unit)
+    store(box, GEMM_COUNT, len(weights))
+    units = 0
+    for p in range(len(weights)):
+        slot = GEMM_PARTS + GEMM_PER_PART * p
+        store(box, slot + GEMM_B, weights[p].ctypes.data)
+        store(box, slot + GEMM_WIDTH, outs[p].shape[1])
+        store(box, slot + GEMM_FIRST_UNIT, units)
+        post_matrix(box, slot + GEMM_OUT, outs[p])
+        units += (outs[p].shape[1] + unit - 1) // unit
+    return run_job(box, workers, sequence, units)
 
 
 @_jit

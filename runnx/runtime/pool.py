@@ -36,7 +36,7 @@ from runnx.ops import _kernels_gemm as gemm, _native
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_matrix
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.runtime.jobs import (open_nbits, open_products, post_attention, post_attention_blocks, post_gelu,
-                                post_gemm, post_nbits, post_products, post_softmax, post_vnni)
+                                post_gemm, post_gemms, post_nbits, post_products, post_softmax, post_vnni)
 from runnx.runtime.mailbox import finish, new_box, rest, serve, stop
 from runnx.runtime.open_jobs import holding, opening, settle
 from runnx.runtime.slots import IDLE, MAX_MATRICES, MAX_WORKERS, ROW_BLOCK, SHARED
@@ -340,10 +340,25 @@ def columns_product(a, b, out, columns_given: bool) -> bool:
     workers = pool()
     if workers is None:
         return False
-    columns = out.shape[1]
+    return workers.call(post_gemm, a, b, out, columns_given, _gemm_unit(workers, out.shape[1])) is not BUSY
+
+
+def columns_products(a, weights: tuple, outs: tuple) -> bool:
+    """outs[p] = a @ weights[p] for each p (`post_gemms`: the products of one input as one job, at most
+    MAX_MATRICES; arrays as `columns_product` takes them, the weights' rows given), their columns
+    shared with the pool's workers; False, having done nothing, when there are none or another
+    thread has the pool. Each element the bits of its product alone."""
+    workers = pool()
+    if workers is None:
+        return False
+    unit = _gemm_unit(workers, sum(out.shape[1] for out in outs))
+    return workers.call(post_gemms, a, weights, outs, False, unit) is not BUSY
+
+
+def _gemm_unit(workers, columns: int) -> int:
+    """Columns a unit of a products job over `columns` columns (`GEMM_UNITS_PER_THREAD`)."""
     units = GEMM_UNITS_PER_THREAD * (workers._workers + 1)
-    unit = max(gemm.NR, -(-columns // (units * gemm.NR)) * gemm.NR)
-    return workers.call(post_gemm, a, b, out, columns_given, unit) is not BUSY
+    return max(gemm.NR, -(-columns // (units * gemm.NR)) * gemm.NR)
 
 
 def attention_blocks(scaled, key_columns, value, bias, ends, fill: float, positions: int, out) -> None:

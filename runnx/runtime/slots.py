@@ -53,13 +53,16 @@ NBITS_TILES = 4  # tiles of 16 output columns per unit
 # C-contiguous), then rows, tiles and groups of 4 bytes
 VNNI_WORDS, VNNI_TILES_AT, VNNI_RAW, VNNI_ROWS, VNNI_TILE_COUNT, VNNI_GROUPS = range(OWN, OWN + 6)
 VNNI_TILES = 8  # tiles of 16 output columns per unit
-# a prompt's float32 product: the addresses of a (M, K) and b (K, N; or its columns, (N, K)), both
-# C-contiguous, M, K, N, whether b's columns are given, the columns a unit computes, then the output
-# (M, N) as posted by `post_matrix` (its rows contiguous, any row stride)
-GEMM_A, GEMM_B, GEMM_ROWS, GEMM_DEPTH, GEMM_WIDTH, GEMM_COLUMNS_GIVEN, GEMM_UNIT, GEMM_OUT = range(OWN, OWN + 8)
+# a prompt's float32 products of one a: the address of a (M, K), C-contiguous, M, K, whether b's columns
+# are given, the columns a unit computes and how many products, then for each (`GEMM_PARTS` + p
+# `GEMM_PER_PART`) the address of its b (K, N; or its columns, (N, K)), C-contiguous, N, its first
+# unit and its output (M, N) as posted by `post_matrix` (its rows contiguous, any row stride)
+GEMM_A, GEMM_ROWS, GEMM_DEPTH, GEMM_COLUMNS_GIVEN, GEMM_UNIT, GEMM_COUNT, GEMM_PARTS = range(OWN, OWN + 7)
+GEMM_B, GEMM_WIDTH, GEMM_FIRST_UNIT, GEMM_OUT, GEMM_PER_PART = 0, 1, 2, 3, 12
+MAX_GEMM_PARTS = MAX_MATRICES
 # the address of `mailbox._units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
 UNITS_CODE = max(MATRICES + PER_MATRIX * MAX_MATRICES, SPAN_STATS + 9, NBITS_ZERO_ROWS + 1, VNNI_GROUPS + 1,
-                 GEMM_OUT + 9, BLOCK_OUT + 9)
+                 GEMM_PARTS + GEMM_PER_PART * MAX_GEMM_PARTS, BLOCK_OUT + 9)
 # a claim takes the units left shifted right by this (`mailbox._work`; a mailbox's own, set by `new_box`)
 CLAIM_SHIFT = UNITS_CODE + 1
 MAILBOX_SIZE = CLAIM_SHIFT + 1

@@ -9,8 +9,9 @@ where each field is). A unit gives the same result whichever thread computes it:
   each column computed whole by one unit;
 - 8-bit products: `VNNI_TILES` tiles of 16 output columns (`tile_sums_into`, `ops/_kernels_vnni.py`);
 - rows: `ROW_BLOCK` rows of a row kernel (softmax or GELU, `ops/_kernels_rows.py`);
-- a prompt's float32 product: `GEMM_UNIT` columns of it (`product_columns`, `ops/_kernels_gemm.py`,
-  whose elements are summed alike for any split of the columns), its scratch its own;
+- a prompt's float32 products of one input: `GEMM_UNIT` columns of one of them (`product_columns`,
+  `ops/_kernels_gemm.py`, whose elements are summed alike for any split of the columns), its scratch
+  its own;
 - a prompt's attention: one block of query positions of one (batch entry, KV head) against the keys
   it sees (`attend_block`, `ops/_kernels_attention_blocks.py`), its scratch its own.
 """
@@ -32,7 +33,8 @@ from runnx.runtime.atomics import byte_pointer, float32_pointer, float64_from_bi
 from runnx.runtime.slots import (ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS, BLOCK_KEY,
                                  BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS, DEPTH,
                                  ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS, GEMM, GEMM_A, GEMM_B,
-                                 GEMM_COLUMNS_GIVEN, GEMM_DEPTH, GEMM_OUT, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS,
+                                 GEMM_COLUMNS_GIVEN, GEMM_COUNT, GEMM_DEPTH, GEMM_FIRST_UNIT, GEMM_OUT, GEMM_PARTS,
+                                 GEMM_PER_PART, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS,
                                  HAS_BIAS, HEIGHT, KEY, MATRICES, MATRIX, NBITS, NBITS_CHUNKS, NBITS_LANES, NBITS_OUT,
                                  NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILES, NBITS_TILES_AT, NBITS_TILE_COUNT,
                                  NBITS_WIDTH, NBITS_ZEROS, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, OUT, PARTIALS,
@@ -162,13 +164,20 @@ def _vnni_block(box, index):
 
 @_jit
 def _gemm_block(box, index):
-    """Unit `index` of a prompt's product: its `GEMM_UNIT` columns, packing into scratch of its own."""
-    rows, depth, columns = load(box, GEMM_ROWS), load(box, GEMM_DEPTH), load(box, GEMM_WIDTH)
+    """Unit `index` of a prompt's products of one a: its `GEMM_UNIT` columns of the product whose units
+    hold it, packing into scratch of its own."""
+    rows, depth = load(box, GEMM_ROWS), load(box, GEMM_DEPTH)
     given, unit = load(box, GEMM_COLUMNS_GIVEN) != 0, load(box, GEMM_UNIT)
+    slot = GEMM_PARTS
+    for _ in range(load(box, GEMM_COUNT) - 1):  # the last product whose first unit is at most index
+        if load(box, slot + GEMM_PER_PART + GEMM_FIRST_UNIT) > index:
+            break
+        slot += GEMM_PER_PART
+    columns = load(box, slot + GEMM_WIDTH)
     a = numba.carray(float32_pointer(load(box, GEMM_A)), (rows, depth))
-    b = numba.carray(float32_pointer(load(box, GEMM_B)), (columns, depth) if given else (depth, columns))
-    out = posted_array(box, GEMM_OUT)[0, 0]
-    first = index * unit
+    b = numba.carray(float32_pointer(load(box, slot + GEMM_B)), (columns, depth) if given else (depth, columns))
+    out = posted_array(box, slot + GEMM_OUT)[0, 0]
+    first = (index - load(box, slot + GEMM_FIRST_UNIT)) * unit
     stop = min(first + unit, columns)
     packed_rows = (min(rows, MC) + MR - 1) // MR * MR
     packed_columns = (stop - first + NR - 1) // NR * NR if given else 0

@@ -297,6 +297,30 @@ def test_a_short_prompts_product_on_runnxs_kernels_is_a_pool_job_not_a_rest(pool
     assert pool.box[slots.LINGER] == mailbox.PATIENCE
 
 
+@needs_avx512
+@pytest.mark.parametrize("rows", [13, 17, 32, 239, 240])
+@pytest.mark.parametrize("widths", [(576, 192, 192), (1536, 1536), (100, 20000)])
+def test_a_short_prompts_products_of_one_input_are_one_pool_job_with_each_matmuls_bits(pool, own_products, rows,
+                                                                                       widths):
+    """SharedInputMatMul of a short prompt's rows (more than MatMul's products loop takes, fewer than
+    OpenBLAS's) posts one products job for all its weights, not one a weight, each output the bits
+    of its MatMul; rows that MatMul would give another kernel for any weight take MatMul's path."""
+    from runnx.ops.linalg import SharedInputMatMul
+    x = RNG.standard_normal((1, rows, 576)).astype(np.float32)
+    weights = [RNG.standard_normal((576, n)).astype(np.float32) for n in widths]
+    for w in weights:
+        w.flags.writeable = False
+    expected = [MatMul(x, w) for w in weights]
+    decode_pool.settle()
+    posted = pool.box[slots.POSTED]
+    got = SharedInputMatMul(x, *weights)
+    if 16 < rows < 240:  # (MatMul's products loop: up to 16 rows by a narrow weight; OpenBLAS from 240)
+        assert pool.box[slots.POSTED] == posted + 1 and pool.box[slots.KIND] == slots.GEMM
+        assert pool.box[slots.GEMM_COUNT] == len(weights)
+    for product, value in zip(got, expected):
+        assert product.shape == value.shape and np.array_equal(product.view(np.int32), value.view(np.int32))
+
+
 def test_a_pool_of_sleeping_workers_closes():
     # close() wakes every sleeping worker (each sleeps on its own Event: a shared one, cleared by
     # the first worker woken, once left another asleep and close() waiting for it forever)
@@ -776,11 +800,11 @@ def test_only_the_posting_functions_turn_arrays_into_addresses():
                 if text in ast.get_source_segment(source, node).split(":", 1)[1]}  # (after its signature)
 
     assert using("jobs.py", "ctypes.data") == {"open_products", "post_gelu", "open_nbits", "post_vnni", "_rows",
-                                               "post_gemm"}
+                                               "post_gemms"}
     assert using("slots.py", "ctypes.data") == {"post_array", "post_matrix"}
     assert using("mailbox.py", "ctypes.data") == using("units.py", "ctypes.data") == set()
     assert using("jobs.py", "post_array(") == {"post_attention", "post_attention_blocks"}
-    assert using("jobs.py", "post_matrix(") == {"post_gemm"}
+    assert using("jobs.py", "post_matrix(") == {"post_gemms"}
     assert all(not using(module, "post_array(") and not using(module, "post_matrix(")
                for module in ("mailbox.py", "units.py"))
     _, functions = functions_of("jobs.py")
@@ -904,6 +928,56 @@ def test_a_prompts_product_job_refuses_arrays_it_cannot_read_by_address_before_p
     box = mailbox.new_box()
     with pytest.raises(ValueError, match="a prompt's products job"):
         jobs.post_gemm(box, 0, *arrays.values())
+    assert box[slots.POSTED] == 0
+
+
+# (rows, depth, columns of each product, unit): one product and up to MAX_GEMM_PARTS, units crossing
+# no product's end (each product's units its own), a product of one short unit, rows past a block
+_GEMMS_CASES = [(20, 576, (576, 192, 192), 480), (32, 64, (1536, 1536), 1536), (17, 300, (5,), 32),
+                (250, 40, (33, 64, 7, 100), 64), (13, 257, (545, 31), 96)]
+
+
+@needs_avx512
+@pytest.mark.parametrize("rows, depth, widths, unit", _GEMMS_CASES)
+def test_the_products_of_one_input_as_one_job_are_each_the_one_thread_products_bits(pool, rows, depth, widths, unit):
+    """A prompt's products of one input (a layer's q, k and v projections) as one job, each product's
+    units after the one before's, claimed by any thread in claims of any size: each output the bits of
+    its product alone, nothing written outside it."""
+    a = RNG.standard_normal((rows, depth)).astype(np.float32)
+    weights = tuple([RNG.standard_normal((depth, n)).astype(np.float32) for n in widths])
+    expected = []
+    for w in weights:
+        expected.append(np.empty((rows, w.shape[1]), np.float32))
+        _matmul._product((a, w, expected[-1], 0, w.shape[1], False))
+    try:
+        for shift in (0, 3, 30):
+            pool.box[slots.CLAIM_SHIFT] = shift
+            wide = [np.full((rows, n + 9), np.nan, np.float32) for n in widths]
+            outs = tuple([buffer[:, 4:4 + n] for buffer, n in zip(wide, widths)])
+            jobs.post_gemms(pool.box, 2, a, weights, outs, False, unit)
+            for out, buffer, value in zip(outs, wide, expected):
+                assert np.array_equal(out.view(np.int32), value.view(np.int32))
+                assert np.isnan(buffer[:, :4]).all() and np.isnan(buffer[:, -5:]).all()
+            assert pool.box[slots.COMPLETED] == pool.box[slots.UNITS] == sum(-(-n // unit) for n in widths)
+    finally:
+        pool.box[slots.CLAIM_SHIFT] = mailbox.DEFAULT_CLAIM_SHIFT
+
+
+@pytest.mark.parametrize("change", ["too many", "one output short", "a weight's depth", "unit"])
+def test_the_products_of_one_input_job_refuses_what_it_cannot_read_by_address_before_posting(change):
+    a, weight = np.ones((4, 8), np.float32), np.ones((8, 6), np.float32)
+    weights, outs, unit = (weight, weight), (np.empty((4, 6), np.float32),) * 2, 32
+    if change == "too many":
+        weights, outs = (weight,) * (slots.MAX_GEMM_PARTS + 1), outs[:1] * (slots.MAX_GEMM_PARTS + 1)
+    elif change == "one output short":
+        outs = (outs[0], np.empty((3, 6), np.float32))
+    elif change == "a weight's depth":
+        weights = (weight, np.ones((7, 6), np.float32))
+    else:
+        unit = 20
+    box = mailbox.new_box()
+    with pytest.raises(ValueError, match="a prompt's products job"):
+        jobs.post_gemms(box, 0, a, weights, outs, False, unit)
     assert box[slots.POSTED] == 0
 
 
