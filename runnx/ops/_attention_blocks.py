@@ -24,7 +24,7 @@ import functools
 import numpy as np
 
 from runnx.ops import _kernels_gemm
-from runnx.ops._kernels_attention_blocks import adds_nothing, block_positions, key_columns_into, visible_ends
+from runnx.ops._kernels_attention_blocks import adds_nothing, block_positions, key_panels_into, visible_ends
 from runnx.ops._matmul import matmul, rest_workers_before
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.jobs import rows_contiguous
@@ -97,7 +97,7 @@ def pooled_attention(scaled, key, value, bias, ends, fill: float, out) -> bool:
     if not POOLED or not _job_takes(scaled, key, value, bias, out):
         return False
     positions = block_positions(scaled.shape[1] // key.shape[1])
-    decode_pool.attention_blocks(scaled, _key_columns(key), _rows_contiguous(value), bias,
+    decode_pool.attention_blocks(scaled, _key_panels(key), _rows_contiguous(value), bias,
                                  _NO_ENDS if ends is None else ends, fill, positions, out)
     return True
 
@@ -109,19 +109,18 @@ def _job_takes(scaled, key, value, bias, out) -> bool:
         return False
     batch, heads, length, depth = scaled.shape
     groups, size = key.shape[1], key.shape[2]
-    return (size > 0 and groups > 0 and heads % groups == 0 and key.shape == (batch, groups, size, depth)
+    return (size > 0 and groups > 0 and heads % groups == 0 and depth <= _kernels_gemm.KC
+            and key.shape == (batch, groups, size, depth)
             and value.shape[:3] == key.shape[:3] and out.shape == (batch, heads, length, value.shape[3])
             and (bias is None or all(b in (1, s) for b, s in zip(bias.shape, (batch, heads, length, size)))))
 
 
-def _key_columns(key):
-    """key (B, G, K, D) by its columns: (B, G, D, K), each (b, g) C-contiguous; a view where an
-    encoder computed its keys transposed, else a copy."""
-    columns = key.swapaxes(2, 3)
-    if rows_contiguous(columns):
-        return columns
-    out = np.empty(columns.shape, np.float32)
-    key_columns_into(key, out)
+def _key_panels(key):
+    """key (B, G, K, D) as the job reads it: each KV head's keys as the panels of their columns
+    (`key_panels_into`), made once a call, which every block of query positions reads in order."""
+    batch, groups, size, depth = key.shape
+    out = np.empty((batch, groups, -(-size // _kernels_gemm.NR) * depth, _kernels_gemm.NR), np.float32)
+    key_panels_into(key, out)
     return out
 
 

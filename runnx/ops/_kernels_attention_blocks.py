@@ -14,7 +14,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._kernels_gemm import KC, MC, MR, NR, gemm_columns
+from runnx.ops._kernels_gemm import KC, MC, MR, NR, gemm_columns, panels_product
 from runnx.ops._kernels_rows import softmax_rows_float32
 
 _MASKED, _VISIBLE = -1e30, -1e20
@@ -58,18 +58,19 @@ def adds_nothing(bias, ends, out):
 
 
 @_jit
-def key_columns_into(key, out):
-    """out[b, g] = key[b, g].T for key (B, G, K, D) of any layout: the keys by their columns, as the
-    prompt-attention job reads them, 16 keys at a time (each of their D elements a row of out, while
-    those keys' rows stay in L1)."""
+def key_panels_into(key, out):
+    """out[b, g] = the panels of key[b, g].T for key (B, G, K, D) of any layout and out (B, G, P D, NR),
+    P = ceil(K / NR): panel p, rows p D .. p D + D, holds keys p NR .. p NR + NR by their columns
+    (element [d, j] is key j's d), zero past K, as `panels_product` reads a b. Each key's row is
+    read once, into one column of its panel."""
     size, depth = key.shape[2], key.shape[3]
     for b in range(key.shape[0]):
         for g in range(key.shape[1]):
-            for first in range(0, size, 16):
-                stop = min(first + 16, size)
-                for d in range(depth):
-                    for k in range(first, stop):
-                        out[b, g, d, k] = key[b, g, k, d]
+            for p in range(out.shape[2] // depth):
+                for j in range(NR):
+                    k = p * NR + j
+                    for d in range(depth):
+                        out[b, g, p * depth + d, j] = key[b, g, k, d] if k < size else 0.0
 
 
 def block_positions(per: int) -> int:
@@ -97,15 +98,14 @@ def block_limit(ends, per, g, b, first, stop, size):
 
 
 @_jit
-def attend_block(scaled, key_columns, values, bias, ends, fill, out, b, g, per, first, stop):
+def attend_block(scaled, key_panels, values, bias, ends, fill, out, b, g, per, first, stop):
     """out[b, g's query heads, first:stop] = softmax(their scaled rows @ keys.T + bias) @ values, a
     row whose softmax is NaN set to `fill`, for KV head g shared by `per` query heads: scaled (B, H,
     Q, D) the query times the scale and out (B, H, Q, W), any layout; values (K, W) the KV head's
-    rows the block sees and key_columns (D, >= K) the head's keys by their columns (keys.T, of which
-    the first K columns count: read in place, as a weight is, where keys given by their rows would
-    be packed again for every block), both C-contiguous, K >= 1; bias broadcasting to (B, H, Q,
-    >= K), or with no columns (none); the keys from each row's end on (ends as in `block_limit`)
-    masked."""
+    rows the block sees and key_panels (P D, NR) the head's keys as the panels of keys.T
+    (`key_panels_into`: made once a call, every block reads them in order), both C-contiguous,
+    K >= 1, D at most KC; bias broadcasting to (B, H, Q, >= K), or with no columns (none); the keys
+    from each row's end on (ends as in `block_limit`) masked."""
     depth, width, size = scaled.shape[3], out.shape[3], values.shape[0]
     count = stop - first
     rows = per * count
@@ -116,7 +116,7 @@ def attend_block(scaled, key_columns, values, bias, ends, fill, out, b, g, per, 
     scores = np.empty((rows, size), np.float32)
     a_panels = np.empty((min(rows, MC) + MR - 1) // MR * MR * KC, np.float32)
     b_panel, edge = np.empty(KC * NR, np.float32), np.empty((MR, NR), np.float32)
-    gemm_columns(stacked, key_columns, scores, 0, size, a_panels, b_panel, edge, False, b_panel)
+    panels_product(stacked, key_panels, scores, a_panels, edge)
     for h in range(per):
         for r in range(count):
             row = scores[h * count + r]

@@ -19,7 +19,7 @@ from numba.extending import overload
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_fused import attention_combine, attention_scratch
 from runnx.ops._kernels_contrib import nbits_lanes
-from runnx.ops._kernels_gemm import NR
+from runnx.ops._kernels_gemm import KC, NR
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE
 from runnx.ops._kernels_vnni import unsigned_rows, with_zero_points
@@ -146,14 +146,20 @@ def post_products(box, workers, row, matrices, outs, scratch, zero, scale):
 @_jit
 def _check_attention(query, key, value, bias, out):
     """ValueError unless the arrays are what `post_attention` reads and writes."""
+    _check_attention_shapes(query, key.shape, key.itemsize, value, bias, out)
+
+
+@_jit
+def _check_attention_shapes(query, key_shape, key_itemsize, value, bias, out):
+    """`_check_attention` of a key of this shape and item size."""
     batch, heads, length, depth = query.shape
-    groups, size = key.shape[1], key.shape[2]
-    if (key.shape[0] != batch or key.shape[3] != depth or value.shape[0] != batch or value.shape[1] != groups
+    groups, size = key_shape[1], key_shape[2]
+    if (key_shape[0] != batch or key_shape[3] != depth or value.shape[0] != batch or value.shape[1] != groups
             or value.shape[2] != size or groups == 0 or heads % groups != 0):
         raise ValueError("an attention job takes query (B, H, Q, D), key (B, G, K, D), value (B, G, K, W), "
                          "H a multiple of G")
     if (out.shape[0] != batch or out.shape[1] != heads or out.shape[2] != length or out.shape[3] != value.shape[3]
-            or query.itemsize != 4 or key.itemsize != 4 or value.itemsize != 4 or out.itemsize != 4):
+            or query.itemsize != 4 or key_itemsize != 4 or value.itemsize != 4 or out.itemsize != 4):
         raise ValueError("an attention job takes float32 arrays and an output (B, H, Q, W)")
     if bias is not None:
         if ((bias.shape[0] != 1 and bias.shape[0] != batch) or (bias.shape[1] != 1 and bias.shape[1] != heads)
@@ -398,13 +404,16 @@ def rows_contiguous(x):
 
 
 @_jit
-def _check_attention_blocks(scaled, key_columns, value, bias, ends, out, positions):
+def _check_attention_blocks(scaled, key_panels, value, bias, ends, out, positions):
     """ValueError unless the arrays are what `post_attention_blocks` reads and writes by address."""
-    _check_attention(scaled, key_columns.transpose((0, 1, 3, 2)), value, bias, out)
-    if (key_columns.shape[3] == 0 or positions <= 0 or not rows_contiguous(key_columns)
-            or not rows_contiguous(value)):
-        raise ValueError("a prompt's attention job takes keys by their columns and values by their rows, each "
-                         "KV head's C-contiguous, at least one key, and positions a block")
+    batch, groups, size, depth = value.shape[0], value.shape[1], value.shape[2], scaled.shape[3]
+    _check_attention_shapes(scaled, (key_panels.shape[0], key_panels.shape[1], size, depth), key_panels.itemsize,
+                            value, bias, out)
+    if (size == 0 or depth > KC or key_panels.shape[2] != (size + NR - 1) // NR * depth or key_panels.shape[3] != NR
+            or positions <= 0 or not rows_contiguous(key_panels) or not rows_contiguous(value)):
+        raise ValueError("a prompt's attention job takes keys as panels of their columns (B, G, ceil(K / NR) D, "
+                         "NR), D at most KC, and values by their rows, each KV head's C-contiguous, at least one "
+                         "key, and positions a block")
     batch, heads, length = scaled.shape[0], scaled.shape[1], scaled.shape[2]
     if ends.shape[2] > 0 and ((ends.shape[0] != 1 and ends.shape[0] != batch)
                               or (ends.shape[1] != 1 and ends.shape[1] != heads)
@@ -418,14 +427,14 @@ def _check_attention_blocks(scaled, key_columns, value, bias, ends, out, positio
 
 
 @_jit
-def post_attention_blocks(box, workers, scaled, key_columns, value, bias, ends, fill, positions, out):
-    """softmax(scaled @ key_columns + bias) @ value into out (key_columns (B, G, D, K): the keys
-    transposed), NaN rows set to `fill`, each row's keys from its
+def post_attention_blocks(box, workers, scaled, key_panels, value, bias, ends, fill, positions, out):
+    """softmax(scaled @ keys.T + bias) @ value into out (key_panels (B, G, ceil(K / NR) D, NR): the
+    panels of keys.T, `key_panels_into`), NaN rows set to `fill`, each row's keys from its
     end on masked (`ends` (B, H, Q) broadcasting: `visible_ends` of the bias, or a causal prompt's;
     (1, 1, 0): none), as one job of a unit per block of `positions` query positions of each (batch
     entry, KV head), each against the keys its rows see; whether a worker was idle. Arrays that do
     not fit raise ValueError before anything is posted."""
-    _check_attention_blocks(scaled, key_columns, value, bias, ends, out, positions)
+    _check_attention_blocks(scaled, key_panels, value, bias, ends, out, positions)
     posted_ends = np.empty((1,) + ends.shape, np.float32)  # key counts: below 2^24, exact
     for b in range(ends.shape[0]):
         for h in range(ends.shape[1]):
@@ -434,10 +443,10 @@ def post_attention_blocks(box, workers, scaled, key_columns, value, bias, ends, 
     sequence = begin_job(box, PATIENCE)
     store(box, KIND, BLOCKS)
     store(box, BLOCK_FILL, bits_of_float64(fill))
-    store(box, BLOCK_PER, scaled.shape[1] // key_columns.shape[1])
+    store(box, BLOCK_PER, scaled.shape[1] // key_panels.shape[1])
     store(box, BLOCK_POSITIONS, positions)
     post_array(box, BLOCK_QUERY, scaled)
-    post_array(box, BLOCK_KEY, key_columns)
+    post_array(box, BLOCK_KEY, key_panels)
     post_array(box, BLOCK_VALUE, value)
     post_array(box, BLOCK_ENDS, posted_ends)
     post_array(box, BLOCK_OUT, out)
@@ -446,7 +455,7 @@ def post_attention_blocks(box, workers, scaled, key_columns, value, bias, ends, 
     else:
         store(box, BLOCK_HAS_BIAS, 1)
         post_array(box, BLOCK_BIAS, bias)
-    units = scaled.shape[0] * key_columns.shape[1] * ((scaled.shape[2] + positions - 1) // positions)
+    units = scaled.shape[0] * key_panels.shape[1] * ((scaled.shape[2] + positions - 1) // positions)
     idle = open_job(box, workers, sequence, units)
     _finish_holding(box, posted_ends, posted_ends)
     return idle

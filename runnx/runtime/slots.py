@@ -33,7 +33,7 @@ SUM_BLOCK = 4096
 SCALE, GROUPS, HAS_BIAS, ARRAYS = range(OWN, OWN + 4)
 QUERY, KEY, VALUE, BIAS, PARTIAL_SUMS, SPAN_STATS = (ARRAYS + 9 * i for i in range(6))
 # a prompt's attention in blocks: the fill (float64 bits), query heads a KV head, query positions a
-# block, whether there is a bias, then the scaled query, key, value, bias, each row's end (float32 (1,
+# block, whether there is a bias, then the scaled query, the keys' panels, value, bias, each row's end (float32 (1,
 # B, H, Q), broadcasting; no positions: none) and the output as (address, 4 dimensions, 4 byte
 # strides); its units go from the last blocks (the most keys, under a causal mask) to the first
 BLOCK_FILL, BLOCK_PER, BLOCK_POSITIONS, BLOCK_HAS_BIAS, BLOCK_ARRAYS = range(OWN, OWN + 5)

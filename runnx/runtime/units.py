@@ -202,7 +202,8 @@ def _attention_block(box, index):
     """Unit `index` of a prompt's attention job: one block of query positions of one (batch entry, KV
     head), the last blocks first."""
     query, ends, out = posted_array(box, BLOCK_QUERY), posted_array(box, BLOCK_ENDS)[0], posted_array(box, BLOCK_OUT)
-    _, groups, depth, stored = posted_array(box, BLOCK_KEY).shape
+    _, groups, panel_rows, _ = posted_array(box, BLOCK_KEY).shape
+    stored = posted_array(box, BLOCK_VALUE).shape[2]
     batch, length, per = query.shape[0], query.shape[2], load(box, BLOCK_PER)
     positions = load(box, BLOCK_POSITIONS)
     blocks = (length + positions - 1) // positions
@@ -210,9 +211,9 @@ def _attention_block(box, index):
     stop = min(first + positions, length)
     b, g = index % (batch * groups) // groups, index % groups
     size = block_limit(ends, per, g, b, first, stop, stored)
-    key_columns, values = _head_rows(box, BLOCK_KEY, b, g, depth), _head_rows(box, BLOCK_VALUE, b, g, size)
+    key_panels, values = _head_rows(box, BLOCK_KEY, b, g, panel_rows), _head_rows(box, BLOCK_VALUE, b, g, size)
     bias = posted_array(box, BLOCK_BIAS) if load(box, BLOCK_HAS_BIAS) else np.empty((1, 1, 1, 0), np.float32)
-    attend_block(query, key_columns, values, bias, ends, np.float32(float64_from_bits(load(box, BLOCK_FILL))), out, b, g,
+    attend_block(query, key_panels, values, bias, ends, np.float32(float64_from_bits(load(box, BLOCK_FILL))), out, b, g,
                  per, first, stop)
 
 

@@ -168,13 +168,18 @@ def test_a_bias_that_adds_nothing_before_each_rows_end_is_left_out_with_the_same
 
 
 @pytest.mark.parametrize("layout", ["rows", "heads interleaved", "columns"])
-def test_keys_reach_the_job_by_their_columns_copied_only_when_they_must_be(layout):
-    """The job reads each KV head's keys transposed: keys computed that way are passed as they
-    are; a cache's rows or a projection's heads interleaved are transposed into a copy."""
-    key = RNG.standard_normal((2, 3, 37, 16)).astype(np.float32)
+@pytest.mark.parametrize("size", [37, 64])
+def test_keys_reach_the_job_as_the_panels_of_their_columns_from_any_layout(layout, size):
+    """The job reads each KV head's keys as the panels of their columns, made once a call: panel p
+    holds keys p NR .. p NR + NR, element [d, j] key j's element d, zero past the last key, from keys
+    given by their rows, with the heads interleaved (a projection's output) or transposed."""
+    key = RNG.standard_normal((2, 3, size, 16)).astype(np.float32)
     given = {"rows": key, "heads interleaved": np.ascontiguousarray(key.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3),
              "columns": np.ascontiguousarray(key.swapaxes(2, 3)).swapaxes(2, 3)}[layout]
-    columns = _attention_blocks._key_columns(given)
-    np.testing.assert_array_equal(columns, key.swapaxes(2, 3))
-    assert columns.shape == (2, 3, 16, 37) and columns[0, 0].flags.c_contiguous
-    assert np.shares_memory(columns, given) == (layout == "columns")
+    panels = _attention_blocks._key_panels(given)
+    count = -(-size // 32)
+    assert panels.shape == (2, 3, count * 16, 32) and panels.flags.c_contiguous
+    padded = np.zeros((2, 3, count * 32, 16), np.float32)
+    padded[:, :, :size] = key
+    expected = padded.reshape(2, 3, count, 32, 16).transpose(0, 1, 2, 4, 3).reshape(2, 3, count * 16, 32)
+    np.testing.assert_array_equal(panels, expected)

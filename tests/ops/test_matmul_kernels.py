@@ -316,6 +316,34 @@ def test_a_streamed_product_is_the_same_bits_as_the_blocked_one(rows, depth, col
 
 
 @needs_avx512
+@pytest.mark.parametrize("rows", [1, 12, 13, 64, 121, 250])
+@pytest.mark.parametrize("depth", [1, 64, 80, 256])
+@pytest.mark.parametrize("columns, panels", [(5, 1), (32, 1), (64, 3), (100, 4), (1500, 47)])
+def test_a_product_by_panels_made_ahead_is_the_same_bits_as_the_blocked_one(rows, depth, columns, panels):
+    """`panels_product` reads b as panels `key_panels_into` made (more of them than the product's
+    columns need: a block's keys are the first of its head's), and is `gemm_columns`' bits: one KC
+    block, row blocks of MC, partial tiles and panels, a's rows read in place by `gemm_columns`
+    (64 columns and fewer) or packed."""
+    from runnx.ops._kernels_attention_blocks import key_panels_into
+    a, b = _operands(rows, depth, columns)
+    extra = max(0, panels * gemm.NR - 3 - columns)  # keys past the product's columns, short of the last panel
+    keys = np.concatenate([b.T, RNG.standard_normal((extra, depth), dtype=np.float32)])
+    made = np.full((1, 1, panels * depth, gemm.NR), np.nan, np.float32)
+    key_panels_into(keys[None, None], made)
+    padding = made[0, 0].reshape(panels, depth, gemm.NR).transpose(1, 0, 2).reshape(depth, -1)[:, keys.shape[0]:]
+    assert (padding == 0).all()  # (the last panel's columns past the keys)
+    blocked = np.full((rows, columns), np.nan, np.float32)
+    gemm.gemm_columns(a, b, blocked, 0, columns, np.empty(gemm.MC * gemm.KC, np.float32),
+                      np.empty(gemm.KC * gemm.NR, np.float32), np.empty((gemm.MR, gemm.NR), np.float32), False,
+                      np.empty(1, np.float32))
+    product = np.full((rows, columns), np.nan, np.float32)
+    gemm.panels_product(a, made[0, 0], product, np.empty(gemm.MC * gemm.KC, np.float32),
+                        np.empty((gemm.MR, gemm.NR), np.float32))
+    np.testing.assert_array_equal(product.view(np.int32), blocked.view(np.int32))
+    _close_to_exact(product, a, b)
+
+
+@needs_avx512
 def test_a_short_prompts_product_by_a_wide_weight_is_streamed_and_others_are_not(own):
     """A few dozen rows by a weight's range of 4 panels or more stream; more rows, narrower ranges
     and b given by its columns take the blocked kernel. The products are the same bits either way."""

@@ -10,7 +10,7 @@ import llvmlite.binding as llvm
 import numpy as np
 import pytest
 
-from runnx.ops import _kernels_gemm as gemm, _matmul
+from runnx.ops import _attention_blocks, _kernels_gemm as gemm, _matmul
 from runnx.ops._kernels_attention_blocks import visible_ends
 from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, row_times_matrix
@@ -1001,9 +1001,9 @@ def test_a_prompts_attention_job_is_the_same_bits_on_any_thread(pool, batch, hea
     whose rows lie apart (a view of a wider buffer), are the bits of the job run alone, each block
     against the keys its rows see; nothing is written outside the output."""
     scaled, key, value, bias, ends = _prompt_attention(batch, heads, groups, length, size)
-    key_columns = np.ascontiguousarray(key.swapaxes(2, 3))
+    key_panels = _attention_blocks._key_panels(key)
     expected = np.empty((batch, heads, length, 8), np.float32)
-    decode_pool.alone(jobs.post_attention_blocks, scaled, key_columns, value, bias, ends, 0.0, positions, expected)
+    decode_pool.alone(jobs.post_attention_blocks, scaled, key_panels, value, bias, ends, 0.0, positions, expected)
     per = heads // groups
     keys = np.repeat(key, per, axis=1).astype(np.float64)
     scores = scaled.astype(np.float64) @ keys.swapaxes(2, 3) + bias
@@ -1015,7 +1015,7 @@ def test_a_prompts_attention_job_is_the_same_bits_on_any_thread(pool, batch, hea
             pool.box[slots.CLAIM_SHIFT] = shift
             wide = np.full((batch, heads, length, 8 + 5), np.nan, np.float32)
             out = wide[..., 2:10]
-            jobs.post_attention_blocks(pool.box, 2, scaled, key_columns, value, bias, ends, 0.0, positions, out)
+            jobs.post_attention_blocks(pool.box, 2, scaled, key_panels, value, bias, ends, 0.0, positions, out)
             assert np.array_equal(out, expected)
             assert np.isnan(wide[..., :2]).all() and np.isnan(wide[..., 10:]).all()
             assert pool.box[slots.COMPLETED] == pool.box[slots.UNITS] == batch * groups * -(-length // positions)
@@ -1023,15 +1023,17 @@ def test_a_prompts_attention_job_is_the_same_bits_on_any_thread(pool, batch, hea
         pool.box[slots.CLAIM_SHIFT] = mailbox.DEFAULT_CLAIM_SHIFT
 
 
-@pytest.mark.parametrize("change", ["strided keys", "no keys", "float64 values", "positions", "ends", "zero end",
-                                    "heads"])
+@pytest.mark.parametrize("change", ["strided keys", "short panels", "keys by their columns", "no keys",
+                                    "float64 values", "positions", "ends", "zero end", "heads"])
 def test_a_prompts_attention_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
     scaled, key, value, bias, ends = _prompt_attention(1, 4, 2, 6, 10)
-    key_columns = np.ascontiguousarray(key.swapaxes(2, 3))
-    arrays = dict(scaled=scaled, key=key_columns, value=value, bias=bias, ends=ends, fill=0.0, positions=4,
+    key_panels = _attention_blocks._key_panels(key)
+    arrays = dict(scaled=scaled, key=key_panels, value=value, bias=bias, ends=ends, fill=0.0, positions=4,
                   out=np.empty((1, 4, 6, 8), np.float32))
-    changed = {"strided keys": ("key", key.swapaxes(2, 3)),
-               "no keys": ("key", key_columns[..., :0]),
+    changed = {"strided keys": ("key", np.ascontiguousarray(key_panels.swapaxes(0, 1)).swapaxes(0, 1)[..., ::-1]),
+               "short panels": ("key", key_panels[:, :, 1:]),
+               "keys by their columns": ("key", np.ascontiguousarray(key.swapaxes(2, 3))),
+               "no keys": ("key", key_panels[:, :, :0]),
                "float64 values": ("value", value.astype(np.float64)),
                "positions": ("positions", 0),
                "ends": ("ends", np.ones((1, 1, 5), np.int64)),
