@@ -132,20 +132,25 @@ def shared_input_products(a, weights: tuple) -> list | None:
     C-contiguous float32 rows (M, K) whose products MatMul would give runnx's own kernels one by
     one (`_matrix_product`) and each weight a C-contiguous float32 (K, N); else None, nothing done."""
     rows, depth = a.shape
-    if (not FEW_ROWS < rows < _POOL_ROWS or not 1 < len(weights) <= decode_pool.MAX_MATRICES
-            or a.dtype != _FLOAT32 or not a.flags.c_contiguous or not own_product(rows, True)
-            or helpers.inside_parts()):
+    if (not 1 < len(weights) <= decode_pool.MAX_MATRICES or a.dtype != _FLOAT32 or not a.flags.c_contiguous
+            or not own_product(rows, True)):
         return None
     for w in weights:  # (few rows by a narrow weight: MatMul's products loop, whose sums are not these)
         if (w.dtype != _FLOAT32 or w.ndim != 2 or w.shape[0] != depth or not w.flags.c_contiguous
                 or few(rows, w.shape[1])):
             return None
-    if rows * depth * sum(w.shape[1] for w in weights) < _POOL_FROM:
+    if not _pooled(rows, rows * depth * sum(w.shape[1] for w in weights)):
         return None
     outs = tuple([np.empty((rows, w.shape[1]), np.float32) for w in weights])
     if not decode_pool.columns_products(_read_only(a), tuple([_read_only(w) for w in weights]), outs):
         return None
     return list(outs)
+
+
+def _pooled(rows: int, multiply_adds: int) -> bool:
+    """Whether a product of `rows` rows and `multiply_adds` is a short prompt's that the decode pool's
+    threads share by columns (`columns_product`, `columns_products`) rather than one thread's."""
+    return FEW_ROWS < rows < _POOL_ROWS and multiply_adds >= _POOL_FROM and not helpers.inside_parts()
 
 
 def _matrix_product(a, b, out, columns_given: bool = False) -> None:
@@ -154,8 +159,7 @@ def _matrix_product(a, b, out, columns_given: bool = False) -> None:
     rows, columns = a.shape[0], out.shape[1]
     multiply_adds = rows * a.shape[1] * columns
     threads = blas_split.blas_threads() if multiply_adds >= _SPLIT_FROM else 1
-    if (FEW_ROWS < rows < _POOL_ROWS and multiply_adds >= _POOL_FROM and not helpers.inside_parts()
-            and decode_pool.columns_product(_read_only(a), _read_only(b), out, columns_given)):
+    if _pooled(rows, multiply_adds) and decode_pool.columns_product(_read_only(a), _read_only(b), out, columns_given):
         return
     if rows <= FEW_ROWS and threads < 2 and out.flags.c_contiguous:
         gemm.few_rows(_read_only(a), _read_only(b), out, columns_given, np.empty(columns, np.float32))

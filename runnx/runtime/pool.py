@@ -363,9 +363,9 @@ def _gemm_unit(workers, columns: int) -> int:
 
 def attention_blocks(scaled, key_panels, value, bias, ends, fill: float, positions: int, out) -> None:
     """A prompt's attention into out (`post_attention_blocks`: float32 arrays, each KV head's keys as
-    the panels of their columns and values C-contiguous), its blocks of query positions shared with the pool's
-    workers when there are any: the same compiled code on every thread, each block computed whole
-    by one, so the same values whatever the thread count."""
+    the panels of their columns and values C-contiguous), its blocks of query positions shared with
+    the pool's workers when there are any: the same compiled code on every thread, each block
+    computed whole by one, so the same values whatever the thread count."""
     shared_call(post_attention_blocks, scaled, key_panels, value, bias, ends, float(fill), positions, out)
 
 

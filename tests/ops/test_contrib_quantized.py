@@ -417,7 +417,8 @@ def test_4_bit_tiles_are_the_weights_bytes_in_their_layout_padding_zero(N, block
         return
     blocks = K // block_size
     if zero_points == "packed":  # two 4-bit zero points a byte, the first block's in the low nibble
-        block_zeros = np.stack([zeros.reshape(N, -1) & 15, zeros.reshape(N, -1) >> 4], axis=2).reshape(N, -1)[:, :blocks]
+        pairs = zeros.reshape(N, -1)
+        block_zeros = np.stack([pairs & 15, pairs >> 4], axis=2).reshape(N, -1)[:, :blocks]
     else:
         block_zeros = zeros.reshape(N, blocks)
     zeros_per_chunk = np.zeros((count * 16, chunks), tile_zeros.dtype)
