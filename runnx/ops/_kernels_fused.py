@@ -336,43 +336,72 @@ def attention(query, key, value, bias, scale, fill):
     return out
 
 
+@intrinsic
+def _lane_squares(typingctx, row, start, stop):
+    """Numpy's eight running sums of squares over row[start:stop] (a C-contiguous float32 or float64
+    row; stop - start a positive multiple of 8), combined as numpy combines them: lane l sums
+    x * x of elements start + l, start + 8 + l, ... in order, one vector multiply and add a step
+    (never fused: numpy squares, rounds, then adds). Written as vector instructions because
+    LLVM leaves eight scalar chains scalar: 0.38 ns an element, a short prompt's RMS norms 2x."""
+    if not (isinstance(row, types.Array) and row.ndim == 1 and row.layout == "C"
+            and row.dtype in (types.float32, types.float64)):
+        return None
+    signature = row.dtype(row, start, stop)
+
+    def codegen(context, builder, sig, args):
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        element = context.get_data_type(sig.args[0].dtype)
+        lanes = ir.VectorType(element, 8)
+        i64 = ir.IntType(64)
+        first, stop_at = (context.cast(builder, value, kind, types.int64)
+                          for value, kind in zip(args[1:], sig.args[1:]))
+
+        def squares(index):
+            values = builder.load(builder.bitcast(builder.gep(data, [index]), lanes.as_pointer()), align=1)
+            return builder.fmul(values, values)
+
+        sums = cgutils.alloca_once_value(builder, squares(first))
+        with cgutils.for_range_slice(builder, builder.add(first, ir.Constant(i64, 8)), stop_at,
+                                     ir.Constant(i64, 8)) as (index, _):
+            builder.store(builder.fadd(builder.load(sums), squares(index)), sums)
+        total = builder.load(sums)
+        lane = [builder.extract_element(total, ir.Constant(ir.IntType(32), i)) for i in range(8)]
+        pairs = [builder.fadd(lane[i], lane[i + 1]) for i in range(0, 8, 2)]
+        return builder.fadd(builder.fadd(pairs[0], pairs[1]), builder.fadd(pairs[2], pairs[3]))
+    return signature, codegen
+
+
 @_kernel()
 def _block_squares(row, start, count):
-    """sum(row[start:start+count] ** 2) for count <= 128 in numpy's order: 8 running sums."""
+    """sum(row[start:start+count] ** 2) for count <= 128 in numpy's order: 8 running sums
+    (`_lane_squares`), then the rest one by one."""
     total = row.dtype.type(0)
     if count < 8:
         for i in range(start, start + count):
             total += row[i] * row[i]
         return total
-    r0, r1, r2, r3 = row[start] * row[start], row[start + 1] * row[start + 1], \
-        row[start + 2] * row[start + 2], row[start + 3] * row[start + 3]
-    r4, r5, r6, r7 = row[start + 4] * row[start + 4], row[start + 5] * row[start + 5], \
-        row[start + 6] * row[start + 6], row[start + 7] * row[start + 7]
     end = start + count - count % 8
-    for i in range(start + 8, end, 8):
-        r0 += row[i] * row[i]
-        r1 += row[i + 1] * row[i + 1]
-        r2 += row[i + 2] * row[i + 2]
-        r3 += row[i + 3] * row[i + 3]
-        r4 += row[i + 4] * row[i + 4]
-        r5 += row[i + 5] * row[i + 5]
-        r6 += row[i + 6] * row[i + 6]
-        r7 += row[i + 7] * row[i + 7]
-    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    total = _lane_squares(row, start, end)
     for i in range(end, start + count):
         total += row[i] * row[i]
     return total
 
 
 @_kernel()
-def _pairwise_squares(row):
+def _pairwise_scratch(zero):
+    """`_pairwise_squares`' stack of (start, count) pairs (count -1: add the last two sums) and its
+    sums of `zero`'s type: deep enough for any row (each level halves it)."""
+    return np.empty(128, np.int64), np.empty(128, np.int64), np.empty(64, type(zero))
+
+
+@_kernel()
+def _pairwise_squares(row, starts, counts, sums):
     """sum(row ** 2) in numpy's pairwise order (blocks of <= 128, halves above, split at multiples
     of 8), so that RMSNorm's mean is bitwise np.add.reduce(np.square(x)). The recursion runs on an
-    explicit stack: numba's cache cannot reload recursive functions."""
+    explicit stack (scratch from `_pairwise_scratch`): numba's cache cannot reload recursive
+    functions."""
     if row.shape[0] <= 128:
         return _block_squares(row, 0, row.shape[0])
-    starts, counts = np.empty(128, np.int64), np.empty(128, np.int64)  # count -1: add the last two sums
-    sums = np.empty(64, row.dtype)
     starts[0], counts[0], pending, done = 0, row.shape[0], 1, 0
     while pending:
         pending -= 1
@@ -401,9 +430,10 @@ def rms_norm_into(rows, epsilon, one, weight, out):
     (`runtime/rows.py`)."""
     width = rows.shape[1]
     count, epsilon, unit = rows.dtype.type(width), rows.dtype.type(epsilon), rows.dtype.type(one)
+    starts, counts, sums = _pairwise_scratch(rows.dtype.type(0))
     for r in range(rows.shape[0]):
         row = rows[r]
-        mean = _pairwise_squares(row) / count + epsilon
+        mean = _pairwise_squares(row, starts, counts, sums) / count + epsilon
         scale = unit / np.sqrt(mean)
         for i in range(width):
             out[r, i] = weight[i] * (row[i] * scale)

@@ -32,9 +32,11 @@ def test_rms_norm_matches_the_formula_and_casts():
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("width", [5, 8, 100, 128, 129, 576, 1000, 4097])  # numpy's pairwise sum: blocks of 128
+# numpy's pairwise sum: blocks of 128, eight running sums (vector lanes here) then the rest one by one
+@pytest.mark.parametrize("width", [5, 8, 15, 100, 128, 129, 263, 576, 1000, 4097])
 def test_rms_norm_is_bitwise_the_unfused_operations(dtype, width):
-    x = (RNG.standard_normal((3, 2, width)) * 4).astype(dtype)
+    # magnitudes across six decades: every lane's running sum rounds, so an order changed shows
+    x = (RNG.standard_normal((3, 2, width)) * 10.0 ** RNG.integers(-3, 3, (3, 2, width))).astype(dtype)
     w = RNG.standard_normal(width).astype(dtype)
     epsilon, one = np.array(1e-6, dtype), np.array(1, dtype)
     mean = np.add.reduce(np.square(x), axis=-1, keepdims=True) / dtype(width)
