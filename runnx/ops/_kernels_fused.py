@@ -517,6 +517,12 @@ def _rotate_rows(x, cos, sin, half, out, start):
                 c = cos[b if cos.shape[0] != 1 else 0, h if cos.shape[1] != 1 else 0, q if cos.shape[2] != 1 else 0]
                 s = sin[b if sin.shape[0] != 1 else 0, h if sin.shape[1] != 1 else 0, q if sin.shape[2] != 1 else 0]
                 target = out[b, h, start + q]
+                if c.shape[0] == width and s.shape[0] == width:  # (no index to choose: loops that vectorise)
+                    for i in range(tail):
+                        target[i] = row[i] * c[i] + -row[half + i] * s[i]
+                    for i in range(tail, width):
+                        target[i] = row[i] * c[i] + row[i - tail] * s[i]
+                    continue
                 for i in range(tail):
                     target[i] = row[i] * c[i if c.shape[0] != 1 else 0] + -row[half + i] * s[i if s.shape[0] != 1 else 0]
                 for i in range(tail, width):
@@ -569,4 +575,6 @@ def rope_append_rows(query, key, value, key_buffer, value_buffer, query_cos, que
     for b in range(value.shape[0]):
         for h in range(value.shape[1]):
             for q in range(value.shape[2]):
-                value_buffer[b, h, value_start + q] = value[b, h, q]
+                row, target = value[b, h, q], value_buffer[b, h, value_start + q]
+                for i in range(row.shape[0]):  # (an element loop: a row's slice assignment costs more)
+                    target[i] = row[i]

@@ -145,6 +145,17 @@ def test_rotate_half_is_bitwise_slice_neg_concat(start, end, axis, dtype):
     np.testing.assert_array_equal(got, x * cos + rotated * sin)
 
 
+@pytest.mark.parametrize("cos_width, sin_width", [(8, 8), (1, 8), (8, 1), (1, 1)])
+def test_rotate_half_reads_cos_and_sin_rows_of_one_element_or_whole(cos_width, sin_width):
+    """The kernel's whole-row loops and its broadcasting ones (a row of one cos or sin element): each
+    element is the unfused arithmetic's."""
+    x = RNG.standard_normal((1, 3, 5, 8)).astype(np.float32)
+    cos = RNG.standard_normal((1, 1, cos_width, 5)).astype(np.float32).transpose(0, 1, 3, 2)  # position-major
+    sin = RNG.standard_normal((1, 3, 5, sin_width)).astype(np.float32)
+    got = RotateHalf(x, cos, sin, _ints(4), _ints(4), axis=-1)
+    np.testing.assert_array_equal(got, x * cos + np.concatenate([-x[..., 4:], x[..., :4]], axis=-1) * sin)
+
+
 def test_rotate_half_broadcasting_beyond_x_takes_numpy():
     x = RNG.standard_normal((1, 1, 3, 8)).astype(np.float32)
     cos, sin = RNG.standard_normal((2, 4, 3, 8)).astype(np.float32), np.ones((1, 1, 1, 8), np.float32)
