@@ -35,6 +35,15 @@ _NO_ENDS = np.empty((1, 1, 0), np.int64)
 POOLED = _kernels_gemm.AVAILABLE  # whether blocks are the pool's job (runnx's own products: AVX-512)
 
 
+def _visible_ends_of(bias) -> tuple:
+    """(ends, zero): `visible_ends` and `adds_nothing` of every row of a 4-D bias, its rows shared
+    among runnx's threads."""
+    ends, zero = np.empty(bias.shape[:3], np.int64), np.empty(bias.shape[:3], np.bool_)
+    share_rows(functools.partial(_visible_ends_rows, bias, ends, zero), bias.shape[2],
+               bias.shape[0] * bias.shape[1] * bias.shape[3])
+    return ends, zero
+
+
 def _visible_ends_rows(bias, ends, zero, start: int, stop: int) -> None:
     """`visible_ends` and `adds_nothing` of the query positions start .. stop (each row alone:
     `runtime/rows.py`)."""
@@ -42,20 +51,21 @@ def _visible_ends_rows(bias, ends, zero, start: int, stop: int) -> None:
     adds_nothing(bias[:, :, start:stop], ends[:, :, start:stop], zero[:, :, start:stop])
 
 
-def attend_blocks(scaled, key, value, bias, fill: float):
+def attend_blocks(scaled, key, value, bias, fill: float, ctx=None):
     """softmax(scaled @ key^T + bias) @ value, NaN rows set to `fill`, for float32 scaled (B, H, S, D)
     (the query times the scale), key (B, G, K, D), value (B, G, K, W), H a multiple of G, and a
-    float32 bias broadcasting to (B, H, S, K) or None; a block of query positions at a time."""
+    float32 bias broadcasting to (B, H, S, K) or None; a block of query positions at a time. With
+    the run's ctx, each row's visible keys are found once for a bias every layer reads (`keep`)."""
     batch, heads, length, depth = scaled.shape
     groups, size = key.shape[1], key.shape[2]
     per = heads // groups
+    given = bias
     if bias is not None and bias.ndim < 4:
         bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     ends = zero = None
     if bias is not None and bias.shape[3] > 1:
-        ends, zero = np.empty(bias.shape[:3], np.int64), np.empty(bias.shape[:3], np.bool_)
-        share_rows(functools.partial(_visible_ends_rows, bias, ends, zero), bias.shape[2],
-                   bias.shape[0] * bias.shape[1] * bias.shape[3])
+        find = functools.partial(_visible_ends_of, bias)
+        ends, zero = find() if ctx is None else ctx.keep(("visible ends", id(given)), (given,), find)
     out = np.empty((batch, heads, length, value.shape[3]), np.float32)
     # The job masks each row's keys from its end on itself: a bias that is 0 before every end (a
     # causal mask over a prompt with no padding) adds nothing it needs, and every query head's

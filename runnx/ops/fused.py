@@ -150,7 +150,7 @@ def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fil
     if mask is not None:
         bias = _mask_bias(mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then, masked_else, ctx)
     heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
-                                   key_target, value_axes, value_expand, value_target, axis)
+                                   key_target, value_axes, value_expand, value_target, axis, ctx)
     if merged_target is None:
         return heads
     return Reshape(heads.transpose(0, 2, 1, 3), merged_target)
@@ -233,7 +233,7 @@ def _merged_shape(heads: tuple, target) -> tuple | None:
 
 
 def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
-                           key_target, value_axes, value_expand, value_target, axis):
+                           key_target, value_axes, value_expand, value_target, axis, ctx=None):
     key_shapes = head_repeat(key, key_axes, key_expand, key_target)
     value_shapes = head_repeat(value, value_axes, value_expand, value_target)
     repeat = key_shapes[3]
@@ -250,7 +250,7 @@ def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_
             return result
     scaled = np.multiply(query, query_scale)
     np.multiply(scaled, key_scale, out=scaled, casting="unsafe")
-    return _attend_numpy(scaled, key, value, bias, nan_fill)
+    return _attend_numpy(scaled, key, value, bias, nan_fill, ctx)
 
 
 def attend(query, key, value, bias, scale, fill: float = math.nan) -> np.ndarray:
@@ -316,12 +316,13 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float):
     return attention(query, key, value, bias, scale, fill)
 
 
-def _attend_numpy(scaled, key, value, bias, fill):
+def _attend_numpy(scaled, key, value, bias, fill, ctx=None):
     """The grouped attention with numpy's matrix products: each KV head's query rows as one
-    matrix, so the cache is not repeated."""
+    matrix, so the cache is not repeated (`attend_blocks`, with the run's ctx: what it derives from
+    the bias is made once a run)."""
     if (_native.enabled and scaled.dtype == np.float32 and key.dtype == np.float32 and value.dtype == np.float32
             and (bias is None or (bias.dtype == np.float32 and bias.ndim <= 4)) and np.size(fill) == 1):
-        return attend_blocks(scaled, key, value, bias, float(np.asarray(fill).reshape(-1)[0]))
+        return attend_blocks(scaled, key, value, bias, float(np.asarray(fill).reshape(-1)[0]), ctx)
     batch, heads, length, depth = scaled.shape
     groups, size = key.shape[1], key.shape[2]
     grouped = scaled.reshape(batch, groups, heads // groups * length, depth)

@@ -183,3 +183,55 @@ def test_keys_reach_the_job_as_the_panels_of_their_columns_from_any_layout(layou
     padded[:, :, :size] = key
     expected = padded.reshape(2, 3, count, 32, 16).transpose(0, 1, 2, 4, 3).reshape(2, 3, count * 16, 32)
     np.testing.assert_array_equal(panels, expected)
+
+
+def test_a_runs_attentions_over_one_bias_find_its_visible_keys_once_until_it_is_written(monkeypatch):
+    """With the run's ctx, the layers reading one bias find its rows' visible keys once (`RunContext.keep`),
+    each result the bits of the call without ctx; once an in-place write into the bias is granted
+    (the executor's `overwriting`), the next call finds them again, for the new values."""
+    from runnx.capture.ownership import storage_keys
+    from runnx.interp.context import RunContext
+    from runnx.interp.options import Options
+
+    found = []
+    visible_ends_of = _attention_blocks._visible_ends_of
+    monkeypatch.setattr(_attention_blocks, "_visible_ends_of", lambda bias: found.append(1) or visible_ends_of(bias))
+    ctx = RunContext(Options())
+    bias = _causal(90, 10)[None, None]
+    for layer in range(3):
+        scaled, key, value = _inputs(1, 6, 2, 90, 100)
+        got = attend_blocks(scaled, key, value, bias, 0.0, ctx)
+        np.testing.assert_array_equal(got, attend_blocks(scaled, key, value, bias, 0.0))
+    assert len(found) == 1 + 3  # once with ctx, then once each call without
+
+    bias[0, 0, 40:, 70:] = LOWEST  # rows 40 on now see fewer keys: written in place
+    ctx.overwriting(tuple(storage_keys(bias)))
+    found.clear()
+    got = attend_blocks(scaled, key, value, bias, 0.0, ctx)
+    np.testing.assert_array_equal(got, attend_blocks(scaled, key, value, bias, 0.0))
+    np.testing.assert_allclose(got, _reference(scaled, key, value, bias, 0.0), rtol=2e-5, atol=2e-6)
+    assert len(found) == 2
+
+
+def test_a_prompts_layers_find_the_masks_visible_keys_once_a_run_with_the_same_logits(fixtures_dir, monkeypatch):
+    """A 100-token prompt through a 2-layer Llama export: both layers' attention (fused, the mask's
+    bias made once a run) find its visible keys once; keeping nothing gives the same logits, bitwise."""
+    from runnx.generate.generator import Generator
+    from runnx.interp.context import RunContext
+
+    found = []
+    visible_ends_of = _attention_blocks._visible_ends_of
+    monkeypatch.setattr(_attention_blocks, "_visible_ends_of", lambda bias: found.append(1) or visible_ends_of(bias))
+    generator = Generator.from_folder(fixtures_dir / "tiny-llama")
+
+    def prompt_logits():
+        generator.start(max_new_tokens=1, stop_token_ids=())
+        generator.append_tokens(list(range(3, 103)))
+        return np.array(generator.compute_logits())
+
+    kept = prompt_logits()
+    assert len(found) == 1
+    found.clear()
+    monkeypatch.setattr(RunContext, "keep", lambda self, key, arrays, compute: compute())
+    np.testing.assert_array_equal(prompt_logits(), kept)
+    assert len(found) == 2
