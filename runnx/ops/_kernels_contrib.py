@@ -10,11 +10,12 @@ import numpy as np
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def skip_norm_rows(x, skip, bias, gamma, beta, epsilon, simplified, out, total, mean, inv_std):
     """Per row r: s = x[r] + skip[r % len(skip)] + bias (into total[r]), then LayerNorm (mean from
     E[s] and variance E[s^2] - E[s]^2, as onnxruntime computes it) or RMSNorm (simplified) of s,
-    times gamma plus beta. bias and beta have no elements when absent."""
+    times gamma plus beta. bias and beta have no elements when absent. Each row alone: a prompt's
+    rows may be cut into ranges computed on several threads (`runtime/rows.py`)."""
     rows, cols = x.shape
     skip_rows = skip.shape[0]
     has_bias, has_beta = bias.shape[0] > 0, beta.shape[0] > 0

@@ -14,6 +14,7 @@ a numpy path.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -27,6 +28,7 @@ from runnx.ops.fused_layer_norm_blocks import attention_in_blocks, causal_attent
 from runnx.ops.registry import register
 from runnx.ops._matmul import matmul
 from runnx.runtime.pool import settle, shared_call
+from runnx.runtime.rows import share_rows
 
 _BLOCKED_ROWS = 48  # query rows a head from which attention goes in blocks of BLAS products
 
@@ -372,9 +374,12 @@ def _rotate_and_append(q, k, v, past_key, past_value, positions, starts, length:
         rows_at = np.zeros(batch, np.int64)
     half = cos_cache.shape[1] if cos_cache is not None else 0
     angles = (cos_cache, sin_cache) if cos_cache is not None else (_NO_ANGLES, _NO_ANGLES)
-    if not rotary_append(q, k, v, positions, *angles, half, interleaved, queries, present_key, present_value,
-                         rows_at):
-        _refuse_rows(positions, starts, cos_cache, steps, length)
+    if steps and batch:  # (checked ahead, so that refused rows leave everything unwritten)
+        if (half and (positions.min() < 0 or positions.max() >= cos_cache.shape[0]) or rows_at.min() < 0
+                or rows_at.max() + steps > present_key.shape[2]):
+            _refuse_rows(positions, starts, cos_cache, steps, length)
+        share_rows(functools.partial(_rotate_positions, q, k, v, positions, *angles, half, interleaved, queries,
+                                     present_key, present_value, rows_at), steps, batch * (heads + 2 * groups) * size)
     if not shared:
         present_key = _present(past_key, present_key, starts, length, 3 in overwrite, ctx, "key")
         present_value = _present(past_value, present_value, starts, length, 4 in overwrite, ctx, "value")
@@ -401,6 +406,16 @@ def _decode_step(q, k, v, past_key, past_value, positions, starts, count: int, w
                        present_value, starts, begin, count, factor, output):
         _refuse_rows(positions, starts, cos_cache, 1, present_key.shape[2])
     return _outputs(output.reshape(batch, 1, heads * size), present_key, present_value, output_count)
+
+
+def _rotate_positions(q, k, v, positions, cos_cache, sin_cache, half: int, interleaved: bool, queries, present_key,
+                      present_value, rows_at, start: int, stop: int) -> None:
+    """`rotary_append` of the new rows start .. stop (each alone: a prompt's rows may be shared among
+    runnx's threads), their positions and cache rows checked beforehand."""
+    at = slice(start, stop)
+    if not rotary_append(q[:, at], k[:, at], v[:, at], positions[:, at], cos_cache, sin_cache, half, interleaved,
+                         queries[:, :, at], present_key, present_value, rows_at + start):
+        raise RunnxError("GroupQueryAttention: rows refused after their check")  # (unreachable: checked ahead)
 
 
 def _refuse_rows(positions, starts, cos_cache, steps: int, length: int):

@@ -8,12 +8,15 @@ normalised output has the scale's type and input_skip_bias_sum the input's.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.ops._kernels_contrib import skip_norm_rows
 from runnx.ops.registry import register
 from runnx.runtime.pool import settle
+from runnx.runtime.rows import share_rows
 
 DOMAIN = "com.microsoft"
 _SKIP_EPSILON = 1e-12  # onnxruntime's default for the Skip* norms
@@ -47,17 +50,27 @@ def _float32_rows(x, skip, gamma, beta, bias) -> bool:
 
 
 def _skip_norm_float32(x, skip, gamma, beta, bias, epsilon, simplified, output_count):
-    """`_skip_norm` of float32 rows: one `skip_norm_rows` call writing the outputs themselves."""
+    """`_skip_norm` of float32 rows: `skip_norm_rows` writing the outputs themselves, a prompt's rows
+    shared among runnx's threads (`share_rows`: each row alone, the same bits)."""
     width = x.shape[-1]
     rows = x.size // width
     out, total = np.empty(x.shape, _FLOAT32), np.empty(x.shape, _FLOAT32)
     stats_shape = x.shape[:-1] + (1,)
     mean, inv_std = np.empty(stats_shape, _FLOAT32), np.empty(stats_shape, _FLOAT32)
     settle()  # x or skip may be a pool job's output
-    skip_norm_rows(x.reshape(rows, width), skip.reshape(rows, width), _NONE32 if bias is None else bias.reshape(width),
-                   gamma.reshape(width), _NONE32 if beta is None else beta.reshape(width), float(epsilon), simplified,
-                   out.reshape(rows, width), total.reshape(rows, width), mean.reshape(rows), inv_std.reshape(rows))
+    share_rows(functools.partial(_skip_norm_range, x.reshape(rows, width), skip.reshape(rows, width),
+                                 _NONE32 if bias is None else bias.reshape(width), gamma.reshape(width),
+                                 _NONE32 if beta is None else beta.reshape(width), float(epsilon), simplified,
+                                 out.reshape(rows, width), total.reshape(rows, width), mean.reshape(rows),
+                                 inv_std.reshape(rows)), rows, width)
     return (out, mean, inv_std, total)[:output_count] if output_count > 1 else out
+
+
+def _skip_norm_range(x, skip, bias, gamma, beta, epsilon: float, simplified: bool, out, total, mean, inv_std,
+                     start: int, stop: int) -> None:
+    """`skip_norm_rows` of rows start .. stop (skip has x's rows)."""
+    at = slice(start, stop)
+    skip_norm_rows(x[at], skip[at], bias, gamma, beta, epsilon, simplified, out[at], total[at], mean[at], inv_std[at])
 
 
 def _skip_norm(op, x, skip, gamma, beta, bias, epsilon, simplified, output_count):

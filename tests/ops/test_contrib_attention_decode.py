@@ -203,3 +203,17 @@ def test_one_packed_row_leaves_other_steps_to_the_general_path(monkeypatch):
     no_caches = _step([5], 8, 4, 2, 16, packed=True)
     with pytest.raises(RunnxError, match="do_rotary=1 needs cos_cache"):
         _run(no_caches, **attributes)
+
+
+@pytest.mark.parametrize("rotary_rows, start", [(200, 0), (400, 20)])
+def test_a_prompts_refused_rows_leave_the_granted_caches_unwritten(rotary_rows, start):
+    """A 300-row prompt (its rows shared among threads) whose positions pass the rotary caches, or
+    whose rows pass the shared buffer, raises before any row is turned or written."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 300, heads, 16)).astype(np.float32) for heads in (4, 2, 2))
+    buffers = [np.full((1, 2, 310, 16), 7.0, np.float32) for _ in range(2)]
+    cos, sin = (rng.standard_normal((rotary_rows, 8)).astype(np.float32) for _ in range(2))
+    positions = np.arange(start, start + 300)[None]
+    with pytest.raises(RunnxError, match="rotary position ids must be in|do not fit the present cache"):
+        contrib_attention._rotate_and_append(q, k, v, *buffers, positions, np.array([start]), 310, cos, sin, False, (3, 4), None)
+    assert all((b == 7.0).all() for b in buffers)

@@ -11,7 +11,8 @@ import pytest
 
 import runnx
 
-from runnx.ops import _attention_blocks, fused_layer_norm_blocks, fused_norms, fused_rotary, normalization
+from runnx.ops import (_attention_blocks, contrib_attention, contrib_normalization, fused_layer_norm_blocks,
+                       fused_norms, fused_rotary, normalization)
 from runnx.runtime import openblas, rows
 from runnx.runtime import pool as decode_pool
 
@@ -94,7 +95,17 @@ def _cases(rng):
     cos, sin = (rng.standard_normal((1, 1, positions, 64)).astype(np.float32) for _ in range(2))
     half = np.array([32], np.int64)
     rope = (rotated_query, new_key, new_value, *caches, cos, sin, half, half, cos, sin, half, half)
+    packed = rng.standard_normal((1, positions, 8, 64)).astype(np.float32)  # a packed QKV: 4 query heads, 2 KV heads
+    angles = [rng.standard_normal((positions + 10, 32)).astype(np.float32) for _ in range(2)]
+    group_query_rows = (packed[:, :, :4], packed[:, :, 4:6], packed[:, :, 6:], None, None,
+                        np.arange(3, 3 + positions)[None], np.zeros(1, np.int64), positions, *angles)
     return [
+        ("GroupQueryAttention's rotary and append", lambda: contrib_attention._rotate_and_append(
+            *group_query_rows, False, (), None)),
+        ("SkipSimplifiedLayerNormalization", lambda: contrib_normalization.SkipSimplifiedLayerNormalization(
+            x, y, weight, bias, output_count=4)),
+        ("SkipLayerNormalization", lambda: contrib_normalization.SkipLayerNormalization(
+            x, y, weight, bias, bias, output_count=4)),
         ("RopeAppend", lambda: fused_rotary.RopeAppend(*rope, key_cache_axis=2, value_cache_axis=2, overwrite=(3, 4))),
         ("attend_blocks", lambda: _attention_blocks.attend_blocks(query, keys, values, causal, 0.0)),
         ("RMSNorm", lambda: fused_norms.RMSNorm(x, epsilon, one, weight)),
