@@ -206,6 +206,21 @@ def nbits_dequantize(weights, scales, packed_zeros, typed_zeros, zero_mode, bits
 
 
 @_kernel
+def lanes_order_into(rows, out):
+    """out[r] = row r of rows (M, K) in `nibble_lanes_panel`'s order: its even positions, then its
+    odd ones (both C-contiguous). One pass a row, where numpy's two strided slices joined took
+    three (a 2000-token prompt's rows: 1.4 ms a 4-bit product)."""
+    depth = rows.shape[1]
+    evens = (depth + 1) // 2
+    for r in range(rows.shape[0]):
+        row, target = rows[r], out[r]
+        for j in range(evens):
+            target[j] = row[2 * j]
+        for j in range(depth // 2):
+            target[evens + j] = row[2 * j + 1]
+
+
+@_kernel
 def nibble_lanes_panel(weights, scales, packed_zeros, typed_zeros, zero_mode, block_size, first, out):
     """out (P, K) = the dequantized 4-bit columns first .. first + P in lanes order: a column's low
     nibbles (its even positions k) first, then its high ones (odd k), so that each block unpacks in

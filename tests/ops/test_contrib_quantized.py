@@ -461,3 +461,27 @@ def test_joined_4_bit_tiles_are_the_tiles_of_the_joined_weights(columns, zero_po
     for got, expected in zip(joined, _nibble_tiles((), weights, scales, zeros)):
         np.testing.assert_array_equal(got, expected)
         assert not got.flags.writeable
+
+
+@pytest.mark.parametrize("rows, panels", [(600, 3), (3000, 1)])
+def test_many_rows_take_panels_at_least_as_large_as_their_rows_with_the_same_bits(rows, panels, monkeypatch):
+    """A prompt's 4-bit product dequantizes panels of columns of at least the rows' bytes (each
+    panel's product packs every row again): 600 rows of 256 (600 KB) in 1 MB panels of 1024 columns,
+    3000 rows (3 MB) in one; each element the bits of narrow panels' products."""
+    from runnx.ops import contrib_quantized
+    from runnx.ops.contrib_quantized import MatMulNBits
+
+    a, b, scales, zeros = _nbits_inputs((rows,), 256, 2500, 4, 32, "packed", rng=np.random.default_rng(3))
+    monkeypatch.setattr(contrib_quantized, "_PANEL_BYTES", 1 << 20)
+    monkeypatch.setattr(contrib_quantized, "_OWN_PANEL_BYTES", 1 << 20)
+    products = []
+    matmul = contrib_quantized.matmul
+    monkeypatch.setattr(contrib_quantized, "matmul", lambda x, y, out: products.append(y.shape) or matmul(x, y, out=out))
+    wide = MatMulNBits(a, b, scales, zeros, K=256, N=2500, bits=4, block_size=32)
+    assert len(products) == panels
+    narrow = np.empty_like(wide)
+    for first in range(0, 2500, 64):  # the same product, 64 columns at a time
+        narrow[:, first:first + 64] = MatMulNBits(a, b[first:first + 64], scales.reshape(2500, -1)[first:first + 64],
+                                                  zeros.reshape(2500, -1)[first:first + 64], K=256,
+                                                  N=min(64, 2500 - first), bits=4, block_size=32)
+    np.testing.assert_array_equal(wide, narrow)

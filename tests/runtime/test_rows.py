@@ -11,8 +11,8 @@ import pytest
 
 import runnx
 
-from runnx.ops import (_attention_blocks, contrib_attention, contrib_normalization, fused_layer_norm_blocks,
-                       fused_norms, fused_rotary, normalization)
+from runnx.ops import (_attention_blocks, contrib_attention, contrib_normalization, contrib_quantized,
+                       fused_layer_norm_blocks, fused_norms, fused_rotary, normalization)
 from runnx.runtime import openblas, rows
 from runnx.runtime import pool as decode_pool
 
@@ -102,6 +102,7 @@ def _cases(rng):
     return [
         ("GroupQueryAttention's rotary and append", lambda: contrib_attention._rotate_and_append(
             *group_query_rows, False, (), None)),
+        ("4-bit products' rows in lanes order", lambda: contrib_quantized.lanes_order(x.reshape(-1, 700))),
         ("SkipSimplifiedLayerNormalization", lambda: contrib_normalization.SkipSimplifiedLayerNormalization(
             x, y, weight, bias, output_count=4)),
         ("SkipLayerNormalization", lambda: contrib_normalization.SkipLayerNormalization(
