@@ -16,7 +16,7 @@ from runnx.errors import RunnxError
 from runnx.ops._kernels_contrib import skip_norm_rows
 from runnx.ops.registry import register
 from runnx.runtime.pool import settle
-from runnx.runtime.rows import share_rows
+from runnx.runtime.rows import SHARED_FROM, share_rows
 
 DOMAIN = "com.microsoft"
 _SKIP_EPSILON = 1e-12  # onnxruntime's default for the Skip* norms
@@ -58,11 +58,13 @@ def _skip_norm_float32(x, skip, gamma, beta, bias, epsilon, simplified, output_c
     stats_shape = x.shape[:-1] + (1,)
     mean, inv_std = np.empty(stats_shape, _FLOAT32), np.empty(stats_shape, _FLOAT32)
     settle()  # x or skip may be a pool job's output
-    share_rows(functools.partial(_skip_norm_range, x.reshape(rows, width), skip.reshape(rows, width),
-                                 _NONE32 if bias is None else bias.reshape(width), gamma.reshape(width),
-                                 _NONE32 if beta is None else beta.reshape(width), float(epsilon), simplified,
-                                 out.reshape(rows, width), total.reshape(rows, width), mean.reshape(rows),
-                                 inv_std.reshape(rows)), rows, width)
+    arguments = (x.reshape(rows, width), skip.reshape(rows, width), _NONE32 if bias is None else bias.reshape(width),
+                 gamma.reshape(width), _NONE32 if beta is None else beta.reshape(width), float(epsilon), simplified,
+                 out.reshape(rows, width), total.reshape(rows, width), mean.reshape(rows), inv_std.reshape(rows))
+    if rows * width < SHARED_FROM:  # (a decode step's row: one call, nothing cut)
+        skip_norm_rows(*arguments)
+    else:
+        share_rows(functools.partial(_skip_norm_range, *arguments), rows, width)
     return (out, mean, inv_std, total)[:output_count] if output_count > 1 else out
 
 
