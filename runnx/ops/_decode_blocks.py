@@ -204,21 +204,27 @@ def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, 
 
 
 @_jit
-def projected_rope_append(box, workers, x, weights, rows, *rope):
-    """x @ weights[m] into rows[m] (the query's, key's and value's heads, as views), one job, then
-    `rope_append_into(*rope)` reading them: an RMSNorm layer's projections, rotary embedding and KV
-    cache growth (ProjectedRopeAppend's nodes); rope_append_into's (done, rotated query)."""
+def projected_rope_append(box, workers, x, weights, biases, rows, *rope):
+    """biases[m] + x @ weights[m] into rows[m] (the query's, key's and value's heads, as views; an
+    empty bias adds nothing), the products one job, then `rope_append_into(*rope)` reading them: an
+    RMSNorm layer's projections, rotary embedding and KV cache growth (ProjectedRopeAppend's nodes,
+    the sums SplitHeads' `_biased` makes); rope_append_into's (done, rotated query)."""
     size = 0
     for row in rows:
         size += row.size
     post_products(box, workers, x, weights, rows, np.empty(chunk_count(x.size) * size, np.float32), 0.0, 1.0)
+    for m in range(len(rows)):
+        bias, row = biases[m], rows[m]
+        if bias.size:
+            for i in range(row.size):
+                row[i] = bias[i] + row[i]
     return rope_append_into(*rope)
 
 
 @_jit
 def attended_gated_mlp_rope_append(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual,
                                    epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
-                                   down_one, down_norm_weight, weights, rows, *rope):
+                                   down_one, down_norm_weight, weights, biases, rows, *rope):
     """`attended_gated_mlp`, then `projected_rope_append` of its norm: a decoder layer from its
     attention to the next layer's norm and the next layer's projections, rotary embedding and KV
     cache growth (AttentionGatedMLPRopeAppend's nodes); (the last sum, rope_append_into's done,
@@ -226,5 +232,5 @@ def attended_gated_mlp_rope_append(box, workers, query, key, value, bias, scale,
     summed, normed = attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual,
                                         epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
                                         down_one, down_norm_weight)
-    done, rotated = projected_rope_append(box, workers, normed, weights, rows, *rope)
+    done, rotated = projected_rope_append(box, workers, normed, weights, biases, rows, *rope)
     return summed, done, rotated

@@ -142,7 +142,7 @@ class ChainReplay(_Replay):
 # where `attended_gated_mlp_rope_append`'s arguments hold what a step changes (the query, keys and values
 # first): the attention's bias and output, the MLP's residual row, the caches and their buffers, the rotary
 # tables
-_BIAS, _OUT, _ROW, _PAST, _TABLES = 3, 6, 9, 24, 28
+_BIAS, _OUT, _ROW, _PAST, _TABLES = 3, 6, 9, 25, 29
 # the inputs that `repeated_kv_cache` reads (by its parameters' names), and the next layer's caches and rotary
 # tables
 _CACHE_NAMES = tuple([n for n in inspect.signature(repeated_kv_cache).parameters if n != "ctx"])

@@ -4,8 +4,8 @@ attention to the next layer's norm (AttentionGatedMLP), and the two across a lay
 (AttentionGatedMLPRopeAppend); a LayerNorm decoder layer (an encoder-decoder's) from its self-attention to
 the next layer's norm (AttentionLayerNormGeluMLP), with the next layer's projections and KV cache
 growth (AttentionLayerNormGeluMLPAppend). A decode step's row runs each as one native call of
-`_decode_blocks.py`; anything else (a prefill, biases, caches not granted) runs the kernels of the
-nodes they replaced.
+`_decode_blocks.py`; anything else (a prefill, caches not granted, biases of other shapes) runs
+the kernels of the nodes they replaced.
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from runnx.ops.fused import DOMAIN, RepeatedKVAttention, repeated_kv_row
 from runnx.ops.fused_rotary import RopeAppend, appended_caches, rope_append_arguments
 from runnx.ops.fused_layer_norm_blocks import attention_row
 from runnx.ops.linalg import (AttentionGeluMLP, AttentionLayerNorm, ProjectedAppend, ResidualGatedMLP,
-                              SharedInputMatMul, _attention_attrs, _gated_mlp_row, _gelu_mlp_row, _layer_norm_row,
-                              _split_shapes, append_arguments, appended_outputs)
+                              SharedInputMatMul, _NO_BIAS, _attention_attrs, _gated_mlp_row, _gelu_mlp_row,
+                              _layer_norm_row, _split_shapes, _vector, append_arguments, appended_outputs)
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
 
@@ -43,8 +43,8 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
                         key_axis: int = -1, key_cache_axis: int, value_cache_axis: int, overwrite=(), ctx=None):
     """RopeAppend(*SharedInputMatMul(x, query_weight, key_weight, value_weight, ...; each split into
     heads), past_key, past_value, ...): an RMSNorm layer's projections, rotary embedding and KV
-    cache growth. A decode step's float32 row without biases, both caches granted, is one native
-    call (`projected_rope_append`) writing the new rows in place."""
+    cache growth. A decode step's float32 row with both caches granted is one native call
+    (`projected_rope_append`, the projections' biases added in it) writing the new rows in place."""
     rope = (query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias, key_target,
             key_source, value_bias, value_target, value_source, past_key, past_value, query_cos, query_sin,
             query_start, query_end, key_cos, key_sin, key_start, key_end)
@@ -53,17 +53,18 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
     planned = _rope_row(x, rope, attributes, overwrite)
     if planned is None:
         return _rope_appended(False, None, None, x, rope, attributes, overwrite, ctx)
-    heads, arguments = planned
+    heads, biases, arguments = planned
     done, rotated = decode_pool.shared_call(projected_rope_append, np.ascontiguousarray(x.reshape(-1)), rope[:3],
-                                            tuple([h.reshape(-1) for h in heads]), *arguments)
+                                            biases, tuple([h.reshape(-1) for h in heads]), *arguments)
     return _rope_appended(done, rotated, heads, x, rope, attributes, overwrite, ctx)
 
 
 def _rope_row(x, rope: tuple, attributes: tuple, overwrite) -> tuple | None:
-    """(the split heads, allocated, and `rope_append_into`'s arguments) when ProjectedRopeAppend(x,
-    *rope) is a decode step's float32 row without biases, both caches granted, prefix views with
-    room: x is read for its shape and dtype only (a stand-in serves); else None."""
-    if not (13 in overwrite and 14 in overwrite and rope[3] is None and rope[6] is None and rope[9] is None):
+    """(the split heads, allocated, the projections' biases (`_NO_BIAS`: none) and
+    `rope_append_into`'s arguments) when ProjectedRopeAppend(x, *rope) is a decode step's float32
+    row, its biases absent or float32 vectors of their products' widths, both caches granted, prefix
+    views with room: x is read for its shape and dtype only (a stand-in serves); else None."""
+    if not (13 in overwrite and 14 in overwrite):
         return None
     query_dims, query_axes, key_dims, key_axes, value_dims, value_axes = attributes[:6]
     shapes = _split_shapes(x, rope[:3], ((rope[4], rope[5], query_dims, query_axes),
@@ -71,11 +72,14 @@ def _rope_row(x, rope: tuple, attributes: tuple, overwrite) -> tuple | None:
                                          (rope[10], rope[11], value_dims, value_axes)))
     if not shapes:
         return None
+    biases = tuple([_NO_BIAS if bias is None else bias for bias in rope[3:12:3]])
+    if not all(bias is _NO_BIAS or _vector(bias, shape[1] * shape[3]) for bias, shape in zip(biases, shapes)):
+        return None
     heads = tuple([np.empty(shape, np.float32) for shape in shapes])
     past_key, past_value, query_cos, query_sin = rope[12:16]
     arguments = rope_append_arguments(*heads, past_key, past_value, query_cos, query_sin, rope[18], rope[19],
                                       rope[16:18] + rope[20:22], *attributes[6:])
-    return (heads, arguments) if arguments else None
+    return (heads, biases, arguments) if arguments else None
 
 
 def _rope_appended(done: bool, rotated, heads, x, rope: tuple, attributes: tuple, overwrite, ctx) -> tuple:
@@ -159,8 +163,8 @@ def AttentionGatedMLPRopeAppend(*inputs, axis: int = -1, norm: tuple = (-1, 0, 0
             summed, normed = _attended_gated(block, arguments, axis, norm, down_norm, ctx)  # its checks not made again
             return (summed, *ProjectedRopeAppend(normed, *rope, **dict(zip(_ROPE_ATTRIBUTES, attributes)),
                                                  overwrite=rope_overwrite, ctx=ctx))
-        heads, rope_arguments = planned
-        native = (*arguments, rope[:3], tuple([h.reshape(-1) for h in heads]), *rope_arguments)
+        heads, biases, rope_arguments = planned
+        native = (*arguments, rope[:3], biases, tuple([h.reshape(-1) for h in heads]), *rope_arguments)
         remember(state, GatedRopeReplay(inputs, native, heads, _GATED))
     summed, done, rotated = decode_pool.shared_call(attended_gated_mlp_rope_append, *native)
     return (summed.reshape(residual.shape),

@@ -1,8 +1,11 @@
 """SmolLM2-135M's weights exported as Qwen2 (q/k/v bias Adds) and as Phi-3 (fused qkv_proj and
 gate_up_proj products): runnx's greedy ids equal onnxruntime's on the same file, with and without
-runnx's graph optimizations, and equal SmolLM2's own (the weights and the math are the same)."""
+runnx's graph optimizations, and equal SmolLM2's own (the weights and the math are the same); a
+decode step of each runs the native calls SmolLM2's does (the fusions' general patterns, no
+architecture left to the nodes' kernels)."""
 from __future__ import annotations
 
+from collections import Counter
 from functools import cache
 
 import pytest
@@ -48,3 +51,34 @@ def test_greedy_ids_equal_onnxruntime_and_smollm2(folder, level, request, smollm
     folder = request.getfixturevalue(folder)  # a fixture of conftest.py: skips (fails under CI) when not built
     assert runnx_ids(folder, level) == onnxruntime_ids(folder)
     assert onnxruntime_ids(folder) == smollm2_ids
+
+
+def native_calls_of_a_step(folder) -> Counter:
+    """How many times each native job runs in one decode step after a prompt (`shared_call`)."""
+    from runnx.runtime import pool as decode_pool
+    generator = Generator.from_folder(folder)
+    generator.start(max_new_tokens=8, stop_token_ids=())
+    generator.append_tokens(Tokenizer.from_folder(folder).encode(PROMPTS[0]))
+    generator.generate_next_token()
+    generator.generate_next_token()
+    calls = Counter()
+    shared_call = decode_pool.shared_call
+
+    def spied(job, *arguments):
+        calls[job.__name__] += 1
+        return shared_call(job, *arguments)
+
+    decode_pool.shared_call = spied
+    try:
+        generator.generate_next_token()
+    finally:
+        decode_pool.shared_call = shared_call
+    return calls
+
+
+@pytest.mark.parametrize("folder", ARCHITECTURES)
+def test_a_decode_step_runs_smollm2s_native_calls(folder, request, smollm2_dir):
+    folder = request.getfixturevalue(folder)
+    want = native_calls_of_a_step(smollm2_dir)
+    assert want["attended_gated_mlp_rope_append"] > 0  # a layer boundary a call
+    assert native_calls_of_a_step(folder) == want

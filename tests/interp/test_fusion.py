@@ -3,6 +3,7 @@ those of the unfused graph; a pattern whose intermediate values are read elsewhe
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -289,14 +290,35 @@ def _spied_jobs(monkeypatch) -> list:
     return calls
 
 
-def _tiny_llama_with_and_without(fixtures_dir, pattern, monkeypatch):
-    """tiny-llama loaded with every fusion pattern, and without `pattern`."""
+def _tiny_llama_with_and_without(fixtures_dir, pattern, monkeypatch, biased: bool = False):
+    """tiny-llama loaded with every fusion pattern, and without `pattern`; biased: with random
+    biases added to its query, key and value projections, as Optimum exports Qwen2
+    (Add(bias, MatMul(x, w)))."""
     from runnx.interp import fusion
     path = fixtures_dir / "tiny-llama" / "model.onnx"
+    model = _with_projection_biases(onnx.load(path)) if biased else path
     with monkeypatch.context() as patch:
         patch.setattr(fusion, "PATTERNS", [p for p in fusion.PATTERNS if p[1] is not pattern])
-        apart = runnx.load(path)
-    return runnx.load(path), apart
+        apart = runnx.load(model)
+    return runnx.load(model), apart
+
+
+def _with_projection_biases(model):
+    """`model` with Add(bias, product) after every q_proj, k_proj and v_proj MatMul (random biases)."""
+    rng = np.random.default_rng(11)
+    widths = {i.name: i.dims[1] for i in model.graph.initializer if len(i.dims) == 2}
+    nodes = []
+    for node in model.graph.node:
+        nodes.append(node)
+        if node.op_type == "MatMul" and any(f"/{p}_proj/" in node.name for p in "qkv"):
+            bias, product = node.name + "_bias", node.output[0]
+            model.graph.initializer.append(numpy_helper.from_array(
+                rng.standard_normal(widths[node.input[1]]).astype(np.float32), bias))
+            node.output[0] = product + "_unbiased"
+            nodes.append(helper.make_node("Add", [bias, node.output[0]], [product], name=node.name + "_add"))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return model
 
 
 def _assert_equal_and_grown_in_place(got: dict, want: dict, buffers: dict) -> None:
@@ -315,18 +337,21 @@ def _tiny_llama_step(model, rng, new: int) -> tuple[dict, dict]:
     return past, feeds
 
 
+@pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("workers", [0, 1])
-def test_a_layers_projections_join_its_rotary_embedding_and_cache_growth(fixtures_dir, workers, monkeypatch):
+def test_a_layers_projections_join_its_rotary_embedding_and_cache_growth(fixtures_dir, workers, biased,
+                                                                         monkeypatch):
     """ProjectedRopeAppend (tiny-llama: one per layer): with the caches handed over with room, a
     decode row's three products, rotary embedding and appends are one native call writing the new
     rows into the caches' buffers (the query and key heads' shapes, read by shape memos, come from
-    SplitHeadsShape stand-ins); a prefill takes the nodes' kernels. Bitwise the two nodes apart."""
+    SplitHeadsShape stand-ins), the projections' biases (Qwen2's) added in it; a prefill takes the
+    nodes' kernels. Bitwise the two nodes apart."""
     from runnx.interp.fusion import products
     from runnx.ops import _decode_blocks
     from runnx.runtime import pool as decode_pool
 
     calls = _spied_jobs(monkeypatch)
-    fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._rope_projected, monkeypatch)
+    fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._rope_projected, monkeypatch, biased)
     assert fused.fused["ProjectedRopeAppend"] == 2 and "ProjectedRopeAppend" not in apart.fused
     memoized = [m.op_type for n in fused.graph.nodes if n.op_type == "ShapeMemo" for m in n.kernel.fn.members]
     assert memoized.count("SplitHeadsShape") == 4  # the query's and the key's in each layer, joined to memos
@@ -375,21 +400,22 @@ def test_an_attention_and_the_gated_mlp_after_it_become_one_node(fixtures_dir, w
         decode_pool.set_workers(None)
 
 
+@pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("workers", [0, 1])
 @pytest.mark.parametrize("granted", [True, False])
 def test_a_layers_last_block_and_the_next_layers_projections_become_one_node(fixtures_dir, workers, granted,
-                                                                             monkeypatch):
+                                                                             biased, monkeypatch):
     """AttentionGatedMLPRopeAppend (tiny-llama: the first layer's AttentionGatedMLP and the second
     layer's ProjectedRopeAppend): a decode row with the caches granted is one native call for the
     two, the next layer's caches grown in their buffers (the norm's shape, read by shape memos, from
-    an RMSNormShape stand-in); a prefill, or caches not handed over, take the two nodes' kernels.
-    Bitwise the two nodes apart."""
+    an RMSNormShape stand-in), the projections' biases (Qwen2's) added in it; a prefill, or caches
+    not handed over, take the two nodes' kernels. Bitwise the two nodes apart."""
     from runnx.interp.fusion import products
     from runnx.ops import _decode_blocks
     from runnx.runtime import pool as decode_pool
 
     calls = _spied_jobs(monkeypatch)
-    fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._layers_chained, monkeypatch)
+    fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._layers_chained, monkeypatch, biased)
     assert fused.fused["AttentionGatedMLPRopeAppend"] == 1 and "AttentionGatedMLPRopeAppend" not in apart.fused
     memoized = [m.op_type for n in fused.graph.nodes if n.op_type == "ShapeMemo" for m in n.kernel.fn.members]
     assert memoized.count("RMSNormShape") == 1
