@@ -161,10 +161,26 @@ class Executor:
             runs = state["runs"] = state.get("runs", 0) + 1
             if runs < options.compile_after:
                 return None
+            compiled = Executor.compile_now(graph, plan, options)
+        return compiled or None
+
+    @staticmethod
+    def compile_now(graph: Graph, plan: Plan, options):
+        """Compile `plan` now (False: it cannot be), as its `compile_after`-th run would, and make
+        its shape memos' programs: a plan that will run many times (a decoder's) pays for its code
+        where it loads, not in its first runs. Nothing (None) when the options compile no plan."""
+        if not options.compile_after:
+            return None
+        for step in plan.steps:
+            make_programs = getattr(step.node.kernel.fn, "make_programs", None)  # a ShapeGroup's
+            if make_programs is not None:
+                make_programs()
+        compiled = plan.state.get("compiled")
+        if compiled is None:
             # (jobs are left open only for a pool's workers to compute: with none, the plan has no leave to give)
             overlap = options.overlap_jobs and pool_workers() > 0
-            compiled = state["compiled"] = compile_plan(graph, plan, overlap) or False
-        return compiled or None
+            compiled = plan.state["compiled"] = compile_plan(graph, plan, overlap) or False
+        return compiled
 
     @staticmethod
     def _instrument(graph, node, step, args, granted, start, values, profile, trace) -> None:

@@ -306,6 +306,15 @@ class ShapeGroup:
             program = self._program = _group_program(self)
         return tuple([_kept_value(value, args) for value in program(args, ctx)])
 
+    def make_programs(self) -> None:
+        """Make the program of this memo and of the memos among its members now, not at their first
+        miss (a plan compiled ahead: `Executor.compile_now`)."""
+        if self._program is None:
+            self._program = _group_program(self)
+        for member in self.members:
+            if member.kernel is not None and isinstance(member.kernel.fn, ShapeGroup):
+                member.kernel.fn.make_programs()
+
 
 def _group_program(group: ShapeGroup):
     """A function (args, ctx) -> the group's output values: its members as straight-line Python

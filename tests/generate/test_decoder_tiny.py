@@ -62,18 +62,25 @@ def test_generator_from_folder_equals_onnxruntime(fixtures_dir, export):
 
 @pytest.mark.parametrize("export, planned", [("llama-single", [1]), ("llama-split", [1, 1]), ("gpt2-single", [1]),
                                              ("llama-merged", [0])])
-def test_a_decoders_load_makes_the_plans_its_steps_run(fixtures_dir, export, planned):
-    """The first step finds its plan made (as onnxruntime's session creation plans), and so do the
-    later steps: nothing is planned twice, and nothing a step does not run. A merged decoder picks a
-    branch per step: each is planned on its first run."""
+def test_a_decoders_load_makes_the_plans_its_steps_run(fixtures_dir, export, planned, monkeypatch):
+    """The first step finds its plan made (as onnxruntime's session creation plans), compiled and its
+    shape memos' programs made, and so do the later steps: nothing is planned or generated twice,
+    and nothing a step does not run. A merged decoder picks a branch per step: each is planned on
+    its first run."""
+    from runnx.interp import executor, shape_cache
     name, first, later = EXPORTS[export]
     decoder = _decoder(fixtures_dir / name, first, later)
     models = list({id(m): m for m in (decoder.first_model, decoder.past_model)}.values())
     assert [len(m._plans) for m in models] == planned
     made = [dict(m._plans) for m in models]
+    assert all(plan.state["compiled"] for plans in made for plan in plans.values())
+    generated = []
+    for module, name in ((executor, "compile_plan"), (shape_cache, "_group_program")):
+        monkeypatch.setattr(module, name, lambda *a, _f=getattr(module, name): generated.append(_f) or _f(*a))
     _greedy(decoder, [5, 6, 7], 3)
     if export != "llama-merged":
         assert [m._plans for m in models] == made
+        assert generated == []
     assert all(plan is m._plans[key] for m, plans in zip(models, made) for key, plan in plans.items())
 
 
