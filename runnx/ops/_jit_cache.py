@@ -30,11 +30,19 @@ kernel needs numba's runtime (NRT) and nothing else, so `light_loads` initialize
 a load of runnx's own kernels: a first prompt pays for the kernels it loads, not for numba's
 compiler. Each such request is reported to `on_cache_request` (`kernel_loads.py` records a model's, to
 load them ahead in the next process).
+
+A cached kernel is its machine code and a bitcode copy of its LLVM module, which numba parses at
+every load (for the names the kernel defines, and to link it into a function compiled later that
+calls it): two thirds of a load, 140 ms of a fresh process's first 4-bit prompt. `lazy_bitcode`
+takes the names from the machine code's ELF symbol table instead (the same set), and parses the
+bitcode only when a compile links the kernel.
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import struct
+import threading
 import time
 from pathlib import Path
 
@@ -171,14 +179,86 @@ def light_loads() -> bool:
         if on_cache_request is not None:
             on_cache_request(self._py_func, sig)
         nrt.rtsys.initialize(target_context)  # once per process: what compiled code calls into
-        return self._load_overload(sig, target_context)
+        outer, _loading.runnx = getattr(_loading, "runnx", False), True
+        try:
+            return self._load_overload(sig, target_context)
+        finally:
+            _loading.runnx = outer
 
     light_load.light = True
     caching.Cache.load_overload = light_load
     return True
 
 
+_loading = threading.local()  # runnx: this thread is loading one of runnx's kernels (`light_loads`)
+
+
+def lazy_bitcode() -> bool:
+    """Load runnx's cached kernels with the names they define read from their machine code, their
+    bitcode parsed only when a compile links them (see the module docstring); whether that is in
+    place. Other packages' kernels, and machine code that is not 64-bit little-endian ELF, load as
+    numba loads them."""
+    from numba.core import codegen
+    library = codegen.CPUCodeLibrary
+    unserialize, for_linking = library._unserialize, library._get_module_for_linking
+    if getattr(unserialize, "lazy", False):
+        return True
+
+    def lazy_unserialize(cls, codegen_, state):
+        name, kind, data = state
+        names = elf_defined_symbols(data[0]) if kind == "object" and getattr(_loading, "runnx", False) else None
+        if names is None:
+            return unserialize.__func__(cls, codegen_, state)
+        # numba's own steps for kind "object" (codegen.CPUCodeLibrary._unserialize), the bitcode kept
+        self = codegen_.create_library(name)
+        self.enable_object_caching()
+        self._set_compiled_object(data[0])
+        self._runnx_bitcode = data[1]
+        self._finalize_final_module()
+        codegen_._engine._defined_symbols |= names
+        return self
+
+    def module_for_linking(self):
+        bitcode = self.__dict__.pop("_runnx_bitcode", None)
+        if bitcode is not None:  # as numba's load would have made it
+            from llvmlite import binding
+            self._shared_module = binding.parse_bitcode(bitcode)
+            self._codegen._engine._load_defined_symbols(self._shared_module)
+        return for_linking(self)
+
+    lazy_unserialize.lazy = True
+    library._unserialize = classmethod(lazy_unserialize)
+    library._get_module_for_linking = module_for_linking
+    return True
+
+
+_SYMTAB, _UNDEFINED, _SECTION_OR_FILE = 2, 0, (3, 4)  # ELF's SHT_SYMTAB, SHN_UNDEF, STT_SECTION and STT_FILE
+
+
+def elf_defined_symbols(code: bytes) -> set[str] | None:
+    """The names of the symbols a 64-bit little-endian ELF object file defines (numba's machine code
+    for a kernel on Linux), or None when `code` is not one."""
+    if len(code) < 64 or code[:4] != b"\x7fELF" or code[4] != 2 or code[5] != 1:
+        return None
+    try:
+        (sections_at,), (entry_size, count) = struct.unpack_from("<Q", code, 0x28), struct.unpack_from("<HH", code, 0x3A)
+        sections = [struct.unpack_from("<IIQQQQIIQQ", code, sections_at + i * entry_size) for i in range(count)]
+        names = set()
+        for section in sections:
+            if section[1] != _SYMTAB or section[9] == 0:
+                continue
+            strings = sections[section[6]][4]
+            for at in range(section[4], section[4] + section[5], section[9]):
+                name, info, _, index = struct.unpack_from("<IBBH", code, at)
+                if name and index != _UNDEFINED and info & 0xF not in _SECTION_OR_FILE:
+                    names.add(code[strings + name:code.index(b"\0", strings + name)].decode())
+        return names
+    except (struct.error, IndexError, ValueError, UnicodeDecodeError):
+        return None
+
+
 locate_in_cache_folder()
 light_loads()  # before any kernel loads from numba's cache
+lazy_bitcode()  # before any kernel loads from numba's cache
 drop_stale()  # before any kernel loads from numba's cache
 serialize_saves()  # before any kernel compiles

@@ -1,12 +1,13 @@
 """numba caches runnx's kernels in runnx's cache folder, never beside the sources; stale indexes
 are removed before kernels load (a kernel inlined into another module's cached function must not
-outlive an edit of its own file); saves are locked."""
+outlive an edit of its own file); saves are locked; loads parse no bitcode until a compile needs it."""
 import importlib
 import inspect
 import os
 import time
 from pathlib import Path
 
+import numpy as np
 from numba.core.caching import FunctionCache
 from numba.core.registry import CPUDispatcher
 
@@ -153,3 +154,60 @@ def test_a_cached_kernel_loads_without_refreshing_numbas_compiler(tmp_path):
                            env=environment, check=True).stdout.split() for _ in range(2)]
     assert runs[0] == ["7", "0", "True"]  # compiled: the compiler's modules are loaded
     assert runs[1] == ["7", "1", "False"]  # loaded from the cache, the compiler left alone
+
+
+_LINK_A_LOADED_KERNEL = """
+import numba
+import numpy as np
+from llvmlite import binding
+from runnx.capture.capacity import allocate_prefix, prefix_room
+parsed = []
+parse = binding.parse_bitcode
+binding.parse_bitcode = lambda data: parsed.append(len(data)) or parse(data)
+view = allocate_prefix((1, 2, 3, 4), 2, 10, np.float32)
+room = prefix_room(view, view.base, 2)
+loaded_parsing = len(parsed)
+
+
+@numba.njit
+def twice(view, base):
+    return 2 * prefix_room(view, base, 2)
+
+
+print(room, prefix_room.stats.cache_hits.get(prefix_room.signatures[0], 0), loaded_parsing, twice(view, view.base),
+      len(parsed) > loaded_parsing)
+"""
+
+
+def test_a_cached_kernel_loads_without_its_bitcode_until_a_compile_links_it(tmp_path):
+    """The second process loads the kernel from the cache without parsing its bitcode (the names it
+    defines come from its machine code), and a function compiled after that calls it links it: the
+    bitcode parsed then, the call right."""
+    import subprocess
+    import sys
+    environment = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(_jit_cache._PACKAGE.parent))
+    runs = [subprocess.run([sys.executable, "-c", _LINK_A_LOADED_KERNEL], capture_output=True, text=True,
+                           env=environment, check=True).stdout.split() for _ in range(2)]
+    assert runs[0][0] == "7" and runs[0][1] == "0" and runs[0][3] == "14"  # compiled
+    assert runs[1] == ["7", "1", "0", "14", "True"]  # loaded unparsed, then linked
+
+
+def test_the_names_a_kernel_defines_come_from_its_machine_code_as_from_its_bitcode():
+    """`elf_defined_symbols` of a compiled kernel's machine code is the set of names numba reads
+    from its bitcode (every defined function and global); anything but ELF gives None."""
+    import numba
+    from llvmlite import binding
+
+    @numba.njit
+    def summed(x):
+        return np.sin(x).sum()
+
+    summed(np.ones(3))
+    name, kind, (code, bitcode) = summed.overloads[summed.signatures[0]].library.serialize_using_object_code()
+    module = binding.parse_bitcode(bitcode)
+    defined = {value.name for values in (module.functions, module.global_variables) for value in values
+               if not value.is_declaration}
+    assert kind == "object" and len(defined) > 1
+    assert _jit_cache.elf_defined_symbols(code) == defined
+    assert _jit_cache.elf_defined_symbols(b"\xcf\xfa\xed\xfe" + code[4:]) is None  # a Mach-O header
+    assert _jit_cache.elf_defined_symbols(code[:40]) is None
