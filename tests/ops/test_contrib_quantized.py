@@ -395,6 +395,24 @@ def test_matmul_nbits_4_bit_prompt_rows_are_each_the_one_row_bits(K, N, block_si
                                    atol=1e-4)
 
 
+@pytest.mark.parametrize("tiles,chunks", [(1, 1), (3, 2), (5, 18), (2, 48)])
+def test_a_weights_bytes_transposed_in_registers_are_its_tiles_and_nothing_else_is_written(tiles, chunks):
+    """`transpose_tiles` (16 x 16 byte blocks transposed by vector shuffles) writes tile t's chunk c
+    as byte j of columns 16 t .. 16 t + 15 at [t, c, j]: numpy's transposing copy, every byte distinct
+    enough to catch a lane out of place; columns past the tiles are not read, nothing past them written."""
+    from runnx.ops._kernels_nibble_tiles import transpose_tiles
+
+    rng = np.random.default_rng(tiles * 100 + chunks)
+    weights = rng.integers(0, 256, (16 * tiles + 7, chunks, 16), dtype=np.uint8)
+    out = np.full((tiles + 1, chunks, 16, 16), 0xA5, np.uint8)
+    transpose_tiles(weights, out[:tiles])
+    expected = weights[:16 * tiles].reshape(tiles, 16, chunks, 16).transpose(0, 2, 3, 1)
+    np.testing.assert_array_equal(out[:tiles], expected)
+    assert (out[tiles] == 0xA5).all()
+    with pytest.raises(ValueError, match="fewer columns"):
+        transpose_tiles(weights[:16 * tiles - 1], out[:tiles])
+
+
 @pytest.mark.parametrize("N,block_size", [(77, 32), (48, 64), (5, 128)])
 @pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
 def test_4_bit_tiles_are_the_weights_bytes_in_their_layout_padding_zero(N, block_size, zero_points):
