@@ -200,13 +200,17 @@ def lazy_bitcode() -> bool:
     numba loads them."""
     from numba.core import codegen
     library = codegen.CPUCodeLibrary
-    unserialize, for_linking = library._unserialize, library._get_module_for_linking
+    unserialize, for_linking = getattr(library, "_unserialize", None), getattr(library, "_get_module_for_linking", None)
     if getattr(unserialize, "lazy", False):
         return True
+    if unserialize is None or for_linking is None or not hasattr(library, "_finalize_final_module"):
+        return False  # (another numba: its loads as they are)
 
     def lazy_unserialize(cls, codegen_, state):
         name, kind, data = state
-        names = elf_defined_symbols(data[0]) if kind == "object" and getattr(_loading, "runnx", False) else None
+        lazy = (kind == "object" and getattr(_loading, "runnx", False)
+                and hasattr(getattr(codegen_, "_engine", None), "_defined_symbols"))
+        names = elf_defined_symbols(data[0]) if lazy else None
         if names is None:
             return unserialize.__func__(cls, codegen_, state)
         # numba's own steps for kind "object" (codegen.CPUCodeLibrary._unserialize), the bitcode kept
