@@ -168,11 +168,13 @@ class Executor:
     def compile_now(graph: Graph, plan: Plan, options):
         """Compile `plan` now (False: it cannot be), as its `compile_after`-th run would, and make
         its shape memos' programs: a plan that will run many times (a decoder's) pays for its code
-        where it loads, not in its first runs. Nothing (None) when the options compile no plan."""
-        if not options.compile_after:
+        where it loads, not in its first runs. Nothing (None) when the options compile no plan or
+        keep every run interpreted (out of place, profiled, traced, checked)."""
+        if (not options.compile_after or not options.inplace or options.check_inplace or options.trace
+                or options.profile):
             return None
         for step in plan.steps:
-            make_programs = getattr(step.node.kernel.fn, "make_programs", None)  # a ShapeGroup's
+            make_programs = getattr(getattr(step.node.kernel, "fn", None), "make_programs", None)  # a ShapeGroup's
             if make_programs is not None:
                 make_programs()
         compiled = plan.state.get("compiled")
