@@ -241,7 +241,7 @@ _SYMTAB, _UNDEFINED, _SECTION_OR_FILE = 2, 0, (3, 4)  # ELF's SHT_SYMTAB, SHN_UN
 
 def elf_defined_symbols(code: bytes) -> set[str] | None:
     """The names of the symbols a 64-bit little-endian ELF object file defines (numba's machine code
-    for a kernel on Linux), or None when `code` is not one."""
+    for a kernel on Linux), or None when `code` is not one or defines none."""
     if len(code) < 64 or code[:4] != b"\x7fELF" or code[4] != 2 or code[5] != 1:
         return None
     try:
@@ -256,7 +256,7 @@ def elf_defined_symbols(code: bytes) -> set[str] | None:
                 name, info, _, index = struct.unpack_from("<IBBH", code, at)
                 if name and index != _UNDEFINED and info & 0xF not in _SECTION_OR_FILE:
                     names.add(code[strings + name:code.index(b"\0", strings + name)].decode())
-        return names
+        return names or None  # (none found: numba's own load reads them)
     except (struct.error, IndexError, ValueError, UnicodeDecodeError):
         return None
 
