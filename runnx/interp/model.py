@@ -119,9 +119,11 @@ class Model:
 
     def plan(self, outputs=None, inputs=None) -> list:
         """The nodes that run, in order, to compute `outputs` from `inputs` (default: all of both)."""
+        return self._plan_of(outputs, inputs).nodes
+
+    def _plan_of(self, outputs=None, inputs=None) -> Plan:
         names = self.input_names if inputs is None else list(inputs)
-        provided = frozenset(self._specs[n].vid for n in names)
-        return self._plan_for(provided, self._output_vids(outputs)).nodes
+        return self._plan_for(frozenset(self._specs[n].vid for n in names), self._output_vids(outputs))
 
     def run(self, feeds, outputs=None, *, profile=False):
         """Run the model. `feeds` maps input names to arrays (or `runnx.Owned(array)` to hand a buffer
@@ -174,8 +176,7 @@ class Model:
         prompt paid 9-15 ms for the plan and 8-9 ms for the memos' programs otherwise). Nothing for a
         model whose runs pick a branch (each branch is planned on its first run)."""
         if self._branches is None:
-            provided = frozenset(self._specs[n].vid for n in self.input_names)
-            Executor.compile_now(self.graph, self._plan_for(provided, self._output_vids(outputs)), self.options)
+            Executor.compile_now(self.graph, self._plan_of(outputs), self.options)
 
     def prepack_in_background(self) -> threading.Thread | None:
         """Make on a thread of its own, node by node in the graph's order, what kernels declaring

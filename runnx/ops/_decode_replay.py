@@ -21,6 +21,8 @@ from operator import is_, itemgetter
 import numpy as np
 
 from runnx.ops import _native
+from runnx.ops._decode_blocks import attended_gated_mlp_rope_append
+from runnx.ops._kernels_fused import rope_append_into
 from runnx.ops.fused import repeated_kv_cache
 from runnx.ops.fused_rotary import rope_cache_fits
 from runnx.ops.fused_layer_norm_blocks import attended_cache
@@ -139,10 +141,15 @@ class ChainReplay(_Replay):
 
 
 # -- an RMSNorm layer boundary (AttentionGatedMLPRopeAppend) -----------------------------------------
-# where `attended_gated_mlp_rope_append`'s arguments hold what a step changes (the query, keys and values
-# first): the attention's bias and output, the MLP's residual row, the caches and their buffers, the rotary
-# tables
-_BIAS, _OUT, _ROW, _PAST, _TABLES = 3, 6, 9, 25, 29
+# where `attended_gated_mlp_rope_append`'s arguments (its mailbox and workers aside; then
+# `rope_append_into`'s, its *rope) hold what a step changes (the query, keys and values first): the
+# attention's bias and output, the MLP's residual row, the caches and their buffers, the rotary tables,
+# found by the kernels' parameter names
+_CHAINED = list(inspect.signature(attended_gated_mlp_rope_append.py_func).parameters)[2:]
+_ROPE_ARGUMENTS = list(inspect.signature(rope_append_into.py_func).parameters)
+_AT = {**{name: p for p, name in enumerate(_CHAINED[:-1])},
+       **{name: _CHAINED.index("rope") + p for p, name in enumerate(_ROPE_ARGUMENTS)}}
+_BIAS, _OUT, _ROW, _PAST, _TABLES = _AT["bias"], _AT["out"], _AT["residual"], _AT["past_key"], _AT["query_cos"]
 # the inputs that `repeated_kv_cache` reads (by its parameters' names), and the next layer's caches and rotary
 # tables
 _CACHE_NAMES = tuple([n for n in inspect.signature(repeated_kv_cache).parameters if n != "ctx"])
