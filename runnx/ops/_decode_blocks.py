@@ -13,6 +13,8 @@ code, so the same results); each returns what it computed.
 """
 from __future__ import annotations
 
+import inspect
+
 import numba
 import numpy as np
 
@@ -168,25 +170,42 @@ def attended_gelu_mlp(box, workers, x, weight, query_bias, query_scale, row, hea
     return gelu_mlp(box, workers, *block)
 
 
+def _argument_count(kernel) -> int:
+    """How many arguments a native kernel takes after its mailbox and workers."""
+    return len(inspect.signature(kernel.py_func).parameters) - 2
+
+
+# where a LayerNorm chain's arguments split (the replay of its decode row finds them by the same names):
+# `attended_row`'s and `projected_layer_norm`'s, `attended_row`'s but its x, then `gelu_mlp`'s (whose
+# residual the chain computes) and, with the append, `appended_products`' but its x
+CHAIN_NORM = _argument_count(attended_row) + _argument_count(projected_layer_norm)
+CHAIN_CROSS = CHAIN_NORM + _argument_count(attended_row) - 1
+CHAIN_ARGUMENTS = CHAIN_CROSS + _argument_count(gelu_mlp)
+_MLP_RESIDUAL = list(inspect.signature(gelu_mlp.py_func).parameters).index("residual") - 2
+_MLP_AFTER_RESIDUAL = _MLP_RESIDUAL + 1  # (a global, so numba slices the tuple statically)
+
+
 @_jit
 def attended_layer_norm_gelu_mlp(box, workers, *parts):
-    """`attended_layer_norm(box, workers, *parts[:18])` giving (s, n), then `attended_gelu_mlp` of
-    the norm n, whose other arguments are parts[18:28] (an `attended_row`'s but its x) and parts[28:]
-    (a `gelu_mlp`'s, whose residual parts[31] stands for s): a LayerNorm decoder layer from its
-    self-attention to the next layer's norm (AttentionLayerNormGeluMLP's nodes)."""
-    summed, normed = attended_layer_norm(box, workers, *parts[:18])
-    mlp = parts[28:]
-    return attended_gelu_mlp(box, workers, normed[0], *parts[18:28], mlp[0], mlp[1], mlp[2], summed, *mlp[4:])
+    """`attended_layer_norm(box, workers, *parts[:CHAIN_NORM])` giving (s, n), then `attended_gelu_mlp`
+    of the norm n, whose other arguments are parts[CHAIN_NORM:CHAIN_CROSS] (an `attended_row`'s but
+    its x) and parts[CHAIN_CROSS:] (a `gelu_mlp`'s, whose residual s stands for): a LayerNorm
+    decoder layer from its self-attention to the next layer's norm (AttentionLayerNormGeluMLP's
+    nodes)."""
+    summed, normed = attended_layer_norm(box, workers, *parts[:CHAIN_NORM])
+    mlp = parts[CHAIN_CROSS:]
+    return attended_gelu_mlp(box, workers, normed[0], *parts[CHAIN_NORM:CHAIN_CROSS], *mlp[:_MLP_RESIDUAL], summed,
+                             *mlp[_MLP_AFTER_RESIDUAL:])
 
 
 @_jit
 def attended_layer_norm_gelu_mlp_append(box, workers, *parts):
-    """`attended_layer_norm_gelu_mlp(box, workers, *parts[:45])` giving (s, n), then `appended_products`
-    of the norm n with parts[45:] (its other arguments): a LayerNorm decoder layer from its
-    self-attention to the next layer's norm, and the next layer's projections and KV cache growth
-    (AttentionLayerNormGeluMLPAppend's nodes); (s, the next layer's query row)."""
-    summed, normed = attended_layer_norm_gelu_mlp(box, workers, *parts[:45])
-    return summed, appended_products(box, workers, normed[0], *parts[45:])
+    """`attended_layer_norm_gelu_mlp(box, workers, *parts[:CHAIN_ARGUMENTS])` giving (s, n), then
+    `appended_products` of the norm n with parts[CHAIN_ARGUMENTS:] (its other arguments): a LayerNorm
+    decoder layer from its self-attention to the next layer's norm, and the next layer's projections
+    and KV cache growth (AttentionLayerNormGeluMLPAppend's nodes); (s, the next layer's query row)."""
+    summed, normed = attended_layer_norm_gelu_mlp(box, workers, *parts[:CHAIN_ARGUMENTS])
+    return summed, appended_products(box, workers, normed[0], *parts[CHAIN_ARGUMENTS:])
 
 
 @_jit

@@ -21,7 +21,8 @@ from operator import is_, itemgetter
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_blocks import attended_gated_mlp_rope_append
+from runnx.ops._decode_blocks import (CHAIN_ARGUMENTS, CHAIN_CROSS, CHAIN_NORM, appended_products,
+                                      attended_gated_mlp_rope_append, attended_row, gelu_mlp, projected_layer_norm)
 from runnx.ops._kernels_fused import rope_append_into
 from runnx.ops.fused import repeated_kv_cache
 from runnx.ops.fused_rotary import rope_cache_fits
@@ -64,13 +65,41 @@ def remember(state, replay) -> None:
         state.replay = replay
 
 
+def _parameters(kernel) -> list[str]:
+    """A native kernel's parameter names after its mailbox and workers."""
+    return list(inspect.signature(kernel.py_func).parameters)[2:]
+
+
+def _positions(*parts: tuple[str, list[str]]) -> dict[tuple[str, str], int]:
+    """{(part, parameter name): position} of arguments made of these parts' parameters, in order."""
+    at, start = {}, 0
+    for part, names in parts:
+        at.update({(part, name): start + p for p, name in enumerate(names)})
+        start += len(names)
+    return at
+
+
 # -- a LayerNorm layer chain (AttentionLayerNormGeluMLP[Append]) ------------------------------------
-_CHAINED_ARGUMENTS = 45  # attended_layer_norm_gelu_mlp's, then appended_products' (its mailbox and workers aside)
-# where those hold what a step changes: `attention_row`'s x row, heads (of its query row) and cache (keys,
-# values, bias), `_layer_norm_row`'s residual row, the second `attention_row`'s heads and keys and values
-# (its x row left out), then `append_arguments`' key and value buffers and position
-_X, _HEADS, _CACHE, _RESIDUAL, _CROSS_HEADS, _CROSS_CACHE = 0, 5, 6, 14, 22, 23
-_BUFFERS = _CHAINED_ARGUMENTS + 3
+# `attended_layer_norm_gelu_mlp`'s arguments (its mailbox and workers aside) are `attended_row`'s and
+# `projected_layer_norm`'s, `attended_row`'s but its x and `gelu_mlp`'s (split where `_decode_blocks`
+# splits them); the chain with the next layer's append, then `appended_products`' but its x. Where
+# those hold what a step changes, found by the kernels' parameter names: the self-attention's x row,
+# heads (of its query row) and cache (keys, values, bias), the residual row, the cross-attention's
+# heads, keys and values, and the append's key and value buffers and position.
+_ROW_PARAMETERS = _parameters(attended_row)
+_CHAIN_AT = _positions(("self", _ROW_PARAMETERS), ("norm", _parameters(projected_layer_norm)),
+                       ("cross", _ROW_PARAMETERS[1:]), ("mlp", _parameters(gelu_mlp)),
+                       ("append", _parameters(appended_products)[1:]))
+_X, _HEADS, _CACHE = _CHAIN_AT["self", "x"], _CHAIN_AT["self", "heads"], _CHAIN_AT["self", "key"]
+_RESIDUAL, _CROSS_HEADS, _CROSS_CACHE = _CHAIN_AT["norm", "residual"], _CHAIN_AT["cross", "heads"], _CHAIN_AT["cross", "key"]
+_CHAINED_ARGUMENTS = _CHAIN_AT["append", "weights"]
+assert (_CHAIN_AT["cross", "weight"], _CHAIN_AT["mlp", "x"], _CHAINED_ARGUMENTS) == (CHAIN_NORM, CHAIN_CROSS, CHAIN_ARGUMENTS)
+_BUFFERS = (_CHAIN_AT["append", "key_buffer"], _CHAIN_AT["append", "value_buffer"])
+# `attended_cache` makes an attention's (keys, values, bias) and the append takes its buffers and then
+# the position, each in the order the kernels take them
+assert all(_CHAIN_AT[part, "value"] == _CHAIN_AT[part, "key"] + 1 and _CHAIN_AT[part, "bias"] == _CHAIN_AT[part, "key"] + 2
+           for part in ("self", "cross"))
+assert _BUFFERS[1] == _BUFFERS[0] + 1 and _CHAIN_AT["append", "position"] == _BUFFERS[1] + 1
 
 
 class ChainPositions:
@@ -103,7 +132,7 @@ class ChainReplay(_Replay):
     __slots__ = ("at", "x_shape", "residual_shape", "perms", "cross_bias", "shapes")
 
     def __init__(self, inputs: tuple, arguments: tuple, perms: tuple, at: ChainPositions):
-        buffers = (_BUFFERS, _BUFFERS + 1) if at.caches else ()
+        buffers = _BUFFERS if at.caches else ()
         super().__init__(inputs, arguments, at.changing + at.caches,
                          (_X, _CACHE, _CACHE + 1, _CACHE + 2, _RESIDUAL, _CROSS_CACHE, _CROSS_CACHE + 1), buffers)
         self.at = at
@@ -134,7 +163,7 @@ class ChainReplay(_Replay):
             position = append_position(past_key, past_value, self.shapes)
             if position < 0:
                 return None
-            appended = (*arguments[_CHAINED_ARGUMENTS:_BUFFERS], key_buffer, value_buffer, position)
+            appended = (*arguments[_CHAINED_ARGUMENTS:_BUFFERS[0]], key_buffer, value_buffer, position)
         return (np.ascontiguousarray(x.reshape(-1)), *arguments[_X + 1:_CACHE], *own, *arguments[_CACHE + 3:_RESIDUAL],
                 np.ascontiguousarray(residual.reshape(-1)), *arguments[_RESIDUAL + 1:_CROSS_CACHE], *cross[:2],
                 *arguments[_CROSS_CACHE + 2:_CHAINED_ARGUMENTS], *appended)
