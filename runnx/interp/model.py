@@ -205,10 +205,20 @@ class Model:
 
 
 def _prepack(work: list) -> None:
+    """Each node's prepack in the graph's order; the pending work they return made by kind, in order
+    (`ops/registry.py`)."""
+    pending: dict = {}
     for prepack, inputs, attrs in work:
         try:
-            prepack(inputs, attrs)
+            made = prepack(inputs, attrs)
         except Exception:  # noqa: BLE001 (the node's own run raises it, with its name)
+            continue
+        if made is not None:
+            pending.setdefault(made.batch, []).append(made)
+    for batch, items in pending.items():
+        try:
+            batch(items)
+        except Exception:  # noqa: BLE001 (what is not made, a run makes, or raises about)
             pass
 
 

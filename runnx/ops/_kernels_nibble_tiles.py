@@ -35,6 +35,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._kernels_contrib import ZERO_PACKED, ZERO_TYPED, block_zero_points
 
 TILE = 16  # columns a tile: one 512-bit vector of float32 sums
 CHUNK_BYTES = 16  # bytes of a column a chunk: 32 4-bit values with one scale
@@ -228,40 +229,63 @@ def _transpose_block(typingctx, source, source_at, source_step, target, target_a
 def transpose_tiles(weights, tiles):
     """tiles[t, c, j, i] = weights[16 t + i, c, j] for every whole tile t of tiles (T, chunks, 16, 16)
     (a weight's bytes (N, chunks, 16), N >= 16 T): both flat, C-contiguous uint8."""
-    count, chunks = tiles.shape[0], tiles.shape[1]
-    step = chunks * CHUNK_BYTES
     source, target = weights.reshape(-1), tiles.reshape(-1)
-    if source.size < count * TILE * step:
+    if source.size < tiles.shape[0] * TILE * tiles.shape[1] * CHUNK_BYTES:
         raise ValueError("weights hold fewer columns than the tiles")
+    _transpose_whole(source, target, tiles.shape[0], tiles.shape[1])
+
+
+@_kernel
+def _transpose_whole(source, target, count, chunks):
+    """`transpose_tiles` of flat arrays: the first `count` whole tiles of `chunks` chunks."""
+    step = chunks * CHUNK_BYTES
     for t in range(count):
         for c in range(chunks):
             _transpose_block(source, (t * TILE * chunks + c) * CHUNK_BYTES, step, target,
                              (t * chunks + c) * CHUNK_BYTES * TILE)
 
 
-def repack(weights, block_scales, block_zeros, tiles, scales, zeros) -> None:
-    """weights (N, blocks, blob) uint8 with a scale and a zero point per block (flat, N x blocks;
-    `block_zeros` empty when they share zeros' one row, which the caller fills) into the tile
-    layout (module docstring), the last tile's padding columns zero: every element of tiles and
-    scales (and of zeros, with block_zeros) is written, so they may come from np.empty. The whole
-    tiles' bytes by `transpose_tiles`, the rest by numpy's strided copies."""
+@_kernel
+def repack(weights, block_scales, packed_zeros, typed_zeros, zero_mode, tiles, scales, byte_zeros, float_zeros):
+    """weights (N, blocks, blob) uint8, C-contiguous, with a scale per block (block_scales: flat, N x
+    blocks) into the tile layout (module docstring): tiles (T, chunks, 16, 16), scales (T, chunks, 16)
+    and the zero points, by zero_mode: ZERO_PACKED's 4-bit ones (packed_zeros: two a byte, each
+    column's bytes starting afresh) into byte_zeros (T, chunks, 16) uint8, ZERO_TYPED's (typed_zeros:
+    flat, N x blocks) into float_zeros (T, chunks, 16), ZERO_DEFAULT's none (they share one row the
+    caller fills). Every element of tiles, scales and the zeros written is set, the last tile's
+    padding columns zero, so all may come from np.empty. One native call with no numpy between its
+    parts: a prepacking thread makes a model's tiles holding the GIL for nothing but their buffers."""
     columns, blocks, blob = weights.shape
-    count, chunks = tiles.shape[:2]
-    whole = columns // TILE
+    count, chunks = tiles.shape[0], tiles.shape[1]
+    if count * TILE < columns or chunks * CHUNK_BYTES != blocks * blob or blob % CHUNK_BYTES:
+        raise ValueError("tiles of another shape than the weights'")
     per = blob // CHUNK_BYTES  # chunks a block: its scale and zero point repeat for each
-    parts = [(tiles, weights.reshape(columns, chunks, CHUNK_BYTES))]
-    if whole and tiles.flags.c_contiguous:
-        source = np.ascontiguousarray(parts[0][1][:whole * TILE]).view()
-        source.flags.writeable = False  # (one compiled type for a model's weights and a computed value)
-        transpose_tiles(source, tiles[:whole])
-        parts[0] = (tiles[whole:], parts[0][1][whole * TILE:])  # (tiles left: the last one's columns)
-    parts.append((scales.reshape(count, blocks, per, TILE), block_scales.reshape(columns, blocks, 1)))
-    if block_zeros.size:
-        parts.append((zeros.reshape(count, blocks, per, TILE), block_zeros.reshape(columns, blocks, 1)))
-    for out, by_column in parts:  # (N, chunks, 16 | blocks, 1) -> (tiles, chunks, 16 | blocks, per, 16 columns)
-        axes = (0, 2, 3, 1)  # (a block's value broadcast to its chunks: no gathered copy of each first)
-        filled = by_column.shape[0] // TILE
-        np.copyto(out[:filled], by_column[:filled * TILE].reshape((filled, TILE) + by_column.shape[1:]).transpose(axes))
-        if by_column.shape[0] % TILE:
-            out[filled] = 0
-            out[filled, ..., :by_column.shape[0] % TILE] = np.moveaxis(by_column[filled * TILE:], 0, -1)
+    block_bytes = np.empty((columns, blocks) if zero_mode == ZERO_PACKED else (0, blocks), np.uint8)
+    block_zero_points(packed_zeros, typed_zeros, zero_mode, 4, 0, blocks, block_bytes)
+    source, target = weights.reshape(-1), tiles.reshape(-1)
+    whole = columns // TILE
+    _transpose_whole(source, target, whole, chunks)
+    step = chunks * CHUNK_BYTES
+    for t in range(whole, count):  # the last tile, its columns past N zero
+        for c in range(chunks):
+            for j in range(CHUNK_BYTES):
+                for i in range(TILE):
+                    n = t * TILE + i
+                    tiles[t, c, j, i] = source[n * step + c * CHUNK_BYTES + j] if n < columns else 0
+    for t in range(count):
+        for c in range(chunks):
+            block = c // per
+            for i in range(TILE):
+                n = t * TILE + i
+                scales[t, c, i] = block_scales[n * blocks + block] if n < columns else 0
+                if zero_mode == ZERO_PACKED:
+                    byte_zeros[t, c, i] = block_bytes[n, block] if n < columns else 0
+                elif zero_mode == ZERO_TYPED:
+                    float_zeros[t, c, i] = typed_zeros[n * blocks + block] if n < columns else 0
+
+
+@_kernel
+def repack_many(items):
+    """`repack(*item)` for each item of a tuple of their arguments, in one call: no GIL between them."""
+    for k in range(len(items)):
+        repack(*items[k])

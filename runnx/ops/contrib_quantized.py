@@ -15,10 +15,10 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.ops import _native
-from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED, block_zero_points,
+from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED,
                                         bnb4_dequantize, bnb4_rows, lanes_order_into, nbits_dequantize, nbits_lanes,
                                         nbits_rows, nibble_lanes_panel)
-from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, repack
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, repack, repack_many
 from runnx.ops._fused_common import DOMAIN as FUSED_DOMAIN
 from runnx.ops._remembered import Remembered
 from runnx.ops.fused_norms import SiluMul
@@ -72,39 +72,117 @@ def _nibble_tiles(_, weights, scales, zero_points):
     """4-bit weights with blobs of 16 bytes or more repacked in tiles of 16 columns, with a scale
     and a zero point for each 32 values (`_kernels_nibble_tiles`: uint8 zero points, float32 ones
     of the scales' type, or one shared row of the default), read-only."""
-    return _tiles_of_parts([(weights, scales, zero_points)])
+    return _made(*_planned_tiles([(weights, scales, zero_points)]))
 
 
-def _tiles_of_parts(parts: list):
-    """The tiles (read-only) of the 4-bit weights of parts ((b, scales, zero points) triples, zero
-    points all absent or all of one type) side by side, each part repacked into its share: every
-    part but the last has whole tiles (its columns a multiple of 16)."""
-    work = np.dtype(np.float32)
+def _planned_tiles(parts: list) -> tuple[tuple, list]:
+    """((tiles, scales, zeros), items): buffers from np.empty for the tiles of the 4-bit weights of
+    parts ((b, scales, zero points) triples, zero points all absent or all of one type) side by
+    side, and the `repack` arguments that fill them, one item a part, each into its share: every
+    part but the last has whole tiles (its columns a multiple of 16). Items of any weight have one
+    numba type (inputs read-only), so that `repack_many` takes many in one call."""
     chunks = parts[0][0].shape[1] * parts[0][0].shape[2] // CHUNK_BYTES
     count = sum(b.shape[0] for b, _, _ in parts[:-1]) // TILE + -(-parts[-1][0].shape[0] // TILE)
     tiles = np.empty((count, chunks, CHUNK_BYTES, TILE), np.uint8)  # (`repack` writes every element)
-    tile_scales = np.empty((count, chunks, TILE), work)
-    tile_zeros = None
-    first = 0
+    tile_scales = np.empty((count, chunks, TILE), _FLOAT32)
+    tile_zeros, items, first = None, [], 0
     for weights, scales, zero_points in parts:
         columns, blocks, _ = weights.shape
-        mode, packed, typed = _nbits_zero_points(zero_points, columns, blocks, 4, work)
+        mode, packed, typed = _nbits_zero_points(zero_points, columns, blocks, 4, _FLOAT32)
         own = slice(first, first + -(-columns // TILE))
         if mode == ZERO_DEFAULT:
-            block_zeros, tile_zeros = np.empty(0, np.uint8), np.full((1, 1, TILE), 8, np.uint8)  # 4 bits' default
-        else:
-            kind = np.uint8 if mode == ZERO_PACKED else work
-            block_zeros = np.empty((columns, blocks), kind)
-            block_zero_points(packed, typed, mode, 4, 0, blocks, block_zeros)
-            if tile_zeros is None:
-                tile_zeros = np.empty((count, chunks, TILE), kind)
-        part_zeros = tile_zeros if mode == ZERO_DEFAULT else tile_zeros[own]
-        repack(weights, np.ascontiguousarray(scales.reshape(-1), dtype=work), block_zeros.reshape(-1), tiles[own],
-               tile_scales[own], part_zeros)
+            tile_zeros = np.full((1, 1, TILE), 8, np.uint8)  # 4 bits' default, one row for every column
+        elif tile_zeros is None:
+            tile_zeros = np.empty((count, chunks, TILE), np.uint8 if mode == ZERO_PACKED else _FLOAT32)
+        byte_zeros = tile_zeros[own] if mode == ZERO_PACKED else _NO_BYTE_ZEROS
+        float_zeros = tile_zeros[own] if mode == ZERO_TYPED else _NO_FLOAT_ZEROS
+        items.append((_read_only(np.ascontiguousarray(weights)),
+                      _read_only(np.ascontiguousarray(scales.reshape(-1), dtype=_FLOAT32)), _read_only(packed),
+                      _read_only(typed), mode, tiles[own], tile_scales[own], byte_zeros, float_zeros))
         first = own.stop
-    for array in (tiles, tile_scales, tile_zeros):
+    return (tiles, tile_scales, tile_zeros), items
+
+
+def _made(result: tuple, items: list) -> tuple:
+    """The planned tiles (`_planned_tiles`), filled and read-only."""
+    for item in items:
+        repack(*item)
+    return _sealed(result)
+
+
+def _sealed(result: tuple) -> tuple:
+    for array in result:
         array.flags.writeable = False
-    return tiles, tile_scales, tile_zeros
+    return result
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    if array.flags.writeable:
+        array = array.view()
+        array.flags.writeable = False
+    return array
+
+
+_NO_BYTE_ZEROS, _NO_FLOAT_ZEROS = np.empty((0, 1, TILE), np.uint8), np.empty((0, 1, TILE), _FLOAT32)
+# `repack_many`'s items a call, the last call's filled with an item of no columns: one compiled size
+_BATCH = 16
+_NO_ITEM = (_read_only(np.empty((0, 1, CHUNK_BYTES), np.uint8)), _read_only(np.empty(0, _FLOAT32)),
+            _read_only(np.empty(0, np.uint8)), _read_only(np.empty(0, _FLOAT32)), ZERO_DEFAULT,
+            np.empty((0, 1, CHUNK_BYTES, TILE), np.uint8), np.empty((0, 1, TILE), _FLOAT32), _NO_BYTE_ZEROS,
+            _NO_FLOAT_ZEROS)
+
+
+class _PendingTiles:
+    """Tiles a prepack planned (`registry`'s pending work): their buffers and `repack` items, and the
+    `Remembered` that keeps them for these values and arrays once `batch` has made them."""
+
+    __slots__ = ("remembered", "values", "arrays", "result", "items")
+
+    def __init__(self, remembered: Remembered, values, arrays: tuple, planned: tuple):
+        self.remembered, self.values, self.arrays = remembered, values, arrays
+        self.result, self.items = planned
+
+    @staticmethod
+    def batch(pending: list) -> None:
+        """Make the planned tiles in native calls of up to _BATCH items (`repack_many`: the GIL held
+        for none of them, where a weight at a time needed it a dozen times a weight: a thread waits
+        up to 5 ms for it at each while another runs Python, and a model's prepack beside its load
+        took 1.7 s instead of 0.07), each call's weights then kept. No lock is held while a call
+        makes them: a run reaching a weight not kept yet makes its own (the two threads then make
+        the first prompt's tiles side by side, as they did a weight at a time), and the batch skips
+        what a run has kept, or keeps the run's."""
+        start = 0
+        while start < len(pending):
+            stop, count = start, 0
+            while stop < len(pending) and (stop == start or count + len(pending[stop].items) <= _BATCH):
+                count += len(pending[stop].items)
+                stop += 1
+            part = [p for p in pending[start:stop] if not p.known()]  # (a run may have made some since)
+            items = [item for p in part for item in p.items]
+            for first in range(0, len(items), _BATCH):
+                chunk = tuple(items[first:first + _BATCH])
+                repack_many(chunk + (_NO_ITEM,) * (_BATCH - len(chunk)))
+            for p in part:
+                p.keep()
+            start = stop
+
+    def known(self) -> bool:
+        """Whether these tiles are made already (a run got to them first)."""
+        return self.remembered.known_result((self.values, *map(id, self.arrays))) is not None
+
+    def keep(self) -> bool:
+        """Keep the made tiles for their values and arrays, as a run's `lookup` would; False when a
+        run kept its own first (those stay)."""
+        made = _sealed(self.result)
+        return self.remembered.lookup(self.values, self.arrays, lambda *_: made) is made
+
+
+def _pending(remembered: Remembered, values, arrays: tuple, plan) -> _PendingTiles | None:
+    """The tiles `plan()` plans for these values and arrays, to be made by `_PendingTiles.batch`; None
+    when they are made already (a run got to them first)."""
+    if remembered.known_result((values, *map(id, arrays))) is not None:
+        return None
+    return _PendingTiles(remembered, values, arrays, plan())
 
 
 # a constant weight's tiles are made on its first product and kept while it lives (an extra copy of
@@ -127,18 +205,20 @@ def _check_g_idx(g_idx, depth: int, block_size: int):
                          "supported; re-quantize the model without act-order")
 
 
-def _prepack_tiles(inputs: tuple, attrs: dict) -> None:
-    """MatMulNBits' tiles made ahead (`registry`'s prepack): a constant 4-bit weight that its few-row
+def _prepack_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
+    """MatMulNBits' tiles planned ahead (`registry`'s prepack): a constant 4-bit weight that its few-row
     products read as tiles (`_nibble_product`), checked as MatMulNBits checks it first."""
     b, scales, zero_points, g_idx = (inputs[1:] + (None, None, None))[:4]
     K, N, block_size = attrs.get("K"), attrs.get("N"), attrs.get("block_size")
     if (any(x is COMPUTED for x in (b, scales, zero_points)) or b is None or scales is None or g_idx is not None
             or attrs.get("bits") != 4 or not isinstance(block_size, int) or block_size < 32
             or block_size & (block_size - 1) or not isinstance(K, int) or not isinstance(N, int)):
-        return
+        return None
     blocks = (K + block_size - 1) // block_size
     if b.dtype == np.uint8 and b.shape == (N, blocks, block_size // 2) and scales.size == N * blocks:
-        _remembered_tiles((), b, scales, zero_points)
+        return _pending(_remembered_tiles, (), (b, scales, zero_points),
+                        lambda: _planned_tiles([(b, scales, zero_points)]))
+    return None
 
 
 @register("MatMulNBits", since=1, domain=DOMAIN, overlaps_jobs=True, prepack=_prepack_tiles)
@@ -194,6 +274,12 @@ def _joined_tiles(shape: tuple, *parts):
     """The tiles of the 4-bit weights of `parts` (flat (b, scales, zero points) triples) side by
     side, columns of the first part first, each part checked as MatMulNBits checks it; shape:
     (K, block_size, columns of each part)."""
+    return _made(*_planned_joined_tiles(shape, *parts))
+
+
+def _planned_joined_tiles(shape: tuple, *parts) -> tuple[tuple, list]:
+    """`_planned_tiles` of `_joined_tiles`' parts, checked: each part into its share when the parts
+    before the last have whole tiles, else of the parts joined."""
     depth, block_size, columns = shape
     blocks = (depth + block_size - 1) // block_size
     triples = [parts[i:i + 3] for i in range(0, len(parts), 3)]
@@ -208,23 +294,25 @@ def _joined_tiles(shape: tuple, *parts):
            and zero_points.dtype != triples[0][2].dtype for _, _, zero_points in triples):
         raise RunnxError("SharedInputMatMulNBits: every product needs zero points of one type, or none")
     if all(b.shape[0] % TILE == 0 for b, _, _ in triples[:-1]):  # each part into its own tiles
-        return _tiles_of_parts(triples)
+        return _planned_tiles(triples)
     weights = np.concatenate([b for b, _, _ in triples])
     scales = np.concatenate([s.reshape(-1) for _, s, _ in triples])
     zero_points = None if triples[0][2] is None else np.concatenate([z.reshape(-1) for _, _, z in triples])
-    return _nibble_tiles((), weights, scales, zero_points)
+    return _planned_tiles([(weights, scales, zero_points)])
 
 
 # made on the first few-row product, kept while the weights live (`_remembered_tiles`)
 _remembered_joined_tiles = Remembered(_joined_tiles)
 
 
-def _prepack_joined_tiles(inputs: tuple, attrs: dict) -> None:
-    """SharedInputMatMulNBits' joined tiles made ahead (`registry`'s prepack), checked as they are
+def _prepack_joined_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
+    """SharedInputMatMulNBits' joined tiles planned ahead (`registry`'s prepack), checked as they are
     when a few-row product makes them (`_joined_tiles`)."""
     parts = inputs[1:]
-    if parts and not any(x is COMPUTED for x in parts) and attrs.get("block_size", 0) >= 32:
-        _remembered_joined_tiles((attrs["K"], attrs["block_size"], tuple(attrs["columns"])), *parts)
+    if not parts or any(x is COMPUTED for x in parts) or attrs.get("block_size", 0) < 32:
+        return None
+    shape = (attrs["K"], attrs["block_size"], tuple(attrs["columns"]))
+    return _pending(_remembered_joined_tiles, shape, parts, lambda: _planned_joined_tiles(shape, *parts))
 
 
 @register("SharedInputMatMulNBits", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True, prepack=_prepack_joined_tiles)

@@ -31,8 +31,11 @@ before reading data any other way.
 call and keeps it (a 4-bit weight's tiles, in a `Remembered`): fn(inputs, attrs), given the
 node's inputs (its constants; None for an input left out, `COMPUTED` for one computed by a run)
 and its attributes with their defaults, makes it ahead (`Model.prepack_in_background`, as
-onnxruntime's kernels prepack at session creation) and returns nothing. It checks what the kernel
-would check before making it, and what it raises is dropped: the node's own run raises it.
+onnxruntime's kernels prepack at session creation) and returns nothing, or returns it planned:
+pending work with a `batch` function, which the prepacking thread calls once with every node's
+pending work of that function, in the graph's order (a model's 4-bit tiles made in a few native
+calls, with the GIL held between none of them). It checks what the kernel would check before
+making it, and what it raises is dropped: the node's own run raises it.
 
 A kernel returns one value, or a tuple for several outputs (a list is a sequence value). It must
 never return a writeable array that it keeps a reference to (module caches must be read-only).

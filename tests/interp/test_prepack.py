@@ -55,7 +55,8 @@ def _model(b_shape_wrong=False, integer=False):
 
 @pytest.fixture
 def made(monkeypatch):
-    """Every computation of 4-bit tiles (joined or alone) and VNNI tiles, by thread and weight."""
+    """Every computation of 4-bit tiles (joined or alone) and VNNI tiles, by thread and weight: a run's
+    (the `Remembered`'s function) or a prepack's batch's (its pending tiles kept)."""
     calls = []
     for remembered in (contrib_quantized._remembered_tiles, contrib_quantized._remembered_joined_tiles,
                        linalg_integer._vnni_weights):
@@ -63,6 +64,14 @@ def made(monkeypatch):
             calls.append((threading.current_thread().name, kind, id(arrays[0])))
             return original(values, *arrays)
         monkeypatch.setattr(remembered, "fn", counted)
+    keep = contrib_quantized._PendingTiles.keep
+
+    def kept(pending):
+        if keep(pending):
+            calls.append((threading.current_thread().name, pending.remembered, id(pending.arrays[0])))
+            return True
+        return False
+    monkeypatch.setattr(contrib_quantized._PendingTiles, "keep", kept)
     return calls
 
 
@@ -70,18 +79,24 @@ def _kinds(model) -> list[str]:
     return sorted(node.op_type for node in model.graph.nodes)
 
 
-def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made):
+def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made, monkeypatch):
+    """... and its 4-bit tiles in one native call for all the weights (`repack_many`: the GIL held
+    between none of them), where a run makes each weight's alone."""
     model_bytes = _model(integer=vnni.AVAILABLE)
     x = RNG.standard_normal((1, 3, K)).astype(np.float32)
     reference = runnx.load(model_bytes).run({"x": x})  # its run makes its own tiles
     made.clear()
     model = runnx.load(model_bytes)
     assert {"SharedInputMatMulNBits", "MatMulNBits"} <= set(_kinds(model))
+    batches = []
+    many = contrib_quantized.repack_many
+    monkeypatch.setattr(contrib_quantized, "repack_many", lambda items: batches.append(len(items)) or many(items))
     thread = model.prepack_in_background()
     thread.join()
     assert thread.name == "runnx-prepack"
     expected = 2 + vnni.AVAILABLE  # the joined tiles of x's products, y0's product's, the int8 weight's
     assert len(made) == expected and {name for name, _, _ in made} == {"runnx-prepack"}
+    assert batches == [contrib_quantized._BATCH]  # four parts (three joined, one alone) in one call
     made.clear()
     outputs = model.run({"x": x})
     assert made == []  # the run found all of it made
@@ -91,19 +106,19 @@ def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made):
 
 def test_a_run_beside_the_prepack_makes_each_weight_once(made, monkeypatch):
     """The run reaches the weights while the prepack is still making them (made slow here): each
-    is made once, by whichever thread got to it first, and the outputs are the same bits."""
+    is kept once, made by whichever thread got to it first, and the outputs are the same bits."""
     model_bytes = _model()
     x = RNG.standard_normal((1, 1, K)).astype(np.float32)
     reference = runnx.load(model_bytes).run({"x": x})
     made.clear()
     model = runnx.load(model_bytes)
-    slow = contrib_quantized._remembered_joined_tiles.fn
+    slow = contrib_quantized.repack_many
 
     def slowly(*args):
         time.sleep(0.2)
         return slow(*args)
 
-    monkeypatch.setattr(contrib_quantized._remembered_joined_tiles, "fn", slowly)
+    monkeypatch.setattr(contrib_quantized, "repack_many", slowly)
     thread = model.prepack_in_background()
     outputs = model.run({"x": x})
     thread.join()
