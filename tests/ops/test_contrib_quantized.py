@@ -413,6 +413,23 @@ def test_a_weights_bytes_transposed_in_registers_are_its_tiles_and_nothing_else_
         transpose_tiles(weights[:16 * tiles - 1], out[:tiles])
 
 
+def test_repacking_into_tiles_of_another_shape_is_refused():
+    """`repack` writes by index into buffers it is handed: tiles too few for the weight's columns, or
+    of another number of chunks, raise before anything is written."""
+    from runnx.ops._kernels_contrib import ZERO_DEFAULT
+    from runnx.ops._kernels_nibble_tiles import repack
+
+    weights = np.zeros((33, 4, 16), np.uint8)  # 33 columns: three tiles, 4 chunks of a block each
+    scales, none_u8, none_f32 = np.ones(33 * 4, np.float32), np.empty(0, np.uint8), np.empty(0, np.float32)
+    zeros_u8, zeros_f32 = np.empty((0, 1, 16), np.uint8), np.empty((0, 1, 16), np.float32)
+    for count, chunks in ((2, 4), (3, 3)):
+        tiles = np.full((count, chunks, 16, 16), 0xA5, np.uint8)
+        with pytest.raises(ValueError, match="another shape"):
+            repack(weights, scales, none_u8, none_f32, ZERO_DEFAULT, tiles, np.empty((count, chunks, 16), np.float32),
+                   zeros_u8, zeros_f32)
+        assert (tiles == 0xA5).all()
+
+
 @pytest.mark.parametrize("N,block_size", [(77, 32), (48, 64), (5, 128)])
 @pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
 def test_4_bit_tiles_are_the_weights_bytes_in_their_layout_padding_zero(N, block_size, zero_points):
