@@ -86,9 +86,9 @@ _MAPPED_BYTES = 1 << 21  # and from this size on into a map of its own, settled 
 
 
 def contiguous_copy(array: np.ndarray) -> np.ndarray:
-    """A C-contiguous copy of `array`. A transposed matrix (a tied LM head's Transpose of the
-    embeddings) goes through tiles: numpy copies it along the output's rows, reading one float of
-    each cache line of the input. A large one is written into a map of its own, its pages faulted
+    """A C-contiguous copy of `array`. A transposed matrix (a large one that MatMuls alone read stays
+    a view: `_read_by_columns`) goes through tiles: numpy copies it along the output's rows, reading
+    one float of each cache line of the input. A large one is written into a map of its own, its pages faulted
     in one call and then settled into huge pages as the weights are (`model_file.weight_arena`; a
     decode step streams it): 113 MB took a third of a second of a load, a quarter of that so."""
     if (array.ndim != 2 or abs(array.strides[0]) >= abs(array.strides[1]) or array.size < _TILE * _TILE
@@ -108,7 +108,22 @@ def contiguous_copy(array: np.ndarray) -> np.ndarray:
     return out
 
 
-def _evaluate(graph: Graph, node, ctx) -> list | None:
+def _read_by_columns(graph: Graph, node, readers: list) -> bool:
+    """Whether `node` transposes a large constant matrix that only MatMuls read, as their b: its fold
+    stays a view (a tied LM head's transposed embedding: MatMul reads the embedding's rows in place,
+    `linalg._by_columns`), where a copy would double the matrix's memory and cost a part of the load."""
+    if node.op_type != "Transpose" or len(node.inputs) != 1 or node.outputs[0] in graph.outputs or not readers:
+        return False
+    source = graph.constants.get(node.inputs[0])
+    return (type(source) is np.ndarray and source.ndim == 2 and source.flags.c_contiguous
+            and source.nbytes >= _MAPPED_BYTES and list(node.attrs.get("perm", (1, 0))) == [1, 0]
+            and all(reader.op_type == "MatMul" and reader.domain == "" and list(reader.inputs[1:]) == [node.outputs[0]]
+                    and reader.inputs[0] != node.outputs[0] for reader in readers))
+
+
+def _evaluate(graph: Graph, node, ctx, view: bool = False) -> list | None:
+    """The folded outputs of `node`, or None; `view`: a transposed input kept a view of it
+    (`_read_by_columns`)."""
     args = [graph.constants[v] if v != MISSING else None for v in node.inputs]
     try:
         result = call_out_of_place(node, args, ctx)
@@ -127,7 +142,9 @@ def _evaluate(graph: Graph, node, ctx) -> list | None:
     folded = []
     for output in outputs:
         output = np.asarray(output)
-        if not output.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-D result into 1-D)
+        if view and output.base is not None and output.T.flags.c_contiguous:
+            output = output.view()  # a read-only view of the read-only source
+        elif not output.flags.c_contiguous:  # (np.ascontiguousarray would turn a 0-D result into 1-D)
             output = contiguous_copy(output)  # its own storage (a map's, for a large one): kept as it is
         elif output.base is not None:  # a view (of an input, say): a constant of its own
             output = output.copy()
@@ -147,13 +164,14 @@ def fold_constants(graph: Graph, options, shared: dict | None = None) -> int:
     while changed:  # nodes may be out of topological order
         changed = False
         kept = []
-        readers = _readers(nodes) if options.fuse else {}
+        readers = _readers(nodes)
         for node in nodes:
             if (options.fuse and dequantized_weight(graph, node)
                     and read_as_weight(graph, node, readers.get(node.outputs[0], []))):
                 kept.append(node)  # a DequantizedMatMul reads its bytes
                 continue
-            outputs = _evaluate(graph, node, ctx) if _foldable(graph, node) else None
+            view = bool(node.outputs) and _read_by_columns(graph, node, readers.get(node.outputs[0], []))
+            outputs = _evaluate(graph, node, ctx, view) if _foldable(graph, node) else None
             if outputs is None or len(outputs) < sum(v != MISSING for v in node.outputs):
                 kept.append(node)
                 continue

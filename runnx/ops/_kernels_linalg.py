@@ -21,6 +21,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 
@@ -144,3 +148,97 @@ def rows_times_bytes(rows, matrix, zero, scale):
 def row_times_matrix(row, matrix):
     """row @ matrix for a C-contiguous vector row (K,) and matrix (K, N), on this thread."""
     return rows_times_matrix(row.reshape((1, row.size)), matrix)[0]
+
+
+LANES = 16  # `columns_into`'s running sums a column: one 512-bit vector of float32
+
+
+def _emit_lane_dots(builder, row_a, columns_a, firsts: list) -> list:
+    """The code of `_lane_dots`: each column's LANES chains and halves, the columns' chains side by side."""
+    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    vector = ir.VectorType(f32, LANES)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+    scalar_fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+    depth = builder.extract_value(row_a.shape, 0)
+    whole = builder.mul(builder.sdiv(depth, ir.Constant(i64, LANES)), ir.Constant(i64, LANES))
+    totals = [cgutils.alloca_once_value(builder, ir.Constant(vector, [0.0] * LANES)) for _ in firsts]
+    with cgutils.for_range_slice(builder, ir.Constant(i64, 0), whole, ir.Constant(i64, LANES)) as (k, _):
+        x = builder.load(builder.bitcast(builder.gep(row_a.data, [k]), vector.as_pointer()), align=4)
+        for first, total in zip(firsts, totals):
+            at = builder.gep(columns_a.data, [builder.add(first, k)])
+            y = builder.load(builder.bitcast(at, vector.as_pointer()), align=4)
+            builder.store(builder.call(fma, [x, y, builder.load(total)]), total)
+    with cgutils.for_range_slice(builder, whole, depth, ir.Constant(i64, 1)) as (k, _):
+        lane = builder.trunc(builder.sub(k, whole), i32)
+        x = builder.load(builder.gep(row_a.data, [k]))
+        for first, total in zip(firsts, totals):
+            sums = builder.load(total)
+            y = builder.load(builder.gep(columns_a.data, [builder.add(first, k)]))
+            term = builder.call(scalar_fma, [x, y, builder.extract_element(sums, lane)])
+            builder.store(builder.insert_element(sums, term, lane), total)
+    results = []
+    for total in totals:
+        sums, width = builder.load(total), LANES
+        while width > 1:
+            width //= 2
+            low = builder.shuffle_vector(sums, sums, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+            high = builder.shuffle_vector(sums, sums, ir.Constant(ir.VectorType(i32, width),
+                                                                  list(range(width, 2 * width))))
+            sums = builder.fadd(low, high)
+        results.append(builder.extract_element(sums, ir.Constant(i32, 0)))
+    return results
+
+
+DOTS = 4  # columns `_lane_dots` sums side by side: independent chains, more loads in flight
+
+
+@intrinsic
+def _lane_dots(typingctx, row, columns, n, count):
+    """(row . columns[n + j] for j < count, count 1 or DOTS; zeros past count), float32, each as LANES
+    chains of fused multiply-adds from zero, lane l over k = l, l + 16, ... (the last K % 16 terms
+    ending the first lanes' chains), then the lanes added in halves (8 + 8, 4 + 4, 2 + 2, 1 + 1):
+    each the same sum wherever, and beside whichever columns, it is computed."""
+    result = types.UniTuple(types.float32, DOTS)
+
+    def codegen(context, builder, sig, args):
+        row_a, columns_a = context.make_array(sig.args[0])(context, builder, args[0]), \
+            context.make_array(sig.args[1])(context, builder, args[1])
+        depth = builder.extract_value(columns_a.shape, 1)
+        out = cgutils.alloca_once_value(builder, context.make_tuple(builder, result, [ir.Constant(ir.FloatType(), 0.0)] * DOTS))
+        one = builder.icmp_signed("==", args[3], ir.Constant(ir.IntType(64), 1))
+        with builder.if_else(one) as (single, several):
+            with single:
+                (value,) = _emit_lane_dots(builder, row_a, columns_a, [builder.mul(args[2], depth)])
+                builder.store(context.make_tuple(builder, result, [value] + [ir.Constant(ir.FloatType(), 0.0)] *
+                                                 (DOTS - 1)), out)
+            with several:
+                firsts = [builder.mul(builder.add(args[2], ir.Constant(ir.IntType(64), j)), depth) for j in range(DOTS)]
+                builder.store(context.make_tuple(builder, result, _emit_lane_dots(builder, row_a, columns_a, firsts)),
+                              out)
+        return builder.load(out)
+
+    return result(row, columns, types.int64, types.int64), codegen
+
+
+@_kernel
+def columns_into(rows, columns, out, first, stop):
+    """out[:, first:stop] = rows @ columns[first:stop].T for C-contiguous float32 rows (M, K) and a
+    matrix given by its columns (N, K) (a transposed operand: a tied LM head reads the embedding's
+    rows), each column's row read once, in order, for every row of `rows`, DOTS columns side by side;
+    each element `_lane_dots`' sum, the same whatever range or thread computes it."""
+    n = first
+    while n < stop:
+        count = DOTS if stop - n >= DOTS else 1
+        for m in range(rows.shape[0]):
+            sums = _lane_dots(rows[m], columns, n, count)
+            for j in range(count):
+                out[m, n + j] = sums[j]
+        n += count
+
+
+@_kernel
+def rows_times_columns(rows, columns):
+    """rows @ columns.T for C-contiguous rows (M, K) and columns (N, K), on this thread (`columns_into`)."""
+    out = np.empty((rows.shape[0], columns.shape[0]), np.float32)
+    columns_into(rows, columns, out, 0, columns.shape[0])
+    return out

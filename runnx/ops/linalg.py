@@ -15,7 +15,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
                                      projected_gate, projected_layer_norm)
-from runnx.ops._kernels_linalg import rows_times_matrix
+from runnx.ops._kernels_linalg import rows_times_columns, rows_times_matrix
 from runnx.ops._matmul import matmul, own_kernels, rest_workers_before, shared_input_products, stacked_product
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
@@ -25,7 +25,7 @@ from runnx.ops.fused_layer_norm_blocks import (ErfGelu, HeadsAttention, SplitHea
                                      split_shape)
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
-from runnx.runtime.jobs import few
+from runnx.runtime.jobs import FEW_ROWS, few
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
 # decode-pool's workers when there are any (float32, this many elements on: smaller products are done
@@ -68,13 +68,28 @@ def _rows(x):
     return x.reshape(-1) if x.size == x.shape[-1] else x.reshape(-1, x.shape[-1])
 
 
+def _by_columns(a, b) -> bool:
+    """Whether a @ b is a few float32 rows times a large matrix given by its columns (b.T C-contiguous:
+    a tied LM head's transposed embedding, kept a view of it: `folding.py`)."""
+    return (_native.enabled and b.ndim == 2 and b.dtype == _FLOAT32 and a.dtype == _FLOAT32 and a.size
+            and a.shape[-1] == b.shape[0] and b.size >= _POOLED_ELEMENTS and not b.flags.c_contiguous
+            and b.T.flags.c_contiguous and a.size // b.shape[0] <= FEW_ROWS)
+
+
 @register("MatMul", since=1, overlaps_jobs=True)
 def MatMul(a, b):
     """a @ b; a decode step's few rows times a float32 matrix go to the decode pool, whose job may be
-    left open (`runtime/pool.py`)."""
-    if (workers := decode_pool.pool()) is not None and a.flags.c_contiguous and _pooled_rows(a, (b,)):
+    left open (`runtime/pool.py`), as do those times a matrix given by its columns."""
+    workers = decode_pool.pool()
+    if workers is not None and a.flags.c_contiguous and _pooled_rows(a, (b,)):
         (product,) = workers.products(_rows(a), (b,), leave_open=True)
         return product.reshape(a.shape[:-1] + b.shape[1:])
+    if _by_columns(a, b):
+        if workers is not None:
+            return workers.column_products(_rows(a), b.T, leave_open=True).reshape(a.shape[:-1] + b.shape[1:])
+        decode_pool.settle()
+        rows = np.ascontiguousarray(a).reshape(-1, b.shape[0])
+        return rows_times_columns(rows, b.T).reshape(a.shape[:-1] + b.shape[1:])
     decode_pool.settle()  # a may be the output of a job left open
     if _few_rows(a, b):
         return rows_times_matrix(np.ascontiguousarray(a).reshape(-1, b.shape[0]), b).reshape(a.shape[:-1] + b.shape[1:])

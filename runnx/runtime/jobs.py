@@ -26,7 +26,7 @@ from runnx.ops._kernels_vnni import unsigned_rows, with_zero_points
 from runnx.runtime.atomics import bits_of_float64, store
 from runnx.runtime.mailbox import PATIENCE, begin_job, finish, open_job, run_job
 from runnx.runtime.slots import (ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS, BLOCK_KEY,
-                                 BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS, DEPTH,
+                                 BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS, COLUMNS, DEPTH,
                                  ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS, GELU_ROWS, GEMM, GEMM_A, GEMM_B,
                                  GEMM_COLUMNS_GIVEN, GEMM_COUNT, GEMM_DEPTH, GEMM_FIRST_UNIT, GEMM_OUT, GEMM_PARTS,
                                  GEMM_PER_PART, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS, MAX_GEMM_PARTS,
@@ -100,6 +100,18 @@ def _check_products(row, matrices, outs, scratch):
 
 
 @_inlined
+def _begin_products(box, height, depth, chunks):
+    """`begin_job` of a products job over `height` rows of `depth`, `chunks` units a matrix in its
+    first phase; the job's sequence number (its rows and matrices posted after)."""
+    sequence = begin_job(box, PATIENCE)
+    store(box, KIND, PRODUCTS)
+    store(box, HEIGHT, height)
+    store(box, DEPTH, depth)
+    store(box, CHUNKS, chunks)
+    return sequence
+
+
+@_inlined
 def open_products(box, workers, row, matrices, outs, scratch, zero, scale):
     """row @ matrices[m] into outs[m] for each m, as one job, for C-contiguous float32 `row` of one
     row (K,) or a few (M, K) and outs[m] of M * N_m elements, the partial rows in `scratch` (room
@@ -113,12 +125,8 @@ def open_products(box, workers, row, matrices, outs, scratch, zero, scale):
     _check_products(row, matrices, outs, scratch)
     depth = matrices[0].shape[0]
     chunks = chunk_count(depth)
-    sequence = begin_job(box, PATIENCE)
-    store(box, KIND, PRODUCTS)
+    sequence = _begin_products(box, row.size // depth, depth, chunks)
     store(box, ROW, row.ctypes.data)
-    store(box, HEIGHT, row.size // depth)
-    store(box, DEPTH, depth)
-    store(box, CHUNKS, chunks)
     start, sums = 0, 0
     for m in range(len(matrices)):
         slots = MATRICES + PER_MATRIX * m
@@ -133,6 +141,49 @@ def open_products(box, workers, row, matrices, outs, scratch, zero, scale):
         sums += (outs[m].size + SUM_BLOCK - 1) // SUM_BLOCK
     store(box, FIRST_PHASE, chunks * len(matrices))
     return open_job(box, workers, sequence, chunks * len(matrices) + sums)
+
+
+COLUMN_BLOCK = 512  # columns a unit of a products job by a matrix's columns (`open_column_products`)
+
+
+@_jit
+def _check_column_products(row, columns, out):
+    """ValueError unless the arrays are what `open_column_products` reads and writes by address."""
+    depth, width = columns.shape[1], columns.shape[0]
+    if (depth == 0 or row.size % depth != 0 or not row.flags.c_contiguous or row.itemsize != 4
+            or not columns.flags.c_contiguous or columns.itemsize != 4 or out.size != row.size // depth * width
+            or not out.flags.c_contiguous or out.itemsize != 4):
+        raise ValueError("a products job by a matrix's columns takes C-contiguous float32 rows (M, K), columns "
+                         "(N, K) and an output of M x N")
+
+
+@_inlined
+def open_column_products(box, workers, row, columns, out):
+    """row @ columns.T into out, as one job, for C-contiguous float32 `row` of one row (K,) or a few
+    (M, K), a matrix given by its columns, C-contiguous (N, K) (a tied LM head: the embedding's rows),
+    and out of M * N elements: a unit a range of COLUMN_BLOCK columns, each element `columns_into`'s
+    sum (the same on any thread), opened as `open_products` is (every array must live until
+    `mailbox.finish` returns); whether a worker was idle. Arrays that do not fit raise ValueError
+    before anything is posted."""
+    _check_column_products(row, columns, out)
+    depth, width = columns.shape[1], columns.shape[0]
+    blocks = max(1, (width + COLUMN_BLOCK - 1) // COLUMN_BLOCK)
+    sequence = _begin_products(box, row.size // depth, depth, blocks)
+    store(box, ROW, row.ctypes.data)
+    store(box, MATRICES + MATRIX, columns.ctypes.data)
+    store(box, MATRICES + WIDTH, width)
+    store(box, MATRICES + OUT, out.ctypes.data)
+    store(box, MATRICES + ENTRIES, COLUMNS)
+    store(box, FIRST_PHASE, blocks)
+    return open_job(box, workers, sequence, blocks)
+
+
+@_jit
+def post_column_products(box, workers, row, columns, out):
+    """`open_column_products`, finished before it returns; whether a worker was idle."""
+    idle = open_column_products(box, workers, row, columns, out)
+    finish(box)
+    return idle
 
 
 @_jit

@@ -33,10 +33,11 @@ import numba
 import numpy as np
 
 from runnx.ops import _kernels_gemm as gemm, _native
-from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_matrix
+from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_columns, rows_times_matrix
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
-from runnx.runtime.jobs import (open_nbits, open_products, post_attention, post_attention_blocks, post_gelu,
-                                post_gemm, post_gemms, post_nbits, post_products, post_softmax, post_vnni)
+from runnx.runtime.jobs import (open_column_products, open_nbits, open_products, post_attention, post_attention_blocks,
+                                post_column_products, post_gelu, post_gemm, post_gemms, post_nbits, post_products,
+                                post_softmax, post_vnni)
 from runnx.runtime.mailbox import finish, new_box, rest, serve, stop
 from runnx.runtime.open_jobs import holding, opening, settle
 from runnx.runtime.slots import IDLE, MAX_MATRICES, MAX_WORKERS, ROW_BLOCK, SHARED
@@ -158,7 +159,6 @@ class DecodePool:
                              for matrix in matrices)
             return tuple(rows_times_matrix(rows, matrix).reshape(row.shape[:-1] + matrix.shape[1:])
                          for matrix in matrices)
-        kept = None
         try:
             height = row.size // row.shape[-1]
             if height * sum([matrix.size for matrix in matrices]) >= _WAKE_FIRST:
@@ -166,20 +166,53 @@ class DecodePool:
             outs = tuple([np.empty(height * matrix.shape[1], np.float32) for matrix in matrices])
             zero, scale = (float(dequantized[0]), float(dequantized[1])) if dequantized else (0.0, 1.0)
             scratch = self._scratch(chunk_count(row.shape[-1]) * sum([out.size for out in outs]))
+        except BaseException:
+            self.settle()
+            raise
+        self._post(leave_open, open_products, post_products, (row, matrices, outs, scratch, zero, scale),
+                   (row, matrices, outs, scratch))
+        if row.ndim > 1:
+            return tuple(out.reshape(row.shape[:-1] + (-1,)) for out in outs)
+        return outs
+
+    def column_products(self, row, columns, leave_open: bool = False):
+        """row @ columns.T for a float32 vector row (K,) or a few rows (M, K) and a C-contiguous
+        float32 matrix given by its columns (N, K), as one job (`open_column_products`: every element
+        summed alike on any thread); leave_open as `products`."""
+        if not row.flags.c_contiguous:
+            settle()  # (copying it reads it)
+            row = np.ascontiguousarray(row)
+        shape = row.shape[:-1] + (columns.shape[0],)
+        if not self._enter():
+            return rows_times_columns(row.reshape(-1, row.shape[-1]), columns).reshape(shape)
+        try:
+            height = row.size // row.shape[-1]
+            if height * columns.size >= _WAKE_FIRST:
+                self._wake_sleeping()
+            out = np.empty(height * columns.shape[0], np.float32)
+        except BaseException:
+            self.settle()
+            raise
+        self._post(leave_open, open_column_products, post_column_products, (row, columns, out), (row, columns, out))
+        return out.reshape(shape)
+
+    def _post(self, leave_open: bool, opened, posted, arguments: tuple, arrays: tuple) -> None:
+        """Post a job with this thread holding the pool: `opened` when it may be left open (keeping
+        `arrays`, every array its units read or write, until `settle`), else `posted` (finished on
+        return); a post that raises settles the pool first."""
+        kept = None
+        try:
             if leave_open and opening.allowed:
-                idle = open_products(self.box, self._workers, row, matrices, outs, scratch, zero, scale)
-                kept = (row, matrices, outs, scratch)
+                idle = opened(self.box, self._workers, *arguments)
+                kept = arrays
             else:
-                idle = post_products(self.box, self._workers, row, matrices, outs, scratch, zero, scale)
+                idle = posted(self.box, self._workers, *arguments)
         except BaseException:
             self.settle()
             raise
         self._leave(kept)
         if idle:
             self._wake()
-        if row.ndim > 1:
-            return tuple(out.reshape(row.shape[:-1] + (-1,)) for out in outs)
-        return outs
 
     def _nbits_scratch(self, height: int, chunks: int) -> tuple:
         """`open_nbits`'s lanes and sums for `height` rows and `chunks` chunks, views of one buffer kept

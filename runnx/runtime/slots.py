@@ -23,9 +23,11 @@ ROW, HEIGHT, DEPTH, CHUNKS, MATRICES = range(OWN, OWN + 5)
 MAX_MATRICES = 4  # one job: rows times up to this many matrices (a layer's q, k, v projections)
 # matrix m's slots start at MATRICES + PER_MATRIX m: its address, width, partial rows, output, then
 # whether its entries are float32 (FLOATS) or 8-bit integers (UNSIGNED, SIGNED) dequantized by a
-# zero point and scale (float64 bits; `rows_into_bytes`)
+# zero point and scale (float64 bits; `rows_into_bytes`). COLUMNS: one float32 matrix given by its
+# columns (N, K), a job of one phase whose CHUNKS units are ranges of columns (`columns_into`), each
+# written into the output whole
 MATRIX, WIDTH, PARTIALS, OUT, ENTRIES, ENTRY_ZERO, ENTRY_SCALE, PER_MATRIX = range(8)
-FLOATS, UNSIGNED, SIGNED = 0, 1, 2
+FLOATS, UNSIGNED, SIGNED, COLUMNS = 0, 1, 2, 3
 # columns per unit of a products job's second phase
 SUM_BLOCK = 4096
 # attention: scale, groups, whether there is a bias, then query, key, value, bias and the spans'

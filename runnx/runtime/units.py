@@ -25,13 +25,13 @@ from runnx.ops._kernels_attention_blocks import attend_block, block_limit
 from runnx.ops._kernels_fused import attention_span
 from runnx.ops._kernels_gemm import (KC, MC, MR, NR, STREAMED_COLUMNS, STREAMED_SPAN, product_columns, streamed_rows,
                                      streams)
-from runnx.ops._kernels_linalg import chunk_bounds, rows_into, rows_into_bytes
+from runnx.ops._kernels_linalg import chunk_bounds, columns_into, rows_into, rows_into_bytes
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, tile_rows
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
 from runnx.ops._kernels_vnni import tile_sums_into
 from runnx.runtime.atomics import byte_pointer, float32_pointer, float64_from_bits, load
 from runnx.runtime.slots import (ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS, BLOCK_KEY,
-                                 BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS, DEPTH,
+                                 BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS, COLUMNS, DEPTH,
                                  ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS, GEMM, GEMM_A, GEMM_B,
                                  GEMM_COLUMNS_GIVEN, GEMM_COUNT, GEMM_DEPTH, GEMM_FIRST_UNIT, GEMM_OUT, GEMM_PARTS,
                                  GEMM_PER_PART, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS,
@@ -53,10 +53,16 @@ def _product_chunk(box, index):
     slots = MATRICES + PER_MATRIX * (index // chunks)
     width = load(box, slots + WIDTH)
     rows = numba.carray(float32_pointer(load(box, ROW)), (height, depth))
+    entries = load(box, slots + ENTRIES)
+    if entries == COLUMNS:  # a range of columns of one matrix given by them, into the output whole
+        columns = numba.carray(float32_pointer(load(box, slots + MATRIX)), (width, depth))
+        first, stop = chunk_bounds(width, chunks, index % chunks)
+        columns_into(rows, columns, numba.carray(float32_pointer(load(box, slots + OUT)), (height, width)), first,
+                     stop)
+        return
     partials = numba.carray(float32_pointer(load(box, slots + PARTIALS)), (chunks, height, width))
     chunk = index % chunks
     start, stop = chunk_bounds(depth, chunks, chunk)
-    entries = load(box, slots + ENTRIES)
     if entries == FLOATS:
         matrix = numba.carray(float32_pointer(load(box, slots + MATRIX)), (depth, width))
         rows_into(rows, matrix, partials[chunk], start, stop)

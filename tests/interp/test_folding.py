@@ -65,6 +65,48 @@ def test_a_transposed_constant_folds_into_the_same_values_through_tiles(rows, co
         assert storage is None
 
 
+def _tied_model(embedding):
+    """logits = x @ Transpose(E) beside h = Gather(E, ids): Optimum's tied embedding and LM head."""
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["E", "ids"], ["h"]), helper.make_node("Transpose", ["E"], ["E_t"]),
+         helper.make_node("MatMul", ["x", "E_t"], ["logits"])], "g",
+        [helper.make_tensor_value_info("ids", T.INT64, [1]), helper.make_tensor_value_info("x", T.FLOAT, None)],
+        [helper.make_tensor_value_info("h", T.FLOAT, None), helper.make_tensor_value_info("logits", T.FLOAT, None)],
+        [numpy_helper.from_array(embedding, "E")])
+    return helper.make_model(graph, opset_imports=OPSET)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_large_transposed_constant_only_matmuls_read_stays_a_view_and_computes_alike(rows):
+    """A tied LM head: the transposed embedding (2 MiB and more) is folded as a read-only view of the
+    embedding, not copied, and MatMul reads the embedding's rows (`linalg._by_columns`): the same
+    bits folded or not, close to numpy's product; a small one, or one a graph output reads, is copied."""
+    from runnx.runtime import pool as decode_pool
+
+    embedding = np.random.default_rng(rows).standard_normal((1100, 576)).astype(np.float32)  # 2.4 MiB
+    x = np.random.default_rng(7).standard_normal((1, rows, 576)).astype(np.float32)
+    feeds = {"ids": np.array([3]), "x": x}
+    model = runnx.load(_tied_model(embedding))
+    transposed = model.graph.constants[model.graph.ids["E_t"]]
+    assert np.shares_memory(transposed, model.graph.constants[model.graph.ids["E"]])
+    assert not transposed.flags.writeable and transposed.T.flags.c_contiguous
+    unfolded = runnx.load(_tied_model(embedding), fold_constants=False)
+    for workers in (0, 2):  # on this thread, and as the decode pool's job
+        decode_pool.set_workers(workers)
+        try:
+            got = model.run(feeds)["logits"]
+            assert got.tobytes() == unfolded.run(feeds)["logits"].tobytes()
+        finally:
+            decode_pool.set_workers(None)
+        if workers == 0:
+            alone = got
+        else:
+            assert got.tobytes() == alone.tobytes()
+    np.testing.assert_allclose(got, x @ embedding.T, rtol=1e-4, atol=1e-4)
+    small = runnx.load(_lm_head_model()).graph
+    assert small.constants[small.ids["w_t"]].flags.c_contiguous
+
+
 def test_an_initializer_a_feed_may_override_is_not_folded():
     graph = helper.make_graph([helper.make_node("Neg", ["w"], ["y"])], "g",
                               [helper.make_tensor_value_info("w", T.FLOAT, [3, 4])],

@@ -108,6 +108,27 @@ def test_pool_is_bitwise_the_loop(pool, shape):
     np.testing.assert_array_equal(pool.products(strided, (matrix,))[0], expected)
 
 
+@pytest.mark.parametrize("height, depth, width", [(1, 576, 3 * jobs.COLUMN_BLOCK + 7), (1, 17, 5), (3, 40, 1030),
+                                                  (jobs.FEW_ROWS, 64, 2 * jobs.COLUMN_BLOCK)])
+def test_products_by_a_matrixs_columns_are_bitwise_the_one_thread_loop(pool, height, depth, width):
+    """A matrix given by its columns (N, K) (a tied LM head's embedding): its units are ranges of
+    columns, each element summed alike by any thread, as `rows_times_columns` sums it; a job left
+    open writes the same once settled."""
+    from runnx.ops._kernels_linalg import rows_times_columns
+
+    columns = RNG.standard_normal((width, depth)).astype(np.float32)
+    rows = RNG.standard_normal((height, depth)).astype(np.float32)
+    expected = rows_times_columns(rows, columns)
+    row = rows[0] if height == 1 else rows
+    for _ in range(10):  # the workers awake or asleep, taking some ranges or none
+        np.testing.assert_array_equal(pool.column_products(row, columns).reshape(height, width), expected)
+    opened = pool.column_products(row, columns, leave_open=True)
+    decode_pool.settle()
+    np.testing.assert_array_equal(opened.reshape(height, width), expected)
+    np.testing.assert_allclose(expected, rows.astype(np.float64) @ columns.T.astype(np.float64), rtol=1e-4,
+                               atol=1e-4)
+
+
 @pytest.mark.parametrize("depth, widths", [
     (384, (384, 64, 1100, 7, 384, 96)),  # more than MAX_MATRICES: two jobs
     (96, (3 * slots.SUM_BLOCK + 5, 300, 2 * slots.SUM_BLOCK - 1)),  # partial rows added in many units
@@ -799,8 +820,8 @@ def test_only_the_posting_functions_turn_arrays_into_addresses():
         return {name for name, node in functions.items()
                 if text in ast.get_source_segment(source, node).split(":", 1)[1]}  # (after its signature)
 
-    assert using("jobs.py", "ctypes.data") == {"open_products", "post_gelu", "open_nbits", "post_vnni", "_rows",
-                                               "post_gemms"}
+    assert using("jobs.py", "ctypes.data") == {"open_products", "open_column_products", "post_gelu", "open_nbits",
+                                               "post_vnni", "_rows", "post_gemms"}
     assert using("slots.py", "ctypes.data") == {"post_array", "post_matrix"}
     assert using("mailbox.py", "ctypes.data") == using("units.py", "ctypes.data") == set()
     assert using("jobs.py", "post_array(") == {"post_attention", "post_attention_blocks"}
@@ -812,6 +833,19 @@ def test_only_the_posting_functions_turn_arrays_into_addresses():
         first_call = next(node for node in functions[name].body
                           if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call))
         assert first_call.value.func.id.startswith("_check_"), name  # before any store
+
+
+@pytest.mark.parametrize("change", ["short output", "strided columns", "float64 row", "other depth"])
+def test_a_products_job_by_columns_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+    arrays = dict(row=np.ones(8, np.float32), columns=np.ones((5, 8), np.float32), out=np.empty(5, np.float32))
+    name, value = {"short output": ("out", np.empty(4, np.float32)),
+                   "strided columns": ("columns", np.ones((5, 16), np.float32)[:, ::2]),
+                   "float64 row": ("row", np.ones(8)), "other depth": ("row", np.ones(7, np.float32))}[change]
+    arrays[name] = value
+    box = mailbox.new_box()
+    with pytest.raises(ValueError, match="a products job by a matrix's columns"):
+        jobs.post_column_products(box, 0, *arrays.values())
+    assert box[slots.POSTED] == 0
 
 
 @pytest.mark.parametrize("change", ["long rows", "few tiles", "wide tiles", "few column sums", "strided tiles"])
