@@ -41,6 +41,10 @@ class Remembered:
     def __call__(self, values, *arrays):
         return self.lookup(values, arrays, self.fn)
 
+    def knows(self, values, arrays: tuple) -> bool:
+        """Whether `lookup(values, arrays, ...)` would find a result kept (without computing one)."""
+        return self.known_result((values, *map(id, arrays))) is not None
+
     def known_result(self, key: tuple):
         """The result kept for key = (values, *ids of the arrays), or None: `lookup`'s hit without
         the call (its arrays are alive while their entry is)."""

@@ -168,7 +168,7 @@ class _PendingTiles:
 
     def known(self) -> bool:
         """Whether these tiles are made already (a run got to them first)."""
-        return self.remembered.known_result((self.values, *map(id, self.arrays))) is not None
+        return self.remembered.knows(self.values, self.arrays)
 
     def keep(self) -> bool:
         """Keep the made tiles for their values and arrays, as a run's `lookup` would; False when a
@@ -180,7 +180,7 @@ class _PendingTiles:
 def _pending(remembered: Remembered, values, arrays: tuple, plan) -> _PendingTiles | None:
     """The tiles `plan()` plans for these values and arrays, to be made by `_PendingTiles.batch`; None
     when they are made already (a run got to them first)."""
-    if remembered.known_result((values, *map(id, arrays))) is not None:
+    if remembered.knows(values, arrays):
         return None
     return _PendingTiles(remembered, values, arrays, plan())
 
