@@ -1,6 +1,7 @@
 """Decoder blocks of several fused nodes as native calls that post the decode pool's jobs, so that a
 decode step runs their products, residual adds and norms with no Python between them (each node's
-Python, its checks and its hand-off to the pool cost a few percent of a decode step).
+Python, its checks and its hand-off to the pool cost a few percent of a decode step). A short
+prompt's rows take the `*_rows` blocks, whose products are the column jobs MatMul posts for them.
 
 A block is cut where numpy must compute: the SiLU gate's exp is numpy's (numba's differs from it
 by up to 2 ulp on a third of float32 inputs), so that a block's results are bitwise those of its
@@ -22,7 +23,8 @@ from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kern
 from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_gate_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
-from runnx.runtime.jobs import post_attention, post_gelu, post_products
+from runnx.ops._kernels_rows import split_heads_into
+from runnx.runtime.jobs import post_attention, post_gelu, post_gemm, post_gemms, post_products
 from runnx.runtime.mailbox import own_box
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -56,12 +58,20 @@ def projected_gate(box, workers, x, weight, residual, epsilon, one, norm_weight,
     attention's output projection, the residual add, the MLP's norm and its gate and up products."""
     summed, gate, up = _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight,
                                     up_weight)
-    negated = np.empty_like(gate)
-    largest = -np.inf
-    for i in range(gate.size):
-        negated[i] = -gate[i]
-        largest = max(largest, negated[i])
+    negated, largest = _negated(gate)
     return summed, gate, negated, up, largest
+
+
+@_jit
+def _negated(gate):
+    """(-gate, its largest element) for a C-contiguous gate: numpy's exp then takes the first."""
+    negated = np.empty_like(gate)
+    flat_gate, flat_negated = gate.reshape(gate.size), negated.reshape(negated.size)
+    largest = -np.inf
+    for i in range(flat_gate.size):
+        flat_negated[i] = -flat_gate[i]
+        largest = max(largest, flat_negated[i])
+    return negated, largest
 
 
 @_jit
@@ -69,6 +79,36 @@ def gated_down(box, workers, gate, decay, up, weight, residual, epsilon, one, no
     """(residual + silu(gate) * up @ weight, its RMSNorm) for decay = exp(-gate) (numpy's): the
     MLP's activation, down product, residual add and the next norm."""
     summed = _product(box, workers, silu_mul_into(gate, decay, up), weight)
+    return summed, add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
+
+
+@_jit
+def _gemm(box, workers, rows, matrix, unit):
+    """rows @ matrix as one pool job of `unit` columns a unit (`post_gemm`): a short prompt's product,
+    the bits MatMul gives it."""
+    out = np.empty((rows.shape[0], matrix.shape[1]), np.float32)
+    post_gemm(box, workers, rows, matrix, out, False, unit)
+    return out
+
+
+@_jit
+def projected_gate_rows(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, units):
+    """`projected_gate` for a short prompt's rows x (M, K), residual (M, N), C-contiguous float32: the
+    products as pool jobs of units[0] and units[1] columns a unit (`post_gemm`, `post_gemms`: those
+    of MatMul and SharedInputMatMul for such rows), the sum and norm AddRMSNorm's, so the nodes' bits."""
+    summed = _gemm(box, workers, x, weight, units[0])
+    normed = add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
+    gate = np.empty((x.shape[0], gate_weight.shape[1]), np.float32)
+    up = np.empty((x.shape[0], up_weight.shape[1]), np.float32)
+    post_gemms(box, workers, normed, (gate_weight, up_weight), (gate, up), False, units[1])
+    negated, largest = _negated(gate)
+    return summed, gate, negated, up, largest
+
+
+@_jit
+def gated_down_rows(box, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, unit):
+    """`gated_down` for a short prompt's rows: the down product a pool job of `unit` columns a unit."""
+    summed = _gemm(box, workers, silu_mul_into(gate, decay, up), weight, unit)
     return summed, add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
 
 
@@ -238,6 +278,29 @@ def projected_rope_append(box, workers, x, weights, biases, rows, *rope):
             for i in range(row.size):
                 row[i] = bias[i] + row[i]
     return rope_append_into(*rope)
+
+
+@_jit
+def projected_rope_append_rows(box, workers, x, weights, biases, heads, unit, *rope):
+    """`projected_rope_append` for a short prompt's rows x (M, K): the three products one pool job of
+    `unit` columns a unit (`post_gemms`, SharedInputMatMul's for such rows), each split into its
+    heads (batch, heads, length, depth) with its bias added (`split_heads_into`, SplitHeads'), then
+    `rope_append_into(*rope)` reading them: ProjectedRopeAppend's nodes, their bits."""
+    products = (np.empty((x.shape[0], weights[0].shape[1]), np.float32),
+                np.empty((x.shape[0], weights[1].shape[1]), np.float32),
+                np.empty((x.shape[0], weights[2].shape[1]), np.float32))
+    post_gemms(box, workers, x, weights, products, False, unit)
+    _split_into(products[0], biases[0], heads[0])
+    _split_into(products[1], biases[1], heads[1])
+    _split_into(products[2], biases[2], heads[2])
+    return rope_append_into(*rope)
+
+
+@_jit
+def _split_into(rows, bias, heads):
+    """rows (batch x length, heads x depth) split into heads (batch, heads, length, depth), plus bias."""
+    batch, count, length, depth = heads.shape
+    split_heads_into(rows.reshape((batch, length, count * depth)), bias, heads)
 
 
 @_jit

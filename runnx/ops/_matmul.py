@@ -153,6 +153,15 @@ def _pooled(rows: int, multiply_adds: int) -> bool:
     return FEW_ROWS < rows < _POOL_ROWS and multiply_adds >= _POOL_FROM and not helpers.inside_parts()
 
 
+def pooled_prompt(rows: int, depth: int, widths: tuple) -> bool:
+    """Whether float32 products of a short prompt's `rows` C-contiguous rows of `depth` by C-contiguous
+    matrices of these widths (one job of them all) are those MatMul and SharedInputMatMul give the
+    own kernels and share with the decode pool by columns: a native block posting `post_gemm(s)` for
+    them then computes their bits."""
+    return (own_product(rows, True) and _pooled(rows, rows * depth * sum(widths))
+            and not any(few(rows, width) for width in widths))
+
+
 def _matrix_product(a, b, out, columns_given: bool = False) -> None:
     """out = a @ b for 2-D C-contiguous a and b (b.T when `columns_given`: b's columns as its rows),
     out's rows contiguous."""

@@ -4,8 +4,9 @@ attention to the next layer's norm (AttentionGatedMLP), and the two across a lay
 (AttentionGatedMLPRopeAppend); a LayerNorm decoder layer (an encoder-decoder's) from its self-attention to
 the next layer's norm (AttentionLayerNormGeluMLP), with the next layer's projections and KV cache
 growth (AttentionLayerNormGeluMLPAppend). A decode step's row runs each as one native call of
-`_decode_blocks.py`; anything else (a prefill, caches not granted, biases of other shapes) runs
-the kernels of the nodes they replaced.
+`_decode_blocks.py`, and a short prompt's ProjectedRopeAppend one too (`_rope_rows`); anything else
+(a long prefill, caches not granted, biases of other shapes) runs the kernels of the nodes they
+replaced.
 """
 from __future__ import annotations
 
@@ -16,18 +17,22 @@ import numpy as np
 from runnx.ops._decode_replay import (ChainPositions, ChainReplay, GatedPositions, GatedRopeReplay, remember,
                                       replayed)
 from runnx.errors import RunnxError
+from runnx.ops import _native
 from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rope_append,
                                       attended_layer_norm_gelu_mlp, attended_layer_norm_gelu_mlp_append,
-                                      projected_rope_append)
+                                      projected_rope_append, projected_rope_append_rows)
+from runnx.ops._fused_common import stand_in
+from runnx.ops._matmul import pooled_prompt
 from runnx.ops.cache import count_appends
 from runnx.ops.fused import DOMAIN, RepeatedKVAttention, repeated_kv_row
 from runnx.ops.fused_rotary import RopeAppend, appended_caches, rope_append_arguments
-from runnx.ops.fused_layer_norm_blocks import attention_row
+from runnx.ops.fused_layer_norm_blocks import attention_row, split_shape
 from runnx.ops.linalg import (AttentionGeluMLP, AttentionLayerNorm, ProjectedAppend, ResidualGatedMLP,
                               SharedInputMatMul, _NO_BIAS, _attention_attrs, _gated_mlp_row, _gelu_mlp_row,
                               _layer_norm_row, _split_shapes, _vector, append_arguments, appended_outputs)
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
+from runnx.runtime.rows import SHARED_FROM
 
 _ROPE_ATTRIBUTES = ("query_dims", "query_axes", "key_dims", "key_axes", "value_dims", "value_axes", "query_axis",
                     "key_axis", "key_cache_axis", "value_cache_axis")
@@ -52,7 +57,13 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
                   key_cache_axis, value_cache_axis)
     planned = _rope_row(x, rope, attributes, overwrite)
     if planned is None:
-        return _rope_appended(False, None, None, x, rope, attributes, overwrite, ctx)
+        prompt = _rope_rows(x, rope, attributes, overwrite)
+        if prompt is None:
+            return _rope_appended(False, None, None, x, rope, attributes, overwrite, ctx)
+        heads, biases, unit, arguments = prompt
+        done, rotated = decode_pool.shared_call(projected_rope_append_rows, x.reshape(-1, x.shape[-1]), rope[:3],
+                                                biases, heads, unit, *arguments)
+        return _rope_appended(done, rotated, heads, x, rope, attributes, overwrite, ctx)
     heads, biases, arguments = planned
     done, rotated = decode_pool.shared_call(projected_rope_append, np.ascontiguousarray(x.reshape(-1)), rope[:3],
                                             biases, tuple([h.reshape(-1) for h in heads]), *arguments)
@@ -80,6 +91,40 @@ def _rope_row(x, rope: tuple, attributes: tuple, overwrite) -> tuple | None:
     arguments = rope_append_arguments(*heads, past_key, past_value, query_cos, query_sin, rope[18], rope[19],
                                       rope[16:18] + rope[20:22], *attributes[6:])
     return (heads, biases, arguments) if arguments else None
+
+
+def _rope_rows(x, rope: tuple, attributes: tuple, overwrite) -> tuple | None:
+    """(the split heads, allocated, the projections' biases, the products job's unit and
+    `rope_append_into`'s arguments) when ProjectedRopeAppend(x, *rope) is a short prompt's: float32
+    rows (batch, length, hidden) of more than one position, C-contiguous, through C-contiguous float32
+    matrices whose products the own kernels share with the decode pool (`pooled_prompt`), each split
+    into (batch, heads, length, depth), biases absent or vectors, both caches granted, and few enough
+    positions for one thread's rotation (`rope_append_into`; more are shared among threads:
+    `fused_rotary.py`); else None."""
+    if not (13 in overwrite and 14 in overwrite and _native.enabled and x.dtype == np.float32 and x.ndim == 3
+            and x.shape[1] > 1 and x.flags.c_contiguous):
+        return None
+    batch, length, depth = x.shape
+    weights = rope[:3]
+    if not all(w.dtype == np.float32 and w.ndim == 2 and w.shape[0] == depth and w.flags.c_contiguous
+               for w in weights) or not pooled_prompt(batch * length, depth, tuple([w.shape[1] for w in weights])):
+        return None
+    shapes = []
+    for weight, (target, source), dims, axes in zip(weights, (rope[4:6], rope[7:9], rope[10:12]), attributes[0:6:2],
+                                                    attributes[1:6:2]):
+        shape = split_shape(stand_in(x.dtype, (batch, length, weight.shape[1])), target, source, dims, axes)
+        if len(shape) != 4 or (shape[0], shape[2], shape[1] * shape[3]) != (batch, length, weight.shape[1]):
+            return None
+        shapes.append(shape)
+    biases = tuple([_NO_BIAS if bias is None else bias for bias in rope[3:12:3]])
+    if (not all(bias is _NO_BIAS or _vector(bias, shape[1] * shape[3]) for bias, shape in zip(biases, shapes))
+            or length * shapes[0][1] * shapes[0][3] >= SHARED_FROM):
+        return None
+    heads = tuple([np.empty(shape, np.float32) for shape in shapes])
+    arguments = rope_append_arguments(*heads, *rope[12:16], rope[18], rope[19], rope[16:18] + rope[20:22],
+                                      *attributes[6:])
+    unit = decode_pool.gemm_unit(sum(w.shape[1] for w in weights))
+    return (heads, biases, unit, arguments) if arguments else None
 
 
 def _rope_appended(done: bool, rotated, heads, x, rope: tuple, attributes: tuple, overwrite, ctx) -> tuple:

@@ -13,10 +13,12 @@ import numpy as np
 from runnx.capture.capacity import prefix_room, whole_buffer
 from runnx.errors import RunnxError
 from runnx.ops import _native
-from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down, gelu_mlp,
-                                     projected_gate, projected_layer_norm)
+from runnx.ops._decode_blocks import (appended_products, attended_gelu_mlp, attended_layer_norm, gated_down,
+                                     gated_down_rows, gelu_mlp, projected_gate, projected_gate_rows,
+                                     projected_layer_norm)
 from runnx.ops._kernels_linalg import rows_times_columns, rows_times_matrix
-from runnx.ops._matmul import matmul, own_kernels, rest_workers_before, shared_input_products, stacked_product
+from runnx.ops._matmul import (matmul, own_kernels, pooled_prompt, rest_workers_before, shared_input_products,
+                               stacked_product)
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, head_repeat, materialised_repeat
@@ -320,12 +322,18 @@ def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_
     a decoder layer from its attention's output projection to the next layer's norm
     (`runnx/interp/fusion/products.py`); norm and down_norm are the norms' (axis, to, cast). A decode
     step's float32 row (no biases, both norms the numba kernel's) runs as two native calls posting
-    the decode pool's jobs, numpy's exp between them (`_decode_blocks.py`): bitwise the nodes'."""
+    the decode pool's jobs, numpy's exp between them (`_decode_blocks.py`), and so do a short
+    prompt's rows (`_gated_mlp_rows`): bitwise the nodes'."""
     block = _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                            down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:
         return _gated_down(decode_pool.shared_call(projected_gate, *block[0]), residual, down_weight, block[1],
                            down_norm_weight)
+    block = _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                            down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
+    if block is not None:
+        return _gated_down_rows(decode_pool.shared_call(projected_gate_rows, *block[0]), residual, down_weight,
+                                block[1], down_norm_weight)
     axis, to, cast = norm
     summed, normed = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, axis=axis, to=to,
                                       cast=cast)
@@ -352,6 +360,36 @@ def _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_we
         return None
     return (np.ascontiguousarray(x.reshape(-1)), weight, residual.reshape(-1), *numbers[:2], norm_weight, gate_weight,
             up_weight), numbers[2:]
+
+
+def _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                    down_bias, down_epsilon, down_one, down_norm_weight, norm: tuple, down_norm: tuple) -> tuple | None:
+    """(`projected_gate_rows`' arguments, `gated_down_rows`' numbers and unit) when ResidualGatedMLP is
+    a short prompt's: `_gated_mlp_row`'s conditions for several rows whose products the own kernels
+    share with the decode pool (`pooled_prompt`); else None."""
+    if (not _native.enabled or bias is not None or down_bias is not None or x.dtype != _FLOAT32 or x.ndim < 2
+            or not x.shape[-1] or residual.dtype != _FLOAT32 or not residual.flags.c_contiguous
+            or residual.shape != x.shape[:-1] + residual.shape[-1:]):
+        return None
+    rows, depth, width = x.size // x.shape[-1], x.shape[-1], residual.shape[-1]
+    numbers = _gated_block_numbers((depth, residual.ndim, width, norm, down_norm), weight, epsilon, one, norm_weight,
+                                   gate_weight, up_weight, down_weight, down_epsilon, down_one, down_norm_weight)
+    inner = up_weight.shape[-1]
+    if (numbers is None or not pooled_prompt(rows, depth, (width,)) or not pooled_prompt(rows, width, (inner, inner))
+            or not pooled_prompt(rows, inner, (width,))):
+        return None
+    units = (decode_pool.gemm_unit(width), decode_pool.gemm_unit(2 * inner))
+    return ((np.ascontiguousarray(x).reshape(rows, depth), weight, residual.reshape(rows, width), *numbers[:2],
+             norm_weight, gate_weight, up_weight, units), (*numbers[2:], decode_pool.gemm_unit(width)))
+
+
+def _gated_down_rows(first, residual, down_weight, down_numbers, down_norm_weight):
+    """ResidualGatedMLP's outputs from `projected_gate_rows`' results: numpy's exp, then `gated_down_rows`."""
+    summed, gate, decay, up, largest = first
+    epsilon, one, unit = down_numbers
+    summed, normed = decode_pool.shared_call(gated_down_rows, gate, exp_in_place(decay, largest), up, down_weight,
+                                             summed, epsilon, one, down_norm_weight, unit)
+    return summed.reshape(residual.shape), normed.reshape(residual.shape)
 
 
 @Remembered

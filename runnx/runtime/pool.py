@@ -394,6 +394,13 @@ def _gemm_unit(workers, columns: int) -> int:
     return max(gemm.NR, -(-columns // (units * gemm.NR)) * gemm.NR)
 
 
+def gemm_unit(columns: int) -> int:
+    """Columns a unit of a prompt's products job over `columns` columns that native code posts
+    (`shared_call`): the pool's split of them when it has workers, else the whole range, one unit."""
+    workers = pool()
+    return _gemm_unit(workers, columns) if workers is not None else max(gemm.NR, -(-columns // gemm.NR) * gemm.NR)
+
+
 def attention_blocks(scaled, key_panels, value, bias, ends, fill: float, positions: int, out) -> None:
     """A prompt's attention into out (`post_attention_blocks`: float32 arrays, each KV head's keys as
     the panels of their columns and values C-contiguous), its blocks of query positions shared with

@@ -439,6 +439,44 @@ def test_a_layers_last_block_and_the_next_layers_projections_become_one_node(fix
 
 
 
+@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("room", [True, False])
+def test_a_short_prompts_layer_blocks_are_native_calls_with_the_nodes_bits(fixtures_dir, workers, room, biased,
+                                                                             monkeypatch):
+    """A short prompt's rows (more than a products loop takes, fewer than the own kernels' short
+    prompts) through a layer: its gated MLP is two native calls posting the products as pool jobs
+    (`projected_gate_rows`, numpy's exp, `gated_down_rows`), its projections, split heads, rotary
+    embedding and cache growth one (`projected_rope_append_rows`), the new rows written into the
+    caches' buffers when they have room (else RopeAppend's kernel on the heads it made). Bitwise the
+    blocks' nodes apart (the patterns removed), with and without the pool's workers, biased or not."""
+    from runnx.interp.fusion import products
+    from runnx.ops import _decode_blocks, _matmul
+    from runnx.runtime import pool as decode_pool
+
+    monkeypatch.setattr(_matmul, "_POOL_FROM", 0)  # tiny-llama's products are far smaller than a model's
+    calls = _spied_jobs(monkeypatch)
+    for pattern, ops in ((products._rope_projected, "ProjectedRopeAppend"),
+                         (products._residual_gated_mlp, "ResidualGatedMLP")):
+        fused, apart = _tiny_llama_with_and_without(fixtures_dir, pattern, monkeypatch, biased)
+        assert ops not in apart.fused
+        rng = np.random.default_rng(12)
+        try:
+            decode_pool.set_workers(workers)
+            past, feeds = _tiny_llama_step(fused, rng, 20)
+            capacity = 32 if room else 16
+            owned = {n: runnx.with_capacity(v, 2, capacity) for n, v in past.items()}
+            buffers = {n: o.array.base for n, o in owned.items()} if room else {}
+            calls.clear()
+            got = fused.run({**feeds, **owned})
+            assert calls.count(_decode_blocks.projected_rope_append_rows) == 2  # each layer's
+            assert calls.count(_decode_blocks.projected_gate_rows) == calls.count(_decode_blocks.gated_down_rows) == 2
+            want = apart.run({**feeds, **{n: runnx.with_capacity(v, 2, capacity) for n, v in past.items()}})
+            _assert_equal_and_grown_in_place(got, want, buffers)
+        finally:
+            decode_pool.set_workers(None)
+
+
 def _llama_steps(folder, monkeypatch, replay: bool) -> tuple[list, int]:
     """Every step's logits of a prompt and six decode steps of tiny-llama with `_decode_replay.enabled`
     as given, and how many decode rows its layer boundary node prepared (GatedRopeReplay made)."""
@@ -645,21 +683,29 @@ def _residual_gated_mlp_model(dtype=np.float32, extra_output=None):
 
 @pytest.mark.parametrize("workers", [0, 1])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_an_output_projection_and_gated_mlp_up_to_the_next_norm_become_one_node(workers, dtype):
-    """Decoding (one row, float32) runs it as native calls posting the decode pool's jobs; other
-    rows and dtypes run the nodes' kernels in turn: bitwise the unfused graph either way."""
+def test_an_output_projection_and_gated_mlp_up_to_the_next_norm_become_one_node(workers, dtype, monkeypatch):
+    """Decoding (one row, float32) runs it as native calls posting the decode pool's jobs, and so
+    does a short prompt's float32 rows (products jobs of its columns); a few rows (the products
+    loop's) and other dtypes run the nodes' kernels in turn: bitwise the unfused graph either way."""
+    from runnx.ops import _decode_blocks
     from runnx.runtime import pool as decode_pool
+
+    calls = _spied_jobs(monkeypatch)
 
     rng = np.random.default_rng(10)
     try:
         decode_pool.set_workers(workers)
-        for rows in (1, 3):
+        for rows in (1, 3, 24, 100):
             feeds = {"a": rng.standard_normal((1, rows, 256)).astype(dtype),
                      "r": rng.standard_normal((1, rows, 384)).astype(dtype)}
+            calls.clear()
             with warnings.catch_warnings():
                 warnings.simplefilter("error")  # exp(-gate) overflowing to inf is expected, not warned about
                 fused, plain, ops = _both(_residual_gated_mlp_model(dtype), feeds)
             assert ops == ["ResidualGatedMLP"]
+            native = ((_decode_blocks.projected_gate, _decode_blocks.gated_down) if rows == 1
+                      else (_decode_blocks.projected_gate_rows, _decode_blocks.gated_down_rows) if rows > 3 else ())
+            assert calls == (list(native) if dtype == np.float32 else [])
             for name in plain:
                 assert fused[name].shape == plain[name].shape == (1, rows, 384)
                 np.testing.assert_array_equal(fused[name], plain[name])
