@@ -316,3 +316,33 @@ def attended_gated_mlp_rope_append(box, workers, query, key, value, bias, scale,
                                         down_one, down_norm_weight)
     done, rotated = projected_rope_append(box, workers, normed, weights, biases, rows, *rope)
     return summed, done, rotated
+
+
+# layer boundaries an `attended_gated_mlp_rope_append_run` call takes at most: its arguments' numba
+# types hold this count, not a model's depth (a tuple of each layer's was compiled anew for each
+# depth, in seconds that grew with it: 60 s for 40 layers)
+RUN_CHUNK = 8
+
+
+@_jit
+def attended_gated_mlp_rope_append_run(box, workers, rotated, summed, statics, key_buffers, value_buffers, count,
+                                       length, bias, tables):
+    """`attended_gated_mlp_rope_append` of `count` (at most RUN_CHUNK) layer boundaries in a row (a
+    GatedLayersRun's), each reading the one before's rotated query, grown caches and sum: the first
+    `rotated` and `summed` (the boundary before the chunk's) and the caches `key_buffers[0]`,
+    `value_buffers[0]` to `length + 1` positions, boundary j growing `key_buffers[j + 1]`, ... at
+    `length`; `statics[j]` its other arguments (those before its residual but its query, caches and
+    bias; those between its residual and the caches it grows; those after its rotary tables), `bias`
+    and `tables` (the rotary ones) every boundary's. Tuples of RUN_CHUNK entries (RUN_CHUNK + 1
+    buffers), the entries past `count` unused. (The last sum, the last rotated query, whether every
+    boundary appended: `rope_append_into`'s done.)"""
+    done = True
+    for j in range(count):
+        before, between, after = statics[j]
+        key, value = key_buffers[j], value_buffers[j]
+        grown_key, grown_value = key_buffers[j + 1], value_buffers[j + 1]
+        summed, appended, rotated = attended_gated_mlp_rope_append(
+            box, workers, rotated, key[:, :, :length + 1], value[:, :, :length + 1], bias, *before, summed,
+            *between, grown_key[:, :, :length], grown_key, grown_value[:, :, :length], grown_value, *tables, *after)
+        done = done and appended
+    return summed, rotated, done

@@ -9,8 +9,9 @@ a node keeps, in its `state` (the registry's per-node, per-thread slot), a repla
 row: the native arguments and the inputs they came from. A later step whose other inputs are the
 same objects (their checks hold) makes anew only what a step changes, checked as the first step
 checked it (by the same helpers), and the buffers the call writes and reads back (query rows,
-attention outputs, split heads) are the thread's own, used again. `enabled` False (A/B) makes every
-row afresh.
+attention outputs, split heads) are the thread's own, used again. A run of layer boundaries
+(GatedLayersRun) replays its nodes' rows as one native loop (`RunReplay`). `enabled` False (A/B)
+makes every row afresh.
 """
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import inspect
 import weakref
 from operator import is_, itemgetter
 
+import numba
 import numpy as np
 
 from runnx.ops import _native
 from runnx.ops._decode_blocks import (CHAIN_ARGUMENTS, CHAIN_CROSS, CHAIN_NORM, appended_products,
-                                      attended_gated_mlp_rope_append, attended_row, gelu_mlp, projected_layer_norm)
+                                      RUN_CHUNK, attended_gated_mlp_rope_append, attended_row, gelu_mlp,
+                                      projected_layer_norm)
 from runnx.ops._kernels_fused import rope_append_into
 from runnx.ops.fused import repeated_kv_cache
 from runnx.ops.fused_rotary import rope_cache_fits
@@ -51,6 +54,11 @@ class _Replay:
     def same(self, inputs: tuple) -> bool:
         """Whether `inputs` are the kept ones but for those a step changes."""
         return len(inputs) == self.count and all(map(is_, self.statics(inputs), self.kept))
+
+
+def replay_enabled() -> bool:
+    """Whether replays are made and used (`enabled`, and compiled kernels on)."""
+    return enabled and _native.enabled
 
 
 def replayed(state, inputs: tuple, ctx=None):
@@ -191,7 +199,7 @@ class GatedPositions:
     changes (the query heads, the caches, the bias and all the repeat and the mask are made from,
     the residual; the next layer's caches and rotary tables), and getters of them."""
 
-    __slots__ = ("changing", "residual", "cache", "rope")
+    __slots__ = ("changing", "residual", "cache", "rope", "width", "chained", "shared", "grown")
 
     def __init__(self, block: tuple, rope: tuple):
         at = {name: position for position, name in enumerate(block)}
@@ -200,6 +208,14 @@ class GatedPositions:
         cache, tables = [at[n] for n in _CACHE_NAMES], [at_rope[n] for n in _ROPE_NAMES]
         self.changing = tuple(sorted({*cache, self.residual, *tables}))
         self.cache, self.rope = itemgetter(*cache), itemgetter(*tables)
+        # for a run of boundaries (GatedLayersRun): the node's input count; the inputs the boundary
+        # before computes (query, caches, residual); those every boundary of a step reads alike (the
+        # rest of the attention's cache inputs: the mask and the head repeat's shapes; the rotary
+        # tables); the caches the node grows
+        self.width = len(block) + len(rope)
+        self.chained = (at["query"], at["key"], at["value"], self.residual)
+        self.shared = tuple([p for p in cache if p not in self.chained] + tables[2:])
+        self.grown = (tables[0], tables[1])
 
 
 class GatedRopeReplay(_Replay):
@@ -238,3 +254,73 @@ class GatedRopeReplay(_Replay):
         return (query, key, value, *cache, *arguments[_BIAS + 1:_ROW], residual.reshape(-1),
                 *arguments[_ROW + 1:_PAST], past_key, key_buffer, past_value, value_buffer,
                 query_cos, query_sin, key_cos, key_sin, *arguments[_TABLES + 4:])
+
+
+class RunReplay:
+    """A run of RMSNorm layer boundaries' decode rows (GatedLayersRun's members, each node's inputs
+    `at.width` after the one before's): the first boundary's arguments are its replay's
+    (`GatedRopeReplay.arguments_for`); each later one's are its replay's but what the boundary before
+    computes (its query row, caches and residual), made natively by
+    `attended_gated_mlp_rope_append_run` in chunks of RUN_CHUNK, and the bias and rotary tables, the
+    first's: its other inputs must be the same objects as when its replay was made, and those every
+    boundary reads alike (`GatedPositions.shared`) the first's, the caches it grows prefix views of
+    the buffers its replay holds (weakly), of the first's length with room for a row. `chunks`:
+    (the later boundaries' other arguments, RUN_CHUNK of them, the last repeated to fill a chunk;
+    how many are the chunk's), all of one numba type (made only then)."""
+
+    __slots__ = ("replays", "at", "chunks")
+
+    def __init__(self, replays: list, at: GatedPositions, chunks: list):
+        self.replays, self.at, self.chunks = replays, at, chunks
+
+    @classmethod
+    def of(cls, replays: list, at: GatedPositions) -> RunReplay | None:
+        """The run of these boundaries' replays, or None when a replay is missing or the boundaries'
+        arguments differ in numba types (their native loop takes one)."""
+        if len(replays) < 2 or any(not isinstance(r, GatedRopeReplay) for r in replays):
+            return None
+        statics = [(r.arguments[_BIAS + 1:_ROW], r.arguments[_ROW + 1:_PAST], r.arguments[_TABLES + 4:])
+                   for r in replays[1:]]
+        chunks = [statics[start:start + RUN_CHUNK] for start in range(0, len(statics), RUN_CHUNK)]
+        chunks = [(tuple(chunk + chunk[-1:] * (RUN_CHUNK - len(chunk))), len(chunk)) for chunk in chunks]
+        types = {numba.typeof(chunk) for chunk, _ in chunks}
+        if len(types) != 1 or not isinstance(types.pop(), numba.types.UniTuple):
+            return None
+        return cls(replays, at, chunks)
+
+    def arguments_for(self, inputs: tuple, ctx=None) -> tuple | None:
+        """(the first boundary's `attended_gated_mlp_rope_append` arguments; for each chunk of the
+        later ones, `attended_gated_mlp_rope_append_run`'s after its rotated query and sum; every
+        boundary's grown key and value buffers; the caches' length before the step) for this
+        step's inputs, or None."""
+        at, width = self.at, self.at.width
+        first_inputs = inputs[:width]
+        first = self.replays[0].arguments_for(first_inputs, ctx)
+        if first is None:
+            return None
+        length = first[_PAST].shape[2]
+        key_buffers, value_buffers = [first[_PAST + 1]], [first[_PAST + 3]]
+        if key_buffers[0].shape[2] <= length or value_buffers[0].shape[2] <= length:
+            return None
+        shared = [first_inputs[p] for p in at.shared]
+        for j in range(1, len(self.replays)):
+            replay, member = self.replays[j], inputs[j * width:(j + 1) * width]
+            if not replay.same(member) or not all(map(is_, [member[p] for p in at.shared], shared)):
+                return None
+            past_key, past_value = member[at.grown[0]], member[at.grown[1]]
+            key_buffer, value_buffer = replay.buffers[0](), replay.buffers[1]()
+            if (key_buffer is None or past_key.base is not key_buffer or past_value.base is not value_buffer
+                    or past_key.shape[2] != length or past_value.shape[2] != length
+                    or key_buffer.shape[2] <= length or value_buffer.shape[2] <= length):
+                return None
+            key_buffers.append(key_buffer)
+            value_buffers.append(value_buffer)
+        bias, tables = first[_BIAS], first[_TABLES:_TABLES + 4]
+        calls, start = [], 0
+        for statics, count in self.chunks:
+            keys, values = key_buffers[start:start + count + 1], value_buffers[start:start + count + 1]
+            pad = RUN_CHUNK + 1 - len(keys)
+            calls.append((statics, tuple(keys + keys[-1:] * pad), tuple(values + values[-1:] * pad), count, length,
+                          bias, tables))
+            start += count
+        return first, calls, key_buffers, value_buffers, length

@@ -6,21 +6,24 @@ the next layer's norm (AttentionLayerNormGeluMLP), with the next layer's project
 growth (AttentionLayerNormGeluMLPAppend). A decode step's row runs each as one native call of
 `_decode_blocks.py`, and a short prompt's ProjectedRopeAppend one too (`_rope_rows`); anything else
 (a long prefill, caches not granted, biases of other shapes) runs the kernels of the nodes they
-replaced.
+replaced. A run of AttentionGatedMLPRopeAppend nodes is one GatedLayersRun node
+(`interp/fusion/layer_runs.py`), a decode step's one native call for all of them.
 """
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import numpy as np
 
-from runnx.ops._decode_replay import (ChainPositions, ChainReplay, GatedPositions, GatedRopeReplay, remember,
-                                      replayed)
+from runnx.ops._decode_replay import (ChainPositions, ChainReplay, GatedPositions, GatedRopeReplay, RunReplay,
+                                      remember, replay_enabled, replayed)
 from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rope_append,
-                                      attended_layer_norm_gelu_mlp, attended_layer_norm_gelu_mlp_append,
-                                      projected_rope_append, projected_rope_append_rows)
+                                      attended_gated_mlp_rope_append_run, attended_layer_norm_gelu_mlp,
+                                      attended_layer_norm_gelu_mlp_append, projected_rope_append,
+                                      projected_rope_append_rows)
 from runnx.ops._fused_common import stand_in
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops.cache import count_appends
@@ -216,6 +219,92 @@ def AttentionGatedMLPRopeAppend(*inputs, axis: int = -1, norm: tuple = (-1, 0, 0
             *_rope_appended(done, rotated, heads, None, rope, attributes, rope_overwrite, ctx))
 
 
+@register("GatedLayersRun", since=1, domain=DOMAIN, inplace_from=0)
+def GatedLayersRun(*inputs, members: int, axis: int = -1, norm: tuple = (-1, 0, 0), down_norm: tuple = (-1, 0, 0),
+                   query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (), key_dims: tuple[int, ...] = (),
+                   key_axes: tuple[int, ...] = (), value_dims: tuple[int, ...] = (),
+                   value_axes: tuple[int, ...] = (), query_axis: int = -1, key_axis: int = -1, key_cache_axis: int,
+                   value_cache_axis: int, overwrite=(), ctx=None, state=None):
+    """`members` AttentionGatedMLPRopeAppend nodes in a row, each reading the one before's rotated
+    query, grown caches and sum (`runnx/interp/fusion/layer_runs.py`): inputs each node's in turn
+    (those the node before computes absent), outputs each node's grown caches, then the last one's
+    sum and rotated query. A decode step whose every node replays its row
+    (`_decode_replay.RunReplay`) is the first node's native call and native loops over the others
+    (`attended_gated_mlp_rope_append_run`: the calls the nodes would make, so their bits); anything
+    else runs the nodes' kernel in turn. Only the caches the nodes grow are written in place."""
+    attributes = {"axis": axis, "norm": norm, "down_norm": down_norm, "query_dims": query_dims,
+                  "query_axes": query_axes, "key_dims": key_dims, "key_axes": key_axes, "value_dims": value_dims,
+                  "value_axes": value_axes, "query_axis": query_axis, "key_axis": key_axis,
+                  "key_cache_axis": key_cache_axis, "value_cache_axis": value_cache_axis}
+    width, grown = _GATED.width, _GATED.grown
+    granted = all(j * width + p in overwrite for j in range(members) for p in grown)
+    run = getattr(state, "run", None) if granted else None
+    native = run.arguments_for(inputs, ctx) if run is not None and replay_enabled() else None
+    if native is not None:
+        return _run_natively(native, run, inputs[_GATED.residual].shape, ctx)
+    parts = getattr(state, "members", None) if state is not None else None
+    if parts is None or len(parts) != members:
+        parts = [SimpleNamespace() for _ in range(members)]  # each node's state (this thread's, as the run's)
+        if state is not None:
+            state.members = parts
+    outputs, last = [], None
+    positions = inputs[0].shape[2] if inputs[0].ndim == 4 else -1
+    for j in range(members):
+        member = inputs[j * width:(j + 1) * width]
+        if last is not None:
+            member = _fed_by(last, member)
+        last = AttentionGatedMLPRopeAppend(*member, **attributes, ctx=ctx, state=parts[j],
+                                           overwrite=tuple([p - j * width for p in overwrite if p - j * width in grown]))
+        for cache, past in zip(last[2:], grown):
+            if cache.ndim != 4 or cache.shape[2] != member[past].shape[2] + positions:
+                raise RunnxError(f"a run of decoder layers grew a cache to {list(cache.shape)} from "
+                                 f"{list(member[past].shape)} for {positions} positions: the shape memos reading it "
+                                 "assumed a growth along axis 2 by the query's positions")
+        outputs += last[2:]
+    if state is not None and granted:
+        state.run = RunReplay.of([getattr(part, "replay", None) for part in parts], _GATED)
+    return (*outputs, *last[:2])
+
+
+def _fed_by(before: tuple, member: tuple) -> tuple:
+    """A run's node's inputs with those the node before computes (`before`: its sum, rotated query
+    and grown caches) in their places."""
+    query, key, value, residual = _GATED.chained
+    chained = list(member)
+    chained[query], chained[key], chained[value], chained[residual] = before[1], before[2], before[3], before[0]
+    return tuple(chained)
+
+
+def _run_natively(native: tuple, run, residual_shape: tuple, ctx) -> tuple:
+    """GatedLayersRun's outputs from `RunReplay.arguments_for`'s `native`: the first boundary's call,
+    then one `attended_gated_mlp_rope_append_run` call a chunk of the others; every node's grown
+    caches as views of their buffers."""
+    first, calls, key_buffers, value_buffers, length = native
+    summed, done, rotated = decode_pool.shared_call(attended_gated_mlp_rope_append, *first)
+    for call in calls:
+        summed, rotated, appended = decode_pool.shared_call(attended_gated_mlp_rope_append_run, rotated, summed,
+                                                            *call)
+        done = done and appended
+    if not done:  # (the arguments were checked to fit: each cache has room for the step's row)
+        raise RunnxError("a run of decoder layers found no room to grow a cache it was checked to have")
+    outputs = []
+    for key_buffer, value_buffer, replay in zip(key_buffers, value_buffers, run.replays):
+        count_appends(ctx, replay.heads[1], replay.heads[2])
+        outputs += (key_buffer[:, :, :length + 1], value_buffer[:, :, :length + 1])
+    return (*outputs, summed.reshape(residual_shape), rotated)
+
+
+@register("GrownCacheShape", since=1, domain=DOMAIN, shape_only=(0, 1))
+def GrownCacheShape(past, query):
+    """A stand-in with the shape and dtype of the cache `past` (batch, heads, length, depth) grown
+    along axis 2 by the positions of `query` (batch, heads, positions, depth), for nodes that only
+    read the shape of a cache a GatedLayersRun grows inside itself (`interp/fusion/layer_runs.py`)."""
+    if past.ndim != 4 or query.ndim != 4:
+        raise RunnxError(f"a grown cache's shape takes a 4-d cache and query, got {list(past.shape)} and "
+                         f"{list(query.shape)}")
+    return stand_in(past.dtype, past.shape[:2] + (past.shape[2] + query.shape[2],) + past.shape[3:])
+
+
 def _input_names(kernel) -> tuple:
     """A kernel's input names: its positional parameters."""
     return tuple([name for name, parameter in inspect.signature(kernel).parameters.items()
@@ -224,6 +313,7 @@ def _input_names(kernel) -> tuple:
 
 # AttentionGatedMLPRopeAppend's inputs: AttentionGatedMLP's, then ProjectedRopeAppend's but its x
 _GATED = GatedPositions(_input_names(AttentionGatedMLP), _input_names(ProjectedRopeAppend)[1:])
+BOUNDARY = _GATED  # (for the fusion of runs of them: `interp/fusion/layer_runs.py`)
 _BLOCK_INPUTS = len(_input_names(AttentionGatedMLP))
 
 
