@@ -1,7 +1,7 @@
 """Runs of layer boundaries: AttentionGatedMLPRopeAppend nodes in a row, each reading the one
 before's rotated query, grown caches and sum (and nothing else of them), become one GatedLayersRun
-node (kernel in `runnx/ops/decoder_layers.py`), which a decode step runs as one native call looping
-over them, where each node cost tens of microseconds of Python between native calls.
+node (kernel in `runnx/ops/decoder_layers.py`), which a decode step runs in native loops over them,
+where each node cost tens of microseconds of Python between native calls.
 
 Runs after the patterns (`fusion.fuse`), over the nodes they made. Outside the run, the sums and
 rotated queries it keeps inside may be read only for their shape, and the caches it grows only for
@@ -20,13 +20,13 @@ from runnx.interp.ir import MISSING, Graph, Node
 from runnx.ops import registry
 from runnx.ops._fused_common import DOMAIN
 
-BOUNDARY = "AttentionGatedMLPRopeAppend"
+_BOUNDARY_OP = "AttentionGatedMLPRopeAppend"
 
 
 def layer_runs(graph: Graph) -> int:
     """Make `graph`'s runs of layer boundaries GatedLayersRun nodes (not in its subgraphs); returns
     how many runs."""
-    from runnx.ops.decoder_layers import BOUNDARY as AT  # (the ops: only once a graph fuses)
+    from runnx.ops.decoder_layers import BOUNDARY as AT  # (its inputs by name; the ops only once a graph fuses)
     readers: dict[int, list[Node]] = {}
     for node in graph.nodes:
         for vid in list(node.inputs) + list(node.captures):
@@ -83,7 +83,7 @@ def layer_runs(graph: Graph) -> int:
 
 
 def _boundary(node: Node | None) -> bool:
-    return (node is not None and node.op_type == BOUNDARY and node.domain == DOMAIN and len(node.outputs) == 4
+    return (node is not None and node.op_type == _BOUNDARY_OP and node.domain == DOMAIN and len(node.outputs) == 4
             and node.attrs.get("key_cache_axis") in (2, -2) and node.attrs.get("value_cache_axis") in (2, -2))
 
 
