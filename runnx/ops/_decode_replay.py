@@ -268,10 +268,20 @@ class RunReplay:
     (the later boundaries' other arguments, RUN_CHUNK of them, the last repeated to fill a chunk;
     how many are the chunk's), all of one numba type (made only then)."""
 
-    __slots__ = ("replays", "at", "chunks")
+    __slots__ = ("replays", "at", "chunks", "count", "statics", "kept", "shared", "first_shared", "grown", "buffers")
 
     def __init__(self, replays: list, at: GatedPositions, chunks: list):
         self.replays, self.at, self.chunks = replays, at, chunks
+        width, later = at.width, range(1, len(replays))
+        self.count = width * len(replays)
+        # every later boundary's checks as one pass over the run's inputs (a per-node pass cost
+        # ~7 us a node in a step)
+        self.statics = itemgetter(*[j * width + p for j in later for p in range(width) if p not in at.changing])
+        self.kept = tuple([a for r in replays[1:] for a in r.kept])
+        self.shared = itemgetter(*[j * width + p for j in later for p in at.shared])
+        self.first_shared = itemgetter(*at.shared)
+        self.grown = itemgetter(*[j * width + p for j in later for p in at.grown])
+        self.buffers = tuple([ref for r in replays[1:] for ref in r.buffers])
 
     @classmethod
     def of(cls, replays: list, at: GatedPositions) -> RunReplay | None:
@@ -293,28 +303,25 @@ class RunReplay:
         later ones, `attended_gated_mlp_rope_append_run`'s after its rotated query and sum; every
         boundary's grown key and value buffers; the caches' length before the step) for this
         step's inputs, or None."""
-        at, width = self.at, self.at.width
-        first_inputs = inputs[:width]
+        if len(inputs) != self.count or not all(map(is_, self.statics(inputs), self.kept)):
+            return None
+        first_inputs = inputs[:self.at.width]
+        shared = self.first_shared(first_inputs)
+        if not all(map(is_, self.shared(inputs), shared * (len(self.replays) - 1))):
+            return None
         first = self.replays[0].arguments_for(first_inputs, ctx)
         if first is None:
             return None
         length = first[_PAST].shape[2]
-        key_buffers, value_buffers = [first[_PAST + 1]], [first[_PAST + 3]]
-        if key_buffers[0].shape[2] <= length or value_buffers[0].shape[2] <= length:
+        buffers = [first[_PAST + 1], first[_PAST + 3]]
+        for past, ref in zip(self.grown(inputs), self.buffers):
+            buffer = ref()
+            if buffer is None or past.base is not buffer or past.shape[2] != length:
+                return None
+            buffers.append(buffer)
+        if any(buffer.shape[2] <= length for buffer in buffers):
             return None
-        shared = [first_inputs[p] for p in at.shared]
-        for j in range(1, len(self.replays)):
-            replay, member = self.replays[j], inputs[j * width:(j + 1) * width]
-            if not replay.same(member) or not all(map(is_, [member[p] for p in at.shared], shared)):
-                return None
-            past_key, past_value = member[at.grown[0]], member[at.grown[1]]
-            key_buffer, value_buffer = replay.buffers[0](), replay.buffers[1]()
-            if (key_buffer is None or past_key.base is not key_buffer or past_value.base is not value_buffer
-                    or past_key.shape[2] != length or past_value.shape[2] != length
-                    or key_buffer.shape[2] <= length or value_buffer.shape[2] <= length):
-                return None
-            key_buffers.append(key_buffer)
-            value_buffers.append(value_buffer)
+        key_buffers, value_buffers = buffers[0::2], buffers[1::2]
         bias, tables = first[_BIAS], first[_TABLES:_TABLES + 4]
         calls, start = [], 0
         for statics, count in self.chunks:

@@ -11,6 +11,7 @@ replaced. A run of AttentionGatedMLPRopeAppend nodes is one GatedLayersRun node
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from types import SimpleNamespace
 
@@ -237,7 +238,7 @@ def GatedLayersRun(*inputs, members: int, axis: int = -1, norm: tuple = (-1, 0, 
                   "value_axes": value_axes, "query_axis": query_axis, "key_axis": key_axis,
                   "key_cache_axis": key_cache_axis, "value_cache_axis": value_cache_axis}
     width, grown = _GATED.width, _GATED.grown
-    granted = all(j * width + p in overwrite for j in range(members) for p in grown)
+    granted = _grown_positions(members).issubset(overwrite)
     run = getattr(state, "run", None) if granted else None
     native = run.arguments_for(inputs, ctx) if run is not None and replay_enabled() else None
     if native is not None:
@@ -264,6 +265,12 @@ def GatedLayersRun(*inputs, members: int, axis: int = -1, norm: tuple = (-1, 0, 
     if state is not None and granted:
         state.run = RunReplay.of([getattr(part, "replay", None) for part in parts], _GATED)
     return (*outputs, *last[:2])
+
+
+@functools.cache
+def _grown_positions(members: int) -> frozenset:
+    """The input positions of the caches a run of `members` nodes grows."""
+    return frozenset([j * _GATED.width + p for j in range(members) for p in _GATED.grown])
 
 
 def _fed_by(before: tuple, member: tuple) -> tuple:
