@@ -76,6 +76,14 @@ class Graph:
     def value_id(self, name: str) -> int:
         return self.ids[name]
 
+    def new_value(self, name: str) -> int:
+        """The id of a new value named `name` (with underscores appended while the name is taken)."""
+        while name in self.ids:
+            name += "_"
+        self.ids[name] = len(self.names)
+        self.names.append(name)
+        return self.ids[name]
+
     def walk(self):
         """Yield (graph, node) for every node of this graph and of all nested subgraphs."""
         for node in self.nodes:

@@ -45,7 +45,7 @@ def _rewrite(graph: Graph, vid: int, kernel) -> int:
         return 0
     if any(vid in other.inputs or vid in other.captures for other in graph.nodes):
         return 0  # other nodes read every position
-    last = _new_value(graph, f"{graph.names[hidden]}/last_position")
+    last = graph.new_value(f"{graph.names[hidden]}/last_position")
     index = max(n.index for n in graph.nodes) + 1
     graph.nodes += (Node(index, f"{node.name}/last_position", "LastPosition", DOMAIN, (hidden,), (last,), {}, {}, (),
                          kernel, kernel.since),)
@@ -57,11 +57,3 @@ def _rewrite(graph: Graph, vid: int, kernel) -> int:
 # products of each row of their first input by a constant matrix (their second): a position's logits
 # depend on its own row only
 _PRODUCTS = frozenset({("", "MatMul"), ("com.microsoft", "MatMulNBits"), ("com.microsoft", "MatMulBnb4")})
-
-
-def _new_value(graph: Graph, name: str) -> int:
-    while name in graph.ids:
-        name += "_"
-    graph.ids[name] = len(graph.names)
-    graph.names.append(name)
-    return graph.ids[name]

@@ -21,9 +21,8 @@ from runnx.interp.fusion import (dequantized_products, integer_products, layer_n
                                  products, repeated_kv_products, rms_norm_blocks, split_products)
 from runnx.interp.fusion.identity_cuts import drop_identity_cuts
 from runnx.interp.fusion.layer_runs import layer_runs
-from runnx.interp.fusion.matcher import Matcher
-from runnx.interp.ir import MISSING, Graph, Node
-from runnx.ops import registry
+from runnx.interp.fusion.matcher import Matcher, fused_node
+from runnx.interp.ir import MISSING, Graph
 from runnx.ops._fused_common import DOMAIN
 
 PATTERNS = (dequantized_products.PATTERNS + integer_products.PATTERNS + rms_norm_blocks.PATTERNS
@@ -84,13 +83,12 @@ def fuse(graph: Graph, bitwise: bool = False) -> dict[str, int]:
         next_index = max(n.index for n in graph.nodes) + 1
         new_nodes = []
         for fused in found:
-            kernel = registry.resolve(fused.domain, fused.op_type, 1)
             index = max((n.index for n in fused.members), default=next_index)
             if not fused.members:
                 next_index += 1
             name = fused.members[-1].name if fused.members else graph.names[fused.outputs[0]]
-            new_nodes.append(Node(index, f"{fused.op_type}({name})", fused.op_type, fused.domain, tuple(fused.inputs),
-                                  tuple(fused.outputs), fused.attrs, {}, (), kernel, kernel.since))
+            new_nodes.append(fused_node(index, f"{fused.op_type}({name})", fused.op_type, fused.inputs, fused.outputs,
+                                        fused.attrs, fused.domain))
             grown = any(n.op_type == fused.op_type and n.domain == fused.domain for n in fused.members)  # counted once
             counts[fused.op_type] = counts.get(fused.op_type, 0) + (1 if fused.members and not grown else 0)
         graph.nodes = tuple(n for n in graph.nodes if n.index not in m.taken) + tuple(new_nodes)

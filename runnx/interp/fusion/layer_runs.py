@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from runnx.interp.fusion.matcher import fused_node
 from runnx.interp.ir import MISSING, Graph, Node
-from runnx.ops import registry
 from runnx.ops._fused_common import DOMAIN
 
 _BOUNDARY_OP = "AttentionGatedMLPRopeAppend"
@@ -52,20 +52,22 @@ def layer_runs(graph: Graph) -> int:
         query, _, _, residual = AT.chained
         for member in members:
             for grown, past in zip(member.outputs[2:4], AT.grown):
-                stand_in = _new_value(graph, f"{graph.names[grown]}/shape")
-                added.append(_node(next_index + len(added), "GrownCacheShape", (member.inputs[past], first.inputs[query]),
-                                   (stand_in,)))
+                stand_in = graph.new_value(f"{graph.names[grown]}/shape")
+                index = next_index + len(added)
+                added.append(fused_node(index, f"GrownCacheShape({index})", "GrownCacheShape",
+                                        (member.inputs[past], first.inputs[query]), (stand_in,), {}))
                 replaced[grown] = stand_in
         for member in members[:-1]:
             for vid, like in zip(member.outputs[:2], (first.inputs[residual], first.inputs[query])):
                 if any(r not in members for r in readers.get(vid, ())):
-                    added.append(_node(next_index + len(added), "LayerNormShape", (like,), (vid,)))
+                    index = next_index + len(added)
+                    added.append(fused_node(index, f"LayerNormShape({index})", "LayerNormShape", (like,), (vid,), {}))
         inputs = list(first.inputs)
         for member in members[1:]:
             inputs += [MISSING if p in AT.chained else v for p, v in enumerate(member.inputs)]
         outputs = (*[v for n in members for v in n.outputs[2:4]], *members[-1].outputs[:2])
-        run = _node(max(n.index for n in members), "GatedLayersRun", tuple(inputs), outputs,
-                    {**first.attrs, "members": len(members)}, f"GatedLayersRun({first.name}, {len(members)} nodes)")
+        run = fused_node(max(n.index for n in members), f"GatedLayersRun({first.name}, {len(members)} nodes)",
+                         "GatedLayersRun", inputs, outputs, {**first.attrs, "members": len(members)})
         added.append(run)
         removed.update(n.index for n in members)
     inside = {id(n) for members in runs for n in members}
@@ -118,17 +120,3 @@ def _read_outside_for_shape(members: list, readers: dict, requested: set) -> boo
                 if id(reader) not in inside and not reader.reads_shape_only(vid):
                     return False
     return True
-
-
-def _new_value(graph: Graph, name: str) -> int:
-    vid = len(graph.names)
-    graph.names.append(name)
-    graph.ids[name] = vid
-    return vid
-
-
-def _node(index: int, op_type: str, inputs: tuple, outputs: tuple, attrs: dict | None = None,
-          name: str | None = None) -> Node:
-    kernel = registry.resolve(DOMAIN, op_type, 1)
-    return Node(index, name or f"{op_type}({index})", op_type, DOMAIN, inputs, outputs, attrs or {}, {}, (), kernel,
-                kernel.since)

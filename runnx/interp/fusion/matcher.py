@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runnx.interp.ir import MISSING, Graph, Node
+from runnx.ops import registry
 from runnx.ops._fused_common import DOMAIN
 
 @dataclass
@@ -21,6 +22,13 @@ class Fused:
     outputs: tuple
     attrs: dict
     domain: str = DOMAIN  # runnx's fused ops; a standard op's own domain where one fits (com.microsoft)
+
+
+def fused_node(index: int, name: str, op_type: str, inputs: tuple, outputs: tuple, attrs: dict,
+               domain: str = DOMAIN) -> Node:
+    """A new node of `op_type` in `domain` (runnx's fused ops by default), its kernel bound."""
+    kernel = registry.resolve(domain, op_type, 1)
+    return Node(index, name, op_type, domain, tuple(inputs), tuple(outputs), attrs, {}, (), kernel, kernel.since)
 
 
 class Matcher:

@@ -18,7 +18,6 @@ import numpy as np
 
 from runnx.interp.fusion.static_dims import StaticDims
 from runnx.interp.ir import MISSING, Graph, Node
-from runnx.interp.last_position import _new_value
 
 
 class _Shape:
@@ -55,7 +54,7 @@ def split_products(graph: Graph) -> int:
         for output, start, end in pieces:
             name = graph.names[output]
             block = _constant(graph, f"{graph.names[matmul.inputs[1]]}[:, {start}:{end}]", weight[:, start:end])
-            product = output if add is None else _new_value(graph, f"{name}/product")
+            product = output if add is None else graph.new_value(f"{name}/product")
             new_nodes.append(Node(next_index, f"{matmul.name}[{start}:{end}]", "MatMul", "", (matmul.inputs[0], block),
                                   (product,), dict(matmul.attrs), {}, (), matmul.kernel, matmul.since))
             next_index += 1
@@ -195,7 +194,7 @@ def _split_pieces(cut: Node, known, shape: _Shape):
 
 
 def _constant(graph: Graph, name: str, array) -> int:
-    vid = _new_value(graph, name)
+    vid = graph.new_value(name)
     array = np.ascontiguousarray(array).copy()
     array.flags.writeable = False
     graph.constants[vid] = array
