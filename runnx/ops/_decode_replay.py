@@ -30,7 +30,7 @@ from runnx.ops._kernels_fused import rope_append_into
 from runnx.ops.fused import repeated_kv_cache
 from runnx.ops.fused_rotary import rope_cache_fits
 from runnx.ops.fused_layer_norm_blocks import attended_cache
-from runnx.ops.linalg import append_position
+from runnx.ops.fused_products import append_position
 
 enabled = True
 _FLOAT32 = np.dtype(np.float32)

@@ -31,9 +31,10 @@ from runnx.ops.cache import count_appends
 from runnx.ops.fused import DOMAIN, RepeatedKVAttention, repeated_kv_row
 from runnx.ops.fused_rotary import RopeAppend, appended_caches, rope_append_arguments
 from runnx.ops.fused_layer_norm_blocks import attention_row, split_shape
-from runnx.ops.linalg import (AttentionGeluMLP, AttentionLayerNorm, ProjectedAppend, ResidualGatedMLP,
-                              SharedInputMatMul, _NO_BIAS, _attention_attrs, _gated_mlp_row, _gelu_mlp_row,
-                              _layer_norm_row, _split_shapes, _vector, append_arguments, appended_outputs)
+from runnx.ops.fused_products import (_NO_BIAS, ProjectedAppend, SharedInputMatMul, _split_shapes, _vector,
+                                      append_arguments, appended_outputs)
+from runnx.ops.fused_residual_blocks import (AttentionGeluMLP, AttentionLayerNorm, ResidualGatedMLP, _attention_attrs,
+                                             _gated_mlp_row, _gelu_mlp_row, _layer_norm_row)
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.rows import SHARED_FROM

@@ -438,7 +438,7 @@ def test_a_gelu_mlp_block_rounds_as_its_nodes_whichever_numba_compiles_first():
     the GELU it compiled must still round as the standalone job (as the LayerNorm as its kernel)."""
     code = """
 import numpy as np
-from runnx.ops import linalg
+from runnx.ops import fused_residual_blocks, linalg
 from runnx.runtime import pool as decode_pool
 from runnx.ops.fused_layer_norm_blocks import AddLayerNorm, ErfGelu
 decode_pool.set_workers(0)
@@ -449,7 +449,7 @@ for _ in range(40):
     x, w, r, w1, b1, w2 = f(1, 1, 64), f(64, 96), f(1, 1, 96) * 20, f(96, 200) / 4, f(200), f(200, 96) / 8
     g, c, g2, c2 = f(96), f(96), f(96), f(96)
     constants = np.float32(2 ** 0.5), np.float32(1), np.float32(0.5)
-    block = linalg.ResidualGeluMLP(x, w, None, r, g, c, w1, b1, *constants, w2, None, g2, c2)
+    block = fused_residual_blocks.ResidualGeluMLP(x, w, None, r, g, c, w1, b1, *constants, w2, None, g2, c2)
     s, n = AddLayerNorm(r, linalg.MatMul(x, w), g, c)
     s2, n2 = AddLayerNorm(s, linalg.MatMul(ErfGelu(linalg.MatMul(n, w1), b1, *constants), w2), g2, c2)
     differing += not (np.array_equal(block[0], s2) and np.array_equal(block[1], n2))

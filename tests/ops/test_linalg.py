@@ -127,7 +127,7 @@ def test_matmul_add_layer_norm_of_many_rows_is_the_unfused_nodes(bias_shape):
     """An encoder's rows: the residual + (product + bias) and its norm, the bias and the residual
     added within the norm's pass (no numpy adds), bitwise what the Add and LayerNormalization nodes
     give; the caller's residual is left as it was."""
-    from runnx.ops.linalg import MatMulAddLayerNorm
+    from runnx.ops.fused_residual_blocks import MatMulAddLayerNorm
 
     x = RNG.standard_normal((1, 40, 24)).astype(F32)
     weight = RNG.standard_normal((24, 16)).astype(F32)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from runnx.ops import _remembered, linalg
+from runnx.ops import _remembered, fused_residual_blocks
 from runnx.ops._remembered import Remembered
 
 
@@ -88,7 +88,7 @@ def test_a_gated_mlp_row_is_checked_for_each_set_of_weights(order):
     residual = np.ones((1, 1, 6), np.float32)
     other = "C" if order == "F" else "F"
     for weights, norm in (_gated_weights(order), _gated_weights(other), _gated_weights(order)):
-        block = linalg._gated_mlp_row(x, weights["weight"], None, residual, *norm, weights["gate"], weights["up"],
+        block = fused_residual_blocks._gated_mlp_row(x, weights["weight"], None, residual, *norm, weights["gate"], weights["up"],
                                       weights["down"], None, *norm, (-1, 0, 0), (-1, 0, 0))
         if weights["weight"].flags.c_contiguous:
             arguments, numbers = block
@@ -98,5 +98,5 @@ def test_a_gated_mlp_row_is_checked_for_each_set_of_weights(order):
             assert block is None
     strided = np.ones((1, 1, 12), np.float32)[..., ::2]  # the step's own arrays are checked every call
     weights, norm = _gated_weights("C")
-    assert linalg._gated_mlp_row(x, weights["weight"], None, strided, *norm, weights["gate"], weights["up"],
+    assert fused_residual_blocks._gated_mlp_row(x, weights["weight"], None, strided, *norm, weights["gate"], weights["up"],
                                  weights["down"], None, *norm, (-1, 0, 0), (-1, 0, 0)) is None

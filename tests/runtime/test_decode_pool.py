@@ -326,7 +326,7 @@ def test_a_short_prompts_products_of_one_input_are_one_pool_job_with_each_matmul
     """SharedInputMatMul of a short prompt's rows (more than MatMul's products loop takes, fewer than
     OpenBLAS's) posts one products job for all its weights, not one a weight, each output the bits
     of its MatMul; rows that MatMul would give another kernel for any weight take MatMul's path."""
-    from runnx.ops.linalg import SharedInputMatMul
+    from runnx.ops.fused_products import SharedInputMatMul
     x = RNG.standard_normal((1, rows, 576)).astype(np.float32)
     weights = [RNG.standard_normal((576, n)).astype(np.float32) for n in widths]
     for w in weights:

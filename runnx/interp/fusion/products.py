@@ -1,7 +1,7 @@
 """Products of one input: MatMuls reading the same value by constant 2-D matrices of one depth (a
 decoder layer's query, key and value projections; its gate and up projections) become one
-SharedInputMatMul node (kernel in `runnx/ops/linalg.py`), so that a decode step hands the decode
-pool one job for them, and runs one node, not three. A product whose only reader splits its heads
+SharedInputMatMul node (kernel in `runnx/ops/fused_products.py`), so that a decode step hands the
+decode pool one job for them, and runs one node, not three. A product whose only reader splits its heads
 (SplitHeads, layer_norm_blocks.py's pattern) gives the split heads itself, and a SiluMul of two of
 them (the gate and up products) gives its gated product instead of the two. A product read (with or
 without a constant bias added) only by a residual add and norm becomes a MatMulAddRMSNorm or

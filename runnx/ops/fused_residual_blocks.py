@@ -1,0 +1,304 @@
+"""Fused blocks ending in a residual add and a norm (`runnx/interp/fusion/products.py`): a product
+with the add and norm after it (MatMulAddRMSNorm, MatMulAddLayerNorm), an MLP from a layer's output
+projection to the next norm (ResidualGatedMLP, ResidualGeluMLP), and an attention with its query
+projection or the block after it (ProjectedHeadsAttention, AttentionLayerNorm, AttentionGeluMLP). A
+decode step's row runs each as native calls of `_decode_blocks.py` posting the decode pool's jobs,
+and so do a short prompt's rows of ResidualGatedMLP; anything else the kernels of the nodes they
+replaced. An RMSNorm layer's own two: `decoder_layers.py`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from runnx.ops import _native
+from runnx.ops._decode_blocks import (attended_gelu_mlp, attended_layer_norm, gated_down, gated_down_rows, gelu_mlp,
+                                     projected_gate, projected_gate_rows, projected_layer_norm)
+from runnx.ops._fused_common import DOMAIN
+from runnx.ops._matmul import pooled_prompt
+from runnx.ops._remembered import Remembered
+from runnx.ops.fused_layer_norm_blocks import ErfGelu, HeadsAttention, add_layer_norm, attended_row, attention_row
+from runnx.ops.fused_norms import AddRMSNorm, exp_in_place, norm_fits
+from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _matrix, _product, _vector
+from runnx.ops.linalg import _FLOAT32, MatMul
+from runnx.ops.registry import register
+from runnx.runtime import pool as decode_pool
+
+
+@register("MatMulAddRMSNorm", since=1, domain=DOMAIN)
+def MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, *, axis: int = -1, to: int = 0,
+                     cast: int = 0):
+    """AddRMSNorm(residual, MatMul(x, weight) [+ bias]) (`runnx/interp/fusion/products.py`): the sum
+    written into the fresh product (addition commutes: the same sums as the unfused nodes')."""
+    return AddRMSNorm(residual, _product(x, weight, bias), epsilon, one, norm_weight, axis=axis, to=to, cast=cast,
+                      overwrite=(1,))
+
+
+@register("ResidualGatedMLP", since=1, domain=DOMAIN)
+def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                     down_bias, down_epsilon, down_one, down_norm_weight, *, norm: tuple = (-1, 0, 0),
+                     down_norm: tuple = (-1, 0, 0)):
+    """(s, n) = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight), then
+    MatMulAddRMSNorm(SiluMul(n @ gate_weight, n @ up_weight), down_weight, down_bias, s, down_...):
+    a decoder layer from its attention's output projection to the next layer's norm
+    (`runnx/interp/fusion/products.py`); norm and down_norm are the norms' (axis, to, cast). A decode
+    step's float32 row (no biases, both norms the numba kernel's) runs as two native calls posting
+    the decode pool's jobs, numpy's exp between them (`_decode_blocks.py`), and so do a short
+    prompt's rows (`_gated_mlp_rows`): bitwise the nodes'."""
+    block = _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                           down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
+    if block is not None:
+        return _gated_down(decode_pool.shared_call(projected_gate, *block[0]), residual, down_weight, block[1],
+                           down_norm_weight)
+    block = _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                            down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
+    if block is not None:
+        return _gated_down_rows(decode_pool.shared_call(projected_gate_rows, *block[0]), residual, down_weight,
+                                block[1], down_norm_weight)
+    axis, to, cast = norm
+    summed, normed = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, axis=axis, to=to,
+                                      cast=cast)
+    (gated,) = SharedInputMatMul(normed, gate_weight, up_weight, gated=(0, 1))
+    axis, to, cast = down_norm
+    return MatMulAddRMSNorm(gated, down_weight, down_bias, summed, down_epsilon, down_one, down_norm_weight,
+                            axis=axis, to=to, cast=cast)
+
+
+def _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                   down_bias, down_epsilon, down_one, down_norm_weight, norm: tuple, down_norm: tuple) -> tuple | None:
+    """(`projected_gate`'s arguments, `gated_down`'s numbers) when ResidualGatedMLP is a decode block:
+    one float32 row through C-contiguous float32 matrices whose sizes chain, no biases, onto a
+    residual of the products' shape, both norms the numba kernel's; else None."""
+    if (not _native.enabled or bias is not None or down_bias is not None or x.dtype != _FLOAT32 or not x.ndim
+            or x.size != x.shape[-1]
+            or residual.dtype != _FLOAT32 or not residual.ndim or not residual.flags.c_contiguous
+            or residual.shape != x.shape[:-1] + residual.shape[-1:]):
+        return None
+    numbers = _gated_block_numbers((x.size, residual.ndim, residual.shape[-1], norm, down_norm), weight, epsilon, one,
+                                   norm_weight, gate_weight, up_weight, down_weight, down_epsilon, down_one,
+                                   down_norm_weight)
+    if numbers is None:
+        return None
+    return (np.ascontiguousarray(x.reshape(-1)), weight, residual.reshape(-1), *numbers[:2], norm_weight, gate_weight,
+            up_weight), numbers[2:]
+
+
+def _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                    down_bias, down_epsilon, down_one, down_norm_weight, norm: tuple, down_norm: tuple) -> tuple | None:
+    """(`projected_gate_rows`' arguments, `gated_down_rows`' numbers and unit) when ResidualGatedMLP is
+    a short prompt's: `_gated_mlp_row`'s conditions for several rows whose products the own kernels
+    share with the decode pool (`pooled_prompt`); else None."""
+    if (not _native.enabled or bias is not None or down_bias is not None or x.dtype != _FLOAT32 or x.ndim < 2
+            or not x.shape[-1] or residual.dtype != _FLOAT32 or not residual.flags.c_contiguous
+            or residual.shape != x.shape[:-1] + residual.shape[-1:]):
+        return None
+    rows, depth, width = x.size // x.shape[-1], x.shape[-1], residual.shape[-1]
+    numbers = _gated_block_numbers((depth, residual.ndim, width, norm, down_norm), weight, epsilon, one, norm_weight,
+                                   gate_weight, up_weight, down_weight, down_epsilon, down_one, down_norm_weight)
+    inner = up_weight.shape[-1]
+    if (numbers is None or not pooled_prompt(rows, depth, (width,)) or not pooled_prompt(rows, width, (inner, inner))
+            or not pooled_prompt(rows, inner, (width,))):
+        return None
+    units = (decode_pool.gemm_unit(width), decode_pool.gemm_unit(2 * inner))
+    return ((np.ascontiguousarray(x).reshape(rows, depth), weight, residual.reshape(rows, width), *numbers[:2],
+             norm_weight, gate_weight, up_weight, units), (*numbers[2:], decode_pool.gemm_unit(width)))
+
+
+def _gated_down_rows(first, residual, down_weight, down_numbers, down_norm_weight):
+    """ResidualGatedMLP's outputs from `projected_gate_rows`' results: numpy's exp, then `gated_down_rows`."""
+    summed, gate, decay, up, largest = first
+    epsilon, one, unit = down_numbers
+    summed, normed = decode_pool.shared_call(gated_down_rows, gate, exp_in_place(decay, largest), up, down_weight,
+                                             summed, epsilon, one, down_norm_weight, unit)
+    return summed.reshape(residual.shape), normed.reshape(residual.shape)
+
+
+@Remembered
+def _gated_block_numbers(values: tuple, weight, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
+                         down_epsilon, down_one, down_norm_weight) -> tuple | None:
+    """The two norms' (epsilon, one) as numbers when a ResidualGatedMLP row of this depth onto a
+    residual of this rank and width has matrices that chain and norms that are the numba kernel's
+    (`_gated_mlp_row`), else None."""
+    depth, ndim, width, norm, down_norm = values
+    inner = up_weight.shape[-1]
+    if not (_matrix(weight, depth, width) and _matrix(gate_weight, width, inner) and _matrix(up_weight, width, inner)
+            and _matrix(down_weight, inner, width)
+            and norm_fits(_FLOAT32, ndim, (width,), epsilon, one, norm_weight, *norm)
+            and norm_fits(_FLOAT32, ndim, (width,), down_epsilon, down_one, down_norm_weight, *down_norm)):
+        return None
+    return epsilon.item(), one.item(), down_epsilon.item(), down_one.item()
+
+
+def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight):
+    """ResidualGatedMLP's outputs from `projected_gate`'s results: numpy's exp, then `gated_down`."""
+    summed, gate, decay, up, largest = first
+    summed, normed = decode_pool.shared_call(gated_down, gate, exp_in_place(decay, largest), up, down_weight, summed,
+                                             *down_numbers, down_norm_weight)
+    return summed.reshape(residual.shape), normed.reshape(residual.shape)
+
+
+@register("MatMulAddLayerNorm", since=1, domain=DOMAIN)
+def MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, *, axis: int = -1, epsilon: float = 1e-5,
+                       stash_type: int = 1):
+    """AddLayerNorm(residual, MatMul(x, weight) [+ bias]), as MatMulAddRMSNorm. A decode step's
+    float32 row is one native call posting the product to the decode pool (`_decode_blocks.py`)."""
+    arguments = _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis, epsilon)
+    if arguments is not None:
+        summed, normed = decode_pool.shared_call(projected_layer_norm, *arguments)
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    return add_layer_norm(residual, MatMul(x, weight), bias, scale, norm_bias, axis, epsilon, stash_type,
+                          overwrite=(1,))
+
+
+@register("ResidualGeluMLP", since=1, domain=DOMAIN)
+def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half, down_weight,
+                    down_bias, down_scale, down_norm_bias, *, norm: tuple = (-1, 1e-5, 1),
+                    down_norm: tuple = (-1, 1e-5, 1)):
+    """(s, n) = MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias), then
+    MatMulAddLayerNorm(ErfGelu(n @ up_weight, up_bias, divisor, one, half), down_weight, down_bias,
+    s, down_scale, down_norm_bias): a LayerNorm layer from its last attention's output projection to
+    the next layer's norm (`runnx/interp/fusion/products.py`); norm and down_norm are the norms'
+    (axis, epsilon, stash_type). A decode step's float32 row is one native call
+    (`_decode_blocks.py`); other rows (the encoder's) run the four nodes' kernels in turn."""
+    arguments = _gelu_mlp_row(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half,
+                              down_weight, down_bias, down_scale, down_norm_bias, norm, down_norm)
+    if arguments is not None:
+        summed, normed = decode_pool.shared_call(gelu_mlp, *arguments)
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    (axis, epsilon, stash_type), (down_axis, down_epsilon, down_stash_type) = norm, down_norm
+    summed, normed = MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, axis=axis, epsilon=epsilon,
+                                        stash_type=stash_type)
+    activated = ErfGelu(MatMul(normed, up_weight), up_bias, divisor, one, half)
+    return MatMulAddLayerNorm(activated, down_weight, down_bias, summed, down_scale, down_norm_bias, axis=down_axis,
+                              epsilon=down_epsilon, stash_type=down_stash_type)
+
+
+def _gelu_mlp_row(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half, down_weight,
+                  down_bias, down_scale, down_norm_bias, norm: tuple, down_norm: tuple) -> tuple | None:
+    """ResidualGeluMLP's arguments as `gelu_mlp` takes them when it is one float32 row through
+    C-contiguous float32 matrices whose sizes chain, both halves as `_layer_norm_row` needs, its
+    GELU constants float32 numbers; else None."""
+    (axis, epsilon, _), (down_axis, down_epsilon, _) = norm, down_norm
+    first = _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis, epsilon)
+    if first is None or down_axis not in (-1, residual.ndim - 1):
+        return None
+    numbers = _gelu_numbers((residual.shape[-1],), up_weight, up_bias, down_weight, down_bias, down_scale,
+                            down_norm_bias, divisor, one, half)
+    if numbers is None:
+        return None
+    return (*first, up_weight, _NO_BIAS if up_bias is None else up_bias, *numbers, down_weight,
+            _NO_BIAS if down_bias is None else down_bias, down_scale, down_norm_bias, float(down_epsilon))
+
+
+@Remembered
+def _gelu_numbers(width: tuple, up_weight, up_bias, down_weight, down_bias, down_scale, down_norm_bias, divisor, one,
+                  half) -> tuple | None:
+    """The GELU's (divisor, one, half) as numbers when ResidualGeluMLP's second half over rows of
+    this width has C-contiguous float32 matrices that chain, float32 vectors and numbers; else None."""
+    (width,), inner = width, up_weight.shape[-1]
+    if not (_matrix(up_weight, width, inner) and _matrix(down_weight, inner, width)
+            and (up_bias is None or _vector(up_bias, inner)) and (down_bias is None or _vector(down_bias, width))
+            and _vector(down_scale, width) and _vector(down_norm_bias, width)
+            and all(c.dtype == _FLOAT32 and c.size == 1 for c in (divisor, one, half))):
+        return None
+    return float(divisor.reshape(-1)[0]), float(one.reshape(-1)[0]), float(half.reshape(-1)[0])
+
+
+def _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis: int, epsilon: float) -> tuple | None:
+    """MatMulAddLayerNorm's arguments as `projected_layer_norm` takes them when it is one float32
+    row through a C-contiguous float32 matrix onto a residual of the product's shape, its bias,
+    scale and norm bias float32 vectors over the last axis; else None."""
+    if (not _native.enabled or x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1]
+            or residual.dtype != _FLOAT32 or not residual.ndim):
+        return None
+    width = residual.shape[-1]
+    if not (residual.shape == x.shape[:-1] + (width,) and axis in (-1, residual.ndim - 1)
+            and _layer_norm_fits((x.size, width), weight, bias, scale, norm_bias)):
+        return None
+    return (np.ascontiguousarray(x.reshape(-1)), weight, _NO_BIAS if bias is None else bias,
+            np.ascontiguousarray(residual.reshape(-1)), scale, norm_bias, float(epsilon))
+
+
+@Remembered
+def _layer_norm_fits(sizes: tuple, weight, bias, scale, norm_bias) -> bool:
+    """Whether `_layer_norm_row`'s constants fit a row of this (depth, width): a C-contiguous float32
+    matrix, float32 vectors."""
+    depth, width = sizes
+    return (_matrix(weight, depth, width) and _vector(scale, width) and _vector(norm_bias, width)
+            and (bias is None or _vector(bias, width)))
+
+
+@register("ProjectedHeadsAttention", since=1, domain=DOMAIN, shape_only=(11, 13))
+def ProjectedHeadsAttention(x, weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
+                            query_target, query_source, output_target, output_source, *,
+                            query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
+                            output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
+                            key_perm: tuple[int, ...], value_perm: tuple[int, ...]):
+    """HeadsAttention(MatMul(x, weight), ...): attention with its query projection
+    (`runnx/interp/fusion/products.py`; a decoder's cross-attention). A decode step's float32 row is
+    one native call, the product, the query's bias and scale and the attention (`attended_row`)."""
+    inputs = (query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target, query_source,
+              output_target, output_source)
+    attrs = _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm)
+    attended = attended_row(x, weight, *inputs, **attrs)
+    return attended if attended is not None else HeadsAttention(MatMul(x, weight), *inputs, **attrs)
+
+
+@register("AttentionLayerNorm", since=1, domain=DOMAIN, shape_only=(11, 13))
+def AttentionLayerNorm(query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
+                       query_target, query_source, output_target, output_source, weight, out_bias, residual, scale,
+                       norm_bias, *, query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
+                       output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
+                       key_perm: tuple[int, ...], value_perm: tuple[int, ...], norm: tuple = (-1, 1e-5, 1)):
+    """MatMulAddLayerNorm(a, weight, out_bias, residual, scale, norm_bias) of the attention a =
+    HeadsAttention(query [@ query_weight], ...) (`runnx/interp/fusion/products.py`; a decoder's
+    self-attention, its output projection and the cross-attention's norm); norm is the norm's (axis,
+    epsilon, stash_type). A decode step's float32 row is one native call (`attended_layer_norm`)."""
+    attention = (query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
+                 query_target, query_source, output_target, output_source)
+    attrs = _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm)
+    axis, epsilon, stash_type = norm
+    row = attention_row(*attention, **attrs)
+    block = row and _layer_norm_row(row[1], weight, out_bias, residual, scale, norm_bias, axis, epsilon)
+    if block and row[1].flags.c_contiguous:  # the block's row is then a view of the attention's output
+        summed, normed = decode_pool.shared_call(attended_layer_norm, *row[0], *block)
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    return MatMulAddLayerNorm(_heads_attention(*attention, **attrs), weight, out_bias, residual, scale, norm_bias,
+                              axis=axis, epsilon=epsilon, stash_type=stash_type)
+
+
+@register("AttentionGeluMLP", since=1, domain=DOMAIN, shape_only=(11, 13))
+def AttentionGeluMLP(query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
+                     query_target, query_source, output_target, output_source, weight, out_bias, residual, scale,
+                     norm_bias, up_weight, up_bias, divisor, one, half, down_weight, down_bias, down_scale,
+                     down_norm_bias, *, query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
+                     output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
+                     key_perm: tuple[int, ...], value_perm: tuple[int, ...], norm: tuple = (-1, 1e-5, 1),
+                     down_norm: tuple = (-1, 1e-5, 1)):
+    """ResidualGeluMLP(a, weight, out_bias, residual, scale, norm_bias, up_weight, ...) of the
+    attention a = HeadsAttention(query [@ query_weight], ...) (`runnx/interp/fusion/products.py`;
+    a decoder's cross-attention and the rest of its layer, an encoder's attention and MLP). A decode
+    step's float32 row is one native call (`attended_gelu_mlp`)."""
+    attention = (query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
+                 query_target, query_source, output_target, output_source)
+    attrs = _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm)
+    mlp = (weight, out_bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half, down_weight, down_bias,
+           down_scale, down_norm_bias)
+    row = attention_row(*attention, **attrs)
+    block = row and _gelu_mlp_row(row[1], *mlp, norm, down_norm)
+    if block and row[1].flags.c_contiguous:  # the block's row is then a view of the attention's output
+        summed, normed = decode_pool.shared_call(attended_gelu_mlp, *row[0], *block)
+        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+    return ResidualGeluMLP(_heads_attention(*attention, **attrs), *mlp, norm=norm, down_norm=down_norm)
+
+
+def _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm) -> dict:
+    """HeadsAttention's attributes as its keyword arguments."""
+    return {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
+            "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
+
+
+def _heads_attention(query, query_weight, *inputs, **attrs):
+    """HeadsAttention of query, projected by query_weight first when there is one."""
+    if query_weight is None:
+        return HeadsAttention(query, *inputs, **attrs)
+    return ProjectedHeadsAttention(query, query_weight, *inputs, **attrs)
