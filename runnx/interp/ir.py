@@ -84,6 +84,14 @@ class Graph:
         self.names.append(name)
         return self.ids[name]
 
+    def new_constant(self, name: str, array) -> int:
+        """The id of a new constant named `name` (`new_value`): a read-only copy of `array`."""
+        vid = self.new_value(name)
+        array = np.ascontiguousarray(array).copy()
+        array.flags.writeable = False
+        self.constants[vid] = array
+        return vid
+
     def walk(self):
         """Yield (graph, node) for every node of this graph and of all nested subgraphs."""
         for node in self.nodes:

@@ -20,6 +20,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._kernels_contrib import skip_rms_norm_into
 from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_gate_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
@@ -40,11 +41,29 @@ def _product(box, workers, row, matrix):
 
 
 @_jit
-def _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight):
-    """(s, gate, up) for s = residual + x @ weight and gate, up its RMSNorm @ gate_weight, @ up_weight
-    (one job for the two)."""
+def _add_norm(residual, summed, epsilon, one, norm_weight, skip):
+    """summed += residual (in place), then its norm: RMSNorm's unfused arithmetic (`add_rms_norm`),
+    or with `skip` onnxruntime's SkipSimplifiedLayerNormalization's (`skip_rms_norm_into`: float64
+    statistics, no `one`)."""
+    if not skip:
+        return add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
+    width = summed.shape[-1]
+    rows = (summed.size // width, width)
+    sums, addends = summed.reshape(rows), residual.reshape(rows)
+    for r in range(rows[0]):
+        for i in range(width):
+            sums[r, i] = addends[r, i] + sums[r, i]
+    normed = np.empty_like(summed)
+    skip_rms_norm_into(sums, epsilon, norm_weight, normed.reshape(rows))
+    return normed
+
+
+@_jit
+def _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip):
+    """(s, gate, up) for s = residual + x @ weight and gate, up its norm (`_add_norm`) @ gate_weight,
+    @ up_weight (one job for the two)."""
     summed = _product(box, workers, x, weight)
-    normed = add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
+    normed = _add_norm(residual, summed, epsilon, one, norm_weight, skip)
     gate, up = np.empty(gate_weight.shape[1], np.float32), np.empty(up_weight.shape[1], np.float32)
     post_products(box, workers, normed, (gate_weight, up_weight), (gate, up),
                   np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32), 0.0, 1.0)
@@ -52,12 +71,13 @@ def _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, g
 
 
 @_jit
-def projected_gate(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight):
-    """(s, gate, -gate, up, max(-gate)) for s = residual + x @ weight and gate, up its RMSNorm @
-    gate_weight, @ up_weight (one job for the two), float32 rows and C-contiguous matrices: an
-    attention's output projection, the residual add, the MLP's norm and its gate and up products."""
+def projected_gate(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip):
+    """(s, gate, -gate, up, max(-gate)) for s = residual + x @ weight and gate, up its norm
+    (`_add_norm`) @ gate_weight, @ up_weight (one job for the two), float32 rows and C-contiguous
+    matrices: an attention's output projection, the residual add, the MLP's norm and its gate and up
+    products."""
     summed, gate, up = _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight,
-                                    up_weight)
+                                    up_weight, skip)
     negated, largest = _negated(gate)
     return summed, gate, negated, up, largest
 
@@ -75,11 +95,11 @@ def _negated(gate):
 
 
 @_jit
-def gated_down(box, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight):
-    """(residual + silu(gate) * up @ weight, its RMSNorm) for decay = exp(-gate) (numpy's): the
-    MLP's activation, down product, residual add and the next norm."""
+def gated_down(box, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, skip):
+    """(residual + silu(gate) * up @ weight, its norm: `_add_norm`) for decay = exp(-gate) (numpy's):
+    the MLP's activation, down product, residual add and the next norm."""
     summed = _product(box, workers, silu_mul_into(gate, decay, up), weight)
-    return summed, add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
+    return summed, _add_norm(residual, summed, epsilon, one, norm_weight, skip)
 
 
 @_jit
@@ -92,12 +112,14 @@ def _gemm(box, workers, rows, matrix, unit):
 
 
 @_jit
-def projected_gate_rows(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, units):
+def projected_gate_rows(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, units,
+                        skip):
     """`projected_gate` for a short prompt's rows x (M, K), residual (M, N), C-contiguous float32: the
     products as pool jobs of units[0] and units[1] columns a unit (`post_gemm`, `post_gemms`: those
-    of MatMul and SharedInputMatMul for such rows), the sum and norm AddRMSNorm's, so the nodes' bits."""
+    of MatMul and SharedInputMatMul for such rows), the sum and norm the norm node's, so the nodes'
+    bits."""
     summed = _gemm(box, workers, x, weight, units[0])
-    normed = add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
+    normed = _add_norm(residual, summed, epsilon, one, norm_weight, skip)
     gate = np.empty((x.shape[0], gate_weight.shape[1]), np.float32)
     up = np.empty((x.shape[0], up_weight.shape[1]), np.float32)
     post_gemms(box, workers, normed, (gate_weight, up_weight), (gate, up), False, units[1])
@@ -106,10 +128,10 @@ def projected_gate_rows(box, workers, x, weight, residual, epsilon, one, norm_we
 
 
 @_jit
-def gated_down_rows(box, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, unit):
+def gated_down_rows(box, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, unit, skip):
     """`gated_down` for a short prompt's rows: the down product a pool job of `unit` columns a unit."""
     summed = _gemm(box, workers, silu_mul_into(gate, decay, up), weight, unit)
-    return summed, add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
+    return summed, _add_norm(residual, summed, epsilon, one, norm_weight, skip)
 
 
 @_jit
@@ -257,7 +279,7 @@ def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, 
     residual add and the next norm: AttentionGatedMLP's nodes, (s, RMSNorm(s)) of the last sum."""
     post_attention(box, workers, query, key, value, bias, scale, fill, out)
     summed, gate, up = _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight,
-                                    up_weight)
+                                    up_weight, False)
     down = _product(box, workers, silu_gate_into(gate, up), down_weight)
     return down, add_rms_norm(summed, down, down, down_epsilon, down_one, down_norm_weight)
 

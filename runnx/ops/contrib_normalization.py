@@ -50,7 +50,7 @@ def _float32_rows(x, skip, gamma, beta, bias) -> bool:
 
 
 def _skip_norm_float32(x, skip, gamma, beta, bias, epsilon, simplified, output_count):
-    """`_skip_norm` of float32 rows: `skip_norm_rows` writing the outputs themselves, a prompt's rows
+    """`skip_norm` of float32 rows: `skip_norm_rows` writing the outputs themselves, a prompt's rows
     shared among runnx's threads (`share_rows`: each row alone, the same bits)."""
     width = x.shape[-1]
     rows = x.size // width
@@ -75,7 +75,9 @@ def _skip_norm_range(x, skip, bias, gamma, beta, epsilon: float, simplified: boo
     skip_norm_rows(x[at], skip[at], bias, gamma, beta, epsilon, simplified, out[at], total[at], mean[at], inv_std[at])
 
 
-def _skip_norm(op, x, skip, gamma, beta, bias, epsilon, simplified, output_count):
+def skip_norm(op, x, skip, gamma, beta, bias, epsilon, simplified, output_count):
+    """(norm, mean, inv_std, sum)[:output_count] (the norm alone for one) of onnxruntime's skip norms
+    of x + skip [+ bias], named `op` in errors: LayerNorm, or RMSNorm when `simplified`."""
     if x.ndim < 2:
         raise RunnxError(f"{op}: input must be at least 2-D (rows, hidden), got shape {list(x.shape)}")
     if x.size and _float32_rows(x, skip, gamma, beta, bias):
@@ -105,13 +107,13 @@ def _skip_norm(op, x, skip, gamma, beta, bias, epsilon, simplified, output_count
 @register("SkipLayerNormalization", since=1, domain=DOMAIN, overlaps_jobs=True)
 def SkipLayerNormalization(x, skip, gamma, beta=None, bias=None, *, epsilon: float = _SKIP_EPSILON, output_count):
     """(LayerNorm(x + skip + bias) * gamma + beta, mean, inv_std_var, x + skip + bias)."""
-    return _skip_norm("SkipLayerNormalization", x, skip, gamma, beta, bias, epsilon, False, output_count)
+    return skip_norm("SkipLayerNormalization", x, skip, gamma, beta, bias, epsilon, False, output_count)
 
 
 @register("SkipSimplifiedLayerNormalization", since=1, domain=DOMAIN, overlaps_jobs=True)
 def SkipSimplifiedLayerNormalization(x, skip, gamma, bias=None, *, epsilon: float = _SKIP_EPSILON, output_count):
     """(RMSNorm(x + skip + bias) * gamma, mean (zeros: an RMS norm has none), inv_std_var, x + skip + bias)."""
-    return _skip_norm("SkipSimplifiedLayerNormalization", x, skip, gamma, None, bias, epsilon, True, output_count)
+    return skip_norm("SkipSimplifiedLayerNormalization", x, skip, gamma, None, bias, epsilon, True, output_count)
 
 
 @register("SimplifiedLayerNormalization", since=1)

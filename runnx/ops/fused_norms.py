@@ -19,6 +19,7 @@ from runnx.ops import _native
 from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._fused_common import DOMAIN, KERNEL_DTYPES, fits, stand_in
 from runnx.ops._kernels_fused import add_rms_norm_into, rms_norm_into, silu_mul_into
+from runnx.ops.contrib_normalization import skip_norm
 from runnx.ops.registry import register
 from runnx.runtime.rows import share_rows
 
@@ -71,11 +72,16 @@ def _casts_to_itself(to: int, dtype) -> bool:
 
 
 @register("AddRMSNorm", since=1, domain=DOMAIN, inplace=(0, 1))
-def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0, overwrite=()):
+def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0, skip: int = 0,
+               overwrite=()):
     """(s, RMSNorm(s)) with s = Cast(a + b, cast) (cast=0: no Cast): a residual add, kept for the
-    next one, and the norm reading it (onnxruntime's SkipSimplifiedLayerNormalization). Equal
-    shapes and dtypes, both C-contiguous, no Cast to another dtype: one numba call (the sum into a
-    or b when granted)."""
+    next one, and the norm reading it. Equal shapes and dtypes, both C-contiguous, no Cast to another
+    dtype: one numba call (the sum into a or b when granted). skip=1: the norm is onnxruntime's
+    SkipSimplifiedLayerNormalization(a, b, weight, epsilon) as runnx computes it (its statistics in
+    float64, `one` unused), which the products patterns take as a norm node."""
+    if skip:
+        normed, _, _, summed = skip_norm("AddRMSNorm", a, b, weight, None, None, float(epsilon.item()), True, 4)
+        return summed, normed
     if (a.shape == b.shape and a.dtype == b.dtype and b.flags.c_contiguous
             and rms_norm_applies(a, epsilon, one, weight, axis, to, cast)):
         residual = a if 0 in overwrite else b if 1 in overwrite else np.empty_like(a)

@@ -26,41 +26,43 @@ from runnx.runtime import pool as decode_pool
 
 @register("MatMulAddRMSNorm", since=1, domain=DOMAIN)
 def MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, *, axis: int = -1, to: int = 0,
-                     cast: int = 0):
+                     cast: int = 0, skip: int = 0):
     """AddRMSNorm(residual, MatMul(x, weight) [+ bias]) (`runnx/interp/fusion/products.py`): the sum
     written into the fresh product (addition commutes: the same sums as the unfused nodes')."""
     return AddRMSNorm(residual, _product(x, weight, bias), epsilon, one, norm_weight, axis=axis, to=to, cast=cast,
-                      overwrite=(1,))
+                      skip=skip, overwrite=(1,))
 
 
 @register("ResidualGatedMLP", since=1, domain=DOMAIN)
 def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                      down_bias, down_epsilon, down_one, down_norm_weight, *, norm: tuple = (-1, 0, 0),
-                     down_norm: tuple = (-1, 0, 0)):
+                     down_norm: tuple = (-1, 0, 0), skip: int = 0):
     """(s, n) = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight), then
     MatMulAddRMSNorm(SiluMul(n @ gate_weight, n @ up_weight), down_weight, down_bias, s, down_...):
     a decoder layer from its attention's output projection to the next layer's norm
-    (`runnx/interp/fusion/products.py`); norm and down_norm are the norms' (axis, to, cast). A decode
+    (`runnx/interp/fusion/products.py`); norm and down_norm are the norms' (axis, to, cast), skip
+    whether both are onnxruntime's SkipSimplifiedLayerNormalization (AddRMSNorm's `skip`). A decode
     step's float32 row (no biases, both norms the numba kernel's) runs as two native calls posting
     the decode pool's jobs, numpy's exp between them (`_decode_blocks.py`), and so do a short
     prompt's rows (`_gated_mlp_rows`): bitwise the nodes'."""
+    skipped = bool(skip)
     block = _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                            down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:
-        return _gated_down(decode_pool.shared_call(projected_gate, *block[0]), residual, down_weight, block[1],
-                           down_norm_weight)
+        return _gated_down(decode_pool.shared_call(projected_gate, *block[0], skipped), residual, down_weight,
+                           block[1], down_norm_weight, skipped)
     block = _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                             down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:
-        return _gated_down_rows(decode_pool.shared_call(projected_gate_rows, *block[0]), residual, down_weight,
-                                block[1], down_norm_weight)
+        return _gated_down_rows(decode_pool.shared_call(projected_gate_rows, *block[0], skipped), residual,
+                                down_weight, block[1], down_norm_weight, skipped)
     axis, to, cast = norm
     summed, normed = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, axis=axis, to=to,
-                                      cast=cast)
+                                      cast=cast, skip=skip)
     (gated,) = SharedInputMatMul(normed, gate_weight, up_weight, gated=(0, 1))
     axis, to, cast = down_norm
     return MatMulAddRMSNorm(gated, down_weight, down_bias, summed, down_epsilon, down_one, down_norm_weight,
-                            axis=axis, to=to, cast=cast)
+                            axis=axis, to=to, cast=cast, skip=skip)
 
 
 def _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
@@ -103,12 +105,12 @@ def _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_w
              norm_weight, gate_weight, up_weight, units), (*numbers[2:], decode_pool.gemm_unit(width)))
 
 
-def _gated_down_rows(first, residual, down_weight, down_numbers, down_norm_weight):
+def _gated_down_rows(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool):
     """ResidualGatedMLP's outputs from `projected_gate_rows`' results: numpy's exp, then `gated_down_rows`."""
     summed, gate, decay, up, largest = first
     epsilon, one, unit = down_numbers
     summed, normed = decode_pool.shared_call(gated_down_rows, gate, exp_in_place(decay, largest), up, down_weight,
-                                             summed, epsilon, one, down_norm_weight, unit)
+                                             summed, epsilon, one, down_norm_weight, unit, skip)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
 
 
@@ -128,11 +130,11 @@ def _gated_block_numbers(values: tuple, weight, epsilon, one, norm_weight, gate_
     return epsilon.item(), one.item(), down_epsilon.item(), down_one.item()
 
 
-def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight):
+def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool):
     """ResidualGatedMLP's outputs from `projected_gate`'s results: numpy's exp, then `gated_down`."""
     summed, gate, decay, up, largest = first
     summed, normed = decode_pool.shared_call(gated_down, gate, exp_in_place(decay, largest), up, down_weight, summed,
-                                             *down_numbers, down_norm_weight)
+                                             *down_numbers, down_norm_weight, skip)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
 
 

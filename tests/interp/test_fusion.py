@@ -723,3 +723,79 @@ def test_a_gated_mlp_whose_first_residual_is_read_elsewhere_keeps_its_nodes():
     assert sorted(ops) == ["MatMulAddRMSNorm", "MatMulAddRMSNorm", "SharedInputMatMul"]
     for name in plain:
         np.testing.assert_array_equal(fused[name], plain[name])
+
+
+def _skip_norm_mlp_model(extra_output=None, product_first=False, epsilon=1e-5):
+    """The same block as onnxruntime-genai's model builder writes it: the residual adds and norms are
+    SkipSimplifiedLayerNormalization nodes (their mean and inverse deviation outputs unused), the
+    gate and up products separate MatMuls."""
+    rng = np.random.default_rng(12)
+
+    def skip_norm(residual, product, gamma, normed, summed):
+        inputs = [product, residual] if product_first else [residual, product]
+        return helper.make_node("SkipSimplifiedLayerNormalization", [*inputs, gamma], [normed, "", "", summed],
+                                domain="com.microsoft", epsilon=epsilon)
+
+    nodes = [helper.make_node("MatMul", ["a", "wo"], ["o"]), skip_norm("r", "o", "g1", "n1", "s1"),
+             helper.make_node("MatMul", ["n1", "wg"], ["gate"]), helper.make_node("MatMul", ["n1", "wu"], ["up"]),
+             helper.make_node("Sigmoid", ["gate"], ["sig"]), helper.make_node("Mul", ["gate", "sig"], ["silu"]),
+             helper.make_node("Mul", ["silu", "up"], ["m"]),
+             helper.make_node("MatMul", ["m", "wd"], ["d"]), skip_norm("s1", "d", "g2", "n2", "s2")]
+    weights = {"wo": (256, 384), "wg": (384, 512), "wu": (384, 512), "wd": (512, 384), "g1": (384,), "g2": (384,)}
+    constants = {name: (rng.standard_normal(shape) / np.sqrt(shape[0] if len(shape) > 1 else 1)).astype(np.float32)
+                 for name, shape in weights.items()}  # products of the inputs' size
+    outputs = [(name, F) for name in ("s2", "n2", *([extra_output] if extra_output else []))]
+    model = _model(nodes, [("a", F), ("r", F)], outputs, constants)
+    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return model
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_onnxruntime_skip_norms_around_a_gated_mlp_become_one_node_with_their_bits(workers, monkeypatch):
+    """onnxruntime-genai's layer (SkipSimplifiedLayerNormalization for each residual add and norm)
+    takes the same pattern as an Optimum export's: one ResidualGatedMLP whose norms keep the contrib
+    op's own arithmetic (float64 statistics), so a decode row's and a short prompt's native calls and
+    every other row's nodes give the unfused graph's bits; onnxruntime's (its own products) close."""
+    import onnxruntime as ort
+
+    from runnx.ops import _decode_blocks
+    from runnx.runtime import pool as decode_pool
+
+    calls = _spied_jobs(monkeypatch)
+    rng = np.random.default_rng(13)
+    model = _skip_norm_mlp_model()
+    reference = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    try:
+        decode_pool.set_workers(workers)
+        for rows in (1, 3, 24, 100, 300):
+            feeds = {"a": rng.standard_normal((1, rows, 256)).astype(np.float32),
+                     "r": rng.standard_normal((1, rows, 384)).astype(np.float32)}
+            calls.clear()
+            fused, plain, ops = _both(model, feeds)
+            assert ops == ["ResidualGatedMLP"]
+            native = ((_decode_blocks.projected_gate, _decode_blocks.gated_down) if rows == 1
+                      else (_decode_blocks.projected_gate_rows, _decode_blocks.gated_down_rows) if 3 < rows < 240
+                      else ())
+            assert calls == list(native)
+            for name, expected in zip(("s2", "n2"), reference.run(["s2", "n2"], feeds)):
+                assert fused[name].shape == plain[name].shape == (1, rows, 384)
+                np.testing.assert_array_equal(fused[name], plain[name])
+                np.testing.assert_allclose(fused[name], expected, rtol=1e-4, atol=1e-4)
+    finally:
+        decode_pool.set_workers(None)
+
+
+def test_skip_norms_whose_statistics_are_read_or_whose_product_is_not_the_skip_keep_their_nodes():
+    """The fused norm gives its sum and normed output only; a product given as the norm's input
+    (not its skip, which onnxruntime lets broadcast) stays apart too."""
+    rng = np.random.default_rng(14)
+    feeds = {"a": rng.standard_normal((1, 1, 256)).astype(np.float32),
+             "r": rng.standard_normal((1, 1, 384)).astype(np.float32)}
+    read = _skip_norm_mlp_model()
+    read.graph.node[1].output[1] = "mean1"  # the first norm's mean, read as an output
+    read.graph.output.append(helper.make_tensor_value_info("mean1", F, None))
+    for model in (read, _skip_norm_mlp_model(product_first=True)):
+        fused, plain, ops = _both(model, feeds)
+        assert "ResidualGatedMLP" not in ops and "SkipSimplifiedLayerNormalization" in ops
+        for name in plain:
+            np.testing.assert_array_equal(fused[name], plain[name])

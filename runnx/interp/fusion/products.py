@@ -25,9 +25,13 @@ boundary, as for RMSNorm layers. Runs after the other patterns: a MatMul they ta
 """
 from __future__ import annotations
 
+import numpy as np
+
 from runnx.interp.fusion.matcher import Fused, Matcher
 from runnx.interp.ir import MISSING, Node
 from runnx.ops._fused_common import DOMAIN
+
+CONTRIB = "com.microsoft"  # onnxruntime's contrib ops
 
 
 def _weight(m: Matcher, node: Node):
@@ -155,6 +159,8 @@ def _normed(m: Matcher, matmul: Node) -> Fused | None:
     if len(readers) != 1:
         return None
     norm = readers[0]
+    if norm.op_type == "SkipSimplifiedLayerNormalization" and norm.domain == CONTRIB:
+        return _skip_normed(m, chain, norm, value, bias, weight)
     if (norm.op_type not in _NORMED or norm.domain != DOMAIN or norm.index in m.taken
             or list(norm.inputs).count(value) != 1 or value not in norm.inputs[:2]):
         return None
@@ -164,6 +170,34 @@ def _normed(m: Matcher, matmul: Node) -> Fused | None:
     residual = norm.inputs[1] if norm.inputs[0] == value else norm.inputs[0]
     return Fused(_NORMED[norm.op_type], chain, (*matmul.inputs, bias, residual, *norm.inputs[2:]), norm.outputs,
                  norm.attrs)
+
+
+def _skip_normed(m: Matcher, chain: list, norm: Node, value: int, bias: int, weight) -> Fused | None:
+    """MatMulAddRMSNorm (skip=1) of onnxruntime's SkipSimplifiedLayerNormalization(residual, MatMul(x, W)
+    [+ b], gamma) with a float32 W and a constant float32 gamma, no bias of its own, its mean and
+    inverse standard deviation outputs unread: an onnxruntime-genai layer's output projection (or
+    down product), residual add and next norm, as the other layouts' MatMul + AddRMSNorm. Its
+    epsilon (and the `one` RMSNorm's arithmetic would read) become constants."""
+    inputs = tuple(norm.inputs) + (MISSING,) * (4 - len(norm.inputs))
+    residual, skip, gamma, own_bias = inputs[:4]
+    outputs = tuple(norm.outputs) + (MISSING,) * (4 - len(norm.outputs))
+    epsilon = norm.attrs.get("epsilon", 1e-12)
+    scale = m.graph.constants.get(gamma)
+    if (norm.index in m.taken or skip != value or residual in (value, MISSING) or own_bias != MISSING
+            or weight.dtype != np.float32 or scale is None or scale.dtype != np.float32
+            or scale.shape != weight.shape[1:] or not epsilon > 0 or outputs[0] == MISSING):
+        return None
+    summed, normed = outputs[3], outputs[0]
+    if any(v != MISSING and (v in m.requested or m.readers.get(v)) for v in outputs[1:3]):
+        return None
+    chain.append(norm)
+    if not m.private(chain, (summed, normed)):
+        return None
+    name = m.graph.names[normed]
+    constants = (m.graph.new_constant(f"{name}/epsilon", np.float32(epsilon)),
+                 m.graph.new_constant(f"{name}/one", np.float32(1)))
+    return Fused("MatMulAddRMSNorm", chain, (*chain[0].inputs, bias, residual, *constants, gamma), (summed, normed),
+                 {"axis": -1, "to": 0, "cast": 0, "skip": 1})
 
 
 def _residual_gated_mlp(m: Matcher, down: Node) -> Fused | None:
@@ -179,13 +213,13 @@ def _residual_gated_mlp(m: Matcher, down: Node) -> Fused | None:
             or tuple(first.outputs) != (down.inputs[3], gated.inputs[0])):
         return None
     chain = [first, gated, down]
-    if not m.private(chain, tuple(down.outputs)):
+    if first.attrs.get("skip", 0) != down.attrs.get("skip", 0) or not m.private(chain, tuple(down.outputs)):
         return None
     gate, up = (gated.inputs[1 + p] for p in gated.attrs["gated"])
     norms = {name: tuple(node.attrs.get(a, d) for a, d in (("axis", -1), ("to", 0), ("cast", 0)))
              for name, node in (("norm", first), ("down_norm", down))}
     return Fused("ResidualGatedMLP", chain, (*first.inputs, gate, up, down.inputs[1], down.inputs[2], *down.inputs[4:]),
-                 down.outputs, norms)
+                 down.outputs, {**norms, **({"skip": 1} if first.attrs.get("skip", 0) else {})})
 
 
 def _residual_gelu_mlp(m: Matcher, down: Node) -> Fused | None:
@@ -280,9 +314,10 @@ def _attended(m: Matcher, block: Node) -> Fused | None:
 
 def _attended_gated(m: Matcher, block: Node) -> Fused | None:
     """ResidualGatedMLP whose row is a RepeatedKVAttention's merged output read only there: a
-    decoder layer from its attention to the next layer's norm as one AttentionGatedMLP node."""
+    decoder layer from its attention to the next layer's norm as one AttentionGatedMLP node (whose
+    native blocks compute RMSNorm's arithmetic: not a skip norm's)."""
     attention = m.graph.producer.get(block.inputs[0])
-    if (block.domain != DOMAIN or attention is None or attention.op_type != "RepeatedKVAttention"
+    if (block.domain != DOMAIN or block.attrs.get("skip", 0) or attention is None or attention.op_type != "RepeatedKVAttention"
             or attention.domain != DOMAIN or attention.index in m.taken or len(attention.inputs) < 14
             or attention.inputs[13] == MISSING or attention.outputs[0] in block.inputs[1:]
             or not m.private([attention, block], tuple(block.outputs))):

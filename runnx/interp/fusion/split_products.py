@@ -53,14 +53,14 @@ def split_products(graph: Graph) -> int:
         bias = graph.constants[add.inputs[1] if add.inputs[0] == matmul.outputs[0] else add.inputs[0]] if add else None
         for output, start, end in pieces:
             name = graph.names[output]
-            block = _constant(graph, f"{graph.names[matmul.inputs[1]]}[:, {start}:{end}]", weight[:, start:end])
+            block = graph.new_constant(f"{graph.names[matmul.inputs[1]]}[:, {start}:{end}]", weight[:, start:end])
             product = output if add is None else graph.new_value(f"{name}/product")
             new_nodes.append(Node(next_index, f"{matmul.name}[{start}:{end}]", "MatMul", "", (matmul.inputs[0], block),
                                   (product,), dict(matmul.attrs), {}, (), matmul.kernel, matmul.since))
             next_index += 1
             if add is not None:
                 piece_bias = bias if bias.size == 1 else bias[start:end]
-                b = _constant(graph, f"{name}/bias", piece_bias)
+                b = graph.new_constant(f"{name}/bias", piece_bias)
                 new_nodes.append(Node(next_index, f"{add.name}[{start}:{end}]", "Add", "", (product, b), (output,),
                                       dict(add.attrs), {}, (), add.kernel, add.since))
                 next_index += 1
@@ -191,14 +191,6 @@ def _split_pieces(cut: Node, known, shape: _Shape):
             pieces.append((output, start, start + size))
         start += size
     return pieces
-
-
-def _constant(graph: Graph, name: str, array) -> int:
-    vid = graph.new_value(name)
-    array = np.ascontiguousarray(array).copy()
-    array.flags.writeable = False
-    graph.constants[vid] = array
-    return vid
 
 
 ROUNDS_APART = (split_products,)  # a prefill's BLAS product may block a narrower N differently
