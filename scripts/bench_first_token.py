@@ -4,8 +4,9 @@
                                                   [--weights fp32,int4] [--tree PATH] [--write] [--profile]
 
 Each engine runs greedily from the same prompt ids in processes of its own (import, load, then the
-clock): the first token of the process's first generation (prefill of the prompt and the choice of
-one token; compiled code already cached on disk, as after any earlier run), then the same prompt's
+clock; a load is the model's and its tokenizer's, as a generation needs both): the first token of
+the process's first generation (prefill of the prompt and the choice of one token; compiled code
+already cached on disk, as after any earlier run), then the same prompt's
 first token again in that process (steady). The figures are medians over `--processes` processes
 per engine and thread count, the engines taking turns. runnx: `Generator.from_folder` on Optimum's
 SmolLM2-135M export; onnxruntime-genai: its own generator on its fp32 build of the same weights (its
@@ -102,6 +103,7 @@ def worker_genai(ids: list[int], threads: int, weights: str) -> dict:
     config = og.Config(str(GENAI_FOLDERS[weights]))
     config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
     model = og.Model(config)
+    og.Tokenizer(model)  # (a generation needs it: runnx's Generator loads its own)
     loaded = time.perf_counter()
     prompt = np.array(ids, np.int32)
 
@@ -122,10 +124,12 @@ def worker_onnxruntime(ids: list[int], threads: int) -> dict:
     started = time.perf_counter()
     import numpy as np
     import onnxruntime
+    from tokenizers import Tokenizer
     imported = time.perf_counter()
     options = onnxruntime.SessionOptions()
     options.intra_op_num_threads = threads
     session = onnxruntime.InferenceSession(str(SMOLLM2 / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    Tokenizer.from_file(str(SMOLLM2 / "tokenizer.json"))  # (the tokenizer a generation needs)
     loaded = time.perf_counter()
     past = [i for i in session.get_inputs() if i.name.startswith("past_key_values.")]
 
@@ -222,8 +226,9 @@ def main(args) -> int:
 
 A {args.prompt_tokens}-token prompt, greedy, SmolLM2-135M: fp32 (runnx on Optimum's export, onnxruntime-genai on its fp32
 build, onnxruntime on model.onnx) and int4 (runnx and onnxruntime-genai on onnxruntime-genai's int4 folder). Each engine in
-its own processes: import, load, the first token (numba's cache warm), then again (steady); medians of {args.processes}
-processes, engines taking turns, each process's first token in brackets; numba loads: what runnx's first token loaded.
+its own processes: import, load (the model and its tokenizer), the first token (numba's cache warm), then again
+(steady); medians of {args.processes} processes, engines taking turns, each process's first token in brackets; numba
+loads: what runnx's first token loaded.
 runnx {git_revision()}; {machine()}; load average {os.getloadavg()[0]:.1f} at the end.
 Command: `{command}`.
 

@@ -279,7 +279,7 @@ def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, 
     residual add and the next norm: AttentionGatedMLP's nodes, (s, RMSNorm(s)) of the last sum."""
     post_attention(box, workers, query, key, value, bias, scale, fill, out)
     summed, gate, up = _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight,
-                                    up_weight, False)
+                                    up_weight, np.bool_(False))  # (not a literal: one compiled _gate_and_up)
     down = _product(box, workers, silu_gate_into(gate, up), down_weight)
     return down, add_rms_norm(summed, down, down, down_epsilon, down_one, down_norm_weight)
 
