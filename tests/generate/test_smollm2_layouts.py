@@ -1,7 +1,8 @@
 """Real SmolLM2-135M in the two downloaded layouts (built by `make models`; marked real_model
 through their fixtures):
 
-- onnxruntime-genai's builder folders (fp32; int4 with fp32 products): greedy ids equal
+- onnxruntime-genai's builder folders (fp32; int4 with fp32 products; fp32 of its weights as Qwen2 and
+  Phi-3): greedy ids equal
   onnxruntime-genai's own, recorded at build time in genai_reference.json on chat prompts, with the
   KV buffer shared between past and present as genai_config.json says and growing in place;
 - the transformers.js layout: each variant chosen by `variant=` greedy-decodes as onnxruntime
@@ -26,9 +27,12 @@ def _reference(folder) -> dict:
     return json.loads((folder / "genai_reference.json").read_text())
 
 
-@pytest.fixture(scope="module", params=["fp32", "int4"])
+@pytest.fixture(scope="module", params=["smollm2_genai_fp32", "smollm2_genai_int4", "qwen2_genai_fp32",
+                                        "phi3_genai_fp32"])
 def genai_folder(request):
-    return request.getfixturevalue(f"smollm2_genai_{request.param}_dir")
+    """onnxruntime-genai's builds of SmolLM2 and of its weights as Qwen2 and Phi-3 (whose layers the
+    same fused blocks take: their greedy ids equal too)."""
+    return request.getfixturevalue(f"{request.param}_dir")
 
 
 @pytest.mark.parametrize("share_buffer", [True, False], ids=["shared-buffer", "growing-buffer"])
