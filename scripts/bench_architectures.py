@@ -124,15 +124,13 @@ def main() -> None:
                f"--rounds {args.rounds}")
     update_section("architectures", f"""## The same weights as three architectures (`scripts/bench_architectures.py`)
 
-SmolLM2-135M's weights exported by Optimum as Llama (smollm2), Qwen2 (zero q/k/v biases: bias Adds)
-and Phi-3 (fused qkv_proj and gate_up_proj products), `scripts/build_models.py` targets smollm2,
-qwen2 and phi3. runnx {git_revision()}; {machine()}; {args.threads} thread(s); {load}.
-Decode at a context: median tokens/s of {args.steps} steps x {args.rounds} rounds from random past KV of
-that length (`scripts/bench_decode.py`), runnx and onnxruntime interleaved in one process; nodes/step:
-runnx node executions in a step at each context. End to end (e2e): greedy {NEW_TOKENS} new tokens from a
-{PROMPT_TOKENS}-token prompt (`scripts/bench_generate.py`, its own process, the best of {REPEATS} runs after a
-warm-up); first token: prefill and first sampling, in the process's first run after loading (the
-warm-up) and steady.
+SmolLM2-135M's weights exported by Optimum as Llama (smollm2), Qwen2 (zero q/k/v biases: bias Adds) and Phi-3 (fused
+qkv_proj and gate_up_proj products), `scripts/build_models.py` targets smollm2, qwen2 and phi3. runnx {git_revision()}; {machine()};
+{args.threads} thread(s); {load}. Decode at a context: median tokens/s of {args.steps} steps x {args.rounds} rounds from random past KV of
+that length (`scripts/bench_decode.py`), runnx and onnxruntime interleaved in one process; nodes/step: runnx node
+executions in a step at each context. End to end (e2e): greedy {NEW_TOKENS} new tokens from a {PROMPT_TOKENS}-token prompt
+(`scripts/bench_generate.py`, its own process, the best of {REPEATS} runs after a warm-up); first token: prefill and first
+sampling, in the process's first run after loading (the warm-up) and steady.
 Command: `{command}`.
 
 {text}

@@ -112,11 +112,10 @@ def main() -> int:
     if args.write:
         update_section("first-run", f"""## First run (`scripts/bench_first_run.py`)
 
-What a newcomer meets: each command in its own process with an empty compiled-code cache (a fresh
-`NUMBA_CACHE_DIR`), then, once that run's background compile (a niced process of its own) has
-written its marker, the same command warm. "first output": the first byte on stdout from the
-process's start (`generate`'s first token: import, the 540 MB model's load and the tokenizer
-included); CPU: the command's own process. runnx {git_revision()}; {load}.
+What a newcomer meets: each command in its own process with an empty compiled-code cache (a fresh `NUMBA_CACHE_DIR`),
+then, once that run's background compile (a niced process of its own) has written its marker, the same command warm.
+"first output": the first byte on stdout from the process's start (`generate`'s first token: import, the 540 MB model's
+load and the tokenizer included); CPU: the command's own process. runnx {git_revision()}; {load}.
 Command: `.venv/bin/python scripts/bench_first_run.py --only {args.only} --warm-runs {args.warm_runs} --write`.
 
 {chr(10).join(lines)}

@@ -224,12 +224,12 @@ def main(args) -> int:
                    f"--processes {args.processes} --prompt-tokens {args.prompt_tokens} --weights {args.weights} --write")
         update_section("first-token", f"""## Time to first token in a fresh process (`scripts/bench_first_token.py`)
 
-A {args.prompt_tokens}-token prompt, greedy, SmolLM2-135M: fp32 (runnx on Optimum's export, onnxruntime-genai on its fp32
-build, onnxruntime on model.onnx) and int4 (runnx and onnxruntime-genai on onnxruntime-genai's int4 folder). Each engine in
-its own processes: import, load (the model and its tokenizer), the first token (numba's cache warm), then again
-(steady); medians of {args.processes} processes, engines taking turns, each process's first token in brackets; numba
-loads: what runnx's first token loaded.
-runnx {git_revision()}; {machine()}; load average {os.getloadavg()[0]:.1f} at the end.
+A {args.prompt_tokens}-token prompt, SmolLM2-135M: fp32 (runnx on Optimum's export, genai on its fp32 build, onnxruntime on model.onnx)
+and int4 (runnx and genai on genai's int4 folder). Each engine in its own processes: import, load (model and tokenizer),
+the first token (numba's cache warm), then again (steady); medians of {args.processes} processes, engines taking turns, each
+process's first in brackets; numba loads: what runnx's first token loaded. runnx's and onnxruntime's loads copy the
+weights into fresh memory, slow on this guest after another process freed some (runnx's fp32 alone: 0.7-0.9 s); genai
+maps its file. runnx {git_revision()}; {machine()}; load average {os.getloadavg()[0]:.1f} at the end.
 Command: `{command}`.
 
 {text}

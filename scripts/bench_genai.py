@@ -258,13 +258,12 @@ onnxruntime-genai (median of {args.repeat} passes after a warm-up, of {args.roun
                f"--contexts {args.contexts} --steps {args.steps} --rounds {args.rounds} --repeat {args.repeat}")
     update_section("genai-folders", f"""## onnxruntime-genai's folders, each engine's own loop (`scripts/bench_genai.py`)
 
-SmolLM2-135M as onnxruntime-genai's model builder writes it (`-p fp32` and `-p int4 -e cpu`:
-MatMulNBits 4-bit block 32 with zero points, accuracy_level 1, the LM head 4-bit too;
-GroupQueryAttention over a shared past/present buffer), and its weights as Qwen2 and Phi-3 (`-p fp32`). runnx runs the folder through
-`DecoderStep.from_folder` and `wait_prepared` (4-bit tiles made, as genai's load prepacks), genai
-through its Generator. Decode tokens/s at each context: the median step of {args.steps}, the median of
-{args.rounds} processes per engine, alternating; prefill tokens/s of a prompt of the largest context.
-For scale: llama.cpp decodes the same model in Q4_1 with 2 threads at {bar} tokens/s on this
+SmolLM2-135M as onnxruntime-genai's model builder writes it (`-p fp32`; `-p int4 -e cpu`: MatMulNBits 4-bit block 32
+with zero points, accuracy_level 1, the LM head 4-bit too; GroupQueryAttention over a shared past/present buffer), and
+its weights as Qwen2 and Phi-3 (`-p fp32`). runnx runs the folder through `DecoderStep.from_folder` and `wait_prepared`
+(4-bit tiles made, as genai's load prepacks), genai through its Generator. Decode tokens/s at each context: the median
+step of {args.steps}, the median of {args.rounds} processes per engine, alternating; prefill tokens/s of a prompt of the largest
+context. For scale: llama.cpp decodes the same model in Q4_1 with 2 threads at {bar} tokens/s on this
 machine kind. runnx {git_revision()}; {machine()}.
 Command: `{command}`.
 
