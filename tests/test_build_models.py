@@ -54,8 +54,8 @@ def test_publish_replaces_the_final_folder(build_models, tmp_path):
 
 
 def test_all_means_the_cache_targets(build_models):
-    assert build_models.ALL == ("smollm2", "smollm2-int4", "smollm2-genai", "smollm2-tjs", "qwen2", "phi3", "whisper",
-                                 "whisper-tjs", "whisper-genai", "audio")
+    assert build_models.ALL == ("smollm2", "smollm2-int4", "smollm2-genai", "smollm2-tjs", "qwen2", "phi3",
+                                 "qwen2-genai", "phi3-genai", "whisper", "whisper-tjs", "whisper-genai", "audio")
     assert set(build_models.TARGETS) == {"tiny", *build_models.ALL}
 
 
