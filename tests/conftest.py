@@ -3,8 +3,8 @@
 - `fixtures_dir`: tests/fixtures (tiny random-weight models, committed; see its README.md).
 - `smollm2_dir`, `qwen2_dir`, `phi3_dir` (SmolLM2's weights as Qwen2 and Phi-3 exports),
   `smollm2_int4_dir`, `smollm2_genai_fp32_dir`, `smollm2_genai_int4_dir`, `qwen2_genai_fp32_dir`,
-  `phi3_genai_fp32_dir` (onnxruntime-genai folders), `smollm2_tjs_dir`, `whisper_tjs_dir` (transformers.js layout), `whisper_dir`, `whisper_genai_dir`
-  (onnxruntime-genai's Whisper folder), `audio_dir`: what
+  `phi3_genai_fp32_dir` (onnxruntime-genai folders), `smollm2_tjs_dir`, `whisper_tjs_dir` (transformers.js
+  layout), `whisper_dir`, `whisper_genai_dir` (onnxruntime-genai's Whisper folder), `audio_dir`: what
   `make models` (scripts/build_models.py) builds into ${RUNNX_CACHE:-~/.cache/runnx}. When absent the test
   is skipped ("run `make models` first"), except under CI=true, where a missing model is a failure: CI
   must test them.

@@ -671,7 +671,8 @@ def test_a_native_block_wakes_sleeping_workers_and_computes_alone_when_the_pool_
             np.testing.assert_array_equal(mine, expected)
     assert pool.shared_units > shared_before  # woken, the workers took units of the block's jobs
     with pool._lock:  # another caller has the pool
-        assert pool.call(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm, False) is decode_pool.BUSY
+        busy = pool.call(gated_down, gate, np.exp(-gate), up, weight, residual, 1e-5, 1.0, norm, False)
+        assert busy is decode_pool.BUSY
         for mine, expected in zip(block(), alone):
             np.testing.assert_array_equal(mine, expected)
     np.testing.assert_array_equal(residual, kept)  # the block sums into its own arrays

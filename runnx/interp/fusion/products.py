@@ -317,9 +317,9 @@ def _attended_gated(m: Matcher, block: Node) -> Fused | None:
     decoder layer from its attention to the next layer's norm as one AttentionGatedMLP node (whose
     native blocks compute RMSNorm's arithmetic: not a skip norm's)."""
     attention = m.graph.producer.get(block.inputs[0])
-    if (block.domain != DOMAIN or block.attrs.get("skip", 0) or attention is None or attention.op_type != "RepeatedKVAttention"
-            or attention.domain != DOMAIN or attention.index in m.taken or len(attention.inputs) < 14
-            or attention.inputs[13] == MISSING or attention.outputs[0] in block.inputs[1:]
+    if (block.domain != DOMAIN or block.attrs.get("skip", 0) or attention is None
+            or attention.op_type != "RepeatedKVAttention" or attention.domain != DOMAIN or attention.index in m.taken
+            or len(attention.inputs) < 14 or attention.inputs[13] == MISSING or attention.outputs[0] in block.inputs[1:]
             or not m.private([attention, block], tuple(block.outputs))):
         return None
     inputs = (*attention.inputs, *(MISSING,) * (21 - len(attention.inputs)), *block.inputs[1:])
