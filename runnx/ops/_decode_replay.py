@@ -63,7 +63,7 @@ def replay_enabled() -> bool:
 
 def replayed(state, inputs: tuple, ctx=None):
     """This thread's replay of the node (`state`) for `inputs`, when it fits, else None."""
-    replay = getattr(state, "replay", None) if state is not None and enabled and _native.enabled else None
+    replay = getattr(state, "replay", None) if state is not None and replay_enabled() else None
     return None if replay is None else replay.arguments_for(inputs, ctx)
 
 

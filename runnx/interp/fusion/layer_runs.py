@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from runnx.interp.fusion.matcher import fused_node
+from runnx.interp.fusion.matcher import Matcher, fused_node
 from runnx.interp.ir import MISSING, Graph, Node
 from runnx.ops._fused_common import DOMAIN
 
@@ -27,11 +27,8 @@ def layer_runs(graph: Graph) -> int:
     """Make `graph`'s runs of layer boundaries GatedLayersRun nodes (not in its subgraphs); returns
     how many runs."""
     from runnx.ops.decoder_layers import BOUNDARY as AT  # (its inputs by name; the ops only once a graph fuses)
-    readers: dict[int, list[Node]] = {}
-    for node in graph.nodes:
-        for vid in list(node.inputs) + list(node.captures):
-            readers.setdefault(vid, []).append(node)
-    requested = set(graph.outputs)
+    view = Matcher(graph)  # each value's readers, the graph's outputs
+    readers, requested = view.readers, view.requested
     runs = []
     for node in graph.nodes:
         if not _boundary(node) or _after(graph.producer.get(node.inputs[AT.chained[0]]), readers, AT) is node:
