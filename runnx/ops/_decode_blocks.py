@@ -215,7 +215,7 @@ def _append_row(row, bias, buffer, position):
 
 @_jit
 def attended_layer_norm(box, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out,
-                        *block):
+                        block):
     """`attended_row`, then `projected_layer_norm(box, workers, *block)`, whose row is the
     attention's output (a view of out): an attention and its output projection, the residual add
     and the next LayerNorm (AttentionLayerNorm's nodes)."""
@@ -225,7 +225,7 @@ def attended_layer_norm(box, workers, x, weight, query_bias, query_scale, row, h
 
 @_jit
 def attended_gelu_mlp(box, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out,
-                      *block):
+                      block):
     """`attended_row`, then `gelu_mlp(box, workers, *block)` on the attention's output (a view of
     out): an attention and its layer's MLP up to the next norm (AttentionGeluMLP's nodes)."""
     attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out)
@@ -240,7 +240,8 @@ def _argument_count(kernel) -> int:
 # where a LayerNorm chain's arguments split (the replay of its decode row finds them by the same names):
 # `attended_row`'s and `projected_layer_norm`'s, `attended_row`'s but its x, then `gelu_mlp`'s (whose
 # residual the chain computes) and, with the append, `appended_products`' but its x
-CHAIN_NORM = _argument_count(attended_row) + _argument_count(projected_layer_norm)
+_ROW_ARGUMENTS = _argument_count(attended_row)
+CHAIN_NORM = _ROW_ARGUMENTS + _argument_count(projected_layer_norm)
 CHAIN_CROSS = CHAIN_NORM + _argument_count(attended_row) - 1
 CHAIN_ARGUMENTS = CHAIN_CROSS + _argument_count(gelu_mlp)
 _MLP_RESIDUAL = list(inspect.signature(gelu_mlp.py_func).parameters).index("residual") - 2
@@ -248,25 +249,26 @@ _MLP_AFTER_RESIDUAL = _MLP_RESIDUAL + 1  # (a global, so numba slices the tuple 
 
 
 @_jit
-def attended_layer_norm_gelu_mlp(box, workers, *parts):
+def attended_layer_norm_gelu_mlp(box, workers, parts):
     """`attended_layer_norm(box, workers, *parts[:CHAIN_NORM])` giving (s, n), then `attended_gelu_mlp`
     of the norm n, whose other arguments are parts[CHAIN_NORM:CHAIN_CROSS] (an `attended_row`'s but
     its x) and parts[CHAIN_CROSS:] (a `gelu_mlp`'s, whose residual s stands for): a LayerNorm
     decoder layer from its self-attention to the next layer's norm (AttentionLayerNormGeluMLP's
-    nodes)."""
-    summed, normed = attended_layer_norm(box, workers, *parts[:CHAIN_NORM])
+    nodes). (`parts` a tuple, not *parts: numba types star arguments one way from Python, another
+    from a compiled caller, and compiled such a kernel twice.)"""
+    summed, normed = attended_layer_norm(box, workers, *parts[:_ROW_ARGUMENTS], parts[_ROW_ARGUMENTS:CHAIN_NORM])
     mlp = parts[CHAIN_CROSS:]
-    return attended_gelu_mlp(box, workers, normed[0], *parts[CHAIN_NORM:CHAIN_CROSS], *mlp[:_MLP_RESIDUAL], summed,
-                             *mlp[_MLP_AFTER_RESIDUAL:])
+    return attended_gelu_mlp(box, workers, normed[0], *parts[CHAIN_NORM:CHAIN_CROSS],
+                             mlp[:_MLP_RESIDUAL] + (summed,) + mlp[_MLP_AFTER_RESIDUAL:])
 
 
 @_jit
-def attended_layer_norm_gelu_mlp_append(box, workers, *parts):
-    """`attended_layer_norm_gelu_mlp(box, workers, *parts[:CHAIN_ARGUMENTS])` giving (s, n), then
+def attended_layer_norm_gelu_mlp_append(box, workers, parts):
+    """`attended_layer_norm_gelu_mlp(box, workers, parts[:CHAIN_ARGUMENTS])` giving (s, n), then
     `appended_products` of the norm n with parts[CHAIN_ARGUMENTS:] (its other arguments): a LayerNorm
     decoder layer from its self-attention to the next layer's norm, and the next layer's projections
     and KV cache growth (AttentionLayerNormGeluMLPAppend's nodes); (s, the next layer's query row)."""
-    summed, normed = attended_layer_norm_gelu_mlp(box, workers, *parts[:CHAIN_ARGUMENTS])
+    summed, normed = attended_layer_norm_gelu_mlp(box, workers, parts[:CHAIN_ARGUMENTS])
     return summed, appended_products(box, workers, normed[0], *parts[CHAIN_ARGUMENTS:])
 
 
@@ -285,11 +287,12 @@ def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, 
 
 
 @_jit
-def projected_rope_append(box, workers, x, weights, biases, rows, *rope):
+def projected_rope_append(box, workers, x, weights, biases, rows, rope):
     """biases[m] + x @ weights[m] into rows[m] (the query's, key's and value's heads, as views; an
     empty bias adds nothing), the products one job, then `rope_append_into(*rope)` reading them: an
     RMSNorm layer's projections, rotary embedding and KV cache growth (ProjectedRopeAppend's nodes,
-    the sums SplitHeads' `_biased` makes); rope_append_into's (done, rotated query)."""
+    the sums SplitHeads' `_biased` makes); rope_append_into's (done, rotated query). (`rope` a
+    tuple: see `attended_layer_norm_gelu_mlp`.)"""
     size = 0
     for row in rows:
         size += row.size
@@ -303,7 +306,7 @@ def projected_rope_append(box, workers, x, weights, biases, rows, *rope):
 
 
 @_jit
-def projected_rope_append_rows(box, workers, x, weights, biases, heads, unit, *rope):
+def projected_rope_append_rows(box, workers, x, weights, biases, heads, unit, rope):
     """`projected_rope_append` for a short prompt's rows x (M, K): the three products one pool job of
     `unit` columns a unit (`post_gemms`, SharedInputMatMul's for such rows), each split into its
     heads (batch, heads, length, depth) with its bias added (`split_heads_into`, SplitHeads'), then
@@ -328,7 +331,7 @@ def _split_into(rows, bias, heads):
 @_jit
 def attended_gated_mlp_rope_append(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual,
                                    epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
-                                   down_one, down_norm_weight, weights, biases, rows, *rope):
+                                   down_one, down_norm_weight, weights, biases, rows, rope):
     """`attended_gated_mlp`, then `projected_rope_append` of its norm: a decoder layer from its
     attention to the next layer's norm and the next layer's projections, rotary embedding and KV
     cache growth (AttentionGatedMLPRopeAppend's nodes); (the last sum, rope_append_into's done,
@@ -336,7 +339,7 @@ def attended_gated_mlp_rope_append(box, workers, query, key, value, bias, scale,
     summed, normed = attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual,
                                         epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
                                         down_one, down_norm_weight)
-    done, rotated = projected_rope_append(box, workers, normed, weights, biases, rows, *rope)
+    done, rotated = projected_rope_append(box, workers, normed, weights, biases, rows, rope)
     return summed, done, rotated
 
 
@@ -354,17 +357,18 @@ def attended_gated_mlp_rope_append_run(box, workers, rotated, summed, statics, k
     `rotated` and `summed` (the boundary before the chunk's) and the caches `key_buffers[0]`,
     `value_buffers[0]` to `length + 1` positions, boundary j growing `key_buffers[j + 1]`, ... at
     `length`; `statics[j]` its other arguments (those before its residual but its query, caches and
-    bias; those between its residual and the caches it grows; those after its rotary tables), `bias`
-    and `tables` (the rotary ones) every boundary's. Tuples of RUN_CHUNK entries (RUN_CHUNK + 1
-    buffers), the entries past `count` unused. (The last sum, the last rotated query, whether every
-    boundary appended: `rope_append_into`'s done.)"""
+    bias; those between its residual and its rotary ones; its rotary ones before the caches it
+    grows; those after its rotary tables), `bias` and `tables` (the rotary ones) every boundary's.
+    Tuples of RUN_CHUNK entries (RUN_CHUNK + 1 buffers), the entries past `count` unused. (The last
+    sum, the last rotated query, whether every boundary appended: `rope_append_into`'s done.)"""
     done = True
     for j in range(count):
-        before, between, after = statics[j]
+        before, between, heads, after = statics[j]
         key, value = key_buffers[j], value_buffers[j]
         grown_key, grown_value = key_buffers[j + 1], value_buffers[j + 1]
+        rope = heads + (grown_key[:, :, :length], grown_key, grown_value[:, :, :length], grown_value) + tables + after
         summed, appended, rotated = attended_gated_mlp_rope_append(
             box, workers, rotated, key[:, :, :length + 1], value[:, :, :length + 1], bias, *before, summed,
-            *between, grown_key[:, :, :length], grown_key, grown_value[:, :, :length], grown_value, *tables, *after)
+            *between, rope)
         done = done and appended
     return summed, rotated, done

@@ -178,19 +178,26 @@ class ChainReplay(_Replay):
 
 
 # -- an RMSNorm layer boundary (AttentionGatedMLPRopeAppend) -----------------------------------------
-# where `attended_gated_mlp_rope_append`'s arguments (its mailbox and workers aside; then
-# `rope_append_into`'s, its *rope) hold what a step changes (the query, keys and values first): the
-# attention's bias and output, the MLP's residual row, the caches and their buffers, the rotary tables,
-# found by the kernels' parameter names
+# where `attended_gated_mlp_rope_append`'s arguments (its mailbox and workers aside; its last, `rope`,
+# `rope_append_into`'s, flattened here: `nested` makes the call's) hold what a step changes (the
+# query, keys and values first): the attention's bias and output, the MLP's residual row, the caches
+# and their buffers, the rotary tables, found by the kernels' parameter names
 _CHAINED = list(inspect.signature(attended_gated_mlp_rope_append.py_func).parameters)[2:]
 _ROPE_ARGUMENTS = list(inspect.signature(rope_append_into.py_func).parameters)
+_ROPE = _CHAINED.index("rope")
 _AT = {**{name: p for p, name in enumerate(_CHAINED[:-1])},
-       **{name: _CHAINED.index("rope") + p for p, name in enumerate(_ROPE_ARGUMENTS)}}
+       **{name: _ROPE + p for p, name in enumerate(_ROPE_ARGUMENTS)}}
 _BIAS, _OUT, _ROW, _PAST, _TABLES = _AT["bias"], _AT["out"], _AT["residual"], _AT["past_key"], _AT["query_cos"]
 # the inputs that `repeated_kv_cache` reads (by its parameters' names), and the next layer's caches and rotary
 # tables
 _CACHE_NAMES = tuple([n for n in inspect.signature(repeated_kv_cache).parameters if n != "ctx"])
 _ROPE_NAMES = ("past_key", "past_value", "query_cos", "query_sin", "key_cos", "key_sin")
+
+
+def nested(arguments: tuple) -> tuple:
+    """`attended_gated_mlp_rope_append`'s arguments (after its mailbox and workers) from their flat
+    form here: `rope_append_into`'s, at the end, as its one `rope` tuple."""
+    return (*arguments[:_ROPE], arguments[_ROPE:])
 
 
 class GatedPositions:
@@ -289,8 +296,8 @@ class RunReplay:
         arguments differ in numba types (their native loop takes one)."""
         if len(replays) < 2 or any(not isinstance(r, GatedRopeReplay) for r in replays):
             return None
-        statics = [(r.arguments[_BIAS + 1:_ROW], r.arguments[_ROW + 1:_PAST], r.arguments[_TABLES + 4:])
-                   for r in replays[1:]]
+        statics = [(r.arguments[_BIAS + 1:_ROW], r.arguments[_ROW + 1:_ROPE], r.arguments[_ROPE:_PAST],
+                    r.arguments[_TABLES + 4:]) for r in replays[1:]]
         chunks = [statics[start:start + RUN_CHUNK] for start in range(0, len(statics), RUN_CHUNK)]
         chunks = [(tuple(chunk + chunk[-1:] * (RUN_CHUNK - len(chunk))), len(chunk)) for chunk in chunks]
         types = {numba.typeof(chunk) for chunk, _ in chunks}

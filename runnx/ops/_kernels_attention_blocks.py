@@ -14,6 +14,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._array_types import any_layout, read_only
 from runnx.ops._kernels_gemm import KC, MC, MR, NR, gemm_columns, panels_product
 from runnx.ops._kernels_rows import softmax_rows_float32
 
@@ -144,7 +145,8 @@ def attend_block(scaled, key_panels, values, bias, ends, fill, out, b, g, per, f
                     row[j] = -np.inf
     softmax_rows_float32(scores, fill)
     result = np.empty((rows, width), np.float32)
-    gemm_columns(scores, values, result, 0, width, a_panels, b_panel, edge, False, b_panel)
+    gemm_columns(read_only(scores), read_only(values), any_layout(result), np.int64(0), width, a_panels, b_panel, edge,
+                 np.bool_(False), b_panel)  # (as `product_columns` calls it: one compiled product)
     for h in range(per):
         for r in range(count):
             out[b, g * per + h, first + r] = result[h * count + r]

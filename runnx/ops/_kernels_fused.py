@@ -24,11 +24,11 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
-from numba.core.imputils import impl_ret_borrowed
 from numba.extending import intrinsic
 
 from runnx.capture.capacity import prefix_room
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._array_types import any_layout, typed_contiguous
 
 _REORDER = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -37,18 +37,6 @@ def _kernel(**options):
     """numba.njit as every kernel here uses it: cached, with numpy's float semantics (x / 0 is inf;
     Python's ZeroDivisionError check would also keep loops from vectorising)."""
     return numba.njit(cache=True, error_model="numpy", **options)
-
-
-@intrinsic
-def _typed_contiguous(typingctx, array):
-    """The same array typed C-contiguous, so that loops over it vectorise (numba's 'A' layout
-    indexes through the strides); the caller has checked that it is C-contiguous."""
-    result = array.copy(layout="C")
-
-    def codegen(context, builder, signature, args):
-        return impl_ret_borrowed(context, builder, result, args[0])
-
-    return result(array), codegen
 
 
 @intrinsic
@@ -114,7 +102,7 @@ def _rows(cache, batch, group):
 
 @_kernel()
 def _row(rows, j):
-    return _typed_contiguous(rows[j])
+    return typed_contiguous(rows[j])
 
 
 PREFETCH_ROWS = 16  # how far ahead of each of its four streams attention asks for cache rows
@@ -231,7 +219,7 @@ def _add_offsets(scores, offsets, start):
         for j in range(scores.shape[0]):
             scores[j] += offset
     elif offsets.strides[0] == offsets.itemsize:
-        contiguous = _typed_contiguous(offsets[start:start + scores.shape[0]])
+        contiguous = typed_contiguous(offsets[start:start + scores.shape[0]])
         for j in range(scores.shape[0]):
             scores[j] += contiguous[j]
     else:
@@ -266,7 +254,7 @@ def attention_span(query, key, value, bias, scale, partials, stats, b, g, span):
     for r in range(rows):
         stats[unit, span, r, 0], stats[unit, span, r, 1] = _span_numerators(scores[r])
     # typed C-contiguous (the pool posts partials with runtime strides): the sums vectorise
-    _weighted_sum(scores, _rows(value, b, g)[start:stop], _typed_contiguous(partials[unit, span]))
+    _weighted_sum(scores, _rows(value, b, g)[start:stop], typed_contiguous(partials[unit, span]))
 
 
 @_kernel(fastmath=_REORDER)
@@ -535,7 +523,18 @@ def rope_append_into(query, key, value, past_key, key_buffer, past_value, value_
     """A decoder layer's rotary embedding and cache growth in one call: (True, rotate_half(query))
     with rotate_half(key) written after past_key inside key_buffer and value after past_value inside
     value_buffer, or (False, an empty array) having written nothing when the caches are not prefix
-    views with room, the new rows do not match them or cos/sin do not broadcast."""
+    views with room, the new rows do not match them or cos/sin do not broadcast. The caches and
+    tables of any layout to the body (`_array_types.py`): a prompt's empty caches and transposed
+    tables and a decode step's prefix views and rows take one compiled body (its arithmetic exact
+    products and sums: the same bits in any layout)."""
+    return _rope_append_into(any_layout(query), any_layout(key), any_layout(value), any_layout(past_key), key_buffer,
+                             any_layout(past_value), value_buffer, any_layout(query_cos), any_layout(query_sin),
+                             any_layout(key_cos), any_layout(key_sin), query_half, key_half)
+
+
+@_kernel()
+def _rope_append_into(query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin,
+                      key_cos, key_sin, query_half, key_half):
     if not rope_append_fits(query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin,
                             key_cos, key_sin):
         return False, np.empty((0, 0, 0, 0), query.dtype)
@@ -569,9 +568,17 @@ def rope_append_rows(query, key, value, key_buffer, value_buffer, query_cos, que
     """`rope_append_into`'s writes once it fits: rotated = rotate_half(query), rotate_half(key) at
     row key_start of key_buffer and value at row value_start of value_buffer (along axis 2). Every
     position alone: a prompt's positions may be cut into ranges, each its views of the rows and
-    cos/sin rows (`runtime/rows.py`)."""
-    _rotate_rows(query, query_cos, query_sin, query_half, rotated, 0)
-    _rotate_rows(key, key_cos, key_sin, key_half, key_buffer, key_start)
+    cos/sin rows (`runtime/rows.py`). Its arrays of any layout to the body, as `rope_append_into`'s."""
+    _rope_append_rows(any_layout(query), any_layout(key), any_layout(value), key_buffer, value_buffer,
+                      any_layout(query_cos), any_layout(query_sin), any_layout(key_cos), any_layout(key_sin), query_half,
+                      key_half, any_layout(rotated), key_start, value_start)
+
+
+@_kernel()
+def _rope_append_rows(query, key, value, key_buffer, value_buffer, query_cos, query_sin, key_cos, key_sin, query_half,
+                      key_half, rotated, key_start, value_start):
+    _rotate_rows(query, query_cos, query_sin, query_half, rotated, np.int64(0))  # (not a literal: one compile)
+    _rotate_rows(key, key_cos, key_sin, key_half, any_layout(key_buffer), key_start)
     for b in range(value.shape[0]):
         for h in range(value.shape[1]):
             for q in range(value.shape[2]):

@@ -37,6 +37,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._array_types import any_layout, read_only
 
 MR, NR = 12, 32  # a tile: rows of a x columns of b, 24 of the 32 vector registers
 LANES = 16  # float32 lanes of a 512-bit register
@@ -431,7 +432,15 @@ def product_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge,
     STREAMED_ROWS rows, b is given by its rows and the range has STREAMED_FROM columns or more: a
     short prompt's product by a weight, which comes from memory at the pace of its multiply-adds.
     (Narrower ranges have rows too short for the streamer to pay for the slices' stored sums; from
-    a few dozen rows the weights' time is the smaller part, and whole KC chains compute faster.)"""
+    a few dozen rows the weights' time is the smaller part, and whole KC chains compute faster.)
+    a and b read-only and c of any layout to the product (`_array_types.py`): one compiled product
+    for weights and computed values, whole and strided outputs."""
+    _columns_product(read_only(a), read_only(b), any_layout(c), first_column, stop_column, a_panels, b_panel, edge,
+                     columns_given, b_block, sums)
+
+
+@_kernel
+def _columns_product(a, b, c, first_column, stop_column, a_panels, b_panel, edge, columns_given, b_block, sums):
     rows = a.shape[0]
     if (streams(rows, stop_column - first_column, columns_given) and sums.shape[0] >= streamed_rows(rows)
             and sums.shape[1] >= STREAMED_SPAN and sums.shape[1] % STREAMED_SPAN == 0):

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from runnx.ops._decode_replay import (ChainPositions, ChainReplay, GatedPositions, GatedRopeReplay, RunReplay,
-                                      remember, replay_enabled, replayed)
+                                      nested, remember, replay_enabled, replayed)
 from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rope_append,
@@ -67,11 +67,11 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
             return _rope_appended(False, None, None, x, rope, attributes, overwrite, ctx)
         heads, biases, unit, arguments = prompt
         done, rotated = decode_pool.shared_call(projected_rope_append_rows, x.reshape(-1, x.shape[-1]), rope[:3],
-                                                biases, heads, unit, *arguments)
+                                                biases, heads, unit, arguments)
         return _rope_appended(done, rotated, heads, x, rope, attributes, overwrite, ctx)
     heads, biases, arguments = planned
     done, rotated = decode_pool.shared_call(projected_rope_append, np.ascontiguousarray(x.reshape(-1)), rope[:3],
-                                            biases, tuple([h.reshape(-1) for h in heads]), *arguments)
+                                            biases, tuple([h.reshape(-1) for h in heads]), arguments)
     return _rope_appended(done, rotated, heads, x, rope, attributes, overwrite, ctx)
 
 
@@ -216,7 +216,7 @@ def AttentionGatedMLPRopeAppend(*inputs, axis: int = -1, norm: tuple = (-1, 0, 0
         heads, biases, rope_arguments = planned
         native = (*arguments, rope[:3], biases, tuple([h.reshape(-1) for h in heads]), *rope_arguments)
         remember(state, GatedRopeReplay(inputs, native, heads, _GATED))
-    summed, done, rotated = decode_pool.shared_call(attended_gated_mlp_rope_append, *native)
+    summed, done, rotated = decode_pool.shared_call(attended_gated_mlp_rope_append, *nested(native))
     return (summed.reshape(residual.shape),
             *_rope_appended(done, rotated, heads, None, rope, attributes, rope_overwrite, ctx))
 
@@ -288,7 +288,7 @@ def _run_natively(native: tuple, run, residual_shape: tuple, ctx) -> tuple:
     then one `attended_gated_mlp_rope_append_run` call a chunk of the others; every node's grown
     caches as views of their buffers."""
     first, calls, key_buffers, value_buffers, length = native
-    summed, done, rotated = decode_pool.shared_call(attended_gated_mlp_rope_append, *first)
+    summed, done, rotated = decode_pool.shared_call(attended_gated_mlp_rope_append, *nested(first))
     for call in calls:
         summed, rotated, appended = decode_pool.shared_call(attended_gated_mlp_rope_append_run, rotated, summed,
                                                             *call)
@@ -412,7 +412,7 @@ class _Chain:
 
 def _chained(arguments: tuple, residual) -> tuple:
     """(s, n) of one `attended_layer_norm_gelu_mlp` call with `arguments`, shaped as the residual."""
-    summed, normed = decode_pool.shared_call(attended_layer_norm_gelu_mlp, *arguments)
+    summed, normed = decode_pool.shared_call(attended_layer_norm_gelu_mlp, arguments)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
 
 
@@ -461,7 +461,7 @@ def AttentionLayerNormGeluMLPAppend(*inputs, query_dims: tuple[int, ...] = (), q
         arguments = (*row, *appended)
         remember(state, ChainReplay(inputs, arguments, (key_perm, value_perm, cross_key_perm, cross_value_perm),
                                     _CHAIN_APPEND))
-    summed, query = decode_pool.shared_call(attended_layer_norm_gelu_mlp_append, *arguments)
+    summed, query = decode_pool.shared_call(attended_layer_norm_gelu_mlp_append, arguments)
     residual = inputs[_CHAIN.residual]
     return (summed.reshape(residual.shape),
             *appended_outputs(query, residual.shape, arguments[-_APPEND_ARGUMENTS:], ctx))

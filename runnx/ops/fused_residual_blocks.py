@@ -262,7 +262,7 @@ def AttentionLayerNorm(query, query_weight, query_bias, key, value, bias, query_
     row = attention_row(*attention, **attrs)
     block = row and _layer_norm_row(row[1], weight, out_bias, residual, scale, norm_bias, axis, epsilon)
     if block and row[1].flags.c_contiguous:  # the block's row is then a view of the attention's output
-        summed, normed = decode_pool.shared_call(attended_layer_norm, *row[0], *block)
+        summed, normed = decode_pool.shared_call(attended_layer_norm, *row[0], block)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return MatMulAddLayerNorm(_heads_attention(*attention, **attrs), weight, out_bias, residual, scale, norm_bias,
                               axis=axis, epsilon=epsilon, stash_type=stash_type)
@@ -288,7 +288,7 @@ def AttentionGeluMLP(query, query_weight, query_bias, key, value, bias, query_sc
     row = attention_row(*attention, **attrs)
     block = row and _gelu_mlp_row(row[1], *mlp, norm, down_norm)
     if block and row[1].flags.c_contiguous:  # the block's row is then a view of the attention's output
-        summed, normed = decode_pool.shared_call(attended_gelu_mlp, *row[0], *block)
+        summed, normed = decode_pool.shared_call(attended_gelu_mlp, *row[0], block)
         return summed.reshape(residual.shape), normed.reshape(residual.shape)
     return ResidualGeluMLP(_heads_attention(*attention, **attrs), *mlp, norm=norm, down_norm=down_norm)
 
