@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runnx._cache_dirs import compiled_code_root  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from report import git_revision, update_section  # noqa: E402
+from report import git_revision, machine, update_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
@@ -115,7 +115,7 @@ def main() -> int:
 What a newcomer meets: each command in its own process with an empty compiled-code cache (a fresh `NUMBA_CACHE_DIR`),
 then, once that run's background compile (a niced process of its own) has written its marker, the same command warm.
 "first output": the first byte on stdout from the process's start (`generate`'s first token: import, the 540 MB model's
-load and the tokenizer included); CPU: the command's own process. runnx {git_revision()}; {load}.
+load and the tokenizer included); CPU: the command's own process. runnx {git_revision()}; {machine()}; {load}.
 Command: `.venv/bin/python scripts/bench_first_run.py --only {args.only} --warm-runs {args.warm_runs} --write`.
 
 {chr(10).join(lines)}
