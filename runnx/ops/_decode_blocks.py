@@ -250,12 +250,12 @@ _MLP_AFTER_RESIDUAL = _MLP_RESIDUAL + 1  # (a global, so numba slices the tuple 
 
 @_jit
 def attended_layer_norm_gelu_mlp(box, workers, parts):
-    """`attended_layer_norm(box, workers, *parts[:CHAIN_NORM])` giving (s, n), then `attended_gelu_mlp`
-    of the norm n, whose other arguments are parts[CHAIN_NORM:CHAIN_CROSS] (an `attended_row`'s but
-    its x) and parts[CHAIN_CROSS:] (a `gelu_mlp`'s, whose residual s stands for): a LayerNorm
-    decoder layer from its self-attention to the next layer's norm (AttentionLayerNormGeluMLP's
-    nodes). (`parts` a tuple, not *parts: numba types star arguments one way from Python, another
-    from a compiled caller, and compiled such a kernel twice.)"""
+    """`attended_layer_norm` of parts[:CHAIN_NORM] (`attended_row`'s, then its block) giving (s, n),
+    then `attended_gelu_mlp` of the norm n, whose other arguments are parts[CHAIN_NORM:CHAIN_CROSS]
+    (an `attended_row`'s but its x) and parts[CHAIN_CROSS:] (its block, a `gelu_mlp`'s, whose
+    residual s stands for): a LayerNorm decoder layer from its self-attention to the next layer's
+    norm (AttentionLayerNormGeluMLP's nodes). (`parts` a tuple, not *parts: numba types star
+    arguments one way from Python, another from a compiled caller, and compiled such a kernel twice.)"""
     summed, normed = attended_layer_norm(box, workers, *parts[:_ROW_ARGUMENTS], parts[_ROW_ARGUMENTS:CHAIN_NORM])
     mlp = parts[CHAIN_CROSS:]
     return attended_gelu_mlp(box, workers, normed[0], *parts[CHAIN_NORM:CHAIN_CROSS],
