@@ -17,6 +17,15 @@ def fits(operand, result) -> bool:
             and all(o == 1 or o == r for o, r in zip(operand.shape[::-1], result.shape[::-1])))
 
 
+def absent(shape: tuple, dtype=np.float32) -> np.ndarray:
+    """An empty read-only array standing for an absent weight or bias in a native kernel's
+    arguments: read-only as the constants it stands for, so that a layer with the input and one
+    without call the kernel with one type (numba compiles a kernel for each)."""
+    array = np.zeros(shape, dtype)
+    array.flags.writeable = False
+    return array
+
+
 @functools.lru_cache(maxsize=256)
 def stand_in(dtype, shape: tuple) -> np.ndarray:
     """A read-only array of this dtype and shape on one element (zero strides): safe to hand out

@@ -31,6 +31,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _decode_blocks, _native
 from runnx.ops._attention_blocks import pooled_attention
 from runnx.ops._elementwise_util import binary, erf
+from runnx.ops._fused_common import absent
 from runnx.ops._kernels_nn import add_layer_norm_rows
 from runnx.ops._kernels_rows import softmax_rows_float32, split_heads_into
 from runnx.ops._remembered import Remembered
@@ -46,9 +47,9 @@ from runnx.runtime.pool import gelu_rows, shared_call, softmax_rows
 from runnx.runtime.rows import share_rows
 
 _ROW_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))  # the LayerNormalization kernel's numba loop
-_NO_BIAS = {dtype: np.zeros(0, dtype) for dtype in _ROW_DTYPES}  # split_heads_into without a bias
+_NO_BIAS = {dtype: absent((0,), dtype) for dtype in _ROW_DTYPES}  # split_heads_into without a bias
 _FLOAT32 = np.dtype(np.float32)
-_NO_WEIGHT = np.zeros((0, 0), np.float32)  # attended_row without a query projection
+_NO_WEIGHT = absent((0, 0))  # attended_row without a query projection
 _ATTEND_ROWS = 16  # query rows up to which `attend` (numba, decoding) beats BLAS products a block at a time
 # scores per block of query rows at most: 16 MiB of float32, a whole head of an encoder's 1500-row
 # attention (blocks the size of an L2 cache were slower: OpenBLAS packs the keys and values again

@@ -11,7 +11,7 @@ import numpy as np
 from runnx.capture.capacity import prefix_room
 from runnx.ops import _native
 from runnx.ops._decode_blocks import appended_products
-from runnx.ops._fused_common import DOMAIN
+from runnx.ops._fused_common import DOMAIN, absent
 from runnx.ops._matmul import shared_input_products
 from runnx.ops._remembered import Remembered
 from runnx.ops.cache import Concat, count_appends
@@ -21,7 +21,7 @@ from runnx.ops.linalg import _FLOAT32, MatMul, _pooled_rows, _rows
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
 
-_NO_BIAS = np.zeros(0, np.float32)  # an absent bias, as the native blocks take it
+_NO_BIAS = absent((0,))  # an absent bias, as the native blocks take it
 
 
 @register("SharedInputMatMul", since=1, domain=DOMAIN, overlaps_jobs=True)

@@ -130,3 +130,18 @@ def test_no_compiled_kernel_takes_star_arguments():
                 if inspect.Parameter.VAR_POSITIONAL in kinds:
                     starred.append(f"{name}.{attribute}")
     assert starred == []
+
+
+def test_absent_inputs_are_typed_as_the_constants_they_stand_for():
+    """An absent bias or query projection (`_fused_common.absent`) is read-only as a loaded weight
+    is: a layer with the input and one without call a native block with one numba type."""
+    from runnx.ops import fused_layer_norm_blocks, fused_products
+
+    weight = np.zeros((4, 4), np.float32)
+    weight.flags.writeable = False
+    assert numba.typeof(fused_layer_norm_blocks._NO_WEIGHT) == numba.typeof(weight)
+    assert numba.typeof(fused_products._NO_BIAS) == numba.typeof(weight[0])
+    for dtype, bias in fused_layer_norm_blocks._NO_BIAS.items():
+        vector = np.zeros(4, dtype)
+        vector.flags.writeable = False
+        assert numba.typeof(bias) == numba.typeof(vector)
