@@ -525,8 +525,8 @@ def rope_append_into(query, key, value, past_key, key_buffer, past_value, value_
     value_buffer, or (False, an empty array) having written nothing when the caches are not prefix
     views with room, the new rows do not match them or cos/sin do not broadcast. The caches and
     tables of any layout to the body (`_array_types.py`): a prompt's empty caches and transposed
-    tables and a decode step's prefix views and rows take one compiled body (its arithmetic exact
-    products and sums: the same bits in any layout)."""
+    tables and a decode step's prefix views and rows take one compiled body (its arithmetic plain
+    multiplies and adds, never contracted or reassociated: the same bits in any layout)."""
     return _rope_append_into(any_layout(query), any_layout(key), any_layout(value), any_layout(past_key), key_buffer,
                              any_layout(past_value), value_buffer, any_layout(query_cos), any_layout(query_sin),
                              any_layout(key_cos), any_layout(key_sin), query_half, key_half)
