@@ -20,7 +20,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._kernels_contrib import skip_rms_norm_into
+from runnx.ops._kernels_contrib import skip_norm_rows
 from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_gate_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
@@ -43,19 +43,18 @@ def _product(box, workers, row, matrix):
 @_jit
 def _add_norm(residual, summed, epsilon, one, norm_weight, skip):
     """summed += residual (in place), then its norm: RMSNorm's unfused arithmetic (`add_rms_norm`),
-    or with `skip` onnxruntime's SkipSimplifiedLayerNormalization's (`skip_rms_norm_into`: float64
-    statistics, no `one`)."""
+    or with `skip` onnxruntime's SkipSimplifiedLayerNormalization's: its own kernel (`skip_norm_rows`:
+    float64 statistics, no `one`), the sum written over `summed` (each element read before it is
+    written)."""
     if not skip:
         return add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
     width = summed.shape[-1]
     rows = (summed.size // width, width)
-    sums, addends = summed.reshape(rows), residual.reshape(rows)
-    for r in range(rows[0]):
-        for i in range(width):
-            sums[r, i] = addends[r, i] + sums[r, i]
-    normed = np.empty_like(summed)
-    skip_rms_norm_into(sums, epsilon, norm_weight, normed.reshape(rows))
-    return normed
+    sums = summed.reshape(rows)
+    normed, statistics = np.empty(rows, np.float32), np.empty((2, rows[0]), np.float32)
+    skip_norm_rows(residual.reshape(rows), sums, norm_weight[:0], norm_weight, norm_weight[:0], epsilon, True, normed,
+                   sums, statistics[0], statistics[1])
+    return normed.reshape(summed.shape)
 
 
 @_jit

@@ -18,7 +18,7 @@ def skip_norm_rows(x, skip, bias, gamma, beta, epsilon, simplified, out, total, 
     rows may be cut into ranges computed on several threads (`runtime/rows.py`)."""
     rows, cols = x.shape
     skip_rows = skip.shape[0]
-    has_bias = bias.shape[0] > 0
+    has_bias, has_beta = bias.shape[0] > 0, beta.shape[0] > 0
     for r in range(rows):
         s = r % skip_rows if skip_rows else 0
         acc, squares = 0.0, 0.0
@@ -31,37 +31,16 @@ def skip_norm_rows(x, skip, bias, gamma, beta, epsilon, simplified, out, total, 
             total[r, c] = value
             acc += value
             squares += value * value
-        mean[r], inv_std[r] = _normed_row(total[r], acc, squares, epsilon, simplified, gamma, beta, out[r])
-
-
-@numba.njit(cache=True, nogil=True)
-def _normed_row(total, acc, squares, epsilon, simplified, gamma, beta, out):
-    """out = the norm of one summed row `total` from its sum and sum of squares (float64), times
-    gamma plus beta (no elements: none); (mean, inverse standard deviation)."""
-    cols = total.shape[0]
-    average = 0.0 if simplified else acc / cols
-    variance = squares / cols - average * average
-    inverse = 1.0 / math.sqrt(variance + epsilon)
-    has_beta = beta.shape[0] > 0
-    for c in range(cols):
-        value = (total[c] - average) * inverse * gamma[c]
-        if has_beta:
-            value += beta[c]
-        out[c] = value
-    return average, inverse
-
-
-@numba.njit(cache=True, nogil=True)
-def skip_rms_norm_into(rows, epsilon, gamma, out):
-    """out[r] = `skip_norm_rows`' simplified norm of rows[r] times gamma, for rows that already
-    hold their skip sums (a fused block's residual add): the same arithmetic, so the same bits as
-    onnxruntime's SkipSimplifiedLayerNormalization computed by runnx. epsilon > 0."""
-    for r in range(rows.shape[0]):
-        squares = 0.0
-        for c in range(rows.shape[1]):
-            value = rows[r, c]
-            squares += value * value
-        _normed_row(rows[r], 0.0, squares, epsilon, True, gamma, gamma[:0], out[r])
+        average = 0.0 if simplified else acc / cols
+        variance = squares / cols - average * average
+        inverse = 1.0 / math.sqrt(variance + epsilon)
+        mean[r] = average
+        inv_std[r] = inverse
+        for c in range(cols):
+            value = (total[r, c] - average) * inverse * gamma[c]
+            if has_beta:
+                value += beta[c]
+            out[r, c] = value
 
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
