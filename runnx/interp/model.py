@@ -187,7 +187,9 @@ class Model:
         its own, once (`Remembered`). The generation API starts it for a decoder, whose every step
         takes those paths; a model run only with long inputs would keep tiles it never reads. The
         thread (returned, None when no node has anything to make) ends when all are made; what a
-        prepack raises is dropped (the node's run raises it)."""
+        prepack raises is dropped (the node's run raises it). Returns once the thread has planned
+        its work (the Python part, a few milliseconds): the native part that follows needs no GIL,
+        so a caller holding the GIL next for long (a tokenizer loading, 90 ms) does not stall it."""
         work = [(node.kernel.prepack, tuple(None if v == MISSING else graph.constants.get(v, COMPUTED)
                                             for v in node.inputs), node.kernel.attributes_of(node.attrs))
                 for graph in _graphs(self.graph) for node in topological(graph)
@@ -195,8 +197,11 @@ class Model:
         if not work:
             return None
         # not a daemon: a process ending while numba loads a kernel for it aborts inside LLVM
-        thread = threading.Thread(target=_prepack, args=(work,), name="runnx-prepack")
+        planned = threading.Event()
+        thread = threading.Thread(target=_prepack, args=(work, planned), name="runnx-prepack")
         thread.start()
+        while not planned.wait(0.01) and thread.is_alive():
+            pass
         return thread
 
     def describe_io(self):
@@ -204,21 +209,30 @@ class Model:
                 [(o.name, type_name(o.elem_type or 0), o.shape) for o in self.outputs])
 
 
-def _prepack(work: list) -> None:
-    """Each node's prepack in the graph's order; the pending work they return made by kind, in order
-    (`ops/registry.py`)."""
-    pending: dict = {}
-    for prepack, inputs, attrs in work:
+def _prepack(work: list, planned: threading.Event) -> None:
+    """Each node's prepack in the graph's order, and the pending work they return planned by kind
+    (`ops/registry.py`); then `planned` is set, and each kind's work made, in order."""
+    makes = []
+    try:
+        pending: dict = {}
+        for prepack, inputs, attrs in work:
+            try:
+                made = prepack(inputs, attrs)
+            except Exception:  # noqa: BLE001 (the node's own run raises it, with its name)
+                continue
+            if made is not None:
+                pending.setdefault(made.batch, []).append(made)
+        for batch, items in pending.items():
+            try:
+                makes.append(batch(items))
+            except Exception:  # noqa: BLE001 (what is not made, a run makes, or raises about)
+                pass
+    finally:
+        planned.set()
+    for make in makes:
         try:
-            made = prepack(inputs, attrs)
-        except Exception:  # noqa: BLE001 (the node's own run raises it, with its name)
-            continue
-        if made is not None:
-            pending.setdefault(made.batch, []).append(made)
-    for batch, items in pending.items():
-        try:
-            batch(items)
-        except Exception:  # noqa: BLE001 (what is not made, a run makes, or raises about)
+            make()
+        except Exception:  # noqa: BLE001 (as above)
             pass
 
 

@@ -36,6 +36,7 @@ from numba.extending import intrinsic
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_contrib import ZERO_PACKED, ZERO_TYPED, block_zero_points
+from runnx.runtime.atomics import compare_and_swap, load, nap, pause, store
 
 TILE = 16  # columns a tile: one 512-bit vector of float32 sums
 CHUNK_BYTES = 16  # bytes of a column a chunk: 32 4-bit values with one scale
@@ -284,8 +285,71 @@ def repack(weights, block_scales, packed_zeros, typed_zeros, zero_mode, tiles, s
                     float_zeros[t, c, i] = typed_zeros[n * blocks + block] if n < columns else 0
 
 
+# the columns of a `repack_listed` table: where each input lies (which source, at which byte) and its
+# sizes, and where each output lies in the arena
+(W_SOURCE, W_AT, COLUMNS, BLOCKS, BLOB, S_SOURCE, S_AT, ZERO_MODE, Z_SOURCE, Z_AT, Z_COUNT,
+ TILE_COUNT, CHUNKS, TILES_AT, SCALES_AT, ZEROS_AT, LISTED) = range(17)
+# an item's state in `repack_listed`: FREE, the maker's number (1-255) while it makes it, then that
+# number with MADE or REFUSED (repack raised) added: who made each item stays readable
+FREE, MADE, REFUSED = 0, 256, 512
+# polls (each a `pause`) a thread waiting for another's item spins before it sleeps between polls
+# (`nap`): three threads on two cores (a run, its pool's worker, the prepacking thread), a run
+# spinning kept the thread making its item off the cores for several milliseconds at a time
+_SPINS = 256
+
+
 @_kernel
-def repack_many(items):
-    """`repack(*item)` for each item of a tuple of their arguments, in one call: no GIL between them."""
-    for k in range(len(items)):
-        repack(*items[k])
+def repack_listed(sources, table, arena, states, first, count, maker):
+    """`repack` for each item k of first..first+count of `table` (a row an item, `LISTED` columns)
+    that no other thread has claimed (states[k] FREE -> `maker` by compare-and-swap, then maker +
+    MADE, or + REFUSED when repack raises), then waits until every one of them is made or
+    refused; whether all were made. Its inputs are byte ranges of `sources` (read-only uint8
+    buffers: a model's mapped data file or weight arena, and what had to be staged beside it), its
+    outputs byte ranges of `arena`: a whole model's weights take one call, no array a weight, no
+    GIL between them. A prepacking thread and a run reaching the same weights share their items,
+    none made twice, and each returns with all of them made: the run waits only for the items the
+    other thread is making."""
+    for k in range(first, first + count):
+        if compare_and_swap(states, k, FREE, maker):
+            state = MADE
+            try:
+                _repack_row(sources, table[k], arena)
+            except Exception:  # (a run making these tiles alone raises it, with its checks)
+                state = REFUSED
+            store(states, k, maker + state)
+    made = True
+    for k in range(first, first + count):
+        polls = 0
+        while load(states, k) < MADE:  # an item takes 0.1-1 ms: spin a little, then sleep between polls
+            polls += 1
+            if polls < _SPINS:
+                pause()
+            else:
+                nap()
+        made &= load(states, k) & MADE != 0
+    return made
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def _bytes(buffer, at, length):
+    return buffer[at:at + length]
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _repack_row(sources, row, arena):
+    """`repack` of one row of a `repack_listed` table, its arrays viewed from their byte ranges."""
+    columns, blocks, blob = row[COLUMNS], row[BLOCKS], row[BLOB]
+    count, chunks, mode = row[TILE_COUNT], row[CHUNKS], row[ZERO_MODE]
+    weights = _bytes(sources[row[W_SOURCE]], row[W_AT], columns * blocks * blob).reshape((columns, blocks, blob))
+    block_scales = _bytes(sources[row[S_SOURCE]], row[S_AT], 4 * columns * blocks).view(np.float32)
+    zeros = sources[row[Z_SOURCE]]
+    packed = _bytes(zeros, row[Z_AT], row[Z_COUNT] if mode == ZERO_PACKED else 0)
+    typed = _bytes(zeros, row[Z_AT], 4 * row[Z_COUNT] if mode == ZERO_TYPED else 0).view(np.float32)
+    size = count * chunks * TILE
+    tiles = _bytes(arena, row[TILES_AT], size * CHUNK_BYTES).reshape((count, chunks, CHUNK_BYTES, TILE))
+    scales = _bytes(arena, row[SCALES_AT], 4 * size).view(np.float32).reshape((count, chunks, TILE))
+    rows = count if mode == ZERO_PACKED else 0
+    byte_zeros = _bytes(arena, row[ZEROS_AT], rows * chunks * TILE).reshape((rows, chunks, TILE))
+    rows = count if mode == ZERO_TYPED else 0
+    float_zeros = _bytes(arena, row[ZEROS_AT], 4 * rows * chunks * TILE).view(np.float32).reshape((rows, chunks, TILE))
+    repack(weights, block_scales, packed, typed, mode, tiles, scales, byte_zeros, float_zeros)

@@ -29,17 +29,35 @@ class Remembered:
     kept alive by facts about them. fn returns facts (numbers, shapes, None) that do not hold the
     arrays, never an array a caller could write."""
 
-    __slots__ = ("fn", "known", "_computing")
+    __slots__ = ("fn", "known", "_promised", "_computing")
 
     def __init__(self, fn=None):
         self.fn = fn  # None: results come from each `lookup`'s compute
         self.known: dict[tuple, tuple] = {}
+        self._promised: dict[tuple, object] = {}  # key -> its maker (`promise`)
         # held while a missing entry is computed: a prepacking thread (`registry`'s prepack) and a
         # run asking for the same weight's tiles make them once; a hit never takes it
         self._computing = threading.RLock()
 
     def __call__(self, values, *arrays):
         return self.lookup(values, arrays, self.fn)
+
+    def promise(self, values, arrays: tuple, make) -> None:
+        """`make()` will give these values' and arrays' result, being made on another thread (a
+        prepack's): the first lookup missing it calls `make` (which joins that work, or returns None:
+        then its compute runs) instead of computing its own beside it."""
+        self._promised[(values, *map(id, arrays))] = make
+
+    def keep(self, values, arrays: tuple, result):
+        """Keep `result` for these values and arrays (made elsewhere: a prepack's), their promise
+        fulfilled; the result kept already when there is one (that one stays)."""
+        with self._computing:
+            self._promised.pop((values, *map(id, arrays)), None)
+            return self.lookup(values, arrays, lambda *_: result)
+
+    def withdraw(self, values, arrays: tuple) -> None:
+        """Drop the promise of these values and arrays, if any (its work was refused)."""
+        self._promised.pop((values, *map(id, arrays)), None)
 
     def knows(self, values, arrays: tuple) -> bool:
         """Whether `lookup(values, arrays, ...)` would find a result kept (without computing one)."""
@@ -61,7 +79,10 @@ class Remembered:
             known = self.known.get(key) if enabled else None
             if known is not None:  # made by another thread meanwhile
                 return known[1]
-            result = compute(values, *arrays)
+            make = self._promised.pop(key, None)
+            result = None if make is None else make()
+            if result is None:
+                result = compute(values, *arrays)
             if enabled and all(a is None or (type(a) is np.ndarray and not a.flags.writeable) for a in arrays):
                 if len(self.known) >= _LIMIT:
                     self.known.clear()

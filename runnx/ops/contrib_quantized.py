@@ -18,9 +18,10 @@ from runnx.ops import _native
 from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED,
                                         bnb4_dequantize, bnb4_rows, lanes_order_into, nbits_dequantize, nbits_lanes,
                                         nbits_rows, nibble_lanes_panel)
-from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, repack, repack_many
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, MADE, TILE, repack, repack_listed
 from runnx.ops._fused_common import DOMAIN as FUSED_DOMAIN
 from runnx.ops._remembered import Remembered
+from runnx.ops._tile_listing import Arena, listed
 from runnx.ops.fused_norms import SiluMul
 from runnx.ops.linalg_integer import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
@@ -75,16 +76,25 @@ def _nibble_tiles(_, weights, scales, zero_points):
     return _made(*_planned_tiles([(weights, scales, zero_points)]))
 
 
-def _planned_tiles(parts: list) -> tuple[tuple, list]:
-    """((tiles, scales, zeros), items): buffers from np.empty for the tiles of the 4-bit weights of
-    parts ((b, scales, zero points) triples, zero points all absent or all of one type) side by
-    side, and the `repack` arguments that fill them, one item a part, each into its share: every
-    part but the last has whole tiles (its columns a multiple of 16). Items of any weight have one
-    numba type (inputs read-only), so that `repack_many` takes many in one call."""
+def _tile_shapes(parts: list) -> list:
+    """(shape, dtype) of each array `_planned_tiles(parts, empty)` asks `empty` for, in order."""
     chunks = parts[0][0].shape[1] * parts[0][0].shape[2] // CHUNK_BYTES
     count = sum(b.shape[0] for b, _, _ in parts[:-1]) // TILE + -(-parts[-1][0].shape[0] // TILE)
-    tiles = np.empty((count, chunks, CHUNK_BYTES, TILE), np.uint8)  # (`repack` writes every element)
-    tile_scales = np.empty((count, chunks, TILE), _FLOAT32)
+    shapes = [((count, chunks, CHUNK_BYTES, TILE), np.uint8), ((count, chunks, TILE), _FLOAT32)]
+    zero_points = parts[0][2]
+    if zero_points is not None:
+        shapes.append(((count, chunks, TILE), np.uint8 if zero_points.dtype == np.uint8 else _FLOAT32))
+    return shapes
+
+
+def _planned_tiles(parts: list, empty=np.empty) -> tuple[tuple, list]:
+    """((tiles, scales, zeros), items): buffers from `empty` for the tiles of the 4-bit weights of
+    parts ((b, scales, zero points) triples, zero points all absent or all of one type) side by
+    side, and the `repack` arguments that fill them, one item a part, each into its share: every
+    part but the last has whole tiles (its columns a multiple of 16)."""
+    (tiles_shape, _), (scales_shape, _), *zeros_shape = _tile_shapes(parts)
+    tiles = empty(tiles_shape, np.uint8)  # (`repack` writes every element)
+    tile_scales = empty(scales_shape, _FLOAT32)
     tile_zeros, items, first = None, [], 0
     for weights, scales, zero_points in parts:
         columns, blocks, _ = weights.shape
@@ -93,7 +103,7 @@ def _planned_tiles(parts: list) -> tuple[tuple, list]:
         if mode == ZERO_DEFAULT:
             tile_zeros = np.full((1, 1, TILE), 8, np.uint8)  # 4 bits' default, one row for every column
         elif tile_zeros is None:
-            tile_zeros = np.empty((count, chunks, TILE), np.uint8 if mode == ZERO_PACKED else _FLOAT32)
+            tile_zeros = empty(*zeros_shape[0])
         byte_zeros = tile_zeros[own] if mode == ZERO_PACKED else _NO_BYTE_ZEROS
         float_zeros = tile_zeros[own] if mode == ZERO_TYPED else _NO_FLOAT_ZEROS
         items.append((_read_only(np.ascontiguousarray(weights)),
@@ -124,47 +134,55 @@ def _read_only(array: np.ndarray) -> np.ndarray:
 
 
 _NO_BYTE_ZEROS, _NO_FLOAT_ZEROS = np.empty((0, 1, TILE), np.uint8), np.empty((0, 1, TILE), _FLOAT32)
-# `repack_many`'s items a call, the last call's filled with an item of no columns: one compiled size
-_BATCH = 16
-_NO_ITEM = (_read_only(np.empty((0, 1, CHUNK_BYTES), np.uint8)), _read_only(np.empty(0, _FLOAT32)),
-            _read_only(np.empty(0, np.uint8)), _read_only(np.empty(0, _FLOAT32)), ZERO_DEFAULT,
-            np.empty((0, 1, CHUNK_BYTES, TILE), np.uint8), np.empty((0, 1, TILE), _FLOAT32), _NO_BYTE_ZEROS,
-            _NO_FLOAT_ZEROS)
+PREPACK, RUN = 1, 2  # makers of an item (`repack_listed`'s states)
 
 
 class _PendingTiles:
-    """Tiles a prepack planned (`registry`'s pending work): their buffers and `repack` items, and the
-    `Remembered` that keeps them for these values and arrays once `batch` has made them."""
+    """Tiles a prepack planned (`registry`'s pending work): the parts of their weights, the
+    `Remembered` that keeps them for these values and arrays once they are made, and, once `batch`
+    has listed them, their buffers and `repack` items and where they are in its table."""
 
-    __slots__ = ("remembered", "values", "arrays", "result", "items")
+    __slots__ = ("remembered", "values", "arrays", "parts", "result", "items", "listing", "first")
 
-    def __init__(self, remembered: Remembered, values, arrays: tuple, planned: tuple):
-        self.remembered, self.values, self.arrays = remembered, values, arrays
-        self.result, self.items = planned
+    def __init__(self, remembered: Remembered, values, arrays: tuple, parts: list):
+        self.remembered, self.values, self.arrays, self.parts = remembered, values, arrays, parts
 
     @staticmethod
-    def batch(pending: list) -> None:
-        """Make the planned tiles in native calls of up to _BATCH items (`repack_many`: the GIL held
-        for none of them, where a weight at a time needed it a dozen times a weight: a thread waits
-        up to 5 ms for it at each while another runs Python, and a model's prepack beside its load
-        took 1.7 s instead of 0.07), each call's weights then kept. No lock is held while a call
-        makes them: a run reaching a weight not kept yet makes its own (the two threads then make
-        the first prompt's tiles side by side, as they did a weight at a time), and the batch skips
-        what a run has kept, or keeps the run's."""
-        start = 0
-        while start < len(pending):
-            stop, count = start, 0
-            while stop < len(pending) and (stop == start or count + len(pending[stop].items) <= _BATCH):
-                count += len(pending[stop].items)
-                stop += 1
-            part = [p for p in pending[start:stop] if not p.known()]  # (a run may have made some since)
-            items = [item for p in part for item in p.items]
-            for first in range(0, len(items), _BATCH):
-                chunk = tuple(items[first:first + _BATCH])
-                repack_many(chunk + (_NO_ITEM,) * (_BATCH - len(chunk)))
-            for p in part:
-                p.keep()
-            start = stop
+    def batch(pending: list):
+        """Plan the tiles of every weight side by side in one arena and list them (`_tile_listing`);
+        returns the function making them in one native call (`repack_listed`), then keeping each.
+        Every weight is promised to its `Remembered` first: a run reaching one not kept yet makes
+        the items of it that the prepacking thread has not started, and waits for the others
+        (`join`): no tiles made twice, and the run waits for at most the items being made."""
+        pending = [p for p in pending if not p.known()]  # (a run may have made some since)
+        arena = Arena(Arena.sized([shape for p in pending for shape in _tile_shapes(p.parts)]))
+        for p in pending:
+            p.result, p.items = _planned_tiles(p.parts, arena.empty)
+        sources, table = listed([item for p in pending for item in p.items], arena)
+        states, first = np.zeros(len(table), np.int64), 0
+        for p in pending:
+            p.listing, p.first = (sources, table, arena.buffer, states), first
+            first += len(p.items)
+            p.remembered.promise(p.values, p.arrays, p.join)
+        # loaded now (from numba's cache, on a process's first call: Python holding the GIL for
+        # milliseconds), so that the call `make` begins with is native at once
+        repack_listed(sources, table, arena.buffer, states, 0, 0, PREPACK)
+
+        def make() -> None:
+            repack_listed(sources, table, arena.buffer, states, 0, len(table), PREPACK)
+            for p in pending:
+                if not np.all(states[p.first:p.first + len(p.items)] & MADE):
+                    p.remembered.withdraw(p.values, p.arrays)  # a run reaching it makes it alone, and raises
+                elif not p.known():  # (else a run's `join` kept it)
+                    p.keep()
+        return make
+
+    def join(self) -> tuple | None:
+        """These tiles, made by this thread and the prepacking one together (`batch`), sealed; None
+        when a repack refused them (the run's own making raises it)."""
+        if repack_listed(*self.listing, self.first, len(self.items), RUN):
+            return _sealed(self.result)
+        return None
 
     def known(self) -> bool:
         """Whether these tiles are made already (a run got to them first)."""
@@ -174,15 +192,16 @@ class _PendingTiles:
         """Keep the made tiles for their values and arrays, as a run's `lookup` would; False when a
         run kept its own first (those stay)."""
         made = _sealed(self.result)
-        return self.remembered.lookup(self.values, self.arrays, lambda *_: made) is made
+        return self.remembered.keep(self.values, self.arrays, made) is made
 
 
-def _pending(remembered: Remembered, values, arrays: tuple, plan) -> _PendingTiles | None:
-    """The tiles `plan()` plans for these values and arrays, to be made by `_PendingTiles.batch`; None
-    when they are made already (a run got to them first)."""
+def _pending(remembered: Remembered, values, arrays: tuple, parts) -> _PendingTiles | None:
+    """The tiles of these weight parts for these values and arrays, to be made by
+    `_PendingTiles.batch`; None when they are made already (a run got to them first). parts: a
+    function giving them checked (it raises what a run would)."""
     if remembered.knows(values, arrays):
         return None
-    return _PendingTiles(remembered, values, arrays, plan())
+    return _PendingTiles(remembered, values, arrays, parts())
 
 
 # a constant weight's tiles are made on its first product and kept while it lives (an extra copy of
@@ -216,8 +235,7 @@ def _prepack_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
         return None
     blocks = (K + block_size - 1) // block_size
     if b.dtype == np.uint8 and b.shape == (N, blocks, block_size // 2) and scales.size == N * blocks:
-        return _pending(_remembered_tiles, (), (b, scales, zero_points),
-                        lambda: _planned_tiles([(b, scales, zero_points)]))
+        return _pending(_remembered_tiles, (), (b, scales, zero_points), lambda: [(b, scales, zero_points)])
     return None
 
 
@@ -274,12 +292,12 @@ def _joined_tiles(shape: tuple, *parts):
     """The tiles of the 4-bit weights of `parts` (flat (b, scales, zero points) triples) side by
     side, columns of the first part first, each part checked as MatMulNBits checks it; shape:
     (K, block_size, columns of each part)."""
-    return _made(*_planned_joined_tiles(shape, *parts))
+    return _made(*_planned_tiles(_joined_parts(shape, *parts)))
 
 
-def _planned_joined_tiles(shape: tuple, *parts) -> tuple[tuple, list]:
-    """`_planned_tiles` of `_joined_tiles`' parts, checked: each part into its share when the parts
-    before the last have whole tiles, else of the parts joined."""
+def _joined_parts(shape: tuple, *parts) -> list:
+    """`_joined_tiles`' parts as `_planned_tiles` takes them, checked: each part into its share when
+    the parts before the last have whole tiles, else the parts joined."""
     depth, block_size, columns = shape
     blocks = (depth + block_size - 1) // block_size
     triples = [parts[i:i + 3] for i in range(0, len(parts), 3)]
@@ -294,11 +312,11 @@ def _planned_joined_tiles(shape: tuple, *parts) -> tuple[tuple, list]:
            and zero_points.dtype != triples[0][2].dtype for _, _, zero_points in triples):
         raise RunnxError("SharedInputMatMulNBits: every product needs zero points of one type, or none")
     if all(b.shape[0] % TILE == 0 for b, _, _ in triples[:-1]):  # each part into its own tiles
-        return _planned_tiles(triples)
+        return triples
     weights = np.concatenate([b for b, _, _ in triples])
     scales = np.concatenate([s.reshape(-1) for _, s, _ in triples])
     zero_points = None if triples[0][2] is None else np.concatenate([z.reshape(-1) for _, _, z in triples])
-    return _planned_tiles([(weights, scales, zero_points)])
+    return [(weights, scales, zero_points)]
 
 
 # made on the first few-row product, kept while the weights live (`_remembered_tiles`)
@@ -312,7 +330,7 @@ def _prepack_joined_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
     if not parts or any(x is COMPUTED for x in parts) or attrs.get("block_size", 0) < 32:
         return None
     shape = (attrs["K"], attrs["block_size"], tuple(attrs["columns"]))
-    return _pending(_remembered_joined_tiles, shape, parts, lambda: _planned_joined_tiles(shape, *parts))
+    return _pending(_remembered_joined_tiles, shape, parts, lambda: _joined_parts(shape, *parts))
 
 
 @register("SharedInputMatMulNBits", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True, prepack=_prepack_joined_tiles)

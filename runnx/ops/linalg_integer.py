@@ -52,12 +52,29 @@ def DequantizedMatMul(a, b, b_scale, b_zero_point=None):
     return MatMul(a, _remembered_dequantized((), b, b_scale, b_zero_point))
 
 
-def _prepack_vnni(inputs: tuple, attrs: dict) -> None:
+class _PendingVnni:
+    """A constant 8-bit weight to repack ahead (`registry`'s pending work)."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: np.ndarray):
+        self.weight = weight
+
+    @staticmethod
+    def batch(pending: list):
+        def make() -> None:
+            for p in pending:
+                _vnni_weights((), p.weight)
+        return make
+
+
+def _prepack_vnni(inputs: tuple, attrs: dict) -> _PendingVnni | None:
     """A constant 8-bit weight repacked ahead for `pool.vnni_rows` (`registry`'s prepack)."""
     b = inputs[1]
     if (isinstance(b, np.ndarray) and b.ndim == 2 and b.dtype.itemsize == 1 and b.dtype.kind in "iu" and b.size
             and _native.enabled and vnni.AVAILABLE and not b.flags.writeable):
-        _vnni_weights((), b)
+        return _PendingVnni(b)
+    return None
 
 
 @register("MatMulInteger", since=10, prepack=_prepack_vnni)

@@ -1,8 +1,9 @@
 """numba intrinsics for threads sharing memory without locks (`pool.py`): atomic loads,
-stores, compare-and-swap and add on an int64 array, the spin-wait hint, and arrays viewed from an
-address posted as an integer."""
+stores, compare-and-swap and add on an int64 array, the spin-wait hint, a short sleep, and arrays
+viewed from an address posted as an integer."""
 from __future__ import annotations
 
+import os
 import platform
 
 from llvmlite import ir
@@ -58,14 +59,34 @@ def add(typingctx, box, index, value):
     return types.void(box, index, types.int64), codegen
 
 
+def _emit_pause(builder) -> None:
+    if _X86:
+        hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                              "llvm.x86.sse2.pause")
+        builder.call(hint, [])
+
+
 @intrinsic
 def pause(typingctx):
     """The spin-wait hint: frees the core's shared resources while polling."""
     def codegen(context, builder, signature, args):
-        if _X86:
-            hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
-                                                  "llvm.x86.sse2.pause")
-            builder.call(hint, [])
+        _emit_pause(builder)
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@intrinsic
+def nap(typingctx):
+    """Sleep about 20 microseconds (usleep; a pause elsewhere): a thread waiting for another's work
+    gives up its core, where spinning could keep the other from running (more threads than cores)."""
+    def codegen(context, builder, signature, args):
+        if os.name == "posix":
+            word = ir.IntType(32)
+            sleep = cgutils.get_or_insert_function(builder.module, ir.FunctionType(word, [word]), "usleep")
+            builder.call(sleep, [ir.Constant(word, 20)])
+        else:
+            _emit_pause(builder)
         return context.get_dummy_value()
 
     return types.void(), codegen

@@ -457,7 +457,7 @@ def rows_contiguous(x):
 @_jit
 def _check_attention_blocks(scaled, key_panels, value, bias, ends, out, positions):
     """ValueError unless the arrays are what `post_attention_blocks` reads and writes by address."""
-    batch, groups, size, depth = value.shape[0], value.shape[1], value.shape[2], scaled.shape[3]
+    batch, size, depth = value.shape[0], value.shape[2], scaled.shape[3]
     _check_attention_shapes(scaled, (key_panels.shape[0], key_panels.shape[1], size, depth), key_panels.itemsize,
                             value, bias, out)
     if (size == 0 or depth > KC or key_panels.shape[2] != (size + NR - 1) // NR * depth or key_panels.shape[3] != NR

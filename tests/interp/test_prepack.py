@@ -14,6 +14,7 @@ import runnx
 from runnx.errors import RunnxError
 from runnx.generate.decoder import DecoderStep, load_decoder
 from runnx.ops import _kernels_vnni as vnni, contrib_quantized, linalg_integer
+from runnx.ops._kernels_nibble_tiles import MADE, REFUSED, TILE_COUNT, repack
 
 F = TensorProto.FLOAT
 MS = "com.microsoft"
@@ -56,7 +57,7 @@ def _model(b_shape_wrong=False, integer=False):
 @pytest.fixture
 def made(monkeypatch):
     """Every computation of 4-bit tiles (joined or alone) and VNNI tiles, by thread and weight: a run's
-    (the `Remembered`'s function) or a prepack's batch's (its pending tiles kept)."""
+    own (the `Remembered`'s function), a run's share of a prepack's (`join`), or a prepack's kept."""
     calls = []
     for remembered in (contrib_quantized._remembered_tiles, contrib_quantized._remembered_joined_tiles,
                        linalg_integer._vnni_weights):
@@ -64,14 +65,36 @@ def made(monkeypatch):
             calls.append((threading.current_thread().name, kind, id(arrays[0])))
             return original(values, *arrays)
         monkeypatch.setattr(remembered, "fn", counted)
-    keep = contrib_quantized._PendingTiles.keep
+    keep, join = contrib_quantized._PendingTiles.keep, contrib_quantized._PendingTiles.join
 
     def kept(pending):
         if keep(pending):
             calls.append((threading.current_thread().name, pending.remembered, id(pending.arrays[0])))
             return True
         return False
+
+    def joined(pending):
+        result = join(pending)
+        if result is not None:
+            calls.append((threading.current_thread().name, pending.remembered, id(pending.arrays[0])))
+        return result
     monkeypatch.setattr(contrib_quantized._PendingTiles, "keep", kept)
+    monkeypatch.setattr(contrib_quantized._PendingTiles, "join", joined)
+    return calls
+
+
+@pytest.fixture
+def listings(monkeypatch):
+    """The native calls making listed tiles: (thread, first, count, maker, states) of each that makes
+    any (a prepack's first call, with no items, only loads the kernel)."""
+    calls = []
+    native = contrib_quantized.repack_listed
+
+    def listed(sources, table, arena, states, first, count, maker):
+        if count:
+            calls.append((threading.current_thread().name, first, count, maker, states))
+        return native(sources, table, arena, states, first, count, maker)
+    monkeypatch.setattr(contrib_quantized, "repack_listed", listed)
     return calls
 
 
@@ -79,24 +102,24 @@ def _kinds(model) -> list[str]:
     return sorted(node.op_type for node in model.graph.nodes)
 
 
-def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made, monkeypatch):
-    """... and its 4-bit tiles in one native call for all the weights (`repack_many`: the GIL held
-    between none of them), where a run makes each weight's alone."""
+def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made, listings):
+    """... and its 4-bit tiles in one native call for all the weights (`repack_listed`: no GIL
+    needed until all are made), where a run makes each weight's alone."""
     model_bytes = _model(integer=vnni.AVAILABLE)
     x = RNG.standard_normal((1, 3, K)).astype(np.float32)
     reference = runnx.load(model_bytes).run({"x": x})  # its run makes its own tiles
     made.clear()
     model = runnx.load(model_bytes)
     assert {"SharedInputMatMulNBits", "MatMulNBits"} <= set(_kinds(model))
-    batches = []
-    many = contrib_quantized.repack_many
-    monkeypatch.setattr(contrib_quantized, "repack_many", lambda items: batches.append(len(items)) or many(items))
     thread = model.prepack_in_background()
     thread.join()
     assert thread.name == "runnx-prepack"
     expected = 2 + vnni.AVAILABLE  # the joined tiles of x's products, y0's product's, the int8 weight's
     assert len(made) == expected and {name for name, _, _ in made} == {"runnx-prepack"}
-    assert batches == [contrib_quantized._BATCH]  # four parts (three joined, one alone) in one call
+    # four parts (three joined, one alone) in one call, each made by the prepack
+    (name, first, count, maker, states), = listings
+    assert (name, first, count, maker) == ("runnx-prepack", 0, 4, contrib_quantized.PREPACK)
+    assert list(states) == [contrib_quantized.PREPACK + MADE] * 4
     made.clear()
     outputs = model.run({"x": x})
     assert made == []  # the run found all of it made
@@ -104,28 +127,77 @@ def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made, mo
         assert np.array_equal(outputs[name], value), name
 
 
-def test_a_run_beside_the_prepack_makes_each_weight_once(made, monkeypatch):
-    """The run reaches the weights while the prepack is still making them (made slow here): each
-    is kept once, made by whichever thread got to it first, and the outputs are the same bits."""
+def test_a_run_beside_the_prepack_shares_its_items_and_makes_none_twice(made, listings, monkeypatch):
+    """The run reaches the weights before the prepack's native call begins (held back here): it
+    makes their items itself through the prepack's listing (`join`), which then finds them made
+    and makes none again; each weight is kept once, the outputs the same bits."""
     model_bytes = _model()
     x = RNG.standard_normal((1, 1, K)).astype(np.float32)
     reference = runnx.load(model_bytes).run({"x": x})
     made.clear()
     model = runnx.load(model_bytes)
-    slow = contrib_quantized.repack_many
+    listed = contrib_quantized.repack_listed
 
-    def slowly(*args):
-        time.sleep(0.2)
-        return slow(*args)
+    def held_back(*args):
+        if threading.current_thread().name == "runnx-prepack" and args[5]:
+            time.sleep(0.2)
+        return listed(*args)
 
-    monkeypatch.setattr(contrib_quantized, "repack_many", slowly)
+    monkeypatch.setattr(contrib_quantized, "repack_listed", held_back)
     thread = model.prepack_in_background()
     outputs = model.run({"x": x})
     thread.join()
-    weights = [weight for _, _, weight in made]
-    assert len(weights) == len(set(weights)) == 2
+    assert len({weight for _, _, weight in made}) == len(made) == 2
+    assert all(name == "MainThread" for name, _, _ in made)  # the run's joins, no prepack keeps
+    runs = [call for call in listings if call[0] == "MainThread"]
+    assert [count for _, _, count, _, _ in runs] == [3, 1]  # the joined weight's three parts, then y0's
+    states = listings[-1][4]
+    assert list(states) == [contrib_quantized.RUN + MADE] * 4  # none made by the prepack
     for name, value in reference.items():
         assert np.array_equal(outputs[name], value), name
+
+
+def test_the_prepack_makes_its_tiles_while_another_thread_holds_the_gil(listings):
+    """`prepack_in_background` returns once the prepack is planned; its native call then needs no
+    GIL: a caller holding the GIL next (here a C loop; in the generation API a tokenizer loading)
+    finds every item made when it lets go."""
+    model = runnx.load(_model())
+    thread = model.prepack_in_background()
+    sum(range(20_000_000))  # C code holding the GIL throughout (no bytecode between)
+    states = listings[0][4].copy()
+    thread.join()
+    assert list(states) == [contrib_quantized.PREPACK + MADE] * 4
+
+
+def test_a_run_waits_for_the_items_another_thread_is_making():
+    """`join` makes what nobody has claimed and waits for what another thread is making; a repack
+    that raises leaves the run to make the weight alone (None)."""
+    b, scales, zeros = _nbits(48)
+    for array in (b, scales, zeros):
+        array.flags.writeable = False
+    attrs = {"K": K, "N": 48, "bits": 4, "block_size": BLOCK}
+    pending = contrib_quantized._prepack_tiles((None, b, scales, zeros), attrs)
+    contrib_quantized._PendingTiles.batch([pending])
+    states = pending.listing[3]
+    states[0] = contrib_quantized.PREPACK  # claimed by the prepacking thread, not made yet
+    result = []
+    waiting = threading.Thread(target=lambda: result.append(pending.join()))
+    waiting.start()
+    waiting.join(0.1)
+    assert waiting.is_alive()
+    repack(*pending.items[0])  # the other thread's work, then its mark
+    states[0] = contrib_quantized.PREPACK + MADE
+    waiting.join(10)
+    expected = contrib_quantized._nibble_tiles((), b, scales, zeros)
+    assert all(np.array_equal(made, want) for made, want in zip(result[0], expected))
+    contrib_quantized._remembered_tiles.withdraw((), (b, scales, zeros))
+
+    refused = contrib_quantized._prepack_tiles((None, *_nbits(48)), attrs)
+    contrib_quantized._PendingTiles.batch([refused])
+    refused.listing[1][0, TILE_COUNT] = 1  # tiles for 16 of the 48 columns: repack raises
+    assert refused.join() is None
+    assert refused.listing[3][0] == contrib_quantized.RUN + REFUSED
+    refused.remembered.withdraw(refused.values, refused.arrays)
 
 
 def test_what_a_prepack_cannot_make_is_left_to_the_run_which_refuses_it(made):

@@ -14,8 +14,6 @@ given as a positive number is the last one when the product's rank is known ther
 """
 from __future__ import annotations
 
-import numpy as np
-
 from runnx.interp.fusion.static_dims import StaticDims
 from runnx.interp.ir import MISSING, Graph, Node
 

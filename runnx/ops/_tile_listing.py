@@ -1,0 +1,111 @@
+"""A model's 4-bit weights listed for `repack_listed` (`_kernels_nibble_tiles`): each input as a byte
+range of the buffer the weights lie in, each output as a byte range of one arena. Made from a
+prepacking thread's items in one native call, a model's tiles need the GIL only before and after:
+a tokenizer loading beside the model (which holds it for 90 ms) no longer stops them half-made.
+
+Addresses are only subtracted here, never turned back into pointers: the kernel indexes its
+buffers by the offsets, each checked to lie inside its buffer."""
+from __future__ import annotations
+
+import numpy as np
+
+from runnx.ops._kernels_contrib import ZERO_PACKED, ZERO_TYPED
+from runnx.ops._kernels_nibble_tiles import (BLOB, BLOCKS, CHUNKS, COLUMNS, LISTED, S_AT, S_SOURCE, SCALES_AT,
+                                             TILE_COUNT, TILES_AT, W_AT, W_SOURCE, Z_AT, Z_COUNT, Z_SOURCE,
+                                             ZERO_MODE, ZEROS_AT)
+
+_ALIGN = 64  # each output starts on a cache line of the arena
+
+
+class Arena:
+    """One uint8 buffer carved into arrays in order (`empty`, np.empty's signature): a model's tiles
+    side by side, `repack_listed`'s outputs. `sized` first gives the bytes the same calls will need."""
+
+    def __init__(self, nbytes: int):
+        self.buffer = np.empty(nbytes, np.uint8)
+        self.used = 0
+
+    @staticmethod
+    def sized(shapes: list) -> int:
+        """The bytes `empty` takes for each (shape, dtype) of shapes, in order."""
+        return sum(-(-int(np.prod(shape)) * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN for shape, dtype in shapes)
+
+    def empty(self, shape, dtype) -> np.ndarray:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        if self.used + nbytes > self.buffer.size:
+            raise MemoryError("the tile arena is smaller than its planned arrays")
+        array = self.buffer[self.used:self.used + nbytes].view(dtype).reshape(shape)
+        self.used += -(-nbytes // _ALIGN) * _ALIGN
+        return array
+
+
+def listed(items: list, arena: Arena) -> tuple[tuple, np.ndarray]:
+    """(sources, table) for `repack_listed`: a row a `repack` item (its argument tuple), whose outputs
+    are arrays of `arena`. Inputs lying in the buffer of the first weight (its mapped file or the
+    load's weight arena) are read there; any other (a joined weight, scales converted to float32) is
+    copied into a staging buffer, the second source."""
+    main = _buffer_of(items[0][0]) if items else None
+    if main is None:
+        main = np.empty(0, np.uint8)
+    staged_arrays: list[np.ndarray] = []
+    staged_bytes = 0
+    places: list[tuple] = []  # (source, at) of each item's weights, scales, zero points
+    for weights, scales, packed, typed, mode, *_ in items:
+        zeros = packed if mode == ZERO_PACKED else typed
+        for array in (weights, scales, zeros):
+            at = _offset_in(array, main)
+            if at is None:
+                places.append((1, staged_bytes))
+                staged_arrays.append(array)
+                staged_bytes += array.nbytes
+            else:
+                places.append((0, at))
+    staged = np.empty(staged_bytes, np.uint8)
+    at = 0
+    for array in staged_arrays:
+        staged[at:at + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        at += array.nbytes
+    table = np.zeros((len(items), LISTED), np.int64)
+    for row, (weights, scales, packed, typed, mode, tiles, tile_scales, byte_zeros, float_zeros) in zip(table, items):
+        (row[W_SOURCE], row[W_AT]), (row[S_SOURCE], row[S_AT]), (row[Z_SOURCE], row[Z_AT]) = places[:3]
+        del places[:3]
+        row[COLUMNS], row[BLOCKS], row[BLOB] = weights.shape
+        row[ZERO_MODE] = mode
+        row[Z_COUNT] = packed.size if mode == ZERO_PACKED else typed.size if mode == ZERO_TYPED else 0
+        row[TILE_COUNT], row[CHUNKS] = tiles.shape[:2]
+        row[TILES_AT], row[SCALES_AT] = _offset_in(tiles, arena.buffer), _offset_in(tile_scales, arena.buffer)
+        zeros = byte_zeros if mode == ZERO_PACKED else float_zeros if mode == ZERO_TYPED else None
+        row[ZEROS_AT] = 0 if zeros is None else _offset_in(zeros, arena.buffer)
+    return (_read_only(main), _read_only(staged)), table
+
+
+def _buffer_of(array: np.ndarray) -> np.ndarray | None:
+    """The whole uint8 buffer the array's memory lies in: the object its base's memoryview exposes
+    (a mapped data file) or its base array (the load's weight arena); None when not contiguous."""
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    if isinstance(root.base, memoryview):
+        try:
+            return np.frombuffer(root.base.obj, np.uint8)
+        except (TypeError, ValueError, BufferError):
+            pass
+    return root.reshape(-1).view(np.uint8) if root.flags.c_contiguous else None
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def _offset_in(array: np.ndarray, buffer: np.ndarray) -> int | None:
+    """The byte at which a C-contiguous array starts in buffer, when all of it lies there."""
+    at = _address(array) - _address(buffer) if buffer.size else -1
+    if array.flags.c_contiguous and 0 <= at and at + array.nbytes <= buffer.nbytes:
+        return at
+    return None
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array = array.view()
+    array.flags.writeable = False
+    return array

@@ -1,0 +1,108 @@
+"""A model's 4-bit weights listed for one native call (`_tile_listing`, `repack_listed`): inputs
+read where they lie (a mapped data file, the load's weight arena) or staged when they lie apart,
+outputs carved from one arena, and the tiles the same bits as a run's own (`repack` an item)."""
+import mmap
+
+import numpy as np
+import pytest
+
+from runnx.ops import contrib_quantized as cq
+from runnx.ops._kernels_nibble_tiles import FREE, MADE, repack_listed
+from runnx.ops._tile_listing import Arena, _buffer_of, listed
+
+RNG = np.random.default_rng(11)
+BLOCK = 32
+
+
+def _weights(columns: int, depth: int, zeros: str):
+    """(b, scales, zero points) of a 4-bit product; zeros: 'packed', 'typed' or 'none'."""
+    blocks = -(-depth // BLOCK)
+    b = RNG.integers(0, 256, (columns, blocks, BLOCK // 2), dtype=np.uint8)
+    scales = (RNG.random((columns, blocks)) * 0.1 + 0.01).astype(np.float32)
+    zero_points = {"packed": RNG.integers(0, 256, (columns, (blocks + 1) // 2), dtype=np.uint8),
+                   "typed": (RNG.random((columns, blocks)) * 15).astype(np.float32), "none": None}[zeros]
+    return b, scales, zero_points
+
+
+def _in_one_buffer(arrays: list, buffer_kind: str) -> list:
+    """The arrays copied side by side into one buffer, as a load keeps them: views of one uint8
+    array (the weight arena) or of a read-only mapped file's memoryview (external data)."""
+    present = [a for a in arrays if a is not None]
+    raw = b"".join(a.tobytes() + bytes(-a.nbytes % 64) for a in present)
+    if buffer_kind == "arena":
+        buffer = np.frombuffer(bytearray(raw), np.uint8)
+        view = lambda at, a: buffer[at:at + a.nbytes].view(a.dtype).reshape(a.shape)  # noqa: E731
+    else:
+        mapped = mmap.mmap(-1, len(raw))
+        mapped.write(raw)
+        memory = memoryview(mapped).toreadonly()
+        view = lambda at, a: np.frombuffer(memory[at:at + a.nbytes], a.dtype).reshape(a.shape)  # noqa: E731
+    out, at = [], 0
+    for a in arrays:
+        if a is None:
+            out.append(None)
+            continue
+        placed = view(at, a)
+        placed.flags.writeable = False
+        out.append(placed)
+        at += a.nbytes + (-a.nbytes % 64)
+    return out
+
+
+def _listed_tiles(weight_parts: list):
+    """Each weight's tiles planned in one arena, listed, and made in one `repack_listed` call."""
+    arena = Arena(Arena.sized([shape for parts in weight_parts for shape in cq._tile_shapes(parts)]))
+    planned = [cq._planned_tiles(parts, arena.empty) for parts in weight_parts]
+    items = [item for _, its in planned for item in its]
+    sources, table = listed(items, arena)
+    states = np.zeros(len(items), np.int64)
+    assert repack_listed(sources, table, arena.buffer, states, 0, len(items), 1)
+    assert list(states) == [1 + MADE] * len(items)
+    return [result for result, _ in planned], sources
+
+
+@pytest.mark.parametrize("zeros", ["packed", "typed", "none"])
+@pytest.mark.parametrize("where", ["arena", "mapped", "apart"])
+def test_listed_tiles_are_a_runs_own_bits(zeros, where):
+    """Weights of 48/40/64 columns (a last tile padded), joined parts and a weight alone: the tiles
+    of one listed call equal each weight's made alone; inputs in one buffer are read in place
+    (nothing staged), others staged."""
+    singles = [_weights(40, 96, zeros), _weights(64, 200, zeros)]
+    joined = [_weights(48, 96, zeros), _weights(32, 96, zeros)]
+    flat = [a for triple in singles + joined for a in triple]
+    if where != "apart":
+        flat = _in_one_buffer(flat, where)
+    triples = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
+    weight_parts = [[triples[0]], [triples[1]], triples[2:]]
+    results, sources = _listed_tiles(weight_parts)
+    apart = sum(a.nbytes for a in flat[1:] if a is not None)  # all but the first weight's own buffer
+    assert sources[1].size == (apart if where == "apart" else 0)
+    for parts, result in zip(weight_parts, results):
+        expected = cq._made(*cq._planned_tiles(parts))
+        assert len(result) == len(expected)
+        for made, want in zip(result, expected):
+            assert made.shape == want.shape and np.array_equal(made, want)
+
+
+def test_a_mapped_file_is_one_buffer():
+    """Arrays from a mapped file's memoryview are found in the whole file (`_buffer_of`)."""
+    first, second = _in_one_buffer([np.arange(10, dtype=np.float32), np.arange(7, dtype=np.uint8)], "mapped")
+    buffer = _buffer_of(second)
+    assert buffer is not None and buffer.nbytes >= first.nbytes + second.nbytes
+    assert _buffer_of(first).__array_interface__["data"][0] == buffer.__array_interface__["data"][0]
+
+
+def test_an_item_claimed_elsewhere_is_left_to_its_maker():
+    """A call making items skips one another thread has claimed (its state not FREE) and returns
+    once that one is marked made."""
+    parts = [_weights(32, 64, "packed")]
+    arena = Arena(Arena.sized(cq._tile_shapes(parts)))
+    result, items = cq._planned_tiles(parts, arena.empty)
+    sources, table = listed(items, arena)
+    states = np.array([2 + MADE], np.int64)  # made by maker 2 already
+    assert repack_listed(sources, table, arena.buffer, states, 0, 1, 1)
+    assert states[0] == 2 + MADE  # not made again (nor claimed) by maker 1
+    states[0] = FREE
+    assert repack_listed(sources, table, arena.buffer, states, 0, 1, 1) and states[0] == 1 + MADE
+    for made, want in zip(result, cq._made(*cq._planned_tiles(parts))):
+        assert np.array_equal(made, want)
