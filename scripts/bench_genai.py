@@ -263,8 +263,8 @@ with zero points, accuracy_level 1, the LM head 4-bit too; GroupQueryAttention o
 its weights as Qwen2 and Phi-3 (`-p fp32`). runnx runs the folder through `DecoderStep.from_folder` and `wait_prepared`
 (4-bit tiles made, as genai's load prepacks), genai through its Generator. Decode tokens/s at each context: the median
 step of {args.steps}, the median of {args.rounds} processes per engine, alternating; prefill tokens/s of a prompt of the largest
-context. For scale: llama.cpp decodes the same model in Q4_1 with 2 threads at {bar} tokens/s on this
-machine kind. runnx {git_revision()}; {machine()}.
+context. For scale: llama.cpp decodes the same model in Q4_1 with 2 threads at {bar} tokens/s on a 2-core
+Intel Xeon guest. runnx {git_revision()}; {machine()}.
 Command: `{command}`.
 
 {table}
