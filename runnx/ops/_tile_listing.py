@@ -1,7 +1,7 @@
 """A model's 4-bit weights listed for `repack_listed` (`_kernels_nibble_tiles`): each input as a byte
 range of the buffer the weights lie in, each output as a byte range of one arena. Made from a
 prepacking thread's items in one native call, a model's tiles need the GIL only before and after:
-a tokenizer loading beside the model (which holds it for 90 ms) no longer stops them half-made.
+a tokenizer loading beside the model, which holds it for 90 ms, does not stop them half-made.
 
 Addresses are only subtracted here, never turned back into pointers: the kernel indexes its
 buffers by the offsets, each checked to lie inside its buffer."""
@@ -66,9 +66,10 @@ def listed(items: list, arena: Arena) -> tuple[tuple, np.ndarray]:
         staged[at:at + array.nbytes] = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         at += array.nbytes
     table = np.zeros((len(items), LISTED), np.int64)
+    inputs = iter(places)
     for row, (weights, scales, packed, typed, mode, tiles, tile_scales, byte_zeros, float_zeros) in zip(table, items):
-        (row[W_SOURCE], row[W_AT]), (row[S_SOURCE], row[S_AT]), (row[Z_SOURCE], row[Z_AT]) = places[:3]
-        del places[:3]
+        (row[W_SOURCE], row[W_AT]), (row[S_SOURCE], row[S_AT]), (row[Z_SOURCE], row[Z_AT]) = (
+            next(inputs), next(inputs), next(inputs))
         row[COLUMNS], row[BLOCKS], row[BLOB] = weights.shape
         row[ZERO_MODE] = mode
         row[Z_COUNT] = packed.size if mode == ZERO_PACKED else typed.size if mode == ZERO_TYPED else 0

@@ -20,7 +20,8 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.runtime.atomics import add, call_units, compare_and_swap, load, pause, store
+from runnx.runtime.addresses import call_units
+from runnx.runtime.atomics import add, compare_and_swap, load, pause, store
 from runnx.runtime.slots import (CLAIM, CLAIM_SHIFT, COMPLETED, FIRST_PHASE, IDLE, INDEX_BITS, KIND, LINGER,
                                  MAILBOX_SIZE, NOTHING_TO_CLAIM, POSTED, SHARED, STOP, UNITS, UNITS_CODE)
 from runnx.runtime.units import compute_unit

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numba
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.runtime.atomics import float32_view, load, store
+from runnx.runtime.addresses import float32_view
+from runnx.runtime.atomics import load, store
 
 # mailbox slots, one cache line (8 int64) apart so the spinning reads do not share lines with the
 # caller's writes; IDLE + w is worker w's, so there are at most MAX_WORKERS (one line of flags)

@@ -29,7 +29,8 @@ from runnx.ops._kernels_linalg import chunk_bounds, columns_into, rows_into, row
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE, tile_rows
 from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
 from runnx.ops._kernels_vnni import tile_sums_into
-from runnx.runtime.atomics import byte_pointer, float32_pointer, float64_from_bits, load
+from runnx.runtime.addresses import byte_pointer, float32_pointer
+from runnx.runtime.atomics import float64_from_bits, load
 from runnx.runtime.slots import (ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS, BLOCK_KEY,
                                  BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS, COLUMNS, DEPTH,
                                  ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS, GEMM, GEMM_A, GEMM_B,

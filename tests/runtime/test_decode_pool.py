@@ -800,17 +800,23 @@ def test_a_4_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_po
 
 
 def test_only_the_posting_functions_turn_arrays_into_addresses():
-    """Only the pool's native modules import the address intrinsics; of them, only `jobs.py`'s
-    posting functions (which check their arrays first) and `slots.post_array` (which they call) take
-    an array's address."""
+    """Only the pool's native modules import the address intrinsics (`addresses.py`; the atomic
+    operations of `atomics.py` are for any thread sharing memory); of them, only `jobs.py`'s posting
+    functions (which check their arrays first) and `slots.post_array` (which they call) take an
+    array's address."""
     import ast
     from pathlib import Path
 
     import runnx
+    from runnx.runtime import addresses, atomics
     package = Path(runnx.__file__).parent
     importers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
-                       if "runnx.runtime.atomics" in path.read_text() and path.name != "atomics.py")
-    assert importers == ["runtime/jobs.py", "runtime/mailbox.py", "runtime/slots.py", "runtime/units.py"]
+                       if "runnx.runtime.addresses" in path.read_text() and path.name != "addresses.py")
+    assert importers == ["runtime/mailbox.py", "runtime/slots.py", "runtime/units.py"]
+    pointers = {name for name in vars(addresses) if not name.startswith("_")} - {"annotations", "intrinsic",
+                                                                                  "ir", "types", "populate_array"}
+    assert pointers == {"float32_view", "float32_pointer", "byte_pointer", "call_units"}
+    assert "inttoptr" not in Path(atomics.__file__).read_text()  # every integer-to-pointer cast is in addresses.py
 
     def functions_of(module):
         source = (package / "runtime" / module).read_text()
