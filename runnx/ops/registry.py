@@ -30,13 +30,13 @@ before reading data any other way.
 ``prepack=fn`` declares a kernel that prepares something from its constant inputs on its first
 call and keeps it (a 4-bit weight's tiles, in a `Remembered`): fn(inputs, attrs), given the
 node's inputs (its constants; None for an input left out, `COMPUTED` for one computed by a run)
-and its attributes with their defaults, makes it ahead (`Model.prepack_in_background`, as
-onnxruntime's kernels prepack at session creation) and returns nothing, or returns it planned:
-pending work with a `batch` function, which the prepacking thread calls once with every node's
-pending work of that function, in the graph's order, and which returns a function making it
-(called once every kind is planned: a model's 4-bit tiles made in one native call that needs no
-GIL, while the thread that started the prepack goes on). It checks what the kernel would check
-before making it, and what it raises is dropped: the node's own run raises it.
+and its attributes with their defaults, plans making it ahead (`Model.prepack_in_background`, as
+onnxruntime's kernels prepack at session creation): it returns None when there is nothing to
+make, else the pending work, with a `batch` function, which the prepacking thread calls once with
+every node's pending work of that function, in the graph's order, and which returns a function
+making it (called once every kind is planned: a model's 4-bit tiles made in one native call that
+needs no GIL, while the thread that started the prepack goes on). It checks what the kernel would
+check before making it, and what it raises is dropped: the node's own run raises it.
 
 A kernel returns one value, or a tuple for several outputs (a list is a sequence value). It must
 never return a writeable array that it keeps a reference to (module caches must be read-only).

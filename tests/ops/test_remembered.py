@@ -62,6 +62,26 @@ def test_an_entry_goes_with_its_arrays_and_keeps_none_alive():
     assert len(calls) == 4
 
 
+def test_a_promised_fact_is_joined_not_computed_and_kept_once():
+    """A promise (a prepack's work under way) is called by the first lookup missing it, instead of
+    the function; a promise giving None leaves the function to compute; `keep` fulfils a promise,
+    keeping the first result; `withdraw` drops one."""
+    fact, calls = _counting()
+    a, b, c = _read_only(np.zeros(3)), _read_only(np.zeros(4)), _read_only(np.zeros(5))
+    joined = []
+    fact.promise((1,), (a,), lambda: joined.append(1) or "made elsewhere")
+    assert fact((1,), a) == fact((1,), a) == "made elsewhere"
+    assert joined == [1] and calls == []  # joined once, computed never
+    fact.promise((1,), (b,), lambda: None)  # refused: the function computes
+    assert fact((1,), b) == ((1,), 4) and calls == [(1,)]
+    fact.promise((1,), (c,), lambda: pytest.fail("a kept promise is not joined"))
+    assert fact.keep((1,), (c,), "kept") == "kept"
+    assert fact((1,), c) == "kept" and fact.keep((1,), (c,), "again") == "kept"  # the first stays
+    fact.promise((2,), (c,), lambda: pytest.fail("a withdrawn promise is not joined"))
+    fact.withdraw((2,), (c,))
+    assert fact((2,), c) == ((2,), 5)
+
+
 def test_switched_off_every_call_computes(monkeypatch):
     fact, calls = _counting()
     a = _read_only(np.zeros(3))
