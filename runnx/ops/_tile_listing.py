@@ -41,25 +41,25 @@ class Arena:
 
 def listed(items: list, arena: Arena) -> tuple[tuple, np.ndarray]:
     """(sources, table) for `repack_listed`: a row a `repack` item (its argument tuple), whose outputs
-    are arrays of `arena`. Inputs lying in the buffer of the first weight (its mapped file or the
-    load's weight arena) are read there; any other (a joined weight, scales converted to float32) is
-    copied into a staging buffer, the second source."""
-    main = _buffer_of(items[0][0]) if items else None
-    if main is None:
-        main = np.empty(0, np.uint8)
+    are arrays of `arena`. Inputs lying in the buffers of the first item's weights, scales and zero
+    points (a mapped data file, the load's weight arena, or a file a tensor) are read there; any
+    other (a joined weight, scales converted to float32) is copied into a staging buffer, the last
+    source. `buffers_of` groups a model's weights so that each group's lie in its own buffers."""
+    mains = [b if b is not None else _NOWHERE for b in buffers_of(items[0])] if items else [_NOWHERE] * 3
     staged_arrays: list[np.ndarray] = []
     staged_bytes = 0
     places: list[tuple] = []  # (source, at) of each item's weights, scales, zero points
     for weights, scales, packed, typed, mode, *_ in items:
-        zeros = packed if mode == ZERO_PACKED else typed
-        for array in (weights, scales, zeros):
-            at = _offset_in(array, main)
-            if at is None:
-                places.append((1, staged_bytes))
+        for array in (weights, scales, packed if mode == ZERO_PACKED else typed):
+            for source, main in enumerate(mains):
+                at = _offset_in(array, main)
+                if at is not None:
+                    places.append((source, at))
+                    break
+            else:
+                places.append((len(mains), staged_bytes))
                 staged_arrays.append(array)
                 staged_bytes += array.nbytes
-            else:
-                places.append((0, at))
     staged = np.empty(staged_bytes, np.uint8)
     at = 0
     for array in staged_arrays:
@@ -77,7 +77,21 @@ def listed(items: list, arena: Arena) -> tuple[tuple, np.ndarray]:
         row[TILES_AT], row[SCALES_AT] = _offset_in(tiles, arena.buffer), _offset_in(tile_scales, arena.buffer)
         zeros = byte_zeros if mode == ZERO_PACKED else float_zeros if mode == ZERO_TYPED else None
         row[ZEROS_AT] = 0 if zeros is None else _offset_in(zeros, arena.buffer)
-    return (_read_only(main), _read_only(staged)), table
+    return tuple(_read_only(source) for source in (*mains, staged)), table
+
+
+_NOWHERE = np.empty(0, np.uint8)  # a source no input lies in
+
+
+def buffers_of(item: tuple) -> tuple:
+    """The buffers (`_buffer_of`) an item's weights, scales and zero points lie in."""
+    weights, scales, packed, typed, mode, *_ = item
+    return tuple(_buffer_of(a) for a in (weights, scales, packed if mode == ZERO_PACKED else typed))
+
+
+def buffers_key(buffers: tuple) -> tuple:
+    """Which buffers these are (address and size each): weights listed together read the same."""
+    return tuple(None if b is None else (_address(b), b.nbytes) for b in buffers)
 
 
 def _buffer_of(array: np.ndarray) -> np.ndarray | None:
@@ -91,7 +105,7 @@ def _buffer_of(array: np.ndarray) -> np.ndarray | None:
             return np.frombuffer(root.base.obj, np.uint8)
         except (TypeError, ValueError, BufferError):
             pass
-    return root.reshape(-1).view(np.uint8) if root.flags.c_contiguous else None
+    return root.reshape(-1).view(np.uint8) if root.flags.c_contiguous and root.size else None
 
 
 def _address(array: np.ndarray) -> int:

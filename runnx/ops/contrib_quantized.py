@@ -21,7 +21,7 @@ from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, 
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, MADE, TILE, repack, repack_listed
 from runnx.ops._fused_common import DOMAIN as FUSED_DOMAIN
 from runnx.ops._remembered import Remembered
-from runnx.ops._tile_listing import Arena, listed
+from runnx.ops._tile_listing import Arena, buffers_key, buffers_of, listed
 from runnx.ops.fused_norms import SiluMul
 from runnx.ops.linalg_integer import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
@@ -149,32 +149,41 @@ class _PendingTiles:
 
     @staticmethod
     def batch(pending: list):
-        """Plan the tiles of every weight side by side in one arena and list them (`_tile_listing`);
-        returns the function making them in one native call (`repack_listed`), then keeping each.
-        Every weight is promised to its `Remembered` first: a run reaching one not kept yet makes
-        the items of it that the prepacking thread has not started, and waits for the others
+        """Plan the tiles of every weight side by side in one arena and list them (`_tile_listing`),
+        weights lying in the same buffers together (one group for a model whose weights share a
+        data file or the load's arena; a file a tensor, a group a weight: nothing copied); returns
+        the function making each group in one native call (`repack_listed`), then keeping each
+        weight. Every weight is promised to its `Remembered` first: a run reaching one not kept yet
+        makes the items of it that the prepacking thread has not started, and waits for the others
         (`join`): no tiles made twice, and the run waits for at most the items being made."""
         pending = [p for p in pending if not p.known()]  # (a run may have made some since)
         arena = Arena(Arena.sized([shape for p in pending for shape in _tile_shapes(p.parts)]))
+        groups: dict = {}
         for p in pending:
             p.result, p.items = _planned_tiles(p.parts, arena.empty)
-        sources, table = listed([item for p in pending for item in p.items], arena)
-        states, first = np.zeros(len(table), np.int64), 0
-        for p in pending:
-            p.listing, p.first = (sources, table, arena.buffer, states), first
-            first += len(p.items)
-            p.remembered.promise(p.values, p.arrays, p.join)
-        # loaded now (from numba's cache, on a process's first call: Python holding the GIL for
-        # milliseconds), so that the call `make` begins with is native at once
-        repack_listed(sources, table, arena.buffer, states, 0, 0, PREPACK)
+            groups.setdefault(buffers_key(buffers_of(p.items[0])), []).append(p)
+        listings = []
+        for group in groups.values():
+            sources, table = listed([item for p in group for item in p.items], arena)
+            states, first = np.zeros(len(table), np.int64), 0
+            for p in group:
+                p.listing, p.first = (sources, table, arena.buffer, states), first
+                first += len(p.items)
+                p.remembered.promise(p.values, p.arrays, p.join)
+            listings.append((p.listing, group))
+        if listings:  # loaded now (from numba's cache, on a process's first call: Python holding the
+            # GIL for milliseconds), so that the calls `make` begins with are native at once
+            repack_listed(*listings[0][0], 0, 0, PREPACK)
 
         def make() -> None:
-            repack_listed(sources, table, arena.buffer, states, 0, len(table), PREPACK)
-            for p in pending:
-                if not np.all(states[p.first:p.first + len(p.items)] & MADE):
-                    p.remembered.withdraw(p.values, p.arrays)  # a run reaching it makes it alone, and raises
-                elif not p.known():  # (else a run's `join` kept it)
-                    p.keep()
+            for listing, group in listings:
+                states = listing[3]
+                repack_listed(*listing, 0, len(states), PREPACK)
+                for p in group:
+                    if not np.all(states[p.first:p.first + len(p.items)] & MADE):
+                        p.remembered.withdraw(p.values, p.arrays)  # a run reaching it makes it alone, and raises
+                    elif not p.known():  # (else a run's `join` kept it)
+                        p.keep()
         return make
 
     def join(self) -> tuple | None:

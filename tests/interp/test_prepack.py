@@ -98,18 +98,26 @@ def listings(monkeypatch):
     return calls
 
 
+def _from_file(tmp_path, model_bytes: bytes):
+    """The model loaded from a file, as models are: its weights side by side in the load's arena
+    (from bytes, each is an array of its own, a prepack listing each apart)."""
+    path = tmp_path / "model.onnx"
+    path.write_bytes(model_bytes)
+    return runnx.load(str(path))
+
+
 def _kinds(model) -> list[str]:
     return sorted(node.op_type for node in model.graph.nodes)
 
 
-def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made, listings):
+def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made, listings, tmp_path):
     """... and its 4-bit tiles in one native call for all the weights (`repack_listed`: no GIL
     needed until all are made), where a run makes each weight's alone."""
     model_bytes = _model(integer=vnni.AVAILABLE)
     x = RNG.standard_normal((1, 3, K)).astype(np.float32)
     reference = runnx.load(model_bytes).run({"x": x})  # its run makes its own tiles
     made.clear()
-    model = runnx.load(model_bytes)
+    model = _from_file(tmp_path, model_bytes)
     assert {"SharedInputMatMulNBits", "MatMulNBits"} <= set(_kinds(model))
     thread = model.prepack_in_background()
     thread.join()
@@ -127,7 +135,7 @@ def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made, li
         assert np.array_equal(outputs[name], value), name
 
 
-def test_a_run_beside_the_prepack_shares_its_items_and_makes_none_twice(made, listings, monkeypatch):
+def test_a_run_beside_the_prepack_shares_its_items_and_makes_none_twice(made, listings, monkeypatch, tmp_path):
     """The run reaches the weights before the prepack's native call begins (held back here): it
     makes their items itself through the prepack's listing (`join`), which then finds them made
     and makes none again; each weight is kept once, the outputs the same bits."""
@@ -135,7 +143,7 @@ def test_a_run_beside_the_prepack_shares_its_items_and_makes_none_twice(made, li
     x = RNG.standard_normal((1, 1, K)).astype(np.float32)
     reference = runnx.load(model_bytes).run({"x": x})
     made.clear()
-    model = runnx.load(model_bytes)
+    model = _from_file(tmp_path, model_bytes)
     listed = contrib_quantized.repack_listed
 
     def held_back(*args):
@@ -157,11 +165,11 @@ def test_a_run_beside_the_prepack_shares_its_items_and_makes_none_twice(made, li
         assert np.array_equal(outputs[name], value), name
 
 
-def test_the_prepack_makes_its_tiles_while_another_thread_holds_the_gil(listings):
+def test_the_prepack_makes_its_tiles_while_another_thread_holds_the_gil(listings, tmp_path):
     """`prepack_in_background` returns once the prepack is planned; its native call then needs no
     GIL: a caller holding the GIL next (here a C loop; in the generation API a tokenizer loading)
     finds every item made when it lets go."""
-    model = runnx.load(_model())
+    model = _from_file(tmp_path, _model())
     thread = model.prepack_in_background()
     sum(range(20_000_000))  # C code holding the GIL throughout (no bytecode between)
     states = listings[0][4].copy()

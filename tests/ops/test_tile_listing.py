@@ -75,13 +75,33 @@ def test_listed_tiles_are_a_runs_own_bits(zeros, where):
     triples = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
     weight_parts = [[triples[0]], [triples[1]], triples[2:]]
     results, sources = _listed_tiles(weight_parts)
-    apart = sum(a.nbytes for a in flat[1:] if a is not None)  # all but the first weight's own buffer
-    assert sources[1].size == (apart if where == "apart" else 0)
+    apart = sum(a.nbytes for a in flat[3:] if a is not None)  # all but the first weight's own buffers
+    assert sources[-1].size == (apart if where == "apart" else 0)
     for parts, result in zip(weight_parts, results):
         expected = cq._made(*cq._planned_tiles(parts))
         assert len(result) == len(expected)
         for made, want in zip(result, expected):
             assert made.shape == want.shape and np.array_equal(made, want)
+
+
+def test_weights_in_buffers_of_their_own_are_listed_apart_and_nothing_is_copied():
+    """A prepack's weights each in files of their own (external data, a file a tensor) make a listing
+    each, nothing staged; those sharing one buffer make one; the tiles are each weight's own."""
+    alone = [_in_one_buffer(list(_weights(48, 96, "packed")), "mapped") for _ in range(2)]
+    shared = _in_one_buffer([a for _ in range(2) for a in _weights(32, 64, "packed")], "mapped")
+    triples = alone + [shared[:3], shared[3:]]
+    pending = [cq._prepack_tiles((None, *t), {"K": t[0].shape[1] * BLOCK, "N": t[0].shape[0], "bits": 4,
+                                              "block_size": BLOCK}) for t in triples]
+    make = cq._PendingTiles.batch(pending)
+    tables = {id(p.listing[1]): p.listing for p in pending}
+    assert len(tables) == 3  # one a file alone, one for the two sharing a file
+    assert all(listing[0][-1].size == 0 for listing in tables.values())  # nothing staged
+    make()
+    for t in triples:
+        made = cq._remembered_tiles.known_result(((), *map(id, t)))
+        assert made is not None
+        for got, want in zip(made, cq._made(*cq._planned_tiles([t]))):
+            assert np.array_equal(got, want)
 
 
 def test_a_mapped_file_is_one_buffer():
