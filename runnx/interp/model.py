@@ -220,8 +220,8 @@ def _prepack(work: list, planned: threading.Event) -> None:
                 made = prepack(inputs, attrs)
             except Exception:  # noqa: BLE001 (the node's own run raises it, with its name)
                 continue
-            if made is not None:
-                pending.setdefault(made.batch, []).append(made)
+            for one in made if isinstance(made, list) else () if made is None else (made,):
+                pending.setdefault(one.batch, []).append(one)
         for batch, items in pending.items():
             try:
                 makes.append(batch(items))

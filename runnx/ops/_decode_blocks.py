@@ -25,7 +25,7 @@ from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_gate_i
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops._kernels_rows import split_heads_into
-from runnx.runtime.jobs import post_attention, post_gelu, post_gemm, post_gemms, post_products
+from runnx.runtime.jobs import post_attention, post_gelu, post_gemm, post_gemms, post_nbits, post_products
 from runnx.runtime.mailbox import own_box
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -98,6 +98,34 @@ def gated_down(box, workers, gate, decay, up, weight, residual, epsilon, one, no
     """(residual + silu(gate) * up @ weight, its norm: `_add_norm`) for decay = exp(-gate) (numpy's):
     the MLP's activation, down product, residual add and the next norm."""
     summed = _product(box, workers, silu_mul_into(gate, decay, up), weight)
+    return summed, _add_norm(residual, summed, epsilon, one, norm_weight, skip)
+
+
+@_jit
+def normed_gate_nbits(box, workers, a, b, epsilon, one, norm_weight, skip, tiles, scales, zeros, columns, gate_at,
+                      up_at, inner):
+    """(s, gate, -gate, up, max(-gate)) for s = a + b, C-contiguous float32 rows (M, K), and gate, up
+    the columns gate_at and up_at .. + inner of its norm (`_add_norm`) times the joined 4-bit tiles
+    of the gate and up weights (and any others: `columns` in all), one products job (`post_nbits`): GatedMLPNBits' residual add and
+    norm and its two products, the bits of the nodes it replaced."""
+    summed = b.copy()
+    normed = _add_norm(a, summed, epsilon, one, norm_weight, skip)
+    products = np.empty((a.shape[0], columns), np.float32)
+    post_nbits(box, workers, normed, tiles, scales, zeros, products)
+    gate = np.ascontiguousarray(products[:, gate_at:gate_at + inner])
+    up = np.ascontiguousarray(products[:, up_at:up_at + inner])
+    negated, largest = _negated(gate)
+    return summed, gate, negated, up, largest
+
+
+@_jit
+def gated_down_nbits(box, workers, gate, decay, up, tiles, scales, zeros, width, residual, epsilon, one, norm_weight,
+                     skip):
+    """(residual + silu(gate) * up times the down weight's 4-bit tiles, its norm: `_add_norm`) for
+    decay = exp(-gate) (numpy's), rows (M, inner): GatedMLPNBits' activation, down product, residual
+    add and the next norm."""
+    summed = np.empty((gate.shape[0], width), np.float32)
+    post_nbits(box, workers, silu_mul_into(gate, decay, up), tiles, scales, zeros, summed)
     return summed, _add_norm(residual, summed, epsilon, one, norm_weight, skip)
 
 

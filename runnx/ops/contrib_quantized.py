@@ -36,7 +36,7 @@ _STREAMED_ROWS = 8  # up to this many rows of A stream the packed weights; more 
 # 4-bit float32 products read their column tiles (`_nibble_tiles`) for up to this many rows: below it
 # dequantizing a panel of every weight costs more than the rows' multiply-adds (a 32-token prompt's
 # products 1.8x faster, 64 rows 1.2x; 96 rows even)
-_TILED_ROWS = 64
+TILED_ROWS = 64
 _PANEL_BYTES = 1 << 20  # a dequantized panel's size for the BLAS path
 # runnx's own kernels pack the rows anew for every product: wider panels, fewer packings
 _OWN_PANEL_BYTES = 1 << 22
@@ -233,7 +233,7 @@ def _check_g_idx(g_idx, depth: int, block_size: int):
                          "supported; re-quantize the model without act-order")
 
 
-def _prepack_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
+def prepack_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
     """MatMulNBits' tiles planned ahead (`registry`'s prepack): a constant 4-bit weight that its few-row
     products read as tiles (`_nibble_product`), checked as MatMulNBits checks it first."""
     b, scales, zero_points, g_idx = (inputs[1:] + (None, None, None))[:4]
@@ -248,7 +248,7 @@ def _prepack_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
     return None
 
 
-@register("MatMulNBits", since=1, domain=DOMAIN, overlaps_jobs=True, prepack=_prepack_tiles)
+@register("MatMulNBits", since=1, domain=DOMAIN, overlaps_jobs=True, prepack=prepack_tiles)
 def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int, N: int, bits: int = 4,
                 block_size: int, accuracy_level: int = 0):
     """a (..., K) @ dequantize(b).T (+ bias): b (N, blocks, block_size * bits / 8) uint8, value i of a
@@ -259,7 +259,7 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
         tiles = _remembered_tiles.known_result(((), id(b), id(scales), id(zero_points)))
         if tiles is not None and b.shape == (N, (K + block_size - 1) // block_size, block_size // 2):
             rows = a.reshape(-1, K)  # B, scales and zero points checked when their tiles were made
-            if rows.shape[0] <= _TILED_ROWS and rows.flags.c_contiguous:
+            if rows.shape[0] <= TILED_ROWS and rows.flags.c_contiguous:
                 out = np.empty((rows.shape[0], N), _FLOAT32)
                 if bias is None:
                     decode_pool.open_nbits_rows(rows, *tiles, out)
@@ -267,24 +267,14 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
                 decode_pool.nbits_rows(rows, *tiles, out)
                 return _with_bias(out, bias, _FLOAT32).reshape(a.shape[:-1] + (N,))
     decode_pool.settle()  # a may be the output of a job left open
-    if bits not in (2, 4, 8):
-        raise RunnxError(f"MatMulNBits: bits must be 2, 4 or 8, got {bits}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise RunnxError(f"MatMulNBits: block_size must be a power of 2 and at least 16, got {block_size}")
-    blocks = (K + block_size - 1) // block_size
-    blob = block_size * bits // 8
-    if b.dtype != np.uint8 or b.shape != (N, blocks, blob):
-        raise RunnxError(f"MatMulNBits: B must be uint8 of shape [{N}, {blocks}, {blob}] for K={K}, N={N}, "
-                         f"bits={bits}, block_size={block_size}; got {b.dtype} {list(b.shape)}")
+    blocks = _check_weight(b, scales, K, N, bits, block_size)
     if a.shape[-1:] != (K,):
         raise RunnxError(f"MatMulNBits: A's last dimension must be K={K}, got shape {list(a.shape)}")
-    if scales.size != N * blocks:
-        raise RunnxError(f"MatMulNBits: scales have {scales.size} values, expected {N * blocks} (N x blocks)")
     _check_g_idx(g_idx, K, block_size)
     work = np.dtype(np.float64) if a.dtype == np.float64 else np.dtype(np.float32)
     rows = np.ascontiguousarray(a.reshape(-1, K), dtype=work)
     out = np.empty((rows.shape[0], N), work)
-    if rows.shape[0] <= _TILED_ROWS and bits == 4 and block_size >= 32 and work == np.float32:
+    if rows.shape[0] <= TILED_ROWS and bits == 4 and block_size >= 32 and work == np.float32:
         _nibble_product(rows, b, scales, zero_points, out)  # zero points checked once
         return _with_bias(out, bias, work).reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
     mode, packed, typed = _nbits_zero_points(zero_points, N, blocks, bits, work)
@@ -295,6 +285,33 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
     else:
         _panel_product(rows, b, flat_scales, (packed, typed, mode), bits, block_size, out)
     return _with_bias(out, bias, work).reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
+
+
+def _check_weight(b, scales, K: int, N: int, bits: int, block_size: int) -> int:
+    """The blocks of a MatMulNBits weight of K rows and N columns, whose B and scales are checked."""
+    if bits not in (2, 4, 8):
+        raise RunnxError(f"MatMulNBits: bits must be 2, 4 or 8, got {bits}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise RunnxError(f"MatMulNBits: block_size must be a power of 2 and at least 16, got {block_size}")
+    blocks = (K + block_size - 1) // block_size
+    blob = block_size * bits // 8
+    if b.dtype != np.uint8 or b.shape != (N, blocks, blob):
+        raise RunnxError(f"MatMulNBits: B must be uint8 of shape [{N}, {blocks}, {blob}] for K={K}, N={N}, "
+                         f"bits={bits}, block_size={block_size}; got {b.dtype} {list(b.shape)}")
+    if scales.size != N * blocks:
+        raise RunnxError(f"MatMulNBits: scales have {scales.size} values, expected {N * blocks} (N x blocks)")
+    return blocks
+
+
+def four_bit_tiles(b, scales, zero_points, K: int, N: int, block_size: int) -> tuple:
+    """The tiles of a constant 4-bit weight (block_size 32 or more) that its few-row products read,
+    made on first use and kept (`_remembered_tiles`), checked as MatMulNBits checks it first."""
+    tiles = _remembered_tiles.known_result(((), id(b), id(scales), id(zero_points)))
+    if tiles is not None and b.shape == (N, (K + block_size - 1) // block_size, block_size // 2):
+        return tiles
+    blocks = _check_weight(b, scales, K, N, 4, block_size)
+    _nbits_zero_points(zero_points, N, blocks, 4, _FLOAT32)
+    return _remembered_tiles((), b, scales, zero_points)
 
 
 def _joined_tiles(shape: tuple, *parts):
@@ -328,21 +345,22 @@ def _joined_parts(shape: tuple, *parts) -> list:
     return [(weights, scales, zero_points)]
 
 
-# made on the first few-row product, kept while the weights live (`_remembered_tiles`)
-_remembered_joined_tiles = Remembered(_joined_tiles)
+# made on the first few-row product, kept while the weights live (`_remembered_tiles`):
+# joined_four_bit_tiles((K, block_size, columns), *parts), the parts checked when they are made
+joined_four_bit_tiles = Remembered(_joined_tiles)
 
 
-def _prepack_joined_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
+def prepack_joined_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
     """SharedInputMatMulNBits' joined tiles planned ahead (`registry`'s prepack), checked as they are
     when a few-row product makes them (`_joined_tiles`)."""
     parts = inputs[1:]
     if not parts or any(x is COMPUTED for x in parts) or attrs.get("block_size", 0) < 32:
         return None
     shape = (attrs["K"], attrs["block_size"], tuple(attrs["columns"]))
-    return _pending(_remembered_joined_tiles, shape, parts, lambda: _joined_parts(shape, *parts))
+    return _pending(joined_four_bit_tiles, shape, parts, lambda: _joined_parts(shape, *parts))
 
 
-@register("SharedInputMatMulNBits", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True, prepack=_prepack_joined_tiles)
+@register("SharedInputMatMulNBits", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True, prepack=prepack_joined_tiles)
 def SharedInputMatMulNBits(a, *parts, K: int, columns: tuple, block_size: int, gated: tuple = ()):
     """(MatMulNBits(a, b, scales, zero_points, K=K, N=n, bits=4, block_size=block_size) for each
     (b, scales, zero_points) of `parts` and n of `columns`): the 4-bit products of one input (a
@@ -353,10 +371,10 @@ def SharedInputMatMulNBits(a, *parts, K: int, columns: tuple, block_size: int, g
     MatMulNBits product by product. gated (gate, up): those two come out as one, SiluMul(gate,
     up), after the others."""
     rows = a.reshape(-1, K) if a.shape[-1:] == (K,) else None
-    if (rows is not None and a.dtype == _FLOAT32 and rows.shape[0] <= _TILED_ROWS and block_size >= 32
+    if (rows is not None and a.dtype == _FLOAT32 and rows.shape[0] <= TILED_ROWS and block_size >= 32
             and rows.flags.c_contiguous):
         out = np.empty((rows.shape[0], sum(columns)), _FLOAT32)
-        tiles = _remembered_joined_tiles((K, block_size, columns), *parts)
+        tiles = joined_four_bit_tiles((K, block_size, columns), *parts)
         if gated:  # the gate reads the products
             decode_pool.nbits_rows(rows, *tiles, out)
         else:

@@ -32,9 +32,9 @@ call and keeps it (a 4-bit weight's tiles, in a `Remembered`): fn(inputs, attrs)
 node's inputs (its constants; None for an input left out, `COMPUTED` for one computed by a run)
 and its attributes with their defaults, plans making it ahead (`Model.prepack_in_background`, as
 onnxruntime's kernels prepack at session creation): it returns None when there is nothing to
-make, else the pending work, with a `batch` function, which the prepacking thread calls once with
-every node's pending work of that function, in the graph's order, and which returns a function
-making it (called once every kind is planned: a model's 4-bit tiles made in one native call that
+make, else the pending work (a list of them for a kernel with several weights), each with a
+`batch` function, which the prepacking thread calls once with every node's pending work of that
+function, in the graph's order, and which returns a function making it (called once every kind is planned: a model's 4-bit tiles made in one native call that
 needs no GIL, while the thread that started the prepack goes on). It checks what the kernel would
 check before making it, and what it raises is dropped: the node's own run raises it.
 

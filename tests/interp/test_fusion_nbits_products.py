@@ -120,3 +120,94 @@ def test_matmul_nbits_second_call_takes_its_remembered_tiles_with_the_same_bits(
     np.testing.assert_array_equal(contrib_quantized.MatMulNBits(wide[:, ::2], b, scales, zeros, **attributes), first)
     with pytest.raises(RunnxError, match="A's last dimension must be K=100"):
         contrib_quantized.MatMulNBits(a[:, :99], b, scales, zeros, **attributes)
+
+
+def _gated_mlp_model(form, zero_points, K=64, inner=96, block_size=32, read_inside=None):
+    """A decoder layer's MLP between two residual norms: (s, n) = the norm of a + b; gate and up
+    4-bit products of n, their SiLU gate, its 4-bit down product d; (s', n') = the norm of s + d,
+    both outputs. form "skip": onnxruntime's SkipSimplifiedLayerNormalization; "decomposed": Add
+    and RMSNorm's nodes (a fused AddRMSNorm). read_inside: a value between them also an output."""
+    constants, nodes = {}, []
+    for name, (N, depth) in (("gate", (inner, K)), ("up", (inner, K)), ("down", (K, inner))):
+        b, scales, zeros = _weights(N, depth, block_size, zero_points)
+        constants.update({f"{name}_b": b, f"{name}_s": scales, **({f"{name}_z": zeros} if zeros is not None else {})})
+    for name in ("g1", "g2"):
+        constants[name] = (1 + 0.1 * RNG.standard_normal(K)).astype(np.float32)
+
+    def norm(a, b, gamma, summed, normed):
+        if form == "skip":
+            return [helper.make_node("SkipSimplifiedLayerNormalization", [a, b, gamma], [normed, "", "", summed],
+                                     domain=MS, epsilon=1e-5)]
+        constants.update({"two": np.float32(2), "axes": np.array([-1]), "eps": np.float32(1e-5),
+                          "one": np.float32(1)})
+        return [helper.make_node("Add", [a, b], [summed]), helper.make_node("Pow", [summed, "two"], [f"{normed}/sq"]),
+                helper.make_node("ReduceMean", [f"{normed}/sq", "axes"], [f"{normed}/mean"], keepdims=1),
+                helper.make_node("Add", [f"{normed}/mean", "eps"], [f"{normed}/var"]),
+                helper.make_node("Sqrt", [f"{normed}/var"], [f"{normed}/std"]),
+                helper.make_node("Div", ["one", f"{normed}/std"], [f"{normed}/inv"]),
+                helper.make_node("Mul", [summed, f"{normed}/inv"], [f"{normed}/x"]),
+                helper.make_node("Mul", ["g1" if gamma == "g1" else "g2", f"{normed}/x"], [normed])]
+
+    def product(name, x, N, depth):
+        inputs = [x, f"{name}_b", f"{name}_s"] + ([f"{name}_z"] if f"{name}_z" in constants else [])
+        return helper.make_node("MatMulNBits", inputs, [name], domain=MS, K=depth, N=N, bits=4, block_size=block_size)
+
+    nodes += norm("a", "b", "g1", "s", "n")
+    nodes += [product("gate", "n", inner, K), product("up", "n", inner, K), helper.make_node("Sigmoid", ["gate"], ["sg"]),
+              helper.make_node("Mul", ["gate", "sg"], ["silu"]), helper.make_node("Mul", ["silu", "up"], ["gated"]),
+              product("down", "gated", K, inner)]
+    nodes += norm("s", "down", "g2", "s2", "n2")
+    outputs = ["n2", "s2"] + ([read_inside] if read_inside else [])
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info(n, F, None) for n in ("a", "b")],
+                              [helper.make_tensor_value_info(n, F, None) for n in outputs],
+                              [numpy_helper.from_array(v, k) for k, v in constants.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
+                             ir_version=10)
+
+
+@pytest.mark.parametrize("form", ["skip", "decomposed"])
+@pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
+def test_a_4bit_gated_mlp_between_residual_norms_is_one_node_with_the_same_bits(workers, form, zero_points):
+    """Decode rows and a short prompt take the two native calls, a long prompt the nodes' kernels:
+    bitwise the unfused graph's every time (and near onnxruntime's)."""
+    model = _gated_mlp_model(form, zero_points)
+    fused = runnx.load(model, shape_cache=False)
+    plain = runnx.load(model, shape_cache=False, fuse=False)
+    assert [n.op_type for n in fused.plan()] == ["GatedMLPNBits"]
+    session = onnxruntime.InferenceSession(model.SerializeToString()) if form == "skip" else None
+    for rows in (1, 3, 32, 80):
+        feeds = {name: RNG.standard_normal((1, rows, 64)).astype(np.float32) for name in ("a", "b")}
+        kept = {name: value.copy() for name, value in feeds.items()}
+        got, want = fused.run(feeds), plain.run(feeds)
+        for name, value in want.items():
+            np.testing.assert_array_equal(got[name], value)
+        for name, value in kept.items():
+            np.testing.assert_array_equal(feeds[name], value)  # (the inputs are not written)
+        if session is not None:
+            for name, value in zip(["n2", "s2"], session.run(["n2", "s2"], feeds)):
+                np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("read_inside", ["s", "n", "gated", "down"])
+def test_a_gated_mlp_whose_inner_value_is_read_outside_stays_apart(read_inside):
+    model = _gated_mlp_model("skip", "packed", read_inside=read_inside)
+    fused = runnx.load(model, shape_cache=False)
+    assert "GatedMLPNBits" not in [n.op_type for n in fused.plan()]
+    feeds = {name: RNG.standard_normal((1, 1, 64)).astype(np.float32) for name in ("a", "b")}
+    want = runnx.load(model, shape_cache=False, fuse=False).run(feeds)
+    for name, value in fused.run(feeds).items():
+        np.testing.assert_array_equal(value, want[name])
+
+
+def test_the_gated_mlp_checks_its_down_weight_as_matmul_nbits_does():
+    from runnx.ops.fused_nbits_blocks import GatedMLPNBits
+
+    gate, up = _weights(96, 64, 32, None), _weights(96, 64, 32, None)
+    down_b, down_scales, _ = _weights(64, 96, 32, None)
+    a = RNG.standard_normal((1, 64)).astype(np.float32)
+    gamma = np.ones(64, np.float32)
+    attributes = dict(K=64, block_size=32, columns=(96, 96), gated=(0, 1), epsilon=1e-5, down_epsilon=1e-5, skip=1)
+    with pytest.raises(RunnxError, match="scales have 191 values, expected 192"):
+        GatedMLPNBits(a, a, gamma, *gate, *up, down_b, down_scales.reshape(-1)[:191], None, gamma, **attributes)
+    with pytest.raises(RunnxError, match=r"B must be uint8 of shape \[64, 3, 16\]"):
+        GatedMLPNBits(a, a, gamma, *gate, *up, down_b[:, :2], down_scales, None, gamma, **attributes)

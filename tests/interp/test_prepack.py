@@ -59,7 +59,7 @@ def made(monkeypatch):
     """Every computation of 4-bit tiles (joined or alone) and VNNI tiles, by thread and weight: a run's
     own (the `Remembered`'s function), a run's share of a prepack's (`join`), or a prepack's kept."""
     calls = []
-    for remembered in (contrib_quantized._remembered_tiles, contrib_quantized._remembered_joined_tiles,
+    for remembered in (contrib_quantized._remembered_tiles, contrib_quantized.joined_four_bit_tiles,
                        linalg_integer._vnni_weights):
         def counted(values, *arrays, original=remembered.fn, kind=remembered):
             calls.append((threading.current_thread().name, kind, id(arrays[0])))
@@ -135,6 +135,29 @@ def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made, li
         assert np.array_equal(outputs[name], value), name
 
 
+def test_a_node_with_several_weights_has_each_prepacked(made, listings, tmp_path):
+    """A 4-bit gated MLP (GatedMLPNBits: its gate and up weights joined, its down weight alone):
+    both made by the prepack in its one call, none by the run, the outputs the same bits."""
+    from test_fusion_nbits_products import _gated_mlp_model
+
+    model_bytes = _gated_mlp_model("skip", "packed").SerializeToString()
+    feeds = {name: RNG.standard_normal((1, 1, 64)).astype(np.float32) for name in ("a", "b")}
+    reference = runnx.load(model_bytes).run(feeds)
+    made.clear()
+    model = _from_file(tmp_path, model_bytes)
+    assert _kinds(model) == ["GatedMLPNBits"]
+    model.prepack_in_background().join()
+    assert sorted(kind is contrib_quantized.joined_four_bit_tiles for _, kind, _ in made) == [False, True]
+    assert {name for name, _, _ in made} == {"runnx-prepack"}
+    (_, _, count, _, states), = listings
+    assert count == 3 and list(states) == [contrib_quantized.PREPACK + MADE] * 3
+    made.clear()
+    outputs = model.run(feeds)
+    assert made == []
+    for name, value in reference.items():
+        assert np.array_equal(outputs[name], value), name
+
+
 def test_a_run_beside_the_prepack_shares_its_items_and_makes_none_twice(made, listings, monkeypatch, tmp_path):
     """The run reaches the weights before the prepack's native call begins (held back here): it
     makes their items itself through the prepack's listing (`join`), which then finds them made
@@ -184,7 +207,7 @@ def test_a_run_waits_for_the_items_another_thread_is_making():
     for array in (b, scales, zeros):
         array.flags.writeable = False
     attrs = {"K": K, "N": 48, "bits": 4, "block_size": BLOCK}
-    pending = contrib_quantized._prepack_tiles((None, b, scales, zeros), attrs)
+    pending = contrib_quantized.prepack_tiles((None, b, scales, zeros), attrs)
     contrib_quantized._PendingTiles.batch([pending])
     states = pending.listing[3]
     states[0] = contrib_quantized.PREPACK  # claimed by the prepacking thread, not made yet
@@ -200,7 +223,7 @@ def test_a_run_waits_for_the_items_another_thread_is_making():
     assert all(np.array_equal(made, want) for made, want in zip(result[0], expected))
     contrib_quantized._remembered_tiles.withdraw((), (b, scales, zeros))
 
-    refused = contrib_quantized._prepack_tiles((None, *_nbits(48)), attrs)
+    refused = contrib_quantized.prepack_tiles((None, *_nbits(48)), attrs)
     contrib_quantized._PendingTiles.batch([refused])
     refused.listing[1][0, TILE_COUNT] = 1  # tiles for 16 of the 48 columns: repack raises
     assert refused.join() is None
@@ -211,7 +234,7 @@ def test_a_run_waits_for_the_items_another_thread_is_making():
 def test_what_a_prepack_cannot_make_is_left_to_the_run_which_refuses_it(made):
     model = runnx.load(_model(b_shape_wrong=True))
     model.prepack_in_background().join()  # nothing raised on its thread
-    assert [kind for _, kind, _ in made] == [contrib_quantized._remembered_joined_tiles]
+    assert [kind for _, kind, _ in made] == [contrib_quantized.joined_four_bit_tiles]
     with pytest.raises(RunnxError, match="B must be uint8 of shape"):
         model.run({"x": RNG.standard_normal((1, 1, K)).astype(np.float32)})
 
@@ -260,12 +283,14 @@ def test_a_decoder_step_waits_for_its_prepacking_when_asked(monkeypatch, fixture
 
 def test_a_real_int4_decoder_finds_every_weight_prepacked(smollm2_genai_int4_dir, made, monkeypatch):
     """onnxruntime-genai's int4 SmolLM2 through the generation API: the prepack thread makes the
-    tiles of every 4-bit product (q/k/v and gate/up joined, o, down, the LM head), so its first
-    prompt makes none, and its greedy token is the one the prompt gives without a prepack."""
+    tiles of every 4-bit product (q/k/v, o, gate/up joined and down: the last two in a
+    GatedMLPNBits; the LM head), so its first prompt makes none, and its greedy token is the one the
+    prompt gives without a prepack."""
     decoder = DecoderStep.from_folder(smollm2_genai_int4_dir, capacity=64)
     assert decoder.wait_prepared()
     kinds = [node.op_type for node in decoder.past_model.graph.nodes]
-    assert len(made) == kinds.count("MatMulNBits") + kinds.count("SharedInputMatMulNBits") > 30 * 4
+    assert kinds.count("GatedMLPNBits") == 30
+    assert len(made) == kinds.count("MatMulNBits") + 2 * kinds.count("GatedMLPNBits") > 30 * 4
     made.clear()
     prompt = np.arange(1000, 1032, dtype=np.int64)[None]
     token = int(decoder.step(prompt)[0, -1].argmax())

@@ -86,7 +86,7 @@ def test_matmul_nbits_two_bits(zero_points, K, block_size, rows):
 @pytest.mark.parametrize("K,block_size", [(576, 32), (320, 64)])
 @pytest.mark.parametrize("count", [8, 64])
 def test_matmul_nbits_few_rows_stream_deterministically(monkeypatch, K, block_size, count):
-    """Decoding's few-row products and a short prompt's (up to `_TILED_ROWS`) read the packed
+    """Decoding's few-row products and a short prompt's (up to `TILED_ROWS`) read the packed
     weights (no panel dequantized), and a row's result does not depend on the rows beside it: one
     row alone equals it inside a batch, bit for bit."""
     from runnx.ops import contrib_quantized

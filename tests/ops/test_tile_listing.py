@@ -90,7 +90,7 @@ def test_weights_in_buffers_of_their_own_are_listed_apart_and_nothing_is_copied(
     alone = [_in_one_buffer(list(_weights(48, 96, "packed")), "mapped") for _ in range(2)]
     shared = _in_one_buffer([a for _ in range(2) for a in _weights(32, 64, "packed")], "mapped")
     triples = alone + [shared[:3], shared[3:]]
-    pending = [cq._prepack_tiles((None, *t), {"K": t[0].shape[1] * BLOCK, "N": t[0].shape[0], "bits": 4,
+    pending = [cq.prepack_tiles((None, *t), {"K": t[0].shape[1] * BLOCK, "N": t[0].shape[0], "bits": 4,
                                               "block_size": BLOCK}) for t in triples]
     make = cq._PendingTiles.batch(pending)
     tables = {id(p.listing[1]): p.listing for p in pending}

@@ -4,12 +4,21 @@ they are apart; its gate and up projections) become one SharedInputMatMulNBits n
 `runnx/ops/contrib_quantized.py`), and a fused SiluMul reading two of them (the gate and up
 products) joins it. A decode step then hands the pool one job for them and runs one node, not
 three: each column is still summed alone, in its own order, so the values are the nodes'.
+
+A residual add and RMS norm (onnxruntime's SkipSimplifiedLayerNormalization or a fused AddRMSNorm),
+the gated SharedInputMatMulNBits reading its norm, the MatMulNBits down product of its gate and the
+residual add and norm of that product and the first sum become one GatedMLPNBits node (kernel in
+`runnx/ops/fused_nbits_blocks.py`): a decoder layer's MLP, two native calls a decode step, the
+nodes' bits.
 """
 from __future__ import annotations
+
+import numpy as np
 
 from runnx.interp.fusion.matcher import Fused, Matcher
 from runnx.interp.fusion.products import with_silu_gate
 from runnx.interp.ir import MISSING, Node
+from runnx.ops._fused_common import DOMAIN
 
 CONTRIB = "com.microsoft"
 MAX_PRODUCTS = 3  # three (B, scales, zero points) triples and the input: ten inputs
@@ -57,5 +66,75 @@ def shared_input_products(m: Matcher, first: Node) -> Fused | None:
     return Fused("SharedInputMatMulNBits", members, tuple(inputs), tuple(outputs), attrs)
 
 
-PATTERNS = (("MatMulNBits", shared_input_products),)
+def _residual_norm(m: Matcher, node: Node) -> tuple | None:
+    """((addend, addend), gamma, (epsilon, one), (sum, norm), skip) of a residual add and RMS norm
+    not yet fused: onnxruntime's SkipSimplifiedLayerNormalization (no beta or bias, its mean and
+    inverse standard deviation read by nobody: `Matcher.private` checks) or a fused AddRMSNorm over
+    the last axis casting nothing; a constant float32 gamma and a positive epsilon; else None."""
+    constants = m.graph.constants
+    if node.index in m.taken:
+        return None
+    if node.op_type == "SkipSimplifiedLayerNormalization" and node.domain == CONTRIB:
+        inputs = tuple(node.inputs) + (MISSING,) * (5 - len(node.inputs))
+        outputs = tuple(node.outputs) + (MISSING,) * (4 - len(node.outputs))
+        numbers, skip = (node.attrs.get("epsilon", 1e-12), 1.0), 1
+        if any(v != MISSING for v in inputs[3:5]):
+            return None
+        sums = (outputs[3], outputs[0])
+    elif (node.op_type == "AddRMSNorm" and node.domain == DOMAIN and node.attrs.get("axis", -1) == -1
+          and not node.attrs.get("to", 0) and not node.attrs.get("cast", 0)):
+        epsilon, one = (constants.get(v) for v in node.inputs[2:4])
+        if any(c is None or c.dtype != np.float32 or c.size != 1 for c in (epsilon, one)):
+            return None
+        inputs, numbers = (*node.inputs[:2], node.inputs[4]), (float(epsilon.item()), float(one.item()))
+        sums, skip = tuple(node.outputs[:2]), node.attrs.get("skip", 0)
+    else:
+        return None
+    gamma = constants.get(inputs[2])
+    if (gamma is None or gamma.dtype != np.float32 or gamma.ndim != 1 or not numbers[0] > 0 or sums[1] == MISSING
+            or inputs[0] == inputs[1]):
+        return None
+    return tuple(inputs[:2]), inputs[2], numbers, sums, skip
+
+
+def gated_mlp(m: Matcher, closing: Node) -> Fused | None:
+    """GatedMLPNBits of (s, n) = a residual norm, the gated 4-bit gate and up products of n
+    (SharedInputMatMulNBits of two), the down product of their gate (MatMulNBits of as many rows as
+    the gate has columns, back to n's width) and `closing`, the residual norm of it and s; every
+    value between read only inside, both norms of one kind."""
+    last = _residual_norm(m, closing)
+    if last is None:
+        return None
+    for position, product in enumerate(last[0]):
+        down = m.graph.producer.get(product)
+        if down is None or not _four_bit(m, down) or len(m.readers.get(product, ())) != 1:
+            continue
+        gated = m.graph.producer.get(down.inputs[0])
+        if (gated is None or gated.op_type != "SharedInputMatMulNBits" or gated.domain != DOMAIN
+                or gated.index in m.taken or len(gated.inputs) != 7 or len(gated.outputs) != 1):
+            continue
+        attrs = gated.attrs
+        columns, width, block_size = tuple(attrs.get("columns", ())), attrs.get("K"), attrs.get("block_size")
+        if (attrs.get("gated") not in ((0, 1), (1, 0)) or len(columns) != 2 or columns[0] != columns[1]
+                or down.attrs.get("K") != columns[0] or down.attrs.get("N") != width
+                or down.attrs.get("block_size") != block_size):
+            continue
+        first_node = m.graph.producer.get(gated.inputs[0])
+        first = _residual_norm(m, first_node) if first_node is not None else None
+        if (first is None or first[3] != (last[0][1 - position], gated.inputs[0]) or first[4] != last[4]
+                or m.graph.constants[first[1]].shape != (width,) or m.graph.constants[last[1]].shape != (width,)):
+            continue
+        chain = [first_node, gated, down, closing]
+        if not m.private(chain, last[3]):
+            continue
+        inputs = (*first[0], first[1], *gated.inputs[1:], *(list(down.inputs[1:4]) + [MISSING])[:3], last[1])
+        return Fused("GatedMLPNBits", chain, inputs, last[3],
+                     {"K": width, "block_size": block_size, "columns": columns, "gated": tuple(attrs["gated"]),
+                      "epsilon": first[2][0], "one": first[2][1], "down_epsilon": last[2][0],
+                      "down_one": last[2][1], "skip": int(last[4])})
+    return None
+
+
+PATTERNS = (("MatMulNBits", shared_input_products), ("SkipSimplifiedLayerNormalization", gated_mlp),
+            ("AddRMSNorm", gated_mlp))
 ROUNDS_APART = ()
