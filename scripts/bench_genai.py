@@ -1,6 +1,6 @@
 """runnx against onnxruntime-genai on onnxruntime-genai's own folders (SmolLM2-135M fp32 and int4, its
-weights as Qwen2 and Phi-3 in fp32, Whisper tiny.en): each engine's own loop on the same files, the same
-thread count.
+weights as Qwen2 and Phi-3 in fp32 and int4, Whisper tiny.en): each engine's own loop on the same files,
+the same thread count.
 
     .venv/bin/python scripts/bench_genai.py [--folders FOLDER,...] [--threads 1,2]
         [--contexts 32,512,2000] [--steps 16] [--rounds 3] [--repeat 3] [--no-whisper] [--no-write]
@@ -39,7 +39,8 @@ MODELS = CACHE / "models"
 GENAI_PYTHON = CACHE / "genai-venv" / "bin" / "python"
 WHISPER = MODELS / "whisper-tiny.en-genai"
 FOLDERS = ("smollm2-135m-genai-int4", "smollm2-135m-genai-fp32", "qwen2-smollm2-135m-genai-fp32",
-           "phi3-smollm2-135m-genai-fp32")  # `make models` builds them
+           "phi3-smollm2-135m-genai-fp32", "qwen2-smollm2-135m-genai-int4",
+           "phi3-smollm2-135m-genai-int4")  # `make models` builds them
 CLIPS = ("john.wav", "fox.wav", "weather.wav")  # each under 30 s: one call of onnxruntime-genai's processor
 # llama.cpp, SmolLM2-135M Q4_1, 2 threads, tokens/s at context 32 / 512 / 2000 (issue #41)
 LLAMA_CPP_Q4_1 = {32: 64.7, 512: 61.2, 2000: 46.0}
@@ -260,7 +261,7 @@ onnxruntime-genai (median of {args.repeat} passes after a warm-up, of {args.roun
 
 SmolLM2-135M as onnxruntime-genai's model builder writes it (`-p fp32`; `-p int4 -e cpu`: MatMulNBits 4-bit block 32
 with zero points, accuracy_level 1, the LM head 4-bit too; GroupQueryAttention over a shared past/present buffer), and
-its weights as Qwen2 and Phi-3 (`-p fp32`). runnx runs the folder through `DecoderStep.from_folder` and `wait_prepared`
+its weights as Qwen2 and Phi-3 (both). runnx runs the folder through `DecoderStep.from_folder` and `wait_prepared`
 (4-bit tiles made, as genai's load prepacks), genai through its Generator. Decode tokens/s at each context: the median
 step of {args.steps}, the median of {args.rounds} processes per engine, alternating; prefill tokens/s of a prompt of the largest
 context. For scale: llama.cpp decodes the same model in Q4_1 with 2 threads at {bar} tokens/s on a 2-core

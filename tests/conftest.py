@@ -3,7 +3,7 @@
 - `fixtures_dir`: tests/fixtures (tiny random-weight models, committed; see its README.md).
 - `smollm2_dir`, `qwen2_dir`, `phi3_dir` (SmolLM2's weights as Qwen2 and Phi-3 exports),
   `smollm2_int4_dir`, `smollm2_genai_fp32_dir`, `smollm2_genai_int4_dir`, `qwen2_genai_fp32_dir`,
-  `phi3_genai_fp32_dir` (onnxruntime-genai folders), `smollm2_tjs_dir`, `whisper_tjs_dir` (transformers.js
+  `phi3_genai_fp32_dir`, `qwen2_genai_int4_dir`, `phi3_genai_int4_dir` (onnxruntime-genai folders), `smollm2_tjs_dir`, `whisper_tjs_dir` (transformers.js
   layout), `whisper_dir`, `whisper_genai_dir` (onnxruntime-genai's Whisper folder), `audio_dir`: what
   `make models` (scripts/build_models.py) builds into ${RUNNX_CACHE:-~/.cache/runnx}. When absent the test
   is skipped ("run `make models` first"), except under CI=true, where a missing model is a failure: CI
@@ -29,8 +29,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # (runnx/background_compile.py; tests of that mechanism set it themselves)
 os.environ.setdefault("RUNNX_COMPILE", "wait")
 REAL_MODEL_FIXTURES = ("smollm2_dir", "qwen2_dir", "phi3_dir", "smollm2_int4_dir", "smollm2_genai_fp32_dir",
-                       "smollm2_genai_int4_dir", "qwen2_genai_fp32_dir", "phi3_genai_fp32_dir", "smollm2_tjs_dir",
-                       "whisper_dir", "whisper_tjs_dir", "whisper_genai_dir", "audio_dir")
+                       "smollm2_genai_int4_dir", "qwen2_genai_fp32_dir", "phi3_genai_fp32_dir", "qwen2_genai_int4_dir",
+                       "phi3_genai_int4_dir", "smollm2_tjs_dir", "whisper_dir", "whisper_tjs_dir", "whisper_genai_dir",
+                       "audio_dir")
 ALLOWED_SKIPS_FILE = Path(__file__).with_name("allowed_skips.txt")
 ALLOWED_SKIPS = pytest.StashKey[list]()  # the file's entries, read once per session
 
@@ -186,6 +187,18 @@ def qwen2_genai_fp32_dir() -> Path:
 def phi3_genai_fp32_dir() -> Path:
     return built(cache_root() / "models" / "phi3-smollm2-135m-genai-fp32",
                  "SmolLM2-135M as Phi-3 by onnxruntime-genai (fp32)", GENAI_FILES)
+
+
+@pytest.fixture(scope="session")
+def qwen2_genai_int4_dir() -> Path:
+    return built(cache_root() / "models" / "qwen2-smollm2-135m-genai-int4",
+                 "SmolLM2-135M as Qwen2 by onnxruntime-genai (int4)", GENAI_FILES)
+
+
+@pytest.fixture(scope="session")
+def phi3_genai_int4_dir() -> Path:
+    return built(cache_root() / "models" / "phi3-smollm2-135m-genai-int4",
+                 "SmolLM2-135M as Phi-3 by onnxruntime-genai (int4)", GENAI_FILES)
 
 
 @pytest.fixture(scope="session")

@@ -106,11 +106,29 @@ def normed_gate_nbits(box, workers, a, b, epsilon, one, norm_weight, skip, tiles
                       up_at, inner):
     """(s, gate, -gate, up, max(-gate)) for s = a + b, C-contiguous float32 rows (M, K), and gate, up
     the columns gate_at and up_at .. + inner of its norm (`_add_norm`) times the joined 4-bit tiles
-    of the gate and up weights (and any others: `columns` in all), one products job (`post_nbits`): GatedMLPNBits' residual add and
-    norm and its two products, the bits of the nodes it replaced."""
+    of the gate and up weights (and any others: `columns` in all), one products job
+    (`post_nbits`): GatedMLPNBits' residual add and norm and its two products, the bits of the
+    nodes it replaced."""
     summed = b.copy()
     normed = _add_norm(a, summed, epsilon, one, norm_weight, skip)
-    products = np.empty((a.shape[0], columns), np.float32)
+    return _gate_and_up_nbits(box, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner)
+
+
+@_jit
+def projected_gate_nbits(box, workers, a, x, projection, projection_scales, projection_zeros, epsilon, one,
+                         norm_weight, skip, tiles, scales, zeros, columns, gate_at, up_at, inner):
+    """`normed_gate_nbits` of a and b = x (M, projected) times a 4-bit projection's tiles (one
+    products job before the others): GatedMLPNBits with its attention's output projection."""
+    summed = np.empty(a.shape, np.float32)
+    post_nbits(box, workers, x, projection, projection_scales, projection_zeros, summed)
+    normed = _add_norm(a, summed, epsilon, one, norm_weight, skip)
+    return _gate_and_up_nbits(box, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner)
+
+
+@_jit
+def _gate_and_up_nbits(box, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner):
+    """(summed, gate, -gate, up, max(-gate)) of `normed_gate_nbits`, from its sum and norm."""
+    products = np.empty((normed.shape[0], columns), np.float32)
     post_nbits(box, workers, normed, tiles, scales, zeros, products)
     gate = np.ascontiguousarray(products[:, gate_at:gate_at + inner])
     up = np.ascontiguousarray(products[:, up_at:up_at + inner])

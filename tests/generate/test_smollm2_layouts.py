@@ -28,10 +28,10 @@ def _reference(folder) -> dict:
 
 
 @pytest.fixture(scope="module", params=["smollm2_genai_fp32", "smollm2_genai_int4", "qwen2_genai_fp32",
-                                        "phi3_genai_fp32"])
+                                        "phi3_genai_fp32", "qwen2_genai_int4", "phi3_genai_int4"])
 def genai_folder(request):
-    """onnxruntime-genai's builds of SmolLM2 and of its weights as Qwen2 and Phi-3 (whose layers the
-    same fused blocks take: their greedy ids equal too)."""
+    """onnxruntime-genai's builds of SmolLM2 and of its weights as Qwen2 and Phi-3, fp32 and int4
+    (whose layers the same fused blocks take: their greedy ids equal too)."""
     return request.getfixturevalue(f"{request.param}_dir")
 
 
@@ -53,6 +53,10 @@ def test_genai_folder_greedy_equals_onnxruntime_genai(genai_folder, share_buffer
     steps = sum(len(run["new_ids"]) for run in reference["runs"])
     assert profile.counters[counter] == 2 * 30 * steps  # key and value in 30 layers, each run (the last token never runs)
     assert reference["eos_token_ids"] == [2] and generator.stop_token_ids == {2}
+    kinds = [node.op_type for node in generator.decoder.past_model.graph.nodes]
+    if "int4" in genai_folder.name:  # each layer: its 4-bit q/k/v, attention and MLP with its projection
+        assert (kinds.count("MatMulNBits"), kinds.count("GroupQueryAttention"), kinds.count("GatedMLPNBits")) == (
+            31, 30, 30)
 
 
 def test_genai_folder_is_read_from_its_config(smollm2_genai_fp32_dir):

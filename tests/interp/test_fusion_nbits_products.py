@@ -122,13 +122,16 @@ def test_matmul_nbits_second_call_takes_its_remembered_tiles_with_the_same_bits(
         contrib_quantized.MatMulNBits(a[:, :99], b, scales, zeros, **attributes)
 
 
-def _gated_mlp_model(form, zero_points, K=64, inner=96, block_size=32, read_inside=None):
+def _gated_mlp_model(form, zero_points, K=64, inner=96, block_size=32, read_inside=None, projected=0):
     """A decoder layer's MLP between two residual norms: (s, n) = the norm of a + b; gate and up
     4-bit products of n, their SiLU gate, its 4-bit down product d; (s', n') = the norm of s + d,
     both outputs. form "skip": onnxruntime's SkipSimplifiedLayerNormalization; "decomposed": Add
-    and RMSNorm's nodes (a fused AddRMSNorm). read_inside: a value between them also an output."""
+    and RMSNorm's nodes (a fused AddRMSNorm), "decomposed-casts" with Casts to float32 of the sum
+    and the norm. read_inside: a value between them also an output. projected: b is the 4-bit
+    product of an input x this wide (an attention's output projection)."""
     constants, nodes = {}, []
-    for name, (N, depth) in (("gate", (inner, K)), ("up", (inner, K)), ("down", (K, inner))):
+    shapes = (("gate", (inner, K)), ("up", (inner, K)), ("down", (K, inner)))
+    for name, (N, depth) in shapes + ((("projection", (K, projected)),) if projected else ()):
         b, scales, zeros = _weights(N, depth, block_size, zero_points)
         constants.update({f"{name}_b": b, f"{name}_s": scales, **({f"{name}_z": zeros} if zeros is not None else {})})
     for name in ("g1", "g2"):
@@ -140,43 +143,56 @@ def _gated_mlp_model(form, zero_points, K=64, inner=96, block_size=32, read_insi
                                      domain=MS, epsilon=1e-5)]
         constants.update({"two": np.float32(2), "axes": np.array([-1]), "eps": np.float32(1e-5),
                           "one": np.float32(1)})
-        return [helper.make_node("Add", [a, b], [summed]), helper.make_node("Pow", [summed, "two"], [f"{normed}/sq"]),
+        casts = form == "decomposed-casts"  # (an Optimum export's Casts to float32 of the sum and the norm)
+        added = [helper.make_node("Add", [a, b], [f"{summed}/add" if casts else summed])]
+        if casts:
+            added.append(helper.make_node("Cast", [f"{summed}/add"], [summed], to=F))
+        scaled = f"{normed}/x"
+        return added + [helper.make_node("Pow", [summed, "two"], [f"{normed}/sq"]),
                 helper.make_node("ReduceMean", [f"{normed}/sq", "axes"], [f"{normed}/mean"], keepdims=1),
                 helper.make_node("Add", [f"{normed}/mean", "eps"], [f"{normed}/var"]),
                 helper.make_node("Sqrt", [f"{normed}/var"], [f"{normed}/std"]),
                 helper.make_node("Div", ["one", f"{normed}/std"], [f"{normed}/inv"]),
-                helper.make_node("Mul", [summed, f"{normed}/inv"], [f"{normed}/x"]),
-                helper.make_node("Mul", ["g1" if gamma == "g1" else "g2", f"{normed}/x"], [normed])]
+                helper.make_node("Mul", [summed, f"{normed}/inv"], [scaled])] + (
+                    [helper.make_node("Cast", [scaled], [f"{scaled}/cast"], to=F)] if casts else []) + [
+                helper.make_node("Mul", [gamma, f"{scaled}/cast" if casts else scaled], [normed])]
 
     def product(name, x, N, depth):
         inputs = [x, f"{name}_b", f"{name}_s"] + ([f"{name}_z"] if f"{name}_z" in constants else [])
         return helper.make_node("MatMulNBits", inputs, [name], domain=MS, K=depth, N=N, bits=4, block_size=block_size)
 
-    nodes += norm("a", "b", "g1", "s", "n")
+    if projected:
+        nodes.append(product("projection", "x", K, projected))
+    nodes += norm("a", "projection" if projected else "b", "g1", "s", "n")
     nodes += [product("gate", "n", inner, K), product("up", "n", inner, K), helper.make_node("Sigmoid", ["gate"], ["sg"]),
               helper.make_node("Mul", ["gate", "sg"], ["silu"]), helper.make_node("Mul", ["silu", "up"], ["gated"]),
               product("down", "gated", K, inner)]
     nodes += norm("s", "down", "g2", "s2", "n2")
     outputs = ["n2", "s2"] + ([read_inside] if read_inside else [])
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info(n, F, None) for n in ("a", "b")],
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info(n, F, None)
+                                             for n in ("a", "x" if projected else "b")],
                               [helper.make_tensor_value_info(n, F, None) for n in outputs],
                               [numpy_helper.from_array(v, k) for k, v in constants.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
                              ir_version=10)
 
 
-@pytest.mark.parametrize("form", ["skip", "decomposed"])
+@pytest.mark.parametrize("form", ["skip", "decomposed", "decomposed-casts"])
 @pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
-def test_a_4bit_gated_mlp_between_residual_norms_is_one_node_with_the_same_bits(workers, form, zero_points):
+@pytest.mark.parametrize("projected", [0, 96])
+def test_a_4bit_gated_mlp_between_residual_norms_is_one_node_with_the_same_bits(workers, form, zero_points, projected):
     """Decode rows and a short prompt take the two native calls, a long prompt the nodes' kernels:
-    bitwise the unfused graph's every time (and near onnxruntime's)."""
-    model = _gated_mlp_model(form, zero_points)
+    bitwise the unfused graph's every time (and near onnxruntime's), with the output projection
+    before it or without."""
+    model = _gated_mlp_model(form, zero_points, projected=projected)
     fused = runnx.load(model, shape_cache=False)
     plain = runnx.load(model, shape_cache=False, fuse=False)
     assert [n.op_type for n in fused.plan()] == ["GatedMLPNBits"]
+    assert fused.plan()[0].attrs.get("projected", 0) == projected
     session = onnxruntime.InferenceSession(model.SerializeToString()) if form == "skip" else None
     for rows in (1, 3, 32, 80):
-        feeds = {name: RNG.standard_normal((1, rows, 64)).astype(np.float32) for name in ("a", "b")}
+        feeds = {name: RNG.standard_normal((1, rows, projected if name == "x" else 64)).astype(np.float32)
+                 for name in ("a", "x" if projected else "b")}
         kept = {name: value.copy() for name, value in feeds.items()}
         got, want = fused.run(feeds), plain.run(feeds)
         for name, value in want.items():
@@ -188,12 +204,17 @@ def test_a_4bit_gated_mlp_between_residual_norms_is_one_node_with_the_same_bits(
                 np.testing.assert_allclose(got[name], value, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("read_inside", ["s", "n", "gated", "down"])
+@pytest.mark.parametrize("read_inside", ["s", "n", "gated", "down", "projection"])
 def test_a_gated_mlp_whose_inner_value_is_read_outside_stays_apart(read_inside):
-    model = _gated_mlp_model("skip", "packed", read_inside=read_inside)
+    """... and the projection alone stays apart when its output is read outside."""
+    model = _gated_mlp_model("skip", "packed", read_inside=read_inside, projected=96)
     fused = runnx.load(model, shape_cache=False)
-    assert "GatedMLPNBits" not in [n.op_type for n in fused.plan()]
-    feeds = {name: RNG.standard_normal((1, 1, 64)).astype(np.float32) for name in ("a", "b")}
+    ops = sorted(n.op_type for n in fused.plan())
+    assert ops == (["GatedMLPNBits", "MatMulNBits"] if read_inside == "projection" else
+                   ["MatMulNBits", "MatMulNBits", "SharedInputMatMulNBits", "SkipSimplifiedLayerNormalization",
+                    "SkipSimplifiedLayerNormalization"])
+    feeds = {"a": RNG.standard_normal((1, 1, 64)).astype(np.float32),
+             "x": RNG.standard_normal((1, 1, 96)).astype(np.float32)}
     want = runnx.load(model, shape_cache=False, fuse=False).run(feeds)
     for name, value in fused.run(feeds).items():
         np.testing.assert_array_equal(value, want[name])

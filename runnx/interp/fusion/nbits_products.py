@@ -66,11 +66,15 @@ def shared_input_products(m: Matcher, first: Node) -> Fused | None:
     return Fused("SharedInputMatMulNBits", members, tuple(inputs), tuple(outputs), attrs)
 
 
+_NO_CAST = (0, 1)  # an AddRMSNorm's Casts the block takes: none, or to float32 (ONNX's 1) of float32 sums
+
+
 def _residual_norm(m: Matcher, node: Node) -> tuple | None:
-    """((addend, addend), gamma, (epsilon, one), (sum, norm), skip) of a residual add and RMS norm
+    """((addend, addend), gamma, (epsilon, one), (sum, norm), skip, (to, cast)) of a residual add and RMS norm
     not yet fused: onnxruntime's SkipSimplifiedLayerNormalization (no beta or bias, its mean and
     inverse standard deviation read by nobody: `Matcher.private` checks) or a fused AddRMSNorm over
-    the last axis casting nothing; a constant float32 gamma and a positive epsilon; else None."""
+    the last axis casting nothing or to float32 (an export's Casts of float32 values, which the
+    block's float32 weights mean); a constant float32 gamma and a positive epsilon; else None."""
     constants = m.graph.constants
     if node.index in m.taken:
         return None
@@ -80,28 +84,31 @@ def _residual_norm(m: Matcher, node: Node) -> tuple | None:
         numbers, skip = (node.attrs.get("epsilon", 1e-12), 1.0), 1
         if any(v != MISSING for v in inputs[3:5]):
             return None
-        sums = (outputs[3], outputs[0])
+        sums, casts = (outputs[3], outputs[0]), (0, 0)
     elif (node.op_type == "AddRMSNorm" and node.domain == DOMAIN and node.attrs.get("axis", -1) == -1
-          and not node.attrs.get("to", 0) and not node.attrs.get("cast", 0)):
+          and node.attrs.get("to", 0) in _NO_CAST and node.attrs.get("cast", 0) in _NO_CAST):
         epsilon, one = (constants.get(v) for v in node.inputs[2:4])
         if any(c is None or c.dtype != np.float32 or c.size != 1 for c in (epsilon, one)):
             return None
         inputs, numbers = (*node.inputs[:2], node.inputs[4]), (float(epsilon.item()), float(one.item()))
         sums, skip = tuple(node.outputs[:2]), node.attrs.get("skip", 0)
+        casts = (node.attrs.get("to", 0), node.attrs.get("cast", 0))
     else:
         return None
     gamma = constants.get(inputs[2])
     if (gamma is None or gamma.dtype != np.float32 or gamma.ndim != 1 or not numbers[0] > 0 or sums[1] == MISSING
             or inputs[0] == inputs[1]):
         return None
-    return tuple(inputs[:2]), inputs[2], numbers, sums, skip
+    return tuple(inputs[:2]), inputs[2], numbers, sums, skip, casts
 
 
 def gated_mlp(m: Matcher, closing: Node) -> Fused | None:
     """GatedMLPNBits of (s, n) = a residual norm, the gated 4-bit gate and up products of n
     (SharedInputMatMulNBits of two), the down product of their gate (MatMulNBits of as many rows as
     the gate has columns, back to n's width) and `closing`, the residual norm of it and s; every
-    value between read only inside, both norms of one kind."""
+    value between read only inside, both norms of one kind, every weight in blocks of one size;
+    with the 4-bit product giving one of the first norm's addends (an attention's output
+    projection) when nothing else reads it."""
     last = _residual_norm(m, closing)
     if last is None:
         return None
@@ -121,18 +128,34 @@ def gated_mlp(m: Matcher, closing: Node) -> Fused | None:
             continue
         first_node = m.graph.producer.get(gated.inputs[0])
         first = _residual_norm(m, first_node) if first_node is not None else None
-        if (first is None or first[3] != (last[0][1 - position], gated.inputs[0]) or first[4] != last[4]
+        if (first is None or first[3] != (last[0][1 - position], gated.inputs[0]) or first[4:] != last[4:]
                 or m.graph.constants[first[1]].shape != (width,) or m.graph.constants[last[1]].shape != (width,)):
             continue
         chain = [first_node, gated, down, closing]
         if not m.private(chain, last[3]):
             continue
-        inputs = (*first[0], first[1], *gated.inputs[1:], *(list(down.inputs[1:4]) + [MISSING])[:3], last[1])
+        addends, projection, projected = first[0], (), 0
+        for side in (1, 0):  # an addend that a 4-bit projection to n's width gives (read only there) joins
+            projector = m.graph.producer.get(first[0][side])
+            if (projector is not None and _four_bit(m, projector) and projector.attrs.get("N") == width
+                    and projector.attrs.get("block_size") == block_size
+                    and len(m.readers.get(first[0][side], ())) == 1 and m.private([*chain, projector], last[3])):
+                chain.append(projector)
+                addends = (first[0][1 - side], projector.inputs[0])
+                projection, projected = _weights(projector), projector.attrs["K"]
+                break
+        inputs = (*addends, first[1], *gated.inputs[1:], *_weights(down), last[1], *projection)
         return Fused("GatedMLPNBits", chain, inputs, last[3],
                      {"K": width, "block_size": block_size, "columns": columns, "gated": tuple(attrs["gated"]),
                       "epsilon": first[2][0], "one": first[2][1], "down_epsilon": last[2][0],
-                      "down_one": last[2][1], "skip": int(last[4])})
+                      "down_one": last[2][1], "skip": int(last[4]), "to": last[5][0], "cast": last[5][1],
+                      **({"projected": projected} if projected else {})})
     return None
+
+
+def _weights(node: Node) -> tuple:
+    """A MatMulNBits node's (B, scales, zero points: MISSING when absent)."""
+    return tuple((list(node.inputs[1:4]) + [MISSING])[:3])
 
 
 PATTERNS = (("MatMulNBits", shared_input_products), ("SkipSimplifiedLayerNormalization", gated_mlp),
