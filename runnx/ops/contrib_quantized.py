@@ -22,6 +22,7 @@ from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, MADE, TILE, repack, rep
 from runnx.ops._fused_common import DOMAIN as FUSED_DOMAIN
 from runnx.ops._remembered import Remembered
 from runnx.ops._tile_listing import Arena, buffers_key, buffers_of, listed
+from runnx.ops.fused_layer_norm_blocks import SplitHeads
 from runnx.ops.fused_norms import SiluMul
 from runnx.ops.linalg_integer import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
@@ -353,7 +354,7 @@ joined_four_bit_tiles = Remembered(_joined_tiles)
 def prepack_joined_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
     """SharedInputMatMulNBits' joined tiles planned ahead (`registry`'s prepack), checked as they are
     when a few-row product makes them (`_joined_tiles`)."""
-    parts = inputs[1:]
+    parts = inputs[1:1 + 3 * len(attrs.get("columns", ()))]  # (then SplitHeads' inputs)
     if not parts or any(x is COMPUTED for x in parts) or attrs.get("block_size", 0) < 32:
         return None
     shape = (attrs["K"], attrs["block_size"], tuple(attrs["columns"]))
@@ -361,7 +362,8 @@ def prepack_joined_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
 
 
 @register("SharedInputMatMulNBits", since=1, domain=FUSED_DOMAIN, overlaps_jobs=True, prepack=prepack_joined_tiles)
-def SharedInputMatMulNBits(a, *parts, K: int, columns: tuple, block_size: int, gated: tuple = ()):
+def SharedInputMatMulNBits(a, *inputs, K: int, columns: tuple, block_size: int, gated: tuple = (),
+                           splits: tuple = ()):
     """(MatMulNBits(a, b, scales, zero_points, K=K, N=n, bits=4, block_size=block_size) for each
     (b, scales, zero_points) of `parts` and n of `columns`): the 4-bit products of one input (a
     layer's query, key and value projections; its gate and up projections), matched by
@@ -369,13 +371,15 @@ def SharedInputMatMulNBits(a, *parts, K: int, columns: tuple, block_size: int, g
     the weights' tiles side by side (one hand-off to the pool, not one a product): each column is
     summed alone in its own fixed order, so the values are the separate products'. More rows take
     MatMulNBits product by product. gated (gate, up): those two come out as one, SiluMul(gate,
-    up), after the others."""
+    up), after the others. inputs: the parts, then (bias, target, source) of SplitHeads for each
+    (position, dims, axes) of `splits`: product `position` comes out with its heads split."""
+    parts = inputs[:3 * len(columns)]
     rows = a.reshape(-1, K) if a.shape[-1:] == (K,) else None
     if (rows is not None and a.dtype == _FLOAT32 and rows.shape[0] <= TILED_ROWS and block_size >= 32
             and rows.flags.c_contiguous):
         out = np.empty((rows.shape[0], sum(columns)), _FLOAT32)
         tiles = joined_four_bit_tiles((K, block_size, columns), *parts)
-        if gated:  # the gate reads the products
+        if gated or splits:  # the gate or a split reads the products
             decode_pool.nbits_rows(rows, *tiles, out)
         else:
             decode_pool.open_nbits_rows(rows, *tiles, out)
@@ -386,8 +390,12 @@ def SharedInputMatMulNBits(a, *parts, K: int, columns: tuple, block_size: int, g
     else:
         products = [MatMulNBits(a, *parts[i:i + 3], K=K, N=n, bits=4, block_size=block_size)
                     for i, n in zip(range(0, len(parts), 3), columns)]
-    if gated:
+    if gated or splits:
         decode_pool.settle()  # (MatMulNBits may have left the last product's job open)
+    for n, (position, dims, axes) in enumerate(splits):
+        bias, target, source = inputs[len(parts) + 3 * n:len(parts) + 3 * n + 3]
+        products[position] = SplitHeads(products[position], bias, target, source, dims=dims, axes=axes)
+    if gated:
         gate, up = gated
         return (*(p for i, p in enumerate(products) if i not in gated), SiluMul(products[gate], products[up]))
     return tuple(products)

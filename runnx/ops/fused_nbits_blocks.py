@@ -97,6 +97,6 @@ def _native_rows(a, b, norm_weight, down_norm_weight, K: int, width: int, column
             and b.flags.c_contiguous and len(columns) == 2 and columns[0] == columns[1]):
         return False
     rows = a.size // K if K else 0
-    return (0 < rows <= TILED_ROWS and rows * max(K, 2 * columns[0]) < SHARED_FROM
+    return (0 < rows <= TILED_ROWS and rows * max(K, columns[0]) < SHARED_FROM
             and all(w.dtype == _FLOAT32 and w.shape == (K,) and w.flags.c_contiguous
                     for w in (norm_weight, down_norm_weight)))

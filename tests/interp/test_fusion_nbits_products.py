@@ -232,3 +232,31 @@ def test_the_gated_mlp_checks_its_down_weight_as_matmul_nbits_does():
         GatedMLPNBits(a, a, gamma, *gate, *up, down_b, down_scales.reshape(-1)[:191], None, gamma, **attributes)
     with pytest.raises(RunnxError, match=r"B must be uint8 of shape \[64, 3, 16\]"):
         GatedMLPNBits(a, a, gamma, *gate, *up, down_b[:, :2], down_scales, None, gamma, **attributes)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 80])
+def test_4bit_products_whose_heads_are_split_give_the_split_heads_themselves(workers, rows):
+    """q, k and v in 4 bits, each reshaped to heads and transposed (SplitHeads): one node gives the
+    split heads, bitwise the unfused graph's; a product read elsewhere too keeps its own output."""
+    constants, nodes = {}, []
+    for name in ("q", "k", "v"):
+        b, scales, zeros = _weights(128, 128, 32, "packed")
+        constants.update({f"b{name}": b, f"s{name}": scales, f"z{name}": zeros})
+        nodes += [helper.make_node("MatMulNBits", ["x", f"b{name}", f"s{name}", f"z{name}"], [f"y{name}"], domain=MS,
+                                   K=128, N=128, bits=4, block_size=32),
+                  helper.make_node("Reshape", [f"y{name}", "heads"], [f"r{name}"]),
+                  helper.make_node("Transpose", [f"r{name}"], [f"t{name}"], perm=(0, 2, 1, 3))]
+    constants["heads"] = np.array([1, -1, 4, 32])
+    outputs = ["tq", "tk", "tv", "yv"]  # yv is also an output: v keeps its product
+    graph = helper.make_graph(nodes, "split", [helper.make_tensor_value_info("x", F, None)],
+                              [helper.make_tensor_value_info(n, F, None) for n in outputs],
+                              [numpy_helper.from_array(v, k) for k, v in constants.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
+                              ir_version=10)
+    fused = runnx.load(model, shape_cache=False)
+    assert sorted(n.op_type for n in fused.plan()) == ["SharedInputMatMulNBits", "SplitHeads"]
+    feeds = {"x": RNG.standard_normal((1, rows, 128)).astype(np.float32)}
+    got, want = fused.run(feeds), runnx.load(model, shape_cache=False, fuse=False).run(feeds)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value)
+    assert got["tq"].shape == (1, 4, rows, 32)

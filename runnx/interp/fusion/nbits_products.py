@@ -2,7 +2,7 @@
 constant weights of one depth and block size (a layer's query, key and value projections when
 they are apart; its gate and up projections) become one SharedInputMatMulNBits node (kernel in
 `runnx/ops/contrib_quantized.py`), and a fused SiluMul reading two of them (the gate and up
-products) joins it. A decode step then hands the pool one job for them and runs one node, not
+products) joins it, as do the SplitHeads splitting a product's heads. A decode step then hands the pool one job for them and runs one node, not
 three: each column is still summed alone, in its own order, so the values are the nodes'.
 
 A residual add and RMS norm (onnxruntime's SkipSimplifiedLayerNormalization or a fused AddRMSNorm),
@@ -16,12 +16,12 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.interp.fusion.matcher import Fused, Matcher
-from runnx.interp.fusion.products import with_silu_gate
+from runnx.interp.fusion.products import split_outputs, with_silu_gate
 from runnx.interp.ir import MISSING, Node
 from runnx.ops._fused_common import DOMAIN
 
 CONTRIB = "com.microsoft"
-MAX_PRODUCTS = 3  # three (B, scales, zero points) triples and the input: ten inputs
+MAX_PRODUCTS = 3  # three (B, scales, zero points) triples and the input: ten inputs (and SplitHeads' three each)
 
 
 def _four_bit(m: Matcher, node: Node) -> bool:
@@ -48,7 +48,8 @@ def _zero_points(m: Matcher, node: Node):
 
 def shared_input_products(m: Matcher, first: Node) -> Fused | None:
     """MatMulNBits nodes reading `first`'s input with equal K and block_size and zero points of
-    one kind (or none): up to MAX_PRODUCTS of them, matched from the first of its readers."""
+    one kind (or none): up to MAX_PRODUCTS of them, matched from the first of its readers; a product
+    whose only reader splits its heads (SplitHeads, as for SharedInputMatMul) gives them itself."""
     if not _four_bit(m, first):
         return None
     x = first.inputs[0]
@@ -57,13 +58,14 @@ def shared_input_products(m: Matcher, first: Node) -> Fused | None:
              and (r.attrs.get("K"), r.attrs.get("block_size"), _zero_points(m, r)) == shape][:MAX_PRODUCTS]
     if len(group) < 2 or group[0] is not first:
         return None
-    members, outputs = list(group), [node.outputs[0] for node in group]
-    inputs = [x]
-    for node in group:
-        inputs += (list(node.inputs[1:4]) + [MISSING])[:3]
+    members = list(group)
+    outputs, split_inputs, splits = split_outputs(m, members, x)
+    inputs = [x] + [v for node in group for v in _weights(node)]
     attrs = {"K": shape[0], "block_size": shape[1], "columns": tuple(node.attrs.get("N") for node in group)}
+    if splits:
+        attrs["splits"] = tuple(splits)
     outputs = with_silu_gate(m, members, outputs, attrs)
-    return Fused("SharedInputMatMulNBits", members, tuple(inputs), tuple(outputs), attrs)
+    return Fused("SharedInputMatMulNBits", members, (*inputs, *split_inputs), tuple(outputs), attrs)
 
 
 _NO_CAST = (0, 1)  # an AddRMSNorm's Casts the block takes: none, or to float32 (ONNX's 1) of float32 sums

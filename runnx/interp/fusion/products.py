@@ -42,7 +42,7 @@ def _weight(m: Matcher, node: Node):
     return weight if weight is not None and weight.ndim == 2 else None
 
 
-def _split_reader(m: Matcher, vid: int, x: int) -> Node | None:
+def split_reader(m: Matcher, vid: int, x: int) -> Node | None:
     """The fused SplitHeads node reading `vid` (its x), when it is the value's only reader and its
     other inputs come from x and constants alone (a memo of x's shape): the fused node then needs
     nothing computed after the products (a target built from a later layer's shapes would make a
@@ -73,9 +73,22 @@ def _shared_input(m: Matcher, matmul: Node) -> Fused | None:
              and w.shape[0] == first.shape[0] and w.dtype == first.dtype]
     if len(group) < 2 or group[0] is not matmul:  # each group from its first MatMul
         return None
-    members, outputs, split_inputs, splits = list(group), [], [], []
-    for position, node in enumerate(group):
-        split = _split_reader(m, node.outputs[0], x)
+    members = list(group)
+    outputs, split_inputs, splits = split_outputs(m, members, x)
+    attrs = {"splits": tuple(splits)} if splits else {}
+    outputs = with_silu_gate(m, members, outputs, attrs)
+    return Fused("SharedInputMatMul", members, (x, *(n.inputs[1] for n in group), *split_inputs), tuple(outputs),
+                 attrs)
+
+
+def split_outputs(m: Matcher, members: list, x: int) -> tuple[list, list, list]:
+    """(outputs, split inputs, splits) of products of x (`members`, one output each): each product's
+    output, or the split heads of the SplitHeads that alone reads it (`split_reader`; joining
+    `members`), its (bias, target, source) in the split inputs and its (position, dims, axes) in
+    the splits."""
+    outputs, split_inputs, splits = [], [], []
+    for position, node in enumerate(list(members)):
+        split = split_reader(m, node.outputs[0], x)
         if split is None:
             outputs.append(node.outputs[0])
             continue
@@ -83,10 +96,7 @@ def _shared_input(m: Matcher, matmul: Node) -> Fused | None:
         outputs.append(split.outputs[0])
         split_inputs += split.inputs[1:4]  # bias, target, source
         splits.append((position, split.attrs.get("dims", ()), split.attrs.get("axes", ())))
-    attrs = {"splits": tuple(splits)} if splits else {}
-    outputs = with_silu_gate(m, members, outputs, attrs)
-    return Fused("SharedInputMatMul", members, (x, *(n.inputs[1] for n in group), *split_inputs), tuple(outputs),
-                 attrs)
+    return outputs, split_inputs, splits
 
 
 def with_silu_gate(m: Matcher, members: list, outputs: list, attrs: dict) -> list:
