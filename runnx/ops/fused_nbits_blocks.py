@@ -1,14 +1,14 @@
 """A decoder layer's MLP in 4-bit products (`runnx/interp/fusion/nbits_products.py`): GatedMLPNBits,
 a residual add and its RMS norm (of the attention's 4-bit output projection, when it joins), the
 SiLU-gated MLP's gate, up and down products (onnxruntime's MatMulNBits) and the residual add and
-norm after it, as one node. Any decoder whose MLP weights are
-4-bit MatMulNBits matches it (onnxruntime-genai's int4 builds, onnxruntime's quantizer on an
-Optimum export), whatever the architecture around it.
+norm after it, as one node. Any decoder whose MLP weights are 4-bit MatMulNBits matches it
+(onnxruntime-genai's int4 builds, onnxruntime's quantizer over an Optimum export), whatever the
+architecture around it.
 
 A decode step's rows (and a short prompt's) run as two native calls posting the decode pool's
 products jobs, numpy's exp between them (`_decode_blocks.py`): the kernels the replaced nodes call,
-in their order, so the same bits, with two hand-offs to the pool where the nodes took four and
-Python between them. Other rows run the nodes' kernels in turn.
+in their order, so the same bits, where the nodes took five calls and Python between them. Other
+rows run the nodes' kernels in turn.
 """
 from __future__ import annotations
 
@@ -50,10 +50,10 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
     (projected wide) by the projection (its N = K); the gate and up products of n (4-bit weights of K
     rows, `columns` each, in the order SharedInputMatMulNBits joined them, `gated` saying which is
     the gate); (s', n') = AddRMSNorm(s, SiluMul(gate, up) times the down weight, down_norm_weight);
-    every weight in blocks of block_size. Returns (s', n'). skip: both norms are onnxruntime's SkipSimplifiedLayerNormalization (AddRMSNorm's
-    `skip`: statistics in float64, no `one`); else RMSNorm's unfused arithmetic with `one`, and
-    AddRMSNorm's `to` and `cast` (0, or float32's: the two norms' own, which float32 rows leave as
-    they are)."""
+    every weight in blocks of block_size. Returns (s', n'). skip: both norms are onnxruntime's
+    SkipSimplifiedLayerNormalization (AddRMSNorm's `skip`: statistics in float64, no `one`); else
+    RMSNorm's unfused arithmetic with `one`, and AddRMSNorm's `to` and `cast` (0, or float32's: the
+    two norms' own, which float32 rows leave as they are)."""
     parts = (gate_or_up, gate_or_up_scales, gate_or_up_zeros, up_or_gate, up_or_gate_scales, up_or_gate_zeros)
     skipped = bool(skip)
     if _native_rows(a, b, norm_weight, down_norm_weight, K, projected or K, columns):
