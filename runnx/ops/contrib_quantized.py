@@ -257,8 +257,8 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
     accuracy_level (onnxruntime's minimum compute precision) is accepted; runnx always computes in
     the scales' precision or wider."""
     if bits == 4 and a.dtype == _FLOAT32 and g_idx is None and a.shape[-1:] == (K,) and block_size >= 32:
-        tiles = _remembered_tiles.known_result(((), id(b), id(scales), id(zero_points)))
-        if tiles is not None and b.shape == (N, (K + block_size - 1) // block_size, block_size // 2):
+        tiles = _kept_tiles(b, scales, zero_points, K, N, block_size)
+        if tiles is not None:
             rows = a.reshape(-1, K)  # B, scales and zero points checked when their tiles were made
             if rows.shape[0] <= TILED_ROWS and rows.flags.c_contiguous:
                 out = np.empty((rows.shape[0], N), _FLOAT32)
@@ -304,14 +304,20 @@ def _check_weight(b, scales, K: int, N: int, bits: int, block_size: int) -> int:
     return blocks
 
 
+def _kept_tiles(b, scales, zero_points, K: int, N: int, block_size: int) -> tuple | None:
+    """The tiles kept for this 4-bit weight (`_remembered_tiles`), made and checked already, or None."""
+    tiles = _remembered_tiles.known_result(((), id(b), id(scales), id(zero_points)))
+    return tiles if tiles is not None and b.shape == (N, (K + block_size - 1) // block_size, block_size // 2) else None
+
+
 def four_bit_tiles(b, scales, zero_points, K: int, N: int, block_size: int) -> tuple:
     """The tiles of a constant 4-bit weight (block_size 32 or more) that its few-row products read,
-    made on first use and kept (`_remembered_tiles`), checked as MatMulNBits checks it first."""
-    tiles = _remembered_tiles.known_result(((), id(b), id(scales), id(zero_points)))
-    if tiles is not None and b.shape == (N, (K + block_size - 1) // block_size, block_size // 2):
+    made on first use and kept (`_remembered_tiles`), checked as MatMulNBits checks it first (its
+    zero points when they are made)."""
+    tiles = _kept_tiles(b, scales, zero_points, K, N, block_size)
+    if tiles is not None:
         return tiles
-    blocks = _check_weight(b, scales, K, N, 4, block_size)
-    _nbits_zero_points(zero_points, N, blocks, 4, _FLOAT32)
+    _check_weight(b, scales, K, N, 4, block_size)
     return _remembered_tiles((), b, scales, zero_points)
 
 
