@@ -11,8 +11,7 @@ rounds of each process's median step. runnx: `DecoderStep.from_folder` (the KV i
 past/present buffer, GroupQueryAttention), its cache restored from random KV of the context length;
 onnxruntime-genai: its Generator, the context a prompt of random tokens. Prefill: a prompt of the
 largest context's random tokens, once (after a 16-token warm-up for runnx; onnxruntime-genai's is
-its last context's prompt). Peak RSS is each process's own. llama.cpp's Q4_1 figures for the same model
-on this machine kind are the bar the issue sets (#41). Whisper (whisper-tiny.en-genai, unless
+its last context's prompt). Peak RSS is each process's own. Whisper (whisper-tiny.en-genai, unless
 --no-whisper): the seconds to transcribe the short speech clips one after another (audio file to
 token ids: features, encoder, greedy decoding), the median of --repeat passes after a warm-up pass,
 runnx's `Whisper` against onnxruntime-genai's processor and Generator, the ids compared. Writes its
@@ -42,8 +41,6 @@ FOLDERS = ("smollm2-135m-genai-int4", "smollm2-135m-genai-fp32", "qwen2-smollm2-
            "phi3-smollm2-135m-genai-fp32", "qwen2-smollm2-135m-genai-int4",
            "phi3-smollm2-135m-genai-int4")  # `make models` builds them
 CLIPS = ("john.wav", "fox.wav", "weather.wav")  # each under 30 s: one call of onnxruntime-genai's processor
-# llama.cpp, SmolLM2-135M Q4_1, 2 threads, tokens/s at context 32 / 512 / 2000 (issue #41)
-LLAMA_CPP_Q4_1 = {32: 64.7, 512: 61.2, 2000: 46.0}
 
 
 def worker_runnx(folder: Path, contexts: list[int], steps: int) -> dict:
@@ -246,12 +243,10 @@ def main(args) -> None:
     whisper = ""
     if whisper_runs:
         whisper = f"""
-Whisper tiny.en (whisper-tiny.en-genai, `-p fp32`), seconds to transcribe {", ".join(CLIPS)} in turn, runnx /
-onnxruntime-genai (median of {args.repeat} passes after a warm-up, of {args.rounds} processes each):
-{_whisper_line(whisper_runs, thread_counts)}
+Whisper tiny.en (whisper-tiny.en-genai, `-p fp32`), seconds to transcribe {", ".join(CLIPS)} in turn (median of
+{args.repeat} passes after a warm-up, of {args.rounds} processes each), runnx / genai: {_whisper_line(whisper_runs, thread_counts)}
 """
         print(whisper)
-    bar = ", ".join(f"{c}: {LLAMA_CPP_Q4_1[c]}" for c in contexts if c in LLAMA_CPP_Q4_1)
     print(table)
     if args.no_write:
         return
@@ -259,14 +254,11 @@ onnxruntime-genai (median of {args.repeat} passes after a warm-up, of {args.roun
                f"--contexts {args.contexts} --steps {args.steps} --rounds {args.rounds} --repeat {args.repeat}")
     update_section("genai-folders", f"""## onnxruntime-genai's folders, each engine's own loop (`scripts/bench_genai.py`)
 
-SmolLM2-135M as onnxruntime-genai's model builder writes it (`-p fp32`; `-p int4 -e cpu`: MatMulNBits 4-bit block 32
-with zero points, accuracy_level 1, the LM head 4-bit too; GroupQueryAttention over a shared past/present buffer), and
-its weights as Qwen2 and Phi-3 (both). runnx runs the folder through `DecoderStep.from_folder` and `wait_prepared`
-(4-bit tiles made, as genai's load prepacks), genai through its Generator. Decode tokens/s at each context: the median
-step of {args.steps}, the median of {args.rounds} processes per engine, alternating; prefill tokens/s of a prompt of the largest
-context. For scale: llama.cpp decodes the same model in Q4_1 with 2 threads at {bar} tokens/s on a 2-core
-Intel Xeon guest. runnx {git_revision()}; {machine()}.
-Command: `{command}`.
+SmolLM2-135M and its weights as Qwen2 and Phi-3 as onnxruntime-genai's model builder writes them (`-p fp32`; `-p int4
+-e cpu`: MatMulNBits block 32 with zero points, accuracy_level 1; GroupQueryAttention over a shared past/present buffer).
+runnx: `DecoderStep.from_folder` and `wait_prepared` (4-bit tiles made, as genai's load prepacks); genai: its Generator.
+Decode tokens/s: the median step of {args.steps}, the median of {args.rounds} processes per engine, alternating; prefill: a prompt of
+the largest context. runnx {git_revision()}; {machine()}. Command: `{command}`.
 
 {table}
 {whisper}""")
