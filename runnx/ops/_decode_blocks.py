@@ -14,7 +14,6 @@ code, so the same results); each returns what it computed.
 """
 from __future__ import annotations
 
-import inspect
 
 import numba
 import numpy as np
@@ -277,46 +276,6 @@ def attended_gelu_mlp(box, workers, x, weight, query_bias, query_scale, row, hea
     return gelu_mlp(box, workers, *block)
 
 
-def _argument_count(kernel) -> int:
-    """How many arguments a native kernel takes after its mailbox and workers."""
-    return len(inspect.signature(kernel.py_func).parameters) - 2
-
-
-# where a LayerNorm chain's arguments split (the replay of its decode row finds them by the same names):
-# `attended_row`'s and `projected_layer_norm`'s, `attended_row`'s but its x, then `gelu_mlp`'s (whose
-# residual the chain computes) and, with the append, `appended_products`' but its x
-_ROW_ARGUMENTS = _argument_count(attended_row)
-CHAIN_NORM = _ROW_ARGUMENTS + _argument_count(projected_layer_norm)
-CHAIN_CROSS = CHAIN_NORM + _argument_count(attended_row) - 1
-CHAIN_ARGUMENTS = CHAIN_CROSS + _argument_count(gelu_mlp)
-_MLP_RESIDUAL = list(inspect.signature(gelu_mlp.py_func).parameters).index("residual") - 2
-_MLP_AFTER_RESIDUAL = _MLP_RESIDUAL + 1  # (a global, so numba slices the tuple statically)
-
-
-@_jit
-def attended_layer_norm_gelu_mlp(box, workers, parts):
-    """`attended_layer_norm` of parts[:CHAIN_NORM] (`attended_row`'s, then its block) giving (s, n),
-    then `attended_gelu_mlp` of the norm n, whose other arguments are parts[CHAIN_NORM:CHAIN_CROSS]
-    (an `attended_row`'s but its x) and parts[CHAIN_CROSS:] (its block, a `gelu_mlp`'s, whose
-    residual s stands for): a LayerNorm decoder layer from its self-attention to the next layer's
-    norm (AttentionLayerNormGeluMLP's nodes). (`parts` a tuple, not *parts: numba types star
-    arguments one way from Python, another from a compiled caller, and compiled such a kernel twice.)"""
-    summed, normed = attended_layer_norm(box, workers, *parts[:_ROW_ARGUMENTS], parts[_ROW_ARGUMENTS:CHAIN_NORM])
-    mlp = parts[CHAIN_CROSS:]
-    return attended_gelu_mlp(box, workers, normed[0], *parts[CHAIN_NORM:CHAIN_CROSS],
-                             mlp[:_MLP_RESIDUAL] + (summed,) + mlp[_MLP_AFTER_RESIDUAL:])
-
-
-@_jit
-def attended_layer_norm_gelu_mlp_append(box, workers, parts):
-    """`attended_layer_norm_gelu_mlp(box, workers, parts[:CHAIN_ARGUMENTS])` giving (s, n), then
-    `appended_products` of the norm n with parts[CHAIN_ARGUMENTS:] (its other arguments): a LayerNorm
-    decoder layer from its self-attention to the next layer's norm, and the next layer's projections
-    and KV cache growth (AttentionLayerNormGeluMLPAppend's nodes); (s, the next layer's query row)."""
-    summed, normed = attended_layer_norm_gelu_mlp(box, workers, parts[:CHAIN_ARGUMENTS])
-    return summed, appended_products(box, workers, normed[0], *parts[CHAIN_ARGUMENTS:])
-
-
 @_jit
 def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual, epsilon, one,
                        norm_weight, gate_weight, up_weight, down_weight, down_epsilon, down_one, down_norm_weight):
@@ -337,7 +296,8 @@ def projected_rope_append(box, workers, x, weights, biases, rows, rope):
     empty bias adds nothing), the products one job, then `rope_append_into(*rope)` reading them: an
     RMSNorm layer's projections, rotary embedding and KV cache growth (ProjectedRopeAppend's nodes,
     the sums SplitHeads' `_biased` makes); rope_append_into's (done, rotated query). (`rope` a
-    tuple: see `attended_layer_norm_gelu_mlp`.)"""
+    tuple, not *rope: numba types star arguments one way from Python, another from a compiled
+    caller, and compiled such a kernel twice.)"""
     size = 0
     for row in rows:
         size += row.size

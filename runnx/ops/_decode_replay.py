@@ -23,14 +23,10 @@ import numba
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_blocks import (CHAIN_ARGUMENTS, CHAIN_CROSS, CHAIN_NORM, appended_products,
-                                      RUN_CHUNK, attended_gated_mlp_rope_append, attended_row, gelu_mlp,
-                                      projected_layer_norm)
+from runnx.ops._decode_blocks import RUN_CHUNK, attended_gated_mlp_rope_append
 from runnx.ops._kernels_fused import rope_append_into
 from runnx.ops.fused import repeated_kv_cache
 from runnx.ops.fused_rotary import rope_cache_fits
-from runnx.ops.fused_layer_norm_blocks import attended_cache
-from runnx.ops.fused_products import append_position
 
 enabled = True
 _FLOAT32 = np.dtype(np.float32)
@@ -71,110 +67,6 @@ def remember(state, replay) -> None:
     """Keep this thread's replay of the node (None: none)."""
     if state is not None and enabled:
         state.replay = replay
-
-
-def _parameters(kernel) -> list[str]:
-    """A native kernel's parameter names after its mailbox and workers."""
-    return list(inspect.signature(kernel.py_func).parameters)[2:]
-
-
-def _positions(*parts: tuple[str, list[str]]) -> dict[tuple[str, str], int]:
-    """{(part, parameter name): position} of arguments made of these parts' parameters, in order."""
-    at, start = {}, 0
-    for part, names in parts:
-        at.update({(part, name): start + p for p, name in enumerate(names)})
-        start += len(names)
-    return at
-
-
-# -- a LayerNorm layer chain (AttentionLayerNormGeluMLP[Append]) ------------------------------------
-# `attended_layer_norm_gelu_mlp`'s arguments (its mailbox and workers aside) are `attended_row`'s and
-# `projected_layer_norm`'s, `attended_row`'s but its x and `gelu_mlp`'s (split where `_decode_blocks`
-# splits them); the chain with the next layer's append, then `appended_products`' but its x. Where
-# those hold what a step changes, found by the kernels' parameter names: the self-attention's x row,
-# heads (of its query row) and cache (keys, values, bias), the residual row, the cross-attention's
-# heads, keys and values, and the append's key and value buffers and position.
-_ROW_PARAMETERS = _parameters(attended_row)
-_CHAIN_AT = _positions(("self", _ROW_PARAMETERS), ("norm", _parameters(projected_layer_norm)),
-                       ("cross", _ROW_PARAMETERS[1:]), ("mlp", _parameters(gelu_mlp)),
-                       ("append", _parameters(appended_products)[1:]))
-_X, _HEADS, _CACHE = _CHAIN_AT["self", "x"], _CHAIN_AT["self", "heads"], _CHAIN_AT["self", "key"]
-_RESIDUAL, _CROSS_HEADS, _CROSS_CACHE = _CHAIN_AT["norm", "residual"], _CHAIN_AT["cross", "heads"], _CHAIN_AT["cross", "key"]
-_CHAINED_ARGUMENTS = _CHAIN_AT["append", "weights"]
-assert (_CHAIN_AT["cross", "weight"], _CHAIN_AT["mlp", "x"], _CHAINED_ARGUMENTS) == (CHAIN_NORM, CHAIN_CROSS, CHAIN_ARGUMENTS)
-_BUFFERS = (_CHAIN_AT["append", "key_buffer"], _CHAIN_AT["append", "value_buffer"])
-# `attended_cache` makes an attention's (keys, values, bias) and the append takes its buffers and then
-# the position, each in the order the kernels take them
-assert all(_CHAIN_AT[part, "value"] == _CHAIN_AT[part, "key"] + 1 and _CHAIN_AT[part, "bias"] == _CHAIN_AT[part, "key"] + 2
-           for part in ("self", "cross"))
-assert _BUFFERS[1] == _BUFFERS[0] + 1 and _CHAIN_AT["append", "position"] == _BUFFERS[1] + 1
-
-
-class ChainPositions:
-    """Where a LayerNorm layer chain's inputs are, found by name (`attention`: AttentionLayerNorm's
-    input names, `block`: AttentionGeluMLP's after them but its query and residual, `append`:
-    ProjectedAppend's after those but its x, `decoder_layers.py`): those its decode steps change
-    (its query row, self-attention caches and mask, residual, and the cross-attention's keys and
-    values: the same arrays, but Model.run's read-only views of them are new each run; then the next
-    layer's caches, grown), and a getter of them."""
-
-    __slots__ = ("changing", "caches", "residual", "cross_bias", "read")
-
-    def __init__(self, attention: tuple, block: tuple, append: tuple = ()):
-        at = {name: position for position, name in enumerate(attention)}
-        at_block = {name: len(attention) + position for position, name in enumerate(block)}
-        at_append = {name: len(attention) + len(block) + position for position, name in enumerate(append)}
-        self.residual, self.cross_bias = at["residual"], at_block["bias"]
-        self.changing = (at["query"], at["key"], at["value"], at["bias"], self.residual, at_block["key"],
-                         at_block["value"])
-        self.caches = (at_append["past_key"], at_append["past_value"]) if append else ()
-        self.read = itemgetter(*self.changing)
-
-
-class ChainReplay(_Replay):
-    """A LayerNorm layer chain's decode row (`attended_layer_norm_gelu_mlp[_append]`'s arguments):
-    made anew are the query and residual rows (of the shapes they had), the self-attention's and
-    the cross-attention's keys, values and bias (`attended_cache`), and the next layer's caches'
-    position (`append_position`; views of the same buffers); `at` where the node's inputs are."""
-
-    __slots__ = ("at", "x_shape", "residual_shape", "perms", "cross_bias", "shapes")
-
-    def __init__(self, inputs: tuple, arguments: tuple, perms: tuple, at: ChainPositions):
-        buffers = _BUFFERS if at.caches else ()
-        super().__init__(inputs, arguments, at.changing + at.caches,
-                         (_X, _CACHE, _CACHE + 1, _CACHE + 2, _RESIDUAL, _CROSS_CACHE, _CROSS_CACHE + 1), buffers)
-        self.at = at
-        self.x_shape, self.residual_shape = inputs[at.changing[0]].shape, inputs[at.residual].shape
-        self.perms, self.cross_bias = perms, inputs[at.cross_bias]
-        self.shapes = tuple([(1, arguments[p].shape[1], 1, arguments[p].shape[3]) for p in buffers])
-
-    def arguments_for(self, inputs: tuple, _ctx=None) -> tuple | None:
-        """The native arguments for this step's inputs, or None when they are not such a step."""
-        if not self.same(inputs):
-            return None
-        x, key, value, bias, residual, cross_key, cross_value = self.at.read(inputs)
-        arguments = self.arguments
-        if (x.dtype != _FLOAT32 or x.shape != self.x_shape or residual.dtype != _FLOAT32
-                or residual.shape != self.residual_shape):
-            return None
-        own = attended_cache(arguments[_HEADS], key, value, bias, *self.perms[:2])
-        cross = own and attended_cache(arguments[_CROSS_HEADS], cross_key, cross_value, self.cross_bias,
-                                       *self.perms[2:])
-        if not cross:
-            return None
-        appended = ()
-        if self.shapes:
-            past_key, past_value = inputs[self.at.caches[0]], inputs[self.at.caches[1]]
-            key_buffer, value_buffer = self.buffers[0](), self.buffers[1]()
-            if past_key.base is not key_buffer or past_value.base is not value_buffer or key_buffer is None:
-                return None
-            position = append_position(past_key, past_value, self.shapes)
-            if position < 0:
-                return None
-            appended = (*arguments[_CHAINED_ARGUMENTS:_BUFFERS[0]], key_buffer, value_buffer, position)
-        return (np.ascontiguousarray(x.reshape(-1)), *arguments[_X + 1:_CACHE], *own, *arguments[_CACHE + 3:_RESIDUAL],
-                np.ascontiguousarray(residual.reshape(-1)), *arguments[_RESIDUAL + 1:_CROSS_CACHE], *cross[:2],
-                *arguments[_CROSS_CACHE + 2:_CHAINED_ARGUMENTS], *appended)
 
 
 # -- an RMSNorm layer boundary (AttentionGatedMLPRopeAppend) -----------------------------------------

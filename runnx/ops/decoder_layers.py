@@ -1,9 +1,7 @@
 """Decoder layers' fused nodes that span several blocks (`runnx/interp/fusion/products.py`): an
 RMSNorm layer's projections, rotary embedding and KV cache growth (ProjectedRopeAppend), its
 attention to the next layer's norm (AttentionGatedMLP), and the two across a layer boundary
-(AttentionGatedMLPRopeAppend); a LayerNorm decoder layer (an encoder-decoder's) from its self-attention to
-the next layer's norm (AttentionLayerNormGeluMLP), with the next layer's projections and KV cache
-growth (AttentionLayerNormGeluMLPAppend). A decode step's row runs each as one native call of
+(AttentionGatedMLPRopeAppend). A decode step's row runs each as one native call of
 `_decode_blocks.py`, and a short prompt's ProjectedRopeAppend one too (`_rope_rows`); anything else
 (a long prefill, caches not granted, biases of other shapes) runs the kernels of the nodes they
 replaced. A run of AttentionGatedMLPRopeAppend nodes is one GatedLayersRun node
@@ -17,24 +15,20 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from runnx.ops._decode_replay import (ChainPositions, ChainReplay, GatedPositions, GatedRopeReplay, RunReplay,
-                                      nested, remember, replay_enabled, replayed)
 from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._decode_blocks import (attended_gated_mlp, attended_gated_mlp_rope_append,
-                                      attended_gated_mlp_rope_append_run, attended_layer_norm_gelu_mlp,
-                                      attended_layer_norm_gelu_mlp_append, projected_rope_append,
+                                      attended_gated_mlp_rope_append_run, projected_rope_append,
                                       projected_rope_append_rows)
+from runnx.ops._decode_replay import GatedPositions, GatedRopeReplay, RunReplay, nested, remember, replay_enabled, replayed
 from runnx.ops._fused_common import stand_in
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops.cache import count_appends
 from runnx.ops.fused import DOMAIN, RepeatedKVAttention, repeated_kv_row
 from runnx.ops.fused_rotary import RopeAppend, appended_caches, rope_append_arguments
-from runnx.ops.fused_layer_norm_blocks import attention_row, split_shape
-from runnx.ops.fused_products import (_NO_BIAS, ProjectedAppend, SharedInputMatMul, _split_shapes, _vector,
-                                      append_arguments, appended_outputs)
-from runnx.ops.fused_residual_blocks import (AttentionGeluMLP, AttentionLayerNorm, ResidualGatedMLP, _attention_attrs,
-                                             _gated_mlp_row, _gelu_mlp_row, _layer_norm_row)
+from runnx.ops.fused_layer_norm_blocks import split_shape
+from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _split_shapes, _vector
+from runnx.ops.fused_residual_blocks import ResidualGatedMLP, _gated_mlp_row
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.rows import SHARED_FROM
@@ -323,153 +317,3 @@ def _input_names(kernel) -> tuple:
 _GATED = GatedPositions(_input_names(AttentionGatedMLP), _input_names(ProjectedRopeAppend)[1:])
 BOUNDARY = _GATED  # (for the fusion of runs of them: `interp/fusion/layer_runs.py`)
 _BLOCK_INPUTS = len(_input_names(AttentionGatedMLP))
-
-
-# AttentionLayerNormGeluMLP's inputs: AttentionLayerNorm's, then AttentionGeluMLP's but its query and residual;
-# AttentionLayerNormGeluMLPAppend's: those, then ProjectedAppend's but its x
-_ATTENTION_NAMES = _input_names(AttentionLayerNorm)
-_GELU_NAMES = tuple([n for n in _input_names(AttentionGeluMLP) if n not in ("query", "residual")])
-_CHAIN = ChainPositions(_ATTENTION_NAMES, _GELU_NAMES)
-_CHAIN_APPEND = ChainPositions(_ATTENTION_NAMES, _GELU_NAMES, _input_names(ProjectedAppend)[1:])
-_ATTENTION_INPUTS = len(_ATTENTION_NAMES)
-_CHAINED_INPUTS = _ATTENTION_INPUTS + len(_GELU_NAMES)
-_APPEND_ARGUMENTS = 6  # append_arguments', last of a chain's native arguments
-_APPEND_ATTRIBUTES = ("key_dims", "key_axes", "value_dims", "value_axes", "key_axis", "value_axis")  # ProjectedAppend's
-
-
-@register("AttentionLayerNormGeluMLP", since=1, domain=DOMAIN, shape_only=(11, 13, 29, 31))
-def AttentionLayerNormGeluMLP(*inputs, query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
-                              output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
-                              key_perm: tuple[int, ...], value_perm: tuple[int, ...], norm: tuple = (-1, 1e-5, 1),
-                              cross_query_dims: tuple[int, ...] = (), cross_query_axes: tuple[int, ...] = (),
-                              cross_output_dims: tuple[int, ...] = (), cross_output_axes: tuple[int, ...] = (),
-                              cross_key_perm: tuple[int, ...], cross_value_perm: tuple[int, ...],
-                              cross_norm: tuple = (-1, 1e-5, 1), down_norm: tuple = (-1, 1e-5, 1), state=None):
-    """AttentionGeluMLP(n, *inputs[19:34], s, *inputs[34:]) (its attention's attributes cross_*) for
-    (s, n) = AttentionLayerNorm(*inputs[:19]): a LayerNorm decoder layer from its self-attention to
-    the next layer's norm. The norm n has the residual's shape and dtype (its readers elsewhere read
-    a LayerNormShape stand-in). A decode step's row is one native call (`attended_layer_norm_gelu_mlp`:
-    the two nodes' native calls with no Python between them), its arguments the last step's but
-    what a step changes when its `_decode_replay.ChainReplay` fits."""
-    arguments = replayed(state, inputs)
-    if arguments is not None:
-        return _chained(arguments, inputs[_CHAIN.residual])
-    chain = _Chain(inputs, _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm),
-                   _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
-                                    cross_key_perm, cross_value_perm), norm, cross_norm, down_norm)
-    arguments = chain.row(chain.stand_in())
-    remember(state, arguments and ChainReplay(inputs, arguments, (key_perm, value_perm, cross_key_perm,
-                                                                  cross_value_perm), _CHAIN))
-    return chain.run(arguments)
-
-
-class _Chain:
-    """An AttentionLayerNormGeluMLP's inputs and attributes: its decode row's native arguments, and
-    its outputs from them (or, without, from its two nodes' kernels)."""
-
-    __slots__ = ("first", "second", "attrs", "cross_attrs", "norm", "cross_norm", "down_norm")
-
-    def __init__(self, inputs: tuple, attrs: dict, cross_attrs: dict, norm: tuple, cross_norm: tuple,
-                 down_norm: tuple):
-        self.first, self.second = inputs[:_ATTENTION_INPUTS], inputs[_ATTENTION_INPUTS:_CHAINED_INPUTS]
-        self.attrs, self.cross_attrs = attrs, cross_attrs
-        self.norm, self.cross_norm, self.down_norm = norm, cross_norm, down_norm
-
-    @property
-    def residual(self):
-        return self.first[_CHAIN.residual]
-
-    def stand_in(self):
-        """An empty array of the residual's shape and dtype: the sums' and norms' the blocks compute,
-        for the checks of the arguments that will read them."""
-        return np.empty(self.residual.shape, self.residual.dtype)
-
-    def row(self, stand_in) -> tuple | None:
-        """`attended_layer_norm_gelu_mlp`'s arguments after the mailbox and workers when both blocks
-        are a decode step's row (AttentionLayerNorm's and AttentionGeluMLP's fast paths; the second's
-        row and residual, computed by the first, are `stand_in`), else None."""
-        first, second = self.first, self.second
-        row = attention_row(*first[:14], **self.attrs)
-        block = row and row[1].flags.c_contiguous and _layer_norm_row(row[1], *first[14:], *self.norm[:2])
-        if not block:
-            return None
-        cross = attention_row(stand_in, *second[:13], **self.cross_attrs)
-        mlp = cross and cross[1].flags.c_contiguous and _gelu_mlp_row(cross[1], *second[13:15], stand_in,
-                                                                     *second[15:], self.cross_norm, self.down_norm)
-        return mlp and (*row[0], *block, *cross[0][1:], *mlp)
-
-    def run(self, arguments) -> tuple:
-        """(s, n): one native call with `arguments` (`row()`'s), or (None) the two nodes' kernels."""
-        residual = self.residual
-        if arguments:
-            return _chained(arguments, residual)
-        summed, normed = AttentionLayerNorm(*self.first, **self.attrs, norm=self.norm)
-        _as_stood_in(normed, residual, "self-attention")
-        summed, normed = AttentionGeluMLP(normed, *self.second[:15], summed, *self.second[15:], **self.cross_attrs,
-                                          norm=self.cross_norm, down_norm=self.down_norm)
-        return summed, _as_stood_in(normed, residual, "cross-attention and MLP")
-
-
-def _chained(arguments: tuple, residual) -> tuple:
-    """(s, n) of one `attended_layer_norm_gelu_mlp` call with `arguments`, shaped as the residual."""
-    summed, normed = decode_pool.shared_call(attended_layer_norm_gelu_mlp, arguments)
-    return summed.reshape(residual.shape), normed.reshape(residual.shape)
-
-
-def _as_stood_in(normed, residual, block: str):
-    """A block's norm, when it has the shape and dtype its LayerNormShape stand-in (of the layer's
-    residual) told the nodes reading its shape; else a RunnxError."""
-    if normed.shape != residual.shape or normed.dtype != residual.dtype:
-        raise RunnxError(f"the {block} block's norm is {normed.dtype}{list(normed.shape)}, the layer's residual "
-                         f"{residual.dtype}{list(residual.shape)}: they must match to chain the blocks")
-    return normed
-
-
-@register("AttentionLayerNormGeluMLPAppend", since=1, domain=DOMAIN, inplace=(45, 46),
-          shape_only=(11, 13, 29, 31, 52, 55))
-def AttentionLayerNormGeluMLPAppend(*inputs, query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
-                                    output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
-                                    key_perm: tuple[int, ...], value_perm: tuple[int, ...],
-                                    norm: tuple = (-1, 1e-5, 1), cross_query_dims: tuple[int, ...] = (),
-                                    cross_query_axes: tuple[int, ...] = (), cross_output_dims: tuple[int, ...] = (),
-                                    cross_output_axes: tuple[int, ...] = (), cross_key_perm: tuple[int, ...],
-                                    cross_value_perm: tuple[int, ...], cross_norm: tuple = (-1, 1e-5, 1),
-                                    down_norm: tuple = (-1, 1e-5, 1), key_dims: tuple[int, ...] = (),
-                                    key_axes: tuple[int, ...] = (), value_dims: tuple[int, ...] = (),
-                                    value_axes: tuple[int, ...] = (), key_axis: int, value_axis: int, overwrite=(),
-                                    ctx=None, state=None):
-    """(s, *ProjectedAppend(n, *inputs[45:])) for (s, n) = AttentionLayerNormGeluMLP(*inputs[:45]): a
-    LayerNorm decoder layer from its self-attention to the next layer's norm, and the next layer's
-    projections and KV cache growth. The norm n has the residual's shape and dtype (its readers
-    elsewhere read a LayerNormShape stand-in). A decode step's row, both caches granted, is one
-    native call (`attended_layer_norm_gelu_mlp_append`) writing the new cache rows in place, its
-    arguments the last step's but what a step changes when its `_decode_replay.ChainReplay` fits."""
-    granted = _CHAINED_INPUTS in overwrite and _CHAINED_INPUTS + 1 in overwrite
-    arguments = replayed(state, inputs) if granted else None
-    if arguments is None:
-        chain = _Chain(inputs, _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm,
-                                                value_perm),
-                       _attention_attrs(cross_query_dims, cross_query_axes, cross_output_dims, cross_output_axes,
-                                        cross_key_perm, cross_value_perm), norm, cross_norm, down_norm)
-        append = inputs[_CHAINED_INPUTS:]
-        attributes = (key_dims, key_axes, value_dims, value_axes, key_axis, value_axis)
-        stand_in = chain.stand_in()  # also the last norm's, the projections' row
-        row = chain.row(stand_in)
-        appended = row and granted and append_arguments(stand_in, *append, *attributes)
-        if not appended:
-            return _apart(chain, row, append, attributes, overwrite, ctx)
-        arguments = (*row, *appended)
-        remember(state, ChainReplay(inputs, arguments, (key_perm, value_perm, cross_key_perm, cross_value_perm),
-                                    _CHAIN_APPEND))
-    summed, query = decode_pool.shared_call(attended_layer_norm_gelu_mlp_append, arguments)
-    residual = inputs[_CHAIN.residual]
-    return (summed.reshape(residual.shape),
-            *appended_outputs(query, residual.shape, arguments[-_APPEND_ARGUMENTS:], ctx))
-
-
-def _apart(chain: _Chain, row, append: tuple, attributes: tuple, overwrite, ctx) -> tuple:
-    """AttentionLayerNormGeluMLPAppend's outputs from its chain (one native call when `row`, its
-    arguments) and ProjectedAppend's kernel on the chain's norm."""
-    summed, normed = chain.run(row)  # its checks not made again
-    return (summed, *ProjectedAppend(normed, *append, **dict(zip(_APPEND_ATTRIBUTES, attributes)),
-                                     overwrite=tuple([p - _CHAINED_INPUTS + 1 for p in overwrite]), ctx=ctx))

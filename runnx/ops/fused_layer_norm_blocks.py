@@ -354,8 +354,9 @@ def SplitHeadsShape(x, weight, target, source, *, dims: tuple[int, ...] = (), ax
 @register("LayerNormShape", since=1, domain=DOMAIN, shape_only=(0,))
 def LayerNormShape(residual):
     """A stand-in with the shape and dtype of the norm AddLayerNorm gives of a sum shaped as residual
-    (a LayerNormalization keeps its input's), for nodes that only read the shape of a norm a fused
-    node computes inside itself (AttentionLayerNormGeluMLP's, AttentionLayerNormGeluMLPAppend's)."""
+    (a LayerNormalization keeps its input's), for nodes that only read the shape of a value a fused
+    node computes inside itself shaped as its residual (a GatedLayersRun's sums and rotated queries:
+    `interp/fusion/layer_runs.py`)."""
     return stand_in(residual.dtype, residual.shape)
 
 

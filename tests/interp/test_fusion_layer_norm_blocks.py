@@ -489,14 +489,12 @@ def test_tiny_whisper_encoder_and_decoder_are_fused(fixtures_dir):
     # layer, both branches), the last two with the MLP's first product and GELU between them as one
     # node (a layer from its cross-attention's output projection to the next norm); the
     # cross-attention's query projection joins it (2 layers, both branches); with a past, a layer's
-    # q/k/v projections and its KV cache appends as one node; each attention with the block after it,
-    # and those two blocks of a layer (self-attention, then cross-attention and MLP) as one node,
-    # with a past the next layer's projections and appends too (one layer boundary)
+    # q/k/v projections and its KV cache appends as one node; each attention with the block after it
+    # (a layer: its projections and appends, self-attention block, cross-attention and MLP block)
     assert decoder.fused == {"HeadsAttention": 8, "SplitHeads": 12, "ErfGelu": 4, "AddLayerNorm": 14,
                              "SharedInputMatMul": 5, "MatMulAddLayerNorm": 12, "ResidualGeluMLP": 4,
                              "ProjectedHeadsAttention": 4, "ProjectedAppend": 2, "AttentionLayerNorm": 4,
-                             "AttentionGeluMLP": 4, "AttentionLayerNormGeluMLP": 4,
-                             "AttentionLayerNormGeluMLPAppend": 1}
+                             "AttentionGeluMLP": 4}
 
 
 def _greedy(folder, fuse, features):
@@ -528,15 +526,12 @@ def test_whisper_tiny_en_encoder_close_and_tokens_identical_fused_and_not(whispe
     assert tokens == _greedy(whisper_dir, False, features) and all(len(t) > 5 for t in tokens)
 
 
-def test_a_whisper_decode_step_runs_one_native_call_per_layer_boundary(fixtures_dir, monkeypatch):
-    """AttentionLayerNorm and the AttentionGeluMLP reading its norm, then the next layer's
-    ProjectedAppend reading that one's (memos reading both norms' shapes through LayerNormShape
-    stand-ins): a decode step of the two-layer model runs the first layer's projections, one call
-    across the boundary and the last layer's two blocks, with the same tokens as the nodes apart
-    (the prefill's rows, and a step whose caches are not granted, take the nodes' kernels)."""
+def test_a_whisper_decode_step_runs_three_native_calls_a_layer(fixtures_dir, monkeypatch):
+    """A decode step of the two-layer model runs each layer as three native calls: its projections
+    and KV cache appends (ProjectedAppend), its self-attention block (AttentionLayerNorm), its
+    cross-attention and MLP block (AttentionGeluMLP); the prefill's rows take the nodes' kernels.
+    The tokens are those of the model without fusion."""
     from runnx.generate.whisper import Whisper
-    from runnx.interp import fusion
-    from runnx.interp.fusion import products
     from runnx.ops import _decode_blocks
     from runnx.runtime import pool as decode_pool
 
@@ -545,73 +540,18 @@ def test_a_whisper_decode_step_runs_one_native_call_per_layer_boundary(fixtures_
     shared_call = decode_pool.shared_call
     monkeypatch.setattr(decode_pool, "shared_call", lambda job, *a: calls.append(job) or shared_call(job, *a))
     model = Whisper(folder)
-    assert model.decoder.past_model.fused["AttentionLayerNormGeluMLPAppend"] == 1
-    with monkeypatch.context() as patch:
-        patch.setattr(fusion, "PATTERNS", [p for p in fusion.PATTERNS
-                                           if p[1] not in (products._layer_norm_chained, products._append_chained)])
-        apart_model = Whisper(folder)
-    assert not {"AttentionLayerNormGeluMLP", "AttentionLayerNormGeluMLPAppend"} & set(apart_model.decoder.past_model.fused)
-    jobs = (_decode_blocks.appended_products, _decode_blocks.attended_layer_norm_gelu_mlp_append,
-            _decode_blocks.attended_layer_norm_gelu_mlp)
-    for seed in (5, 6):
-        features = _features(seed)
+    jobs = (_decode_blocks.appended_products, _decode_blocks.attended_layer_norm, _decode_blocks.attended_gelu_mlp)
+    features = [_features(seed)[None, 0] for seed in (5, 6)]
+    for window in features:
         calls.clear()
-        chained = model.decode(model.encode(features), max_new_tokens=24)
-        steps = len(chained.tokens) - 1  # after the prefill, which gave the first token
-        assert [calls.count(job) for job in jobs] == [steps, steps, steps]
-        assert calls.count(_decode_blocks.attended_layer_norm) == 0
-        apart = apart_model.decode(apart_model.encode(features), max_new_tokens=24)
-        assert len(chained.tokens) > 3 and chained.tokens == apart.tokens
+        decoded = model.decode(model.encode(window), max_new_tokens=24)
+        steps = len(decoded.tokens) - 1  # after the prefill, which gave the first token
+        assert len(decoded.tokens) > 3 and [calls.count(job) for job in jobs] == [2 * steps] * 3
+    assert _greedy(folder, True, features) == _greedy(folder, False, features)
 
 
-
-def _replayed_decode(folder, monkeypatch, replay: bool) -> tuple[list, int, list]:
-    """Two windows of greedy decoding of the tiny model, then one more step on another thread, with
-    `_decode_replay.enabled` as given: (every step's logits, the chain rows prepared in the
-    second window's steps after its first, those prepared per window and by the thread)."""
-    import threading
-
-    from runnx.generate.whisper import Whisper
-    from runnx.ops import _decode_replay, decoder_layers
-
-    monkeypatch.setattr(_decode_replay, "enabled", replay)
-    rows = []
-    row = decoder_layers._Chain.row
-    monkeypatch.setattr(decoder_layers._Chain, "row", lambda self, stand_in: rows.append(1) or row(self, stand_in))
-    model = Whisper(folder)
-    logits, prepared = [], []
-    step = model.decoder.step
-    model.decoder.step = lambda *a, **k: logits.append(step(*a, **k)) or logits[-1]
-    for seed in (5, 6):
-        rows.clear()
-        decoded = model.decode(model.encode(_features(seed)), max_new_tokens=12)
-        assert len(decoded.tokens) > 4
-        prepared.append(len(rows))
-    rows.clear()
-    thread = threading.Thread(target=model.decoder.step, args=(np.array([[decoded.tokens[-1]]]),))
-    thread.start()
-    thread.join()
-    return logits, prepared + [len(rows)], decoded.tokens
-
-
-def test_a_layer_chain_prepares_its_decode_arguments_once_and_replays_them(fixtures_dir, monkeypatch):
-    """A layer chain node checks and prepares its native arguments on its first decode step; later
-    steps make anew only what a step changes (`_decode_replay.ChainReplay`): the query row, residual,
-    caches, mask and cross-attention keys. A new window (new cache buffers) prepares the boundary node again, and
-    another thread its own; every step's logits are bitwise those made afresh each step."""
-    folder = fixtures_dir / "tiny-whisper"
-    replayed, prepared, tokens = _replayed_decode(folder, monkeypatch, True)
-    afresh, prepared_afresh, tokens_afresh = _replayed_decode(folder, monkeypatch, False)
-    assert tokens == tokens_afresh and len(replayed) == len(afresh)
-    assert all(np.array_equal(a, b) for a, b in zip(replayed, afresh))
-    # each window: the prefill's two chain nodes (not decode rows), then the two of the first step;
-    # the second window's last layer finds its replay (no cache of its own to append to)
-    assert prepared == [4, 3, 2]
-    steps = [len(tokens) - 1, len(tokens_afresh) - 1]
-    assert prepared_afresh[1] == 2 + 2 * steps[1] and prepared_afresh[2] == 2
-
-def test_a_layer_boundary_whose_caches_are_not_granted_runs_the_nodes_kernels(fixtures_dir):
-    """The decoder run with caches it may not write (plain arrays, not `Owned`): the boundary node
+def test_appends_whose_caches_are_not_granted_run_the_nodes_kernels(fixtures_dir):
+    """The decoder run with caches it may not write (plain arrays, not `Owned`): ProjectedAppend
     takes its nodes' kernels, appending by copy, and gives what the model without fusion gives."""
     decoder = fixtures_dir / "tiny-whisper" / "decoder_model_merged.onnx"
     fused = runnx.load(decoder, check_symbolic_dims=False)
@@ -631,15 +571,3 @@ def test_a_layer_boundary_whose_caches_are_not_granted_runs_the_nodes_kernels(fi
     got, want = fused.run(feeds), plain.run(feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4)
-
-
-def test_a_chained_block_whose_norm_is_not_shaped_as_its_stand_in_is_an_error():
-    """The memos reading a chained block's norm read a stand-in shaped as the layer's residual: a
-    norm of another shape (a residual add that broadcast) is an error, not wrong shapes downstream."""
-    from runnx.errors import RunnxError
-    from runnx.ops.decoder_layers import _as_stood_in
-
-    residual = np.zeros((1, 1, 8), np.float32)
-    assert _as_stood_in(np.ones((1, 1, 8), np.float32), residual, "self-attention").shape == (1, 1, 8)
-    with pytest.raises(RunnxError, match=r"self-attention block's norm is float32\[1, 3, 8\], the layer's residual"):
-        _as_stood_in(np.ones((1, 3, 8), np.float32), residual, "self-attention")

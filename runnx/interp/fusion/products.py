@@ -17,11 +17,8 @@ native calls; an RMSNorm decoder layer's attention joins its ResidualGatedMLP (A
 and its q/k/v products its RopeAppend (ProjectedRopeAppend, with SplitHeadsShape stand-ins for the
 shape memos reading the heads), and an AttentionGatedMLP the next layer's ProjectedRopeAppend
 reading its norm (AttentionGatedMLPRopeAppend, an RMSNormShape stand-in for the norm's shape): a
-decode step then runs one native call per layer boundary, not two. A LayerNorm decoder layer's
-AttentionLayerNorm and the AttentionGeluMLP reading its norm become one AttentionLayerNormGeluMLP
-node (a LayerNormShape stand-in for the norm's shape), and that node the next layer's
-ProjectedAppend reading its norm (AttentionLayerNormGeluMLPAppend): one native call per layer
-boundary, as for RMSNorm layers. Runs after the other patterns: a MatMul they take stays theirs.
+decode step then runs one native call per layer boundary, not two. Runs after the other patterns: a
+MatMul they take stays theirs.
 """
 from __future__ import annotations
 
@@ -382,44 +379,12 @@ def _norm_read_next(m: Matcher, reader: Node, sizes: tuple, op_type: str) -> Fus
                  {**block.attrs, **reader.attrs})
 
 
-def _layer_norm_chained(m: Matcher, gelu: Node) -> Fused | None:
-    """AttentionGeluMLP whose query is an AttentionLayerNorm's norm and whose residual is its sum, the
-    norm read elsewhere only for its shape: a LayerNorm decoder layer from its self-attention to the
-    next layer's norm as one AttentionLayerNormGeluMLP node (a decode step runs the two as one native
-    call; the norm's shape readers get a LayerNormShape stand-in)."""
-    layer = m.graph.producer.get(gelu.inputs[0])
-    if (gelu.domain != DOMAIN or layer is None or layer.op_type != "AttentionLayerNorm" or layer.domain != DOMAIN
-            or layer.index in m.taken or len(layer.inputs) != 19 or len(gelu.inputs) != 28
-            or tuple(layer.outputs) != (gelu.inputs[16], gelu.inputs[0])
-            or any(v in layer.outputs for v in (*gelu.inputs[1:16], *gelu.inputs[17:]))
-            or not m.private([layer, gelu], tuple(gelu.outputs), (layer.outputs[1],))):
-        return None
-    cross = {f"cross_{name}": value for name, value in gelu.attrs.items() if name != "down_norm"}
-    down = {"down_norm": gelu.attrs["down_norm"]} if "down_norm" in gelu.attrs else {}
-    return Fused("AttentionLayerNormGeluMLP", [layer, gelu], (*layer.inputs, *gelu.inputs[1:16], *gelu.inputs[17:]),
-                 gelu.outputs, {**layer.attrs, **cross, **down})
-
-
-def _append_chained(m: Matcher, append: Node) -> Fused | None:
-    """ProjectedAppend whose x is an AttentionLayerNormGeluMLP's norm, read elsewhere only for its
-    shape: a LayerNorm decoder layer from its self-attention to the next layer's norm and the next
-    layer's projections and KV cache growth as one AttentionLayerNormGeluMLPAppend node (a decode step
-    runs them as one native call; the norm's shape readers get a LayerNormShape stand-in)."""
-    return _norm_read_next(m, append, ("AttentionLayerNormGeluMLP", 45, 12), "AttentionLayerNormGeluMLPAppend")
-
-
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     """Nodes giving values computed inside a fused node to readers of their shape (zero-strided
     views): ProjectedRopeAppend's split heads (SplitHeadsShape of x and the product's weight and
-    split), AttentionGatedMLPRopeAppend's norm (RMSNormShape of the residual and the norm's constants),
-    AttentionLayerNormGeluMLP's first norm and AttentionLayerNormGeluMLPAppend's last (LayerNormShape
-    of the layer's residual: the sums in between keep its shape)."""
+    split) and AttentionGatedMLPRopeAppend's norm (RMSNormShape of the residual and the norm's
+    constants)."""
     block = fused.members[0] if fused.members else None
-    if fused.op_type in ("AttentionLayerNormGeluMLP", "AttentionLayerNormGeluMLPAppend"):
-        normed = block.outputs[1]
-        if not _read_outside(m, fused, normed):
-            return []
-        return [Fused("LayerNormShape", [], (block.inputs[16],), (normed,), {})]
     if fused.op_type == "AttentionGatedMLPRopeAppend":
         normed = block.outputs[1]
         if not _read_outside(m, fused, normed):
@@ -450,9 +415,7 @@ PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
             ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp),
             ("HeadsAttention", _projected_query), ("SharedInputMatMul", _appended),
             ("MatMulAddLayerNorm", _attended), ("ResidualGeluMLP", _attended), ("ResidualGatedMLP", _attended_gated),
-            ("RopeAppend", _rope_projected), ("ProjectedRopeAppend", _layers_chained),
-            ("AttentionGeluMLP", _layer_norm_chained), ("ProjectedAppend", _append_chained))
+            ("RopeAppend", _rope_projected), ("ProjectedRopeAppend", _layers_chained))
 # The blocks holding an attention round as their attention does, apart from the nodes they replace
 # (a GELU MLP's as its ErfGelu); the products, biases and norms round as numpy does.
-ROUNDS_APART = (_residual_gelu_mlp, _projected_query, _attended, _attended_gated, _layers_chained,
-                _layer_norm_chained, _append_chained)
+ROUNDS_APART = (_residual_gelu_mlp, _projected_query, _attended, _attended_gated, _layers_chained)
