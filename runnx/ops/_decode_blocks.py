@@ -258,25 +258,6 @@ def _append_row(row, bias, buffer, position):
 
 
 @_jit
-def attended_layer_norm(box, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out,
-                        block):
-    """`attended_row`, then `projected_layer_norm(box, workers, *block)`, whose row is the
-    attention's output (a view of out): an attention and its output projection, the residual add
-    and the next LayerNorm (AttentionLayerNorm's nodes)."""
-    attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out)
-    return projected_layer_norm(box, workers, *block)
-
-
-@_jit
-def attended_gelu_mlp(box, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out,
-                      block):
-    """`attended_row`, then `gelu_mlp(box, workers, *block)` on the attention's output (a view of
-    out): an attention and its layer's MLP up to the next norm (AttentionGeluMLP's nodes)."""
-    attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out)
-    return gelu_mlp(box, workers, *block)
-
-
-@_jit
 def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual, epsilon, one,
                        norm_weight, gate_weight, up_weight, down_weight, down_epsilon, down_one, down_norm_weight):
     """`post_attention` into out, then on its merged output x (a view of out) the output projection,

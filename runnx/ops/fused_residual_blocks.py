@@ -1,7 +1,7 @@
 """Fused blocks ending in a residual add and a norm (`runnx/interp/fusion/products.py`): a product
 with the add and norm after it (MatMulAddRMSNorm, MatMulAddLayerNorm), an MLP from a layer's output
 projection to the next norm (ResidualGatedMLP, ResidualGeluMLP), and an attention with its query
-projection or the block after it (ProjectedHeadsAttention, AttentionLayerNorm, AttentionGeluMLP). A
+projection (ProjectedHeadsAttention). A
 decode step's row runs each as native calls of `_decode_blocks.py` posting the decode pool's jobs,
 and so do a short prompt's rows of ResidualGatedMLP; anything else the kernels of the nodes they
 replaced. An RMSNorm layer's own two: `decoder_layers.py`.
@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_blocks import (attended_gelu_mlp, attended_layer_norm, gated_down, gated_down_rows, gelu_mlp,
-                                     projected_gate, projected_gate_rows, projected_layer_norm)
+from runnx.ops._decode_blocks import (gated_down, gated_down_rows, gelu_mlp, projected_gate, projected_gate_rows,
+                                     projected_layer_norm)
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops._remembered import Remembered
-from runnx.ops.fused_layer_norm_blocks import ErfGelu, HeadsAttention, add_layer_norm, attended_row, attention_row
+from runnx.ops.fused_layer_norm_blocks import ErfGelu, HeadsAttention, add_layer_norm, attended_row
 from runnx.ops.fused_norms import AddRMSNorm, exp_in_place, norm_fits
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _matrix, _product, _vector
 from runnx.ops.linalg import _FLOAT32, MatMul
@@ -245,62 +245,7 @@ def ProjectedHeadsAttention(x, weight, query_bias, key, value, bias, query_scale
     return attended if attended is not None else HeadsAttention(MatMul(x, weight), *inputs, **attrs)
 
 
-@register("AttentionLayerNorm", since=1, domain=DOMAIN, shape_only=(11, 13))
-def AttentionLayerNorm(query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
-                       query_target, query_source, output_target, output_source, weight, out_bias, residual, scale,
-                       norm_bias, *, query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
-                       output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
-                       key_perm: tuple[int, ...], value_perm: tuple[int, ...], norm: tuple = (-1, 1e-5, 1)):
-    """MatMulAddLayerNorm(a, weight, out_bias, residual, scale, norm_bias) of the attention a =
-    HeadsAttention(query [@ query_weight], ...) (`runnx/interp/fusion/products.py`; a decoder's
-    self-attention, its output projection and the cross-attention's norm); norm is the norm's (axis,
-    epsilon, stash_type). A decode step's float32 row is one native call (`attended_layer_norm`)."""
-    attention = (query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
-                 query_target, query_source, output_target, output_source)
-    attrs = _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm)
-    axis, epsilon, stash_type = norm
-    row = attention_row(*attention, **attrs)
-    block = row and _layer_norm_row(row[1], weight, out_bias, residual, scale, norm_bias, axis, epsilon)
-    if block and row[1].flags.c_contiguous:  # the block's row is then a view of the attention's output
-        summed, normed = decode_pool.shared_call(attended_layer_norm, *row[0], block)
-        return summed.reshape(residual.shape), normed.reshape(residual.shape)
-    return MatMulAddLayerNorm(_heads_attention(*attention, **attrs), weight, out_bias, residual, scale, norm_bias,
-                              axis=axis, epsilon=epsilon, stash_type=stash_type)
-
-
-@register("AttentionGeluMLP", since=1, domain=DOMAIN, shape_only=(11, 13))
-def AttentionGeluMLP(query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
-                     query_target, query_source, output_target, output_source, weight, out_bias, residual, scale,
-                     norm_bias, up_weight, up_bias, divisor, one, half, down_weight, down_bias, down_scale,
-                     down_norm_bias, *, query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
-                     output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
-                     key_perm: tuple[int, ...], value_perm: tuple[int, ...], norm: tuple = (-1, 1e-5, 1),
-                     down_norm: tuple = (-1, 1e-5, 1)):
-    """ResidualGeluMLP(a, weight, out_bias, residual, scale, norm_bias, up_weight, ...) of the
-    attention a = HeadsAttention(query [@ query_weight], ...) (`runnx/interp/fusion/products.py`;
-    a decoder's cross-attention and the rest of its layer, an encoder's attention and MLP). A decode
-    step's float32 row is one native call (`attended_gelu_mlp`)."""
-    attention = (query, query_weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
-                 query_target, query_source, output_target, output_source)
-    attrs = _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm)
-    mlp = (weight, out_bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half, down_weight, down_bias,
-           down_scale, down_norm_bias)
-    row = attention_row(*attention, **attrs)
-    block = row and _gelu_mlp_row(row[1], *mlp, norm, down_norm)
-    if block and row[1].flags.c_contiguous:  # the block's row is then a view of the attention's output
-        summed, normed = decode_pool.shared_call(attended_gelu_mlp, *row[0], block)
-        return summed.reshape(residual.shape), normed.reshape(residual.shape)
-    return ResidualGeluMLP(_heads_attention(*attention, **attrs), *mlp, norm=norm, down_norm=down_norm)
-
-
 def _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm) -> dict:
     """HeadsAttention's attributes as its keyword arguments."""
     return {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
             "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
-
-
-def _heads_attention(query, query_weight, *inputs, **attrs):
-    """HeadsAttention of query, projected by query_weight first when there is one."""
-    if query_weight is None:
-        return HeadsAttention(query, *inputs, **attrs)
-    return ProjectedHeadsAttention(query, query_weight, *inputs, **attrs)

@@ -10,10 +10,10 @@ projection's MatMulAddRMSNorm, the gated products reading its norm and the down 
 MatMulAddRMSNorm become one ResidualGatedMLP node (a decode step runs it natively); a LayerNorm
 block's MatMulAddLayerNorm, first MLP product, ErfGelu and MatMulAddLayerNorm one ResidualGeluMLP
 node. A query projection read only by its attention joins it (ProjectedHeadsAttention), and q/k/v
-products whose key and value are appended to caches join the appends (ProjectedAppend), and an
-attention joins the MatMulAddLayerNorm or ResidualGeluMLP after it (AttentionLayerNorm,
-AttentionGeluMLP): a LayerNorm decoder layer (an encoder-decoder's), which a decode step runs as three
-native calls; an RMSNorm decoder layer's attention joins its ResidualGatedMLP (AttentionGatedMLP)
+products whose key and value are appended to caches join the appends (ProjectedAppend): a LayerNorm
+decoder layer (an encoder-decoder's) is then five nodes, each a decode step's native call (its
+projections and appends, self-attention, output projection and norm, cross-attention, MLP to the
+next norm). An RMSNorm decoder layer's attention joins its ResidualGatedMLP (AttentionGatedMLP)
 and its q/k/v products its RopeAppend (ProjectedRopeAppend, with SplitHeadsShape stand-ins for the
 shape memos reading the heads), and an AttentionGatedMLP the next layer's ProjectedRopeAppend
 reading its norm (AttentionGatedMLPRopeAppend, an RMSNormShape stand-in for the norm's shape): a
@@ -298,27 +298,6 @@ def _projected_query(m: Matcher, attention: Node) -> Fused | None:
                  attention.outputs, attention.attrs)
 
 
-_ATTENDED = {"MatMulAddLayerNorm": "AttentionLayerNorm", "ResidualGeluMLP": "AttentionGeluMLP"}  # block -> fused op
-
-
-def _attended(m: Matcher, block: Node) -> Fused | None:
-    """MatMulAddLayerNorm / ResidualGeluMLP whose row is a (Projected)HeadsAttention's output read
-    only there: an attention and the block after it as one node (a LayerNorm decoder layer's: a
-    decode step runs the two as one native call)."""
-    attention = m.graph.producer.get(block.inputs[0])
-    if (block.domain != DOMAIN or attention is None or attention.domain != DOMAIN or attention.index in m.taken
-            or attention.op_type not in ("HeadsAttention", "ProjectedHeadsAttention")
-            or attention.outputs[0] in block.inputs[1:] or not m.private([attention, block], tuple(block.outputs))):
-        return None
-    projected = attention.op_type == "ProjectedHeadsAttention"
-    query = tuple(attention.inputs[:2]) if projected else (attention.inputs[0], MISSING)
-    rest = attention.inputs[2 if projected else 1:]
-    norms = dict(block.attrs) if block.op_type == "ResidualGeluMLP" else {
-        "norm": tuple(block.attrs.get(a, d) for a, d in (("axis", -1), ("epsilon", 1e-5), ("stash_type", 1)))}
-    return Fused(_ATTENDED[block.op_type], [attention, block], (*query, *rest, *block.inputs[1:]), block.outputs,
-                 {**attention.attrs, **norms})
-
-
 def _attended_gated(m: Matcher, block: Node) -> Fused | None:
     """ResidualGatedMLP whose row is a RepeatedKVAttention's merged output read only there: a
     decoder layer from its attention to the next layer's norm as one AttentionGatedMLP node (whose
@@ -414,8 +393,8 @@ def _read_outside(m: Matcher, fused: Fused, vid: int) -> bool:
 PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
             ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp),
             ("HeadsAttention", _projected_query), ("SharedInputMatMul", _appended),
-            ("MatMulAddLayerNorm", _attended), ("ResidualGeluMLP", _attended), ("ResidualGatedMLP", _attended_gated),
+            ("ResidualGatedMLP", _attended_gated),
             ("RopeAppend", _rope_projected), ("ProjectedRopeAppend", _layers_chained))
 # The blocks holding an attention round as their attention does, apart from the nodes they replace
 # (a GELU MLP's as its ErfGelu); the products, biases and norms round as numpy does.
-ROUNDS_APART = (_residual_gelu_mlp, _projected_query, _attended, _attended_gated, _layers_chained)
+ROUNDS_APART = (_residual_gelu_mlp, _projected_query, _attended_gated, _layers_chained)
