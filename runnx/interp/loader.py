@@ -79,6 +79,8 @@ def load_model(source, weights=None, allow_newer_opset=False) -> LoadedModel:
     if not allow_newer_opset:
         check_opsets(opsets)
     external = ExternalData(os.path.dirname(os.path.abspath(path))) if path else None
+    if external is not None:
+        external.read_ahead(proto.graph.initializer)
     builder = _GraphBuilder(opsets, external, overrides, raw)
     graph = builder.build(proto.graph, top=True)
     builder.finish()

@@ -80,7 +80,7 @@ def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], np.ndarray | Non
     except (AttributeError, OSError, ValueError):
         arena, mapped = np.zeros(total + 64, np.uint8), None
     else:
-        if total >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE") and _free_huge_pages() * _HUGE_PAGE >= 2 * total:
+        if total >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE") and _free_huge_pages() * HUGE_PAGE >= 2 * total:
             if _advise(arena, mmap.MADV_HUGEPAGE):
                 mapped = None  # in huge pages from the start
         _advise(arena, _MADV_POPULATE_WRITE)
@@ -89,7 +89,7 @@ def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], np.ndarray | Non
 
 
 _MADV_POPULATE_WRITE, _MADV_COLLAPSE = 23, 25  # Linux 5.14 and 6.1 (Python 3.11's mmap names neither)
-_HUGE_PAGE = 2 << 20
+HUGE_PAGE = 2 << 20
 _HUGE_ORDER = 9  # a 2 MiB page is 2**9 of 4 KiB
 
 

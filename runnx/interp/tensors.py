@@ -1,4 +1,4 @@
-"""TensorProto -> numpy, zero-copy where the bytes allow it; external data through safe mmaps."""
+"""TensorProto -> numpy, zero-copy where the bytes allow it; external data confined to the model folder."""
 from __future__ import annotations
 
 import numpy as np

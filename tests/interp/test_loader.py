@@ -1,5 +1,5 @@
-"""Loading: external data confined to the model folder and memory-mapped, safetensors weights,
-and one error listing every unsupported op."""
+"""Loading: external data confined to the model folder (float weights read into memory, the rest
+memory-mapped), safetensors weights, and one error listing every unsupported op."""
 import json
 import mmap
 import os
@@ -65,6 +65,96 @@ def test_valid_external_data_is_memory_mapped_not_copied(tmp_path):
     assert _reaches_mmap(constant) and not constant.flags.writeable
     x = np.ones((3, 4), np.float32)
     np.testing.assert_array_equal(model.run({"x": x})["y"], WEIGHT + 1)
+
+
+def _large_external(tmp_path):
+    """x (1, 1024) @ w, its initializer (4 MiB of float32) at an offset in a 5 MiB data file."""
+    weight = np.random.default_rng(3).standard_normal((1024, 1024)).astype(np.float32)
+    tensor = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=weight.shape)
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in {"location": "weights.bin", "offset": "4096", "length": str(weight.nbytes)}.items():
+        tensor.external_data.add(key=key, value=value)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024])], [tensor])
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "weights.bin").write_bytes(b"\0" * 4096 + weight.tobytes() + b"\0" * (1 << 20))
+    path = folder / "model.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString())
+    return path, weight
+
+
+def _open_on(path) -> bool:
+    """Whether a file descriptor of this process is open on `path` (an mmap of a file keeps one)."""
+    fds = "/proc/self/fd"
+    return any(os.path.realpath(os.path.join(fds, fd)) == os.path.realpath(path) for fd in os.listdir(fds))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc/self/fd (Linux)")
+def test_a_large_external_data_file_is_read_into_memory_the_file_left_free(tmp_path):
+    """Float initializers of a huge page or more in a data file are read into a weight arena (huge
+    pages where the kernel has them: a decode step streams every weight, a file's map stays in
+    4 KiB pages): the file is not held open, the arrays are read-only and keep their values when
+    the file's bytes change."""
+    path, weight = _large_external(tmp_path)
+    model = runnx.load(path)
+    constant = model.graph.constants[model.graph.ids["w"]]
+    np.testing.assert_array_equal(constant, weight)
+    assert not constant.flags.writeable and not _open_on(path.parent / "weights.bin")
+    with open(path.parent / "weights.bin", "r+b") as handle:
+        handle.seek(4096)
+        handle.write(np.ones(weight.size, np.float32).tobytes())
+    x = np.random.default_rng(4).standard_normal((1, 1024)).astype(np.float32)
+    np.testing.assert_allclose(model.run({"x": x})["y"], x @ weight, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc/self/fd (Linux)")
+def test_a_large_external_data_file_memory_cannot_hold_twice_stays_mapped(tmp_path, monkeypatch):
+    from runnx.interp import external_data
+
+    path, weight = _large_external(tmp_path)
+    monkeypatch.setattr(external_data, "_available_memory", lambda: 6 << 20)  # under twice its 4 MiB
+    model = runnx.load(path)
+    constant = model.graph.constants[model.graph.ids["w"]]
+    np.testing.assert_array_equal(constant, weight)
+    assert _reaches_mmap(constant) and not constant.flags.writeable and _open_on(path.parent / "weights.bin")
+
+
+def test_only_float_initializers_of_a_data_file_are_read_ahead(tmp_path):
+    """A data file holding a float weight and packed bytes (4-bit weights, repacked anyway): the
+    float one is read into memory, the bytes stay mapped (a change to the file shows in them)."""
+    weight = np.random.default_rng(5).standard_normal((1024, 1024)).astype(np.float32)
+    packed = np.arange(4096, dtype=np.uint8)
+    tensors = []
+    for name, array, data_type, offset in (("w", weight, TensorProto.FLOAT, 0),
+                                           ("u", packed, TensorProto.UINT8, weight.nbytes)):
+        tensor = TensorProto(name=name, data_type=data_type, dims=array.shape, data_location=TensorProto.EXTERNAL)
+        for key, value in {"location": "weights.bin", "offset": str(offset), "length": str(array.nbytes)}.items():
+            tensor.external_data.add(key=key, value=value)
+        tensors.append(tensor)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Identity", ["u"], ["z"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024]),
+                               helper.make_tensor_value_info("z", TensorProto.UINT8, [4096])], tensors)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "weights.bin").write_bytes(weight.tobytes() + packed.tobytes())
+    (folder / "model.onnx").write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+                                        .SerializeToString())
+    model = runnx.load(folder / "model.onnx", fold_constants=False)
+    with open(folder / "weights.bin", "r+b") as handle:
+        handle.write(np.zeros(weight.size, np.float32).tobytes() + (packed + 1).tobytes())
+    constants = model.graph.constants
+    np.testing.assert_array_equal(constants[model.graph.ids["w"]], weight)
+    np.testing.assert_array_equal(constants[model.graph.ids["u"]], packed + 1)
+
+
+def test_the_memory_available_is_read_from_the_kernel():
+    from runnx.interp import external_data
+
+    available = external_data._available_memory()
+    assert available > 64 << 20 if os.path.exists("/proc/meminfo") else available == 0
 
 
 @pytest.mark.parametrize("location, message", [
