@@ -80,7 +80,8 @@ def load_model(source, weights=None, allow_newer_opset=False) -> LoadedModel:
         check_opsets(opsets)
     external = ExternalData(os.path.dirname(os.path.abspath(path))) if path else None
     if external is not None:
-        external.read_ahead(proto.graph.initializer)
+        streamed = _streamed_names(proto.graph)
+        external.read_ahead([t for t in proto.graph.initializer if t.name in streamed])
     builder = _GraphBuilder(opsets, external, overrides, raw)
     graph = builder.build(proto.graph, top=True)
     builder.finish()
@@ -88,6 +89,20 @@ def load_model(source, weights=None, allow_newer_opset=False) -> LoadedModel:
     if unused:
         raise InvalidModelError(f"weights file has tensors the model does not use: {sorted(unused)[:10]}")
     return LoadedModel(graph, opsets, proto.ir_version, proto.producer_name, path)  # the protobuf is freed
+
+
+def _streamed_names(graph) -> set[str]:
+    """The values some node of `graph` (or of its subgraphs) reads other than as the table a Gather
+    looks rows up in: an embedding only gathered is read a few rows a step, and stays mapped
+    (`ExternalData.read_ahead`) rather than resident whole."""
+    names: set[str] = set()
+    for node in graph.node:
+        gathered = node.op_type == "Gather" and node.domain in ("", "ai.onnx")
+        names.update(name for position, name in enumerate(node.input) if name and not (gathered and position == 0))
+        for attribute in node.attribute:
+            for subgraph in (*([attribute.g] if attribute.type == AttributeProto.GRAPH else ()), *attribute.graphs):
+                names |= _streamed_names(subgraph)
+    return names
 
 
 def check_opsets(opsets: dict) -> None:

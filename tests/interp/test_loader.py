@@ -150,6 +150,33 @@ def test_only_float_initializers_of_a_data_file_are_read_ahead(tmp_path):
     np.testing.assert_array_equal(constants[model.graph.ids["u"]], packed + 1)
 
 
+def test_a_table_only_gathered_stays_mapped_a_streamed_weight_is_read_ahead(tmp_path):
+    """Float initializers in one data file: an embedding table only a Gather reads (a few rows a
+    step) stays mapped, not resident whole; a weight a MatMul streams is read into memory."""
+    table = np.random.default_rng(6).standard_normal((1024, 1024)).astype(np.float32)
+    weight = np.random.default_rng(7).standard_normal((1024, 1024)).astype(np.float32)
+    tensors = []
+    for name, array, offset in (("table", table, 0), ("w", weight, table.nbytes)):
+        tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=array.shape,
+                             data_location=TensorProto.EXTERNAL)
+        for key, value in {"location": "weights.bin", "offset": str(offset), "length": str(array.nbytes)}.items():
+            tensor.external_data.add(key=key, value=value)
+        tensors.append(tensor)
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"]), helper.make_node("MatMul", ["rows", "w"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 1024])], tensors)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "weights.bin").write_bytes(table.tobytes() + weight.tobytes())
+    (folder / "model.onnx").write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+                                        .SerializeToString())
+    model = runnx.load(folder / "model.onnx")
+    with open(folder / "weights.bin", "r+b") as handle:
+        handle.write(np.ones(2 * table.size, np.float32).tobytes())
+    y = model.run({"ids": np.array([[3, 5]], np.int64)})["y"]
+    np.testing.assert_allclose(y, np.ones((1, 2, 1024), np.float32) @ weight, rtol=1e-4, atol=1e-3)
+
+
 def test_the_memory_available_is_read_from_the_kernel():
     from runnx.interp import external_data
 
