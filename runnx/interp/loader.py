@@ -80,7 +80,7 @@ def load_model(source, weights=None, allow_newer_opset=False) -> LoadedModel:
         check_opsets(opsets)
     external = ExternalData(os.path.dirname(os.path.abspath(path))) if path else None
     if external is not None:
-        streamed = _streamed_names(proto.graph)
+        streamed = _streamed_names(proto.graph) - set(overrides)  # (a weight the weights file gives is never read)
         external.read_ahead([t for t in proto.graph.initializer if t.name in streamed])
     builder = _GraphBuilder(opsets, external, overrides, raw)
     graph = builder.build(proto.graph, top=True)

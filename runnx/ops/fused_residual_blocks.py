@@ -1,10 +1,10 @@
 """Fused blocks ending in a residual add and a norm (`runnx/interp/fusion/products.py`): a product
 with the add and norm after it (MatMulAddRMSNorm, MatMulAddLayerNorm), an MLP from a layer's output
 projection to the next norm (ResidualGatedMLP, ResidualGeluMLP), and an attention with its query
-projection (ProjectedHeadsAttention). A
-decode step's row runs each as native calls of `_decode_blocks.py` posting the decode pool's jobs,
-and so do a short prompt's rows of ResidualGatedMLP; anything else the kernels of the nodes they
-replaced. An RMSNorm layer's own two: `decoder_layers.py`.
+projection (ProjectedHeadsAttention). A decode step's row runs each as native calls of
+`_decode_blocks.py` posting the decode pool's jobs, and so do a short prompt's rows of
+ResidualGatedMLP; anything else the kernels of the nodes they replaced. An RMSNorm layer's own two:
+`decoder_layers.py`.
 """
 from __future__ import annotations
 
