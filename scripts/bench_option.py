@@ -12,7 +12,8 @@ than one thread it also gives each setting's median time a step spends outside t
 native calls (Python: the plan, the kernels' checks, shape memos), which end-to-end noise hides.
 --folder: any decoder folder `DecoderStep.from_folder` reads (an onnxruntime-genai folder, a
 transformers.js one) instead, its cache restored from random KV of each context, a boolean Options
-field only; the greedy tokens of a short prompt compared.
+field or `read_ahead` (external float weights read into huge pages, or memory-mapped) only; the
+greedy tokens of a short prompt compared.
 """
 from __future__ import annotations
 
@@ -104,11 +105,20 @@ def _greedy_tokens(engine, count: int = 12) -> list[int]:
 
 
 def _folder_decoder(on: bool, capacity: int):
-    """The folder's decoder with the setting on or off (the generation API's load otherwise)."""
+    """The folder's decoder with the setting on or off (the generation API's load otherwise);
+    `read_ahead` off: its external data memory-mapped whole (`ExternalData.read_ahead` left out)."""
     from runnx.generate.decoder import DecoderStep
+    from runnx.interp.external_data import ExternalData
+    options = {} if ARGS.setting == "read_ahead" else {ARGS.setting: on}
     load = lambda path: runnx.load(path, check_symbolic_dims=False, last_position=("logits",),  # noqa: E731
-                                   **{ARGS.setting: on})
-    return DecoderStep.from_folder(ARGS.folder, capacity=capacity, load=load)
+                                   **options)
+    read_ahead = ExternalData.read_ahead
+    if ARGS.setting == "read_ahead" and not on:
+        ExternalData.read_ahead = lambda self, tensors: None
+    try:
+        return DecoderStep.from_folder(ARGS.folder, capacity=capacity, load=load)
+    finally:
+        ExternalData.read_ahead = read_ahead
 
 
 def _folder_greedy(decoder, count: int = 12) -> list[int]:
