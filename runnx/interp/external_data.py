@@ -23,7 +23,7 @@ import numpy as np
 from onnx import TensorProto
 
 from runnx.errors import ExternalDataError
-from runnx.interp.model_file import HUGE_PAGE, settle, weight_arena
+from runnx.interp.model_file import HUGE_PAGE, read_ranges
 
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
@@ -93,7 +93,7 @@ class ExternalData:
 
     def read_ahead(self, tensors) -> None:
         """Read the float tensors among `tensors` (a graph's initializers) stored in data files into
-        one weight arena a file, settled into huge pages, where a file's share is a huge page or
+        one weight arena a file (`model_file.read_ranges`), where a file's share is a huge page or
         more and at most half the memory available; `read` then gives those bytes. Anything
         malformed is left for `read` to report."""
         spans: dict[str, list[tuple[int, int]]] = {}
@@ -108,23 +108,13 @@ class ExternalData:
         for path, ranges in spans.items():
             total = sum(length for _, length in ranges)
             if HUGE_PAGE <= total and 2 * total <= _available_memory():
-                self._read_into_arena(path, ranges)
-
-    def _read_into_arena(self, path: str, ranges: list[tuple[int, int]]) -> None:
-        """Read these (offset, length) ranges of a file into one weight arena, settled into huge
-        pages; a range the file no longer holds (or a read error) ends it, the rest left to `read`."""
-        buffers, mapped = weight_arena([length for _, length in ranges])
-        try:
-            with open(path, "rb") as handle:
-                for (offset, length), buffer in zip(ranges, buffers):
-                    handle.seek(offset)
-                    if handle.readinto(buffer) != length:
-                        return
-                    self._read[path, offset, length] = buffer
-        except OSError:
-            return
-        finally:
-            settle(mapped)
+                try:
+                    with open(path, "rb") as handle:
+                        buffers = read_ranges(handle, ranges)
+                except OSError:
+                    continue
+                if buffers is not None:  # (else the file shrank since: `read` maps it and reports)
+                    self._read.update({(path, *span): buffer for span, buffer in zip(ranges, buffers)})
 
     def read(self, tensor):
         span = self._span(tensor)

@@ -51,16 +51,22 @@ def read_model_file(path: str, skip=frozenset()) -> tuple[bytes, dict[str, np.nd
             return None
         finally:
             data.close()
-        raw = {}
         spans = {name: span for name, span in spans.items() if name not in skip}
-        buffers, mapped = weight_arena([length for _, length in spans.values()])
-        for (name, (offset, length)), buffer in zip(spans.items(), buffers):
-            raw[name] = buffer
-            handle.seek(offset)
-            if handle.readinto(buffer) != length:
-                return None
+        buffers = read_ranges(handle, list(spans.values()))
+    return None if buffers is None else (stripped, dict(zip(spans, buffers)))
+
+
+def read_ranges(handle, ranges: list[tuple[int, int]]) -> list[np.ndarray] | None:
+    """The bytes of these (offset, length) ranges of an open file, each read once into its slice of
+    one weight arena (`weight_arena`), then `settle`d into huge pages; None when the file ends
+    before a range does (nothing settled)."""
+    buffers, mapped = weight_arena([length for _, length in ranges])
+    for (offset, length), buffer in zip(ranges, buffers):
+        handle.seek(offset)
+        if handle.readinto(buffer) != length:
+            return None
     settle(mapped)
-    return stripped, raw
+    return buffers
 
 
 def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], np.ndarray | None]:

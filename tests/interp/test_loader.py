@@ -67,21 +67,33 @@ def test_valid_external_data_is_memory_mapped_not_copied(tmp_path):
     np.testing.assert_array_equal(model.run({"x": x})["y"], WEIGHT + 1)
 
 
+def _model_over_data_file(tmp_path, nodes, inputs, outputs, arrays: dict, head=0, tail=0):
+    """model.onnx of `nodes` whose initializers are `arrays` (name -> array), stored one after
+    another in weights.bin after `head` zero bytes and before `tail` more."""
+    tensors, offset = [], head
+    for name, array in arrays.items():
+        tensor = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape,
+                             data_location=TensorProto.EXTERNAL)
+        for key, value in {"location": "weights.bin", "offset": str(offset), "length": str(array.nbytes)}.items():
+            tensor.external_data.add(key=key, value=value)
+        tensors.append(tensor)
+        offset += array.nbytes
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "weights.bin").write_bytes(b"\0" * head + b"".join(a.tobytes() for a in arrays.values()) + b"\0" * tail)
+    graph = helper.make_graph(nodes, "g", inputs, outputs, tensors)
+    path = folder / "model.onnx"
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString())
+    return path
+
+
 def _large_external(tmp_path):
     """x (1, 1024) @ w, its initializer (4 MiB of float32) at an offset in a 5 MiB data file."""
     weight = np.random.default_rng(3).standard_normal((1024, 1024)).astype(np.float32)
-    tensor = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=weight.shape)
-    tensor.data_location = TensorProto.EXTERNAL
-    for key, value in {"location": "weights.bin", "offset": "4096", "length": str(weight.nbytes)}.items():
-        tensor.external_data.add(key=key, value=value)
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024])], [tensor])
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "weights.bin").write_bytes(b"\0" * 4096 + weight.tobytes() + b"\0" * (1 << 20))
-    path = folder / "model.onnx"
-    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString())
+    path = _model_over_data_file(tmp_path, [helper.make_node("MatMul", ["x", "w"], ["y"])],
+                                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
+                                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024])], {"w": weight},
+                                 head=4096, tail=1 << 20)
     return path, weight
 
 
@@ -126,23 +138,13 @@ def test_only_float_initializers_of_a_data_file_are_read_ahead(tmp_path):
     float one is read into memory, the bytes stay mapped (a change to the file shows in them)."""
     weight = np.random.default_rng(5).standard_normal((1024, 1024)).astype(np.float32)
     packed = np.arange(4096, dtype=np.uint8)
-    tensors = []
-    for name, array, data_type, offset in (("w", weight, TensorProto.FLOAT, 0),
-                                           ("u", packed, TensorProto.UINT8, weight.nbytes)):
-        tensor = TensorProto(name=name, data_type=data_type, dims=array.shape, data_location=TensorProto.EXTERNAL)
-        for key, value in {"location": "weights.bin", "offset": str(offset), "length": str(array.nbytes)}.items():
-            tensor.external_data.add(key=key, value=value)
-        tensors.append(tensor)
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Identity", ["u"], ["z"])],
-                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024]),
-                               helper.make_tensor_value_info("z", TensorProto.UINT8, [4096])], tensors)
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "weights.bin").write_bytes(weight.tobytes() + packed.tobytes())
-    (folder / "model.onnx").write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-                                        .SerializeToString())
-    model = runnx.load(folder / "model.onnx", fold_constants=False)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Identity", ["u"], ["z"])]
+    path = _model_over_data_file(tmp_path, nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
+                                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024]),
+                                  helper.make_tensor_value_info("z", TensorProto.UINT8, [4096])],
+                                 {"w": weight, "u": packed})
+    folder = path.parent
+    model = runnx.load(path, fold_constants=False)
     with open(folder / "weights.bin", "r+b") as handle:
         handle.write(np.zeros(weight.size, np.float32).tobytes() + (packed + 1).tobytes())
     constants = model.graph.constants
@@ -155,22 +157,12 @@ def test_a_table_only_gathered_stays_mapped_a_streamed_weight_is_read_ahead(tmp_
     step) stays mapped, not resident whole; a weight a MatMul streams is read into memory."""
     table = np.random.default_rng(6).standard_normal((1024, 1024)).astype(np.float32)
     weight = np.random.default_rng(7).standard_normal((1024, 1024)).astype(np.float32)
-    tensors = []
-    for name, array, offset in (("table", table, 0), ("w", weight, table.nbytes)):
-        tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=array.shape,
-                             data_location=TensorProto.EXTERNAL)
-        for key, value in {"location": "weights.bin", "offset": str(offset), "length": str(array.nbytes)}.items():
-            tensor.external_data.add(key=key, value=value)
-        tensors.append(tensor)
     nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"]), helper.make_node("MatMul", ["rows", "w"], ["y"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 2])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 1024])], tensors)
-    folder = tmp_path / "model"
-    folder.mkdir()
-    (folder / "weights.bin").write_bytes(table.tobytes() + weight.tobytes())
-    (folder / "model.onnx").write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-                                        .SerializeToString())
-    model = runnx.load(folder / "model.onnx")
+    path = _model_over_data_file(tmp_path, nodes, [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 2])],
+                                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 1024])],
+                                 {"table": table, "w": weight})
+    folder = path.parent
+    model = runnx.load(path)
     with open(folder / "weights.bin", "r+b") as handle:
         handle.write(np.ones(2 * table.size, np.float32).tobytes())
     y = model.run({"ids": np.array([[3, 5]], np.int64)})["y"]

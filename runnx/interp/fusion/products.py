@@ -335,27 +335,21 @@ def _rope_projected(m: Matcher, rope: Node) -> Fused | None:
 
 
 def _layers_chained(m: Matcher, rope: Node) -> Fused | None:
-    """ProjectedRopeAppend whose x is an AttentionGatedMLP's norm, read elsewhere only for its shape:
-    a decoder layer from its attention to the next layer's norm and the next layer's projections,
-    rotary embedding and cache growth as one AttentionGatedMLPRopeAppend node (a decode step runs
-    the two as one native call; the norm's shape readers get an RMSNormShape stand-in)."""
-    return _norm_read_next(m, rope, ("AttentionGatedMLP", 34, 23), "AttentionGatedMLPRopeAppend")
-
-
-def _norm_read_next(m: Matcher, reader: Node, sizes: tuple, op_type: str) -> Fused | None:
-    """`reader` (its inputs sizes[2]) whose x is the norm of a sizes[0] node (its inputs sizes[1];
-    outputs the sum, then the norm), the norm read elsewhere only for its shape: the two as one
-    `op_type` node, the block's inputs then the reader's but x, the sum then the reader's outputs."""
-    block_op, block_inputs, reader_inputs = sizes
-    block = m.graph.producer.get(reader.inputs[0])
-    if (reader.domain != DOMAIN or block is None or block.op_type != block_op or block.domain != DOMAIN
-            or block.index in m.taken or len(block.inputs) != block_inputs or len(reader.inputs) != reader_inputs
-            or block.outputs[1] != reader.inputs[0] or reader.inputs[0] in reader.inputs[1:]
-            or block.outputs[0] in reader.inputs
-            or not m.private([block, reader], (block.outputs[0], *reader.outputs), (block.outputs[1],))):
+    """ProjectedRopeAppend (23 inputs) whose x is the norm of an AttentionGatedMLP (34 inputs;
+    outputs the sum, then the norm), the norm read elsewhere only for its shape: a decoder layer from
+    its attention to the next layer's norm and the next layer's projections, rotary embedding and
+    cache growth as one AttentionGatedMLPRopeAppend node, the block's inputs then the rope's but x,
+    the sum then the rope's outputs (a decode step runs the two as one native call; the norm's shape
+    readers get an RMSNormShape stand-in)."""
+    block = m.graph.producer.get(rope.inputs[0])
+    if (rope.domain != DOMAIN or block is None or block.op_type != "AttentionGatedMLP" or block.domain != DOMAIN
+            or block.index in m.taken or len(block.inputs) != 34 or len(rope.inputs) != 23
+            or block.outputs[1] != rope.inputs[0] or rope.inputs[0] in rope.inputs[1:]
+            or block.outputs[0] in rope.inputs
+            or not m.private([block, rope], (block.outputs[0], *rope.outputs), (block.outputs[1],))):
         return None
-    return Fused(op_type, [block, reader], (*block.inputs, *reader.inputs[1:]), (block.outputs[0], *reader.outputs),
-                 {**block.attrs, **reader.attrs})
+    return Fused("AttentionGatedMLPRopeAppend", [block, rope], (*block.inputs, *rope.inputs[1:]),
+                 (block.outputs[0], *rope.outputs), {**block.attrs, **rope.attrs})
 
 
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
