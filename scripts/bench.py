@@ -275,9 +275,11 @@ def _median_result(results: list) -> dict | None:
             "peak_rss_mb": median([r["peak_rss_mb"] for r in results])}
 
 
-def _script_output(script: str, arguments: list[str], threads: int) -> str:
-    """Run one of the focused benchmark scripts with the thread count set; its printed table."""
-    environment = dict(os.environ, **{v: str(threads) for v in THREAD_VARIABLES}, PYTHONPATH=str(ROOT))
+def _script_output(script: str, arguments: list[str], threads: int | None) -> str:
+    """Run one of the focused benchmark scripts with the thread count set (None: a script setting
+    each of its workers' own); its printed table."""
+    counts = {v: str(threads) for v in THREAD_VARIABLES} if threads is not None else {}
+    environment = dict(os.environ, **counts, PYTHONPATH=str(ROOT))
     completed = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *arguments], capture_output=True,
                                text=True, env=environment, timeout=3600)
     output = completed.stdout.strip() if completed.returncode == 0 else f"failed:\n{completed.stderr[-1500:]}"
@@ -354,7 +356,7 @@ def main(args) -> None:
                        + (["--no-write"] if args.no_write else []), threads)
     if genai:  # onnxruntime-genai's own folders (fp32, int4) in each engine's own loop; its own section
         _script_output("bench_genai.py", ["--threads", args.threads, "--contexts", args.contexts, "--rounds",
-                                          str(args.rounds)] + (["--no-write"] if args.no_write else []), 1)
+                                          str(args.rounds)] + (["--no-write"] if args.no_write else []), None)
     if args.no_write:
         return
 
