@@ -3,8 +3,9 @@
     .venv/bin/python scripts/bench_checks.py [--threads 2] [--context 32] [--rounds 20]
 
 The inputs of one decode step's fused layer nodes are captured (ProjectedRopeAppend's and
-AttentionGatedMLP's decode-row checks, `runnx/ops/decoder_layers.py`), then each layer's checks, and
-numba's unboxing of the native call's arguments (a no-op numba function taking them), are timed:
+ResidualGatedMLP's decode-row checks, `runnx/ops/fused_projected_rope.py`, `fused_residual_blocks.py`),
+then each layer's checks, and numba's unboxing of the MLP's first native call's arguments (a no-op
+numba function taking them), are timed:
 - warm: one layer again and again;
 - data cold: every layer once, in a row, after streaming 96 MB (more than the L3 cache): the code is
   warm after the first layer, each layer's own objects are not (a step whose Python ran together);
@@ -37,7 +38,7 @@ import numba  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench  # noqa: E402
-from runnx.ops import decoder_layers  # noqa: E402
+from runnx.ops import fused_projected_rope, fused_residual_blocks  # noqa: E402
 
 bench.runnx, bench.np = runnx, np
 EVICTING = np.ones(96 << 18, np.float32)  # 96 MB
@@ -51,8 +52,8 @@ def _unboxed(*arguments):
 
 def _captured_step(engine) -> dict:
     """{check name: [(function, arguments) of each layer]} from one decode step."""
-    captured = {"ProjectedRopeAppend's checks": [], "AttentionGatedMLP's checks": []}
-    originals = decoder_layers._rope_row, decoder_layers._attended_gated_row
+    captured = {"ProjectedRopeAppend's checks": [], "ResidualGatedMLP's checks": []}
+    originals = fused_projected_rope._rope_row, fused_residual_blocks._gated_mlp_row
 
     def capturing(name, function):
         def capture(*arguments):
@@ -60,8 +61,8 @@ def _captured_step(engine) -> dict:
             return function(*arguments)
         return capture
 
-    decoder_layers._rope_row = capturing("ProjectedRopeAppend's checks", originals[0])
-    decoder_layers._attended_gated_row = capturing("AttentionGatedMLP's checks", originals[1])
+    fused_projected_rope._rope_row = capturing("ProjectedRopeAppend's checks", originals[0])
+    fused_residual_blocks._gated_mlp_row = capturing("ResidualGatedMLP's checks", originals[1])
     token = np.array([[42]], np.int64)
     try:
         past = engine.step(token, ARGS.context, bench._random_past(engine.kv, ARGS.context, np.random.default_rng(0)),
@@ -70,10 +71,10 @@ def _captured_step(engine) -> dict:
             captured[name].clear()
         engine.step(token, ARGS.context + 1, past, 0)
     finally:
-        decoder_layers._rope_row, decoder_layers._attended_gated_row = originals
-    attention = captured["AttentionGatedMLP's checks"]
-    captured["AttentionGatedMLP's native call, unboxing"] = [(_unboxed, function(*arguments))
-                                                            for function, arguments in attention]
+        fused_projected_rope._rope_row, fused_residual_blocks._gated_mlp_row = originals
+    mlp = captured["ResidualGatedMLP's checks"]
+    captured["ResidualGatedMLP's native call, unboxing"] = [(_unboxed, function(*arguments)[0])
+                                                           for function, arguments in mlp]
     return captured
 
 

@@ -7,7 +7,7 @@ scripts/bench_pairs.py alternates runners), their greedy tokens compared. Prints
 
 SETTING is a boolean runnx.Options field (`inplace`, `shape_cache`, ...), `level:LEVEL` for an
 optimization level (off: that level, on: `all`), or `pattern:NAME` for one fusion pattern (a
-matcher of runnx.interp.fusion's PATTERNS, e.g. `pattern:_layers_chained`), left out when off. Ratios are on / off decode speed per pair of blocks (median and range). With more
+matcher of runnx.interp.fusion's PATTERNS, e.g. `pattern:_rope_projected`), left out when off. Ratios are on / off decode speed per pair of blocks (median and range). With more
 than one thread it also gives each setting's median time a step spends outside the decode pool's
 native calls (Python: the plan, the kernels' checks, shape memos), which end-to-end noise hides.
 --folder: any decoder folder `DecoderStep.from_folder` reads (an onnxruntime-genai folder, a

@@ -16,7 +16,7 @@ this machine's memory bandwidth move by 10-30%, and turns in one process put a s
 Defaults: ${RUNNX_CACHE:-~/.cache/runnx}/models/whisper-tiny.en and .../audio/long.wav (built by
 `make models`). onnxruntime is a test dependency; it runs behind the same pipeline code
 (tests/generate/_ort_whisper.py), so the two columns differ only in the engine.
-RUNNX_OPTIMIZATION_LEVEL=basic in the environment gives runnx without fusion, decode replay,
+RUNNX_OPTIMIZATION_LEVEL=basic in the environment gives runnx without fusion,
 compiled plans or branch specialization, for A/B runs (scripts/bench_option.py compares one
 Options switch on SmolLM2).
 """

@@ -37,7 +37,6 @@ class Node:
     captures: tuple[int, ...] = ()  # ids (in the node's graph) of outer values its subgraphs read
     kernel: object = None  # registry.Kernel, bound at load
     since: int = 0  # since-version of the bound kernel
-    state: object = None  # a threading.local for a kernel taking `state` (registry.py), made when first planned
 
     def describe(self) -> str:
         domain = f"{self.domain}." if self.domain not in ("", "ai.onnx") else ""

@@ -11,7 +11,7 @@ from runnx.errors import InvalidOptionError
 # The optimization levels, least to most, and the switches each one allows (a level allows its
 # own and every lower level's). "disabled" is plain interpretation: each node run as the model
 # states it, in place where its input dies (`inplace` is the design and result-identical, its own
-# switch). Decode replay (ops/_decode_replay.py) lives in the fused kernels: it goes with `fuse`.
+# switch).
 LEVELS = ("disabled", "basic", "extended", "all")
 _ALLOWED = {
     "disabled": (),

@@ -8,7 +8,6 @@ computed once per plan, so the executor only checks storage ownership at run tim
 from __future__ import annotations
 
 import heapq
-import threading
 from dataclasses import dataclass, field
 
 from runnx.capture.ownership import storage_keys
@@ -190,10 +189,6 @@ def _liveness(graph: Graph, order: list[Node], provided: frozenset, outputs, fix
             kwargs["overwrite"] = ()  # the executor grants positions per run
         if kernel.wants_output_count:
             kwargs["output_count"] = len(node.outputs)
-        if kernel.wants_state:
-            if node.state is None:
-                node.state = threading.local()
-            kwargs["state"] = node.state
         steps.append(Step(node, node.inputs, node.outputs, candidates, movable, released + unused, kernel.fn,
                           kwargs, kernel.wants_ctx, len(node.outputs) == 1 and node.outputs[0] != MISSING))
     constants = tuple(sorted(v for v in fixed if (v in last_use or v in requested) and v not in provided))

@@ -6,9 +6,8 @@ prompt's rows take the `*_rows` blocks, whose products are the column jobs MatMu
 A block is cut where numpy must compute: the SiLU gate's exp is numpy's (numba's differs from it
 by up to 2 ulp on a third of float32 inputs), so that a block's results are bitwise those of its
 nodes run one by one, but for a block that holds an attention (whose kernels are not bitwise the
-nodes' anyway: AttentionGatedMLP's is one call, its SiLU gate natively vectorised); LayerNorm
-blocks (LayerNorm, erf GELU) call what their nodes call: `layer_norm_rows`, and ErfGelu's pool job
-(`post_gelu`) on a mailbox of their own. Called through
+nodes' anyway); LayerNorm blocks (LayerNorm, erf GELU) call what their nodes call: `layer_norm_rows`,
+and ErfGelu's pool job (`post_gelu`) on a mailbox of their own. Called through
 `runtime.pool.shared_call` (the pool's workers, or alone on a mailbox of the call: the same compiled
 code, so the same results); each returns what it computed.
 """
@@ -20,7 +19,7 @@ import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_contrib import skip_norm_rows
-from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_gate_into, silu_mul_into
+from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops._kernels_rows import split_heads_into
@@ -258,20 +257,6 @@ def _append_row(row, bias, buffer, position):
 
 
 @_jit
-def attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual, epsilon, one,
-                       norm_weight, gate_weight, up_weight, down_weight, down_epsilon, down_one, down_norm_weight):
-    """`post_attention` into out, then on its merged output x (a view of out) the output projection,
-    the residual add, the MLP's norm, its gate and up products, the SiLU gate (`silu_gate_into`, not
-    numpy's exp: the attention before it is not bitwise the nodes' either), the down product, the
-    residual add and the next norm: AttentionGatedMLP's nodes, (s, RMSNorm(s)) of the last sum."""
-    post_attention(box, workers, query, key, value, bias, scale, fill, out)
-    summed, gate, up = _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight,
-                                    up_weight, np.bool_(False))  # (not a literal: one compiled _gate_and_up)
-    down = _product(box, workers, silu_gate_into(gate, up), down_weight)
-    return down, add_rms_norm(summed, down, down, down_epsilon, down_one, down_norm_weight)
-
-
-@_jit
 def projected_rope_append(box, workers, x, weights, biases, rows, rope):
     """biases[m] + x @ weights[m] into rows[m] (the query's, key's and value's heads, as views; an
     empty bias adds nothing), the products one job, then `rope_append_into(*rope)` reading them: an
@@ -312,49 +297,3 @@ def _split_into(rows, bias, heads):
     """rows (batch x length, heads x depth) split into heads (batch, heads, length, depth), plus bias."""
     batch, count, length, depth = heads.shape
     split_heads_into(rows.reshape((batch, length, count * depth)), bias, heads)
-
-
-@_jit
-def attended_gated_mlp_rope_append(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual,
-                                   epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
-                                   down_one, down_norm_weight, weights, biases, rows, rope):
-    """`attended_gated_mlp`, then `projected_rope_append` of its norm: a decoder layer from its
-    attention to the next layer's norm and the next layer's projections, rotary embedding and KV
-    cache growth (AttentionGatedMLPRopeAppend's nodes); (the last sum, rope_append_into's done,
-    rotated query)."""
-    summed, normed = attended_gated_mlp(box, workers, query, key, value, bias, scale, fill, out, x, weight, residual,
-                                        epsilon, one, norm_weight, gate_weight, up_weight, down_weight, down_epsilon,
-                                        down_one, down_norm_weight)
-    done, rotated = projected_rope_append(box, workers, normed, weights, biases, rows, rope)
-    return summed, done, rotated
-
-
-# layer boundaries an `attended_gated_mlp_rope_append_run` call takes at most: its arguments' numba
-# types hold this count, not a model's depth (a tuple of each layer's was compiled anew for each
-# depth, in seconds that grew with it: 60 s for 40 layers)
-RUN_CHUNK = 8
-
-
-@_jit
-def attended_gated_mlp_rope_append_run(box, workers, rotated, summed, statics, key_buffers, value_buffers, count,
-                                       length, bias, tables):
-    """`attended_gated_mlp_rope_append` of `count` (at most RUN_CHUNK) layer boundaries in a row (a
-    GatedLayersRun's), each reading the one before's rotated query, grown caches and sum: the first
-    `rotated` and `summed` (the boundary before the chunk's) and the caches `key_buffers[0]`,
-    `value_buffers[0]` to `length + 1` positions, boundary j growing `key_buffers[j + 1]`, ... at
-    `length`; `statics[j]` its other arguments (those before its residual but its query, caches and
-    bias; those between its residual and its rotary ones; its rotary ones before the caches it
-    grows; those after its rotary tables), `bias` and `tables` (the rotary ones) every boundary's.
-    Tuples of RUN_CHUNK entries (RUN_CHUNK + 1 buffers), the entries past `count` unused. (The last
-    sum, the last rotated query, whether every boundary appended: `rope_append_into`'s done.)"""
-    done = True
-    for j in range(count):
-        before, between, heads, after = statics[j]
-        key, value = key_buffers[j], value_buffers[j]
-        grown_key, grown_value = key_buffers[j + 1], value_buffers[j + 1]
-        rope = heads + (grown_key[:, :, :length], grown_key, grown_value[:, :, :length], grown_value) + tables + after
-        summed, appended, rotated = attended_gated_mlp_rope_append(
-            box, workers, rotated, key[:, :, :length + 1], value[:, :, :length + 1], bias, *before, summed,
-            *between, rope)
-        done = done and appended
-    return summed, rotated, done

@@ -460,20 +460,6 @@ def silu_mul_into(gate, decay, up):
     return decay
 
 
-@_kernel(fastmath={"contract"})
-def silu_gate_into(gate, up):
-    """gate = gate * sigmoid(gate) * up for float32 vectors, exp by `_exp32` of -|gate| (exp(-gate)
-    is that or its reciprocal): vectorised, within a few ulp of the unfused Sigmoid and Muls, which
-    use numpy's exp (gates below -87.3 give 0 here, numpy's subnormal sigmoids: results below 1e-35)."""
-    one = _F(1)
-    for i in range(gate.size):
-        g = gate[i]
-        small = _exp32(-abs(g))
-        decay = small if g >= 0 else one / small
-        gate[i] = g * (one / (one + decay)) * up[i]
-    return gate
-
-
 @_kernel()
 def _broadcasts_into(operand, result):
     for axis in range(result.ndim):

@@ -33,7 +33,6 @@ from runnx.ops import _native
 from runnx.ops._attention_blocks import attend_blocks
 from runnx.ops._fused_common import DOMAIN, KERNEL_DTYPES, fits, stand_in
 from runnx.ops._kernels_fused import attention
-from runnx.ops._remembered import Remembered
 from runnx.ops._shape_util import int_tuple
 from runnx.ops.elementwise import Where
 from runnx.ops.registry import register
@@ -166,70 +165,6 @@ def _mask_bias(mask, starts, ends, axes, steps, then, otherwise, ctx=None):
     arrays = (mask, starts, ends, axes, steps, then, otherwise)  # the same objects: the same bias
     return ctx.keep(("mask bias", *map(id, arrays)), arrays,
                     lambda: Where(_slice(mask, starts, ends, axes, steps), then, otherwise))
-
-
-def repeated_kv_row(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
-                    value_axes, value_expand, value_target, merged_target=None, mask=None, mask_starts=None,
-                    mask_ends=None, mask_axes=None, mask_steps=None, masked_then=None, masked_else=None, *,
-                    axis: int = -1, ctx=None) -> tuple | None:
-    """(the arguments of `runtime.jobs.post_attention` after the mailbox and workers, RepeatedKVAttention's
-    merged output: a C-contiguous view of the buffer that call fills) when RepeatedKVAttention is a
-    decode row (batch 1, one position) of float32 heads over a plain head repeat, merged back;
-    else None."""
-    if (not _native.enabled or merged_target is None or query.dtype != _FLOAT32 or query.ndim != 4
-            or query.shape[0] != 1 or query.shape[2] != 1 or axis % 4 != 3):
-        return None
-    cache = repeated_kv_cache(query, key, value, bias, key_axes, key_expand, key_target, value_axes, value_expand,
-                              value_target, mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then,
-                              masked_else, ctx)
-    numbers = cache and _scale_and_fill((), query_scale, key_scale, nan_fill)
-    if numbers is None:
-        return None
-    heads = query.shape[:3] + value.shape[3:]
-    merged_shape = _merged_shape(heads, merged_target)  # one query row: the transposed heads stay contiguous
-    if merged_shape is None:
-        return None
-    out = np.empty(heads, np.float32)
-    return (query, key, value, *cache, *numbers, out), out.reshape(merged_shape)
-
-
-def repeated_kv_cache(query, key, value, bias, key_axes, key_expand, key_target, value_axes, value_expand,
-                      value_target, mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then, masked_else,
-                      ctx) -> tuple | None:
-    """(the bias in 4 dimensions, or None,) when a query row's heads (batch 1, one position, float32)
-    attend to float32 caches repeated plainly into its heads, with a bias (or the mask's) broadcasting
-    into its scores; else None: what `repeated_kv_row` makes of a decode step's caches and mask
-    (the rest comes from constants and the query's shape)."""
-    if mask is not None:
-        bias = _mask_bias(mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then, masked_else, ctx)
-    repeat = head_repeat(key, key_axes, key_expand, key_target)[3]
-    if (repeat is None or repeat != head_repeat(value, value_axes, value_expand, value_target)[3]
-            or not _grouped(query, key, value) or key.dtype != _FLOAT32 or value.dtype != _FLOAT32
-            or query.shape[1] // key.shape[1] > _KERNEL_ROWS):
-        return None
-    if bias is not None:
-        if bias.dtype != _FLOAT32 or bias.ndim > 4:
-            return None
-        bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-        if not (bias.shape[0] == 1 and bias.shape[1] in (1, query.shape[1]) and bias.shape[2] == 1
-                and bias.shape[3] in (1, key.shape[2])):
-            return None
-    return (bias,)
-
-
-@Remembered
-def _scale_and_fill(_, query_scale, key_scale, nan_fill) -> tuple | None:
-    """(query_scale * key_scale, nan_fill) as numbers when they are float32 scalars, else None."""
-    if not (query_scale.dtype == _FLOAT32 and key_scale.dtype == _FLOAT32 and nan_fill.dtype == _FLOAT32
-            and query_scale.size == 1 and key_scale.size == 1 and nan_fill.size == 1 and nan_fill.ndim <= 4):
-        return None
-    return query_scale.item() * key_scale.item(), nan_fill.item()
-
-
-@Remembered
-def _merged_shape(heads: tuple, target) -> tuple | None:
-    """The shape Reshape(heads transposed (0, 2, 1, 3), target) gives one query row's heads, else None."""
-    return _resolve_reshape((heads[0], heads[2], heads[1], heads[3]), int_tuple(target))
 
 
 def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,

@@ -351,15 +351,6 @@ def SplitHeadsShape(x, weight, target, source, *, dims: tuple[int, ...] = (), ax
     return stand_in(x.dtype, split_shape(product, target, source, dims, axes))
 
 
-@register("LayerNormShape", since=1, domain=DOMAIN, shape_only=(0,))
-def LayerNormShape(residual):
-    """A stand-in with the shape and dtype of the norm AddLayerNorm gives of a sum shaped as residual
-    (a LayerNormalization keeps its input's), for nodes that only read the shape of a value a fused
-    node computes inside itself shaped as its residual (a GatedLayersRun's sums and rotated queries:
-    `interp/fusion/layer_runs.py`)."""
-    return stand_in(residual.dtype, residual.shape)
-
-
 def _splits_in_one_pass(x, bias) -> bool:
     """Whether `split_heads_into` can split x (batch, length, hidden) with its bias added: more than
     one row (one needs no copy: a decode step's keys and values skip this), float32 or float64,

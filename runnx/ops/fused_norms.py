@@ -1,7 +1,6 @@
 """RMS norms and the SiLU gate of decoders' fused patterns (`interp/fusion/rms_norm_blocks.py`):
 RMSNorm, AddRMSNorm (a residual add and the norm reading it, onnxruntime's
-SkipSimplifiedLayerNormalization), SiluMul (the SiLU-gated MLP's activation) and RMSNormShape (a
-stand-in for nodes that read a fused norm's shape only).
+SkipSimplifiedLayerNormalization) and SiluMul (the SiLU-gated MLP's activation).
 
 They do the unfused arithmetic in its order (numpy's pairwise summation order, numpy's exp), so
 their results are bitwise the unfused graph's. Each row is computed alone, so a prompt's rows are
@@ -17,7 +16,7 @@ import numpy as np
 from runnx.interp.dtypes import ONNX_TO_NUMPY
 from runnx.ops import _native
 from runnx.ops._elementwise_util import binary, sigmoid
-from runnx.ops._fused_common import DOMAIN, KERNEL_DTYPES, fits, stand_in
+from runnx.ops._fused_common import DOMAIN, KERNEL_DTYPES, fits
 from runnx.ops._kernels_fused import add_rms_norm_into, rms_norm_into, silu_mul_into
 from runnx.ops.contrib_normalization import skip_norm
 from runnx.ops.registry import register
@@ -144,13 +143,3 @@ def exp_in_place(x, largest: float):
         return np.exp(x, out=x)
     with np.errstate(over="ignore"):
         return np.exp(x, out=x)
-
-
-@register("RMSNormShape", since=1, domain=DOMAIN, shape_only=(0, 3))
-def RMSNormShape(x, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0):
-    """A stand-in with the shape and dtype of AddRMSNorm's norm of sums shaped as x, for nodes that
-    only read its shape: a fused node's norm computed inside it (AttentionGatedMLPRopeAppend's).
-    Both come from AddRMSNorm itself, on ones of x's shape and dtype (numpy's promotion rules)."""
-    ones = np.ones(x.shape, x.dtype)
-    normed = AddRMSNorm(ones, ones, epsilon, one, weight, axis=axis, to=to, cast=cast)[1]
-    return stand_in(normed.dtype, normed.shape)

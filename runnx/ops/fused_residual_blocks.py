@@ -3,8 +3,8 @@ with the add and norm after it (MatMulAddRMSNorm, MatMulAddLayerNorm), an MLP fr
 projection to the next norm (ResidualGatedMLP, ResidualGeluMLP), and an attention with its query
 projection (ProjectedHeadsAttention). A decode step's row runs each as native calls of
 `_decode_blocks.py` posting the decode pool's jobs, and so do a short prompt's rows of
-ResidualGatedMLP; anything else the kernels of the nodes they replaced. An RMSNorm layer's own two:
-`decoder_layers.py`.
+ResidualGatedMLP; anything else the kernels of the nodes they replaced. An RMSNorm layer's
+projections, rotary embedding and cache growth: `fused_projected_rope.py`.
 """
 from __future__ import annotations
 

@@ -8,10 +8,7 @@ signature. Four keyword names are reserved:
   ``inplace=``; the executor grants a position only when that input is owned, dead after this
   node and not aliased by any live value),
 - ``ctx``: the RunContext (options, profile counters, subgraph execution),
-- ``output_count``: how many outputs the node declares (Split into equal parts needs it),
-- ``state``: the node's `threading.local` (each thread its own), kept from run to run: what a
-  decode row's kernel prepared last time (`runnx/ops/_decode_replay.py`); None outside a plan
-  (constant folding, shape memos).
+- ``output_count``: how many outputs the node declares (Split into equal parts needs it).
 
 ``shape_only=`` declares input positions read only for their shape and dtype (Shape, Size): the
 planner lets an earlier node overwrite such an input's data in place.
@@ -55,7 +52,7 @@ import numpy as np
 from runnx.capture.env import Subgraph
 
 REQUIRED = inspect.Parameter.empty
-RESERVED = ("overwrite", "ctx", "output_count", "state")
+RESERVED = ("overwrite", "ctx", "output_count")
 DEFAULT_DOMAIN = ""
 COMPUTED = type("Computed", (), {"__repr__": lambda self: "COMPUTED"})()  # a prepack's input that a run computes
 
@@ -75,7 +72,6 @@ class Kernel:
     arity: tuple[int, int | None] = (0, None)  # (positional inputs without default, max or None: variadic)
     shape_only: tuple[int, ...] = ()  # input positions read only for their shape and dtype, never their data
     ufunc: typing.Any = None  # the numpy ufunc the kernel is `binary`/`unary` of, if it is exactly that
-    wants_state: bool = False
     overlaps_jobs: bool = False  # may return while a pool job still writes its output (`runtime/pool.py`)
     prepack: typing.Callable | None = None  # fn(constant inputs, attributes): what a first call would make
 
@@ -137,7 +133,7 @@ def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace:
         arity = (sum(p.default is REQUIRED for p in positional), None if variadic else len(positional))
         kernel = Kernel(op_type, _canonical_domain(domain), since, fn, tuple(inplace), inplace_from, attrs,
                         tuple(subgraphs), "ctx" in params, "output_count" in params, arity, tuple(shape_only), ufunc,
-                        "state" in params, overlaps_jobs, prepack)
+                        overlaps_jobs, prepack)
         versions = _REGISTRY.setdefault((kernel.domain, op_type), [])
         if any(k.since == since for k in versions):
             raise ValueError(f"{op_type} since {since} registered twice")
@@ -202,7 +198,7 @@ def check_attribute(kernel: Kernel, name: str, value) -> str | None:
 
 def with_attributes(fn, attrs: dict):
     """A copy of kernel `fn` whose keyword-only parameters named in `attrs` default to their values
-    there (a node's attributes, and its `state`), to be called without them, or None when `fn` is
+    there (a node's attributes), to be called without them, or None when `fn` is
     not a plain function taking every one of them as keyword-only: compiled plans and shape memos'
     programs call their kernels so (matching 24 keyword arguments to a fused kernel's parameters
     cost 3.5 us a call, warm)."""

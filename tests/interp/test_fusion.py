@@ -255,12 +255,11 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
     fused, plain = runnx.load(path), runnx.load(path, fuse=False)
     assert fused.fused["RopeAppend"] == 2  # one per layer, in the layer's ProjectedRopeAppend
     ops = [n.op_type for n in fused.plan()]
-    assert ops.count("ProjectedRopeAppend") + ops.count("AttentionGatedMLPRopeAppend") == 2 and "RotateHalf" not in ops
+    assert ops.count("ProjectedRopeAppend") == 2 and "RotateHalf" not in ops
     # heads merged (14 inputs), and the mask, Where(Slice(mask), 0, -inf), made by the node itself (21
-    # inputs), which joins the layer's ResidualGatedMLP after it (13 more); the first layer's then joins
-    # the second layer's ProjectedRopeAppend (22 more, its x the norm inside)
-    assert [len(n.inputs) for n in fused.plan() if n.op_type == "AttentionGatedMLP"] == [34]
-    assert [len(n.inputs) for n in fused.plan() if n.op_type == "AttentionGatedMLPRopeAppend"] == [56]
+    # inputs); the output projection, the MLP and the next norm one ResidualGatedMLP after it
+    assert [len(n.inputs) for n in fused.plan() if n.op_type == "RepeatedKVAttention"] == [21, 21]
+    assert ops.count("ResidualGatedMLP") == 2
     assert "Where" not in ops and "Slice" not in ops and "Where" in [n.op_type for n in plain.plan()]
     rng = np.random.default_rng(5)
     past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in fused.input_names if "past" in n}
@@ -364,8 +363,7 @@ def test_a_layers_projections_join_its_rotary_embedding_and_cache_growth(fixture
             buffers = {n: o.array.base for n, o in owned.items()}
             calls.clear()
             got = fused.run({**feeds, **owned})
-            assert (calls.count(_decode_blocks.projected_rope_append)  # the second layer's in the chained call
-                    + calls.count(_decode_blocks.attended_gated_mlp_rope_append)) == (2 if new == 1 else 0)
+            assert calls.count(_decode_blocks.projected_rope_append) == (2 if new == 1 else 0)
             want = apart.run({**feeds, **{n: runnx.with_capacity(v, 2, 16) for n, v in past.items()}})
             _assert_equal_and_grown_in_place(got, want, buffers)
     finally:
@@ -373,70 +371,40 @@ def test_a_layers_projections_join_its_rotary_embedding_and_cache_growth(fixture
 
 
 @pytest.mark.parametrize("workers", [0, 1])
-def test_an_attention_and_the_gated_mlp_after_it_become_one_node(fixtures_dir, workers, monkeypatch):
-    """AttentionGatedMLP (tiny-llama: one per layer): a decode row runs the attention and the MLP
-    block as one native call (`attended_gated_mlp`), a prefill the two nodes' kernels; the logits as
-    with the two nodes apart (within the attention kernels' and the native SiLU's last bits)."""
-    from runnx.interp.fusion import products
+def test_a_llama_decode_step_runs_four_native_calls_a_layer(fixtures_dir, workers, monkeypatch):
+    """A decode step of tiny-llama (two layers, caches handed over) runs each layer as four native
+    calls: its projections, rotary embedding and cache growth (ProjectedRopeAppend), its attention
+    (RepeatedKVAttention), its output projection and gated MLP's gate (ResidualGatedMLP's first
+    call) and the down product to the next norm (its second); a prompt's rows take the nodes'
+    kernels. The logits are those of the model without fusion, within the attention's rounding."""
     from runnx.ops import _decode_blocks
     from runnx.runtime import pool as decode_pool
 
     calls = _spied_jobs(monkeypatch)
-    fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._attended_gated, monkeypatch)
-    assert fused.fused["AttentionGatedMLP"] == 2
-    assert "AttentionGatedMLP" not in apart.fused and apart.fused["ResidualGatedMLP"] == 2
+    attention_job, attention = decode_pool.attention_job, decode_pool.DecodePool.attention
+    monkeypatch.setattr(decode_pool, "attention_job", lambda *a: calls.append("attention") or attention_job(*a))
+    monkeypatch.setattr(decode_pool.DecodePool, "attention",
+                        lambda self, *a: calls.append("attention") or attention(self, *a))
+    path = fixtures_dir / "tiny-llama" / "model.onnx"
+    fused, plain = runnx.load(path), runnx.load(path, fuse=False)
+    jobs = {_decode_blocks.projected_rope_append: 1, "attention": 1, _decode_blocks.projected_gate: 1,
+            _decode_blocks.gated_down: 1}
     rng = np.random.default_rng(6)
     try:
         decode_pool.set_workers(workers)
         for new in (1, 3):
             past, feeds = _tiny_llama_step(fused, rng, new)
             calls.clear()
-            got = fused.run({**feeds, **past})
-            assert (calls.count(_decode_blocks.attended_gated_mlp)  # the first layer's in the chained call
-                    + calls.count(_decode_blocks.attended_gated_mlp_rope_append)) == (2 if new == 1 else 0)
-            want = apart.run({**feeds, **past})
+            got = fused.run({**feeds, **{n: runnx.with_capacity(v, 2, 16) for n, v in past.items()}})
+            if new == 1:
+                assert {job: calls.count(job) for job in jobs} == {job: 2 * n for job, n in jobs.items()}
+                assert len(calls) == 8
+            else:
+                assert not set(calls) & {_decode_blocks.projected_rope_append, _decode_blocks.projected_gate}
+            want = plain.run({**feeds, **past})
             np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-6)
     finally:
         decode_pool.set_workers(None)
-
-
-@pytest.mark.parametrize("biased", [False, True])
-@pytest.mark.parametrize("workers", [0, 1])
-@pytest.mark.parametrize("granted", [True, False])
-def test_a_layers_last_block_and_the_next_layers_projections_become_one_node(fixtures_dir, workers, granted,
-                                                                             biased, monkeypatch):
-    """AttentionGatedMLPRopeAppend (tiny-llama: the first layer's AttentionGatedMLP and the second
-    layer's ProjectedRopeAppend): a decode row with the caches granted is one native call for the
-    two, the next layer's caches grown in their buffers (the norm's shape, read by shape memos, from
-    an RMSNormShape stand-in), the projections' biases (Qwen2's) added in it; a prefill, or caches
-    not handed over, take the two nodes' kernels. Bitwise the two nodes apart."""
-    from runnx.interp.fusion import products
-    from runnx.ops import _decode_blocks
-    from runnx.runtime import pool as decode_pool
-
-    calls = _spied_jobs(monkeypatch)
-    fused, apart = _tiny_llama_with_and_without(fixtures_dir, products._layers_chained, monkeypatch, biased)
-    assert fused.fused["AttentionGatedMLPRopeAppend"] == 1 and "AttentionGatedMLPRopeAppend" not in apart.fused
-    memoized = [m.op_type for n in fused.graph.nodes if n.op_type == "ShapeMemo" for m in n.kernel.fn.members]
-    assert memoized.count("RMSNormShape") == 1
-    rng = np.random.default_rng(8)
-    try:
-        decode_pool.set_workers(workers)
-        for new in (1, 3):
-            past, feeds = _tiny_llama_step(fused, rng, new)
-            handed = {n: runnx.with_capacity(v, 2, 16) for n, v in past.items()} if granted else past
-            buffers = {n: o.array.base for n, o in handed.items()} if granted else {}
-            calls.clear()
-            got = fused.run({**feeds, **handed})
-            assert calls.count(_decode_blocks.attended_gated_mlp_rope_append) == (1 if new == 1 and granted else 0)
-            assert calls.count(_decode_blocks.attended_gated_mlp) == (1 if new == 1 and granted else
-                                                                     2 if new == 1 else 0)
-            want = apart.run({**feeds, **({n: runnx.with_capacity(v, 2, 16) for n, v in past.items()}
-                                          if granted else past)})
-            _assert_equal_and_grown_in_place(got, want, buffers)
-    finally:
-        decode_pool.set_workers(None)
-
 
 
 @pytest.mark.parametrize("biased", [False, True])
@@ -477,45 +445,9 @@ def test_a_short_prompts_layer_blocks_are_native_calls_with_the_nodes_bits(fixtu
             decode_pool.set_workers(None)
 
 
-def _llama_steps(folder, monkeypatch, replay: bool) -> tuple[list, int]:
-    """Every step's logits of a prompt and six decode steps of tiny-llama with `_decode_replay.enabled`
-    as given, and how many decode rows its layer boundary node prepared (GatedRopeReplay made)."""
-    from runnx.generate.decoder import DecoderStep
-    from runnx.ops import _decode_replay, decoder_layers
-
-    made = []
-
-    class Counted(_decode_replay.GatedRopeReplay):
-        __slots__ = ()
-
-        def __init__(self, *arguments):
-            made.append(1)
-            super().__init__(*arguments)
-
-    monkeypatch.setattr(decoder_layers, "GatedRopeReplay", Counted)
-    monkeypatch.setattr(_decode_replay, "enabled", replay)
-    decoder = DecoderStep.from_folder(folder, capacity=32)
-    logits = [decoder.step(np.array([[3, 5, 7]]))]
-    for token in (11, 2, 9, 4, 8, 1):
-        logits.append(decoder.step(np.array([[token]])))
-    return logits, len(made)
-
-
-def test_a_llama_layer_boundary_prepares_its_decode_arguments_once_and_replays_them(fixtures_dir, monkeypatch):
-    """AttentionGatedMLPRopeAppend prepares its native arguments on its first decode step; later
-    steps make anew only the query, caches, mask bias, residual and rotary tables
-    (`_decode_replay.GatedRopeReplay`), and every step's logits are bitwise those made afresh."""
-    folder = fixtures_dir / "tiny-llama"
-    replayed, prepared = _llama_steps(folder, monkeypatch, True)
-    afresh, prepared_afresh = _llama_steps(folder, monkeypatch, False)
-    assert len(replayed) == len(afresh) == 7
-    assert all(np.array_equal(a, b) for a, b in zip(replayed, afresh))
-    assert prepared == 1 and prepared_afresh == 6
-
-
-def test_a_replayed_decode_row_keeps_no_cache_alive(fixtures_dir):
-    """A layer boundary's replay holds its caches' buffers weakly and none of a step's arrays: once
-    a generation lets its caches go (a reset), they are freed."""
+def test_a_decoder_keeps_no_cache_alive_after_a_reset(fixtures_dir):
+    """Nothing a decode step's fused nodes made holds the caches: once a generation lets them go (a
+    reset), their buffers are freed."""
     import gc
     import weakref
 

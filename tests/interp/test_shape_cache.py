@@ -108,30 +108,31 @@ def _two_layers():
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
 
 
-def _two_norm_shapes(second_width: int):
-    """Each of two layers reads the shape of a norm a fused node would compute (an RMSNormShape
-    stand-in, as fusion leaves it), its own weight of the norm read for its shape alone."""
-    nodes, constants = [], [numpy_helper.from_array(np.array(1e-5, np.float32), "epsilon"),
-                            numpy_helper.from_array(np.array(1.0, np.float32), "one")]
+def _two_head_shapes(second_width: int):
+    """Each of two layers reads the shape of split heads a fused node would compute (a
+    SplitHeadsShape stand-in, as fusion leaves it), its own projection weight read for its shape
+    alone."""
+    nodes, constants = [], [numpy_helper.from_array(np.array([1, 3, 2, -1], np.int64), "target")]
     for layer, width in enumerate((4, second_width)):
-        nodes += [helper.make_node("RMSNormShape", [f"x{layer}", "epsilon", "one", f"w{layer}"], [f"n{layer}"],
+        nodes += [helper.make_node("SplitHeadsShape", [f"x{layer}", f"w{layer}", "target", ""], [f"n{layer}"],
                                    domain="runnx.fused"),
                   helper.make_node("Shape", [f"n{layer}"], [f"s{layer}"]),
-                  helper.make_node("Gather", [f"s{layer}", "zero"], [f"d{layer}"], axis=0)]
-        constants.append(numpy_helper.from_array(np.linspace(layer, 2, width).astype(np.float32), f"w{layer}"))
+                  helper.make_node("Gather", [f"s{layer}", "two"], [f"d{layer}"], axis=0)]
+        constants.append(numpy_helper.from_array(np.linspace(layer, 2, 4 * width).astype(np.float32).reshape(4, width),
+                                                 f"w{layer}"))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(f"x{i}", F, None) for i in range(2)],
                               [helper.make_tensor_value_info(f"d{i}", I64, None) for i in range(2)],
-                              constants + [_const("zero", 0)])
+                              constants + [_const("two", 2)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("runnx.fused", 1)],
                              ir_version=10)
 
 
-@pytest.mark.parametrize("second_width, misses", [(4, 1), (1, 2)])
+@pytest.mark.parametrize("second_width, misses", [(4, 1), (2, 2)])
 def test_a_constant_read_only_for_its_shape_does_not_set_groups_apart(second_width, misses):
-    """Layers whose shape stand-ins read their own weights (of one shape: their norms', their
-    projections') compute the same bookkeeping: the second layer's memo finds the first one's
+    """Layers whose shape stand-ins read their own weights (of one shape: their projections')
+    compute the same bookkeeping: the second layer's memo finds the first one's
     result (a first prompt computes it once, not once a layer); weights of another shape do not."""
-    model = runnx.load(_two_norm_shapes(second_width))
+    model = runnx.load(_two_head_shapes(second_width))
     assert model.memoized == 6
     x = np.zeros((3, 4), np.float32)
     result, profile = model.run({"x0": x, "x1": x}, profile=True)

@@ -163,7 +163,7 @@ def test_generated_decoders_agree_over_decode_steps(style, usual, seed):
     model, _ = decoder(shape)
     plain, optimized = load_both(model)
     if usual:  # every pattern of the style is hit
-        expected = {"llama": {"RotateHalf", "RepeatedKVAttention", "AttentionGatedMLP", "ProjectedRopeAppend",
+        expected = {"llama": {"RotateHalf", "RepeatedKVAttention", "ResidualGatedMLP", "ProjectedRopeAppend",
                               "AddRMSNorm", "SiluMul"},
                     "gpt": {"RepeatedKVAttention", "ErfGelu", "AddLayerNorm", "ResidualGeluMLP"}}[style]
         assert expected <= set(optimized.fused), optimized.fused

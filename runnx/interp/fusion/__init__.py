@@ -4,8 +4,7 @@ Pattern modules each give PATTERNS, (anchor op, matcher) pairs, the anchor a sta
 onnxruntime contrib op or a fused one that an earlier pattern made; a matcher returns a `Fused` whose kernel (domain `runnx.fused`,
 `runnx/ops/fused*.py`, `linalg.py`; or a standard fused op's own: onnxruntime's MatMulIntegerToFloat)
 computes what the replaced nodes computed. Patterns run in
-order, each over the graph the previous ones left; then runs of layer boundaries become one node
-(`layer_runs.py`).
+order, each over the graph the previous ones left.
 
 Most fused kernels compute bitwise what their nodes do; those listed in a module's ROUNDS_APART
 (attention, GELU, the blocks holding them) sum in another order, a few units in the last place
@@ -20,7 +19,6 @@ from __future__ import annotations
 from runnx.interp.fusion import (dequantized_products, integer_products, layer_norm_blocks, nbits_products,
                                  products, repeated_kv_products, rms_norm_blocks, split_products)
 from runnx.interp.fusion.identity_cuts import drop_identity_cuts
-from runnx.interp.fusion.layer_runs import layer_runs
 from runnx.interp.fusion.matcher import Matcher, fused_node
 from runnx.interp.ir import MISSING, Graph
 from runnx.ops._fused_common import DOMAIN
@@ -93,5 +91,4 @@ def fuse(graph: Graph, bitwise: bool = False) -> dict[str, int]:
             counts[fused.op_type] = counts.get(fused.op_type, 0) + (1 if fused.members and not grown else 0)
         graph.nodes = tuple(n for n in graph.nodes if n.index not in m.taken) + tuple(new_nodes)
         graph.producer = {vid: node for node in graph.nodes for vid in node.outputs if vid != MISSING}
-    counts["GatedLayersRun"] = layer_runs(graph)
     return {op: count for op, count in counts.items() if count}

@@ -13,12 +13,11 @@ node. A query projection read only by its attention joins it (ProjectedHeadsAtte
 products whose key and value are appended to caches join the appends (ProjectedAppend): a LayerNorm
 decoder layer (an encoder-decoder's) is then five nodes, each a decode step's native call (its
 projections and appends, self-attention, output projection and norm, cross-attention, MLP to the
-next norm). An RMSNorm decoder layer's attention joins its ResidualGatedMLP (AttentionGatedMLP)
-and its q/k/v products its RopeAppend (ProjectedRopeAppend, with SplitHeadsShape stand-ins for the
-shape memos reading the heads), and an AttentionGatedMLP the next layer's ProjectedRopeAppend
-reading its norm (AttentionGatedMLPRopeAppend, an RMSNormShape stand-in for the norm's shape): a
-decode step then runs one native call per layer boundary, not two. Runs after the other patterns: a
-MatMul they take stays theirs.
+next norm). An RMSNorm decoder layer's q/k/v products join its RopeAppend (ProjectedRopeAppend,
+with SplitHeadsShape stand-ins for the shape memos reading the heads): the layer is then three
+nodes, a decode step's four native calls (projections, rotary embedding and cache growth; attention;
+output projection to the MLP's gate; the MLP's down product to the next norm). Runs after the other
+patterns: a MatMul they take stays theirs.
 """
 from __future__ import annotations
 
@@ -298,20 +297,6 @@ def _projected_query(m: Matcher, attention: Node) -> Fused | None:
                  attention.outputs, attention.attrs)
 
 
-def _attended_gated(m: Matcher, block: Node) -> Fused | None:
-    """ResidualGatedMLP whose row is a RepeatedKVAttention's merged output read only there: a
-    decoder layer from its attention to the next layer's norm as one AttentionGatedMLP node (whose
-    native blocks compute RMSNorm's arithmetic: not a skip norm's)."""
-    attention = m.graph.producer.get(block.inputs[0])
-    if (block.domain != DOMAIN or block.attrs.get("skip", 0) or attention is None
-            or attention.op_type != "RepeatedKVAttention" or attention.domain != DOMAIN or attention.index in m.taken
-            or len(attention.inputs) < 14 or attention.inputs[13] == MISSING or attention.outputs[0] in block.inputs[1:]
-            or not m.private([attention, block], tuple(block.outputs))):
-        return None
-    inputs = (*attention.inputs, *(MISSING,) * (21 - len(attention.inputs)), *block.inputs[1:])
-    return Fused("AttentionGatedMLP", [attention, block], inputs, block.outputs, {**attention.attrs, **block.attrs})
-
-
 def _rope_projected(m: Matcher, rope: Node) -> Fused | None:
     """RopeAppend whose query, key and value are the three products of one SharedInputMatMul, each
     split into heads and read only there: an RMSNorm layer's projections, rotary embedding and KV
@@ -334,37 +319,10 @@ def _rope_projected(m: Matcher, rope: Node) -> Fused | None:
     return Fused("ProjectedRopeAppend", [shared, rope], inputs, rope.outputs, attrs)
 
 
-def _layers_chained(m: Matcher, rope: Node) -> Fused | None:
-    """ProjectedRopeAppend (23 inputs) whose x is the norm of an AttentionGatedMLP (34 inputs;
-    outputs the sum, then the norm), the norm read elsewhere only for its shape: a decoder layer from
-    its attention to the next layer's norm and the next layer's projections, rotary embedding and
-    cache growth as one AttentionGatedMLPRopeAppend node, the block's inputs then the rope's but x,
-    the sum then the rope's outputs (a decode step runs the two as one native call; the norm's shape
-    readers get an RMSNormShape stand-in)."""
-    block = m.graph.producer.get(rope.inputs[0])
-    if (rope.domain != DOMAIN or block is None or block.op_type != "AttentionGatedMLP" or block.domain != DOMAIN
-            or block.index in m.taken or len(block.inputs) != 34 or len(rope.inputs) != 23
-            or block.outputs[1] != rope.inputs[0] or rope.inputs[0] in rope.inputs[1:]
-            or block.outputs[0] in rope.inputs
-            or not m.private([block, rope], (block.outputs[0], *rope.outputs), (block.outputs[1],))):
-        return None
-    return Fused("AttentionGatedMLPRopeAppend", [block, rope], (*block.inputs, *rope.inputs[1:]),
-                 (block.outputs[0], *rope.outputs), {**block.attrs, **rope.attrs})
-
-
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     """Nodes giving values computed inside a fused node to readers of their shape (zero-strided
     views): ProjectedRopeAppend's split heads (SplitHeadsShape of x and the product's weight and
-    split) and AttentionGatedMLPRopeAppend's norm (RMSNormShape of the residual and the norm's
-    constants)."""
-    block = fused.members[0] if fused.members else None
-    if fused.op_type == "AttentionGatedMLPRopeAppend":
-        normed = block.outputs[1]
-        if not _read_outside(m, fused, normed):
-            return []
-        axis, to, cast = block.attrs.get("down_norm", (-1, 0, 0))
-        return [Fused("RMSNormShape", [], (block.inputs[23], *block.inputs[31:34]), (normed,),
-                      {"axis": axis, "to": to, "cast": cast})]
+    split)."""
     if fused.op_type != "ProjectedRopeAppend" or len(fused.members) != 2:
         return []
     rope = fused.members[1]
@@ -387,8 +345,7 @@ def _read_outside(m: Matcher, fused: Fused, vid: int) -> bool:
 PATTERNS = (("MatMul", _shared_input), ("MatMul", _normed), ("Add", _biased),
             ("MatMulAddRMSNorm", _residual_gated_mlp), ("MatMulAddLayerNorm", _residual_gelu_mlp),
             ("HeadsAttention", _projected_query), ("SharedInputMatMul", _appended),
-            ("ResidualGatedMLP", _attended_gated),
-            ("RopeAppend", _rope_projected), ("ProjectedRopeAppend", _layers_chained))
+            ("RopeAppend", _rope_projected))
 # The blocks holding an attention round as their attention does, apart from the nodes they replace
 # (a GELU MLP's as its ErfGelu); the products, biases and norms round as numpy does.
-ROUNDS_APART = (_residual_gelu_mlp, _projected_query, _attended_gated, _layers_chained)
+ROUNDS_APART = (_residual_gelu_mlp, _projected_query)
