@@ -22,6 +22,7 @@ from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.rows import SHARED_FROM
 
+
 @register("ProjectedRopeAppend", since=1, domain=DOMAIN, inplace=(13, 14), shape_only=(6, 9, 12))
 def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias,
                         key_target, key_source, value_bias, value_target, value_source, past_key, past_value,
@@ -58,7 +59,7 @@ def _rope_row(x, rope: tuple, attributes: tuple, overwrite) -> tuple | None:
     """(the split heads, allocated, the projections' biases (`_NO_BIAS`: none) and
     `rope_append_into`'s arguments) when ProjectedRopeAppend(x, *rope) is a decode step's float32
     row, its biases absent or float32 vectors of their products' widths, both caches granted, prefix
-    views with room: x is read for its shape and dtype only (a stand-in serves); else None."""
+    views with room (x, the row, is read for its shape and dtype only: the call reads it); else None."""
     if not (13 in overwrite and 14 in overwrite):
         return None
     query_dims, query_axes, key_dims, key_axes, value_dims, value_axes = attributes[:6]
