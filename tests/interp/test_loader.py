@@ -67,7 +67,7 @@ def test_valid_external_data_is_memory_mapped_not_copied(tmp_path):
     np.testing.assert_array_equal(model.run({"x": x})["y"], WEIGHT + 1)
 
 
-def _model_over_data_file(tmp_path, nodes, inputs, outputs, arrays: dict, head=0, tail=0):
+def _model_over_data_file(tmp_path, nodes, inputs, outputs, arrays: dict, head=0, tail=0, opsets=(("", 18),)):
     """model.onnx of `nodes` whose initializers are `arrays` (name -> array), stored one after
     another in weights.bin after `head` zero bytes and before `tail` more."""
     tensors, offset = [], head
@@ -83,7 +83,8 @@ def _model_over_data_file(tmp_path, nodes, inputs, outputs, arrays: dict, head=0
     (folder / "weights.bin").write_bytes(b"\0" * head + b"".join(a.tobytes() for a in arrays.values()) + b"\0" * tail)
     graph = helper.make_graph(nodes, "g", inputs, outputs, tensors)
     path = folder / "model.onnx"
-    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString())
+    path.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets])
+                     .SerializeToString())
     return path
 
 
@@ -167,6 +168,35 @@ def test_a_table_only_gathered_stays_mapped_a_streamed_weight_is_read_ahead(tmp_
         handle.write(np.ones(2 * table.size, np.float32).tobytes())
     y = model.run({"ids": np.array([[3, 5]], np.int64)})["y"]
     np.testing.assert_allclose(y, np.ones((1, 2, 1024), np.float32) @ weight, rtol=1e-4, atol=1e-3)
+
+
+def test_a_four_bit_weights_bytes_and_scales_stay_mapped_a_streamed_weight_is_read_ahead(tmp_path):
+    """A MatMulNBits weight's bytes and float scales, which runnx repacks into tiles of its own (its
+    products never read them as stored), stay mapped; a float weight a MatMul streams, in the same
+    data file, is read into memory (a change to the file after the load shows in the first only)."""
+    rng = np.random.default_rng(8)
+    weight = rng.standard_normal((1024, 1024)).astype(np.float32)
+    depth, width, block = 1024, 256, 32
+    packed = rng.integers(0, 256, (width, depth // block, block // 2), dtype=np.uint8)
+    scales = (rng.random(width * depth // block) / 8).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]),
+             helper.make_node("MatMulNBits", ["x", "packed", "scales"], ["z"], domain="com.microsoft", K=depth,
+                              N=width, bits=4, block_size=block)]
+    path = _model_over_data_file(tmp_path, nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
+                                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1024]),
+                                  helper.make_tensor_value_info("z", TensorProto.FLOAT, [1, width])],
+                                 {"w": weight, "packed": packed, "scales": scales},
+                                 opsets=(("", 18), ("com.microsoft", 1)))
+    model = runnx.load(path)
+    with open(path.parent / "weights.bin", "r+b") as handle:  # the mapped bytes change, the read ones not
+        handle.write(np.zeros(weight.size, np.float32).tobytes() + packed.tobytes() + (2 * scales).tobytes())
+    x = rng.standard_normal((1, 1024)).astype(np.float32)
+    low, high = (packed & 15).astype(np.float32), (packed >> 4).astype(np.float32)
+    nibbles = np.stack([low, high], axis=-1).reshape(width, depth // block, block)
+    dequantized = ((nibbles - 8) * 2 * scales.reshape(width, depth // block, 1)).reshape(width, depth)
+    result = model.run({"x": x})
+    np.testing.assert_allclose(result["y"], x @ weight, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(result["z"], x @ dequantized.T, rtol=1e-4, atol=1e-3)
 
 
 def test_the_memory_available_is_read_from_the_kernel():
