@@ -73,7 +73,8 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
     if not _matmul.own_kernels():
-        print("runnx's own products do not run here (no AVX-512, or numpy's BLAS is as wide): nothing to compare")
+        print("runnx's own products are not the default here (no AVX-512, or numpy's BLAS is as wide, "
+              "but for a short prompt's): compared with them forced on")
     _matmul.set_own_kernels(True)
     counts = [int(t) for t in args.threads.split(",")]
     results = [measure(threads, args.rounds) for threads in counts]
