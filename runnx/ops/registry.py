@@ -2,7 +2,7 @@
 
 A kernel is a plain function named after the ONNX op. Arrays are positional (a missing optional
 input arrives as None); attributes are keyword-only, typed, with the ONNX defaults in the
-signature. Four keyword names are reserved:
+signature. Three keyword names are reserved:
 
 - ``overwrite``: the positions of inputs this call may reuse or overwrite (declared with
   ``inplace=``; the executor grants a position only when that input is owned, dead after this
