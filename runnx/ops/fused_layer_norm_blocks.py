@@ -120,26 +120,16 @@ def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale,
     return _reshaped(merged, output_target, output_source, output_dims, output_axes)
 
 
-def attended_row(x, weight, *inputs, **attrs):
+def attended_row(x, weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target,
+                 query_source, output_target, output_source, *, query_dims: tuple, query_axes: tuple,
+                 output_dims: tuple, output_axes: tuple, key_perm: tuple, value_perm: tuple):
     """HeadsAttention of query x @ weight (weight None: x) when that is one float32 row of batch 1
-    attending without broadcasting, as one native call (`_decode_blocks.attended_row`: the query's
-    product, bias and scale, then the decode pool's attention job), else None. A decode step's
-    HeadsAttention in Python cost ~20 us hot and 2-3x that in a step (its objects out of cache)."""
-    row = attention_row(x, weight, *inputs, **attrs)
-    if row is None:
-        return None
-    arguments, attended = row
-    shared_call(_decode_blocks.attended_row, *arguments)
-    return attended
-
-
-def attention_row(x, weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target,
-                  query_source, output_target, output_source, *, query_dims: tuple, query_axes: tuple,
-                  output_dims: tuple, output_axes: tuple, key_perm: tuple, value_perm: tuple):
-    """(the arguments of `_decode_blocks.attended_row` after the mailbox and workers, the attention's
-    output: a view of the buffer that call fills) for `attended_row`'s decode case, else None."""
+    attending without broadcasting (`_plain`; a NaN fill is `_query_row`'s to check), as one native
+    call (`_decode_blocks.attended_row`: the query's product, bias and scale, then the decode pool's
+    attention job), else None. A decode step's HeadsAttention in Python cost ~20 us hot and 2-3x
+    that in a step (its objects out of cache)."""
     if (not _native.enabled or x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1] or head_scale is not None
-            or key_scale is not None):
+            or key_scale is not None or key.ndim != 4 or value.ndim != 4):
         return None
     query = _query_row((x.size,), weight, query_bias, query_scale, nan_fill)
     if query is None:
@@ -150,30 +140,17 @@ def attention_row(x, weight, query_bias, key, value, bias, query_scale, head_sca
     if split.ndim != 4 or split.shape[:2] != (1, 1):
         return None
     heads = split.transpose(0, 2, 1, 3)
-    cache = attended_cache(heads, key, value, bias, key_perm, value_perm)
-    if cache is None:
-        return None
-    out = np.empty(heads.shape[:3] + cache[1].shape[3:], np.float32)
-    arguments = (np.ascontiguousarray(x.reshape(-1)), _NO_WEIGHT if weight is None else weight,
-                 _NO_BIAS[_FLOAT32] if query_bias is None else query_bias,
-                 _NO_BIAS[_FLOAT32] if query_scale is None else query_scale.reshape(1), row.reshape(-1), heads,
-                 *cache, fill, out)
-    return arguments, _reshaped(out.transpose(0, 2, 1, 3), output_target, output_source, output_dims, output_axes)
-
-
-def attended_cache(heads, key, value, bias, key_perm: tuple, value_perm: tuple) -> tuple | None:
-    """(the keys with their last two axes swapped, the values, the bias in 4 dimensions) as
-    `attended_row` reads them for these heads, when attention without broadcasting computes what
-    the nodes do (`_plain`; a NaN fill is `_query_row`'s to check), else None: what
-    `attention_row` makes of a decode step's cache (the rest comes from constants and the row)."""
-    if key.ndim != 4 or value.ndim != 4:
-        return None
     keys, values = key.transpose(key_perm), value.transpose(value_perm)
     if keys.dtype != _FLOAT32 or not _plain(heads, keys, values, bias, None):
         return None
     if bias is not None:
         bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
-    return keys.swapaxes(2, 3), values, bias
+    out = np.empty(heads.shape[:3] + values.shape[3:], np.float32)
+    shared_call(_decode_blocks.attended_row, np.ascontiguousarray(x.reshape(-1)),
+                _NO_WEIGHT if weight is None else weight, _NO_BIAS[_FLOAT32] if query_bias is None else query_bias,
+                _NO_BIAS[_FLOAT32] if query_scale is None else query_scale.reshape(1), row.reshape(-1), heads,
+                keys.swapaxes(2, 3), values, bias, fill, out)
+    return _reshaped(out.transpose(0, 2, 1, 3), output_target, output_source, output_dims, output_axes)
 
 
 @Remembered

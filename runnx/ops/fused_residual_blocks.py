@@ -240,12 +240,7 @@ def ProjectedHeadsAttention(x, weight, query_bias, key, value, bias, query_scale
     one native call, the product, the query's bias and scale and the attention (`attended_row`)."""
     inputs = (query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target, query_source,
               output_target, output_source)
-    attrs = _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm)
+    attrs = {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
+             "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
     attended = attended_row(x, weight, *inputs, **attrs)
     return attended if attended is not None else HeadsAttention(MatMul(x, weight), *inputs, **attrs)
-
-
-def _attention_attrs(query_dims, query_axes, output_dims, output_axes, key_perm, value_perm) -> dict:
-    """HeadsAttention's attributes as its keyword arguments."""
-    return {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
-            "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}

@@ -125,22 +125,16 @@ def rope_append_arguments(query, key, value, past_key, past_value, query_cos, qu
             and key_buffer is not value_buffer and key.dtype == dtype and value.dtype == dtype
             and key_buffer.dtype == dtype and value_buffer.dtype == dtype and query.ndim == 4 and key.ndim == 4
             and value.ndim == 4 and key_buffer.ndim == 4 and value_buffer.ndim == 4
-            and rope_cache_fits(dtype, past_key, past_value, query_cos, query_sin, key_cos, key_sin)):
+            and past_key.dtype == dtype and past_value.dtype == dtype and query_cos.dtype == dtype
+            and query_sin.dtype == dtype and key_cos.dtype == dtype and key_sin.dtype == dtype and past_key.ndim == 4
+            and past_value.ndim == 4 and query_cos.ndim == 4 and query_sin.ndim == 4 and key_cos.ndim == 4
+            and key_sin.ndim == 4):
         return None
     split = _remembered_halves((query.shape[3], key.shape[3]), *halves)
     if split is None:
         return None
     return (query, key, value, past_key, key_buffer, past_value, value_buffer, query_cos, query_sin, key_cos, key_sin,
             *split)
-
-
-def rope_cache_fits(dtype, past_key, past_value, query_cos, query_sin, key_cos, key_sin) -> bool:
-    """Whether a decode step's caches and rotary tables are of `dtype` (the heads') and 4 dimensions:
-    `rope_append_arguments`' checks of what a step changes."""
-    return (past_key.dtype == dtype and past_value.dtype == dtype and query_cos.dtype == dtype
-            and query_sin.dtype == dtype and key_cos.dtype == dtype and key_sin.dtype == dtype and past_key.ndim == 4
-            and past_value.ndim == 4 and query_cos.ndim == 4 and query_sin.ndim == 4 and key_cos.ndim == 4
-            and key_sin.ndim == 4)
 
 
 @Remembered
