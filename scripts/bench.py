@@ -11,7 +11,8 @@ tiny.en encoder seconds per 30 s window and decoder ms/token (scripts/bench_whis
 per-node dispatch on 1000-node chains of small elementwise ops (scripts/bench_dispatch.py);
 SmolLM2 decode with runnx and onnxruntime in one process, in alternating blocks of steps
 (scripts/bench_pairs.py); runnx and onnxruntime-genai on onnxruntime-genai's fp32 and int4 folders,
-each in its own loop (scripts/bench_genai.py).
+each in its own loop (scripts/bench_genai.py); runnx beside this machine's memory and compute
+ceilings (scripts/bench_roofline.py).
 Models come from `make models` (${RUNNX_CACHE:-~/.cache/runnx}/models).
 """
 from __future__ import annotations
@@ -354,6 +355,8 @@ def main(args) -> None:
     for threads in thread_counts:  # writes its own section (unless --no-write)
         _script_output("bench_pairs.py", ["--threads", str(threads), "--contexts", args.contexts]
                        + (["--no-write"] if args.no_write else []), threads)
+    _script_output("bench_roofline.py", ["--threads", args.threads, "--rounds", str(args.rounds)]
+                   + (["--no-write"] if args.no_write else []), None)  # (it sets each worker's threads)
     if genai:  # onnxruntime-genai's own folders (fp32, int4) in each engine's own loop; its own section
         _script_output("bench_genai.py", ["--threads", args.threads, "--contexts", args.contexts, "--rounds",
                                           str(args.rounds)] + (["--no-write"] if args.no_write else []), None)

@@ -1,6 +1,6 @@
 """How close runnx's SmolLM2 figures are to what this machine can do at all.
 
-    .venv/bin/python scripts/bench_roofline.py [--threads 1,2] [--rounds 3] [--write]
+    .venv/bin/python scripts/bench_roofline.py [--threads 1,2] [--rounds 3] [--no-write]
 
 A decode step reads every weight once (a float32 row times each matrix): its floor is the weights'
 bytes over the memory bandwidth, which this script measures as the threads' numpy sums over the
@@ -10,9 +10,10 @@ their floor is the floating-point work over the peak of a large float32 product 
 2048 x 2048). For each thread count (a process each, BLAS and numba threads set before numpy loads),
 runnx's figures on Optimum's SmolLM2-135M export beside those ceilings: decode at context 32 (median
 of 16 steps after random past KV), a 32-token prompt's first token and a 2,000-token prefill
-(warm, best of `--rounds`). The weights' bytes are the initializers some node streams as stored
+(warm, best of `--rounds`); run by `scripts/bench.py` too. The weights' bytes are the initializers some node streams as stored
 (`runnx.interp.loader`'s rule); the work is 2 flops a weight a token (the LM head once) plus the
-causal attention's 4 x layers x hidden x (keys a token). --write puts the table into docs/benchmarks.md.
+causal attention's 4 x layers x hidden x (keys a token). Writes its section of docs/benchmarks.md
+unless --no-write.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--write", action="store_true")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
@@ -143,7 +144,7 @@ def main() -> None:
         results.append(json.loads(completed.stdout.strip().splitlines()[-1]))
     table = _table(results)
     print(table)
-    if args.write:
+    if not args.no_write:
         weights = results[0]["weights"] / 1e6
         update_section("roofline", f"""## Against this machine's ceilings (`scripts/bench_roofline.py`)
 
@@ -153,7 +154,7 @@ faster); peak, OpenBLAS's 2048 x 2048 float32 product. A decode step reads the {
 (its floor: bytes over bandwidth); a prompt is 2 flops a weight a token (the LM head once) and the causal
 attention's products. Decode: median of {STEPS} steps at context {CONTEXT} after random past KV; prompts: best of
 {args.rounds} after a warm-up. runnx {git_revision()}; {machine()}.
-Command: `.venv/bin/python scripts/bench_roofline.py --threads {args.threads} --rounds {args.rounds} --write`.
+Command: `.venv/bin/python scripts/bench_roofline.py --threads {args.threads} --rounds {args.rounds}`.
 
 {table}
 """)
