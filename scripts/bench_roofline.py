@@ -8,10 +8,10 @@ parts of a 512 MiB array (a plain stream read; numpy's sum lets go of the GIL), 
 matrix-vector product over it when that is faster. A prompt's products are compute:
 their floor is the floating-point work over the peak of a large float32 product (OpenBLAS's sgemm,
 2048 x 2048). For each thread count (a process each, BLAS and numba threads set before numpy loads),
-runnx's figures on Optimum's SmolLM2-135M export beside those ceilings: decode at context 32 (median
-of 16 steps after random past KV), a 32-token prompt's first token and a 2,000-token prefill
-(warm, best of `--rounds`); run by `scripts/bench.py` too. The weights' bytes are the initializers some node streams as stored
-(`runnx.interp.loader`'s rule); the work is 2 flops a weight a token (the LM head once) plus the
+runnx's figures on Optimum's SmolLM2-135M export (`make models`) beside those ceilings: decode at
+context 32 (median of 16 steps after random past KV), a 32-token prompt's first token and a
+2,000-token prefill (warm, best of `--rounds`); `scripts/bench.py` runs it too. The weights' bytes
+are the initializers some node streams as stored (`runnx.interp.loader`'s rule); the work is 2 flops a weight a token (the LM head once) plus the
 causal attention's 4 x layers x hidden x (keys a token). Writes its section of docs/benchmarks.md
 unless --no-write.
 """
@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from report import git_revision, machine, set_threads, update_section  # noqa: E402  (scripts/: this script's folder)
 
 CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
@@ -137,6 +137,8 @@ def main() -> None:
     if args.worker is not None:
         print(json.dumps(worker(args.worker, args.rounds)))
         return
+    if not (SMOLLM2 / "model.onnx").is_file():
+        raise SystemExit(f"no SmolLM2-135M export at {SMOLLM2}: build it with `make models`")
     results = []
     for threads in (int(t) for t in args.threads.split(",")):
         completed = subprocess.run([sys.executable, __file__, "--worker", str(threads), "--rounds", str(args.rounds)],
