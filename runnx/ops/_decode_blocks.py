@@ -9,7 +9,10 @@ nodes run one by one, but for a block that holds an attention (whose kernels are
 nodes' anyway); LayerNorm blocks (LayerNorm, erf GELU) call what their nodes call: `layer_norm_rows`,
 and ErfGelu's pool job (`post_gelu`) on a mailbox of their own. Called through
 `runtime.pool.shared_call` (the pool's workers, or alone on a mailbox of the call: the same compiled
-code, so the same results); each returns what it computed.
+code, so the same results); each returns what it computed. The `open_*` ones instead open their
+block's last job and return at once (`runtime.pool.open_shared_call`), what completes the outputs
+from it a tail the pool runs once it is finished (`add_norm_into`, `projected_rope_tail`): the same
+job and kernels.
 """
 from __future__ import annotations
 
@@ -19,11 +22,12 @@ import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_contrib import skip_norm_rows
-from runnx.ops._kernels_fused import add_rms_norm, rope_append_into, silu_mul_into
+from runnx.ops._kernels_fused import add_rms_norm_into, rope_append_fits, rope_append_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops._kernels_rows import split_heads_into
-from runnx.runtime.jobs import post_attention, post_gelu, post_gemm, post_gemms, post_nbits, post_products
+from runnx.runtime.jobs import (open_products, post_attention, post_gelu, post_gemm, post_gemms, post_nbits,
+                                post_products)
 from runnx.runtime.mailbox import own_box
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -40,19 +44,27 @@ def _product(box, workers, row, matrix):
 
 @_jit
 def _add_norm(residual, summed, epsilon, one, norm_weight, skip):
-    """summed += residual (in place), then its norm: RMSNorm's unfused arithmetic (`add_rms_norm`),
-    or with `skip` onnxruntime's SkipSimplifiedLayerNormalization's: its own kernel (`skip_norm_rows`:
-    float64 statistics, no `one`), the sum written over `summed` (each element read before it is
-    written)."""
-    if not skip:
-        return add_rms_norm(residual, summed, summed, epsilon, one, norm_weight)
+    """summed += residual (in place), then its norm (`add_norm_into`), a new array."""
+    normed = np.empty(summed.shape, np.float32)
+    add_norm_into(residual, summed, epsilon, one, norm_weight, skip, normed)
+    return normed
+
+
+@_jit
+def add_norm_into(residual, summed, epsilon, one, norm_weight, skip, normed):
+    """summed += residual (in place), then its norm into normed (C-contiguous, summed's size):
+    RMSNorm's unfused arithmetic (`add_rms_norm_into`), or with `skip` onnxruntime's
+    SkipSimplifiedLayerNormalization's: its own kernel (`skip_norm_rows`: float64 statistics, no
+    `one`), the sum written over `summed` (each element read before it is written)."""
     width = summed.shape[-1]
     rows = (summed.size // width, width)
     sums = summed.reshape(rows)
-    normed, statistics = np.empty(rows, np.float32), np.empty((2, rows[0]), np.float32)
-    skip_norm_rows(residual.reshape(rows), sums, norm_weight[:0], norm_weight, norm_weight[:0], epsilon, True, normed,
-                   sums, statistics[0], statistics[1])
-    return normed.reshape(summed.shape)
+    if not skip:
+        add_rms_norm_into(residual.reshape(rows), sums, sums, epsilon, one, norm_weight, normed.reshape(rows))
+        return
+    statistics = np.empty((2, rows[0]), np.float32)
+    skip_norm_rows(residual.reshape(rows), sums, norm_weight[:0], norm_weight, norm_weight[:0], epsilon, True,
+                   normed.reshape(rows), sums, statistics[0], statistics[1])
 
 
 @_jit
@@ -97,6 +109,16 @@ def gated_down(box, workers, gate, decay, up, weight, residual, epsilon, one, no
     the MLP's activation, down product, residual add and the next norm."""
     summed = _product(box, workers, silu_mul_into(gate, decay, up), weight)
     return summed, _add_norm(residual, summed, epsilon, one, norm_weight, skip)
+
+
+@_jit
+def open_gated_down(box, workers, gate, decay, up, weight, product, scratch):
+    """`gated_down`'s activation (into decay's buffer), then its down product into `product` opened
+    (`open_products`: returns before its units are computed; every array must live until the job
+    is finished), the residual add and norm left to `add_norm_into` after it: the same job and
+    kernels, so the same bits. 1 when a worker was idle, else 0 (`DecodePool.open_call`)."""
+    return 1 if open_products(box, workers, silu_mul_into(gate, decay, up), (weight,), (product,), scratch, 0.0,
+                              1.0) else 0
 
 
 @_jit
@@ -268,12 +290,42 @@ def projected_rope_append(box, workers, x, weights, biases, rows, rope):
     for row in rows:
         size += row.size
     post_products(box, workers, x, weights, rows, np.empty(chunk_count(x.size) * size, np.float32), 0.0, 1.0)
+    _add_biases(biases, rows)
+    return rope_append_into(*rope)
+
+
+@_jit
+def _add_biases(biases, rows):
+    """rows[m] = biases[m] + rows[m] (an empty bias: nothing): SplitHeads' `_biased` sums."""
     for m in range(len(rows)):
         bias, row = biases[m], rows[m]
         if bias.size:
             for i in range(row.size):
                 row[i] = bias[i] + row[i]
-    return rope_append_into(*rope)
+
+
+@_jit
+def open_projected_rope(box, workers, x, weights, rows, rope, scratch):
+    """`projected_rope_append`'s products job opened (`open_products`: every array must live until it
+    is finished), the biases, rotation and cache growth left to `projected_rope_tail` after it; 1
+    when a worker was idle, 0 when not, -1 (nothing posted) when `rope_append_into(*rope)` would
+    not write (`rope_append_fits`): the caller then computes it finished."""
+    if not rope_append_fits(rope[0], rope[1], rope[2], rope[3], rope[4], rope[5], rope[6], rope[7], rope[8], rope[9],
+                            rope[10]):
+        return -1
+    return 1 if open_products(box, workers, x, weights, rows, scratch, 0.0, 1.0) else 0
+
+
+@_jit
+def projected_rope_tail(biases, rows, rope, rotated):
+    """`projected_rope_append`'s work after its products job: the biases added, then
+    `rope_append_into(*rope)` (its rotated query into `rotated`), which writes: `open_projected_rope`
+    checked that it fits."""
+    _add_biases(biases, rows)
+    done, query = rope_append_into(*rope)
+    if not done:
+        raise ValueError("a rotary embedding left open no longer fits its caches")
+    rotated.reshape(rotated.size)[:] = query.reshape(query.size)
 
 
 @_jit

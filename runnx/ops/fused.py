@@ -38,7 +38,7 @@ from runnx.ops.elementwise import Where
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape, Slice
 from runnx.ops._matmul import matmul, rest_workers_before
-from runnx.runtime import pool as decode_pool
+from runnx.runtime import opening, pool as decode_pool
 
 _FLOAT32 = np.dtype(np.float32)
 
@@ -136,7 +136,7 @@ def RepeatedKVShape(kv, axes, expand, target):
     return stand_in(kv.dtype, head_repeat(kv, axes, expand, target)[2])
 
 
-@register("RepeatedKVAttention", since=1, domain=DOMAIN)
+@register("RepeatedKVAttention", since=1, domain=DOMAIN, overlaps_jobs=True)
 def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
                         value_axes, value_expand, value_target, merged_target=None, mask=None, mask_starts=None,
                         mask_ends=None, mask_axes=None, mask_steps=None, masked_then=None, masked_else=None, *,
@@ -145,7 +145,11 @@ def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fil
     where repeat is the exporter's Unsqueeze/Expand/Reshape head repeat. Query heads are grouped
     per KV head instead, so the cache (a view into its capacity buffer) is read in place. With
     merged_target: Reshape(Transpose(that, (0, 2, 1, 3)), merged_target), the heads merged back.
-    With mask (bias absent): bias = Where(Slice(mask, starts, ends, axes, steps), then, else)."""
+    With mask (bias absent): bias = Where(Slice(mask, starts, ends, axes, steps), then, else).
+    query, key and value may be the outputs of a job the previous node left open (a
+    ProjectedRopeAppend's, `runtime/open_jobs.py`): the decode pool's attention post finishes it
+    first; every other path settles before it reads them."""
+    opening.allowed = False  # (it leaves no job open: neither may the kernels it calls)
     if mask is not None:
         bias = _mask_bias(mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then, masked_else, ctx)
     heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
@@ -173,6 +177,7 @@ def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_
     value_shapes = head_repeat(value, value_axes, value_expand, value_target)
     repeat = key_shapes[3]
     if repeat is None or repeat != value_shapes[3] or axis % 4 != 3 or not _grouped(query, key, value):
+        decode_pool.settle()
         keys = materialised_repeat(key, key_shapes)
         values = materialised_repeat(value, value_shapes)
         scores = matmul(np.multiply(query, query_scale), np.multiply(np.swapaxes(keys, -1, -2), key_scale))
@@ -183,6 +188,7 @@ def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_
         result = _attend_kernel(query, key, value, bias, query_scale.item() * key_scale.item(), nan_fill.item())
         if result is not None:
             return result
+    decode_pool.settle()
     scaled = np.multiply(query, query_scale)
     np.multiply(scaled, key_scale, out=scaled, casting="unsafe")
     return _attend_numpy(scaled, key, value, bias, nan_fill, ctx)
@@ -248,6 +254,7 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float):
         workers = decode_pool.pool()
         run = workers.attention if workers is not None and batch * groups > 1 else decode_pool.attention_job
         return run(query, key, value, bias, scale, fill)
+    decode_pool.settle()
     return attention(query, key, value, bias, scale, fill)
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_blocks import projected_rope_append, projected_rope_append_rows
+from runnx.ops._decode_blocks import (open_projected_rope, projected_rope_append, projected_rope_append_rows,
+                                     projected_rope_tail)
+from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._fused_common import stand_in
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops.cache import count_appends
@@ -19,11 +21,11 @@ from runnx.ops.fused_layer_norm_blocks import split_shape
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _split_shapes, _vector
 from runnx.ops.fused_rotary import RopeAppend, appended_caches, rope_append_arguments
 from runnx.ops.registry import register
-from runnx.runtime import pool as decode_pool
+from runnx.runtime import opening, pool as decode_pool
 from runnx.runtime.rows import SHARED_FROM
 
 
-@register("ProjectedRopeAppend", since=1, domain=DOMAIN, inplace=(13, 14), shape_only=(6, 9, 12))
+@register("ProjectedRopeAppend", since=1, domain=DOMAIN, inplace=(13, 14), shape_only=(6, 9, 12), overlaps_jobs=True)
 def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias,
                         key_target, key_source, value_bias, value_target, value_source, past_key, past_value,
                         query_cos, query_sin, query_start, query_end, key_cos, key_sin, key_start, key_end, *,
@@ -34,13 +36,19 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
     """RopeAppend(*SharedInputMatMul(x, query_weight, key_weight, value_weight, ...; each split into
     heads), past_key, past_value, ...): an RMSNorm layer's projections, rotary embedding and KV
     cache growth. A decode step's float32 row with both caches granted is one native call
-    (`projected_rope_append`, the projections' biases added in it) writing the new rows in place."""
+    (`projected_rope_append`, the projections' biases added in it) writing the new rows in place.
+    x may be the output of a job the previous node left open (`runtime/open_jobs.py`: a
+    ResidualGatedMLP's): only the native calls read it (their post finishes that job first), other
+    paths settle first."""
+    leave, opening.allowed = opening.allowed, False  # (only its last job may stay open, not its nodes' kernels')
     rope = (query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias, key_target,
             key_source, value_bias, value_target, value_source, past_key, past_value, query_cos, query_sin,
             query_start, query_end, key_cos, key_sin, key_start, key_end)
     attributes = (query_dims, query_axes, key_dims, key_axes, value_dims, value_axes, query_axis, key_axis,
                   key_cache_axis, value_cache_axis)
     planned = _rope_row(x, rope, attributes, overwrite)
+    if planned is None or not x.flags.c_contiguous:  # (a copy of x reads it)
+        decode_pool.settle()
     if planned is None:
         prompt = _rope_rows(x, rope, attributes, overwrite)
         if prompt is None:
@@ -50,8 +58,14 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
                                                 biases, heads, unit, arguments)
         return _rope_appended(done, rotated, heads, x, rope, attributes, overwrite, ctx)
     heads, biases, arguments = planned
-    done, rotated = decode_pool.shared_call(projected_rope_append, np.ascontiguousarray(x.reshape(-1)), rope[:3],
-                                            biases, tuple([h.reshape(-1) for h in heads]), arguments)
+    row, rows = np.ascontiguousarray(x.reshape(-1)), tuple([h.reshape(-1) for h in heads])
+    if leave:  # the products job left open, the rotation and growth after it (the next node's checks meanwhile)
+        rotated = np.empty(heads[0].shape, np.float32)
+        if decode_pool.open_shared_call(open_projected_rope, (row, rope[:3], rows, arguments), (row, *rope[:3], *heads),
+                                        projected_rope_tail, (biases, rows, arguments, rotated),
+                                        chunk_count(row.size) * sum([h.size for h in heads])):
+            return _rope_appended(True, rotated, heads, x, rope, attributes, overwrite, ctx)
+    done, rotated = decode_pool.shared_call(projected_rope_append, row, rope[:3], biases, rows, arguments)
     return _rope_appended(done, rotated, heads, x, rope, attributes, overwrite, ctx)
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_blocks import (gated_down, gated_down_rows, gelu_mlp, projected_gate, projected_gate_rows,
-                                     projected_layer_norm)
+from runnx.ops._decode_blocks import (add_norm_into, gated_down, gated_down_rows, gelu_mlp, open_gated_down,
+                                     projected_gate, projected_gate_rows, projected_layer_norm)
+from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops._remembered import Remembered
@@ -21,7 +22,7 @@ from runnx.ops.fused_norms import AddRMSNorm, exp_in_place, norm_fits
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _matrix, _product, _vector
 from runnx.ops.linalg import _FLOAT32, MatMul
 from runnx.ops.registry import register
-from runnx.runtime import pool as decode_pool
+from runnx.runtime import opening, pool as decode_pool
 
 
 @register("MatMulAddRMSNorm", since=1, domain=DOMAIN)
@@ -33,7 +34,7 @@ def MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, *, ax
                       skip=skip, overwrite=(1,))
 
 
-@register("ResidualGatedMLP", since=1, domain=DOMAIN)
+@register("ResidualGatedMLP", since=1, domain=DOMAIN, overlaps_jobs=True)
 def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                      down_bias, down_epsilon, down_one, down_norm_weight, *, norm: tuple = (-1, 0, 0),
                      down_norm: tuple = (-1, 0, 0), skip: int = 0):
@@ -44,13 +45,17 @@ def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_
     whether both are onnxruntime's SkipSimplifiedLayerNormalization (AddRMSNorm's `skip`). A decode
     step's float32 row (no biases, both norms the numba kernel's) runs as two native calls posting
     the decode pool's jobs, numpy's exp between them (`_decode_blocks.py`), and so do a short
-    prompt's rows (`_gated_mlp_rows`): bitwise the nodes'."""
+    prompt's rows (`_gated_mlp_rows`): bitwise the nodes'. Given leave (`runtime/open_jobs.py`), a
+    decode row's down product is left open, its residual add and norm done once it is finished:
+    the next node's checks run while the workers compute it."""
+    decode_pool.settle()  # (it reads its inputs before its native calls: a job left open finishes first)
+    leave, opening.allowed = opening.allowed, False  # (only its last job may stay open, not its nodes' kernels')
     skipped = bool(skip)
     block = _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                            down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:
         return _gated_down(decode_pool.shared_call(projected_gate, *block[0], skipped), residual, down_weight,
-                           block[1], down_norm_weight, skipped)
+                           block[1], down_norm_weight, skipped, leave)
     block = _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                             down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:
@@ -130,11 +135,21 @@ def _gated_block_numbers(values: tuple, weight, epsilon, one, norm_weight, gate_
     return epsilon.item(), one.item(), down_epsilon.item(), down_one.item()
 
 
-def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool):
-    """ResidualGatedMLP's outputs from `projected_gate`'s results: numpy's exp, then `gated_down`."""
+def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool, leave: bool):
+    """ResidualGatedMLP's outputs from `projected_gate`'s results: numpy's exp, then `gated_down`,
+    or (given leave, the pool free) `open_gated_down` with `add_norm_into` for its tail."""
     summed, gate, decay, up, largest = first
-    summed, normed = decode_pool.shared_call(gated_down, gate, exp_in_place(decay, largest), up, down_weight, summed,
-                                             *down_numbers, down_norm_weight, skip)
+    decay = exp_in_place(decay, largest)
+    product, normed = np.empty(residual.shape, np.float32), np.empty(residual.shape, np.float32)
+    flat = product.reshape(-1)
+    if leave and decode_pool.open_shared_call(open_gated_down, (gate, decay, up, down_weight, flat),
+                                    (gate, decay, up, down_weight, product),
+                                    add_norm_into, (summed, flat, *down_numbers, down_norm_weight, skip,
+                                                    normed.reshape(-1)),
+                                    chunk_count(gate.size) * flat.size):
+        return product, normed
+    summed, normed = decode_pool.shared_call(gated_down, gate, decay, up, down_weight, summed, *down_numbers,
+                                             down_norm_weight, skip)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
 
 

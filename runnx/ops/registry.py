@@ -19,10 +19,10 @@ planner lets an earlier node overwrite such an input's data in place.
 tiny node's cost).
 
 ``overlaps_jobs=True`` declares a kernel that may return while a decode-pool job it posted still
-computes its output (`runtime/pool.py`: `open_nbits_rows`), when the run allows it: the compiled
-plan then settles that job before the next node that is not declared so. Such a kernel reads no
-input's data before its post finishes the previous job (the post does that first), and settles
-before reading data any other way.
+computes its output (`runtime/pool.py`: `open_nbits_rows`, `open_shared_call`), when the run allows
+it, and that may be called while the previous node's job computes: the compiled plan settles only
+before the next node that is not declared so. Such a kernel reads no input's data before its post
+finishes the previous job (the post does that first), and settles before reading data any other way.
 
 ``prepack=fn`` declares a kernel that prepares something from its constant inputs on its first
 call and keeps it (a 4-bit weight's tiles, in a `Remembered`): fn(inputs, attrs), given the

@@ -67,12 +67,15 @@ class DecodePool:
         rest(stopped)
         stop(stopped)
         serve(stopped, 0)
+        finish(stopped)  # (and what this class calls from Python: `settle`'s finish, a scratch's chunk count)
+        chunk_count(1)
         self.box = new_box()
         self._workers = workers
         self._partials = np.empty(0, np.float32)
         self._lanes = np.empty(0, np.float32)
         self._lock = threading.Lock()
         self._open = None  # the arrays of a job left open (`open_jobs.py`), the lock held till `settle`
+        self._tail = None  # (function, arguments) this thread runs once that job is finished (`open_call`)
         self.left_open = 0  # jobs left open so far
         self._wakes = [threading.Event() for _ in range(workers)]  # one each: only its worker clears it
         self._threads = [threading.Thread(target=self._serve, args=(i,), name=f"runnx-decode-{i}", daemon=True)
@@ -102,16 +105,29 @@ class DecodePool:
         since replaced (`set_workers`) is finished first."""
         held = holding.pool
         if held is self:
+            if self._tail is not None:  # what reads the job's output comes first (`open_call`)
+                self._finish_tail()
             return True
         if held is not None:
             held.settle()
         return self._lock.acquire(blocking=False)
+
+    def _finish_tail(self) -> None:
+        """Finish the job this thread left open and run its tail; the pool stays this thread's."""
+        tail, self._tail = self._tail, None
+        try:
+            finish(self.box)
+            tail[0](*tail[1])
+        except BaseException:
+            self._leave(None)
+            raise
 
     def _leave(self, open_arrays) -> None:
         """After a post: keep the lock and the arrays of a job left open (`open_arrays`; every
         array its units read or write), or (None: the job is finished) release both."""
         self._open = open_arrays
         if open_arrays is None:
+            self._tail = None
             holding.pool = None
             self._lock.release()
         else:
@@ -119,9 +135,42 @@ class DecodePool:
             self.left_open += 1
 
     def settle(self) -> None:
-        """Finish the job this thread left open (every unit complete), release its arrays and the lock."""
+        """Finish the job this thread left open (every unit complete) and run its tail, if any;
+        release its arrays and the lock."""
+        if self._tail is not None:
+            self._finish_tail()
         finish(self.box)
         self._leave(None)
+
+    def open_call(self, job, arguments: tuple, arrays: tuple, tail, tail_arguments: tuple, scratch: int = 0) -> bool:
+        """job(box, workers, *arguments[, the pool's scratch of `scratch` floats]), a numba function
+        opening one job (`open_gated_down`) and returning 1 when a worker was idle, 0 when not,
+        -1 when it posted nothing (its arrays do not fit); the job left open: the pool keeps
+        `arrays` (every array its units read or write) and its lock, and this thread runs
+        tail(*tail_arguments) (what completes the outputs from the job's: a residual add and norm)
+        once the job is finished: at `settle`, or first thing in its next post. False when the pool
+        is busy or the job posted nothing (nothing done)."""
+        if not self._enter():
+            return False
+        try:
+            if self._open is not None:  # a job this thread left open: `job` may read its output
+                finish(self.box)
+            if scratch:
+                partials = self._scratch(scratch)
+                arguments, arrays = (*arguments, partials), (*arrays, partials)
+            self._wake_sleeping()
+            state = job(self.box, self._workers, *arguments)
+        except BaseException:
+            self.settle()
+            raise
+        if state < 0:
+            self._leave(None)
+            return False
+        self._leave(arrays)
+        self._tail = (tail, tail_arguments)
+        if state:
+            self._wake()
+        return True
 
     def open_nbits(self, rows, tiles, scales, zeros, out) -> bool:
         """Post `open_nbits` and return before its units are computed, keeping its arrays and the
@@ -418,6 +467,15 @@ def shared_call(job, *arguments):
         if result is not BUSY:
             return result
     return alone(job, *arguments)
+
+
+def open_shared_call(job, arguments: tuple, arrays: tuple, tail, tail_arguments: tuple, scratch: int = 0) -> bool:
+    """`DecodePool.open_call` on the process's pool when it is there and free; False otherwise
+    (nothing done: the caller computes it finished). For a kernel given leave (`opening`), which
+    takes it for this call (`opening.allowed` back to False first, so that the kernels it calls
+    before finish their jobs)."""
+    workers = pool()
+    return workers is not None and workers.open_call(job, arguments, arrays, tail, tail_arguments, scratch)
 
 
 def alone(job, *arguments):

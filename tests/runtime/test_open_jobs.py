@@ -66,6 +66,54 @@ def test_a_job_left_open_keeps_its_arrays_and_the_pool_until_settled(pool, leave
     assert alive() is None
 
 
+def _gated_down_arrays(width: int, inner: int) -> tuple:
+    """A gated MLP's down step: gate, numpy's exp(-gate), up, the down weight, the residual, the
+    norm's weight."""
+    gate = RNG.standard_normal(inner).astype(np.float32)
+    return (gate, np.exp(-gate), RNG.standard_normal(inner).astype(np.float32),
+            RNG.standard_normal((inner, width)).astype(np.float32), RNG.standard_normal(width).astype(np.float32),
+            RNG.standard_normal(width).astype(np.float32))
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_jobs_tail_completes_its_outputs_before_anything_reads_them(pool, skip):
+    """`DecodePool.open_call`: ResidualGatedMLP's down product left open, its residual add and norm
+    (the tail) run by this thread once the job is finished: at `settle`, or first in its next post
+    (which may read them); bitwise the finished kernel's (`gated_down`), the tail run once."""
+    from runnx.ops import _decode_blocks
+    from runnx.ops._kernels_linalg import chunk_count
+
+    width, inner = 64, 4 * slots.SUM_BLOCK
+    gate, decay, up, weight, residual, norm_weight = _gated_down_arrays(width, inner)
+    summed, normed = decode_pool.shared_call(_decode_blocks.gated_down, gate, decay.copy(), up, weight,
+                                             residual.copy(), 1e-5, 1.0, norm_weight, skip)
+    matrix = RNG.standard_normal((width, 3 * slots.SUM_BLOCK)).astype(np.float32)
+    for then in ("settle", "post"):
+        product, got = np.empty(width, np.float32), np.empty(width, np.float32)
+        activated = decay.copy()
+        tail = (residual.copy(), product, 1e-5, 1.0, norm_weight, skip, got)
+        assert pool.open_call(_decode_blocks.open_gated_down, (gate, activated, up, weight, product),
+                              (gate, activated, up, weight, product), _decode_blocks.add_norm_into, tail,
+                              chunk_count(inner) * width)
+        assert holding.pool is pool and pool._tail is not None and not _free(pool)
+        if then == "settle":
+            settle()
+        else:  # a product of the norm the tail writes: the post runs the tail first
+            (next_product,) = pool.products(got, (matrix,))
+            np.testing.assert_array_equal(next_product, row_times_matrix(normed, matrix))
+        assert holding.pool is None and pool._tail is None and _free(pool)
+        np.testing.assert_array_equal(product, summed)
+        np.testing.assert_array_equal(got, normed)
+
+
+def test_a_job_that_posts_nothing_is_not_left_open(pool):
+    """A job whose arrays do not fit posts nothing (`open_projected_rope`: -1): `open_call` returns
+    False, the pool free and no tail kept (the kernel then computes it finished)."""
+    ran = []
+    assert not pool.open_call(lambda box, workers: -1, (), (), lambda: ran.append(1), ())
+    assert holding.pool is None and pool._tail is None and _free(pool) and not ran
+
+
 def test_without_leave_a_post_returns_finished(pool):
     matrix = RNG.standard_normal((64, 300)).astype(np.float32)
     row = RNG.standard_normal(64).astype(np.float32)
@@ -191,13 +239,13 @@ def _greedy_logits(folder, overlap: bool, steps: int) -> list:
 @pytest.mark.parametrize("folder", ["smollm2_genai_int4_dir", "smollm2_genai_fp32_dir", "smollm2_dir"])
 def test_real_decoders_give_the_same_bits_with_jobs_left_open(pool, folder, request):
     """onnxruntime-genai's folders (4-bit and float products, GroupQueryAttention and
-    SkipSimplifiedLayerNormalization between them) and the Optimum export, decoded with two threads
-    with jobs left open and with every job finished: bitwise the same logits."""
+    SkipSimplifiedLayerNormalization between them) and the Optimum export (its layers' down
+    products left open by ResidualGatedMLP, their residual add and norm after), decoded with two
+    threads with jobs left open and with every job finished: bitwise the same logits."""
     path = request.getfixturevalue(folder)
     left = pool.left_open
     overlapped = _greedy_logits(path, True, 8)
-    if folder != "smollm2_dir":  # (its layers run as fused layer ops, which post finished jobs)
-        assert pool.left_open - left >= 8 * 30
+    assert pool.left_open - left >= 8 * 30
     for got, expected in zip(overlapped, _greedy_logits(path, False, 8)):
         np.testing.assert_array_equal(got, expected)
 
