@@ -5,7 +5,8 @@
 A decode step reads every weight once (a float32 row times each matrix): its floor is the weights'
 bytes over the memory bandwidth, which this script measures as the threads' numpy sums over the
 parts of a 512 MiB array (a plain stream read; numpy's sum lets go of the GIL), or OpenBLAS's
-matrix-vector product over it when that is faster. A prompt's products are compute:
+matrix-vector product over it when that is faster, before and after runnx's figures (the better
+of the two: this machine's pace moves within minutes). A prompt's products are compute:
 their floor is the floating-point work over the peak of a large float32 product (OpenBLAS's sgemm,
 2048 x 2048). For each thread count (a process each, BLAS and numba threads set before numpy loads),
 runnx's figures on Optimum's SmolLM2-135M export (`make models`) beside those ceilings: decode at
@@ -103,6 +104,7 @@ def worker(threads: int, rounds: int) -> dict:
     step = min(decode_steps() for _ in range(rounds))
     first = _best(prompt(PROMPT), rounds)
     prefill = _best(prompt(PREFILL), rounds)
+    bandwidth = max(bandwidth, _bandwidth(threads))  # (the machine's pace moves within minutes: its best)
     head = hidden * vocabulary  # the LM head's weights: once a prompt (its last position)
 
     def work(length: int) -> float:  # products' and causal attention's flops of a prompt
@@ -152,7 +154,7 @@ def main() -> None:
 
 SmolLM2-135M (Optimum's export), runnx beside what the machine allows, measured in the same process: memory, a
 stream read of 512 MiB by the threads (numpy's sums over its parts, or OpenBLAS's matrix-vector product when
-faster); peak, OpenBLAS's 2048 x 2048 float32 product. A decode step reads the {weights:.0f} MB of weights once
+faster; the better of a read before and after runnx's figures); peak, OpenBLAS's 2048 x 2048 float32 product. A decode step reads the {weights:.0f} MB of weights once
 (its floor: bytes over bandwidth); a prompt is 2 flops a weight a token (the LM head once) and the causal
 attention's products. Decode: median of {STEPS} steps at context {CONTEXT} after random past KV; prompts: best of
 {args.rounds} after a warm-up. runnx {git_revision()}; {machine()}.
