@@ -24,9 +24,10 @@ from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kern
 from runnx.ops._kernels_contrib import skip_norm_rows
 from runnx.ops._kernels_fused import add_rms_norm_into, rope_append_fits, rope_append_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops._kernels_rows import split_heads_into
-from runnx.runtime.jobs import (open_products, post_attention, post_gelu, post_gemm, post_gemms, post_nbits,
+from runnx.runtime.jobs import (open_nbits, open_products, post_attention, post_gelu, post_gemm, post_gemms, post_nbits,
                                 post_products)
 from runnx.runtime.mailbox import own_box
 
@@ -165,6 +166,19 @@ def gated_down_nbits(box, workers, gate, decay, up, tiles, scales, zeros, width,
     summed = np.empty((gate.shape[0], width), np.float32)
     post_nbits(box, workers, silu_mul_into(gate, decay, up), tiles, scales, zeros, summed)
     return summed, _add_norm(residual, summed, epsilon, one, norm_weight, skip)
+
+
+@_jit
+def open_gated_down_nbits(box, workers, gate, decay, up, tiles, scales, zeros, summed, scratch):
+    """`gated_down_nbits`' activation, then its down product into `summed` opened (`open_nbits`, its
+    lanes and sums in `scratch`: rows x chunks x (2 CHUNK_BYTES + 1) floats), the residual add and
+    norm left to `add_norm_into` after it: 1 when a worker was idle, else 0 (`open_gated_down`)."""
+    rows = silu_mul_into(gate, decay, up)
+    height, chunks = rows.shape[0], tiles.shape[1]
+    lanes = height * 2 * chunks * CHUNK_BYTES
+    return 1 if open_nbits(box, workers, rows, scratch[:lanes].reshape((height, 2, chunks * CHUNK_BYTES)),
+                           scratch[lanes:lanes + height * chunks].reshape((height, chunks)), tiles, scales, zeros,
+                           summed) else 0
 
 
 @_jit

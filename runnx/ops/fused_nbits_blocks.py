@@ -7,21 +7,24 @@ architecture around it.
 
 A decode step's rows (and a short prompt's) run as two native calls posting the decode pool's
 products jobs, numpy's exp between them (`_decode_blocks.py`): the kernels the replaced nodes call,
-in their order, so the same bits, where the nodes took five calls and Python between them. Other
-rows run the nodes' kernels in turn.
+in their order, so the same bits, where the nodes took five calls and Python between them; given
+leave, the down product's job is left open, its residual add and norm after it
+(`runtime/open_jobs.py`). Other rows run the nodes' kernels in turn.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_blocks import gated_down_nbits, normed_gate_nbits, projected_gate_nbits
+from runnx.ops._decode_blocks import (add_norm_into, gated_down_nbits, normed_gate_nbits, open_gated_down_nbits,
+                                     projected_gate_nbits)
 from runnx.ops._fused_common import DOMAIN
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.ops.contrib_quantized import (TILED_ROWS, MatMulNBits, SharedInputMatMulNBits, four_bit_tiles,
                                          joined_four_bit_tiles, prepack_joined_tiles, prepack_tiles)
 from runnx.ops.fused_norms import AddRMSNorm, exp_in_place
 from runnx.ops.registry import register
-from runnx.runtime import pool as decode_pool
+from runnx.runtime import opening, pool as decode_pool
 from runnx.runtime.rows import SHARED_FROM
 
 _FLOAT32 = np.dtype(np.float32)
@@ -54,6 +57,7 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
     SkipSimplifiedLayerNormalization (AddRMSNorm's `skip`: statistics in float64, no `one`); else
     RMSNorm's unfused arithmetic with `one`, and AddRMSNorm's `to` and `cast` (0, or float32's: the
     two norms' own, which float32 rows leave as they are)."""
+    leave, opening.allowed = opening.allowed, False  # (only its last job may stay open, not its nodes' kernels')
     parts = (gate_or_up, gate_or_up_scales, gate_or_up_zeros, up_or_gate, up_or_gate_scales, up_or_gate_zeros)
     skipped = bool(skip)
     if _native_rows(a, b, norm_weight, down_norm_weight, K, projected or K, columns):
@@ -70,9 +74,16 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
         else:
             summed, gate, decay, up, largest = decode_pool.shared_call(
                 normed_gate_nbits, a.reshape(rows, K), b.reshape(rows, K), *gate_and_up)
-        summed, normed = decode_pool.shared_call(gated_down_nbits, gate, exp_in_place(decay, largest), up,
-                                                 *down_tiles, K, summed, down_epsilon, down_one, down_norm_weight,
-                                                 skipped)
+        decay = exp_in_place(decay, largest)
+        if leave:  # the down product left open, its residual add and norm after it (the next node's checks meanwhile)
+            product, normed = np.empty((rows, K), np.float32), np.empty((rows, K), np.float32)
+            if decode_pool.open_shared_call(open_gated_down_nbits, (gate, decay, up, *down_tiles, product),
+                                            (gate, decay, up, *down_tiles, product), add_norm_into,
+                                            (summed, product, down_epsilon, down_one, down_norm_weight, skipped,
+                                             normed), rows * down_tiles[0].shape[1] * (2 * CHUNK_BYTES + 1)):
+                return product.reshape(a.shape), normed.reshape(a.shape)
+        summed, normed = decode_pool.shared_call(gated_down_nbits, gate, decay, up, *down_tiles, K, summed,
+                                                 down_epsilon, down_one, down_norm_weight, skipped)
         return summed.reshape(a.shape), normed.reshape(a.shape)
     decode_pool.settle()  # (a or b may be a job's output left open)
     if projected:
