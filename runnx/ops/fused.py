@@ -148,8 +148,8 @@ def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fil
     With mask (bias absent): bias = Where(Slice(mask, starts, ends, axes, steps), then, else).
     query, key and value may be the outputs of a job the previous node left open (a
     ProjectedRopeAppend's, `runtime/open_jobs.py`): the decode pool's attention post finishes it
-    first; every other path settles before it reads them."""
-    opening.allowed = False  # (it leaves no job open: neither may the kernels it calls)
+    first; every other path settles before it reads them. Given leave, a decode row's attention job
+    is left open (its merged heads a view of its output)."""
     if mask is not None:
         bias = _mask_bias(mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then, masked_else, ctx)
     heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
@@ -177,7 +177,7 @@ def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_
     value_shapes = head_repeat(value, value_axes, value_expand, value_target)
     repeat = key_shapes[3]
     if repeat is None or repeat != value_shapes[3] or axis % 4 != 3 or not _grouped(query, key, value):
-        decode_pool.settle()
+        _settled()
         keys = materialised_repeat(key, key_shapes)
         values = materialised_repeat(value, value_shapes)
         scores = matmul(np.multiply(query, query_scale), np.multiply(np.swapaxes(keys, -1, -2), key_scale))
@@ -185,10 +185,11 @@ def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_
     dtype = query.dtype
     if (query_scale.dtype == dtype and key_scale.dtype == dtype and nan_fill.dtype == dtype and bias.dtype == dtype
             and query_scale.size == 1 and key_scale.size == 1 and nan_fill.size == 1 and nan_fill.ndim <= 4):
-        result = _attend_kernel(query, key, value, bias, query_scale.item() * key_scale.item(), nan_fill.item())
+        result = _attend_kernel(query, key, value, bias, query_scale.item() * key_scale.item(), nan_fill.item(),
+                                query.shape[2] == 1)
         if result is not None:
             return result
-    decode_pool.settle()
+    _settled()
     scaled = np.multiply(query, query_scale)
     np.multiply(scaled, key_scale, out=scaled, casting="unsafe")
     return _attend_numpy(scaled, key, value, bias, nan_fill, ctx)
@@ -230,9 +231,17 @@ def _grouped(query, key, value) -> bool:
 _KERNEL_ROWS, _KERNEL_KEYS = 48, 64
 
 
-def _attend_kernel(query, key, value, bias, scale: float, fill: float):
+def _settled() -> None:
+    """Before a path that reads the inputs otherwise than through a pool post: the job left open
+    finished, and no leave for the kernels it calls."""
+    decode_pool.settle()
+    opening.allowed = False
+
+
+def _attend_kernel(query, key, value, bias, scale: float, fill: float, leave_open: bool = False):
     """The numba attention for float32/float64 in one dtype, or None (then numpy computes it):
-    another dtype, a bias that does not broadcast into the scores, or a long query."""
+    another dtype, a bias that does not broadcast into the scores, or a long query. leave_open:
+    the pool's job may be left open, given leave (`DecodePool.attention`)."""
     dtype = query.dtype
     if not _native.enabled or dtype not in KERNEL_DTYPES or key.dtype != dtype or value.dtype != dtype:
         return None
@@ -252,9 +261,10 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float):
             return None
     if dtype == np.float32:  # the decode pool's workers take KV heads: same results with or without them
         workers = decode_pool.pool()
-        run = workers.attention if workers is not None and batch * groups > 1 else decode_pool.attention_job
-        return run(query, key, value, bias, scale, fill)
-    decode_pool.settle()
+        if workers is not None and batch * groups > 1:
+            return workers.attention(query, key, value, bias, scale, fill, leave_open)
+        return decode_pool.attention_job(query, key, value, bias, scale, fill)
+    _settled()
     return attention(query, key, value, bias, scale, fill)
 
 

@@ -47,15 +47,18 @@ def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_
     the decode pool's jobs, numpy's exp between them (`_decode_blocks.py`), and so do a short
     prompt's rows (`_gated_mlp_rows`): bitwise the nodes'. Given leave (`runtime/open_jobs.py`), a
     decode row's down product is left open, its residual add and norm done once it is finished:
-    the next node's checks run while the workers compute it."""
-    decode_pool.settle()  # (it reads its inputs before its native calls: a job left open finishes first)
+    the next node's checks run while the workers compute it. x may be the output of a job the
+    previous node left open (a RepeatedKVAttention's): only its native calls read it."""
     leave, opening.allowed = opening.allowed, False  # (only its last job may stay open, not its nodes' kernels')
+    if not x.flags.c_contiguous:  # (a copy of x reads it: x may be a job's output left open, an attention's)
+        decode_pool.settle()
     skipped = bool(skip)
     block = _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                            down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:
         return _gated_down(decode_pool.shared_call(projected_gate, *block[0], skipped), residual, down_weight,
                            block[1], down_norm_weight, skipped, leave)
+    decode_pool.settle()  # (every other path reads its inputs before any post)
     block = _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                             down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:

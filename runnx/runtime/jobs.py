@@ -17,7 +17,7 @@ import numpy as np
 from numba.extending import overload
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.ops._kernels_fused import attention_combine, attention_scratch
+from runnx.ops._kernels_fused import attention_scratch, attention_spans
 from runnx.ops._kernels_contrib import nbits_lanes
 from runnx.ops._kernels_gemm import KC, NR
 from runnx.ops._kernels_linalg import chunk_count
@@ -25,19 +25,19 @@ from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE
 from runnx.ops._kernels_vnni import unsigned_rows, with_zero_points
 from runnx.runtime.atomics import bits_of_float64, store
 from runnx.runtime.mailbox import PATIENCE, begin_job, finish, open_job, run_job
-from runnx.runtime.slots import (ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS, BLOCK_KEY,
-                                 BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS, COLUMNS, DEPTH,
-                                 ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS, GELU_ROWS, GEMM, GEMM_A, GEMM_B,
-                                 GEMM_COLUMNS_GIVEN, GEMM_COUNT, GEMM_DEPTH, GEMM_FIRST_UNIT, GEMM_OUT, GEMM_PARTS,
-                                 GEMM_PER_PART, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS, MAX_GEMM_PARTS,
-                                 HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX, MAX_MATRICES, NBITS, NBITS_CHUNKS,
-                                 NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILES,
-                                 NBITS_TILES_AT, NBITS_TILE_COUNT, NBITS_WIDTH, NBITS_ZEROS, NBITS_ZERO_BYTES,
-                                 NBITS_ZERO_ROWS, OUT, PARTIALS, PARTIAL_SUMS, PER_MATRIX, PRODUCTS, QUERY, ROW, ROWS,
-                                 ROWS_IN, ROWS_OUT, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, SCALE,
-                                 SIGNED, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS,
-                                 VNNI_RAW, VNNI_ROWS, VNNI_TILES, VNNI_TILES_AT, VNNI_TILE_COUNT, VNNI_WORDS, WIDTH,
-                                 post_array, post_matrix)
+from runnx.runtime.slots import (ATTENDED, ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS,
+                                 BLOCK_KEY, BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS,
+                                 COLUMNS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FILL, FIRST_PHASE, FLOATS, GELU_ROWS,
+                                 GEMM, GEMM_A, GEMM_B, GEMM_COLUMNS_GIVEN, GEMM_COUNT, GEMM_DEPTH, GEMM_FIRST_UNIT,
+                                 GEMM_OUT, GEMM_PARTS, GEMM_PER_PART, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS,
+                                 MAX_GEMM_PARTS, HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX, MAX_MATRICES, NBITS,
+                                 NBITS_CHUNKS, NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS,
+                                 NBITS_TILES, NBITS_TILES_AT, NBITS_TILE_COUNT, NBITS_WIDTH, NBITS_ZEROS,
+                                 NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, OUT, PARTIALS, PARTIAL_SUMS, PER_MATRIX, PRODUCTS,
+                                 QUERY, ROW, ROWS, ROWS_IN, ROWS_OUT, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT,
+                                 ROW_KERNEL, SCALE, SIGNED, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI,
+                                 VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILES, VNNI_TILES_AT, VNNI_TILE_COUNT,
+                                 VNNI_WORDS, WIDTH, post_array, post_matrix)
 
 # a few rows (a short prompt's) take a products job rather than OpenBLAS, which packs the whole
 # matrix for them: up to FEW_ROWS, their partial sums in one pass over the matrix (rows x columns)
@@ -220,29 +220,55 @@ def _check_attention_shapes(query, key_shape, key_itemsize, value, bias, out):
 
 
 @_jit
-def post_attention(box, workers, query, key, value, bias, scale, fill, out):
-    """`attention` of ops/_kernels_fused.py into out, one unit per (batch entry, KV head, span), as one
-    job, then the spans combined on this thread; whether a worker was idle. Arrays that do not fit
-    raise ValueError before anything is posted."""
+def _check_attention_scratch(query, key, value, partials, stats):
+    """ValueError unless partials and stats are what `open_attention` writes (`attention_scratch`'s
+    shapes, C-contiguous float32)."""
+    units, rows, spans = key.shape[0] * key.shape[1], query.shape[1] // key.shape[1] * query.shape[2], \
+        attention_spans(key.shape[2])
+    if (partials.shape[0] != units or partials.shape[1] != spans or partials.shape[2] != rows
+            or partials.shape[3] != value.shape[3] or stats.shape[0] != units or stats.shape[1] != spans
+            or stats.shape[2] != rows or stats.shape[3] != 2 or partials.itemsize != 4 or stats.itemsize != 4
+            or not partials.flags.c_contiguous or not stats.flags.c_contiguous):
+        raise ValueError("an attention job's partials and statistics are attention_scratch's, C-contiguous float32")
+
+
+@_inlined
+def open_attention(box, workers, query, key, value, bias, scale, fill, out, partials, stats):
+    """`attention` of ops/_kernels_fused.py into out as one job, opened (`mailbox.open_job`: every
+    array must live until `mailbox.finish` returns): its first phase a unit per (batch entry, KV
+    head, span), its second the spans combined, a unit per (batch entry, KV head), in `partials` and
+    `stats` (`attention_scratch`'s). Whether a worker was idle. Arrays that do not fit raise
+    ValueError before anything is posted."""
     _check_attention(query, key, value, bias, out)
-    partials, stats = attention_scratch(query, key, value)
+    _check_attention_scratch(query, key, value, partials, stats)
     sequence = begin_job(box, PATIENCE)
     store(box, KIND, ATTENTION)
     store(box, SCALE, bits_of_float64(scale))
+    store(box, FILL, bits_of_float64(fill))
     store(box, GROUPS, key.shape[1])
     post_array(box, QUERY, query)
     post_array(box, KEY, key)
     post_array(box, VALUE, value)
     post_array(box, PARTIAL_SUMS, partials)
     post_array(box, SPAN_STATS, stats)
+    post_array(box, ATTENDED, out)
     if bias is None:
         store(box, HAS_BIAS, 0)
     else:
         store(box, HAS_BIAS, 1)
         post_array(box, BIAS, bias)
-    idle = run_job(box, workers, sequence, partials.shape[0] * partials.shape[1])
-    for unit in range(partials.shape[0]):
-        attention_combine(value, partials, stats, fill, out, unit // key.shape[1], unit % key.shape[1])
+    spans = partials.shape[0] * partials.shape[1]
+    store(box, FIRST_PHASE, spans)
+    return open_job(box, workers, sequence, spans + partials.shape[0])
+
+
+@_jit
+def post_attention(box, workers, query, key, value, bias, scale, fill, out):
+    """`open_attention`, its scratch allocated here, finished before it returns; whether a worker
+    was idle."""
+    partials, stats = attention_scratch(query, key, value)
+    idle = open_attention(box, workers, query, key, value, bias, scale, fill, out, partials, stats)
+    _finish_holding(box, partials, stats)
     return idle
 
 

@@ -16,7 +16,7 @@ blocks (a decode step's GELU) run the job alone on a mailbox of their own (`alon
 pool's, so they never set its linger to zero under a decode's spinning workers.
 
 Memory: the workers read and write a job's arrays through addresses in the mailbox. Only the
-posting functions of `jobs.py` (`open_products`, `post_attention`, `open_nbits`, `post_vnni`,
+posting functions of `jobs.py` (`open_products`, `open_attention`, `open_nbits`, `post_vnni`,
 `post_softmax`, `post_gelu`) take an array's address: they take arrays, check each one's dtype,
 layout and shape against what the units read (ValueError, nothing posted), and either return once
 every unit of the job is complete, holding the arrays as their arguments all that time, or (the
@@ -33,9 +33,11 @@ import numba
 import numpy as np
 
 from runnx.ops import _kernels_gemm as gemm, _native
+from runnx.ops._kernels_fused import attention_scratch
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_columns, rows_times_matrix
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
-from runnx.runtime.jobs import (open_column_products, open_nbits, open_products, post_attention, post_attention_blocks,
+from runnx.runtime.jobs import (open_attention, open_column_products, open_nbits, open_products, post_attention,
+                                post_attention_blocks,
                                 post_column_products, post_gelu, post_gemm, post_gemms, post_nbits, post_products,
                                 post_softmax, post_vnni)
 from runnx.runtime.mailbox import finish, new_box, rest, serve, stop
@@ -280,19 +282,25 @@ class DecodePool:
             self._partials = np.empty(size, np.float32)
         return self._partials
 
-    def attention(self, query, key, value, bias, scale: float, fill: float):
-        """`attention_job` with this pool's workers (alone when the pool is busy)."""
+    def attention(self, query, key, value, bias, scale: float, fill: float, leave_open: bool = False):
+        """`attention_job` with this pool's workers (alone when the pool is busy); leave_open as
+        `products` (the output written until `settle`)."""
         if not self._enter():
             return attention_job(query, key, value, bias, scale, fill)
         try:
             out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
-            idle = post_attention(self.box, self._workers, query, key, value, bias, scale, fill, out)
+            if not (leave_open and opening.allowed):
+                idle = post_attention(self.box, self._workers, query, key, value, bias, scale, fill, out)
+                self._leave(None)  # (the post finished the job this thread left open, then its own)
+                if idle:
+                    self._wake()
+                return out
+            partials, stats = attention_scratch(query, key, value)
         except BaseException:
             self.settle()
             raise
-        self._leave(None)  # (the post finished the job this thread left open, then its own)
-        if idle:
-            self._wake()
+        self._post(True, open_attention, None, (query, key, value, bias, scale, fill, out, partials, stats),
+                   (query, key, value, bias, out, partials, stats))
         return out
 
     def call(self, job, *arguments):

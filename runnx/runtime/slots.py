@@ -31,10 +31,12 @@ MATRIX, WIDTH, PARTIALS, OUT, ENTRIES, ENTRY_ZERO, ENTRY_SCALE, PER_MATRIX = ran
 FLOATS, UNSIGNED, SIGNED, COLUMNS = 0, 1, 2, 3
 # columns per unit of a products job's second phase
 SUM_BLOCK = 4096
-# attention: scale, groups, whether there is a bias, then query, key, value, bias and the spans'
-# partial sums and statistics as (address, 4 dimensions, 4 byte strides)
-SCALE, GROUPS, HAS_BIAS, ARRAYS = range(OWN, OWN + 4)
-QUERY, KEY, VALUE, BIAS, PARTIAL_SUMS, SPAN_STATS = (ARRAYS + 9 * i for i in range(6))
+# attention: scale, groups, whether there is a bias, the fill (float64 bits), then query, key, value,
+# bias, the spans' partial sums and statistics and the output as (address, 4 dimensions, 4 byte
+# strides); its first phase computes the spans (a unit a span of one batch entry's KV head), the
+# second combines them into the output (a unit a batch entry's KV head)
+SCALE, GROUPS, HAS_BIAS, FILL, ARRAYS = range(OWN, OWN + 5)
+QUERY, KEY, VALUE, BIAS, PARTIAL_SUMS, SPAN_STATS, ATTENDED = (ARRAYS + 9 * i for i in range(7))
 # a prompt's attention in blocks: the fill (float64 bits), query heads a KV head, query positions a
 # block, whether there is a bias, then the scaled query, the keys' panels, value, bias, each row's end (float32 (1,
 # B, H, Q), broadcasting; no positions: none) and the output as (address, 4 dimensions, 4 byte
@@ -64,7 +66,7 @@ GEMM_A, GEMM_ROWS, GEMM_DEPTH, GEMM_COLUMNS_GIVEN, GEMM_UNIT, GEMM_COUNT, GEMM_P
 GEMM_B, GEMM_WIDTH, GEMM_FIRST_UNIT, GEMM_OUT, GEMM_PER_PART = 0, 1, 2, 3, 12
 MAX_GEMM_PARTS = MAX_MATRICES
 # the address of `mailbox._units_entry`, the compiled unit loop every thread of a box calls (`new_box`)
-UNITS_CODE = max(MATRICES + PER_MATRIX * MAX_MATRICES, SPAN_STATS + 9, NBITS_ZERO_ROWS + 1, VNNI_GROUPS + 1,
+UNITS_CODE = max(MATRICES + PER_MATRIX * MAX_MATRICES, ATTENDED + 9, NBITS_ZERO_ROWS + 1, VNNI_GROUPS + 1,
                  GEMM_PARTS + GEMM_PER_PART * MAX_GEMM_PARTS, BLOCK_OUT + 9)
 # a claim takes the units left shifted right by this (`mailbox._work`; a mailbox's own, set by `new_box`)
 CLAIM_SHIFT = UNITS_CODE + 1

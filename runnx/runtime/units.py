@@ -4,7 +4,8 @@ where each field is). A unit gives the same result whichever thread computes it:
   chunks, `ops/_kernels_linalg.py`; float32 entries, or 8-bit ones read through a zero point and
   scale), then (the second phase) one block of an output's columns, its partial rows added in
   chunk order;
-- attention: one (batch entry, KV head, span of the cache), `attention_span` of `ops/_kernels_fused.py`;
+- attention: first one (batch entry, KV head, span of the cache), `attention_span` of
+  `ops/_kernels_fused.py`, then (the second phase) one (batch entry, KV head)'s spans combined;
 - 4-bit products: `NBITS_TILES` tiles of 16 output columns (`tile_rows`, `ops/_kernels_nibble_tiles.py`),
   each column computed whole by one unit;
 - 8-bit products: `VNNI_TILES` tiles of 16 output columns (`tile_sums_into`, `ops/_kernels_vnni.py`);
@@ -22,7 +23,7 @@ import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_attention_blocks import attend_block, block_limit
-from runnx.ops._kernels_fused import attention_span
+from runnx.ops._kernels_fused import attention_combine, attention_span
 from runnx.ops._kernels_gemm import (KC, MC, MR, NR, STREAMED_COLUMNS, STREAMED_SPAN, product_columns, streamed_rows,
                                      streams)
 from runnx.ops._kernels_linalg import chunk_bounds, columns_into, rows_into, rows_into_bytes
@@ -31,18 +32,18 @@ from runnx.ops._kernels_rows import gelu_rows_float32, softmax_rows_float32
 from runnx.ops._kernels_vnni import tile_sums_into
 from runnx.runtime.addresses import byte_pointer, float32_pointer
 from runnx.runtime.atomics import float64_from_bits, load
-from runnx.runtime.slots import (ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS, BLOCK_KEY,
-                                 BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS, COLUMNS, DEPTH,
-                                 ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FIRST_PHASE, FLOATS, GEMM, GEMM_A, GEMM_B,
-                                 GEMM_COLUMNS_GIVEN, GEMM_COUNT, GEMM_DEPTH, GEMM_FIRST_UNIT, GEMM_OUT, GEMM_PARTS,
-                                 GEMM_PER_PART, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS,
-                                 HAS_BIAS, HEIGHT, KEY, MATRICES, MATRIX, NBITS, NBITS_CHUNKS, NBITS_LANES, NBITS_OUT,
-                                 NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILES, NBITS_TILES_AT, NBITS_TILE_COUNT,
-                                 NBITS_WIDTH, NBITS_ZEROS, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, OUT, PARTIALS,
-                                 PARTIAL_SUMS, PER_MATRIX, PRODUCTS, QUERY, ROW, ROWS_IN, ROWS_OUT, ROW_ARGUMENTS,
-                                 ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, SCALE, SOFTMAX_ROWS, SPAN_STATS,
-                                 SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILES,
-                                 VNNI_TILES_AT, VNNI_TILE_COUNT, VNNI_WORDS, WIDTH, posted_array)
+from runnx.runtime.slots import (ATTENDED, ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS,
+                                 BLOCK_KEY, BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS,
+                                 COLUMNS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FILL, FIRST_PHASE, FLOATS, GEMM,
+                                 GEMM_A, GEMM_B, GEMM_COLUMNS_GIVEN, GEMM_COUNT, GEMM_DEPTH, GEMM_FIRST_UNIT, GEMM_OUT,
+                                 GEMM_PARTS, GEMM_PER_PART, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS, HAS_BIAS, HEIGHT,
+                                 KEY, MATRICES, MATRIX, NBITS, NBITS_CHUNKS, NBITS_LANES, NBITS_OUT, NBITS_ROWS,
+                                 NBITS_SCALES, NBITS_SUMS, NBITS_TILES, NBITS_TILES_AT, NBITS_TILE_COUNT, NBITS_WIDTH,
+                                 NBITS_ZEROS, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, OUT, PARTIALS, PARTIAL_SUMS,
+                                 PER_MATRIX, PRODUCTS, QUERY, ROW, ROWS_IN, ROWS_OUT, ROW_ARGUMENTS, ROW_BLOCK,
+                                 ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, SCALE, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK,
+                                 UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILES, VNNI_TILES_AT,
+                                 VNNI_TILE_COUNT, VNNI_WORDS, WIDTH, posted_array)
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -116,6 +117,15 @@ def _attention_span(box, index):
                        unit % groups, span)
     else:
         attention_span(query, key, value, None, scale, partials, stats, unit // groups, unit % groups, span)
+
+
+@_jit
+def _attention_combined(box, unit):
+    """Unit `unit` of an attention job's second phase: one (batch entry, KV head)'s spans combined
+    into its rows of the output (`attention_combine`)."""
+    groups = load(box, GROUPS)
+    attention_combine(posted_array(box, VALUE), posted_array(box, PARTIAL_SUMS), posted_array(box, SPAN_STATS),
+                      float64_from_bits(load(box, FILL)), posted_array(box, ATTENDED), unit // groups, unit % groups)
 
 
 @_jit
@@ -234,7 +244,11 @@ def compute_unit(box, kind, index):
         else:
             _sum_block(box, index - phase)
     elif kind == ATTENTION:
-        _attention_span(box, index)
+        phase = load(box, FIRST_PHASE)
+        if index < phase:
+            _attention_span(box, index)
+        else:
+            _attention_combined(box, index - phase)
     elif kind == NBITS:
         _nbits_block(box, index)
     elif kind == VNNI:

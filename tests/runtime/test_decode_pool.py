@@ -832,7 +832,7 @@ def test_only_the_posting_functions_turn_arrays_into_addresses():
                                                "post_vnni", "_rows", "post_gemms"}
     assert using("slots.py", "ctypes.data") == {"post_array", "post_matrix"}
     assert using("mailbox.py", "ctypes.data") == using("units.py", "ctypes.data") == set()
-    assert using("jobs.py", "post_array(") == {"post_attention", "post_attention_blocks"}
+    assert using("jobs.py", "post_array(") == {"open_attention", "post_attention_blocks"}
     assert using("jobs.py", "post_matrix(") == {"post_gemms"}
     assert all(not using(module, "post_array(") and not using(module, "post_matrix(")
                for module in ("mailbox.py", "units.py"))
