@@ -427,22 +427,10 @@ def rms_norm_into(rows, epsilon, one, weight, out):
             out[r, i] = weight[i] * (row[i] * scale)
 
 
-@_kernel()
-def add_rms_norm(a, b, residual, epsilon, one, weight):
-    """The RMS norm of residual (`rms_norm_into`, over its last axis) after residual = a + b
-    (residual may be a or b): C-contiguous arrays of one shape and dtype; the sum is numpy's,
-    elementwise."""
-    width = a.shape[-1]
-    rows = (a.size // width, width)
-    out = np.empty_like(residual)
-    add_rms_norm_into(a.reshape(rows), b.reshape(rows), residual.reshape(rows), epsilon, one, weight,
-                      out.reshape(rows))
-    return out
-
-
 @_kernel(nogil=True)
 def add_rms_norm_into(a, b, residual, epsilon, one, weight, out):
-    """`add_rms_norm` of rows (rows, width), C-contiguous, its norm into out: every row alone."""
+    """The RMS norm of residual (`rms_norm_into`) into out after residual = a + b (residual may be a or
+    b; the sum numpy's, elementwise): rows (rows, width), C-contiguous, every row alone."""
     for r in range(a.shape[0]):
         for i in range(a.shape[1]):
             residual[r, i] = a[r, i] + b[r, i]

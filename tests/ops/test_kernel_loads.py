@@ -124,17 +124,17 @@ def test_a_run_records_the_loads_of_its_own_thread(tmp_path):
 
     request("rms_norm_into")  # outside any run: not the model's
     with recorder.running():
-        request("add_rms_norm")
+        request("add_rms_norm_into")
         other = threading.Thread(target=request, args=("rope_append_into",))  # another thread's
         other.start()
         other.join()
         with kernel_loads.Recorder(None).running():  # a nested model's run records as its own
             request("silu_mul_into")
-        request("add_rms_norm")
-    assert kernel_loads.read_record(recorder.path) == [("runnx.ops._kernels_fused", "add_rms_norm", "(float32,)")]
+        request("add_rms_norm_into")
+    assert kernel_loads.read_record(recorder.path) == [("runnx.ops._kernels_fused", "add_rms_norm_into", "(float32,)")]
     written = recorder.path.stat().st_mtime_ns
     with recorder.running():
-        request("add_rms_norm")
+        request("add_rms_norm_into")
     assert recorder.path.stat().st_mtime_ns == written  # nothing new: not written again
 
 
