@@ -24,7 +24,7 @@ from runnx.ops.contrib_quantized import (TILED_ROWS, MatMulNBits, SharedInputMat
                                          joined_four_bit_tiles, prepack_joined_tiles, prepack_tiles)
 from runnx.ops.fused_norms import AddRMSNorm, exp_in_place
 from runnx.ops.registry import register
-from runnx.runtime import opening, pool as decode_pool
+from runnx.runtime import pool as decode_pool, take_leave
 from runnx.runtime.rows import SHARED_FROM
 
 _FLOAT32 = np.dtype(np.float32)
@@ -57,7 +57,7 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
     SkipSimplifiedLayerNormalization (AddRMSNorm's `skip`: statistics in float64, no `one`); else
     RMSNorm's unfused arithmetic with `one`, and AddRMSNorm's `to` and `cast` (0, or float32's: the
     two norms' own, which float32 rows leave as they are)."""
-    leave, opening.allowed = opening.allowed, False  # (only its last job may stay open, not its nodes' kernels')
+    leave = take_leave()  # (for its last job only: its nodes' kernels finish theirs)
     parts = (gate_or_up, gate_or_up_scales, gate_or_up_zeros, up_or_gate, up_or_gate_scales, up_or_gate_zeros)
     skipped = bool(skip)
     if _native_rows(a, b, norm_weight, down_norm_weight, K, projected or K, columns):

@@ -21,7 +21,7 @@ from runnx.ops.fused_layer_norm_blocks import split_shape
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _split_shapes, _vector
 from runnx.ops.fused_rotary import RopeAppend, appended_caches, rope_append_arguments
 from runnx.ops.registry import register
-from runnx.runtime import opening, pool as decode_pool
+from runnx.runtime import pool as decode_pool, take_leave
 from runnx.runtime.rows import SHARED_FROM
 
 
@@ -40,7 +40,7 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, q
     x may be the output of a job the previous node left open (`runtime/open_jobs.py`: a
     ResidualGatedMLP's): only the native calls read it (their post finishes that job first), other
     paths settle first."""
-    leave, opening.allowed = opening.allowed, False  # (only its last job may stay open, not its nodes' kernels')
+    leave = take_leave()  # (for its last job only: its nodes' kernels finish theirs)
     rope = (query_weight, key_weight, value_weight, query_bias, query_target, query_source, key_bias, key_target,
             key_source, value_bias, value_target, value_source, past_key, past_value, query_cos, query_sin,
             query_start, query_end, key_cos, key_sin, key_start, key_end)

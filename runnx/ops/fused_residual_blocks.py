@@ -22,7 +22,7 @@ from runnx.ops.fused_norms import AddRMSNorm, exp_in_place, norm_fits
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _matrix, _product, _vector
 from runnx.ops.linalg import _FLOAT32, MatMul
 from runnx.ops.registry import register
-from runnx.runtime import opening, pool as decode_pool
+from runnx.runtime import pool as decode_pool, take_leave
 
 
 @register("MatMulAddRMSNorm", since=1, domain=DOMAIN)
@@ -49,7 +49,7 @@ def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_
     decode row's down product is left open, its residual add and norm done once it is finished:
     the next node's checks run while the workers compute it. x may be the output of a job the
     previous node left open (a RepeatedKVAttention's): only its native calls read it."""
-    leave, opening.allowed = opening.allowed, False  # (only its last job may stay open, not its nodes' kernels')
+    leave = take_leave()  # (for its last job only: its nodes' kernels finish theirs)
     if not x.flags.c_contiguous:  # (a copy of x reads it: x may be a job's output left open, an attention's)
         decode_pool.settle()
     skipped = bool(skip)

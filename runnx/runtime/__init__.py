@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 
 from runnx.runtime.allocator import keep_freed
-from runnx.runtime.open_jobs import opening, settle
+from runnx.runtime.open_jobs import opening, settle, take_leave
 from runnx.runtime.openblas import sleep_after_calls
 
 
@@ -50,9 +50,9 @@ def pool_workers() -> int:
 def start_pool_in_background(model_path=None) -> None:
     """Start the decode pool on a thread of its own, beside a decoder's load (the first numba code a
     process loads carries numba's own start); nothing when the process runs one thread or the pool
-    is there already (`pool.start_in_background`). The jobs every decoder calls are loaded too,
+    is there already (`pool_start.start_in_background`). The jobs every decoder calls are loaded too,
     unless `model_path` has a record of its kernels (`ops/kernel_loads.py`), which loads its own."""
-    from runnx.runtime.pool import start_in_background
+    from runnx.runtime.pool_start import start_in_background
     recorded = False
     if model_path is not None:
         from runnx.ops.kernel_loads import record_path
@@ -62,4 +62,4 @@ def start_pool_in_background(model_path=None) -> None:
 
 
 __all__ = ["keep_freed", "opening", "pool_workers", "set_threads", "settle", "sleep_after_calls",
-           "start_pool_in_background", "threads"]
+           "start_pool_in_background", "take_leave", "threads"]

@@ -30,6 +30,13 @@ opening = _Opening()
 holding = _Holding()
 
 
+def take_leave() -> bool:
+    """This call's leave (`opening.allowed`), taken by a kernel for its own last job: no leave from
+    now on, so that the kernels it calls before that finish their jobs."""
+    allowed, opening.allowed = opening.allowed, False
+    return allowed
+
+
 def settle() -> None:
     """Finish the job this thread left open, if any: before anything reads what it writes or
     writes what it reads."""

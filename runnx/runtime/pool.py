@@ -115,7 +115,8 @@ class DecodePool:
         return self._lock.acquire(blocking=False)
 
     def _finish_tail(self) -> None:
-        """Finish the job this thread left open and run its tail; the pool stays this thread's."""
+        """Finish the job this thread left open and run its tail; the pool stays this thread's, its
+        arrays released (nothing is open now: the next post need not finish it again)."""
         tail, self._tail = self._tail, None
         try:
             finish(self.box)
@@ -123,6 +124,7 @@ class DecodePool:
         except BaseException:
             self._leave(None)
             raise
+        self._open = None
 
     def _leave(self, open_arrays) -> None:
         """After a post: keep the lock and the arrays of a job left open (`open_arrays`; every
@@ -141,7 +143,8 @@ class DecodePool:
         release its arrays and the lock."""
         if self._tail is not None:
             self._finish_tail()
-        finish(self.box)
+        else:
+            finish(self.box)
         self._leave(None)
 
     def open_call(self, job, arguments: tuple, arrays: tuple, tail, tail_arguments: tuple, scratch: int = 0) -> bool:
@@ -479,9 +482,8 @@ def shared_call(job, *arguments):
 
 def open_shared_call(job, arguments: tuple, arrays: tuple, tail, tail_arguments: tuple, scratch: int = 0) -> bool:
     """`DecodePool.open_call` on the process's pool when it is there and free; False otherwise
-    (nothing done: the caller computes it finished). For a kernel given leave (`opening`), which
-    takes it for this call (`opening.allowed` back to False first, so that the kernels it calls
-    before finish their jobs)."""
+    (nothing done: the caller computes it finished). For a kernel given leave, which it took for
+    this call (`take_leave`)."""
     workers = pool()
     return workers is not None and workers.open_call(job, arguments, arrays, tail, tail_arguments, scratch)
 
@@ -507,8 +509,6 @@ _own_boxes = threading.local()  # each thread's mailbox for jobs run alone
 _pool: DecodePool | None = None
 _workers: int | None = None  # None: the core count's worth, set on first use
 _pool_lock = threading.Lock()  # the pool is made (and replaced) by one thread at a time
-_starting: threading.Thread | None = None
-_products_loaded = False  # `_load_products` has run in this process
 
 
 def set_workers(count: int | None) -> None:
@@ -535,92 +535,6 @@ def pool() -> DecodePool | None:
             if _pool is None and worker_count() > 0:
                 _pool = DecodePool(worker_count())
     return _pool
-
-
-def start_in_background(load_jobs: bool = True) -> None:
-    """Start the pool on a thread of its own while the caller loads a decoder: its start loads the
-    workers' loop from numba's cache, the first numba code of a process (with numba's own start,
-    a noticeable part of a first transcription), then the jobs every decoder calls (`_load_jobs`)
-    and the products' kernels of a prompt (with no workers, the unit loop and those kernels alone);
-    not those with `load_jobs` False: a model's record of its kernels loads what it calls, and only
-    that (a 4-bit model's prompt calls no float32 product kernel: loading them would only contend
-    with its first token).
-    Not a daemon thread: a process ending while numba loads aborts inside LLVM, so the interpreter
-    waits for it at exit."""
-    global _starting
-    if not _native.enabled or (_starting is not None and _starting.is_alive()):
-        return
-    if _pool is None and worker_count() > 0:
-        _starting = threading.Thread(target=_start_and_load, args=(load_jobs,), name="runnx-decode-start")
-    elif not _products_loaded:
-        _starting = threading.Thread(target=_load_alone, args=(load_jobs,), name="runnx-products-load")
-    else:
-        return
-    _starting.start()
-
-
-def _start_and_load(load_jobs: bool) -> None:
-    _import_for_numba_typing()
-    _find_blas()
-    pool()
-    if load_jobs:
-        _load_jobs()
-        _load_products()
-
-
-def _load_alone(load_products: bool) -> None:
-    """With no workers: the unit loop that jobs run alone call (`alone`: a decoder's attention, a
-    prompt's softmax), then the products' kernels unless a model's record loads what it calls."""
-    _import_for_numba_typing()
-    _find_blas()
-    new_box()
-    if load_products:
-        _load_products()
-
-
-def _import_for_numba_typing() -> None:
-    """numpy.ma, which numba's typing of an array argument imports on a process's first call of a
-    kernel from Python (8-24 ms, in the first prompt's first kernel call otherwise)."""
-    import numpy.ma  # noqa: F401
-
-
-def _find_blas() -> None:
-    """Which BLAS numpy loaded, and so which kernels take a prompt's products (`ops/_matmul.py`):
-    threadpoolctl looks through every library the process loaded (6-9 ms, in a first prompt's first
-    product otherwise)."""
-    from runnx.ops._matmul import own_product
-    own_product(1, True)
-
-
-def _load_products() -> None:
-    """A prompt's products' kernel (`ops/_matmul.py`), loaded from numba's cache: with one thread
-    too, where there is no pool to start."""
-    global _products_loaded
-    from runnx.ops._matmul import load_kernels
-    load_kernels()
-    _products_loaded = True
-
-
-def _load_jobs() -> None:
-    """The jobs a decoder calls first, loaded from numba's cache (or compiled) for the types its
-    calls give them, each slow on a first call: one row and a few (a prompt's) times one read-only
-    matrix (an LM head), two (a gated MLP's gate and up) and three (a layer's projections), a rows'
-    softmax and GELU (an encoder's, its bias read-only or not), and the same products left open
-    (`open_products`, then `finish`). Computed alone, on zeros."""
-    matrix = np.zeros((4, 4), np.float32)
-    matrix.flags.writeable = False
-    box = new_box()
-    for row in (np.zeros(4, np.float32), np.zeros((2, 4), np.float32)):
-        for count in (1, 2, 3):
-            outs = tuple([np.empty(row.size, np.float32) for _ in range(count)])
-            scratch = np.empty(chunk_count(4) * row.size * count, np.float32)
-            alone(post_products, row, (matrix,) * count, outs, scratch, 0.0, 1.0)
-            open_products(box, 0, row, (matrix,) * count, outs, scratch, 0.0, 1.0)
-            finish(box)
-    rows = np.zeros((2, 4), np.float32)
-    alone(post_softmax, rows, 0.0)
-    for bias in (np.zeros(4, np.float32), matrix[0]):
-        alone(post_gelu, rows, bias, 1.0, 1.0, 0.5, np.empty_like(rows))
 
 
 def worker_count() -> int:

@@ -175,11 +175,11 @@ def test_a_decoders_load_loads_the_products_kernel_with_one_thread_too():
     code = """
 import numpy as np
 from runnx.ops import _kernels_gemm as gemm, _matmul
-from runnx.runtime import pool as d
+from runnx.runtime import pool as d, pool_start
 _matmul.set_own_kernels(True)
 d.set_workers(0)
-d.start_in_background()
-d._starting.join()
+pool_start.start_in_background()
+pool_start._starting.join()
 before = len(gemm.product_columns.overloads)
 a = np.ones((40, 30), np.float32)
 w = np.ones((30, 50), np.float32)

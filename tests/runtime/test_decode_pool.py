@@ -16,7 +16,7 @@ from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, row_times_matrix
 from runnx.ops.linalg import MatMul
 from runnx.runtime import jobs, mailbox, slots
-from runnx.runtime import pool as decode_pool
+from runnx.runtime import pool as decode_pool, pool_start
 
 RNG = np.random.default_rng(0)
 needs_avx512 = pytest.mark.skipif(not gemm.AVAILABLE, reason="this CPU has no AVX-512: numpy's BLAS multiplies")
@@ -396,7 +396,7 @@ def test_a_decoder_with_a_record_of_its_kernels_starts_the_pool_without_the_jobs
     import runnx.runtime as runtime
     from runnx.ops import kernel_loads
     started = []
-    monkeypatch.setattr(decode_pool, "start_in_background", lambda load_jobs=True: started.append(load_jobs))
+    monkeypatch.setattr(pool_start, "start_in_background", lambda load_jobs=True: started.append(load_jobs))
     model = tmp_path / "model.onnx"
     model.write_bytes(b"weights")
     runtime.start_pool_in_background(model)
@@ -411,13 +411,13 @@ def test_a_decoder_with_a_record_of_its_kernels_starts_the_pool_without_the_jobs
     assert started == [True, False, True]
     loaded = []
     monkeypatch.setattr(decode_pool, "pool", lambda: None)
-    monkeypatch.setattr(decode_pool, "_load_jobs", lambda: loaded.append("jobs"))
-    monkeypatch.setattr(decode_pool, "_load_products", lambda: loaded.append("products"))
-    decode_pool._start_and_load(False)
-    decode_pool._start_and_load(True)
+    monkeypatch.setattr(pool_start, "_load_jobs", lambda: loaded.append("jobs"))
+    monkeypatch.setattr(pool_start, "_load_products", lambda: loaded.append("products"))
+    pool_start._start_and_load(False)
+    pool_start._start_and_load(True)
     assert loaded == ["jobs", "products"]
-    decode_pool._load_alone(False)
-    decode_pool._load_alone(True)
+    pool_start._load_alone(False)
+    pool_start._load_alone(True)
     assert loaded == ["jobs", "products", "products"]
 
 
@@ -427,23 +427,23 @@ def test_a_pool_started_in_the_background_is_the_one_every_caller_gets():
     loads the products' kernel (`ops/_matmul.py`), once."""
     try:
         decode_pool.set_workers(0)
-        decode_pool.start_in_background()
-        if decode_pool._starting is not None and decode_pool._starting.is_alive():
-            assert decode_pool._starting.name == "runnx-products-load"
-            decode_pool._starting.join(timeout=600)
-        assert decode_pool._products_loaded and decode_pool._pool is None
+        pool_start.start_in_background()
+        if pool_start._starting is not None and pool_start._starting.is_alive():
+            assert pool_start._starting.name == "runnx-products-load"
+            pool_start._starting.join(timeout=600)
+        assert pool_start._products_loaded and decode_pool._pool is None
         decode_pool.set_workers(1)
         assert decode_pool._pool is None
-        decode_pool.start_in_background()
-        starting = decode_pool._starting
+        pool_start.start_in_background()
+        starting = pool_start._starting
         assert starting.name == "runnx-decode-start"
         with ThreadPoolExecutor(4) as callers:
             pools = list(callers.map(lambda _: decode_pool.pool(), range(8)))
         starting.join(timeout=600)
         assert not starting.is_alive()
         assert all(p is decode_pool._pool for p in pools) and len(decode_pool._pool._threads) == 1
-        decode_pool.start_in_background()  # started: nothing more
-        assert decode_pool._starting is starting
+        pool_start.start_in_background()  # started: nothing more
+        assert pool_start._starting is starting
     finally:
         decode_pool.set_workers(None)
 
@@ -479,11 +479,11 @@ def test_the_background_start_finds_which_kernels_take_a_prompts_products(worker
     before), and the answer is the one asked anew."""
     code = f"""
 from runnx.ops import _matmul
-from runnx.runtime import pool as d
+from runnx.runtime import pool as d, pool_start
 d.set_workers({workers})
 assert _matmul._enabled is None and _matmul._short is None
-d.start_in_background(load_jobs=False)
-d._starting.join()
+pool_start.start_in_background(load_jobs=False)
+pool_start._starting.join()
 found = _matmul._enabled if _matmul._enabled else _matmul._short
 assert found is not None
 decided = _matmul.own_product(1, True)
@@ -501,10 +501,10 @@ def test_the_background_start_loads_the_jobs_a_decoder_calls_first():
     add no overload (a fresh process, so that nothing else called them before)."""
     code = """
 import numpy as np
-from runnx.runtime import pool as d
+from runnx.runtime import pool as d, pool_start
 d.set_workers(1)
-d.start_in_background()
-d._starting.join()
+pool_start.start_in_background()
+pool_start._starting.join()
 jobs = (d.post_products, d.post_softmax, d.post_gelu)
 before = [len(job.overloads) for job in jobs]
 matrix = np.ones((64, 32), np.float32)
@@ -531,11 +531,11 @@ def test_the_background_start_imports_what_numbas_first_typing_of_an_array_would
     code = f"""
 import sys
 import runnx
-from runnx.runtime import pool as d
+from runnx.runtime import pool as d, pool_start
 print("numpy.ma" in sys.modules)
 d.set_workers({workers})
-d.start_in_background()
-d._starting.join()
+pool_start.start_in_background()
+pool_start._starting.join()
 print("numpy.ma" in sys.modules)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
@@ -608,7 +608,7 @@ def test_a_rows_softmax_and_gelu_do_not_depend_on_the_rows_computed_with_it():
     from the 64-row call here; 8 of 60 in a fresh clone's CI)."""
     code = """
 import numpy as np
-from runnx.runtime import pool as d
+from runnx.runtime import pool as d, pool_start
 d.set_workers(0)
 rng = np.random.default_rng(3)
 differing = 0
