@@ -383,26 +383,19 @@ Command: `{command}`.
     whisper_blocks = "\n\n".join(f"```\n{text}\n```" for text in whisper.values())
     update_section("suite-whisper", f"""## Whisper tiny.en (`scripts/bench_whisper.py`, run by `scripts/bench.py`)
 
-Encoder seconds per 30 s window, decoder ms/token (a first window after two short warm-ups, then the
-same window again: steady, every length known to runnx's shape memos), and the real-time factor of
-the 68.8 s clip (`long.wav`, 15 espeak-ng sentences), runnx vs onnxruntime behind the same pipeline
-code, at each thread count: medians of processes, then {WHISPER_PAIRS} turns each in one process (a
-transcription, a decode of the clip's first window and a transcription of each short clip beside it
-each turn), the ratio the median of the turns'.
+Encoder s/window, decoder ms/token (first window after warm-ups; steady: the same window again) and the real-time
+factor of the 68.8 s `long.wav`, runnx vs onnxruntime behind the same pipeline code: medians of processes, then
+{WHISPER_PAIRS} turns each in one process (`scripts/bench_whisper.py` says what a turn runs), the ratio the turns' median.
 runnx {git_revision()}; {machine()}.
 
 {whisper_blocks}
 """)
     update_section("suite-dispatch", f"""## Per-node dispatch (`scripts/bench_dispatch.py`, run by `scripts/bench.py`)
 
-Three 1000-node chains of small elementwise ops, nothing to fuse or cache: `tiny` (Add/Mul/Neg/Relu
-on 4 floats), `bcast` (Add/Mul/Sub on [1, 8, 64], every other node's second input a [64] constant,
-a [1, 1, 64] input or a 0-d constant in turn, the others' an input of the same shape) and `comp`
-(Add/Sub/Mul whose inputs are both computed values). Microseconds of CPU time per node; runnx as a
-first run after loading (planning included), its compiling run (the second: the plan is compiled
-to Python first), interpreted (`compile_after=0`) and compiled (every later run); onnxruntime with
-1 thread and its graph optimizations off. One process a round, minutes apart; the machine's slow
-spells move single rounds by up to 2x, the ratio within a round much less.
+Three 1000-node chains of small elementwise ops, nothing to fuse or cache (`tiny`: 4 floats; `bcast`: [1, 8, 64]
+against broadcast constants and inputs; `comp`: both inputs computed; `scripts/bench_dispatch.py` says more).
+Microseconds of CPU time per node: runnx's first run (planning included), compiling run, interpreted
+(`compile_after=0`) and compiled runs; onnxruntime with 1 thread and its graph optimizations off. One process a round.
 runnx {git_revision()}; {machine()}.
 Command: `.venv/bin/python scripts/bench_dispatch.py --json` in {args.rounds} processes (`--no-reference`
 after the first).

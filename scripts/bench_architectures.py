@@ -86,13 +86,19 @@ def op_differences(results: dict, context: str) -> str:
     base = results["smollm2"]["decode"]["contexts"][context]["op_calls"]
     lines = [f"smollm2, op executions per step at context {context}: "
              + ", ".join(f"{op} {count}" for op, count in sorted(base.items(), key=lambda kv: -kv[1]))]
+    same = []
     for name, result in results.items():
         if name == "smollm2":
             continue
         calls = result["decode"]["contexts"][context]["op_calls"]
         changed = [f"{op} {base.get(op, 0)} -> {calls.get(op, 0)}" for op in sorted({*base, *calls})
                    if base.get(op, 0) != calls.get(op, 0)]
-        lines.append(f"{name}, against smollm2: " + (", ".join(changed) or "the same op types and counts"))
+        if changed:
+            lines.append(f"{name}, against smollm2: " + ", ".join(changed))
+        else:
+            same.append(name)
+    if same:
+        lines.append(f"{' and '.join(same)}, against smollm2: the same op types and counts")
     return "\n".join(lines)
 
 
@@ -125,12 +131,10 @@ def main() -> None:
     update_section("architectures", f"""## The same weights as three architectures (`scripts/bench_architectures.py`)
 
 SmolLM2-135M's weights exported by Optimum as Llama (smollm2), Qwen2 (zero q/k/v biases: bias Adds) and Phi-3 (fused
-qkv_proj and gate_up_proj products), `scripts/build_models.py` targets smollm2, qwen2 and phi3. runnx {git_revision()}; {machine()};
-{args.threads} thread(s); {load}. Decode at a context: median tokens/s of {args.steps} steps x {args.rounds} rounds from random past KV of
-that length (`scripts/bench_decode.py`), runnx and onnxruntime interleaved in one process; nodes/step: runnx node
-executions in a step at each context. End to end (e2e): greedy {NEW_TOKENS} new tokens from a {PROMPT_TOKENS}-token prompt
-(`scripts/bench_generate.py`, its own process, the best of {REPEATS} runs after a warm-up); first token: prefill and first
-sampling, in the process's first run after loading (the warm-up) and steady.
+qkv_proj and gate_up_proj products). runnx {git_revision()}; {machine()}; {args.threads} thread(s); {load}. Decode: median
+tokens/s of {args.steps} steps x {args.rounds} rounds from random past KV, runnx and onnxruntime interleaved in one process
+(`scripts/bench_decode.py`; nodes/step: runnx's node executions); e2e: greedy {NEW_TOKENS} new tokens from a {PROMPT_TOKENS}-token
+prompt (`scripts/bench_generate.py`, best of {REPEATS}); first token: the process's first run and steady.
 Command: `{command}`.
 
 {text}

@@ -226,10 +226,9 @@ def main(args) -> int:
 
 A {args.prompt_tokens}-token prompt, SmolLM2-135M: fp32 (runnx on Optimum's export, genai on its fp32 build, onnxruntime on model.onnx)
 and int4 (runnx and genai on genai's int4 folder). Each engine in its own processes: import, load (model and tokenizer),
-the first token (numba's cache warm), then again (steady); medians of {args.processes} processes, engines taking turns, each
-process's first in brackets; numba loads: what runnx's first token loaded. runnx's and onnxruntime's loads copy the
-weights into fresh memory, slow on this guest after another process freed some (runnx's fp32 alone: 0.7-1.7 s); genai
-maps its file. runnx {git_revision()}; {machine()}; load average {os.getloadavg()[0]:.1f} at the end.
+the first token (numba's cache warm), then again (steady); medians of {args.processes} processes, each process's first in
+brackets; runnx's and onnxruntime's loads copy the weights into fresh memory (slow on this guest), genai maps its file.
+runnx {git_revision()}; {machine()}; load average {os.getloadavg()[0]:.1f} at the end.
 Command: `{command}`.
 
 {text}

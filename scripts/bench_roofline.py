@@ -152,12 +152,9 @@ def main() -> None:
         weights = results[0]["weights"] / 1e6
         update_section("roofline", f"""## Against this machine's ceilings (`scripts/bench_roofline.py`)
 
-SmolLM2-135M (Optimum's export), runnx beside what the machine allows, measured in the same process: memory, a
-stream read of 512 MiB by the threads (numpy's sums over its parts, or OpenBLAS's matrix-vector product when
-faster; the better of a read before and after runnx's figures); peak, OpenBLAS's 2048 x 2048 float32 product. A decode step reads the {weights:.0f} MB of weights once
-(its floor: bytes over bandwidth); a prompt is 2 flops a weight a token (the LM head once) and the causal
-attention's products. Decode: median of {STEPS} steps at context {CONTEXT} after random past KV; prompts: best of
-{args.rounds} after a warm-up. runnx {git_revision()}; {machine()}.
+SmolLM2-135M (Optimum's export) beside the machine's ceilings, in one process: memory, the better of two 512 MiB stream
+reads; peak, a 2048^3 float32 sgemm. Decode reads the {weights:.0f} MB of weights once a step (median of {STEPS} steps, context
+{CONTEXT}); a prompt is 2 flops a weight a token plus causal attention (best of {args.rounds}). runnx {git_revision()}; {machine()}.
 Command: `.venv/bin/python scripts/bench_roofline.py --threads {args.threads} --rounds {args.rounds}`.
 
 {table}
