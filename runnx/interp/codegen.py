@@ -74,7 +74,7 @@ class Program:
         kernel, attributes = bound_kernel(fn, attributes)
         arguments = list(arguments)
         if attributes:
-            arguments.append(f"**{self.set(f'a{index}', attributes)}")
+            arguments.append(f"**{self.set(f'kw{index}', attributes)}")
         if ctx:
             arguments.append("ctx=ctx")
         return f"{self.set(f'f{index}', kernel)}({', '.join(arguments)})"

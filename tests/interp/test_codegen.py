@@ -101,3 +101,17 @@ def test_the_kept_code_is_keyed_by_the_source_and_its_name(code_cache):
     exec(other, namespace)
     assert namespace["run"]() == 2
     assert renamed.co_filename == "<runnx another>"
+
+
+def test_attributes_passed_as_keywords_never_shadow_a_generated_functions_arguments():
+    """A kernel whose attributes cannot be bound as defaults of a copy (not a plain function) gets
+    them as a global dict of keywords, named apart from the locals the callers name their inputs
+    (a shape memo's a0, a1, ...): the call reads the dict, not the input."""
+    class Scaled:
+        def __call__(self, x, *, alpha):
+            return x * alpha
+
+    program = codegen.Program(None, "a0", "kernel with keyword attributes")
+    program.emit(f"r = {program.call(0, Scaled(), {'alpha': 3.0}, ['a0'])}")
+    run = program.build("r")
+    np.testing.assert_array_equal(run(np.ones(2, np.float32)), np.full(2, 3, np.float32))
