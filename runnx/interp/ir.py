@@ -71,6 +71,9 @@ class Graph:
     default_info: dict = field(default_factory=dict)  # value id -> ValueInfo
     ids: dict = field(default_factory=dict)  # name -> value id
     producer: dict = field(default_factory=dict)  # value id -> Node
+    # Constants a load-time pass cut into column blocks laid in their own memory, so no longer
+    # constants (fusion/split_products.py): value id -> [(block's value id, first column, end)]
+    moved: dict = field(default_factory=dict)
 
     def value_id(self, name: str) -> int:
         return self.ids[name]
@@ -86,7 +89,7 @@ class Graph:
     def new_constant(self, name: str, array) -> int:
         """The id of a new constant named `name` (`new_value`): a read-only copy of `array`."""
         vid = self.new_value(name)
-        array = np.ascontiguousarray(array).copy()
+        array = np.array(array, order="C")  # (one copy, contiguous: a column block of a weight is not)
         array.flags.writeable = False
         self.constants[vid] = array
         return vid

@@ -19,6 +19,7 @@ from runnx.interp.executor import Executor
 from runnx.interp.float16 import widen_float16
 from runnx.interp.folding import fold_constants
 from runnx.interp.fusion import fuse, quantizes_computed_values, rewrite
+from runnx.interp.fusion.split_products import rejoined
 from runnx.interp.ir import MISSING
 from runnx.interp.last_position import keep_last_position
 from runnx.interp.model_file import settle_held, settles_held
@@ -113,9 +114,15 @@ class Model:
             graph = self.graph if branch is None else branch.graph
             if branch is None and any(v not in graph.producer and v not in graph.constants and v not in provided
                                       and v not in graph.defaults for v in outputs):
-                graph = self._unrewritten
+                graph = self._unrewritten_graph()
             plan = self._plans[key] = make_plan(graph, provided, outputs)
         return plan
+
+    def _unrewritten_graph(self):
+        """The graph before the rewrites, its weights a rewrite moved (`Graph.moved`) rebuilt, once."""
+        if self.graph.moved and self._unrewritten.constants is self.graph.constants:
+            self._unrewritten = replace(self._unrewritten, constants=rejoined(self.graph))
+        return self._unrewritten
 
     def plan(self, outputs=None, inputs=None) -> list:
         """The nodes that run, in order, to compute `outputs` from `inputs` (default: all of both)."""

@@ -20,6 +20,7 @@ import ctypes
 import functools
 import mmap
 import threading
+import weakref
 
 import numpy as np
 
@@ -91,7 +92,25 @@ def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], np.ndarray | Non
                 mapped = None  # in huge pages from the start
         _advise(arena, _MADV_POPULATE_WRITE)
     base = -arena.ctypes.data % 64
+    _ARENAS[id(arena)] = weakref.ref(arena, lambda _, key=id(arena): _ARENAS.pop(key, None))
     return [arena[base + start:base + start + length] for start, length in zip(starts, lengths)], mapped
+
+
+_ARENAS: dict[int, weakref.ref] = {}  # id -> the weight arenas made here, while they live
+
+
+def owned_bytes(array: np.ndarray) -> np.ndarray | None:
+    """A writable uint8 view of a C-contiguous array's bytes when they lie in a weight arena made
+    here (memory of runnx's own, read from a file: no caller holds it), else None. A load-time pass
+    that no longer needs a weight may lay what replaces it there (`fusion/split_products.py`)."""
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    known = _ARENAS.get(id(root))
+    if known is None or known() is not root or not root.flags.writeable or not array.flags.c_contiguous:
+        return None
+    offset = array.ctypes.data - root.ctypes.data
+    return root[offset:offset + array.nbytes] if 0 <= offset and offset + array.nbytes <= root.nbytes else None
 
 
 _MADV_POPULATE_WRITE, _MADV_COLLAPSE = 23, 25  # Linux 5.14 and 6.1 (Python 3.11's mmap names neither)

@@ -2,10 +2,13 @@
 (split_products.py), bitwise equal to the whole product's columns for one row and close for many; a
 product read any other way, cut into overlapping or strided pieces, or by a computed weight, stays."""
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import runnx
+from runnx.interp import model_file
+from runnx.interp.fusion.split_products import split_products
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 K, N = 16, 24
@@ -224,3 +227,68 @@ def test_malformed_nodes_reach_the_checks_that_name_them(malformed):
         runnx.load(model.SerializeToString()).run({"x": x})
     except runnx.RunnxError:
         pass  # named by the loader or the kernel: what a malformed node should get
+
+
+def _saved(tmp_path, model) -> str:
+    """`model` as a file: its weights are then read into runnx's own memory (`model_file.py`)."""
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def _blocks(loaded):
+    """The column blocks the rewrite made of W, in column order."""
+    constants, moved = loaded.graph.constants, loaded.graph.moved
+    return [constants[block] for block, _, _ in next(iter(moved.values()))] if moved else []
+
+
+@pytest.mark.parametrize("model", [_sliced([(16, 24), (0, 8), (8, 16)]), _sliced([(0, 8), (8, 24)], bias=True),
+                                   _split((8, 8, 8)), _gate_up()], ids=["slices", "bias", "split", "gate-up"])
+def test_blocks_cut_from_a_weight_read_from_a_file_are_laid_in_its_own_memory(tmp_path, model):
+    path = _saved(tmp_path, model)
+    loaded = runnx.load(path, optimization_level="all")
+    blocks = _blocks(loaded)
+    weight, _ = _weights()
+    assert len(loaded.graph.moved) == 1 and len(blocks) >= 2
+    assert loaded.graph.names.index("W") not in loaded.graph.constants  # (no longer a constant)
+    for before, block in zip(blocks, blocks[1:]):  # one after the other, where W's bytes were
+        assert block.ctypes.data == before.ctypes.data + before.nbytes
+    assert model_file.owned_bytes(blocks[0]) is not None and not blocks[0].flags.writeable
+    np.testing.assert_array_equal(np.concatenate(blocks, axis=1), weight)
+    plain = runnx.load(model, optimization_level="disabled")
+    for rows in (1, 5):
+        feeds = {"x": _x(rows)}
+        want, got = plain.run(feeds), loaded.run(feeds)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    # a value the rewrite removed is computed by the unrewritten graph, from W rebuilt of its blocks
+    np.testing.assert_array_equal(loaded.run({"x": _x(1)}, ["p"])["p"], plain.run({"x": _x(1)}, ["p"])["p"])
+
+
+@pytest.mark.parametrize("case", ["proto", "second-reader"])
+def test_blocks_are_copies_when_the_weights_memory_is_not_runnxs_alone(tmp_path, case):
+    """Bytes a caller handed over (a ModelProto's) or a weight another node reads too: the blocks
+    are new arrays and W stays."""
+    model = _sliced([(0, 8), (8, 24)])
+    if case == "second-reader":
+        model.graph.node.append(helper.make_node("MatMul", ["x", "W"], ["whole"]))
+        model.graph.output.append(helper.make_tensor_value_info("whole", F, None))
+    loaded = runnx.load(model if case == "proto" else _saved(tmp_path, model), optimization_level="all")
+    assert loaded.rewritten == {"split_products": 1} and not loaded.graph.moved
+    weight = loaded.graph.constants[loaded.graph.names.index("W")]
+    np.testing.assert_array_equal(weight, _weights()[0])
+    feeds = {"x": _x(1)}
+    want = runnx.load(model, optimization_level="disabled").run(feeds)
+    for name, value in loaded.run(feeds).items():
+        np.testing.assert_array_equal(value, want[name], err_msg=name)
+
+
+def test_a_weight_whose_bytes_another_constant_shares_stays_where_it_is(tmp_path):
+    """A constant viewing W's bytes (as a Reshape of it could): W's blocks are copies, the view intact."""
+    loaded = runnx.load(_saved(tmp_path, _sliced([(0, 8), (8, 24)])), optimization_level="basic")  # (unrewritten)
+    graph = loaded.graph
+    weight = graph.constants[graph.ids["W"]]
+    view = graph.constants[graph.new_value("view")] = weight.reshape(-1)
+    assert model_file.owned_bytes(weight) is not None
+    assert split_products(graph) == 1 and not graph.moved
+    np.testing.assert_array_equal(view, _weights()[0].reshape(-1))

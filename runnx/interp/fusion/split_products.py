@@ -14,6 +14,9 @@ given as a positive number is the last one when the product's rank is known ther
 """
 from __future__ import annotations
 
+import numpy as np
+
+from runnx.interp import model_file
 from runnx.interp.fusion.static_dims import StaticDims
 from runnx.interp.ir import MISSING, Graph, Node
 
@@ -46,12 +49,15 @@ def split_products(graph: Graph) -> int:
         return 0
     next_index = max(n.index for n in graph.nodes) + 1
     new_nodes = []
+    in_place = _InPlace(graph, readers)
     for _, matmul, add, pieces in plans:
         weight = graph.constants[matmul.inputs[1]]
         bias = graph.constants[add.inputs[1] if add.inputs[0] == matmul.outputs[0] else add.inputs[0]] if add else None
+        laid = in_place.blocks(matmul, pieces)
         for output, start, end in pieces:
             name = graph.names[output]
-            block = graph.new_constant(f"{graph.names[matmul.inputs[1]]}[:, {start}:{end}]", weight[:, start:end])
+            block = laid[output] if laid else graph.new_constant(f"{graph.names[matmul.inputs[1]]}[:, {start}:{end}]",
+                                                                  weight[:, start:end])
             product = output if add is None else graph.new_value(f"{name}/product")
             new_nodes.append(Node(next_index, f"{matmul.name}[{start}:{end}]", "MatMul", "", (matmul.inputs[0], block),
                                   (product,), dict(matmul.attrs), {}, (), matmul.kernel, matmul.since))
@@ -65,6 +71,82 @@ def split_products(graph: Graph) -> int:
     graph.nodes = tuple(n for n in graph.nodes if n.index not in taken) + tuple(new_nodes)
     graph.producer = {vid: node for node in graph.nodes for vid in node.outputs if vid != MISSING}
     return len(plans)
+
+
+class _InPlace:
+    """Column blocks laid in their weight's own memory: when the product is the weight's only
+    reader in a graph no other graph reads (no captures, no subgraphs), its blocks cover its
+    columns, each 64-byte aligned there, and its bytes are runnx's own (`model_file.owned_bytes`)
+    and no other constant's: the blocks then take none of the memory and none of the fresh pages
+    a copy would (an export with fused projections loaded in the memory of one without). The
+    weight stops being a constant (`Graph.moved`: an unrewritten plan rebuilds it)."""
+
+    def __init__(self, graph: Graph, readers: dict):
+        self.graph, self.readers = graph, readers
+        self.alone = not graph.captures and not any(node.subgraphs for node in graph.nodes)
+        self.bounds = None  # (low, high, id) of every constant's bytes, when first asked
+        self.scratch = np.empty(0, np.uint8)  # the weight's bytes while its blocks are laid
+
+    def blocks(self, matmul: Node, pieces: list) -> dict | None:
+        """{piece's output: its block's value id}, laid in place, or None (then nothing changed)."""
+        graph, vid = self.graph, matmul.inputs[1]
+        weight = graph.constants[vid]
+        readers = self.readers.get(vid, ())
+        if not self.alone or len(readers) != 1 or readers[0] is not matmul or vid in graph.outputs or weight.ndim != 2:
+            return None
+        depth, width = weight.shape
+        ordered = sorted(pieces, key=lambda piece: piece[1])
+        if [start for _, start, _ in ordered] != [0] + [end for _, _, end in ordered[:-1]] or ordered[-1][2] != width:
+            return None
+        if any(depth * start * weight.itemsize % 64 for _, start, _ in ordered):
+            return None
+        owned = model_file.owned_bytes(weight)
+        if owned is None or self._shared(weight):
+            return None
+        if self.scratch.size < weight.nbytes:
+            self.scratch = np.empty(weight.nbytes, np.uint8)
+        source = self.scratch[:weight.nbytes].view(weight.dtype).reshape(weight.shape)
+        source[...] = weight
+        region, laid, moved = owned.view(weight.dtype), {}, []
+        for output, start, end in ordered:
+            block = region[depth * start:depth * end].reshape(depth, end - start)
+            block[...] = source[:, start:end]
+            block.flags.writeable = False
+            laid[output] = graph.new_value(f"{graph.names[vid]}[:, {start}:{end}]")
+            graph.constants[laid[output]] = block
+            moved.append((laid[output], start, end))
+        del graph.constants[vid]
+        graph.moved[vid] = moved
+        return laid
+
+    def _shared(self, weight) -> bool:
+        """Whether another constant's bytes overlap the weight's (a folded view of it)."""
+        if self.bounds is None:
+            self.bounds = [(*_byte_bounds(c), id(c)) for c in self.graph.constants.values()
+                           if isinstance(c, np.ndarray) and c.size]
+        low, high = _byte_bounds(weight)
+        return any(other != id(weight) and start < high and low < end for start, end, other in self.bounds)
+
+
+def _byte_bounds(array: np.ndarray) -> tuple[int, int]:
+    """The first and past-the-last addresses of a non-empty array's bytes."""
+    low = high = array.ctypes.data
+    for size, stride in zip(array.shape, array.strides):
+        if stride < 0:
+            low += (size - 1) * stride
+        else:
+            high += (size - 1) * stride
+    return low, high + array.itemsize
+
+
+def rejoined(graph: Graph) -> dict:
+    """graph's constants with the weights `_InPlace` moved rebuilt from their blocks (new arrays):
+    for a plan of the unrewritten graph, whose nodes read them."""
+    constants = dict(graph.constants)
+    for vid, blocks in graph.moved.items():
+        constants[vid] = np.concatenate([graph.constants[block] for block, _, _ in blocks], axis=1)
+        constants[vid].flags.writeable = False
+    return constants
 
 
 def _plan(graph: Graph, readers: dict, static: StaticDims, matmul: Node):
