@@ -14,6 +14,9 @@ given as a positive number is the last one when the product's rank is known ther
 """
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import numpy as np
 
 from runnx.interp import model_file
@@ -84,7 +87,7 @@ class _InPlace:
     def __init__(self, graph: Graph, readers: dict):
         self.graph, self.readers = graph, readers
         self.alone = not graph.captures and not any(node.subgraphs for node in graph.nodes)
-        self.bounds = None  # (low, high, id) of every constant's bytes, when first asked
+        self.bounds = self.highest = None  # every constant's bytes, when first asked (`_shared`)
         self.scratch = np.empty(0, np.uint8)  # the weight's bytes while its blocks are laid
 
     def blocks(self, matmul: Node, pieces: list) -> dict | None:
@@ -121,11 +124,18 @@ class _InPlace:
 
     def _shared(self, weight) -> bool:
         """Whether another constant's bytes overlap the weight's (a folded view of it)."""
-        if self.bounds is None:
-            self.bounds = [(*_byte_bounds(c), id(c)) for c in self.graph.constants.values()
-                           if isinstance(c, np.ndarray) and c.size]
+        if self.bounds is None:  # (low, high, id) by low, and the highest high up to each
+            self.bounds = sorted((*_byte_bounds(c), id(c)) for c in self.graph.constants.values()
+                                 if isinstance(c, np.ndarray) and c.size)
+            self.highest = list(itertools.accumulate([high for _, high, _ in self.bounds], max))
         low, high = _byte_bounds(weight)
-        return any(other != id(weight) and start < high and low < end for start, end, other in self.bounds)
+        index = bisect.bisect_left(self.bounds, (high,)) - 1  # those before start below high
+        while index >= 0 and self.highest[index] > low:
+            start, end, other = self.bounds[index]
+            if other != id(weight) and end > low:
+                return True
+            index -= 1
+        return False
 
 
 def _byte_bounds(array: np.ndarray) -> tuple[int, int]:
