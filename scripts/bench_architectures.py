@@ -67,11 +67,12 @@ def table(results: dict, contexts: list[str]) -> str:
         rows.append(cells + ["/".join(str(decode[c]["nodes_per_step"]) for c in contexts),
                              str(all(decode[c]["same_ids"] for c in contexts))])
     decode_table = markdown(header + ["runnx nodes/step", "same ids"], rows)
-    header, rows = ["model"], []
+    header, rows = ["model", "runnx load s / peak RSS MiB"], []
     for runner in ("runnx", "onnxruntime"):
         header += [f"{runner} e2e tok/s", f"{runner} first token ms (first run / steady)"]
     for name, result in results.items():
-        generate, cells = result["generate"], [name]
+        generate = result["generate"]
+        cells = [name, f"{generate['runnx']['load_s']:.2f} / {generate['runnx_loaded_rss_mib']:.0f}"]
         for runner in ("runnx", "onnxruntime"):
             figures = generate[runner]
             cells += [f"{figures['decode_tps']:.1f}",
@@ -134,7 +135,8 @@ SmolLM2-135M's weights exported by Optimum as Llama (smollm2), Qwen2 (zero q/k/v
 qkv_proj and gate_up_proj products). runnx {git_revision()}; {machine()}; {args.threads} thread(s); {load}. Decode: median
 tokens/s of {args.steps} steps x {args.rounds} rounds from random past KV, runnx and onnxruntime interleaved in one process
 (`scripts/bench_decode.py`; nodes/step: runnx's node executions); e2e: greedy {NEW_TOKENS} new tokens from a {PROMPT_TOKENS}-token
-prompt (`scripts/bench_generate.py`, best of {REPEATS}); first token: the process's first run and steady.
+prompt (`scripts/bench_generate.py`, best of {REPEATS}); first token: the process's first run and steady; runnx's
+load and the process's peak RSS after it (before any run).
 Command: `{command}`.
 
 {text}

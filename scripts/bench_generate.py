@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -51,8 +52,9 @@ def main() -> int:
     started = time.perf_counter()
     generator = Generator.from_folder(args.model_dir, profile=profile)
     loads = {"runnx": time.perf_counter() - started}
+    loaded_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux: KiB), before any run
     say = (lambda *_: None) if args.json else print
-    say(f"runnx load {loads['runnx']:.1f} s")
+    say(f"runnx load {loads['runnx']:.1f} s, peak RSS {loaded_rss:.0f} MiB")
     prompt = generator.tokenizer.encode(TEXT)[:args.prompt_tokens]
     if len(prompt) != args.prompt_tokens:
         sys.exit(f"the benchmark text has only {len(prompt)} tokens")
@@ -78,7 +80,8 @@ def main() -> int:
                           "new_tokens": args.new_tokens, "same_ids": len({str(r[0]) for r in results.values()}) == 1,
                           **{name: {"load_s": loads[name], "cold_first_token_s": cold, "first_token_s": first,
                                     "decode_tps": (len(ids) - 1) / (total - first)}
-                             for name, (ids, first, total, cold) in results.items()}}))
+                             for name, (ids, first, total, cold) in results.items()},
+                          "runnx_loaded_rss_mib": loaded_rss}))
         return 0
 
     print(f"\n{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, {args.threads} thread(s)")
