@@ -2,7 +2,7 @@
 gate_up_proj products): runnx's greedy ids equal onnxruntime's on the same file, with and without
 runnx's graph optimizations, and equal SmolLM2's own (the weights and the math are the same); a
 decode step of each runs the native calls SmolLM2's does (the fusions' general patterns, no
-architecture left to the nodes' kernels)."""
+architecture left to the nodes' kernels); Phi-3's fused weights are not held twice."""
 from __future__ import annotations
 
 from collections import Counter
@@ -89,3 +89,15 @@ def test_a_decode_step_runs_smollm2s_native_calls(folder, request, smollm2_dir):
               want["gated_down"] + want["open_gated_down"])
     assert layers == (30, 30, 30)  # SmolLM2's layers (the ops' last jobs left open with two threads)
     assert native_calls_of_a_step(folder) == want
+
+
+def test_fused_projections_hold_no_more_weight_bytes_than_separate_ones(phi3_dir, smollm2_dir):
+    """Phi-3's qkv_proj and gate_up_proj products, cut into one product a projection, have their
+    column blocks laid in the fused weights' own bytes (fusion/split_products.py): the export holds
+    the bytes SmolLM2's holds, not those weights twice."""
+    def held(model) -> int:
+        return sum(value.nbytes for value in model.graph.constants.values() if hasattr(value, "nbytes"))
+
+    phi3 = runnx.load(str(phi3_dir / "model.onnx"))
+    assert len(phi3.graph.moved) == 2 * 30  # each layer's two fused weights
+    assert held(phi3) <= held(runnx.load(str(smollm2_dir / "model.onnx"))) * 1.001
