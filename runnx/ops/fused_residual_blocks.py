@@ -143,14 +143,15 @@ def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight, sk
     or (given leave, the pool free) `open_gated_down` with `add_norm_into` for its tail."""
     summed, gate, decay, up, largest = first
     decay = exp_in_place(decay, largest)
-    product, normed = np.empty(residual.shape, np.float32), np.empty(residual.shape, np.float32)
-    flat = product.reshape(-1)
-    if leave and decode_pool.open_shared_call(open_gated_down, (gate, decay, up, down_weight, flat),
-                                    (gate, decay, up, down_weight, product),
-                                    add_norm_into, (summed, flat, *down_numbers, down_norm_weight, skip,
-                                                    normed.reshape(-1)),
-                                    chunk_count(gate.size) * flat.size):
-        return product, normed
+    if leave:  # (the outputs allocated here only then: a token's every layer takes the other path on one thread)
+        product, normed = np.empty(residual.shape, np.float32), np.empty(residual.shape, np.float32)
+        flat = product.reshape(-1)
+        if decode_pool.open_shared_call(open_gated_down, (gate, decay, up, down_weight, flat),
+                                        (gate, decay, up, down_weight, product),
+                                        add_norm_into, (summed, flat, *down_numbers, down_norm_weight, skip,
+                                                        normed.reshape(-1)),
+                                        chunk_count(gate.size) * flat.size):
+            return product, normed
     summed, normed = decode_pool.shared_call(gated_down, gate, decay, up, down_weight, summed, *down_numbers,
                                              down_norm_weight, skip)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
