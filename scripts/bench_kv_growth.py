@@ -130,8 +130,7 @@ def _write(rows):
     model = ARGS.model.relative_to(ROOT) if ARGS.model.is_relative_to(ROOT) else Path(*ARGS.model.parts[-2:])
     update_section("kv-growth", f"""## KV-cache growth per decode step (`scripts/bench_kv_growth.py`)
 
-Model `{model}`, {ARGS.threads} thread(s) for runnx's BLAS and onnxruntime, median of {ARGS.steps} steps,
-random past KV; runnx {git_revision()}; {machine()}.
+Model `{model}`, {ARGS.threads} thread(s), median of {ARGS.steps} steps from random past KV; runnx {git_revision()}; {machine()}.
 Command: `.venv/bin/python scripts/bench_kv_growth.py --threads {ARGS.threads}`.
 
 {chr(10).join(table)}

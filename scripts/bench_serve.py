@@ -341,13 +341,10 @@ def main() -> None:
     runs_text = "\n\n".join(tables)
     update_section("serve", f"""## Serving (`scripts/bench_serve.py`)
 
-`runnx serve` with SmolLM2-135M (fp32): {args.requests} greedy chat requests of {args.max_tokens} new tokens at most{f' ({tokens} tokens in all)' if tokens else ''} sent by
-{', '.join(map(str, levels))} concurrent streaming clients; latency is a request's whole time, first token from the request's start.
-Beside it, onnxruntime-genai's own loop on its own fp32 export (`scripts/bench.py`'s GENAI_MODEL) serving the same
-prompt token ids one after another (its tokens/s is the same at any number of clients; its latency at N clients is that
-of N clients queueing for it, from each request's measured time). {args.threads} thread(s) each; each run measures both, in
-alternating order.
-runnx {git_revision()}; {machine()}.
+`runnx serve` with SmolLM2-135M (fp32): {args.requests} greedy chat requests of {args.max_tokens} new tokens at most{f' ({tokens} in all)' if tokens else ''} from
+{', '.join(map(str, levels))} concurrent streaming clients (latency: a request's whole time; first token: from its start), beside
+onnxruntime-genai's own loop on its fp32 export (`scripts/bench.py`'s GENAI_MODEL) serving the same prompt ids one after
+another (at N clients, N requests queueing for it). {args.threads} thread(s) each, the engines alternating; runnx {git_revision()}; {machine()}.
 Command: `{command}`.
 
 {runs_text}
