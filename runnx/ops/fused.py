@@ -23,7 +23,6 @@ float32 exp.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -33,10 +32,8 @@ from runnx.ops import _native
 from runnx.ops._attention_blocks import attend_blocks
 from runnx.ops._fused_common import DOMAIN, KERNEL_DTYPES, fits, stand_in
 from runnx.ops._kernels_fused import attention
-from runnx.ops._shape_util import int_tuple
-from runnx.ops.elementwise import Where
 from runnx.ops.registry import register
-from runnx.ops.shape import Reshape, Slice
+from runnx.ops.shape import Reshape
 from runnx.ops._matmul import matmul, rest_workers_before
 from runnx.runtime import opening, pool as decode_pool
 
@@ -64,127 +61,73 @@ def LastPosition(x):
     return x if x.shape[-2] == 1 else x[..., -1:, :]
 
 
-def _slice(x, starts, ends, axes, steps):
-    """ONNX Slice; one axis with step 1 clamps exactly like a Python slice, so it is one."""
-    if axes is not None and starts.size == 1 and ends.size == 1 and axes.size == 1 and (
-            steps is None or (steps.size == 1 and int(steps.reshape(-1)[0]) == 1)):
-        axis = int(axes.reshape(-1)[0])
-        if -x.ndim <= axis < x.ndim:
-            index = [slice(None)] * x.ndim
-            index[axis] = slice(int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0]))
-            return x[tuple(index)]
-    return Slice(x, starts, ends, axes, steps)
-
-
-def _resolve_reshape(shape: tuple, target: tuple) -> tuple | None:
-    """Reshape's output shape (allowzero=0: a 0 copies the input's dimension), None if invalid."""
-    dims = [shape[i] if d == 0 and i < len(shape) else d for i, d in enumerate(target)]
-    total = math.prod(shape)
-    if dims.count(-1) == 1:
-        known = math.prod(d for d in dims if d != -1)
-        if known == 0 or total % known:
-            return None
-        dims[dims.index(-1)] = total // known
-    if any(d < 0 for d in dims) or math.prod(dims) != total:
-        return None
-    return tuple(dims)
-
-
-def _unsqueezed_shape(shape: tuple, axes: tuple) -> tuple:
-    """Shape of Unsqueeze (axes count in the output's rank; negative from its end)."""
-    rank = len(shape) + len(axes)
-    result = list(shape)
-    for a in sorted(a % rank for a in axes):
-        result.insert(a, 1)
-    return tuple(result)
-
-
-@functools.lru_cache(maxsize=256)
-def _repeat_shapes(shape: tuple, axes: tuple, expand: tuple, target: tuple) -> tuple:
-    """(unsqueezed, expanded, reshaped) shapes of Reshape(Expand(Unsqueeze(kv, axes), expand),
-    target) for a kv of `shape`, and r when that repeats each of kv's heads r times in place
-    (grouped-query attention), else None."""
-    unsqueezed = _unsqueezed_shape(shape, axes)
-    try:
-        expanded = np.broadcast_shapes(unsqueezed, expand)
-    except ValueError:
-        raise RunnxError(f"cannot expand shape {list(unsqueezed)} to {list(expand)}") from None
-    reshaped = _resolve_reshape(expanded, target)
-    if reshaped is None:
-        raise RunnxError(f"cannot reshape {list(expanded)} to {list(target)}")
-    repeat = None
-    if len(shape) == 4 and [a % 5 for a in axes] == [2] and expanded[:2] == shape[:2] and expanded[3:] == shape[2:]:
-        if reshaped == (shape[0], shape[1] * expanded[2], shape[2], shape[3]):
-            repeat = expanded[2]
-    return unsqueezed, expanded, reshaped, repeat
-
-
-def head_repeat(kv, axes, expand, target) -> tuple:
-    """`_repeat_shapes` for the array kv and the repeat's inputs."""
-    return _repeat_shapes(kv.shape, int_tuple(axes), int_tuple(expand), int_tuple(target))
-
-
-def materialised_repeat(kv, shapes):
-    """The unfused computation of the repeated cache, for shapes that are not a plain head repeat."""
-    unsqueezed, expanded, reshaped, _ = shapes
-    return np.broadcast_to(kv.reshape(unsqueezed), expanded).reshape(reshaped)
+def repeated_heads(kv, repeat: int) -> np.ndarray:
+    """kv (batch, heads, length, depth) with each head repeated `repeat` times in place: what
+    Reshape(Expand(Unsqueeze(kv, 2), ...), ...) gives for a head repeat the graph proves
+    (`runnx/interp/fusion/matcher.py`), for the paths that need the repeated cache itself."""
+    if repeat == 1:
+        return kv
+    batch, heads, length, depth = kv.shape
+    return np.broadcast_to(kv[:, :, None], (batch, heads, repeat, length, depth)).reshape(
+        batch, heads * repeat, length, depth)
 
 
 @register("RepeatedKVShape", since=1, domain=DOMAIN, shape_only=(0,))
-def RepeatedKVShape(kv, axes, expand, target):
+def RepeatedKVShape(kv, *, repeat: int):
     """A stand-in with the shape of the repeated cache, for nodes that only read its shape."""
-    return stand_in(kv.dtype, head_repeat(kv, axes, expand, target)[2])
+    if kv.ndim != 4:
+        raise RunnxError(f"a KV cache whose heads repeat must be (batch, heads, length, depth), got {list(kv.shape)}")
+    return stand_in(kv.dtype, (kv.shape[0], kv.shape[1] * repeat, *kv.shape[2:]))
 
 
 @register("RepeatedKVAttention", since=1, domain=DOMAIN, overlaps_jobs=True)
-def RepeatedKVAttention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand, key_target,
-                        value_axes, value_expand, value_target, merged_target=None, mask=None, mask_starts=None,
-                        mask_ends=None, mask_axes=None, mask_steps=None, masked_then=None, masked_else=None, *,
-                        axis: int = -1, ctx=None):
-    """Softmax((query * qs) @ (repeat(key)^T * ks) + bias) with NaN -> nan_fill, @ repeat(value),
-    where repeat is the exporter's Unsqueeze/Expand/Reshape head repeat. Query heads are grouped
-    per KV head instead, so the cache (a view into its capacity buffer) is read in place. With
-    merged_target: Reshape(Transpose(that, (0, 2, 1, 3)), merged_target), the heads merged back.
-    With mask (bias absent): bias = Where(Slice(mask, starts, ends, axes, steps), then, else).
-    query, key and value may be the outputs of a job the previous node left open (a
-    ProjectedRopeAppend's, `runtime/open_jobs.py`): the decode pool's attention post finishes it
-    first; every other path settles before it reads them. Given leave, a decode row's attention job
-    is left open (its merged heads a view of its output)."""
+def RepeatedKVAttention(query, key, value, bias=None, merged_target=None, mask=None, mask_end=None, *,
+                        repeat: int = 1, query_scale, key_scale, nan_fill, axis: int = -1, mask_axis: int = -1,
+                        masked_then=None, masked_else=None, ctx=None):
+    """Softmax((query * query_scale) @ (repeat(key)^T * key_scale) + bias) with NaN -> nan_fill, @
+    repeat(value), where repeat repeats each KV head `repeat` times (grouped-query attention; the
+    kernels read each cache head for its group of query heads instead, in place: the cache is a
+    view into its capacity buffer). The scales and the fill are numpy scalars of the constants'
+    dtypes. With merged_target: Reshape(Transpose(that, (0, 2, 1, 3)), merged_target), the heads
+    merged back. With mask (bias absent): bias = Where(mask cut to [0, mask_end) on mask_axis,
+    masked_then, masked_else). query, key and value may be the outputs of a job the previous node
+    left open (a ProjectedRopeAppend's, `runtime/open_jobs.py`): the decode pool's attention post
+    finishes it first; every other path settles before it reads them. Given leave, a decode row's
+    attention job is left open (its merged heads a view of its output)."""
     if mask is not None:
-        bias = _mask_bias(mask, mask_starts, mask_ends, mask_axes, mask_steps, masked_then, masked_else, ctx)
-    heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
-                                   key_target, value_axes, value_expand, value_target, axis, ctx)
+        bias = _mask_bias(mask, mask_end, mask_axis, masked_then, masked_else, ctx)
+    heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, repeat, axis, ctx)
     if merged_target is None:
         return heads
     return Reshape(heads.transpose(0, 2, 1, 3), merged_target)
 
 
-def _mask_bias(mask, starts, ends, axes, steps, then, otherwise, ctx=None):
-    """RepeatedKVAttention's additive mask from its Slice/Where inputs, made once a run (with ctx) for
-    the same input arrays: every layer of a decode step reads the same (np.where once a layer a
-    step was a measurable part of it). Known by identity, not by the slice's and scalars' values
-    (reading them a layer between kernels streaming weights costs cache misses)."""
-    if ctx is None or then.size > 1 or otherwise.size > 1:
-        return Where(_slice(mask, starts, ends, axes, steps), then, otherwise)
-    arrays = (mask, starts, ends, axes, steps, then, otherwise)  # the same objects: the same bias
-    return ctx.keep(("mask bias", *map(id, arrays)), arrays,
-                    lambda: Where(_slice(mask, starts, ends, axes, steps), then, otherwise))
+def _mask_bias(mask, end, axis: int, then, otherwise, ctx=None):
+    """RepeatedKVAttention's additive mask, made once a run (with ctx) for the same mask and end
+    arrays: every layer of a decode step reads the same (np.where once a layer a step was a
+    measurable part of it). Known by identity, not by the end's value (reading it a layer between
+    kernels streaming weights costs cache misses)."""
+    def made():
+        if not -mask.ndim <= axis < mask.ndim or end.size != 1:
+            raise RunnxError(f"the attention mask of shape {list(mask.shape)} cannot be cut on axis {axis} at {end}")
+        index = [slice(None)] * mask.ndim
+        index[axis] = slice(0, int(end.reshape(-1)[0]))  # (Slice with step 1 clamps as a Python slice does)
+        return np.where(mask[tuple(index)], then, otherwise)
+    if ctx is None:
+        return made()
+    return ctx.keep(("mask bias", id(mask), id(end), axis, then, otherwise), (mask, end), made)
 
 
-def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, key_axes, key_expand,
-                           key_target, value_axes, value_expand, value_target, axis, ctx=None):
-    key_shapes = head_repeat(key, key_axes, key_expand, key_target)
-    value_shapes = head_repeat(value, value_axes, value_expand, value_target)
-    repeat = key_shapes[3]
-    if repeat is None or repeat != value_shapes[3] or axis % 4 != 3 or not _grouped(query, key, value):
-        _settled()
-        keys = materialised_repeat(key, key_shapes)
-        values = materialised_repeat(value, value_shapes)
-        scores = matmul(np.multiply(query, query_scale), np.multiply(np.swapaxes(keys, -1, -2), key_scale))
-        return matmul(_probabilities(scores, bias, nan_fill, axis), values)
+def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, repeat: int, axis: int,
+                           ctx=None):
+    if axis % 4 != 3 or not _grouped(query, key, value) or query.shape[1] != key.shape[1] * repeat:
+        _settled()  # (the product's broadcasting decides what that computes, or raises)
+        scores = matmul(np.multiply(query, query_scale),
+                        np.multiply(np.swapaxes(repeated_heads(key, repeat), -1, -2), key_scale))
+        return matmul(_probabilities(scores, bias, nan_fill, axis), repeated_heads(value, repeat))
     dtype = query.dtype
-    if (query_scale.dtype == dtype and key_scale.dtype == dtype and nan_fill.dtype == dtype and bias.dtype == dtype
-            and query_scale.size == 1 and key_scale.size == 1 and nan_fill.size == 1 and nan_fill.ndim <= 4):
+    if (query_scale.dtype == dtype and key_scale.dtype == dtype and nan_fill.dtype == dtype
+            and (bias is None or bias.dtype == dtype)):
         result = _attend_kernel(query, key, value, bias, query_scale.item() * key_scale.item(), nan_fill.item(),
                                 query.shape[2] == 1)
         if result is not None:

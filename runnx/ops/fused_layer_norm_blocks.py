@@ -63,7 +63,7 @@ def _reshaped(x, given, source, dims: tuple, axes: tuple):
     if given is not None:
         target = reshape_target(x.shape, int_tuple(given), 0)
     else:
-        target = _target(x.shape, source.shape, dims, axes)
+        target = _target(x.shape, () if source is None else source.shape, dims, axes)
     try:
         return x.reshape(target)
     except ValueError:

@@ -15,7 +15,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._kernels_linalg import rows_times_columns, rows_times_matrix
 from runnx.ops._matmul import matmul, own_kernels, rest_workers_before, stacked_product
-from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, head_repeat, materialised_repeat
+from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, repeated_heads
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.jobs import FEW_ROWS, few
@@ -95,20 +95,21 @@ def MatMul(a, b):
 
 
 @register("RepeatedKVMatMul", since=1, domain=FUSED_DOMAIN)
-def RepeatedKVMatMul(a, kv, axes, expand, target, scale=None, *, transposed: int = 0):
-    """MatMul(a, r), r = Reshape(Expand(Unsqueeze(kv, axes), expand), target): a KV cache's heads
-    repeated for grouped-query attention as exporters write it; transposed: r's last two axes
+def RepeatedKVMatMul(a, kv, scale=None, *, repeat: int, transposed: int = 0):
+    """MatMul(a, r), r = kv with each head repeated `repeat` times (`fused.repeated_heads`): a KV
+    cache's heads repeated for grouped-query attention, as exporters write it with
+    Reshape(Expand(Unsqueeze(kv))) and the graph proves (`interp/fusion/matcher.py`); transposed: r's last two axes
     swapped first (Transpose perm (0, 1, 3, 2)); scale: r times that scalar (a Mul after it). The
     query heads sharing a KV head go as one product of their rows against that head, read in place
     in the cache's buffer (r is never made: at a long context it is megabytes a layer a step), each
     element summed as runnx's own kernels sum it for the unfused MatMul, so the same bits
-    (`interp/fusion/repeated_kv_products.py`). Where those kernels do not run, or the shapes are not
-    a plain head repeat, the nodes' own computation."""
-    shapes = head_repeat(kv, axes, expand, target)
-    repeat = shapes[3]
-    if repeat is not None and _grouped_product_applies(a, kv, scale, repeat, transposed):
+    (`interp/fusion/repeated_kv_products.py`). Where those kernels do not run, the nodes' own
+    computation."""
+    if kv.ndim != 4:
+        raise RunnxError(f"a KV cache whose heads repeat must be (batch, heads, length, depth), got {list(kv.shape)}")
+    if _grouped_product_applies(a, kv, scale, repeat, transposed):
         return _grouped_product(a, kv, scale, repeat, transposed)
-    repeated = materialised_repeat(kv, shapes)
+    repeated = repeated_heads(kv, repeat)
     if transposed:
         repeated = np.transpose(repeated, (0, 1, 3, 2))
     if scale is not None:

@@ -13,8 +13,9 @@ F, I64 = TensorProto.FLOAT, TensorProto.INT64
 
 
 def _model(nodes, inputs, outputs, constants):
+    """inputs: (name, type) or (name, type, declared shape)."""
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info(n, t, None) for n, t in inputs],
+        nodes, "g", [helper.make_tensor_value_info(n, t, shape[0] if shape else None) for n, t, *shape in inputs],
         [helper.make_tensor_value_info(n, t, None) for n, t in outputs],
         [numpy_helper.from_array(np.asarray(v), k) for k, v in constants.items()])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10)
@@ -146,7 +147,9 @@ def test_rotary_embedding_fuses_only_slices_that_cut_one_axis_into_halves(change
         np.testing.assert_array_equal(fused["y"], plain["y"])
 
 
-def _attention_model(groups, repeat, length, with_shape_reader=False, merge_heads=False):
+def _attention_model(groups, repeat, length, with_shape_reader=False, merge_heads=False, declared=True):
+    """Attention over k, v (1, groups, length, 8) repeated to groups * repeat heads by constant
+    targets; declared: k's and v's shapes declared (what proves the repeat)."""
     def repeated(name):
         return [helper.make_node("Unsqueeze", [name, "axis2"], [f"{name}5"]),
                 helper.make_node("Expand", [f"{name}5", f"{name}_expand"], [f"{name}x"]),
@@ -173,7 +176,8 @@ def _attention_model(groups, repeat, length, with_shape_reader=False, merge_head
     for name in "kv":
         constants[f"{name}_expand"] = np.array([1, groups, repeat, length, 8])
         constants[f"{name}_target"] = np.array([1, heads, length, 8])
-    return _model(nodes, [("q", F), ("k", F), ("v", F), ("bias", F)], outputs, constants)
+    cache = [(1, groups, length, 8)] if declared else []
+    return _model(nodes, [("q", F), ("k", F, *cache), ("v", F, *cache), ("bias", F)], outputs, constants)
 
 
 @pytest.mark.parametrize("groups, repeat", [(2, 3), (3, 1), (1, 4)])
@@ -189,6 +193,25 @@ def test_grouped_query_attention_reads_the_cache_in_place(groups, repeat):
     assert ops.count("RepeatedKVAttention") == 1 and "Expand" not in ops and "Softmax" not in ops
     np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(fused["kshape"], [1, groups * repeat, length, 8])
+    plan = runnx.load(_attention_model(groups, repeat, length, with_shape_reader=True), shape_cache=False).plan()
+    assert [n.attrs["repeat"] for n in plan if n.op_type == "RepeatedKVAttention"] == [repeat]
+    assert [n.attrs["repeat"] for n in plan if n.op_type == "RepeatedKVShape"] == [repeat]
+
+
+def test_a_head_repeat_the_graph_does_not_prove_stays_and_the_attention_reads_it():
+    """Constant Expand/Reshape targets over a cache of undeclared shape: at run time the same
+    nodes could broadcast a cache of one head, so the repeat is not the attention's; it still
+    fuses, over the repeated cache, and computes the same."""
+    length, rng = 5, np.random.default_rng(7)
+    feeds = {"q": rng.standard_normal((1, 4, 2, 8)).astype(np.float32),
+             "k": rng.standard_normal((1, 2, length, 8)).astype(np.float32),
+             "v": rng.standard_normal((1, 2, length, 8)).astype(np.float32),
+             "bias": np.zeros((1, 1, 2, length), np.float32)}
+    fused, plain, ops = _both(_attention_model(2, 2, length, declared=False), feeds)
+    assert ops.count("RepeatedKVAttention") == 1 and ops.count("Expand") == 2 and "Softmax" not in ops
+    plan = runnx.load(_attention_model(2, 2, length, declared=False), shape_cache=False).plan()
+    assert [n.attrs["repeat"] for n in plan if n.op_type == "RepeatedKVAttention"] == [1]
+    np.testing.assert_allclose(fused["y"], plain["y"], rtol=1e-5, atol=1e-6)
 
 
 def test_the_heads_merged_after_attention_join_the_attention_node():
@@ -256,9 +279,12 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
     assert fused.fused["RopeAppend"] == 2  # one per layer, in the layer's ProjectedRopeAppend
     ops = [n.op_type for n in fused.plan()]
     assert ops.count("ProjectedRopeAppend") == 2 and "RotateHalf" not in ops
-    # heads merged (14 inputs), and the mask, Where(Slice(mask), 0, -inf), made by the node itself (21
-    # inputs); the output projection, the MLP and the next norm one ResidualGatedMLP after it
-    assert [len(n.inputs) for n in fused.plan() if n.op_type == "RepeatedKVAttention"] == [21, 21]
+    # the head repeat proven from the cache's dims (an attribute), heads merged and the mask,
+    # Where(Slice(mask, 0, end), 0, -inf), made by the node itself: query, key, value, (no bias),
+    # merged target, mask and end; the output projection, the MLP and the next norm one
+    # ResidualGatedMLP after it
+    attentions = [n for n in fused.plan() if n.op_type == "RepeatedKVAttention"]
+    assert [len(n.inputs) for n in attentions] == [7, 7] and [n.attrs["repeat"] for n in attentions] == [2, 2]
     assert ops.count("ResidualGatedMLP") == 2
     assert "Where" not in ops and "Slice" not in ops and "Where" in [n.op_type for n in plain.plan()]
     rng = np.random.default_rng(5)

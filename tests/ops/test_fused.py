@@ -241,47 +241,48 @@ def _tolerance(dtype):
     return {"rtol": 1e-5, "atol": 1e-6} if dtype == np.float32 else {"rtol": 1e-12, "atol": 1e-12}
 
 
-def _repeat_inputs(groups, repeat, length, expand=None, target=None):
-    expand = _ints(1, groups, repeat, length, 8) if expand is None else expand
-    target = _ints(1, groups * repeat, length, 8) if target is None else target
-    return _ints(2), expand, target
+def _numbers(scale, fill=0, dtype=np.float32):
+    """RepeatedKVAttention's scales and fill attributes: numpy scalars of the constants' dtype."""
+    return {"query_scale": dtype(scale), "key_scale": dtype(scale), "nan_fill": dtype(fill)}
 
 
-@pytest.mark.parametrize("expand, target, repeated", [
-    (None, None, (1, 6, 5, 8)),  # the grouped path
-    (_ints(1, 1, 3, 1, 1), _ints(0, -1, 5, 8), (1, 6, 5, 8)),  # broadcast and 0/-1 targets: still a head repeat
-    (_ints(1, 2, 3, 5, 8), _ints(1, 5, 6, 8), (1, 5, 6, 8)),  # not a head repeat: the materialised path
+@pytest.mark.parametrize("query_heads, repeat", [
+    (6, 3),  # the grouped path: each cache head read for its three query heads
+    (1, 3),  # one query head against six repeated: the product broadcasts it, the materialised path
+    (2, 1),  # no repeat: a head each
 ])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_repeated_kv_attention_matches_the_unfused_computation(expand, target, repeated, dtype):
-    groups, repeat, length = 2, 3, 5
+def test_repeated_kv_attention_matches_the_unfused_computation(query_heads, repeat, dtype):
+    groups, length = 2, 5
     k, v = _cache(1, groups, length, 8, dtype, capacity=9)
-    heads, kv_length = repeated[1], repeated[2]
-    q = RNG.standard_normal((1, heads, 2, 8)).astype(dtype)
-    bias = np.where(RNG.random((1, 1, 2, kv_length)) < 0.3, -np.inf, 0).astype(dtype)
-    scale, zero = dtype(0.5), np.zeros(1, dtype)
-    shape_inputs = _repeat_inputs(groups, repeat, length, expand, target)
-    got = RepeatedKVAttention(q, k, v, bias, scale, scale, zero, *shape_inputs, *shape_inputs, axis=-1)
+    q = RNG.standard_normal((1, query_heads, 2, 8)).astype(dtype)
+    bias = np.where(RNG.random((1, 1, 2, length)) < 0.3, -np.inf, 0).astype(dtype)
+    bias[..., 0] = 0
+    got = RepeatedKVAttention(q, k, v, bias, repeat=repeat, axis=-1, **_numbers(0.5, dtype=dtype))
+    repeated = (1, groups * repeat, length, 8)
     keys = np.broadcast_to(k[:, :, None], (1, groups, repeat, length, 8)).reshape(repeated)
     values = np.broadcast_to(v[:, :, None], (1, groups, repeat, length, 8)).reshape(repeated)
-    assert got.dtype == dtype
-    np.testing.assert_allclose(got, _grouped_reference(q, keys, values, bias, scale * scale, 0), **_tolerance(dtype))
+    want = _grouped_reference(np.broadcast_to(q, (1, max(query_heads, groups * repeat), 2, 8)), keys, values, bias,
+                              0.25, 0)
+    assert got.dtype == dtype and got.shape == want.shape
+    np.testing.assert_allclose(got, want, **_tolerance(dtype))
 
 
-def test_repeated_kv_attention_makes_its_bias_from_a_mask_as_slice_and_where_do():
+@pytest.mark.parametrize("mask_axis", [3, -1])
+def test_repeated_kv_attention_makes_its_bias_from_a_mask_as_slice_and_where_do(mask_axis):
     k, v = _cache(1, 2, 5, 8, np.float32, capacity=9)
     q = RNG.standard_normal((1, 6, 1, 8)).astype(np.float32)
     mask = RNG.random((1, 1, 1, 7)) < 0.7  # longer than the keys: sliced to them
     mask[..., 0] = True
-    cut = (_ints(0), _ints(5), _ints(3), _ints(1))
     then, otherwise = np.float32(0), np.float32(-np.inf)
-    scale, zero = np.float32(0.5), np.zeros(1, np.float32)
-    shape_inputs = _repeat_inputs(2, 3, 5)
-    want = RepeatedKVAttention(q, k, v, np.where(Slice(mask, *cut), then, otherwise), scale, scale, zero,
-                               *shape_inputs, *shape_inputs)
-    got = RepeatedKVAttention(q, k, v, None, scale, scale, zero, *shape_inputs, *shape_inputs, None, mask, *cut, then,
-                              otherwise)
+    want = RepeatedKVAttention(q, k, v, np.where(Slice(mask, _ints(0), _ints(5), _ints(3), _ints(1)), then, otherwise),
+                               repeat=3, **_numbers(0.5))
+    got = RepeatedKVAttention(q, k, v, None, None, mask, _ints(5), repeat=3, mask_axis=mask_axis, masked_then=then,
+                              masked_else=otherwise, **_numbers(0.5))
     np.testing.assert_array_equal(got, want)
+    with pytest.raises(RunnxError, match="cannot be cut on axis 4"):
+        RepeatedKVAttention(q, k, v, None, None, mask, _ints(5), repeat=3, mask_axis=4, masked_then=then,
+                            masked_else=otherwise, **_numbers(0.5))
 
 
 def test_repeated_kv_attention_fills_fully_masked_rows():
@@ -291,8 +292,8 @@ def test_repeated_kv_attention_fills_fully_masked_rows():
     bias[..., 1, :] = -np.inf  # query row 1 sees nothing
     bias[..., 2, 3] = np.nan  # query row 2 has a NaN score: its softmax is NaN too
     for fill in (0, 2):
-        got = RepeatedKVAttention(q, k, v, bias, np.float32(1), np.float32(0.25), np.full(1, fill, np.float32),
-                                  *_repeat_inputs(2, 2, 6), *_repeat_inputs(2, 2, 6), axis=-1)
+        got = RepeatedKVAttention(q, k, v, bias, repeat=2, axis=-1, query_scale=np.float32(1),
+                                  key_scale=np.float32(0.25), nan_fill=np.float32(fill))
         want = _grouped_reference(q, k, v, bias, 0.25, fill)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got[:, :, 1:], fill * np.repeat(v.sum(axis=2, keepdims=True), 2, axis=1)
@@ -403,10 +404,10 @@ def test_attend_computes_other_dtypes_with_numpy_and_rejects_bad_shapes():
 
 def test_repeated_kv_shape_is_a_read_only_stand_in():
     k = np.zeros((1, 3, 10, 8), np.float32)
-    stand_in = RepeatedKVShape(k, *_repeat_inputs(3, 3, 10))
+    stand_in = RepeatedKVShape(k, repeat=3)
     assert stand_in.shape == (1, 9, 10, 8) and not stand_in.flags.writeable and stand_in.strides == (0,) * 4
-    with pytest.raises(RunnxError):
-        RepeatedKVShape(k, _ints(2), _ints(1, 3, 3, 10, 8), _ints(1, 7, 10, 8))
+    with pytest.raises(RunnxError, match="batch, heads, length, depth"):
+        RepeatedKVShape(k[0], repeat=3)
 
 
 def test_fused_tiny_llama_logits_match_the_unfused_model(fixtures_dir):
@@ -436,9 +437,8 @@ def test_fused_tiny_llama_logits_match_the_unfused_model(fixtures_dir):
 
 
 def test_the_layers_reading_one_mask_share_its_bias_within_a_run():
-    """RepeatedKVAttention's mask bias is made once a run for the same mask, slice and Where input
-    arrays (every layer of a decode step reads the same: equal constants are one array after
-    load), never across runs or masks."""
+    """RepeatedKVAttention's mask bias is made once a run for the same mask and end arrays and the
+    same attributes (every layer of a decode step reads the same), never across runs or masks."""
     from runnx.interp.context import RunContext
     from runnx.interp.options import Options
 
@@ -448,18 +448,18 @@ def test_the_layers_reading_one_mask_share_its_bias_within_a_run():
         return array
 
     mask = RNG.random((1, 1, 1, 9)) < 0.5
-    then, otherwise = small(0.0, dtype=np.float32), small(-np.inf, dtype=np.float32)
-    start, axis, step, ends = small(0), small(3), small(1), {7: small(7), 8: small(8)}
+    then, otherwise = np.float32(0), np.float32(-np.inf)
+    ends = {7: small(7), 8: small(8)}
 
     def bias(mask, end, ctx, then=then):
-        return fused_ops._mask_bias(mask, start, ends[end], axis, step, then, otherwise, ctx)
+        return fused_ops._mask_bias(mask, ends[end], 3, then, otherwise, ctx)
 
     run = RunContext(Options())
     first = bias(mask, 7, run)
     np.testing.assert_array_equal(first, np.where(mask[..., :7], np.float32(0), np.float32(-np.inf)))
     assert bias(mask, 7, run) is first  # the same inputs
     assert bias(mask, 8, run).shape == (1, 1, 1, 8)  # another end
-    assert bias(mask, 7, run, small(1.0, dtype=np.float32))[mask[..., :7]].tolist() == [1.0] * mask[..., :7].sum()
+    assert bias(mask, 7, run, np.float32(1))[mask[..., :7]].tolist() == [1.0] * mask[..., :7].sum()
     assert bias(mask.copy(), 7, run) is not first  # an equal mask, another array
     assert bias(mask, 7, RunContext(Options())) is not first  # another run
     assert bias(mask, 7, None) is not first  # no run: made every call

@@ -60,11 +60,13 @@ def rewrite(graph: Graph, bitwise: bool = False) -> dict[str, int]:
 def fuse(graph: Graph, bitwise: bool = False) -> dict[str, int]:
     """Rewrite the patterns of `graph` (not of its subgraphs) into fused nodes; returns {fused op: count}.
     bitwise: only the patterns whose kernels compute bitwise what their nodes do (not ROUNDS_APART)."""
+    from runnx.interp.fusion.static_dims import StaticDims  # (it imports the folding kernels)
     counts: dict[str, int] = {}
+    static = StaticDims(graph)  # of the graph before fusion: what it states about its values holds after
     for anchor_op, matcher in PATTERNS:
         if bitwise and matcher in ROUNDS_APART:
             continue
-        m = Matcher(graph)
+        m = Matcher(graph, static)
         found = []
         for node in graph.nodes:
             if node.op_type != anchor_op or node.domain not in ANCHOR_DOMAINS or node.index in m.taken:

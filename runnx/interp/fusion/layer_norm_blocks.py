@@ -58,6 +58,9 @@ def _reshape_target(m: Matcher, reshape: Node) -> tuple[int, int, tuple, tuple] 
     when all are constants). Any other target (a constant, a shape memo's output) is kept."""
     if reshape.since < 5 or reshape.attrs.get("allowzero", 0):
         return None
+    proven = _proven_target(m, reshape)
+    if proven is not None:
+        return MISSING, MISSING, proven, (-1,) * len(proven)
     kept = (reshape.inputs[1], MISSING, (), ())
     concat = m.node(reshape.inputs[1], "Concat")
     if concat is None or concat.attrs.get("axis") != 0:
@@ -76,6 +79,28 @@ def _reshape_target(m: Matcher, reshape: Node) -> tuple[int, int, tuple, tuple] 
         dims.append(0)
         axes.append(found[1])
     return MISSING, source, tuple(dims), tuple(axes)
+
+
+def _proven_target(m: Matcher, reshape: Node) -> tuple | None:
+    """The Reshape's target as constants: a constant target itself, or one the graph proves from its
+    output's dims, each a number or the input's dim at the same place (a 0, which copies it),
+    whatever the run's sizes (splitting heads from (batch, length, hidden) to (batch, length,
+    heads, depth) by a target computed from the input's shape: (0, 0, heads, depth))."""
+    constant = m.graph.constants.get(reshape.inputs[1])
+    if constant is not None and constant.ndim == 1 and constant.dtype.kind == "i":
+        return tuple(int(d) for d in constant)  # (as written: Reshape's own 0 and -1)
+    own, out = m.static.dim_terms(reshape.inputs[0]), m.static.dim_terms(reshape.outputs[0])
+    if own is None or out is None:
+        return None
+    target = []
+    for i, dim in enumerate(out):
+        if isinstance(dim, int) and dim > 0:
+            target.append(dim)
+        elif i < len(own) and own[i] == dim:
+            target.append(0)
+        else:
+            return None
+    return tuple(target)
 
 
 def _scaled(m: Matcher, vid: int) -> tuple[int, int, Node | None]:

@@ -32,7 +32,7 @@ def fused_node(index: int, name: str, op_type: str, inputs: tuple, outputs: tupl
 
 
 class Matcher:
-    def __init__(self, graph: Graph):
+    def __init__(self, graph: Graph, static=None):
         self.graph = graph
         self.readers: dict[int, list[Node]] = {}
         for node in graph.nodes:
@@ -40,14 +40,20 @@ class Matcher:
                 self.readers.setdefault(vid, []).append(node)
         self.requested = set(graph.outputs)
         self.taken: set[int] = set()
-        self._static = None
+        self._static = static
 
-    def rank(self, vid: int) -> int | None:
-        """The rank the graph states for `vid` before anything runs (`StaticDims`), or None."""
+    @property
+    def static(self):
+        """What the graph states about shapes (`StaticDims`; given by `fuse`, shared by its passes:
+        facts about values, which keep their ids through fusion)."""
         if self._static is None:
             from runnx.interp.fusion.static_dims import StaticDims  # (it imports the folding kernels)
             self._static = StaticDims(self.graph)
-        dims = self._static.dims(vid)
+        return self._static
+
+    def rank(self, vid: int) -> int | None:
+        """The rank the graph states for `vid` before anything runs, or None."""
+        dims = self.static.dims(vid)
         return None if dims is None else len(dims)
 
     def node(self, vid: int, op_type: str) -> Node | None:
@@ -78,14 +84,28 @@ class Matcher:
         return True
 
     def head_repeat(self, vid: int) -> tuple | None:
-        """(Unsqueeze, Expand, Reshape) nodes repeating a KV cache's heads, ending in `vid`, as
-        transformers exports `repeat_kv` (whether they repeat heads the kernels check on the shapes)."""
+        """((Unsqueeze, Expand, Reshape), r) for nodes ending in `vid` shaped as transformers exports
+        `repeat_kv`, r when they repeat each head of a KV cache (batch, heads, length, depth) r times
+        in place: Reshape(Expand(Unsqueeze(kv, 2), (b, h, r, n, d)), (b, h * r, n, d)), the targets
+        proven from the cache's own dims (`StaticDims.dim_terms`), so no kernel checks them at run
+        time; r None when the graph does not prove that. None without such nodes."""
         reshape = self.node(vid, "Reshape")
         expand = self.node(reshape.inputs[0], "Expand") if reshape is not None else None
         unsqueeze = self.node(expand.inputs[0], "Unsqueeze") if expand is not None else None
         if unsqueeze is None or reshape.attrs.get("allowzero", 0) or unsqueeze.since < 13:
             return None
-        return unsqueeze, expand, reshape
+        return (unsqueeze, expand, reshape), self._proven_repeat(unsqueeze, expand, reshape)
+
+    def _proven_repeat(self, unsqueeze: Node, expand: Node, reshape: Node) -> int | None:
+        kv, axes = self.static.dim_terms(unsqueeze.inputs[0]), self.static.ints(unsqueeze.inputs[1])
+        expanded, reshaped = self.static.dim_terms(expand.outputs[0]), self.static.dim_terms(reshape.outputs[0])
+        if kv is None or len(kv) != 4 or axes is None or [a % 5 for a in axes.tolist() if a is not None] != [2]:
+            return None
+        repeat = expanded[2] if expanded is not None and len(expanded) == 5 else None
+        if not isinstance(repeat, int) or repeat < 1 or expanded != (*kv[:2], repeat, *kv[2:]):
+            return None
+        heads = kv[1] * repeat if isinstance(kv[1], int) else kv[1] if repeat == 1 else None
+        return repeat if heads is not None and reshaped == (kv[0], heads, *kv[2:]) else None
 
     def other(self, node: Node, vid: int) -> int:
         """The other input of a binary node, given one."""

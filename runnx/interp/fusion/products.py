@@ -300,7 +300,10 @@ def _projected_query(m: Matcher, attention: Node) -> Fused | None:
 def _rope_projected(m: Matcher, rope: Node) -> Fused | None:
     """RopeAppend whose query, key and value are the three products of one SharedInputMatMul, each
     split into heads and read only there: an RMSNorm layer's projections, rotary embedding and KV
-    cache growth as one ProjectedRopeAppend node (a decode step runs it natively)."""
+    cache growth as one ProjectedRopeAppend node (a decode step runs it natively). The splits'
+    targets must be constants (`layer_norm_blocks._reshape_target` proves them from the graph's
+    dims), the query and the key rotate with the same cos and sin, and the rotation's slice bounds
+    are numbers the graph states (`StaticDims.ints`): all attributes, none checked at run time."""
     shared = m.graph.producer.get(rope.inputs[0])
     if (rope.domain != DOMAIN or shared is None or shared.op_type != "SharedInputMatMul" or shared.domain != DOMAIN
             or shared.index in m.taken or len(shared.outputs) != 3 or shared.attrs.get("gated")
@@ -309,30 +312,47 @@ def _rope_projected(m: Matcher, rope: Node) -> Fused | None:
     positions = [shared.outputs.index(v) if v in shared.outputs else -1 for v in rope.inputs[:3]]
     if sorted(positions) != [0, 1, 2] or not m.private([shared, rope], tuple(rope.outputs), tuple(rope.inputs[:3])):
         return None
+    query_cos, query_sin, *query_bounds = rope.inputs[5:9]
+    key_cos, key_sin, *key_bounds = rope.inputs[9:13]
+    bounds = [_number_of(m, v) for v in (*query_bounds, *key_bounds)]
+    if (query_cos, query_sin) != (key_cos, key_sin) or None in bounds:
+        return None
     splits = {position: (n, dims, axes) for n, (position, dims, axes) in enumerate(shared.attrs["splits"])}
-    split_inputs, attrs = [], dict(rope.attrs)
+    biases, attrs = [], {**rope.attrs, "query_bounds": tuple(bounds[:2]), "key_bounds": tuple(bounds[2:])}
     for name, position in zip(("query", "key", "value"), positions):
         n, dims, axes = splits[position]
-        split_inputs += shared.inputs[4 + 3 * n:7 + 3 * n]
-        attrs.update({f"{name}_dims": dims, f"{name}_axes": axes})
-    inputs = (shared.inputs[0], *(shared.inputs[1 + p] for p in positions), *split_inputs, *rope.inputs[3:])
+        bias, target, source = shared.inputs[4 + 3 * n:7 + 3 * n]
+        if target != MISSING or source != MISSING or any(a != -1 for a in axes):
+            return None  # (a target known only at run time)
+        biases.append(bias)
+        attrs[f"{name}_dims"] = dims
+    inputs = (shared.inputs[0], *(shared.inputs[1 + p] for p in positions), *biases, *rope.inputs[3:7])
     return Fused("ProjectedRopeAppend", [shared, rope], inputs, rope.outputs, attrs)
+
+
+def _number_of(m: Matcher, vid: int) -> int | None:
+    """The one integer a value holds whatever the run (a constant, or a shape computation the graph's
+    dims decide), or None."""
+    value = m.static.ints(vid)
+    if value is None or value.size != 1:
+        return None
+    number = value.reshape(-1)[0]
+    return number if isinstance(number, int) else None
 
 
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     """Nodes giving values computed inside a fused node to readers of their shape (zero-strided
-    views): ProjectedRopeAppend's split heads (SplitHeadsShape of x and the product's weight and
-    split)."""
+    views): ProjectedRopeAppend's split heads (SplitHeadsShape of x and the product's weight)."""
     if fused.op_type != "ProjectedRopeAppend" or len(fused.members) != 2:
         return []
     rope = fused.members[1]
-    x, weights, splits = fused.inputs[0], fused.inputs[1:4], fused.inputs[4:13]
+    x, weights = fused.inputs[0], fused.inputs[1:4]
     stand_ins = []
     for n, (name, heads) in enumerate(zip(("query", "key", "value"), rope.inputs[:3])):
         if _read_outside(m, fused, heads):
-            _, target, source = splits[3 * n:3 * n + 3]
-            stand_ins.append(Fused("SplitHeadsShape", [], (x, weights[n], target, source), (heads,),
-                                   {"dims": fused.attrs[f"{name}_dims"], "axes": fused.attrs[f"{name}_axes"]}))
+            dims = fused.attrs[f"{name}_dims"]
+            stand_ins.append(Fused("SplitHeadsShape", [], (x, weights[n], MISSING, MISSING), (heads,),
+                                   {"dims": dims, "axes": (-1,) * len(dims)}))
     return stand_ins
 
 

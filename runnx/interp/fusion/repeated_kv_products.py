@@ -1,6 +1,6 @@
 """A KV cache's heads repeated for grouped-query attention and read by a product: MatMul(a, r),
 r = Reshape(Expand(Unsqueeze(kv))) as transformers exports `repeat_kv`, maybe through the keys'
-Transpose (0, 1, 3, 2) and a scalar Mul. One RepeatedKVMatMul reads the cache in place
+Transpose (0, 1, 3, 2) and a scalar Mul, the repeat proven from the cache's dims. One RepeatedKVMatMul reads the cache in place
 (`ops/linalg.py`), bitwise the nodes' product: it applies where the attention pattern of
 `rms_norm_blocks.py`, which rounds apart, does not (a graph quantizing computed values, an
 attention that pattern does not know), and a decode step no longer copies every head of the cache
@@ -28,15 +28,16 @@ def _repeated_kv_product(m: Matcher, matmul: Node) -> Fused | None:
             return None
         operand = transpose.inputs[0]
         between.append(transpose)
-    repeat = m.head_repeat(operand)
-    if repeat is None:
+    found = m.head_repeat(operand)
+    if found is None or found[1] is None:
         return None
-    unsqueeze, expand, reshape = repeat
+    (unsqueeze, expand, reshape), repeat = found
     chain = [unsqueeze, expand, reshape, *reversed(between), matmul]
     if not m.private(chain, matmul.outputs[0], shape_read=(reshape.outputs[0],)):
         return None
-    inputs = (matmul.inputs[0], unsqueeze.inputs[0], unsqueeze.inputs[1], expand.inputs[1], reshape.inputs[1], scale)
-    return Fused("RepeatedKVMatMul", chain, inputs, matmul.outputs, {"transposed": int(transpose is not None)})
+    inputs = (matmul.inputs[0], unsqueeze.inputs[0], scale)
+    return Fused("RepeatedKVMatMul", chain, inputs, matmul.outputs,
+                 {"repeat": repeat, "transposed": int(transpose is not None)})
 
 
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
@@ -47,7 +48,7 @@ def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     reshape = fused.members[2]
     if all(r.index in inside for r in m.readers.get(reshape.outputs[0], ())):
         return []
-    return [Fused("RepeatedKVShape", [], fused.inputs[1:5], reshape.outputs, {})]
+    return [Fused("RepeatedKVShape", [], fused.inputs[1:2], reshape.outputs, {"repeat": fused.attrs["repeat"]})]
 
 
 PATTERNS = (("MatMul", _repeated_kv_product),)

@@ -160,7 +160,10 @@ def _rotate_half(m: Matcher, concat: Node) -> Fused | None:
 
 
 def _attention(m: Matcher, softmax: Node) -> Fused | None:
-    """Where(IsNaN(p), fill, p) @ repeat(V) with p = Softmax((q * a) @ (Transpose(repeat(K)) * b) + bias)"""
+    """Where(IsNaN(p), fill, p) @ repeat(V) with p = Softmax((q * a) @ (Transpose(repeat(K)) * b) + bias),
+    a, b and fill scalar constants (attributes of the fused node). A head repeat the graph proves
+    (`Matcher.head_repeat`) is the attention's `repeat`: the kernel reads each cache head for its
+    group of query heads; one it does not prove stays in the graph (the attention reads its output)."""
     axis = softmax.attrs.get("axis", -1 if softmax.since >= 13 else 1)
     if softmax.since < 13 and axis not in (-1, 3):
         return None
@@ -178,17 +181,16 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
     key_mul = m.node(scores.inputs[1], "Mul")
     if query_mul is None or key_mul is None:
         return None
-    query_scale = next((v for v in query_mul.inputs if m.scalar(v) is not None), None)
-    key_scale = next((v for v in key_mul.inputs if m.scalar(v) is not None), None)
+    query_scale = next((v for v in query_mul.inputs if _number(m, v) is not None), None)
+    key_scale = next((v for v in key_mul.inputs if _number(m, v) is not None), None)
     if query_scale is None or key_scale is None:
         return None
     query = m.other(query_mul, query_scale)
     transpose = m.node(m.other(key_mul, key_scale), "Transpose")
     if transpose is None or transpose.attrs.get("perm") != (0, 1, 3, 2):
         return None
-    key_repeat = m.head_repeat(transpose.inputs[0])
     readers = m.readers.get(softmax.outputs[0], ())
-    if key_repeat is None or len(readers) != 2:
+    if len(readers) != 2:
         return None
     isnan = next((r for r in readers if r.op_type == "IsNaN"), None)
     where = next((r for r in readers if r.op_type == "Where"), None)
@@ -196,20 +198,32 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
         return None
     nan_fill = where.inputs[1]
     readers = m.readers.get(where.outputs[0], ())
-    if m.scalar(nan_fill) is None or len(readers) != 1 or readers[0].op_type != "MatMul":
+    if _number(m, nan_fill) is None or len(readers) != 1 or readers[0].op_type != "MatMul":
         return None
     output = readers[0]
-    if output.inputs[0] != where.outputs[0] or (value_repeat := m.head_repeat(output.inputs[1])) is None:
+    if output.inputs[0] != where.outputs[0]:
         return None
+    key, value, repeat, key_repeat, value_repeat = transpose.inputs[0], output.inputs[1], 1, (), ()
+    key_found, value_found = m.head_repeat(key), m.head_repeat(value)
+    if key_found is None or value_found is None:
+        return None  # (an attention without the repeat's nodes is layer_norm_blocks.py's)
+    if key_found[1] is not None and key_found[1] == value_found[1]:
+        (key_repeat, repeat), value_repeat = key_found, value_found[0]
+        key, value = key_repeat[0].inputs[0], value_repeat[0].inputs[0]
     chain = [*key_repeat, transpose, key_mul, query_mul, scores, add, softmax, isnan, where, *value_repeat, output]
-    if not m.private(chain, output.outputs[0], shape_read=(key_repeat[2].outputs[0], value_repeat[2].outputs[0])):
+    repeated = tuple(nodes[2].outputs[0] for nodes in (key_repeat, value_repeat) if nodes)
+    if not m.private(chain, output.outputs[0], shape_read=repeated):
         return None
-    repeat_inputs = tuple(v for nodes in (key_repeat, value_repeat)
-                          for v in (nodes[0].inputs[0], nodes[0].inputs[1], nodes[1].inputs[1], nodes[2].inputs[1]))
-    key, *key_shape = repeat_inputs[:4]
-    value, *value_shape = repeat_inputs[4:]
-    inputs = (query, key, value, bias, query_scale, key_scale, nan_fill, *key_shape, *value_shape)
-    return Fused("RepeatedKVAttention", chain, inputs, output.outputs, {"axis": axis})
+    attrs = {"axis": axis, "repeat": repeat, "query_scale": _number(m, query_scale),
+             "key_scale": _number(m, key_scale), "nan_fill": _number(m, nan_fill)}
+    return Fused("RepeatedKVAttention", chain, (query, key, value, bias), output.outputs, attrs)
+
+
+def _number(m: Matcher, vid: int):
+    """A constant of one element and rank at most 4 (the scores') as a numpy scalar of its dtype: an
+    attribute computing what the constant did (a rank above the scores' would broadcast them)."""
+    value = m.scalar(vid)
+    return None if value is None or value.ndim > 4 or value.dtype.kind != "f" else value.reshape(())[()]
 
 
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
@@ -217,11 +231,12 @@ def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
     stand_ins = []
     if fused.op_type != "RepeatedKVAttention" or any(n.domain == DOMAIN for n in fused.members):
         return stand_ins  # only for the attention's own match, not when it grows (merged heads, mask)
+    if fused.members[0].op_type != "Unsqueeze":
+        return stand_ins  # (a repeat it did not prove stays in the graph)
     inside = {n.index for n in fused.members}
-    for kv, axes, expand, target, reshape in ((*fused.inputs[1:2], *fused.inputs[7:10], fused.members[2]),
-                                               (*fused.inputs[2:3], *fused.inputs[10:13], fused.members[-2])):
+    for kv, reshape in ((fused.inputs[1], fused.members[2]), (fused.inputs[2], fused.members[-2])):
         if any(r.index not in inside for r in m.readers.get(reshape.outputs[0], ())):
-            stand_ins.append(Fused("RepeatedKVShape", [], (kv, axes, expand, target), reshape.outputs, {}))
+            stand_ins.append(Fused("RepeatedKVShape", [], (kv,), reshape.outputs, {"repeat": fused.attrs["repeat"]}))
     return stand_ins
 
 
@@ -289,7 +304,7 @@ def _merged_heads(m: Matcher, transpose: Node) -> Fused | None:
     merged back into (batch, length, hidden), by the attention node itself."""
     attention = _fused(m, transpose.inputs[0], "RepeatedKVAttention")
     readers = m.readers.get(transpose.outputs[0], ())
-    if (attention is None or len(attention.inputs) != 13 or transpose.attrs.get("perm") != (0, 2, 1, 3)
+    if (attention is None or len(attention.inputs) != 4 or transpose.attrs.get("perm") != (0, 2, 1, 3)
             or len(readers) != 1 or readers[0].op_type != "Reshape" or readers[0].domain != ""
             or readers[0].attrs.get("allowzero", 0)):
         return None
@@ -301,13 +316,19 @@ def _merged_heads(m: Matcher, transpose: Node) -> Fused | None:
 
 
 def _masked_attention(m: Matcher, where: Node) -> Fused | None:
-    """Where(Slice(mask, ...), then, else) with scalar constants then/else, read only as the bias of
-    a RepeatedKVAttention: the layer's additive mask, computed by the attention node itself."""
-    if len(where.inputs) != 3 or m.scalar(where.inputs[1]) is None or m.scalar(where.inputs[2]) is None:
-        return None
-    cut = m.node(where.inputs[0], "Slice")
+    """Where(Slice(mask, 0, end, axis), then, else), then and else scalar constants, the slice's
+    start 0, step 1 and axis constants, read only as the bias of a RepeatedKVAttention: the layer's
+    additive mask, computed by the attention node itself (inputs mask and end)."""
+    then, otherwise = (_number(m, v) for v in where.inputs[1:3]) if len(where.inputs) == 3 else (None, None)
+    cut = m.node(where.inputs[0], "Slice") if then is not None and otherwise is not None else None
     readers = m.readers.get(where.outputs[0], ())
     if cut is None or cut.since < 10 or len(readers) != 1:
+        return None
+    start, end, axes, steps = _slice_inputs(cut)
+    constant = {v: m.graph.constants.get(v) for v in (start, axes, steps)}
+    if (end == MISSING or any(v is not None and v.size != 1 for v in constant.values()) or constant[axes] is None
+            or constant[start] is None or int(constant[start].reshape(-1)[0]) != 0
+            or (steps != MISSING and (constant[steps] is None or int(constant[steps].reshape(-1)[0]) != 1))):
         return None
     attention = readers[0]
     if (attention.op_type != "RepeatedKVAttention" or attention.domain != DOMAIN or attention.index in m.taken
@@ -316,10 +337,11 @@ def _masked_attention(m: Matcher, where: Node) -> Fused | None:
     chain = [cut, where, attention]
     if not m.private(chain, attention.outputs[0]):
         return None
-    merged = attention.inputs[13:14] or (MISSING,)
-    inputs = (*attention.inputs[:3], MISSING, *attention.inputs[4:13], *merged, cut.inputs[0], *_slice_inputs(cut),
-              *where.inputs[1:])
-    return Fused("RepeatedKVAttention", chain, inputs, attention.outputs, attention.attrs)
+    merged = attention.inputs[4:5] or (MISSING,)
+    inputs = (*attention.inputs[:3], MISSING, *merged, cut.inputs[0], end)
+    attrs = {**attention.attrs, "mask_axis": int(constant[axes].reshape(-1)[0]), "masked_then": then,
+             "masked_else": otherwise}
+    return Fused("RepeatedKVAttention", chain, inputs, attention.outputs, attrs)
 
 
 # AddRMSNorm matches the RMSNorm nodes the first pattern made
