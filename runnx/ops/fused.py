@@ -90,32 +90,38 @@ def RepeatedKVAttention(query, key, value, bias=None, merged_target=None, mask=N
     view into its capacity buffer). The scales and the fill are numpy scalars of the constants'
     dtypes. With merged_target: Reshape(Transpose(that, (0, 2, 1, 3)), merged_target), the heads
     merged back. With mask (bias absent): bias = Where(mask cut to [0, mask_end) on mask_axis,
-    masked_then, masked_else). query, key and value may be the outputs of a job the previous node
+    masked_then, masked_else), mask_end the key's length when absent. query, key and value may be the outputs of a job the previous node
     left open (a ProjectedRopeAppend's, `runtime/open_jobs.py`): the decode pool's attention post
     finishes it first; every other path settles before it reads them. Given leave, a decode row's
     attention job is left open (its merged heads a view of its output)."""
     if mask is not None:
-        bias = _mask_bias(mask, mask_end, mask_axis, masked_then, masked_else, ctx)
+        end = key.shape[2] if mask_end is None else _one_number(mask_end)
+        bias = _mask_bias(mask, end, mask_axis, masked_then, masked_else, ctx)
     heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, repeat, axis, ctx)
     if merged_target is None:
         return heads
     return Reshape(heads.transpose(0, 2, 1, 3), merged_target)
 
 
-def _mask_bias(mask, end, axis: int, then, otherwise, ctx=None):
-    """RepeatedKVAttention's additive mask, made once a run (with ctx) for the same mask and end
-    arrays: every layer of a decode step reads the same (np.where once a layer a step was a
-    measurable part of it). Known by identity, not by the end's value (reading it a layer between
-    kernels streaming weights costs cache misses)."""
+def _one_number(end) -> int:
+    if end.size != 1:
+        raise RunnxError(f"the attention mask's end must have one element, got shape {list(end.shape)}")
+    return int(end.reshape(-1)[0])
+
+
+def _mask_bias(mask, end: int, axis: int, then, otherwise, ctx=None):
+    """RepeatedKVAttention's additive mask, made once a run (with ctx) for the same mask array and
+    numbers: every layer of a decode step reads the same (np.where once a layer a step was a
+    measurable part of it)."""
     def made():
-        if not -mask.ndim <= axis < mask.ndim or end.size != 1:
-            raise RunnxError(f"the attention mask of shape {list(mask.shape)} cannot be cut on axis {axis} at {end}")
+        if not -mask.ndim <= axis < mask.ndim:
+            raise RunnxError(f"the attention mask of shape {list(mask.shape)} cannot be cut on axis {axis}")
         index = [slice(None)] * mask.ndim
-        index[axis] = slice(0, int(end.reshape(-1)[0]))  # (Slice with step 1 clamps as a Python slice does)
+        index[axis] = slice(0, end)  # (Slice with step 1 clamps as a Python slice does)
         return np.where(mask[tuple(index)], then, otherwise)
     if ctx is None:
         return made()
-    return ctx.keep(("mask bias", id(mask), id(end), axis, then, otherwise), (mask, end), made)
+    return ctx.keep(("mask bias", id(mask), end, axis, then, otherwise), (mask,), made)
 
 
 def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, repeat: int, axis: int,

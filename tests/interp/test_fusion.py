@@ -280,11 +280,11 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
     ops = [n.op_type for n in fused.plan()]
     assert ops.count("ProjectedRopeAppend") == 2 and "RotateHalf" not in ops
     # the head repeat proven from the cache's dims (an attribute), heads merged and the mask,
-    # Where(Slice(mask, 0, end), 0, -inf), made by the node itself: query, key, value, (no bias),
-    # merged target, mask and end; the output projection, the MLP and the next norm one
-    # ResidualGatedMLP after it
+    # Where(Slice(mask, 0, end), 0, -inf), made by the node itself, its end proven the keys' count:
+    # query, key, value, (no bias), merged target and mask; the output projection, the MLP and the
+    # next norm one ResidualGatedMLP after it
     attentions = [n for n in fused.plan() if n.op_type == "RepeatedKVAttention"]
-    assert [len(n.inputs) for n in attentions] == [7, 7] and [n.attrs["repeat"] for n in attentions] == [2, 2]
+    assert [len(n.inputs) for n in attentions] == [6, 6] and [n.attrs["repeat"] for n in attentions] == [2, 2]
     assert ops.count("ResidualGatedMLP") == 2
     assert "Where" not in ops and "Slice" not in ops and "Where" in [n.op_type for n in plain.plan()]
     rng = np.random.default_rng(5)

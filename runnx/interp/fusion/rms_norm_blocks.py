@@ -318,7 +318,8 @@ def _merged_heads(m: Matcher, transpose: Node) -> Fused | None:
 def _masked_attention(m: Matcher, where: Node) -> Fused | None:
     """Where(Slice(mask, 0, end, axis), then, else), then and else scalar constants, the slice's
     start 0, step 1 and axis constants, read only as the bias of a RepeatedKVAttention: the layer's
-    additive mask, computed by the attention node itself (inputs mask and end)."""
+    additive mask, computed by the attention node itself (inputs mask and end; no end where the
+    graph proves it the key's length)."""
     then, otherwise = (_number(m, v) for v in where.inputs[1:3]) if len(where.inputs) == 3 else (None, None)
     cut = m.node(where.inputs[0], "Slice") if then is not None and otherwise is not None else None
     readers = m.readers.get(where.outputs[0], ())
@@ -338,10 +339,19 @@ def _masked_attention(m: Matcher, where: Node) -> Fused | None:
     if not m.private(chain, attention.outputs[0]):
         return None
     merged = attention.inputs[4:5] or (MISSING,)
-    inputs = (*attention.inputs[:3], MISSING, *merged, cut.inputs[0], end)
+    ends = () if _keys_end(m, end, attention.inputs[1]) else (end,)  # (none: the keys' count, when it runs)
+    inputs = (*attention.inputs[:3], MISSING, *merged, cut.inputs[0], *ends)
     attrs = {**attention.attrs, "mask_axis": int(constant[axes].reshape(-1)[0]), "masked_then": then,
              "masked_else": otherwise}
     return Fused("RepeatedKVAttention", chain, inputs, attention.outputs, attrs)
+
+
+def _keys_end(m: Matcher, end: int, key: int) -> bool:
+    """Whether the graph proves `end` (a 1-element vector) is the key's length, its dim 2: a mask
+    cut to the keys by a bound computed from the repeated cache's shape, as transformers exports it."""
+    terms, dims = m.static.terms(end), m.static.dim_terms(key)
+    return terms is not None and terms.size == 1 and dims is not None and len(dims) == 4 and (
+        terms.reshape(-1)[0] == dims[2])
 
 
 # AddRMSNorm matches the RMSNorm nodes the first pattern made
