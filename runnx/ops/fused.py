@@ -90,10 +90,11 @@ def RepeatedKVAttention(query, key, value, bias=None, merged_target=None, mask=N
     view into its capacity buffer). The scales and the fill are numpy scalars of the constants'
     dtypes. With merged_target: Reshape(Transpose(that, (0, 2, 1, 3)), merged_target), the heads
     merged back. With mask (bias absent): bias = Where(mask cut to [0, mask_end) on mask_axis,
-    masked_then, masked_else), mask_end the key's length when absent. query, key and value may be the outputs of a job the previous node
-    left open (a ProjectedRopeAppend's, `runtime/open_jobs.py`): the decode pool's attention post
-    finishes it first; every other path settles before it reads them. Given leave, a decode row's
-    attention job is left open (its merged heads a view of its output)."""
+    masked_then, masked_else), mask_end the key's length when absent. query, key and value may be
+    the outputs of a job the previous node left open (a ProjectedRopeAppend's,
+    `runtime/open_jobs.py`): the decode pool's attention post finishes it first; every other path
+    settles before it reads them. Given leave, a decode row's attention job is left open (its
+    merged heads a view of its output)."""
     if mask is not None:
         end = key.shape[2] if mask_end is None else _one_number(mask_end)
         bias = _mask_bias(mask, end, mask_axis, masked_then, masked_else, ctx)

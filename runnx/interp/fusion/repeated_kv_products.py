@@ -1,6 +1,7 @@
 """A KV cache's heads repeated for grouped-query attention and read by a product: MatMul(a, r),
-r = Reshape(Expand(Unsqueeze(kv))) as transformers exports `repeat_kv`, maybe through the keys'
-Transpose (0, 1, 3, 2) and a scalar Mul, the repeat proven from the cache's dims. One RepeatedKVMatMul reads the cache in place
+r = Reshape(Expand(Unsqueeze(kv))) as transformers exports `repeat_kv` (the repeat proven from the
+cache's dims: `Matcher.head_repeat`), maybe through the keys' Transpose (0, 1, 3, 2) and a scalar
+Mul. One RepeatedKVMatMul reads the cache in place
 (`ops/linalg.py`), bitwise the nodes' product: it applies where the attention pattern of
 `rms_norm_blocks.py`, which rounds apart, does not (a graph quantizing computed values, an
 attention that pattern does not know), and a decode step no longer copies every head of the cache

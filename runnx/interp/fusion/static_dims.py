@@ -303,9 +303,9 @@ def _partial(node, args):
             func = {"Add": lambda x, y: x + y, "Sub": lambda x, y: x - y, "Mul": lambda x, y: x * y,
                     "Div": lambda x, y: int(x / y) if y else None, "Equal": lambda x, y: x == y,
                     "Max": max, "Min": min}[op]
-            return np.array([None if x is None or y is None else _named(op, x, y) if isinstance(x, Dim) or isinstance(y, Dim)
-                             else func(x, y) for x, y in zip(a.reshape(-1), b.reshape(-1))],
-                            dtype=object).reshape(a.shape)
+            return np.array([None if x is None or y is None else _named(op, x, y)
+                             if Dim in (type(x), type(y)) else func(x, y)
+                             for x, y in zip(a.reshape(-1), b.reshape(-1))], dtype=object).reshape(a.shape)
         if op == "Where":
             c, a, b = np.broadcast_arrays(*args[:3])
             return np.array([None if x is None or isinstance(x, Dim) else (y if x else z) for x, y, z in
