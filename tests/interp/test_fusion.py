@@ -273,6 +273,28 @@ def test_greedy_tokens_are_identical_with_each_optimisation_on_and_off(fixtures_
     assert len(set(map(tuple, produced.values()))) == 1 and len(produced[True, True]) == 16
 
 
+def test_a_key_rotated_by_another_table_keeps_the_layers_products_and_rope_apart(fixtures_dir):
+    """ProjectedRopeAppend takes one cos/sin pair: where layer 0's key reads a cos table of its own
+    (an Unsqueeze of its own, equal in value), that layer keeps SharedInputMatMul and RopeAppend, the
+    other layer fuses, and the logits and caches are the unfused graph's."""
+    model = onnx.load(fixtures_dir / "tiny-llama" / "model.onnx")
+    unsqueeze = next(n for n in model.graph.node if n.name == "/model/layers.0/self_attn/Unsqueeze_6")
+    key_cos = next(n for n in model.graph.node if n.name == "/model/layers.0/self_attn/Mul_2")
+    assert key_cos.input[1] == unsqueeze.output[0]
+    model.graph.node.append(helper.make_node("Unsqueeze", list(unsqueeze.input), ["key_cos"], name="key_cos"))
+    key_cos.input[1] = "key_cos"
+    fused, plain = runnx.load(model), runnx.load(model, fuse=False)
+    ops = [n.op_type for n in fused.plan()]
+    assert ops.count("ProjectedRopeAppend") == 1 and ops.count("RopeAppend") == 1 and "SharedInputMatMul" in ops
+    rng = np.random.default_rng(8)
+    past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in fused.input_names if "past" in n}
+    feeds = {"input_ids": np.array([[7, 9]]), "attention_mask": np.ones((1, 8), np.int64),
+             "position_ids": np.array([[6, 7]]), **past}
+    got, want = fused.run(feeds), plain.run(feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in_place(fixtures_dir):
     path = fixtures_dir / "tiny-llama" / "model.onnx"
     fused, plain = runnx.load(path), runnx.load(path, fuse=False)
