@@ -90,12 +90,13 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
         b = MatMulNBits(b, projection, projection_scales, projection_zeros, K=projected, N=K, bits=4,
                         block_size=block_size)
         decode_pool.settle()
-    summed, normed = AddRMSNorm(a, b, np.float32(epsilon), np.float32(one), norm_weight, to=to, cast=cast, skip=skip)
+    summed, normed = AddRMSNorm(a, b, norm_weight, epsilon=np.float32(epsilon), one=np.float32(one), to=to, cast=cast,
+                                skip=skip)
     (activated,) = SharedInputMatMulNBits(normed, *parts, K=K, columns=columns, block_size=block_size, gated=gated)
     product = MatMulNBits(activated, down, down_scales, down_zeros, K=columns[0], N=K, bits=4, block_size=block_size)
     decode_pool.settle()  # (MatMulNBits may leave its job open)
-    return AddRMSNorm(summed, product, np.float32(down_epsilon), np.float32(down_one), down_norm_weight, to=to,
-                      cast=cast, skip=skip)
+    return AddRMSNorm(summed, product, down_norm_weight, epsilon=np.float32(down_epsilon), one=np.float32(down_one),
+                      to=to, cast=cast, skip=skip)
 
 
 def _native_rows(a, b, norm_weight, down_norm_weight, K: int, width: int, columns: tuple) -> bool:

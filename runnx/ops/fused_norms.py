@@ -24,8 +24,9 @@ from runnx.runtime.rows import share_rows
 
 
 @register("RMSNorm", since=1, domain=DOMAIN)
-def RMSNorm(x, epsilon, one, weight, *, axis: int = -1, to: int = 0):
-    """weight * Cast(x * (one / sqrt(ReduceMean(x * x, axis) + epsilon)), to) (to=0: no Cast)."""
+def RMSNorm(x, weight, *, epsilon, one, axis: int = -1, to: int = 0):
+    """weight * Cast(x * (one / sqrt(ReduceMean(x * x, axis) + epsilon)), to) (to=0: no Cast);
+    epsilon and one are numpy scalars of the graph's constants' dtypes (their arithmetic)."""
     if _norm_kernel_applies(x, epsilon, one, weight, axis, to):
         out = np.empty_like(x)
         rows = _rows_of(x)
@@ -71,7 +72,7 @@ def _casts_to_itself(to: int, dtype) -> bool:
 
 
 @register("AddRMSNorm", since=1, domain=DOMAIN, inplace=(0, 1))
-def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast: int = 0, skip: int = 0,
+def AddRMSNorm(a, b, weight, *, epsilon, one, axis: int = -1, to: int = 0, cast: int = 0, skip: int = 0,
                overwrite=()):
     """(s, RMSNorm(s)) with s = Cast(a + b, cast) (cast=0: no Cast): a residual add, kept for the
     next one, and the norm reading it. Equal shapes and dtypes, both C-contiguous, no Cast to another
@@ -92,7 +93,7 @@ def AddRMSNorm(a, b, epsilon, one, weight, *, axis: int = -1, to: int = 0, cast:
     residual = binary(np.add, a, b, overwrite)
     if cast:
         residual = residual.astype(ONNX_TO_NUMPY[cast], copy=False)
-    return residual, RMSNorm(residual, epsilon, one, weight, axis=axis, to=to)
+    return residual, RMSNorm(residual, weight, epsilon=epsilon, one=one, axis=axis, to=to)
 
 
 @register("SiluMul", since=1, domain=DOMAIN)

@@ -26,19 +26,19 @@ from runnx.runtime import pool as decode_pool, take_leave
 
 
 @register("MatMulAddRMSNorm", since=1, domain=DOMAIN)
-def MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, *, axis: int = -1, to: int = 0,
+def MatMulAddRMSNorm(x, weight, bias, residual, norm_weight, *, epsilon, one, axis: int = -1, to: int = 0,
                      cast: int = 0, skip: int = 0):
     """AddRMSNorm(residual, MatMul(x, weight) [+ bias]) (`runnx/interp/fusion/products.py`): the sum
     written into the fresh product (addition commutes: the same sums as the unfused nodes')."""
-    return AddRMSNorm(residual, _product(x, weight, bias), epsilon, one, norm_weight, axis=axis, to=to, cast=cast,
-                      skip=skip, overwrite=(1,))
+    return AddRMSNorm(residual, _product(x, weight, bias), norm_weight, epsilon=epsilon, one=one, axis=axis, to=to,
+                      cast=cast, skip=skip, overwrite=(1,))
 
 
 @register("ResidualGatedMLP", since=1, domain=DOMAIN, overlaps_jobs=True)
-def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
-                     down_bias, down_epsilon, down_one, down_norm_weight, *, norm: tuple = (-1, 0, 0),
+def ResidualGatedMLP(x, weight, bias, residual, norm_weight, gate_weight, up_weight, down_weight, down_bias,
+                     down_norm_weight, *, epsilon, one, down_epsilon, down_one, norm: tuple = (-1, 0, 0),
                      down_norm: tuple = (-1, 0, 0), skip: int = 0):
-    """(s, n) = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight), then
+    """(s, n) = MatMulAddRMSNorm(x, weight, bias, residual, norm_weight; epsilon, one), then
     MatMulAddRMSNorm(SiluMul(n @ gate_weight, n @ up_weight), down_weight, down_bias, s, down_...):
     a decoder layer from its attention's output projection to the next layer's norm
     (`runnx/interp/fusion/products.py`); norm and down_norm are the norms' (axis, to, cast), skip
@@ -65,12 +65,12 @@ def ResidualGatedMLP(x, weight, bias, residual, epsilon, one, norm_weight, gate_
         return _gated_down_rows(decode_pool.shared_call(projected_gate_rows, *block[0], skipped), residual,
                                 down_weight, block[1], down_norm_weight, skipped)
     axis, to, cast = norm
-    summed, normed = MatMulAddRMSNorm(x, weight, bias, residual, epsilon, one, norm_weight, axis=axis, to=to,
-                                      cast=cast, skip=skip)
+    summed, normed = MatMulAddRMSNorm(x, weight, bias, residual, norm_weight, epsilon=epsilon, one=one, axis=axis,
+                                      to=to, cast=cast, skip=skip)
     (gated,) = SharedInputMatMul(normed, gate_weight, up_weight, gated=(0, 1))
     axis, to, cast = down_norm
-    return MatMulAddRMSNorm(gated, down_weight, down_bias, summed, down_epsilon, down_one, down_norm_weight,
-                            axis=axis, to=to, cast=cast, skip=skip)
+    return MatMulAddRMSNorm(gated, down_weight, down_bias, summed, down_norm_weight, epsilon=down_epsilon,
+                            one=down_one, axis=axis, to=to, cast=cast, skip=skip)
 
 
 def _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
@@ -83,8 +83,8 @@ def _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_we
             or residual.dtype != _FLOAT32 or not residual.ndim or not residual.flags.c_contiguous
             or residual.shape != x.shape[:-1] + residual.shape[-1:]):
         return None
-    numbers = _gated_block_numbers((x.size, residual.ndim, residual.shape[-1], norm, down_norm), weight, epsilon, one,
-                                   norm_weight, gate_weight, up_weight, down_weight, down_epsilon, down_one,
+    numbers = _gated_block_numbers((x.size, residual.ndim, residual.shape[-1], norm, down_norm, epsilon, one,
+                                    down_epsilon, down_one), weight, norm_weight, gate_weight, up_weight, down_weight,
                                    down_norm_weight)
     if numbers is None:
         return None
@@ -102,8 +102,9 @@ def _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_w
             or residual.shape != x.shape[:-1] + residual.shape[-1:]):
         return None
     rows, depth, width = x.size // x.shape[-1], x.shape[-1], residual.shape[-1]
-    numbers = _gated_block_numbers((depth, residual.ndim, width, norm, down_norm), weight, epsilon, one, norm_weight,
-                                   gate_weight, up_weight, down_weight, down_epsilon, down_one, down_norm_weight)
+    numbers = _gated_block_numbers((depth, residual.ndim, width, norm, down_norm, epsilon, one, down_epsilon,
+                                    down_one), weight, norm_weight, gate_weight, up_weight, down_weight,
+                                   down_norm_weight)
     inner = up_weight.shape[-1]
     if (numbers is None or not pooled_prompt(rows, depth, (width,)) or not pooled_prompt(rows, width, (inner, inner))
             or not pooled_prompt(rows, inner, (width,))):
@@ -123,12 +124,13 @@ def _gated_down_rows(first, residual, down_weight, down_numbers, down_norm_weigh
 
 
 @Remembered
-def _gated_block_numbers(values: tuple, weight, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
-                         down_epsilon, down_one, down_norm_weight) -> tuple | None:
+def _gated_block_numbers(values: tuple, weight, norm_weight, gate_weight, up_weight, down_weight,
+                         down_norm_weight) -> tuple | None:
     """The two norms' (epsilon, one) as numbers when a ResidualGatedMLP row of this depth onto a
     residual of this rank and width has matrices that chain and norms that are the numba kernel's
-    (`_gated_mlp_row`), else None."""
-    depth, ndim, width, norm, down_norm = values
+    (`_gated_mlp_row`), else None; values: (depth, rank, width, the norms' (axis, to, cast), their
+    epsilon and one scalars)."""
+    depth, ndim, width, norm, down_norm, epsilon, one, down_epsilon, down_one = values
     inner = up_weight.shape[-1]
     if not (_matrix(weight, depth, width) and _matrix(gate_weight, width, inner) and _matrix(up_weight, width, inner)
             and _matrix(down_weight, inner, width)

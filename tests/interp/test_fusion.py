@@ -308,6 +308,8 @@ def test_a_layers_rotary_embedding_and_cache_growth_become_one_node_appending_in
     attentions = [n for n in fused.plan() if n.op_type == "RepeatedKVAttention"]
     assert [len(n.inputs) for n in attentions] == [6, 6] and [n.attrs["repeat"] for n in attentions] == [2, 2]
     assert ops.count("ResidualGatedMLP") == 2
+    blocks = [n for n in fused.plan() if n.op_type == "ResidualGatedMLP"]  # the norms' numbers are attributes
+    assert [len(n.inputs) for n in blocks] == [10, 10] and all(n.attrs["epsilon"].dtype == np.float32 for n in blocks)
     assert "Where" not in ops and "Slice" not in ops and "Where" in [n.op_type for n in plain.plan()]
     rng = np.random.default_rng(5)
     past = {n: rng.standard_normal((1, 2, 6, 16)).astype(np.float32) for n in fused.input_names if "past" in n}

@@ -25,7 +25,7 @@ def _ints(*values):
 def test_rms_norm_matches_the_formula_and_casts():
     x = RNG.standard_normal((2, 5, 32)).astype(np.float32)
     w = RNG.standard_normal(32).astype(np.float16)
-    got = RMSNorm(x, np.float32(1e-6), np.float32(1), w, axis=-1, to=10)  # to float16: the numpy path
+    got = RMSNorm(x, w, epsilon=np.float32(1e-6), one=np.float32(1), axis=-1, to=10)  # to float16: the numpy path
     want = (w * (x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(1e-6))).astype(np.float16))
     assert got.dtype == np.float16
     np.testing.assert_allclose(got, want, rtol=1e-3)
@@ -42,10 +42,10 @@ def test_rms_norm_is_bitwise_the_unfused_operations(dtype, width):
     mean = np.add.reduce(np.square(x), axis=-1, keepdims=True) / dtype(width)
     want = w * (x * (one / np.sqrt(mean + epsilon)))
     for to in (0, 1 if dtype == np.float32 else 11):  # no Cast, a Cast to its own type
-        got = RMSNorm(x, epsilon, one, w, axis=-1, to=to)
+        got = RMSNorm(x, w, epsilon=epsilon, one=one, axis=-1, to=to)
         assert got.dtype == dtype
         np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(RMSNorm(x[:, :1], epsilon, one, w, axis=2), want[:, :1])
+    np.testing.assert_array_equal(RMSNorm(x[:, :1], w, epsilon=epsilon, one=one, axis=2), want[:, :1])
 
 
 @pytest.mark.parametrize("cast", [0, 1, 11])
@@ -58,15 +58,16 @@ def test_add_rms_norm_is_bitwise_the_unfused_add_cast_and_norm(cast, monkeypatch
     total = np.add(a, b).astype(np.float64 if cast == 11 else np.float32)
     epsilon, one = np.array(1e-5, total.dtype), np.array(1, total.dtype)
     weight = RNG.standard_normal(40).astype(total.dtype)
-    residual, normed = AddRMSNorm(a, b, epsilon, one, weight, cast=cast)
+    residual, normed = AddRMSNorm(a, b, weight, epsilon=epsilon, one=one, cast=cast)
     np.testing.assert_array_equal(residual, total)
-    np.testing.assert_array_equal(normed, RMSNorm(total, epsilon, one, weight))
+    np.testing.assert_array_equal(normed, RMSNorm(total, weight, epsilon=epsilon, one=one))
     assert len(calls) == (cast != 11)
 
 
 def test_rms_norm_of_zeros_without_epsilon_is_nan_not_an_error():
     with np.errstate(divide="ignore", invalid="ignore"):
-        got = RMSNorm(np.zeros((1, 8), np.float32), np.float32(0), np.float32(1), np.ones(8, np.float32), axis=-1)
+        got = RMSNorm(np.zeros((1, 8), np.float32), np.ones(8, np.float32), epsilon=np.float32(0), one=np.float32(1),
+                      axis=-1)
     assert np.isnan(got).all()
 
 

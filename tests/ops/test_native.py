@@ -86,10 +86,10 @@ def test_the_switch_takes_effect_at_the_next_op(monkeypatch, native_off):
     monkeypatch.setattr(fused_norms, "rms_norm_into", lambda *a: calls.append(1) or kernel(*a))
     x = np.random.default_rng(1).standard_normal((2, 3, 8)).astype(np.float32)
     epsilon, one, weight = np.float32(1e-6), np.float32(1.0), np.linspace(0.5, 1.5, 8, dtype=np.float32)
-    numpy = fused_norms.RMSNorm(x, np.asarray(epsilon), np.asarray(one), weight)
+    numpy = fused_norms.RMSNorm(x, weight, epsilon=epsilon, one=one)
     assert not calls and decode_pool.pool() is None
     _native.enable()
-    compiled = fused_norms.RMSNorm(x, np.asarray(epsilon), np.asarray(one), weight)
+    compiled = fused_norms.RMSNorm(x, weight, epsilon=epsilon, one=one)
     assert calls == [1]
     np.testing.assert_allclose(numpy, compiled, rtol=1e-6)
 

@@ -96,7 +96,7 @@ def _gated_weights(order="C"):
     rng = np.random.default_rng(0)
     shapes = {"weight": (8, 6), "gate": (6, 10), "up": (6, 10), "down": (10, 6)}
     weights = {k: _read_only(np.asarray(rng.standard_normal(s), np.float32, order=order)) for k, s in shapes.items()}
-    norm = [_read_only(np.array(v, np.float32)) for v in (1e-5, 1.0)] + [_read_only(np.ones(6, np.float32))]
+    norm = [np.float32(1e-5), np.float32(1.0), _read_only(np.ones(6, np.float32))]  # (epsilon and one: attributes)
     return weights, norm
 
 

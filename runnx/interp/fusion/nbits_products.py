@@ -89,10 +89,10 @@ def _residual_norm(m: Matcher, node: Node) -> tuple | None:
         sums, casts = (outputs[3], outputs[0]), (0, 0)
     elif (node.op_type == "AddRMSNorm" and node.domain == DOMAIN and node.attrs.get("axis", -1) == -1
           and node.attrs.get("to", 0) in _NO_CAST and node.attrs.get("cast", 0) in _NO_CAST):
-        epsilon, one = (constants.get(v) for v in node.inputs[2:4])
-        if any(c is None or c.dtype != np.float32 or c.size != 1 for c in (epsilon, one)):
+        epsilon, one = node.attrs["epsilon"], node.attrs["one"]
+        if epsilon.dtype != np.float32 or one.dtype != np.float32:
             return None
-        inputs, numbers = (*node.inputs[:2], node.inputs[4]), (float(epsilon.item()), float(one.item()))
+        inputs, numbers = tuple(node.inputs[:3]), (float(epsilon), float(one))
         sums, skip = tuple(node.outputs[:2]), node.attrs.get("skip", 0)
         casts = (node.attrs.get("to", 0), node.attrs.get("cast", 0))
     else:

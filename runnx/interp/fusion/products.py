@@ -183,7 +183,7 @@ def _skip_normed(m: Matcher, chain: list, norm: Node, value: int, bias: int, wei
     [+ b], gamma) with a float32 W and a constant float32 gamma, no bias of its own, its mean and
     inverse standard deviation outputs unread: an onnxruntime-genai layer's output projection (or
     down product), residual add and next norm, as the other layouts' MatMul + AddRMSNorm. Its
-    epsilon (and the `one` RMSNorm's arithmetic would read) become constants."""
+    epsilon (and the `one` RMSNorm's arithmetic would read) become attributes."""
     inputs = tuple(norm.inputs) + (MISSING,) * (4 - len(norm.inputs))
     residual, skip, gamma, own_bias = inputs[:4]
     outputs = tuple(norm.outputs) + (MISSING,) * (4 - len(norm.outputs))
@@ -199,11 +199,8 @@ def _skip_normed(m: Matcher, chain: list, norm: Node, value: int, bias: int, wei
     chain.append(norm)
     if not m.private(chain, (summed, normed)):
         return None
-    name = m.graph.names[normed]
-    constants = (m.graph.new_constant(f"{name}/epsilon", np.float32(epsilon)),
-                 m.graph.new_constant(f"{name}/one", np.float32(1)))
-    return Fused("MatMulAddRMSNorm", chain, (*chain[0].inputs, bias, residual, *constants, gamma), (summed, normed),
-                 {"axis": -1, "to": 0, "cast": 0, "skip": 1})
+    return Fused("MatMulAddRMSNorm", chain, (*chain[0].inputs, bias, residual, gamma), (summed, normed),
+                 {"axis": -1, "to": 0, "cast": 0, "skip": 1, "epsilon": np.float32(epsilon), "one": np.float32(1)})
 
 
 def _residual_gated_mlp(m: Matcher, down: Node) -> Fused | None:
@@ -224,8 +221,10 @@ def _residual_gated_mlp(m: Matcher, down: Node) -> Fused | None:
     gate, up = (gated.inputs[1 + p] for p in gated.attrs["gated"])
     norms = {name: tuple(node.attrs.get(a, d) for a, d in (("axis", -1), ("to", 0), ("cast", 0)))
              for name, node in (("norm", first), ("down_norm", down))}
-    return Fused("ResidualGatedMLP", chain, (*first.inputs, gate, up, down.inputs[1], down.inputs[2], *down.inputs[4:]),
-                 down.outputs, {**norms, **({"skip": 1} if first.attrs.get("skip", 0) else {})})
+    numbers = {"epsilon": first.attrs["epsilon"], "one": first.attrs["one"], "down_epsilon": down.attrs["epsilon"],
+               "down_one": down.attrs["one"]}
+    return Fused("ResidualGatedMLP", chain, (*first.inputs, gate, up, *down.inputs[1:3], down.inputs[4]),
+                 down.outputs, {**norms, **numbers, **({"skip": 1} if first.attrs.get("skip", 0) else {})})
 
 
 def _residual_gelu_mlp(m: Matcher, down: Node) -> Fused | None:

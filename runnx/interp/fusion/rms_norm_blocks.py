@@ -41,9 +41,8 @@ def _rms_norm(m: Matcher, power: Node) -> Fused | None:
             return None
         chain.append(readers[0])
     add, _, divide, scale = chain[2:]
-    epsilon = m.other(add, mean.outputs[0])
-    one = divide.inputs[0]
-    if m.scalar(epsilon) is None or m.scalar(one) is None or divide.inputs[1] != chain[3].outputs[0]:
+    epsilon, one = (_norm_number(m, v, x) for v in (m.other(add, mean.outputs[0]), divide.inputs[0]))
+    if epsilon is None or one is None or divide.inputs[1] != chain[3].outputs[0]:
         return None
     if m.other(scale, divide.outputs[0]) != x:
         return None
@@ -63,7 +62,20 @@ def _rms_norm(m: Matcher, power: Node) -> Fused | None:
     weight = m.other(weight_mul, last.outputs[0])
     if (to := _cast_run(m, casts, weight)) is None:
         return None
-    return Fused("RMSNorm", chain, (x, epsilon, one, weight), weight_mul.outputs, {"axis": axis, "to": to})
+    return Fused("RMSNorm", chain, (x, weight), weight_mul.outputs,
+                 {"axis": axis, "to": to, "epsilon": epsilon, "one": one})
+
+
+def _norm_number(m: Matcher, vid: int, x: int):
+    """A norm's epsilon or numerator: a float constant of one element, as a numpy scalar of its
+    dtype (an attribute computing what the constant did), when its rank cannot raise x's (at most
+    1, or x's rank); else None."""
+    value = m.scalar(vid)
+    if value is None or value.dtype.kind != "f":
+        return None
+    if value.ndim > 1 and ((rank := m.rank(x)) is None or value.ndim > rank):
+        return None
+    return value.reshape(())[()]
 
 
 def _cast_run(m: Matcher, casts: list, weight: int) -> int | None:
@@ -260,7 +272,7 @@ def _add_rms_norm(m: Matcher, add: Node) -> Fused | None:
     chain = [add, last, norm] if cast else [add, norm]
     if not m.private(chain, (residual, norm.outputs[0])):
         return None
-    return Fused("AddRMSNorm", chain, (*add.inputs, *norm.inputs[1:]), (residual, norm.outputs[0]),
+    return Fused("AddRMSNorm", chain, (*add.inputs, norm.inputs[1]), (residual, norm.outputs[0]),
                  {**norm.attrs, "cast": cast})
 
 
