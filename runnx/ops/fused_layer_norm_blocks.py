@@ -79,9 +79,9 @@ def _target(shape: tuple, source: tuple, dims: tuple, axes: tuple) -> tuple:
     return tuple(shape[i] if d == 0 else d for i, d in enumerate(target))
 
 
-@register("HeadsAttention", since=1, domain=DOMAIN, shape_only=(10, 12))
-def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target,
-                   query_source, output_target, output_source, *, query_dims: tuple[int, ...] = (),
+@register("HeadsAttention", since=1, domain=DOMAIN, shape_only=(6, 8))
+def HeadsAttention(query, query_bias, key, value, bias, query_target, query_source, output_target, output_source, *,
+                   query_scale=None, head_scale=None, key_scale=None, nan_fill=None, query_dims: tuple[int, ...] = (),
                    query_axes: tuple[int, ...] = (), output_dims: tuple[int, ...] = (),
                    output_axes: tuple[int, ...] = (), key_perm: tuple[int, ...], value_perm: tuple[int, ...]):
     """Reshape(merged @ ..., output target) of the heads attention:
@@ -90,7 +90,7 @@ def HeadsAttention(query, query_bias, key, value, bias, query_scale, head_scale,
     when given), merged = Transpose(probabilities @ Transpose(value, value_perm), (0, 2, 1, 3)).
     Targets: query_target/output_target when given, else query_dims/output_dims with dimension a
     of query_source/output_source where the matching *_axes entry a >= 0; absent biases are 0,
-    absent scales 1."""
+    absent scales 1; the scales and the fill are numpy scalars of the graph's constants' dtypes."""
     attended = attended_row(query, None, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
                             query_target, query_source, output_target, output_source, query_dims=query_dims,
                             query_axes=query_axes, output_dims=output_dims, output_axes=output_axes,
@@ -131,7 +131,7 @@ def attended_row(x, weight, query_bias, key, value, bias, query_scale, head_scal
     if (not _native.enabled or x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1] or head_scale is not None
             or key_scale is not None or key.ndim != 4 or value.ndim != 4):
         return None
-    query = _query_row((x.size,), weight, query_bias, query_scale, nan_fill)
+    query = _query_row((x.size, query_scale, nan_fill), weight, query_bias)
     if query is None:
         return None
     width, fill = query
@@ -154,11 +154,11 @@ def attended_row(x, weight, query_bias, key, value, bias, query_scale, head_scal
 
 
 @Remembered
-def _query_row(depth: tuple, weight, query_bias, query_scale, nan_fill) -> tuple | None:
+def _query_row(values: tuple, weight, query_bias) -> tuple | None:
     """(the query row's width, the fill) for a row of this depth (a 1-tuple) when the weight is
     absent or a C-contiguous float32 matrix, the bias absent or a float32 vector, the scale and the
     fill absent or float32 numbers; else None."""
-    (depth,) = depth
+    depth, query_scale, nan_fill = values
     width = depth if weight is None else weight.shape[-1]
     if ((weight is not None and not (weight.dtype == _FLOAT32 and weight.shape == (depth, width)
                                      and weight.flags.c_contiguous))
@@ -376,11 +376,12 @@ def _row_vector(v, columns: int, dtype) -> bool:
 
 
 @register("ErfGelu", since=1, domain=DOMAIN)
-def ErfGelu(x, bias, divisor, one, half):
+def ErfGelu(x, bias=None, *, divisor, one, half):
     """((v * (Erf(v / divisor) + one)) * half with v = x + bias (bias absent: v = x): the erf GELU
-    and the bias add of the linear layer before it."""
+    and the bias add of the linear layer before it; divisor, one and half are numpy scalars of the
+    graph's constants' dtypes (their arithmetic)."""
     fast = (_native.enabled and x.dtype == np.float32 and x.ndim >= 1 and x.size
-            and all(c.dtype == np.float32 and c.size == 1 for c in (divisor, one, half))
+            and all(c.dtype == np.float32 for c in (divisor, one, half))
             and (bias is None or (bias.dtype == np.float32 and bias.shape in ((x.shape[-1],), (1, x.shape[-1])))))
     if not fast:
         v = x if bias is None else np.add(x, bias)
@@ -389,5 +390,5 @@ def ErfGelu(x, bias, divisor, one, half):
     rows = np.ascontiguousarray(x).reshape(-1, columns)
     out = np.empty(rows.shape, np.float32)
     row_bias = np.zeros(0, np.float32) if bias is None else np.ascontiguousarray(bias).reshape(columns)
-    gelu_rows(rows, row_bias, divisor.reshape(-1)[0], one.reshape(-1)[0], half.reshape(-1)[0], out)
+    gelu_rows(rows, row_bias, divisor, one, half, out)
     return out.reshape(x.shape)

@@ -173,15 +173,15 @@ def MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, *, axis: int
 
 
 @register("ResidualGeluMLP", since=1, domain=DOMAIN)
-def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half, down_weight,
-                    down_bias, down_scale, down_norm_bias, *, norm: tuple = (-1, 1e-5, 1),
+def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, down_weight, down_bias,
+                    down_scale, down_norm_bias, *, divisor, one, half, norm: tuple = (-1, 1e-5, 1),
                     down_norm: tuple = (-1, 1e-5, 1)):
     """(s, n) = MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias), then
-    MatMulAddLayerNorm(ErfGelu(n @ up_weight, up_bias, divisor, one, half), down_weight, down_bias,
+    MatMulAddLayerNorm(ErfGelu(n @ up_weight, up_bias; divisor, one, half), down_weight, down_bias,
     s, down_scale, down_norm_bias): a LayerNorm layer from its last attention's output projection to
     the next layer's norm (`runnx/interp/fusion/products.py`); norm and down_norm are the norms'
-    (axis, epsilon, stash_type). A decode step's float32 row is one native call
-    (`_decode_blocks.py`); other rows (the encoder's) run the four nodes' kernels in turn."""
+    (axis, epsilon, stash_type), divisor, one and half ErfGelu's. A decode step's float32 row is one
+    native call (`_decode_blocks.py`); other rows (the encoder's) run the four nodes' kernels in turn."""
     arguments = _gelu_mlp_row(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half,
                               down_weight, down_bias, down_scale, down_norm_bias, norm, down_norm)
     if arguments is not None:
@@ -190,7 +190,7 @@ def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_b
     (axis, epsilon, stash_type), (down_axis, down_epsilon, down_stash_type) = norm, down_norm
     summed, normed = MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, axis=axis, epsilon=epsilon,
                                         stash_type=stash_type)
-    activated = ErfGelu(MatMul(normed, up_weight), up_bias, divisor, one, half)
+    activated = ErfGelu(MatMul(normed, up_weight), up_bias, divisor=divisor, one=one, half=half)
     return MatMulAddLayerNorm(activated, down_weight, down_bias, summed, down_scale, down_norm_bias, axis=down_axis,
                               epsilon=down_epsilon, stash_type=down_stash_type)
 
@@ -204,8 +204,8 @@ def _gelu_mlp_row(x, weight, bias, residual, scale, norm_bias, up_weight, up_bia
     first = _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis, epsilon)
     if first is None or down_axis not in (-1, residual.ndim - 1):
         return None
-    numbers = _gelu_numbers((residual.shape[-1],), up_weight, up_bias, down_weight, down_bias, down_scale,
-                            down_norm_bias, divisor, one, half)
+    numbers = _gelu_numbers((residual.shape[-1], divisor, one, half), up_weight, up_bias, down_weight, down_bias,
+                            down_scale, down_norm_bias)
     if numbers is None:
         return None
     return (*first, up_weight, _NO_BIAS if up_bias is None else up_bias, *numbers, down_weight,
@@ -213,17 +213,19 @@ def _gelu_mlp_row(x, weight, bias, residual, scale, norm_bias, up_weight, up_bia
 
 
 @Remembered
-def _gelu_numbers(width: tuple, up_weight, up_bias, down_weight, down_bias, down_scale, down_norm_bias, divisor, one,
-                  half) -> tuple | None:
+def _gelu_numbers(values: tuple, up_weight, up_bias, down_weight, down_bias, down_scale,
+                  down_norm_bias) -> tuple | None:
     """The GELU's (divisor, one, half) as numbers when ResidualGeluMLP's second half over rows of
-    this width has C-contiguous float32 matrices that chain, float32 vectors and numbers; else None."""
-    (width,), inner = width, up_weight.shape[-1]
+    this width (values: the width, then those three scalars) has C-contiguous float32 matrices that
+    chain, float32 vectors and float32 numbers; else None."""
+    width, divisor, one, half = values
+    inner = up_weight.shape[-1]
     if not (_matrix(up_weight, width, inner) and _matrix(down_weight, inner, width)
             and (up_bias is None or _vector(up_bias, inner)) and (down_bias is None or _vector(down_bias, width))
             and _vector(down_scale, width) and _vector(down_norm_bias, width)
-            and all(c.dtype == _FLOAT32 and c.size == 1 for c in (divisor, one, half))):
+            and all(c.dtype == _FLOAT32 for c in (divisor, one, half))):
         return None
-    return float(divisor.reshape(-1)[0]), float(one.reshape(-1)[0]), float(half.reshape(-1)[0])
+    return float(divisor), float(one), float(half)
 
 
 def _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis: int, epsilon: float) -> tuple | None:
@@ -250,18 +252,22 @@ def _layer_norm_fits(sizes: tuple, weight, bias, scale, norm_bias) -> bool:
             and (bias is None or _vector(bias, width)))
 
 
-@register("ProjectedHeadsAttention", since=1, domain=DOMAIN, shape_only=(11, 13))
-def ProjectedHeadsAttention(x, weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
-                            query_target, query_source, output_target, output_source, *,
+@register("ProjectedHeadsAttention", since=1, domain=DOMAIN, shape_only=(7, 9))
+def ProjectedHeadsAttention(x, weight, query_bias, key, value, bias, query_target, query_source, output_target,
+                            output_source, *, query_scale=None, head_scale=None, key_scale=None, nan_fill=None,
                             query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
                             output_dims: tuple[int, ...] = (), output_axes: tuple[int, ...] = (),
                             key_perm: tuple[int, ...], value_perm: tuple[int, ...]):
     """HeadsAttention(MatMul(x, weight), ...): attention with its query projection
     (`runnx/interp/fusion/products.py`; a decoder's cross-attention). A decode step's float32 row is
     one native call, the product, the query's bias and scale and the attention (`attended_row`)."""
-    inputs = (query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target, query_source,
-              output_target, output_source)
+    inputs = (query_bias, key, value, bias)
+    targets = (query_target, query_source, output_target, output_source)
+    numbers = (query_scale, head_scale, key_scale, nan_fill)
     attrs = {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
              "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
-    attended = attended_row(x, weight, *inputs, **attrs)
-    return attended if attended is not None else HeadsAttention(MatMul(x, weight), *inputs, **attrs)
+    attended = attended_row(x, weight, *inputs, *numbers, *targets, **attrs)
+    if attended is not None:
+        return attended
+    return HeadsAttention(MatMul(x, weight), *inputs, *targets, **attrs, query_scale=query_scale,
+                          head_scale=head_scale, key_scale=key_scale, nan_fill=nan_fill)

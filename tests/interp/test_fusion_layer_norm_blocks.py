@@ -442,10 +442,10 @@ differing = 0
 for _ in range(40):
     x, w, r, w1, b1, w2 = f(1, 1, 64), f(64, 96), f(1, 1, 96) * 20, f(96, 200) / 4, f(200), f(200, 96) / 8
     g, c, g2, c2 = f(96), f(96), f(96), f(96)
-    constants = np.float32(2 ** 0.5), np.float32(1), np.float32(0.5)
-    block = fused_residual_blocks.ResidualGeluMLP(x, w, None, r, g, c, w1, b1, *constants, w2, None, g2, c2)
+    numbers = {"divisor": np.float32(2 ** 0.5), "one": np.float32(1), "half": np.float32(0.5)}
+    block = fused_residual_blocks.ResidualGeluMLP(x, w, None, r, g, c, w1, b1, w2, None, g2, c2, **numbers)
     s, n = AddLayerNorm(r, linalg.MatMul(x, w), g, c)
-    s2, n2 = AddLayerNorm(s, linalg.MatMul(ErfGelu(linalg.MatMul(n, w1), b1, *constants), w2), g2, c2)
+    s2, n2 = AddLayerNorm(s, linalg.MatMul(ErfGelu(linalg.MatMul(n, w1), b1, **numbers), w2), g2, c2)
     differing += not (np.array_equal(block[0], s2) and np.array_equal(block[1], n2))
 print(differing)
 """

@@ -38,10 +38,10 @@ def _attend(query, key, value, bias=None, nan_fill=None, heads=4, key_perm=(0, 1
     """HeadsAttention with targets read from shapes, as the fused node of a Whisper decoder has them:
     (source dims 0 and 1, -1, depth) for the split and (source dims 0 and 1, -1) for the merge."""
     depth = query.shape[-1] // heads
-    scale = np.array(1 / math.sqrt(depth), query.dtype)
-    fill = None if nan_fill is None else np.array(nan_fill, query.dtype)
-    got = HeadsAttention(query, query_bias, key, value, bias, scale, None, None, fill, None, query, None, query,
-                         query_dims=(0, 0, -1, depth), query_axes=(0, 1, -1, -1), output_dims=(0, 0, -1),
+    scale = query.dtype.type(1 / math.sqrt(depth))  # (the scales and fill: numpy scalars, as attributes)
+    fill = None if nan_fill is None else query.dtype.type(nan_fill)
+    got = HeadsAttention(query, query_bias, key, value, bias, None, query, None, query, query_scale=scale,
+                         nan_fill=fill, query_dims=(0, 0, -1, depth), query_axes=(0, 1, -1, -1), output_dims=(0, 0, -1),
                          output_axes=(0, 1, -1), key_perm=key_perm, value_perm=value_perm)
     want = _reference(query, key, value, bias, scale, fill, heads, key_perm, value_perm,
                       0 if query_bias is None else query_bias)
@@ -130,9 +130,9 @@ def test_heads_attention_takes_the_unfused_path_for_float64_and_broadcast_keys()
 def test_heads_attention_uses_given_targets_and_extra_scales():
     query = RNG.standard_normal((1, 4, 16)).astype(np.float32)
     key, value = RNG.standard_normal((2, 1, 2, 6, 8)).astype(np.float32)
-    half = np.array(0.5, np.float32)
-    got = HeadsAttention(query, None, key, value, None, None, half, half, None, np.array([1, 4, 2, 8]), None,
-                         np.array([4, 16]), None, key_perm=(0, 1, 3, 2), value_perm=(0, 1, 2, 3))
+    half = np.float32(0.5)
+    got = HeadsAttention(query, None, key, value, None, np.array([1, 4, 2, 8]), None, np.array([4, 16]), None,
+                         head_scale=half, key_scale=half, key_perm=(0, 1, 3, 2), value_perm=(0, 1, 2, 3))
     want = _reference(query, key, value, None, 0.25, None, 2, (0, 1, 3, 2), (0, 1, 2, 3)).reshape(4, 16)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
 
@@ -230,22 +230,25 @@ def _gelu(x, bias):
     return v * (np.vectorize(math.erf)(v / math.sqrt(2)) + 1) * 0.5
 
 
+def _gelu_numbers(dtype) -> dict:
+    """ErfGelu's attributes: the graph's constants as numpy scalars of their dtype."""
+    return {name: dtype(v) for name, v in (("divisor", math.sqrt(2)), ("one", 1), ("half", 0.5))}
+
+
 @pytest.mark.parametrize("shape, with_bias", [((1, 1, 24), True), ((3, 70, 24), False), ((24,), False)])
 def test_erf_gelu_matches_the_formula(shape, with_bias):
     x = (RNG.standard_normal(shape) * 3).astype(np.float32)
     bias = RNG.standard_normal(24).astype(np.float32) if with_bias else None
-    constants = [np.array(v, np.float32) for v in (math.sqrt(2), 1, 0.5)]
-    got = ErfGelu(x, bias, *constants)
+    got = ErfGelu(x, bias, **_gelu_numbers(np.float32))
     assert got.shape == shape and got.dtype == np.float32
     np.testing.assert_allclose(got, _gelu(x, bias), rtol=1e-5, atol=1e-6)
 
 
 def test_erf_gelu_of_float64_and_of_a_broadcasting_bias_takes_the_unfused_operations():
     x = RNG.standard_normal((2, 3, 4))
-    constants = [np.array(v) for v in (math.sqrt(2), 1.0, 0.5)]
-    np.testing.assert_allclose(ErfGelu(x, None, *constants), _gelu(x, None), rtol=1e-12)
+    np.testing.assert_allclose(ErfGelu(x, None, **_gelu_numbers(np.float64)), _gelu(x, None), rtol=1e-12)
     column = RNG.standard_normal((3, 1)).astype(np.float32)
-    got = ErfGelu(x.astype(np.float32), column, *(c.astype(np.float32) for c in constants))
+    got = ErfGelu(x.astype(np.float32), column, **_gelu_numbers(np.float32))
     np.testing.assert_allclose(got, _gelu(x.astype(np.float32), column), rtol=1e-5, atol=1e-6)
 
 
@@ -258,8 +261,8 @@ def test_erf_gelu_of_nan_infinities_huge_denormal_and_signed_zero_is_the_unfused
 
     x = np.tile(SPECIAL, (3, 4))  # rows of 64: the vectorised loop
     bias = np.zeros(x.shape[-1], np.float32) if with_bias else None
-    divisor, one, half = (np.array(np.float32(v)) for v in (math.sqrt(2), 1, 0.5))
-    got = ErfGelu(x, bias, divisor, one, half)
+    divisor, one, half = _gelu_numbers(np.float32).values()
+    got = ErfGelu(x, bias, divisor=divisor, one=one, half=half)
     v = x + bias if with_bias else x
     with np.errstate(invalid="ignore", over="ignore"):
         want = (v * (exact_erf(v / divisor) + one)) * half
@@ -277,5 +280,5 @@ def test_the_standard_float32_gelu_is_erf_gelus_kernel():
     from runnx.ops.activation import Gelu
 
     x = np.concatenate([np.tile(SPECIAL, (3, 4)), np.random.default_rng(3).standard_normal((5, 64)).astype(np.float32)])
-    divisor, one, half = (np.array(np.float32(v)) for v in (math.sqrt(2), 1, 0.5))
-    np.testing.assert_array_equal(Gelu(x.reshape(2, 4, 64)), ErfGelu(x, None, divisor, one, half).reshape(2, 4, 64))
+    np.testing.assert_array_equal(Gelu(x.reshape(2, 4, 64)),
+                                  ErfGelu(x, None, **_gelu_numbers(np.float32)).reshape(2, 4, 64))

@@ -142,7 +142,8 @@ def _only_reader(m: Matcher, node: Node, op_type: str) -> Node | None:
 def _attention(m: Matcher, softmax: Node) -> Fused | None:
     """Reshape(Transpose(P @ V, SPLIT), target) with P = Softmax(q @ k [+ bias]) [NaN -> fill],
     q = Transpose(Reshape(query [+ query bias] [* s], target), SPLIT) [* s], k = Transpose(key,
-    KEY_LAYOUTS) [* s], V = value or a private Transpose(value, SPLIT)."""
+    KEY_LAYOUTS) [* s], V = value or a private Transpose(value, SPLIT); the scales and the fill
+    float constants of one element (attributes)."""
     if softmax.since < 13 or softmax.attrs.get("axis", -1) not in (-1, 3):
         return None
     scores, bias, add = m.node(softmax.inputs[0], "MatMul"), MISSING, None
@@ -199,11 +200,16 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
                          softmax, *nan_nodes, *value_nodes, output, merge, output_reshape) if n is not None]
     if not m.private(chain, output_reshape.outputs[0]):
         return None
+    numbers = {name: m.graph.constants[vid] for name, vid in (("query_scale", query_scale), ("head_scale", head_scale),
+                                                               ("key_scale", key_scale), ("nan_fill", nan_fill))
+               if vid != MISSING}
+    if any(c.dtype.kind != "f" or c.ndim > (1 if name == "query_scale" else 4) for name, c in numbers.items()):
+        return None  # (a constant whose rank could raise what it multiplies)
     query, query_bias = _absorb_bias(m, query, chain, output_reshape.outputs[0])
-    inputs = (query, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, *query_target[:2],
-              *output_target[:2])
+    inputs = (query, query_bias, key, value, bias, *query_target[:2], *output_target[:2])
     attrs = {"query_dims": query_target[2], "query_axes": query_target[3], "output_dims": output_target[2],
-             "output_axes": output_target[3], "key_perm": key_perm, "value_perm": value_perm}
+             "output_axes": output_target[3], "key_perm": key_perm, "value_perm": value_perm,
+             **{name: c.reshape(())[()] for name, c in numbers.items()}}
     return Fused("HeadsAttention", chain, inputs, output_reshape.outputs, attrs)
 
 
@@ -223,7 +229,8 @@ def _split_heads(m: Matcher, transpose: Node) -> Fused | None:
 
 
 def _gelu(m: Matcher, erf: Node) -> Fused | None:
-    """Mul(Mul(v, Add(Erf(Div(v, c)), one)), half) with v = x or a private Add(x, constant bias)."""
+    """Mul(Mul(v, Add(Erf(Div(v, c)), one)), half) with v = x or a private Add(x, constant bias); c,
+    one and half float constants of one element (attributes)."""
     divide = m.node(erf.inputs[0], "Div")
     if divide is None or m.scalar(divide.inputs[1]) is None:
         return None
@@ -241,7 +248,11 @@ def _gelu(m: Matcher, erf: Node) -> Fused | None:
     if not m.private(chain, outer.outputs[0]):
         return None
     x, bias = _absorb_bias(m, v, chain, outer.outputs[0])
-    return Fused("ErfGelu", chain, (x, bias, divide.inputs[1], one, half), outer.outputs, {})
+    numbers = {"divisor": m.scalar(divide.inputs[1]), "one": m.scalar(one), "half": m.scalar(half)}
+    if any(c.dtype.kind != "f" or (c.ndim > 1 and ((rank := m.rank(v)) is None or c.ndim > rank))
+           for c in numbers.values()):
+        return None  # (a constant whose rank could raise v's)
+    return Fused("ErfGelu", chain, (x, bias), outer.outputs, {k: c.reshape(())[()] for k, c in numbers.items()})
 
 
 def _add_layer_norm(m: Matcher, norm: Node) -> Fused | None:

@@ -246,8 +246,8 @@ def _residual_gelu_mlp(m: Matcher, down: Node) -> Fused | None:
         return None
     norms = {name: tuple(node.attrs.get(a, d) for a, d in (("axis", -1), ("epsilon", 1e-5), ("stash_type", 1)))
              for name, node in (("norm", first), ("down_norm", down))}
-    return Fused("ResidualGeluMLP", chain, (*first.inputs, up.inputs[1], *gelu.inputs[1:], *down.inputs[1:3],
-                                            *down.inputs[4:]), down.outputs, norms)
+    return Fused("ResidualGeluMLP", chain, (*first.inputs, up.inputs[1], gelu.inputs[1], *down.inputs[1:3],
+                                            *down.inputs[4:]), down.outputs, {**norms, **gelu.attrs})
 
 
 def _appended(m: Matcher, shared: Node) -> Fused | None:
