@@ -96,9 +96,11 @@ def _bound(start: int, end: int) -> tuple:
     return arrays
 
 
-def _splits(layer: _Layer) -> tuple:
-    """(target, source, dims, axes) of each product's split, as `fused_products` takes them."""
-    return tuple([(None, None, dims, (-1,) * len(dims)) for dims in layer.dims])
+@functools.lru_cache(maxsize=64)
+def _splits(dims: tuple) -> tuple:
+    """(target, source, dims, axes) of each product's split, as `fused_products` takes them: made
+    once for a model's dims (this runs a layer a step)."""
+    return tuple([(None, None, split, (-1,) * len(split)) for split in dims])
 
 
 def _rope_arguments(heads: tuple, layer: _Layer):
@@ -120,7 +122,7 @@ def _rope_row(x, layer: _Layer) -> tuple | None:
     x is a decode step's float32 row, the biases absent or float32 vectors of their products'
     widths, the caches prefix views with room (both granted: the caller checked; x, the row, is read
     for its shape and dtype only: the call reads it); else None."""
-    shapes = _split_shapes(x, layer.weights, _splits(layer))
+    shapes = _split_shapes(x, layer.weights, _splits(layer.dims))
     biases = _bias_rows(layer, shapes) if shapes else None
     if biases is None:
         return None
@@ -144,7 +146,7 @@ def _rope_rows(x, layer: _Layer) -> tuple | None:
                for w in weights) or not pooled_prompt(batch * length, depth, tuple([w.shape[1] for w in weights])):
         return None
     shapes = []
-    for weight, (target, source, dims, axes) in zip(weights, _splits(layer)):
+    for weight, (target, source, dims, axes) in zip(weights, _splits(layer.dims)):
         shape = split_shape(stand_in(x.dtype, (batch, length, weight.shape[1])), target, source, dims, axes)
         if len(shape) != 4 or (shape[0], shape[2], shape[1] * shape[3]) != (batch, length, weight.shape[1]):
             return None
@@ -165,7 +167,7 @@ def _rope_appended(done: bool, rotated, heads, x, layer: _Layer, overwrite, ctx)
         count_appends(ctx, heads[1], heads[2])
         return appended_caches(rotated, layer.past_key, layer.past_value, heads[1], heads[2])
     if heads is None:
-        splits = tuple([(n, dims, axes) for n, (_, _, dims, axes) in enumerate(_splits(layer))])
+        splits = tuple([(n, dims, axes) for n, (_, _, dims, axes) in enumerate(_splits(layer.dims))])
         split_inputs = [v for bias in layer.biases for v in (bias, None, None)]
         heads = SharedInputMatMul(x, *layer.weights, *split_inputs, splits=splits)
     query_axis, key_axis, key_cache_axis, value_cache_axis = layer.axes

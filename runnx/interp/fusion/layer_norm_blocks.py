@@ -55,7 +55,8 @@ def _reshape_target(m: Matcher, reshape: Node) -> tuple[int, int, tuple, tuple] 
     """(target, source, dims, axes) of a Reshape (allowzero 0). A Concat on axis 0 of constant
     vectors and dimensions of one source value is read through: the target is dims with dims[i]
     replaced by dimension axes[i] of source where axes[i] >= 0 (target MISSING; source MISSING
-    when all are constants). Any other target (a constant, a shape memo's output) is kept."""
+    when all are constants). A constant target, or one the graph proves (`_proven_target`), is dims
+    only; any other (a shape memo's output) is kept."""
     if reshape.since < 5 or reshape.attrs.get("allowzero", 0):
         return None
     proven = _proven_target(m, reshape)
@@ -200,16 +201,17 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
                          softmax, *nan_nodes, *value_nodes, output, merge, output_reshape) if n is not None]
     if not m.private(chain, output_reshape.outputs[0]):
         return None
-    numbers = {name: m.graph.constants[vid] for name, vid in (("query_scale", query_scale), ("head_scale", head_scale),
-                                                               ("key_scale", key_scale), ("nan_fill", nan_fill))
-               if vid != MISSING}
-    if any(c.dtype.kind != "f" or c.ndim > (1 if name == "query_scale" else 4) for name, c in numbers.items()):
-        return None  # (a constant whose rank could raise what it multiplies)
+    # (the query's scale multiplies it before its heads are split; the others the 4-d heads or scores)
+    numbers = {name: m.number(vid, rank) for name, vid, rank in
+               (("query_scale", query_scale, 1), ("head_scale", head_scale, 4), ("key_scale", key_scale, 4),
+                ("nan_fill", nan_fill, 4)) if vid != MISSING}
+    if None in numbers.values():
+        return None
     query, query_bias = _absorb_bias(m, query, chain, output_reshape.outputs[0])
     inputs = (query, query_bias, key, value, bias, *query_target[:2], *output_target[:2])
     attrs = {"query_dims": query_target[2], "query_axes": query_target[3], "output_dims": output_target[2],
              "output_axes": output_target[3], "key_perm": key_perm, "value_perm": value_perm,
-             **{name: c.reshape(())[()] for name, c in numbers.items()}}
+             **numbers}
     return Fused("HeadsAttention", chain, inputs, output_reshape.outputs, attrs)
 
 
@@ -248,11 +250,11 @@ def _gelu(m: Matcher, erf: Node) -> Fused | None:
     if not m.private(chain, outer.outputs[0]):
         return None
     x, bias = _absorb_bias(m, v, chain, outer.outputs[0])
-    numbers = {"divisor": m.scalar(divide.inputs[1]), "one": m.scalar(one), "half": m.scalar(half)}
-    if any(c.dtype.kind != "f" or (c.ndim > 1 and ((rank := m.rank(v)) is None or c.ndim > rank))
-           for c in numbers.values()):
-        return None  # (a constant whose rank could raise v's)
-    return Fused("ErfGelu", chain, (x, bias), outer.outputs, {k: c.reshape(())[()] for k, c in numbers.items()})
+    rank = m.rank(v)
+    numbers = {"divisor": m.number(divide.inputs[1], rank), "one": m.number(one, rank), "half": m.number(half, rank)}
+    if None in numbers.values():
+        return None
+    return Fused("ErfGelu", chain, (x, bias), outer.outputs, numbers)
 
 
 def _add_layer_norm(m: Matcher, norm: Node) -> Fused | None:

@@ -67,6 +67,16 @@ class Matcher:
         value = self.graph.constants.get(vid)
         return value if value is not None and value.size == 1 else None
 
+    def number(self, vid: int, rank: int | None = 1):
+        """A float constant of one element as a numpy scalar of its dtype, for a fused node's
+        attribute (numpy promotes it as it does the constant, so the arithmetic is the same), when
+        its rank cannot raise that of the value it meets (`rank`, None: unknown; a rank of 1 never
+        does); else None."""
+        value = self.scalar(vid)
+        if value is None or value.dtype.kind != "f" or value.ndim > max(1, rank or 0):
+            return None
+        return value.reshape(())[()]
+
     def private(self, members: list[Node], result: int | tuple, shape_read: tuple = ()) -> bool:
         """Values made inside `members` (but `result`, one value id or several) are read only
         inside them; those in `shape_read` may also be read by nodes reading only their shape."""

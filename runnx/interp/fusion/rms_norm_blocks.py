@@ -12,6 +12,7 @@ from runnx.interp.ir import MISSING, Node
 from runnx.ops._fused_common import DOMAIN
 
 FLOAT, FLOAT16 = 1, 10  # ONNX element types
+SCORES_RANK = 4  # (batch, heads, queries, keys): what an attention's scalar constants multiply or fill
 
 
 def _single_axis(m: Matcher, node: Node) -> int | None:
@@ -41,7 +42,7 @@ def _rms_norm(m: Matcher, power: Node) -> Fused | None:
             return None
         chain.append(readers[0])
     add, _, divide, scale = chain[2:]
-    epsilon, one = (_norm_number(m, v, x) for v in (m.other(add, mean.outputs[0]), divide.inputs[0]))
+    epsilon, one = (m.number(v, m.rank(x)) for v in (m.other(add, mean.outputs[0]), divide.inputs[0]))
     if epsilon is None or one is None or divide.inputs[1] != chain[3].outputs[0]:
         return None
     if m.other(scale, divide.outputs[0]) != x:
@@ -64,18 +65,6 @@ def _rms_norm(m: Matcher, power: Node) -> Fused | None:
         return None
     return Fused("RMSNorm", chain, (x, weight), weight_mul.outputs,
                  {"axis": axis, "to": to, "epsilon": epsilon, "one": one})
-
-
-def _norm_number(m: Matcher, vid: int, x: int):
-    """A norm's epsilon or numerator: a float constant of one element, as a numpy scalar of its
-    dtype (an attribute computing what the constant did), when its rank cannot raise x's (at most
-    1, or x's rank); else None."""
-    value = m.scalar(vid)
-    if value is None or value.dtype.kind != "f":
-        return None
-    if value.ndim > 1 and ((rank := m.rank(x)) is None or value.ndim > rank):
-        return None
-    return value.reshape(())[()]
 
 
 def _cast_run(m: Matcher, casts: list, weight: int) -> int | None:
@@ -193,8 +182,8 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
     key_mul = m.node(scores.inputs[1], "Mul")
     if query_mul is None or key_mul is None:
         return None
-    query_scale = next((v for v in query_mul.inputs if _number(m, v) is not None), None)
-    key_scale = next((v for v in key_mul.inputs if _number(m, v) is not None), None)
+    query_scale = next((v for v in query_mul.inputs if m.number(v, SCORES_RANK) is not None), None)
+    key_scale = next((v for v in key_mul.inputs if m.number(v, SCORES_RANK) is not None), None)
     if query_scale is None or key_scale is None:
         return None
     query = m.other(query_mul, query_scale)
@@ -210,7 +199,7 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
         return None
     nan_fill = where.inputs[1]
     readers = m.readers.get(where.outputs[0], ())
-    if _number(m, nan_fill) is None or len(readers) != 1 or readers[0].op_type != "MatMul":
+    if m.number(nan_fill, SCORES_RANK) is None or len(readers) != 1 or readers[0].op_type != "MatMul":
         return None
     output = readers[0]
     if output.inputs[0] != where.outputs[0]:
@@ -226,16 +215,10 @@ def _attention(m: Matcher, softmax: Node) -> Fused | None:
     repeated = tuple(nodes[2].outputs[0] for nodes in (key_repeat, value_repeat) if nodes)
     if not m.private(chain, output.outputs[0], shape_read=repeated):
         return None
-    attrs = {"axis": axis, "repeat": repeat, "query_scale": _number(m, query_scale),
-             "key_scale": _number(m, key_scale), "nan_fill": _number(m, nan_fill)}
+    attrs = {"axis": axis, "repeat": repeat, **{name: m.number(v, SCORES_RANK) for name, v in
+                                                (("query_scale", query_scale), ("key_scale", key_scale),
+                                                 ("nan_fill", nan_fill))}}
     return Fused("RepeatedKVAttention", chain, (query, key, value, bias), output.outputs, attrs)
-
-
-def _number(m: Matcher, vid: int):
-    """A constant of one element and rank at most 4 (the scores') as a numpy scalar of its dtype: an
-    attribute computing what the constant did (a rank above the scores' would broadcast them)."""
-    value = m.scalar(vid)
-    return None if value is None or value.ndim > 4 or value.dtype.kind != "f" else value.reshape(())[()]
 
 
 def shape_stand_ins(m: Matcher, fused: Fused) -> list[Fused]:
@@ -332,16 +315,17 @@ def _masked_attention(m: Matcher, where: Node) -> Fused | None:
     start 0, step 1 and axis constants, read only as the bias of a RepeatedKVAttention: the layer's
     additive mask, computed by the attention node itself (inputs mask and end; no end where the
     graph proves it the key's length)."""
-    then, otherwise = (_number(m, v) for v in where.inputs[1:3]) if len(where.inputs) == 3 else (None, None)
+    if len(where.inputs) != 3:
+        return None
+    then, otherwise = (m.number(v, SCORES_RANK) for v in where.inputs[1:3])
     cut = m.node(where.inputs[0], "Slice") if then is not None and otherwise is not None else None
     readers = m.readers.get(where.outputs[0], ())
     if cut is None or cut.since < 10 or len(readers) != 1:
         return None
-    start, end, axes, steps = _slice_inputs(cut)
-    constant = {v: m.graph.constants.get(v) for v in (start, axes, steps)}
-    if (end == MISSING or any(v is not None and v.size != 1 for v in constant.values()) or constant[axes] is None
-            or constant[start] is None or int(constant[start].reshape(-1)[0]) != 0
-            or (steps != MISSING and (constant[steps] is None or int(constant[steps].reshape(-1)[0]) != 1))):
+    starts, end, axes_given, steps_given = _slice_inputs(cut)
+    start, axes, steps = (m.scalar(v) for v in (starts, axes_given, steps_given))  # (None for MISSING)
+    if (end == MISSING or start is None or int(start.reshape(-1)[0]) != 0 or axes is None
+            or (steps_given != MISSING and (steps is None or int(steps.reshape(-1)[0]) != 1))):
         return None
     attention = readers[0]
     if (attention.op_type != "RepeatedKVAttention" or attention.domain != DOMAIN or attention.index in m.taken
@@ -353,7 +337,7 @@ def _masked_attention(m: Matcher, where: Node) -> Fused | None:
     merged = attention.inputs[4:5] or (MISSING,)
     ends = () if _keys_end(m, end, attention.inputs[1]) else (end,)  # (none: the keys' count, when it runs)
     inputs = (*attention.inputs[:3], MISSING, *merged, cut.inputs[0], *ends)
-    attrs = {**attention.attrs, "mask_axis": int(constant[axes].reshape(-1)[0]), "masked_then": then,
+    attrs = {**attention.attrs, "mask_axis": int(axes.reshape(-1)[0]), "masked_then": then,
              "masked_else": otherwise}
     return Fused("RepeatedKVAttention", chain, inputs, attention.outputs, attrs)
 
