@@ -7,8 +7,8 @@ A block is cut where numpy must compute: the SiLU gate's exp is numpy's (numba's
 by up to 2 ulp on a third of float32 inputs), so that a block's results are bitwise those of its
 nodes run one by one, but for a block that holds an attention (whose kernels are not bitwise the
 nodes' anyway); LayerNorm blocks (LayerNorm, erf GELU) call what their nodes call: `layer_norm_rows`,
-and ErfGelu's pool job (`post_gelu`) on a mailbox of their own. Called through
-`runtime.pool.shared_call` (the pool's workers, or alone on a mailbox of the call: the same compiled
+and ErfGelu's pool job (`post_gelu`) on a board of their own. Called through
+`runtime.pool.shared_call` (the pool's workers, or alone on a board of the call: the same compiled
 code, so the same results); each returns what it computed. The `open_*` ones instead open their
 block's last job and return at once (`runtime.pool.open_shared_call`), what completes the outputs
 from it a tail the pool runs once it is finished (`add_norm_into`, `projected_rope_tail`): the same
@@ -29,16 +29,16 @@ from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops._kernels_rows import split_heads_into
 from runnx.runtime.jobs import (open_nbits, open_products, post_attention, post_gelu, post_gemm, post_gemms, post_nbits,
                                 post_products)
-from runnx.runtime.mailbox import own_box
+from runnx.runtime.board import own_board
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
 @_jit
-def _product(box, workers, row, matrix):
+def _product(board, workers, row, matrix):
     """row @ matrix as one pool job."""
     out = np.empty(matrix.shape[1], np.float32)
-    post_products(box, workers, row, (matrix,), (out,), np.empty(chunk_count(row.size) * out.size, np.float32), 0.0,
+    post_products(board, workers, row, (matrix,), (out,), np.empty(chunk_count(row.size) * out.size, np.float32), 0.0,
                   1.0)
     return out
 
@@ -69,24 +69,24 @@ def add_norm_into(residual, summed, epsilon, one, norm_weight, skip, normed):
 
 
 @_jit
-def _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip):
+def _gate_and_up(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip):
     """(s, gate, up) for s = residual + x @ weight and gate, up its norm (`_add_norm`) @ gate_weight,
     @ up_weight (one job for the two)."""
-    summed = _product(box, workers, x, weight)
+    summed = _product(board, workers, x, weight)
     normed = _add_norm(residual, summed, epsilon, one, norm_weight, skip)
     gate, up = np.empty(gate_weight.shape[1], np.float32), np.empty(up_weight.shape[1], np.float32)
-    post_products(box, workers, normed, (gate_weight, up_weight), (gate, up),
+    post_products(board, workers, normed, (gate_weight, up_weight), (gate, up),
                   np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32), 0.0, 1.0)
     return summed, gate, up
 
 
 @_jit
-def projected_gate(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip):
+def projected_gate(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip):
     """(s, gate, -gate, up, max(-gate)) for s = residual + x @ weight and gate, up its norm
     (`_add_norm`) @ gate_weight, @ up_weight (one job for the two), float32 rows and C-contiguous
     matrices: an attention's output projection, the residual add, the MLP's norm and its gate and up
     products."""
-    summed, gate, up = _gate_and_up(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight,
+    summed, gate, up = _gate_and_up(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight,
                                     up_weight, skip)
     negated, largest = _negated(gate)
     return summed, gate, negated, up, largest
@@ -105,25 +105,25 @@ def _negated(gate):
 
 
 @_jit
-def gated_down(box, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, skip):
+def gated_down(board, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, skip):
     """(residual + silu(gate) * up @ weight, its norm: `_add_norm`) for decay = exp(-gate) (numpy's):
     the MLP's activation, down product, residual add and the next norm."""
-    summed = _product(box, workers, silu_mul_into(gate, decay, up), weight)
+    summed = _product(board, workers, silu_mul_into(gate, decay, up), weight)
     return summed, _add_norm(residual, summed, epsilon, one, norm_weight, skip)
 
 
 @_jit
-def open_gated_down(box, workers, gate, decay, up, weight, product, scratch):
+def open_gated_down(board, workers, gate, decay, up, weight, product, scratch):
     """`gated_down`'s activation (into decay's buffer), then its down product into `product` opened
     (`open_products`: returns before its units are computed; every array must live until the job
     is finished), the residual add and norm left to `add_norm_into` after it: the same job and
     kernels, so the same bits. 1 when a worker was idle, else 0 (`DecodePool.open_call`)."""
-    return 1 if open_products(box, workers, silu_mul_into(gate, decay, up), (weight,), (product,), scratch, 0.0,
+    return 1 if open_products(board, workers, silu_mul_into(gate, decay, up), (weight,), (product,), scratch, 0.0,
                               1.0) else 0
 
 
 @_jit
-def normed_gate_nbits(box, workers, a, b, epsilon, one, norm_weight, skip, tiles, scales, zeros, columns, gate_at,
+def normed_gate_nbits(board, workers, a, b, epsilon, one, norm_weight, skip, tiles, scales, zeros, columns, gate_at,
                       up_at, inner):
     """(s, gate, -gate, up, max(-gate)) for s = a + b, C-contiguous float32 rows (M, K), and gate, up
     the columns gate_at and up_at .. + inner of its norm (`_add_norm`) times the joined 4-bit tiles
@@ -132,25 +132,25 @@ def normed_gate_nbits(box, workers, a, b, epsilon, one, norm_weight, skip, tiles
     nodes it replaced."""
     summed = b.copy()
     normed = _add_norm(a, summed, epsilon, one, norm_weight, skip)
-    return _gate_and_up_nbits(box, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner)
+    return _gate_and_up_nbits(board, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner)
 
 
 @_jit
-def projected_gate_nbits(box, workers, a, x, projection, projection_scales, projection_zeros, epsilon, one,
+def projected_gate_nbits(board, workers, a, x, projection, projection_scales, projection_zeros, epsilon, one,
                          norm_weight, skip, tiles, scales, zeros, columns, gate_at, up_at, inner):
     """`normed_gate_nbits` of a and b = x (M, projected) times a 4-bit projection's tiles (one
     products job before the others): GatedMLPNBits with its attention's output projection."""
     summed = np.empty(a.shape, np.float32)
-    post_nbits(box, workers, x, projection, projection_scales, projection_zeros, summed)
+    post_nbits(board, workers, x, projection, projection_scales, projection_zeros, summed)
     normed = _add_norm(a, summed, epsilon, one, norm_weight, skip)
-    return _gate_and_up_nbits(box, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner)
+    return _gate_and_up_nbits(board, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner)
 
 
 @_jit
-def _gate_and_up_nbits(box, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner):
+def _gate_and_up_nbits(board, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner):
     """(summed, gate, -gate, up, max(-gate)) of `normed_gate_nbits`, from its sum and norm."""
     products = np.empty((normed.shape[0], columns), np.float32)
-    post_nbits(box, workers, normed, tiles, scales, zeros, products)
+    post_nbits(board, workers, normed, tiles, scales, zeros, products)
     gate = np.ascontiguousarray(products[:, gate_at:gate_at + inner])
     up = np.ascontiguousarray(products[:, up_at:up_at + inner])
     negated, largest = _negated(gate)
@@ -158,67 +158,67 @@ def _gate_and_up_nbits(box, workers, summed, normed, tiles, scales, zeros, colum
 
 
 @_jit
-def gated_down_nbits(box, workers, gate, decay, up, tiles, scales, zeros, width, residual, epsilon, one, norm_weight,
+def gated_down_nbits(board, workers, gate, decay, up, tiles, scales, zeros, width, residual, epsilon, one, norm_weight,
                      skip):
     """(residual + silu(gate) * up times the down weight's 4-bit tiles, its norm: `_add_norm`) for
     decay = exp(-gate) (numpy's), rows (M, inner): GatedMLPNBits' activation, down product, residual
     add and the next norm."""
     summed = np.empty((gate.shape[0], width), np.float32)
-    post_nbits(box, workers, silu_mul_into(gate, decay, up), tiles, scales, zeros, summed)
+    post_nbits(board, workers, silu_mul_into(gate, decay, up), tiles, scales, zeros, summed)
     return summed, _add_norm(residual, summed, epsilon, one, norm_weight, skip)
 
 
 @_jit
-def open_gated_down_nbits(box, workers, gate, decay, up, tiles, scales, zeros, summed, scratch):
+def open_gated_down_nbits(board, workers, gate, decay, up, tiles, scales, zeros, summed, scratch):
     """`gated_down_nbits`' activation, then its down product into `summed` opened (`open_nbits`, its
     lanes and sums in `scratch`: rows x chunks x (2 CHUNK_BYTES + 1) floats), the residual add and
     norm left to `add_norm_into` after it: 1 when a worker was idle, else 0 (`open_gated_down`)."""
     rows = silu_mul_into(gate, decay, up)
     height, chunks = rows.shape[0], tiles.shape[1]
     lanes = height * 2 * chunks * CHUNK_BYTES
-    return 1 if open_nbits(box, workers, rows, scratch[:lanes].reshape((height, 2, chunks * CHUNK_BYTES)),
+    return 1 if open_nbits(board, workers, rows, scratch[:lanes].reshape((height, 2, chunks * CHUNK_BYTES)),
                            scratch[lanes:lanes + height * chunks].reshape((height, chunks)), tiles, scales, zeros,
                            summed) else 0
 
 
 @_jit
-def _gemm(box, workers, rows, matrix, unit):
+def _gemm(board, workers, rows, matrix, unit):
     """rows @ matrix as one pool job of `unit` columns a unit (`post_gemm`): a short prompt's product,
     the bits MatMul gives it."""
     out = np.empty((rows.shape[0], matrix.shape[1]), np.float32)
-    post_gemm(box, workers, rows, matrix, out, False, unit)
+    post_gemm(board, workers, rows, matrix, out, False, unit)
     return out
 
 
 @_jit
-def projected_gate_rows(box, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, units,
+def projected_gate_rows(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, units,
                         skip):
     """`projected_gate` for a short prompt's rows x (M, K), residual (M, N), C-contiguous float32: the
     products as pool jobs of units[0] and units[1] columns a unit (`post_gemm`, `post_gemms`: those
     of MatMul and SharedInputMatMul for such rows), the sum and norm the norm node's, so the nodes'
     bits."""
-    summed = _gemm(box, workers, x, weight, units[0])
+    summed = _gemm(board, workers, x, weight, units[0])
     normed = _add_norm(residual, summed, epsilon, one, norm_weight, skip)
     gate = np.empty((x.shape[0], gate_weight.shape[1]), np.float32)
     up = np.empty((x.shape[0], up_weight.shape[1]), np.float32)
-    post_gemms(box, workers, normed, (gate_weight, up_weight), (gate, up), False, units[1])
+    post_gemms(board, workers, normed, (gate_weight, up_weight), (gate, up), False, units[1])
     negated, largest = _negated(gate)
     return summed, gate, negated, up, largest
 
 
 @_jit
-def gated_down_rows(box, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, unit, skip):
+def gated_down_rows(board, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, unit, skip):
     """`gated_down` for a short prompt's rows: the down product a pool job of `unit` columns a unit."""
-    summed = _gemm(box, workers, silu_mul_into(gate, decay, up), weight, unit)
+    summed = _gemm(board, workers, silu_mul_into(gate, decay, up), weight, unit)
     return summed, _add_norm(residual, summed, epsilon, one, norm_weight, skip)
 
 
 @_jit
-def projected_layer_norm(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon):
+def projected_layer_norm(board, workers, x, weight, bias, residual, scale, norm_bias, epsilon):
     """(s, LayerNorm(s)) for s = residual + (x @ weight + bias) (bias empty: none), float32 rows and
     a C-contiguous matrix: a LayerNorm layer's output projections and second MLP product with the
     residual add and the next LayerNormalization (MatMulAddLayerNorm's nodes, the same sums)."""
-    summed = _product(box, workers, x, weight)
+    summed = _product(board, workers, x, weight)
     if bias.size:
         for i in range(summed.size):
             summed[i] += bias[i]
@@ -232,29 +232,29 @@ def projected_layer_norm(box, workers, x, weight, bias, residual, scale, norm_bi
 
 
 @_jit
-def gelu_mlp(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon, up_weight, up_bias, divisor, one,
+def gelu_mlp(board, workers, x, weight, bias, residual, scale, norm_bias, epsilon, up_weight, up_bias, divisor, one,
              half, down_weight, down_bias, down_scale, down_norm_bias, down_epsilon):
     """`projected_layer_norm` (s, n), then (s2, LayerNorm(s2)) for s2 = s + (ErfGelu(n @ up_weight +
     up_bias) @ down_weight + down_bias) (empty biases: none): a LayerNorm layer from its last
     attention's output projection to the next layer's norm. The GELU is ErfGelu's job run alone on a
     mailbox of its own (as `runtime.pool.alone` runs it for ErfGelu's node)."""
-    summed, normed = projected_layer_norm(box, workers, x, weight, bias, residual, scale, norm_bias, epsilon)
-    up = _product(box, workers, normed[0], up_weight)
+    summed, normed = projected_layer_norm(board, workers, x, weight, bias, residual, scale, norm_bias, epsilon)
+    up = _product(board, workers, normed[0], up_weight)
     activated = np.empty((1, up.size), np.float32)
-    post_gelu(own_box(box), 0, up.reshape((1, up.size)), up_bias, divisor, one, half, activated)
-    return projected_layer_norm(box, workers, activated[0], down_weight, down_bias, summed, down_scale,
+    post_gelu(own_board(board), 0, up.reshape((1, up.size)), up_bias, divisor, one, half, activated)
+    return projected_layer_norm(board, workers, activated[0], down_weight, down_bias, summed, down_scale,
                                 down_norm_bias, down_epsilon)
 
 
 @_jit
-def attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out):
+def attended_row(board, workers, x, weight, query_bias, query_scale, row, heads, key, value, bias, fill, out):
     """Attention of one query row into out (batch 1, heads, 1, width): row = x @ weight (weight
     empty: x), + query_bias, * query_scale (each empty: none), its heads `heads` (a view of row),
     then `post_attention` of the heads against key (batch, heads, length, depth) and value, scale 1:
     a decode step's HeadsAttention (with its query projection, ProjectedHeadsAttention),
     the same sums as its nodes."""
     if weight.size:
-        post_products(box, workers, x, (weight,), (row,), np.empty(chunk_count(x.size) * row.size, np.float32), 0.0,
+        post_products(board, workers, x, (weight,), (row,), np.empty(chunk_count(x.size) * row.size, np.float32), 0.0,
                       1.0)
     else:
         row[:] = x
@@ -264,18 +264,18 @@ def attended_row(box, workers, x, weight, query_bias, query_scale, row, heads, k
     if query_scale.size:
         for i in range(row.size):
             row[i] = row[i] * query_scale[0]
-    post_attention(box, workers, heads, key, value, bias, 1.0, fill, out)
+    post_attention(board, workers, heads, key, value, bias, 1.0, fill, out)
 
 
 @_jit
-def appended_products(box, workers, x, weights, key_bias, value_bias, key_buffer, value_buffer, position):
+def appended_products(board, workers, x, weights, key_bias, value_bias, key_buffer, value_buffer, position):
     """x @ weights[0], with x @ weights[1] + key_bias and x @ weights[2] + value_bias (empty: none)
     split into heads and written at `position` of key_buffer and value_buffer (batch 1, heads,
     length, depth), the three products one job: a decoder layer's projections and its KV cache
     growth, the values SplitHeads and Concat give (ProjectedAppend's nodes)."""
     query = np.empty(weights[0].shape[1], np.float32)
     key, value = np.empty(weights[1].shape[1], np.float32), np.empty(weights[2].shape[1], np.float32)
-    post_products(box, workers, x, weights, (query, key, value),
+    post_products(board, workers, x, weights, (query, key, value),
                   np.empty(chunk_count(x.size) * (query.size + key.size + value.size), np.float32), 0.0, 1.0)
     _append_row(key, key_bias, key_buffer, position)
     _append_row(value, value_bias, value_buffer, position)
@@ -293,7 +293,7 @@ def _append_row(row, bias, buffer, position):
 
 
 @_jit
-def projected_rope_append(box, workers, x, weights, biases, rows, rope):
+def projected_rope_append(board, workers, x, weights, biases, rows, rope):
     """biases[m] + x @ weights[m] into rows[m] (the query's, key's and value's heads, as views; an
     empty bias adds nothing), the products one job, then `rope_append_into(*rope)` reading them: an
     RMSNorm layer's projections, rotary embedding and KV cache growth (ProjectedRopeAppend's nodes,
@@ -303,7 +303,7 @@ def projected_rope_append(box, workers, x, weights, biases, rows, rope):
     size = 0
     for row in rows:
         size += row.size
-    post_products(box, workers, x, weights, rows, np.empty(chunk_count(x.size) * size, np.float32), 0.0, 1.0)
+    post_products(board, workers, x, weights, rows, np.empty(chunk_count(x.size) * size, np.float32), 0.0, 1.0)
     _add_biases(biases, rows)
     return rope_append_into(*rope)
 
@@ -319,7 +319,7 @@ def _add_biases(biases, rows):
 
 
 @_jit
-def open_projected_rope(box, workers, x, weights, rows, rope, scratch):
+def open_projected_rope(board, workers, x, weights, rows, rope, scratch):
     """`projected_rope_append`'s products job opened (`open_products`: every array must live until it
     is finished), the biases, rotation and cache growth left to `projected_rope_tail` after it; 1
     when a worker was idle, 0 when not, -1 (nothing posted) when `rope_append_into(*rope)` would
@@ -327,7 +327,7 @@ def open_projected_rope(box, workers, x, weights, rows, rope, scratch):
     if not rope_append_fits(rope[0], rope[1], rope[2], rope[3], rope[4], rope[5], rope[6], rope[7], rope[8], rope[9],
                             rope[10]):
         return -1
-    return 1 if open_products(box, workers, x, weights, rows, scratch, 0.0, 1.0) else 0
+    return 1 if open_products(board, workers, x, weights, rows, scratch, 0.0, 1.0) else 0
 
 
 @_jit
@@ -343,7 +343,7 @@ def projected_rope_tail(biases, rows, rope, rotated):
 
 
 @_jit
-def projected_rope_append_rows(box, workers, x, weights, biases, heads, unit, rope):
+def projected_rope_append_rows(board, workers, x, weights, biases, heads, unit, rope):
     """`projected_rope_append` for a short prompt's rows x (M, K): the three products one pool job of
     `unit` columns a unit (`post_gemms`, SharedInputMatMul's for such rows), each split into its
     heads (batch, heads, length, depth) with its bias added (`split_heads_into`, SplitHeads'), then
@@ -351,7 +351,7 @@ def projected_rope_append_rows(box, workers, x, weights, biases, heads, unit, ro
     products = (np.empty((x.shape[0], weights[0].shape[1]), np.float32),
                 np.empty((x.shape[0], weights[1].shape[1]), np.float32),
                 np.empty((x.shape[0], weights[2].shape[1]), np.float32))
-    post_gemms(box, workers, x, weights, products, False, unit)
+    post_gemms(board, workers, x, weights, products, False, unit)
     _split_into(products[0], biases[0], heads[0])
     _split_into(products[1], biases[1], heads[1])
     _split_into(products[2], biases[2], heads[2])

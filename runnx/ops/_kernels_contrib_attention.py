@@ -65,7 +65,7 @@ def rotary_append(query, key, value, positions, cos_cache, sin_cache, half, inte
 
 
 @_kernel
-def decode_step(box, workers, query, key, value, positions, cos_cache, sin_cache, half, interleaved, queries,
+def decode_step(board, workers, query, key, value, positions, cos_cache, sin_cache, half, interleaved, queries,
                 key_cache, value_cache, starts, begin, stop, scale, out):
     """A decode step of sequences of one length in one native call, as a decode pool job
     (`runtime.pool.shared_call`): `rotary_append` into the caches, then the decode attention job
@@ -75,6 +75,6 @@ def decode_step(box, workers, query, key, value, positions, cos_cache, sin_cache
     if not rotary_append(query, key, value, positions, cos_cache, sin_cache, half, interleaved, queries, key_cache,
                          value_cache, starts):
         return False
-    post_attention(box, workers, queries, key_cache[:, :, begin:stop], value_cache[:, :, begin:stop], None, scale,
+    post_attention(board, workers, queries, key_cache[:, :, begin:stop], value_cache[:, :, begin:stop], None, scale,
                    0.0, out)
     return True

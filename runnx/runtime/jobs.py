@@ -1,14 +1,14 @@
-"""The decode pool's jobs, as posted by the caller (`pool.py` calls them on the pool's mailbox or on
-a thread's own): each posting function checks its arrays, writes the job's fields into the mailbox
-(`slots.py`) and opens it (`mailbox.open_job`). A `post_*` function then runs it (`mailbox.finish`:
-the caller takes units too and returns when every unit is complete) and finishes what is left on
-the calling thread (combining spans, applying zero points); an `open_*` one returns at once, its
-caller keeping the arrays until the job is finished (`pool.py`).
+"""The decode pool's jobs, as posted by the caller (`pool.py` calls them on the pool's board or on
+a thread's own): each posting function checks its arrays, writes the job's numbers into its
+mailbox and its arrays into its lists (`slots.py` says where; `board.py` holds them) and opens it
+(`mailbox.open_job`). A `post_*` function then runs it (`mailbox.finish`: the caller takes units
+too and returns when every unit is complete), releases its arrays and finishes what is left on the
+calling thread (combining spans, applying zero points); an `open_*` one returns at once, the job
+holding its arrays until the caller releases it (`pool.py`).
 
-A job's arrays are posted by address, by these functions only, each checking its arrays first
-(a `_check_*` call before any store): no address outlives the arrays it points into (the memory
-rule in `pool.py`). Arrays a function allocates and posts itself stay referenced until its
-`finish` returns (`_finish_holding`): numba frees an array after its last use.
+Each posting function checks its arrays first (a `_check_*` call before anything is posted): the
+units read them by the shapes the job's numbers give, so an array that does not fit them raises
+ValueError here rather than being read past its end there.
 """
 from __future__ import annotations
 
@@ -24,20 +24,21 @@ from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE
 from runnx.ops._kernels_vnni import unsigned_rows, with_zero_points
 from runnx.runtime.atomics import bits_of_float64, store
+from runnx.runtime.board import hold_bytes, hold_floats, hold_grid, hold_matrix, release_finished, words_of
 from runnx.runtime.mailbox import PATIENCE, begin_job, finish, open_job, run_job
 from runnx.runtime.slots import (ATTENDED, ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS,
                                  BLOCK_KEY, BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS,
-                                 COLUMNS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FILL, FIRST_PHASE, FLOATS, GELU_ROWS,
-                                 GEMM, GEMM_A, GEMM_B, GEMM_COLUMNS_GIVEN, GEMM_COUNT, GEMM_DEPTH, GEMM_FIRST_UNIT,
-                                 GEMM_OUT, GEMM_PARTS, GEMM_PER_PART, GEMM_ROWS, GEMM_UNIT, GEMM_WIDTH, GROUPS,
-                                 MAX_GEMM_PARTS, HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX, MAX_MATRICES, NBITS,
-                                 NBITS_CHUNKS, NBITS_LANES, NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS,
-                                 NBITS_TILES, NBITS_TILES_AT, NBITS_TILE_COUNT, NBITS_WIDTH, NBITS_ZEROS,
-                                 NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, OUT, PARTIALS, PARTIAL_SUMS, PER_MATRIX, PRODUCTS,
-                                 QUERY, ROW, ROWS, ROWS_IN, ROWS_OUT, ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT,
-                                 ROW_KERNEL, SCALE, SIGNED, SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI,
-                                 VNNI_GROUPS, VNNI_RAW, VNNI_ROWS, VNNI_TILES, VNNI_TILES_AT, VNNI_TILE_COUNT,
-                                 VNNI_WORDS, WIDTH, post_array, post_matrix)
+                                 COLUMNS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FILL, FIRST_MATRIX, FIRST_PHASE,
+                                 FLOATS, FLOATS_PER_MATRIX, GELU_ROWS, GEMM, GEMM_A, GEMM_COLUMNS_GIVEN, GEMM_COUNT,
+                                 GEMM_DEPTH, GEMM_FIRST_UNIT, GEMM_PARTS, GEMM_PER_PART, GEMM_ROWS, GEMM_UNIT,
+                                 GEMM_WIDTH, GROUPS, HAS_BIAS, HEIGHT, KEY, KIND, MATRICES, MATRIX, MAX_GEMM_PARTS,
+                                 MAX_MATRICES, NBITS, NBITS_BYTE_ZEROS, NBITS_CHUNKS, NBITS_FLOAT_ZEROS, NBITS_LANES,
+                                 NBITS_OUT, NBITS_ROWS, NBITS_SCALES, NBITS_SUMS, NBITS_TILES, NBITS_TILES_AT,
+                                 NBITS_TILE_COUNT, NBITS_WIDTH, NBITS_ZERO_BYTES, NBITS_ZERO_ROWS, OUT, PARTIALS,
+                                 PARTIAL_SUMS, PER_MATRIX, PRODUCTS, QUERY, ROW, ROWS, ROWS_BIAS, ROWS_IN, ROWS_OUT,
+                                 ROW_ARGUMENTS, ROW_BLOCK, ROW_COLUMNS, ROW_COUNT, ROW_KERNEL, SCALE, SIGNED,
+                                 SOFTMAX_ROWS, SPAN_STATS, SUM_BLOCK, UNSIGNED, VALUE, VNNI, VNNI_GROUPS, VNNI_RAW,
+                                 VNNI_ROWS, VNNI_TILES, VNNI_TILES_AT, VNNI_TILE_COUNT, VNNI_WORDS, WIDTH)
 
 # a few rows (a short prompt's) take a products job rather than OpenBLAS, which packs the whole
 # matrix for them: up to FEW_ROWS, their partial sums in one pass over the matrix (rows x columns)
@@ -69,17 +70,39 @@ def _entries_of_compiled(matrix):
     return lambda matrix: entries
 
 
-@_jit
-def _finish_holding(box, first, second):
-    """`mailbox.finish(box)`, with two arrays the caller allocated and posted held until it returns:
-    numba frees an array after its last use, which would otherwise be the store of its address.
-    Never inlined by numba (its arguments' use would vanish with the call)."""
-    finish(box)
+def _hold_entries(job, m, matrix):
+    """Hold a products job's matrix m: float32 entries as floats, 8-bit ones as bytes."""
+
+
+@overload(_hold_entries)
+def _hold_entries_compiled(job, m, matrix):
+    if matrix.dtype == numba.float32:
+        return lambda job, m, matrix: hold_floats(job, FIRST_MATRIX + FLOATS_PER_MATRIX * m + MATRIX, matrix)
+    return lambda job, m, matrix: hold_bytes(job, m, matrix)
+
+
+def _hold_zeros(job, zeros):
+    """Hold a 4-bit products job's zero points: uint8 ones as bytes, float32 ones as floats."""
+
+
+@overload(_hold_zeros)
+def _hold_zeros_compiled(job, zeros):
+    if zeros.dtype == numba.float32:
+        return lambda job, zeros: hold_floats(job, NBITS_FLOAT_ZEROS, zeros)
+    return lambda job, zeros: hold_bytes(job, NBITS_BYTE_ZEROS, zeros)
+
+
+@_inlined
+def _finished(board):
+    """`mailbox.finish(board)`, then the job's arrays released: a `post_*` function's callers hold
+    them still."""
+    finish(board)
+    release_finished(board.job)
 
 
 @_jit
 def _check_products(row, matrices, outs, scratch):
-    """ValueError unless the arrays are what `post_products` reads and writes by address."""
+    """ValueError unless the arrays are what `post_products` reads and writes."""
     if len(matrices) == 0 or len(matrices) > MAX_MATRICES or len(outs) != len(matrices):
         raise ValueError("a products job takes 1 to MAX_MATRICES matrices and an output for each")
     depth = matrices[0].shape[0]
@@ -100,10 +123,11 @@ def _check_products(row, matrices, outs, scratch):
 
 
 @_inlined
-def _begin_products(box, height, depth, chunks):
+def _begin_products(board, height, depth, chunks):
     """`begin_job` of a products job over `height` rows of `depth`, `chunks` units a matrix in its
     first phase; the job's sequence number (its rows and matrices posted after)."""
-    sequence = begin_job(box, PATIENCE)
+    sequence = begin_job(board, PATIENCE)
+    box = words_of(board.job)
     store(box, KIND, PRODUCTS)
     store(box, HEIGHT, height)
     store(box, DEPTH, depth)
@@ -112,11 +136,11 @@ def _begin_products(box, height, depth, chunks):
 
 
 @_inlined
-def open_products(box, workers, row, matrices, outs, scratch, zero, scale):
+def open_products(board, workers, row, matrices, outs, scratch, zero, scale):
     """row @ matrices[m] into outs[m] for each m, as one job, for C-contiguous float32 `row` of one
     row (K,) or a few (M, K) and outs[m] of M * N_m elements, the partial rows in `scratch` (room
     for chunk_count(K) times every output), opened (`mailbox.open_job`): it returns before the units
-    are computed, and every array must live until `mailbox.finish` returns. Its first phase
+    are computed, and the job holds every array until it is released. Its first phase
     computes the partial rows, its second adds them (a job of two phases: one hand-off). Whether a
     worker was idle. 8-bit matrices are read as (float32(entry) - zero) * scale (`rows_into_bytes`);
     float32 ones ignore them (callers pass 0 and 1). No argument has a default: a call from Python
@@ -125,22 +149,24 @@ def open_products(box, workers, row, matrices, outs, scratch, zero, scale):
     _check_products(row, matrices, outs, scratch)
     depth = matrices[0].shape[0]
     chunks = chunk_count(depth)
-    sequence = _begin_products(box, row.size // depth, depth, chunks)
-    store(box, ROW, row.ctypes.data)
+    sequence = _begin_products(board, row.size // depth, depth, chunks)
+    job = board.job
+    box = words_of(job)
+    hold_floats(job, ROW, row)
     start, sums = 0, 0
     for m in range(len(matrices)):
-        slots = MATRICES + PER_MATRIX * m
-        store(box, slots + MATRIX, matrices[m].ctypes.data)
+        slots, held = MATRICES + PER_MATRIX * m, FIRST_MATRIX + FLOATS_PER_MATRIX * m
+        _hold_entries(job, m, matrices[m])
         store(box, slots + WIDTH, matrices[m].shape[1])
-        store(box, slots + PARTIALS, scratch[start:].ctypes.data)
-        store(box, slots + OUT, outs[m].ctypes.data)
+        hold_floats(job, held + PARTIALS, scratch[start:start + chunks * outs[m].size])
+        hold_floats(job, held + OUT, outs[m])
         store(box, slots + ENTRIES, _entries_of(matrices[m]))
         store(box, slots + ENTRY_ZERO, bits_of_float64(zero))
         store(box, slots + ENTRY_SCALE, bits_of_float64(scale))
         start += chunks * outs[m].size
         sums += (outs[m].size + SUM_BLOCK - 1) // SUM_BLOCK
     store(box, FIRST_PHASE, chunks * len(matrices))
-    return open_job(box, workers, sequence, chunks * len(matrices) + sums)
+    return open_job(board, workers, sequence, chunks * len(matrices) + sums)
 
 
 COLUMN_BLOCK = 512  # columns a unit of a products job by a matrix's columns (`open_column_products`)
@@ -148,7 +174,7 @@ COLUMN_BLOCK = 512  # columns a unit of a products job by a matrix's columns (`o
 
 @_jit
 def _check_column_products(row, columns, out):
-    """ValueError unless the arrays are what `open_column_products` reads and writes by address."""
+    """ValueError unless the arrays are what `open_column_products` reads and writes."""
     depth, width = columns.shape[1], columns.shape[0]
     if (depth == 0 or row.size % depth != 0 or not row.flags.c_contiguous or row.itemsize != 4
             or not columns.flags.c_contiguous or columns.itemsize != 4 or out.size != row.size // depth * width
@@ -158,39 +184,41 @@ def _check_column_products(row, columns, out):
 
 
 @_inlined
-def open_column_products(box, workers, row, columns, out):
+def open_column_products(board, workers, row, columns, out):
     """row @ columns.T into out, as one job, for C-contiguous float32 `row` of one row (K,) or a few
     (M, K), a matrix given by its columns, C-contiguous (N, K) (a tied LM head: the embedding's rows),
     and out of M * N elements: a unit a range of COLUMN_BLOCK columns, each element `columns_into`'s
-    sum (the same on any thread), opened as `open_products` is (every array must live until
-    `mailbox.finish` returns); whether a worker was idle. Arrays that do not fit raise ValueError
+    sum (the same on any thread), opened as `open_products` is (the job holds every array until it
+    is released); whether a worker was idle. Arrays that do not fit raise ValueError
     before anything is posted."""
     _check_column_products(row, columns, out)
     depth, width = columns.shape[1], columns.shape[0]
     blocks = max(1, (width + COLUMN_BLOCK - 1) // COLUMN_BLOCK)
-    sequence = _begin_products(box, row.size // depth, depth, blocks)
-    store(box, ROW, row.ctypes.data)
-    store(box, MATRICES + MATRIX, columns.ctypes.data)
+    sequence = _begin_products(board, row.size // depth, depth, blocks)
+    job = board.job
+    box = words_of(job)
+    hold_floats(job, ROW, row)
+    hold_floats(job, FIRST_MATRIX + MATRIX, columns)
     store(box, MATRICES + WIDTH, width)
-    store(box, MATRICES + OUT, out.ctypes.data)
+    hold_floats(job, FIRST_MATRIX + OUT, out)
     store(box, MATRICES + ENTRIES, COLUMNS)
     store(box, FIRST_PHASE, blocks)
-    return open_job(box, workers, sequence, blocks)
+    return open_job(board, workers, sequence, blocks)
 
 
 @_jit
-def post_column_products(box, workers, row, columns, out):
+def post_column_products(board, workers, row, columns, out):
     """`open_column_products`, finished before it returns; whether a worker was idle."""
-    idle = open_column_products(box, workers, row, columns, out)
-    finish(box)
+    idle = open_column_products(board, workers, row, columns, out)
+    _finished(board)
     return idle
 
 
 @_jit
-def post_products(box, workers, row, matrices, outs, scratch, zero, scale):
+def post_products(board, workers, row, matrices, outs, scratch, zero, scale):
     """`open_products`, finished before it returns; whether a worker was idle."""
-    idle = open_products(box, workers, row, matrices, outs, scratch, zero, scale)
-    finish(box)
+    idle = open_products(board, workers, row, matrices, outs, scratch, zero, scale)
+    _finished(board)
     return idle
 
 
@@ -233,48 +261,50 @@ def _check_attention_scratch(query, key, value, partials, stats):
 
 
 @_inlined
-def open_attention(box, workers, query, key, value, bias, scale, fill, out, partials, stats):
-    """`attention` of ops/_kernels_fused.py into out as one job, opened (`mailbox.open_job`: every
-    array must live until `mailbox.finish` returns): its first phase a unit per (batch entry, KV
+def open_attention(board, workers, query, key, value, bias, scale, fill, out, partials, stats):
+    """`attention` of ops/_kernels_fused.py into out as one job, opened (`mailbox.open_job`: the job
+    holds every array until it is released): its first phase a unit per (batch entry, KV
     head, span), its second the spans combined, a unit per (batch entry, KV head), in `partials` and
     `stats` (`attention_scratch`'s). Whether a worker was idle. Arrays that do not fit raise
     ValueError before anything is posted."""
     _check_attention(query, key, value, bias, out)
     _check_attention_scratch(query, key, value, partials, stats)
-    sequence = begin_job(box, PATIENCE)
+    sequence = begin_job(board, PATIENCE)
+    job = board.job
+    box = words_of(job)
     store(box, KIND, ATTENTION)
     store(box, SCALE, bits_of_float64(scale))
     store(box, FILL, bits_of_float64(fill))
     store(box, GROUPS, key.shape[1])
-    post_array(box, QUERY, query)
-    post_array(box, KEY, key)
-    post_array(box, VALUE, value)
-    post_array(box, PARTIAL_SUMS, partials)
-    post_array(box, SPAN_STATS, stats)
-    post_array(box, ATTENDED, out)
+    hold_grid(job, QUERY, query)
+    hold_grid(job, KEY, key)
+    hold_grid(job, VALUE, value)
+    hold_grid(job, PARTIAL_SUMS, partials)
+    hold_grid(job, SPAN_STATS, stats)
+    hold_grid(job, ATTENDED, out)
     if bias is None:
         store(box, HAS_BIAS, 0)
     else:
         store(box, HAS_BIAS, 1)
-        post_array(box, BIAS, bias)
+        hold_grid(job, BIAS, bias)
     spans = partials.shape[0] * partials.shape[1]
     store(box, FIRST_PHASE, spans)
-    return open_job(box, workers, sequence, spans + partials.shape[0])
+    return open_job(board, workers, sequence, spans + partials.shape[0])
 
 
 @_jit
-def post_attention(box, workers, query, key, value, bias, scale, fill, out):
+def post_attention(board, workers, query, key, value, bias, scale, fill, out):
     """`open_attention`, its scratch allocated here, finished before it returns; whether a worker
     was idle."""
     partials, stats = attention_scratch(query, key, value)
-    idle = open_attention(box, workers, query, key, value, bias, scale, fill, out, partials, stats)
-    _finish_holding(box, partials, stats)
+    idle = open_attention(board, workers, query, key, value, bias, scale, fill, out, partials, stats)
+    _finished(board)
     return idle
 
 
 @_jit
 def _check_nbits(rows, lanes, sums, tiles, scales, zeros, out):
-    """ValueError unless the arrays are what `open_nbits` reads and writes by address."""
+    """ValueError unless the arrays are what `open_nbits` reads and writes."""
     count, chunks = tiles.shape[0], tiles.shape[1]
     columns = out.shape[1]
     if (lanes.shape[0] != rows.shape[0] or lanes.shape[1] != 2 or lanes.shape[2] != chunks * CHUNK_BYTES
@@ -297,48 +327,50 @@ def _check_nbits(rows, lanes, sums, tiles, scales, zeros, out):
 
 
 @_inlined
-def open_nbits(box, workers, rows, lanes, sums, tiles, scales, zeros, out):
+def open_nbits(board, workers, rows, lanes, sums, tiles, scales, zeros, out):
     """out (M, N) = rows (M, K) times the tiles as `tile_rows` computes it, as one job of column
-    tiles, opened (`mailbox.open_job`): it returns before the units are computed, and every array
-    must live until `mailbox.finish` returns. rows are first split into lanes (M, 2, 16 C) and
+    tiles, opened (`mailbox.open_job`): it returns before the units are computed, the job holding
+    every array until it is released. rows are first split into lanes (M, 2, 16 C) and
     sums (M, C), after the last job finished (rows may be its output). Whether a worker was
     idle. Arrays that do not fit raise ValueError before anything is posted."""
     _check_nbits(rows, lanes, sums, tiles, scales, zeros, out)
-    finish(box)
+    finish(board)
     nbits_lanes(rows, 2 * CHUNK_BYTES, lanes, sums)
     height, columns = out.shape
-    sequence = begin_job(box, PATIENCE)
+    sequence = begin_job(board, PATIENCE)
+    job = board.job
+    box = words_of(job)
     store(box, KIND, NBITS)
-    store(box, NBITS_LANES, lanes.ctypes.data)
-    store(box, NBITS_SUMS, sums.ctypes.data)
-    store(box, NBITS_TILES_AT, tiles.ctypes.data)
-    store(box, NBITS_SCALES, scales.ctypes.data)
-    store(box, NBITS_ZEROS, zeros.ctypes.data)
+    hold_floats(job, NBITS_LANES, lanes)
+    hold_floats(job, NBITS_SUMS, sums)
+    hold_bytes(job, NBITS_TILES_AT, tiles)
+    hold_floats(job, NBITS_SCALES, scales)
+    _hold_zeros(job, zeros)
     store(box, NBITS_ZERO_BYTES, zeros.itemsize)
     store(box, NBITS_ZERO_ROWS, zeros.shape[0] * zeros.shape[1])
-    store(box, NBITS_OUT, out.ctypes.data)
+    hold_floats(job, NBITS_OUT, out)
     store(box, NBITS_ROWS, height)
     store(box, NBITS_WIDTH, columns)
     store(box, NBITS_TILE_COUNT, tiles.shape[0])
     store(box, NBITS_CHUNKS, tiles.shape[1])
-    return open_job(box, workers, sequence, (tiles.shape[0] + NBITS_TILES - 1) // NBITS_TILES)
+    return open_job(board, workers, sequence, (tiles.shape[0] + NBITS_TILES - 1) // NBITS_TILES)
 
 
 @_jit
-def post_nbits(box, workers, rows, tiles, scales, zeros, out):
+def post_nbits(board, workers, rows, tiles, scales, zeros, out):
     """`open_nbits`, finished before it returns (its lanes and sums allocated here); whether a
     worker was idle."""
     chunks = tiles.shape[1]
     lanes = np.empty((rows.shape[0], 2, chunks * CHUNK_BYTES), np.float32)
     sums = np.empty((rows.shape[0], chunks), np.float32)
-    idle = open_nbits(box, workers, rows, lanes, sums, tiles, scales, zeros, out)
-    _finish_holding(box, lanes, sums)
+    idle = open_nbits(board, workers, rows, lanes, sums, tiles, scales, zeros, out)
+    _finished(board)
     return idle
 
 
 @_jit
 def _check_vnni(a, tiles, column_sums, a_zero, b_zero, out):
-    """ValueError unless the arrays are what `post_vnni` reads (its tiles by address) and writes."""
+    """ValueError unless the arrays are what `post_vnni` reads and writes."""
     rows, columns = out.shape
     count, groups = tiles.shape[0], tiles.shape[1]
     if (a.shape[0] != rows or a.shape[1] > 4 * groups or tiles.shape[2] != TILE or tiles.shape[3] != 4
@@ -349,76 +381,88 @@ def _check_vnni(a, tiles, column_sums, a_zero, b_zero, out):
 
 
 @_jit
-def post_vnni(box, workers, a, flip, tiles, column_sums, a_zero, b_zero, out):
+def post_vnni(board, workers, a, flip, tiles, column_sums, a_zero, b_zero, out):
     """out (M, N) = the 8-bit product of `ops/_kernels_vnni.py` (module docstring), its tile sums
     as one job of column tiles; whether a worker was idle. Arrays that do not fit raise ValueError
     before anything is posted."""
     _check_vnni(a, tiles, column_sums, a_zero, b_zero, out)
-    finish(box)  # a may be the last job's output
+    finish(board)  # a may be the last job's output
     words, row_sums = unsigned_rows(a, flip, tiles.shape[1])
     raw = np.empty((a.shape[0], tiles.shape[0] * TILE), np.int32)
-    sequence = begin_job(box, PATIENCE)
+    sequence = begin_job(board, PATIENCE)
+    job = board.job
+    box = words_of(job)
     store(box, KIND, VNNI)
-    store(box, VNNI_WORDS, words.ctypes.data)
-    store(box, VNNI_TILES_AT, tiles.ctypes.data)
-    store(box, VNNI_RAW, raw.ctypes.data)
+    hold_bytes(job, VNNI_WORDS, words)
+    hold_bytes(job, VNNI_TILES_AT, tiles)
+    hold_bytes(job, VNNI_RAW, raw)
     store(box, VNNI_ROWS, a.shape[0])
     store(box, VNNI_TILE_COUNT, tiles.shape[0])
     store(box, VNNI_GROUPS, tiles.shape[1])
-    idle = open_job(box, workers, sequence, (tiles.shape[0] + VNNI_TILES - 1) // VNNI_TILES)
-    _finish_holding(box, words, raw)
+    idle = open_job(board, workers, sequence, (tiles.shape[0] + VNNI_TILES - 1) // VNNI_TILES)
+    _finished(board)
     with_zero_points(raw, a.shape[1], row_sums, column_sums, a_zero, b_zero, out)
     return idle
 
 
 @_jit
 def _check_rows(x, out):
-    """ValueError unless x and out are what a rows job reads and writes by address."""
+    """ValueError unless x and out are what a rows job reads and writes."""
     if (x.shape[0] != out.shape[0] or x.shape[1] != out.shape[1] or not x.flags.c_contiguous
             or not out.flags.c_contiguous or x.itemsize != 4 or out.itemsize != 4):
         raise ValueError("a rows job takes C-contiguous float32 input and output rows of one shape")
 
 
 @_jit
-def _rows(box, workers, kernel, x, out):
-    """Row kernel `kernel` from x into out (C-contiguous float32 (rows, columns); its arguments
-    already in the box) as one job of blocks of rows, after which workers sleep at once."""
+def _begin_rows(board, kernel, x, out):
+    """`begin_job` of row kernel `kernel` from x into out (C-contiguous float32 (rows, columns)),
+    after which workers sleep at once; its sequence number (the kernel's arguments posted after)."""
     _check_rows(x, out)
-    sequence = begin_job(box, 0)
+    sequence = begin_job(board, 0)
+    job = board.job
+    box = words_of(job)
     store(box, KIND, ROWS)
     store(box, ROW_KERNEL, kernel)
-    store(box, ROWS_IN, x.ctypes.data)
-    store(box, ROWS_OUT, out.ctypes.data)
+    hold_floats(job, ROWS_IN, x)
+    hold_floats(job, ROWS_OUT, out)
     store(box, ROW_COUNT, out.shape[0])
     store(box, ROW_COLUMNS, out.shape[1])
-    run_job(box, workers, sequence, (out.shape[0] + ROW_BLOCK - 1) // ROW_BLOCK)
+    return sequence
 
 
 @_jit
-def post_softmax(box, workers, scores, fill):
+def _run_rows(board, workers, sequence, rows):
+    """Run the rows job `sequence` over `rows` rows, as blocks of rows, and release its arrays."""
+    run_job(board, workers, sequence, (rows + ROW_BLOCK - 1) // ROW_BLOCK)
+    release_finished(board.job)
+
+
+@_jit
+def post_softmax(board, workers, scores, fill):
     """Softmax of each row of scores (rows, columns), in place, NaN rows set to `fill`, as a rows job."""
-    _check_rows(scores, scores)
-    store(box, ROW_ARGUMENTS, bits_of_float64(fill))
-    _rows(box, workers, SOFTMAX_ROWS, scores, scores)
+    sequence = _begin_rows(board, SOFTMAX_ROWS, scores, scores)
+    store(words_of(board.job), ROW_ARGUMENTS, bits_of_float64(fill))
+    _run_rows(board, workers, sequence, scores.shape[0])
 
 
 @_jit
-def post_gelu(box, workers, x, bias, divisor, one, half, out):
+def post_gelu(board, workers, x, bias, divisor, one, half, out):
     """The erf GELU of x + bias (an empty bias: none) into out, (rows, columns), as a rows job."""
     _check_rows(x, out)
     if (bias.size != 0 and bias.size != x.shape[1]) or not bias.flags.c_contiguous or bias.itemsize != 4:
         raise ValueError("a GELU job's bias is a C-contiguous float32 vector of one value a column, or empty")
-    store(box, ROW_ARGUMENTS, bias.ctypes.data)
-    store(box, ROW_ARGUMENTS + 1, bias.size)
-    store(box, ROW_ARGUMENTS + 2, bits_of_float64(divisor))
-    store(box, ROW_ARGUMENTS + 3, bits_of_float64(one))
-    store(box, ROW_ARGUMENTS + 4, bits_of_float64(half))
-    _rows(box, workers, GELU_ROWS, x, out)
+    sequence = _begin_rows(board, GELU_ROWS, x, out)
+    job = board.job
+    hold_floats(job, ROWS_BIAS, bias)
+    store(words_of(job), ROW_ARGUMENTS, bits_of_float64(divisor))
+    store(words_of(job), ROW_ARGUMENTS + 1, bits_of_float64(one))
+    store(words_of(job), ROW_ARGUMENTS + 2, bits_of_float64(half))
+    _run_rows(board, workers, sequence, out.shape[0])
 
 
 @_jit
 def _check_gemm(a, b, out, columns_given, unit):
-    """ValueError unless the arrays are what `post_gemm` reads and writes by address."""
+    """ValueError unless the arrays are what `post_gemm` reads and writes."""
     rows, depth = a.shape
     columns = out.shape[1]
     b_shape = (columns, depth) if columns_given else (depth, columns)
@@ -431,7 +475,7 @@ def _check_gemm(a, b, out, columns_given, unit):
 
 @_jit
 def _check_gemms(a, weights, outs, columns_given, unit):
-    """ValueError unless the arrays are what `post_gemms` reads and writes by address."""
+    """ValueError unless the arrays are what `post_gemms` reads and writes."""
     if len(weights) != len(outs) or len(weights) > MAX_GEMM_PARTS:
         raise ValueError("a prompt's products job takes one output a weight, at most MAX_GEMM_PARTS of them")
     for p in range(len(weights)):
@@ -439,14 +483,14 @@ def _check_gemms(a, weights, outs, columns_given, unit):
 
 
 @_jit
-def post_gemm(box, workers, a, b, out, columns_given, unit):
+def post_gemm(board, workers, a, b, out, columns_given, unit):
     """out = a @ b (b.T given, when `columns_given`) by `product_columns`, as one job of `unit` columns a
     unit (`post_gemms` of one product); whether a worker was idle."""
-    return post_gemms(box, workers, a, (b,), (out,), columns_given, unit)
+    return post_gemms(board, workers, a, (b,), (out,), columns_given, unit)
 
 
 @_jit
-def post_gemms(box, workers, a, weights, outs, columns_given, unit):
+def post_gemms(board, workers, a, weights, outs, columns_given, unit):
     """outs[p] = a @ weights[p] (weights[p].T given, when `columns_given`) for each p: the products of
     one input (a layer's query, key and value projections), by `product_columns`, as one job of
     `unit` columns a unit, each product's units after the one before's (one hand-off for all);
@@ -454,9 +498,11 @@ def post_gemms(box, workers, a, weights, outs, columns_given, unit):
     docstring), so each output is its one-thread product's bits. Arrays that do not fit (or more
     than MAX_GEMM_PARTS products) raise ValueError before anything is posted."""
     _check_gemms(a, weights, outs, columns_given, unit)
-    sequence = begin_job(box, PATIENCE)  # (which finishes the last job, whose output a may be)
+    sequence = begin_job(board, PATIENCE)  # (which finishes the last job, whose output a may be)
+    job = board.job
+    box = words_of(job)
     store(box, KIND, GEMM)
-    store(box, GEMM_A, a.ctypes.data)
+    hold_floats(job, GEMM_A, a)
     store(box, GEMM_ROWS, a.shape[0])
     store(box, GEMM_DEPTH, a.shape[1])
     store(box, GEMM_COLUMNS_GIVEN, 1 if columns_given else 0)
@@ -465,12 +511,14 @@ def post_gemms(box, workers, a, weights, outs, columns_given, unit):
     units = 0
     for p in range(len(weights)):
         slot = GEMM_PARTS + GEMM_PER_PART * p
-        store(box, slot + GEMM_B, weights[p].ctypes.data)
+        hold_floats(job, GEMM_A + 1 + p, weights[p])
         store(box, slot + GEMM_WIDTH, outs[p].shape[1])
         store(box, slot + GEMM_FIRST_UNIT, units)
-        post_matrix(box, slot + GEMM_OUT, outs[p])
+        hold_matrix(job, p, outs[p])
         units += (outs[p].shape[1] + unit - 1) // unit
-    return run_job(box, workers, sequence, units)
+    idle = run_job(board, workers, sequence, units)
+    release_finished(job)
+    return idle
 
 
 @_jit
@@ -482,7 +530,7 @@ def rows_contiguous(x):
 
 @_jit
 def _check_attention_blocks(scaled, key_panels, value, bias, ends, out, positions):
-    """ValueError unless the arrays are what `post_attention_blocks` reads and writes by address."""
+    """ValueError unless the arrays are what `post_attention_blocks` reads and writes."""
     batch, size, depth = value.shape[0], value.shape[2], scaled.shape[3]
     _check_attention_shapes(scaled, (key_panels.shape[0], key_panels.shape[1], size, depth), key_panels.itemsize,
                             value, bias, out)
@@ -504,7 +552,7 @@ def _check_attention_blocks(scaled, key_panels, value, bias, ends, out, position
 
 
 @_jit
-def post_attention_blocks(box, workers, scaled, key_panels, value, bias, ends, fill, positions, out):
+def post_attention_blocks(board, workers, scaled, key_panels, value, bias, ends, fill, positions, out):
     """softmax(scaled @ keys.T + bias) @ value into out (key_panels (B, G, ceil(K / NR) D, NR): the
     panels of keys.T, `key_panels_into`), NaN rows set to `fill`, each row's keys from its
     end on masked (`ends` (B, H, Q) broadcasting: `visible_ends` of the bias, or a causal prompt's;
@@ -517,22 +565,24 @@ def post_attention_blocks(box, workers, scaled, key_panels, value, bias, ends, f
         for h in range(ends.shape[1]):
             for r in range(ends.shape[2]):
                 posted_ends[0, b, h, r] = ends[b, h, r]
-    sequence = begin_job(box, PATIENCE)
+    sequence = begin_job(board, PATIENCE)
+    job = board.job
+    box = words_of(job)
     store(box, KIND, BLOCKS)
     store(box, BLOCK_FILL, bits_of_float64(fill))
     store(box, BLOCK_PER, scaled.shape[1] // key_panels.shape[1])
     store(box, BLOCK_POSITIONS, positions)
-    post_array(box, BLOCK_QUERY, scaled)
-    post_array(box, BLOCK_KEY, key_panels)
-    post_array(box, BLOCK_VALUE, value)
-    post_array(box, BLOCK_ENDS, posted_ends)
-    post_array(box, BLOCK_OUT, out)
+    hold_grid(job, BLOCK_QUERY, scaled)
+    hold_grid(job, BLOCK_KEY, key_panels)
+    hold_grid(job, BLOCK_VALUE, value)
+    hold_grid(job, BLOCK_ENDS, posted_ends)
+    hold_grid(job, BLOCK_OUT, out)
     if bias is None:
         store(box, BLOCK_HAS_BIAS, 0)
     else:
         store(box, BLOCK_HAS_BIAS, 1)
-        post_array(box, BLOCK_BIAS, bias)
+        hold_grid(job, BLOCK_BIAS, bias)
     units = scaled.shape[0] * key_panels.shape[1] * ((scaled.shape[2] + positions - 1) // positions)
-    idle = open_job(box, workers, sequence, units)
-    _finish_holding(box, posted_ends, posted_ends)
+    idle = open_job(board, workers, sequence, units)
+    _finished(board)
     return idle

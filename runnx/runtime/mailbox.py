@@ -1,15 +1,16 @@
 """The decode pool's native side (`pool.py` starts the threads and calls the jobs): the
 mailbox, an int64 array every thread reads and writes with the atomic instructions of
-`atomics.py` (its layout in `slots.py`), and the loop every thread runs over it: claim units of
-the posted job, compute them (`units.py`), count them done. The jobs are posted by `jobs.py`.
+`atomics.py` (its layout in `slots.py`; it is a job's `words`, `board.py`), and the loop every
+thread runs over it: claim units of the posted job, compute them (`units.py`), count them done.
+The jobs are posted by `jobs.py`.
 
 Threads claim units with compare-and-swap on a counter tagged with the job's sequence number, so
 the caller never waits for a worker that has not started (it takes the units itself) and a late
 worker cannot claim a later job's unit with an earlier job's fields (the caller retags the counter
 before it rewrites them). The caller waits only for units a worker has claimed, then returns.
 Every thread, the caller as well as the workers, computes units through one compiled copy of the
-unit loop (`_units_entry`, called by the address in the mailbox): a result never depends on which
-thread took which unit.
+unit loop (`_units_entry`, the board's `units`): a result never depends on which thread took which
+unit.
 Each job says how long a worker spins after it (`LINGER`): decode jobs come every few microseconds.
 """
 from __future__ import annotations
@@ -17,13 +18,14 @@ from __future__ import annotations
 import threading
 
 import numba
+import numba.experimental.function_type  # noqa: F401  (numba types a C callback as a first-class function)
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.runtime.addresses import call_units
 from runnx.runtime.atomics import add, compare_and_swap, load, pause, store
+from runnx.runtime.board import JOB, new_board, release_finished, words_of
 from runnx.runtime.slots import (CLAIM, CLAIM_SHIFT, COMPLETED, FIRST_PHASE, IDLE, INDEX_BITS, KIND, LINGER,
-                                 MAILBOX_SIZE, NOTHING_TO_CLAIM, POSTED, SHARED, STOP, UNITS, UNITS_CODE)
+                                 MAILBOX_SIZE, NOTHING_TO_CLAIM, POSTED, SHARED, STOP, UNITS)
 from runnx.runtime.units import compute_unit
 
 DEFAULT_CLAIM_SHIFT = 3  # a claim takes an eighth of the units left
@@ -34,13 +36,14 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
 @_jit
-def _work(box, sequence):
+def _work(job, sequence):
     """Claim and compute units of job `sequence` until none are left (or a later job is posted);
     returns how many it computed. A claim takes an eighth of the units left (at least one): a
     large job's claims are a few dozen atomic swaps, not one a unit, and its last units still go
     one at a time to whichever thread is free. A job of two phases (`FIRST_PHASE`): no claim spans
     both, and a second-phase claim waits until the first phase is complete (its units are all
     claimed by then, and their threads wait for nothing)."""
+    box = words_of(job)
     computed = 0
     while True:
         claim = load(box, CLAIM)
@@ -57,64 +60,57 @@ def _work(box, sequence):
                     pause()
             kind = load(box, KIND)
             for unit in range(first, first + take):
-                compute_unit(box, kind, unit)
+                compute_unit(job, kind, unit)
             add(box, COMPLETED, take)
             computed += take
 
 
-def _units_entry(box_data, sequence):
-    """`_work` on the mailbox at box_data: compiled once, as a C function (`_units_address`)."""
-    return _work(numba.carray(box_data, (MAILBOX_SIZE,)), sequence)
+def _units_entry(job, sequence):
+    """`_work` on `job`: compiled once, as a C callback (`_units`), which every board calls."""
+    return _work(job, sequence)
 
 
 _units_compiled = None
 _units_lock = threading.Lock()
 
 
-def _units_address() -> int:
-    """The address of `_units_entry`, compiled (or loaded from numba's cache) on first use, by one
-    thread: a first prompt's first job waits for the pool's background start loading it (0.1-0.4 s)
-    rather than load it again beside it. Every thread computes a job's units through it, the caller
-    as well as the workers: numba inlines a kernel into each function that calls it, and LLVM may
-    vectorise the copies differently (with the kernels' reassociating float flags, 1 ulp apart on
-    some rows, depending on the CPU and on what was compiled first), so which thread took a unit
-    would change the result."""
+def _units():
+    """`_units_entry` compiled (or loaded from numba's cache) on first use, by one thread: a first
+    prompt's first job waits for the pool's background start loading it (0.1-0.4 s) rather than
+    load it again beside it. Every thread computes a job's units through it, the caller as well as
+    the workers: numba inlines a kernel into each function that calls it, and LLVM may vectorise
+    the copies differently (with the kernels' reassociating float flags, 1 ulp apart on some rows,
+    depending on the CPU and on what was compiled first), so which thread took a unit would change
+    the result."""
     global _units_compiled
     if _units_compiled is None:
         with _units_lock:
             if _units_compiled is None:
-                signature = numba.types.int64(numba.types.CPointer(numba.types.int64), numba.types.int64)
+                signature = numba.types.int64(JOB, numba.types.int64)
                 _units_compiled = numba.cfunc(signature, cache=True, error_model="numpy")(_units_entry)
-    return _units_compiled.address
+    return _units_compiled
 
 
-def new_box() -> np.ndarray:
-    """A mailbox for a pool of workers or for a job run alone."""
-    box = np.zeros(MAILBOX_SIZE, np.int64)
-    box[UNITS_CODE] = _units_address()
-    box[CLAIM_SHIFT] = DEFAULT_CLAIM_SHIFT
-    return box
-
-
-@_jit
-def own_box(box):
-    """A new mailbox that calls the same unit code as `box` (a job run alone inside another)."""
-    alone = np.zeros(MAILBOX_SIZE, np.int64)
-    alone[UNITS_CODE] = box[UNITS_CODE]
-    alone[CLAIM_SHIFT] = box[CLAIM_SHIFT]
-    return alone
+def make_board() -> tuple:
+    """A board (`board.py`) for a pool of workers or for a job run alone, and its mailbox's words
+    (which Python reads: the workers' idle flags, the units they computed)."""
+    words = np.zeros(MAILBOX_SIZE, np.int64)
+    words[CLAIM_SHIFT] = DEFAULT_CLAIM_SHIFT
+    return new_board(_units(), words), words
 
 
 @_jit
-def serve(box, worker):
+def serve(board, worker):
     """Worker `worker`'s loop: returns True when told to stop, False when it has been idle for as
     many polls as its last job said (`LINGER`)."""
+    units, job = board.units, board.job
+    box = words_of(job)
     store(box, IDLE + worker, 0)
     handled, polls, patience = -1, 0, 0
     while not load(box, STOP):
         posted = load(box, POSTED)
         if posted != handled:
-            computed = call_units(load(box, UNITS_CODE), box, posted)
+            computed = units(job, posted)
             if computed:
                 add(box, SHARED, computed)
             handled, polls, patience = posted, 0, load(box, LINGER)
@@ -130,20 +126,34 @@ def serve(box, worker):
 
 
 @_jit
-def finish(box):
+def finish(board):
     """Take the units left of the last job posted (`open_job`) and wait for those workers claimed:
-    on return every unit of every job posted on `box` is complete. Called by the box's poster only."""
-    call_units(load(box, UNITS_CODE), box, load(box, POSTED))
+    on return every unit of every job posted on `board` is complete. Called by the board's poster
+    only."""
+    box = words_of(board.job)
+    board.units(board.job, load(box, POSTED))
     while load(box, COMPLETED) < load(box, UNITS):
         pause()
 
 
+@numba.njit(cache=True, error_model="numpy")
+def finish_and_release(board):
+    """`finish`, then the job's arrays released, with the GIL (`board.py`: a job left open past its
+    posting call). It waits holding the GIL: by the time its poster finishes it, a job left
+    open is done or nearly."""
+    finish(board)
+    release_finished(board.job)
+
+
 @_jit
-def begin_job(box, linger):
+def begin_job(board, linger):
     """The next job's sequence number, its counter retagged so that no unit of it can be claimed
     (nor one of an earlier job) while the caller writes its fields (`linger` the first); the last
-    job first finished (`finish`: retagged, its unclaimed units could never complete)."""
-    finish(box)
+    job first finished (`finish`: retagged, its unclaimed units could never complete) and its
+    arrays released, if its poster has not released them."""
+    finish(board)
+    release_finished(board.job)
+    box = words_of(board.job)
     sequence = (load(box, POSTED) + 1) & SEQUENCES
     store(box, CLAIM, (sequence << INDEX_BITS) | NOTHING_TO_CLAIM)
     store(box, LINGER, linger)
@@ -152,10 +162,11 @@ def begin_job(box, linger):
 
 
 @_jit
-def open_job(box, workers, sequence, units):
+def open_job(board, workers, sequence, units):
     """Open job `sequence` of `units` units to the workers and return at once, before any unit is
     computed: whether a worker was idle (asleep or falling asleep) when it was posted. The job's
-    arrays must live until `finish` (or the next `begin_job`) returns."""
+    arrays are held (`board.py`) until it is released."""
+    box = words_of(board.job)
     store(box, UNITS, units)
     store(box, COMPLETED, 0)
     store(box, CLAIM, sequence << INDEX_BITS)
@@ -167,20 +178,20 @@ def open_job(box, workers, sequence, units):
 
 
 @_jit
-def run_job(box, workers, sequence, units):
+def run_job(board, workers, sequence, units):
     """Open job `sequence` of `units` units, take units of it, wait for those workers claimed;
     returns whether a worker was idle (asleep or falling asleep) when the job was posted."""
-    idle = open_job(box, workers, sequence, units)
-    finish(box)
+    idle = open_job(board, workers, sequence, units)
+    finish(board)
     return idle
 
 
 @_jit
-def rest(box):
+def rest(board):
     """An empty job after which workers sleep at once."""
-    run_job(box, 0, begin_job(box, 0), 0)
+    run_job(board, 0, begin_job(board, 0), 0)
 
 
 @_jit
-def stop(box):
-    store(box, STOP, 1)
+def stop(board):
+    store(words_of(board.job), STOP, 1)

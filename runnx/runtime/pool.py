@@ -15,15 +15,14 @@ millisecond of rows is worth the wake-up) the caller wakes sleeping workers; few
 blocks (a decode step's GELU) run the job alone on a mailbox of their own (`alone`), never the
 pool's, so they never set its linger to zero under a decode's spinning workers.
 
-Memory: the workers read and write a job's arrays through addresses in the mailbox. Only the
-posting functions of `jobs.py` (`open_products`, `open_attention`, `open_nbits`, `post_vnni`,
-`post_softmax`, `post_gelu`) take an array's address: they take arrays, check each one's dtype,
-layout and shape against what the units read (ValueError, nothing posted), and either return once
-every unit of the job is complete, holding the arrays as their arguments all that time, or (the
-`open_*` ones) return at once: `products` and `open_nbits` then keep the job's arrays, and the
-pool's lock, until the job is finished (`settle`, or this thread's next post, which finishes it
-before it reads anything; `open_jobs.py`). No address outlives its array; Python code here never
-handles one (the one address a mailbox gets from Python, in `new_box`, is the compiled unit loop's).
+Memory: a job holds every array its units read and write (`board.py`: typed references in the
+job's fields, numba's reference counts being atomic), from its posting function (`jobs.py`, which
+checks each array's dtype, layout and shape against what the units read: ValueError, nothing
+posted) until it is released: a `post_*` function releases its job before it returns; a job left
+open (`open_*`: `products`, `open_nbits`, `open_call`) is released by this module, with the GIL,
+once it is finished (`settle`, or this thread's next post, which finishes it first;
+`open_jobs.py`). No unit can read memory its job does not keep alive, and no pointer is made from an
+integer anywhere.
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ from runnx.runtime.jobs import (open_attention, open_column_products, open_nbits
                                 post_attention_blocks,
                                 post_column_products, post_gelu, post_gemm, post_gemms, post_nbits, post_products,
                                 post_softmax, post_vnni)
-from runnx.runtime.mailbox import finish, new_box, rest, serve, stop
+from runnx.runtime.mailbox import finish, finish_and_release, make_board, rest, serve, stop
 from runnx.runtime.open_jobs import holding, opening, settle
 from runnx.runtime.slots import IDLE, MAX_MATRICES, MAX_WORKERS, ROW_BLOCK, SHARED
 
@@ -65,13 +64,14 @@ class DecodePool:
         # `rest`, first called by a multi-threaded BLAS product while workers spin (an
         # encoder-decoder window's first step after a decode): loading it from numba's cache there
         # would stall that step
-        stopped = new_box()
+        stopped, _ = make_board()
         rest(stopped)
         stop(stopped)
         serve(stopped, 0)
-        finish(stopped)  # (and what this class calls from Python: `settle`'s finish, a scratch's chunk count)
+        finish(stopped)  # (and what this class calls from Python: `settle`'s finish and release, a
+        finish_and_release(stopped)  # scratch's chunk count)
         chunk_count(1)
-        self.box = new_box()
+        self.board, self.box = make_board()  # the board every call posts on, and its mailbox's words
         self._workers = workers
         self._partials = np.empty(0, np.float32)
         self._lanes = np.empty(0, np.float32)
@@ -86,7 +86,7 @@ class DecodePool:
             thread.start()
 
     def _serve(self, worker: int):
-        while not serve(self.box, worker):
+        while not serve(self.board, worker):
             self._wakes[worker].wait()
             self._wakes[worker].clear()
 
@@ -102,25 +102,29 @@ class DecodePool:
 
     def _enter(self) -> bool:
         """Take the pool for a post: True when this thread has its lock, taken now or held through
-        a job it left open (which the post finishes before it reads anything); False when another
+        a job it left open (closed now when it has a tail, else by the post right before its native
+        call, `_close`, so that the post's Python runs while the workers compute); False when another
         thread has it (this thread then has no job open). A job this thread left open on a pool
         since replaced (`set_workers`) is finished first."""
         held = holding.pool
         if held is self:
             if self._tail is not None:  # what reads the job's output comes first (`open_call`)
-                self._finish_tail()
+                self._close()
             return True
         if held is not None:
             held.settle()
         return self._lock.acquire(blocking=False)
 
-    def _finish_tail(self) -> None:
-        """Finish the job this thread left open and run its tail; the pool stays this thread's, its
-        arrays released (nothing is open now: the next post need not finish it again)."""
+    def _close(self) -> None:
+        """Finish the job this thread left open, release its arrays (with the GIL: `board.py`) and
+        run its tail, if any; the pool stays this thread's (nothing is open now)."""
+        if self._open is None:
+            return
         tail, self._tail = self._tail, None
         try:
-            finish(self.box)
-            tail[0](*tail[1])
+            finish_and_release(self.board)
+            if tail is not None:  # what reads the job's output (`open_call`)
+                tail[0](*tail[1])
         except BaseException:
             self._leave(None)
             raise
@@ -141,14 +145,11 @@ class DecodePool:
     def settle(self) -> None:
         """Finish the job this thread left open (every unit complete) and run its tail, if any;
         release its arrays and the lock."""
-        if self._tail is not None:
-            self._finish_tail()
-        else:
-            finish(self.box)
+        self._close()
         self._leave(None)
 
     def open_call(self, job, arguments: tuple, arrays: tuple, tail, tail_arguments: tuple, scratch: int = 0) -> bool:
-        """job(box, workers, *arguments[, the pool's scratch of `scratch` floats]), a numba function
+        """job(board, workers, *arguments[, the pool's scratch of `scratch` floats]), a numba function
         opening one job (`open_gated_down`) and returning 1 when a worker was idle, 0 when not,
         -1 when it posted nothing (its arrays do not fit); the job left open: the pool keeps
         `arrays` (every array its units read or write) and its lock, and this thread runs
@@ -158,13 +159,12 @@ class DecodePool:
         if not self._enter():
             return False
         try:
-            if self._open is not None:  # a job this thread left open: `job` may read its output
-                finish(self.box)
             if scratch:
                 partials = self._scratch(scratch)
                 arguments, arrays = (*arguments, partials), (*arrays, partials)
             self._wake_sleeping()
-            state = job(self.box, self._workers, *arguments)
+            self._close()
+            state = job(self.board, self._workers, *arguments)
         except BaseException:
             self.settle()
             raise
@@ -182,9 +182,10 @@ class DecodePool:
         pool's lock until this thread's `settle`; False when the pool is busy (nothing posted)."""
         if not self._enter():
             return False
-        lanes, sums = self._nbits_scratch(rows.shape[0], tiles.shape[1])
         try:
-            idle = open_nbits(self.box, self._workers, rows, lanes, sums, tiles, scales, zeros, out)
+            self._close()  # (its lanes and sums are the last 4-bit job's)
+            lanes, sums = self._nbits_scratch(rows.shape[0], tiles.shape[1])
+            idle = open_nbits(self.board, self._workers, rows, lanes, sums, tiles, scales, zeros, out)
         except BaseException:
             self.settle()
             raise
@@ -204,7 +205,7 @@ class DecodePool:
                     + self.products(row, matrices[MAX_MATRICES:], dequantized, leave_open))
         if not row.flags.c_contiguous:
             settle()  # (copying it reads it)
-            row = np.ascontiguousarray(row)  # the workers read it by address
+            row = np.ascontiguousarray(row)  # the workers read it as a C-contiguous vector
         if not self._enter():
             rows = row.reshape(-1, row.shape[-1])
             if dequantized:
@@ -256,11 +257,12 @@ class DecodePool:
         return); a post that raises settles the pool first."""
         kept = None
         try:
+            self._close()
             if leave_open and opening.allowed:
-                idle = opened(self.box, self._workers, *arguments)
+                idle = opened(self.board, self._workers, *arguments)
                 kept = arrays
             else:
-                idle = posted(self.box, self._workers, *arguments)
+                idle = posted(self.board, self._workers, *arguments)
         except BaseException:
             self.settle()
             raise
@@ -293,7 +295,8 @@ class DecodePool:
         try:
             out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
             if not (leave_open and opening.allowed):
-                idle = post_attention(self.box, self._workers, query, key, value, bias, scale, fill, out)
+                self._close()
+                idle = post_attention(self.board, self._workers, query, key, value, bias, scale, fill, out)
                 self._leave(None)  # (the post finished the job this thread left open, then its own)
                 if idle:
                     self._wake()
@@ -307,16 +310,15 @@ class DecodePool:
         return out
 
     def call(self, job, *arguments):
-        """job(box, workers, *arguments), a numba function posting this pool's jobs (`post_softmax`,
+        """job(board, workers, *arguments), a numba function posting this pool's jobs (`post_softmax`,
         `post_gelu`, a decoder block of `ops/_decode_blocks.py`), with sleeping workers woken first (native
         code cannot wake them); its result, or BUSY when the pool is busy (nothing done)."""
         if not self._enter():
             return BUSY
         try:
-            if self._open is not None:  # a job this thread left open: `job` may read its output before it posts
-                finish(self.box)
             self._wake_sleeping()
-            result = job(self.box, self._workers, *arguments)
+            self._close()
+            result = job(self.board, self._workers, *arguments)
         except BaseException:
             self.settle()
             raise
@@ -333,7 +335,7 @@ class DecodePool:
         waking = any([wake.is_set() for wake in self._wakes])
         if (waking or self.spinning()) and self._lock.acquire(blocking=False):
             try:
-                rest(self.box)
+                rest(self.board)
             finally:
                 self._lock.release()
 
@@ -347,7 +349,7 @@ class DecodePool:
         return int(self.box[SHARED])
 
     def close(self):
-        stop(self.box)
+        stop(self.board)
         self._wake()
         for thread in self._threads:
             thread.join()
@@ -470,7 +472,7 @@ def attention_blocks(scaled, key_panels, value, bias, ends, fill: float, positio
 
 
 def shared_call(job, *arguments):
-    """job(box, workers, *arguments) (see `DecodePool.call`) with the pool's workers when there are
+    """job(board, workers, *arguments) (see `DecodePool.call`) with the pool's workers when there are
     any and it is free, else `alone`: the same compiled code either way, so the same results."""
     workers = pool()
     if workers is not None:
@@ -489,21 +491,21 @@ def open_shared_call(job, arguments: tuple, arrays: tuple, tail, tail_arguments:
 
 
 def alone(job, *arguments):
-    """job(box, workers, *arguments) on a mailbox of this call, no worker: what the pool computes,
+    """job(board, workers, *arguments) on a board of this thread's, no worker: what the pool computes,
     on this thread. Row kernels take this path below two blocks of rows (a decode step's GELU)
     rather than a direct call, which numba may compile apart from the job's copy: with their
     reassociating float flags the two copies rounded some rows 1 ulp apart, depending on which the
     process compiled or loaded first (a row's softmax then depended on how many rows came with it).
-    Each thread keeps its one mailbox for these: a job is synchronous and never posts another from
+    Each thread keeps its one board for these: a job is synchronous and never posts another from
     Python, so a thread's jobs never overlap."""
     settle()
-    box = getattr(_own_boxes, "box", None)
-    if box is None:
-        box = _own_boxes.box = new_box()
-    return job(box, 0, *arguments)
+    board = getattr(_own_boards, "board", None)
+    if board is None:
+        board = _own_boards.board = make_board()[0]
+    return job(board, 0, *arguments)
 
 
-_own_boxes = threading.local()  # each thread's mailbox for jobs run alone
+_own_boards = threading.local()  # each thread's board for jobs run alone
 
 
 _pool: DecodePool | None = None

@@ -11,7 +11,7 @@ from runnx.ops import _native
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.jobs import open_products, post_gelu, post_products, post_softmax
-from runnx.runtime.mailbox import finish, new_box
+from runnx.runtime.mailbox import finish_and_release, make_board
 
 _starting: threading.Thread | None = None
 _products_loaded = False  # `_load_products` has run in this process
@@ -53,7 +53,7 @@ def _load_alone(load_products: bool) -> None:
     prompt's softmax), then the products' kernels unless a model's record loads what it calls."""
     _import_for_numba_typing()
     _find_blas()
-    new_box()
+    make_board()
     if load_products:
         _load_products()
 
@@ -89,14 +89,14 @@ def _load_jobs() -> None:
     (`open_products`, then `finish`). Computed alone, on zeros."""
     matrix = np.zeros((4, 4), np.float32)
     matrix.flags.writeable = False
-    box = new_box()
+    board, _ = make_board()
     for row in (np.zeros(4, np.float32), np.zeros((2, 4), np.float32)):
         for count in (1, 2, 3):
             outs = tuple([np.empty(row.size, np.float32) for _ in range(count)])
             scratch = np.empty(chunk_count(4) * row.size * count, np.float32)
             decode_pool.alone(post_products, row, (matrix,) * count, outs, scratch, 0.0, 1.0)
-            open_products(box, 0, row, (matrix,) * count, outs, scratch, 0.0, 1.0)
-            finish(box)
+            open_products(board, 0, row, (matrix,) * count, outs, scratch, 0.0, 1.0)
+            finish_and_release(board)
     rows = np.zeros((2, 4), np.float32)
     decode_pool.alone(post_softmax, rows, 0.0)
     for bias in (np.zeros(4, np.float32), matrix[0]):

@@ -93,8 +93,8 @@ def test_the_bytes_loop_is_bitwise_the_float_loop_over_the_dequantized_matrix():
 def test_a_products_job_refuses_a_matrix_of_another_integer_type():
     from runnx.runtime import jobs, mailbox, slots
 
-    box = mailbox.new_box()
+    board, box = mailbox.make_board()
     with pytest.raises(ValueError, match="8-bit"):
-        jobs.post_products(box, 0, np.ones(8, np.float32), (np.ones((8, 6), np.int16),), (np.empty(6, np.float32),),
+        jobs.post_products(board, 0, np.ones(8, np.float32), (np.ones((8, 6), np.int16),), (np.empty(6, np.float32),),
                            np.empty(48, np.float32), 0.0, 1.0)
     assert box[slots.POSTED] == 0

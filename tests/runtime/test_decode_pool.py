@@ -182,31 +182,33 @@ def test_attention_by_kv_heads_is_bitwise_the_one_thread_job(pool, bias, size):
 
 @pytest.mark.parametrize("name", ["serve", "rest", "post_attention", "post_products", "post_nbits", "post_vnni"])
 def test_every_thread_computes_units_through_one_compiled_copy(name):
-    """The workers' loop and the callers' jobs call the unit loop through the address in the mailbox
-    (`_units_address`) instead of inlining it: inlined copies of a reassociating kernel may round
-    apart (a unit's result would depend on the thread that took it). Compiled afresh here, since
-    numba shows no code for cached functions."""
+    """The workers' loop and the callers' jobs call the unit loop through the board's first-class
+    function (`mailbox._units`) instead of inlining it: inlined copies of a reassociating kernel may
+    round apart (a unit's result would depend on the thread that took it). Compiled afresh here,
+    since numba shows no code for cached functions."""
     import re
+    import warnings
 
     import numba
-    box = mailbox.new_box()
+    board, _ = mailbox.make_board()
     row, matrix = np.ones(4, np.float32), np.ones((4, 3), np.float32)
     query, key = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 3, 4), np.float32)
-    arguments = {"serve": (box, 0), "rest": (box,),
-                 "post_attention": (box, 1, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32)),
-                 "post_products": (box, 1, row, (matrix,), (np.empty(3, np.float32),),
+    arguments = {"serve": (board, 0), "rest": (board,),
+                 "post_attention": (board, 1, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32)),
+                 "post_products": (board, 1, row, (matrix,), (np.empty(3, np.float32),),
                                    np.empty(3 * 8, np.float32), 0.0, 1.0),
-                 "post_nbits": (box, 1, np.ones((1, 32), np.float32),
+                 "post_nbits": (board, 1, np.ones((1, 32), np.float32),
                                 np.ones((1, 1, 16, 16), np.uint8), np.ones((1, 1, 16), np.float32),
                                 np.ones((1, 1, 16), np.float32), np.empty((1, 3), np.float32)),
-                 "post_vnni": (box, 1, np.ones((1, 8), np.uint8), False, np.ones((1, 2, 16, 4), np.uint8),
+                 "post_vnni": (board, 1, np.ones((1, 8), np.uint8), False, np.ones((1, 2, 16, 4), np.uint8),
                                np.ones(3, np.int32), np.zeros(1, np.int32), np.zeros(3, np.int32),
                                np.empty((1, 3), np.int32))}[name]
     function = getattr(mailbox, name, None) or getattr(jobs, name)
     fresh = numba.njit(nogil=True, error_model="numpy")(function.py_func)
-    fresh.compile(tuple(numba.typeof(argument) for argument in arguments))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", numba.NumbaExperimentalFeatureWarning)
+        fresh.compile(tuple(numba.typeof(argument) for argument in arguments))
     code = next(iter(fresh.inspect_llvm().values()))
-    assert "call_units" not in code and re.search(r"inttoptr", code)
     units = (r"\d(?:_work|compute_unit|_attention_span|attention_span|_product_chunk|softmax_rows_float32|gelu_rows_float32"
              r"|_nbits_block|tile_rows|_vnni_block|tile_sums_into)(?![a-z_])")
     assert not re.search(units, code)  # (mangled names: the name after its length)
@@ -455,21 +457,20 @@ def test_the_unit_loop_is_compiled_or_loaded_once_whichever_threads_ask_at_once(
 
     made = []
 
-    class Compiled:
-        address = 1234
+    compiled = object()
 
     def cfunc(signature, **options):
         def compile_(function):
             made.append(function)
             time.sleep(0.2)
-            return Compiled()
+            return compiled
         return compile_
 
     monkeypatch.setattr(mailbox, "_units_compiled", None)
     monkeypatch.setattr(mailbox.numba, "cfunc", cfunc)
     with ThreadPoolExecutor(3) as callers:
-        addresses = list(callers.map(lambda _: mailbox._units_address(), range(3)))
-    assert addresses == [1234] * 3 and made == [mailbox._units_entry]
+        loops = list(callers.map(lambda _: mailbox._units(), range(3)))
+    assert loops == [compiled] * 3 and made == [mailbox._units_entry]
 
 
 @pytest.mark.parametrize("workers", [0, 1])
@@ -722,18 +723,18 @@ def test_claims_of_several_units_give_the_bits_of_claims_of_one(pool, columns):
 
 def test_a_products_job_writes_no_slot_past_its_fields():
     """Every field of a products job of MAX_MATRICES matrices (8-bit ones with their zero point and
-    scale too) lies in its own slots, below the unit code's address and the claim size."""
-    box = mailbox.new_box()
+    scale too) lies in its own words, below the claim size and the list counters."""
+    board, box = mailbox.make_board()
     first = slots.MATRICES + slots.PER_MATRIX * slots.MAX_MATRICES
-    box[first:slots.UNITS_CODE] = -7
-    kept = box[slots.UNITS_CODE:].copy()
+    box[first:slots.CLAIM_SHIFT] = -7
+    kept = box[slots.CLAIM_SHIFT:].copy()
     for matrix in (np.ones((8, 6), np.float32), np.ones((8, 6), np.uint8)):
         outs = tuple(np.empty(6, np.float32) for _ in range(slots.MAX_MATRICES))
-        jobs.post_products(box, 0, np.ones(8, np.float32), (matrix,) * slots.MAX_MATRICES, outs,
+        jobs.post_products(board, 0, np.ones(8, np.float32), (matrix,) * slots.MAX_MATRICES, outs,
                            np.empty(chunk_count(8) * 6 * slots.MAX_MATRICES, np.float32), 3.0, 0.5)
         expected = 8.0 if matrix.dtype == np.float32 else 8 * (1 - 3.0) * 0.5
         assert all(np.array_equal(out, np.full(6, expected, np.float32)) for out in outs)
-        assert (box[first:slots.UNITS_CODE] == -7).all() and np.array_equal(box[slots.UNITS_CODE:], kept)
+        assert (box[first:slots.CLAIM_SHIFT] == -7).all() and np.array_equal(box[slots.CLAIM_SHIFT:], kept)
 
 
 def _products_arguments(height=1, depth=8, width=6):
@@ -742,8 +743,8 @@ def _products_arguments(height=1, depth=8, width=6):
 
 
 @pytest.mark.parametrize("change", ["depth", "short output", "short scratch", "an output missing", "transposed matrix"])
-def test_a_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
-    """Each poster checks what it turns into addresses: a wrong array raises, nothing posted
+def test_a_products_job_refuses_arrays_it_cannot_read_before_posting(change):
+    """Each poster checks the arrays its units read: a wrong array raises, nothing posted
     (unchecked, a short output was written past its end, a transposed matrix read as C-ordered)."""
     row, matrices, outs, scratch = _products_arguments()
     if change == "depth":
@@ -756,31 +757,31 @@ def test_a_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(
         matrices = matrices * 2
     else:
         matrices = (np.ones((6, 8), np.float32).T,)
-    box = mailbox.new_box()
+    board, box = mailbox.make_board()
     with pytest.raises(ValueError, match="a products job"):
-        jobs.post_products(box, 0, row, matrices, outs, scratch, 0.0, 1.0)
+        jobs.post_products(board, 0, row, matrices, outs, scratch, 0.0, 1.0)
     assert box[slots.POSTED] == 0 and box[slots.KIND] == 0
 
 
 def test_attention_and_rows_jobs_refuse_arrays_that_do_not_fit_before_posting():
     query, key = np.ones((1, 2, 1, 4), np.float32), np.ones((1, 1, 3, 4), np.float32)
-    box = mailbox.new_box()
+    board, box = mailbox.make_board()
     with pytest.raises(ValueError, match="an attention job"):  # out's last axis is not value's
-        jobs.post_attention(box, 0, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 3), np.float32))
+        jobs.post_attention(board, 0, query, key, key, None, 0.5, np.nan, np.empty((1, 2, 1, 3), np.float32))
     with pytest.raises(ValueError, match="H a multiple of G"):  # 2 query heads over 3 KV heads
         three = np.ones((1, 3, 3, 4), np.float32)
-        jobs.post_attention(box, 0, query, three, three, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32))
+        jobs.post_attention(board, 0, query, three, three, None, 0.5, np.nan, np.empty((1, 2, 1, 4), np.float32))
     rows = np.ones((4, 8), np.float32)
     with pytest.raises(ValueError, match="a rows job"):
-        jobs.post_gelu(box, 0, rows, np.empty(0, np.float32), 1.0, 1.0, 0.5, np.empty((3, 8), np.float32))
+        jobs.post_gelu(board, 0, rows, np.empty(0, np.float32), 1.0, 1.0, 0.5, np.empty((3, 8), np.float32))
     with pytest.raises(ValueError, match="bias"):
-        jobs.post_gelu(box, 0, rows, np.ones(7, np.float32), 1.0, 1.0, 0.5, np.empty_like(rows))
+        jobs.post_gelu(board, 0, rows, np.ones(7, np.float32), 1.0, 1.0, 0.5, np.empty_like(rows))
     assert box[slots.POSTED] == 0
 
 
 @pytest.mark.parametrize("change", ["long rows", "few tiles", "few scales", "float64 out", "strided tiles",
                                     "float tiles", "few zero points", "int16 zero points", "strided zero points"])
-def test_a_4_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+def test_a_4_bit_products_job_refuses_arrays_it_cannot_read_before_posting(change):
     arrays = dict(rows=np.ones((2, 64), np.float32), tiles=np.ones((2, 2, 16, 16), np.uint8),
                   scales=np.ones((2, 2, 16), np.float32), zeros=np.ones((2, 2, 16), np.uint8),
                   out=np.empty((2, 17), np.float32))
@@ -794,70 +795,51 @@ def test_a_4_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_po
                "int16 zero points": ("zeros", np.ones((2, 2, 16), np.int16)),
                "strided zero points": ("zeros", np.ones((2, 2, 32), np.float32)[..., ::2])}[change]
     arrays[changed[0]] = changed[1]
-    box = mailbox.new_box()
+    board, box = mailbox.make_board()
     with pytest.raises(ValueError, match="a 4-bit products job"):
-        jobs.post_nbits(box, 0, *arrays.values())
+        jobs.post_nbits(board, 0, *arrays.values())
     assert box[slots.POSTED] == 0
 
 
-def test_only_the_posting_functions_turn_arrays_into_addresses():
-    """Only the pool's native modules import the address intrinsics (`addresses.py`; the atomic
-    operations of `atomics.py` are for any thread sharing memory); of them, only `jobs.py`'s posting
-    functions (which check their arrays first) and `slots.post_array` (which they call) take an
-    array's address."""
+def test_no_pool_module_makes_a_pointer_from_an_integer():
+    """The pool's jobs hold their arrays (`board.py`): no runtime module takes an array's address or
+    casts an integer to a pointer, and every posting function checks its arrays before it holds
+    any (`_check_*` first)."""
     import ast
     from pathlib import Path
 
     import runnx
-    from runnx.runtime import addresses, atomics
     package = Path(runnx.__file__).parent
-    importers = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
-                       if "runnx.runtime.addresses" in path.read_text() and path.name != "addresses.py")
-    assert importers == ["runtime/mailbox.py", "runtime/slots.py", "runtime/units.py"]
-    pointers = {name for name in vars(addresses) if not name.startswith("_")} - {"annotations", "intrinsic",
-                                                                                  "ir", "types", "populate_array"}
-    assert pointers == {"float32_view", "float32_pointer", "byte_pointer", "call_units"}
-    assert "inttoptr" not in Path(atomics.__file__).read_text()  # every integer-to-pointer cast is in addresses.py
-
-    def functions_of(module):
-        source = (package / "runtime" / module).read_text()
-        return source, {node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
-
-    def using(module, text):
-        source, functions = functions_of(module)
-        return {name for name, node in functions.items()
-                if text in ast.get_source_segment(source, node).split(":", 1)[1]}  # (after its signature)
-
-    assert using("jobs.py", "ctypes.data") == {"open_products", "open_column_products", "post_gelu", "open_nbits",
-                                               "post_vnni", "_rows", "post_gemms"}
-    assert using("slots.py", "ctypes.data") == {"post_array", "post_matrix"}
-    assert using("mailbox.py", "ctypes.data") == using("units.py", "ctypes.data") == set()
-    assert using("jobs.py", "post_array(") == {"open_attention", "post_attention_blocks"}
-    assert using("jobs.py", "post_matrix(") == {"post_gemms"}
-    assert all(not using(module, "post_array(") and not using(module, "post_matrix(")
-               for module in ("mailbox.py", "units.py"))
-    _, functions = functions_of("jobs.py")
-    for name in using("jobs.py", "ctypes.data") | using("jobs.py", "post_array(") | using("jobs.py", "post_matrix("):
+    for path in (package / "runtime").glob("*.py"):
+        text = path.read_text()
+        assert "inttoptr" not in text and "ctypes.data" not in text and "carray(" not in text, path.name
+    source = (package / "runtime" / "jobs.py").read_text()
+    functions = {node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+    holding = {name for name, node in functions.items()
+               if "hold_" in ast.get_source_segment(source, node).split(":", 1)[1]}  # (after its signature)
+    assert {"open_products", "open_column_products", "open_attention", "open_nbits", "post_vnni", "_begin_rows",
+            "post_gelu", "post_gemms", "post_attention_blocks"} <= holding
+    for name in holding - {"_hold_entries_compiled", "_hold_zeros_compiled"}:
         first_call = next(node for node in functions[name].body
                           if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call))
-        assert first_call.value.func.id.startswith("_check_"), name  # before any store
+        assert first_call.value.func.id.startswith("_check_"), name  # before anything is held
 
 
 @pytest.mark.parametrize("change", ["short output", "strided columns", "float64 row", "other depth"])
-def test_a_products_job_by_columns_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+def test_a_products_job_by_columns_refuses_arrays_it_cannot_read_before_posting(change):
     arrays = dict(row=np.ones(8, np.float32), columns=np.ones((5, 8), np.float32), out=np.empty(5, np.float32))
     name, value = {"short output": ("out", np.empty(4, np.float32)),
                    "strided columns": ("columns", np.ones((5, 16), np.float32)[:, ::2]),
                    "float64 row": ("row", np.ones(8)), "other depth": ("row", np.ones(7, np.float32))}[change]
     arrays[name] = value
-    box = mailbox.new_box()
+    board, box = mailbox.make_board()
     with pytest.raises(ValueError, match="a products job by a matrix's columns"):
-        jobs.post_column_products(box, 0, *arrays.values())
+        jobs.post_column_products(board, 0, *arrays.values())
     assert box[slots.POSTED] == 0
 
 
 @pytest.mark.parametrize("change", ["long rows", "few tiles", "wide tiles", "few column sums", "strided tiles"])
-def test_an_8_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+def test_an_8_bit_products_job_refuses_arrays_it_cannot_read_before_posting(change):
     arrays = dict(a=np.ones((2, 8), np.uint8), flip=False, tiles=np.ones((2, 2, 16, 4), np.uint8),
                   column_sums=np.ones(17, np.int32), a_zero=np.zeros(2, np.int32), b_zero=np.zeros(17, np.int32),
                   out=np.empty((2, 17), np.int32))
@@ -867,9 +849,9 @@ def test_an_8_bit_products_job_refuses_arrays_it_cannot_read_by_address_before_p
                "few column sums": ("column_sums", np.ones(16, np.int32)),
                "strided tiles": ("tiles", np.ones((2, 2, 16, 8), np.uint8)[..., ::2])}[change]
     arrays[changed[0]] = changed[1]
-    box = mailbox.new_box()
+    board, box = mailbox.make_board()
     with pytest.raises(ValueError, match="an 8-bit products job"):
-        jobs.post_vnni(box, 0, *arrays.values())
+        jobs.post_vnni(board, 0, *arrays.values())
     assert box[slots.POSTED] == 0
 
 
@@ -946,7 +928,7 @@ def test_a_prompts_product_job_is_bitwise_the_one_thread_product(pool, rows, dep
             pool.box[slots.CLAIM_SHIFT] = shift
             wide = np.full((rows, columns + 9), np.nan, np.float32)
             out = wide[:, 4:4 + columns]
-            jobs.post_gemm(pool.box, 2, a, b, out, given, unit)
+            jobs.post_gemm(pool.board, 2, a, b, out, given, unit)
             assert np.array_equal(out, expected)
             assert np.isnan(wide[:, :4]).all() and np.isnan(wide[:, 4 + columns:]).all()
             assert pool.box[slots.COMPLETED] == pool.box[slots.UNITS] == -(-columns // unit)
@@ -956,7 +938,7 @@ def test_a_prompts_product_job_is_bitwise_the_one_thread_product(pool, rows, dep
 
 @pytest.mark.parametrize("change", ["depth", "short out", "transposed a", "columns of b", "unit", "float64 out",
                                     "strided out"])
-def test_a_prompts_product_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+def test_a_prompts_product_job_refuses_arrays_it_cannot_read_before_posting(change):
     arrays = dict(a=np.ones((4, 8), np.float32), b=np.ones((8, 6), np.float32), out=np.empty((4, 6), np.float32),
                   given=False, unit=32)
     changed = {"depth": ("b", np.ones((7, 6), np.float32)),
@@ -967,9 +949,9 @@ def test_a_prompts_product_job_refuses_arrays_it_cannot_read_by_address_before_p
                "float64 out": ("out", np.empty((4, 6))),
                "strided out": ("out", np.empty((4, 12), np.float32)[:, ::2])}[change]
     arrays[changed[0]] = changed[1]
-    box = mailbox.new_box()
+    board, box = mailbox.make_board()
     with pytest.raises(ValueError, match="a prompt's products job"):
-        jobs.post_gemm(box, 0, *arrays.values())
+        jobs.post_gemm(board, 0, *arrays.values())
     assert box[slots.POSTED] == 0
 
 
@@ -996,7 +978,7 @@ def test_the_products_of_one_input_as_one_job_are_each_the_one_thread_products_b
             pool.box[slots.CLAIM_SHIFT] = shift
             wide = [np.full((rows, n + 9), np.nan, np.float32) for n in widths]
             outs = tuple([buffer[:, 4:4 + n] for buffer, n in zip(wide, widths)])
-            jobs.post_gemms(pool.box, 2, a, weights, outs, False, unit)
+            jobs.post_gemms(pool.board, 2, a, weights, outs, False, unit)
             for out, buffer, value in zip(outs, wide, expected):
                 assert np.array_equal(out.view(np.int32), value.view(np.int32))
                 assert np.isnan(buffer[:, :4]).all() and np.isnan(buffer[:, -5:]).all()
@@ -1006,7 +988,7 @@ def test_the_products_of_one_input_as_one_job_are_each_the_one_thread_products_b
 
 
 @pytest.mark.parametrize("change", ["too many", "one output short", "a weight's depth", "unit"])
-def test_the_products_of_one_input_job_refuses_what_it_cannot_read_by_address_before_posting(change):
+def test_the_products_of_one_input_job_refuses_what_it_cannot_read_before_posting(change):
     a, weight = np.ones((4, 8), np.float32), np.ones((8, 6), np.float32)
     weights, outs, unit = (weight, weight), (np.empty((4, 6), np.float32),) * 2, 32
     if change == "too many":
@@ -1017,9 +999,9 @@ def test_the_products_of_one_input_job_refuses_what_it_cannot_read_by_address_be
         weights = (weight, np.ones((7, 6), np.float32))
     else:
         unit = 20
-    box = mailbox.new_box()
+    board, box = mailbox.make_board()
     with pytest.raises(ValueError, match="a prompt's products job"):
-        jobs.post_gemms(box, 0, a, weights, outs, False, unit)
+        jobs.post_gemms(board, 0, a, weights, outs, False, unit)
     assert box[slots.POSTED] == 0
 
 
@@ -1057,7 +1039,7 @@ def test_a_prompts_attention_job_is_the_same_bits_on_any_thread(pool, batch, hea
             pool.box[slots.CLAIM_SHIFT] = shift
             wide = np.full((batch, heads, length, 8 + 5), np.nan, np.float32)
             out = wide[..., 2:10]
-            jobs.post_attention_blocks(pool.box, 2, scaled, key_panels, value, bias, ends, 0.0, positions, out)
+            jobs.post_attention_blocks(pool.board, 2, scaled, key_panels, value, bias, ends, 0.0, positions, out)
             assert np.array_equal(out, expected)
             assert np.isnan(wide[..., :2]).all() and np.isnan(wide[..., 10:]).all()
             assert pool.box[slots.COMPLETED] == pool.box[slots.UNITS] == batch * groups * -(-length // positions)
@@ -1067,7 +1049,7 @@ def test_a_prompts_attention_job_is_the_same_bits_on_any_thread(pool, batch, hea
 
 @pytest.mark.parametrize("change", ["strided keys", "short panels", "keys by their columns", "no keys",
                                     "float64 values", "positions", "ends", "zero end", "heads"])
-def test_a_prompts_attention_job_refuses_arrays_it_cannot_read_by_address_before_posting(change):
+def test_a_prompts_attention_job_refuses_arrays_it_cannot_read_before_posting(change):
     scaled, key, value, bias, ends = _prompt_attention(1, 4, 2, 6, 10)
     key_panels = _attention_blocks._key_panels(key)
     arrays = dict(scaled=scaled, key=key_panels, value=value, bias=bias, ends=ends, fill=0.0, positions=4,
@@ -1084,8 +1066,8 @@ def test_a_prompts_attention_job_refuses_arrays_it_cannot_read_by_address_before
     arrays[changed[0]] = changed[1]
     if change == "no keys":
         arrays["value"], arrays["bias"] = value[:, :, :0], None
-    box = mailbox.new_box()
+    board, box = mailbox.make_board()
     with pytest.raises(ValueError, match="attention job"):
-        jobs.post_attention_blocks(box, 0, *arrays.values())
+        jobs.post_attention_blocks(board, 0, *arrays.values())
     assert box[slots.POSTED] == 0
 
