@@ -59,14 +59,12 @@ WORDS = types.Array(types.int64, 1, "C")
 FLOATS = types.Array(types.float32, 1, "C")
 GRID = types.Array(types.float32, 4, "A")
 BYTES = types.Array(types.uint8, 1, "C")
-# the job's fields by group: its mailbox, then a field a slot (`floats3`, `grid0`, ...), then each
-# group's empty array (what a released slot holds)
+# the job's fields by group: its mailbox, then a field a slot (`floats3`, `grid0`, ...); a slot not
+# holding an array is null (no owner, no data, every dimension 0: an empty array to a unit)
 _GROUPS = {"words": ("words",), "floats": tuple(f"floats{i}" for i in range(FLOAT_SLOTS)),
            "grid": tuple(f"grid{i}" for i in range(GRID_SLOTS)), "bytes": tuple(f"bytes{i}" for i in range(BYTE_SLOTS))}
 _GROUP_KINDS = {"words": WORDS, "floats": FLOATS, "grid": GRID, "bytes": BYTES}
-_OUTSIDE = {"words": "words", "floats": "no_floats", "grid": "no_grid", "bytes": "no_bytes"}  # past a group's slots
-JOB = JobType([(name, _GROUP_KINDS[group]) for group, names in _GROUPS.items() for name in names]
-              + [(f"no_{group}", _GROUP_KINDS[group]) for group in ("floats", "grid", "bytes")])
+JOB = JobType([(name, _GROUP_KINDS[group]) for group, names in _GROUPS.items() for name in names])
 structref.define_proxy(Job, JobType, list(JOB.field_dict))
 structref.define_proxy(Board, BoardType, ["units", "job"])
 UNITS = types.FunctionType(types.int64(JOB, types.int64))  # the unit loop: (job, sequence) -> units computed
@@ -112,7 +110,7 @@ def _held(typingctx, job, group, slot):
     to its owner, so a unit using it counts no references. Valid while the job holds it, which it
     does until every unit is complete (the job is released after `finish`); the threads computing
     one job's units would otherwise contend for the same reference counts, an atomic add each way
-    on one cache line, a few for every unit. A slot past the group reads as the group's empty array."""
+    on one cache line, a few for every unit. A slot past the group reads as an empty array."""
     if not (isinstance(job, JobType) and isinstance(group, types.StringLiteral)):
         return None
     kind = _GROUP_KINDS[group.literal_value]
@@ -121,8 +119,10 @@ def _held(typingctx, job, group, slot):
         result = cgutils.alloca_once(builder, context.get_value_type(kind))
 
         def case(data, name):
-            value = getattr(data, name or _OUTSIDE[group.literal_value])
-            builder.store(_borrowed(context, builder, kind, value), result)
+            if name is None:
+                builder.store(cgutils.get_null_value(result.type.pointee), result)
+            else:
+                builder.store(_borrowed(context, builder, kind, getattr(data, name)), result)
 
         _slot_switch(context, builder, signature.args[0], args[0], group.literal_value, args[2], case)
         return builder.load(result)
@@ -175,20 +175,31 @@ def words_of(job):
     return _held(job, "words", 0)
 
 
+@intrinsic
+def _release(typingctx, job, group, count):
+    """The references of the group's first `count` slots dropped, those slots null: straight-line
+    code, a comparison and a decrement a slot (a job is released on every post: its code stays
+    small, where a loop over `_hold` would copy the switch into every posting function)."""
+    if not (isinstance(job, JobType) and isinstance(group, types.StringLiteral)):
+        return None
+    kind = _GROUP_KINDS[group.literal_value]
+
+    def codegen(context, builder, signature, args):
+        data = structref._Utils(context, builder, signature.args[0]).get_data_struct(args[0])
+        for index, name in enumerate(_GROUPS[group.literal_value]):
+            with builder.if_then(builder.icmp_signed("<", context.get_constant(types.int64, index), args[2])):
+                context.nrt.decref(builder, kind, getattr(data, name))
+                setattr(data, name, cgutils.get_null_value(context.get_value_type(kind)))
+        return context.get_dummy_value()
+
+    return types.void(job, group, types.int64), codegen
+
+
 @_jit
 def new_job(words):
-    """A job over the mailbox `words`, every slot empty."""
+    """A job over the mailbox `words`, every slot null (`structref.new` zeroes its fields)."""
     job = structref.new(JOB)
     job.words = words
-    job.no_floats = np.empty(0, np.float32)
-    job.no_grid = np.empty((0, 0, 0, 0), np.float32)
-    job.no_bytes = np.empty(0, np.uint8)
-    for slot in range(FLOAT_SLOTS):
-        _hold(job, "floats", slot, job.no_floats)
-    for slot in range(GRID_SLOTS):
-        _hold(job, "grid", slot, job.no_grid)
-    for slot in range(BYTE_SLOTS):
-        _hold(job, "bytes", slot, job.no_bytes)
     return job
 
 
@@ -271,12 +282,9 @@ def hold_matrix(job, slot, matrix):
 @_inlined
 def _drop(job):
     words = words_of(job)
-    for slot in range(words[FLOATS_USED]):
-        _hold(job, "floats", slot, job.no_floats)
-    for slot in range(words[GRIDS_USED]):
-        _hold(job, "grid", slot, job.no_grid)
-    for slot in range(words[BYTES_USED]):
-        _hold(job, "bytes", slot, job.no_bytes)
+    _release(job, "floats", words[FLOATS_USED])
+    _release(job, "grid", words[GRIDS_USED])
+    _release(job, "bytes", words[BYTES_USED])
     words[FLOATS_USED] = words[GRIDS_USED] = words[BYTES_USED] = 0
 
 

@@ -149,10 +149,9 @@ def finish_and_release(board):
 def begin_job(board, linger):
     """The next job's sequence number, its counter retagged so that no unit of it can be claimed
     (nor one of an earlier job) while the caller writes its fields (`linger` the first); the last
-    job first finished (`finish`: retagged, its unclaimed units could never complete) and its
-    arrays released, if its poster has not released them."""
+    job first finished (`finish`: retagged, its unclaimed units could never complete). Its poster
+    released its arrays (`board.py`)."""
     finish(board)
-    release_finished(board.job)
     box = words_of(board.job)
     sequence = (load(box, POSTED) + 1) & SEQUENCES
     store(box, CLAIM, (sequence << INDEX_BITS) | NOTHING_TO_CLAIM)
