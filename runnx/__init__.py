@@ -5,6 +5,7 @@
     outputs = model.run({"x": x})                        # {name: array}
     session = runnx.InferenceSession("model.onnx")       # onnxruntime's API
     runnx.set_threads(2)                                 # BLAS, numba and decode-pool threads
+    runnx.keep_freed()                                   # glibc keeps freed temporaries mapped
 """
 __version__ = "0.1.0"  # before any import: the numba cache folder's name reads it (runnx/ops/_jit_cache.py)
 
@@ -19,7 +20,7 @@ from runnx.interp.model import Model, load
 from runnx.interp.options import Options
 from runnx.interp.profiler import Profile
 from runnx.interp.session import GraphOptimizationLevel, InferenceSession, NodeArg, SessionOptions
-from runnx.runtime import set_threads
+from runnx.runtime import keep_freed, set_threads
 
 
 def __getattr__(name):
@@ -36,6 +37,6 @@ __all__ = [
     "InputError", "InputShapeError", "InputTypeError", "InvalidModelError", "InvalidOptionError",
     "MissingInputError", "MissingValueError", "Model", "ModelLoadError", "NodeArg", "NodeError", "Options",
     "Owned", "PlanError", "Profile", "ResourceLimitError", "RunnxError", "SessionOptions",
-    "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "UnsupportedOpsetError", "load",
+    "UnknownInputError", "UnknownOutputError", "UnsupportedOpError", "UnsupportedOpsetError", "keep_freed", "load",
     "set_threads", "with_capacity",
 ]

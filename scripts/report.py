@@ -10,6 +10,10 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PAGE = DOCS / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun the command to refresh it.\n"
+# runnx's loads in the benchmarks (this process and the runners it starts) keep a run's freed
+# temporaries mapped, as the `runnx` command does (onnxruntime keeps its own arenas), unless the
+# environment says otherwise (runnx/runtime/allocator.py)
+os.environ.setdefault("RUNNX_KEEP_FREED", "1")
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 

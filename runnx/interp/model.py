@@ -29,7 +29,7 @@ from runnx.interp.profiler import Profile
 from runnx.interp.shape_cache import memoize_shapes, topological
 from runnx.interp.validation import bind_feeds, feed_specs
 from runnx.ops.registry import COMPUTED
-from runnx.runtime import keep_freed, set_threads, sleep_after_calls, threads
+from runnx.runtime import keep_freed_if_asked, set_threads, sleep_after_calls, threads
 
 if TYPE_CHECKING:
     from runnx.interp.loader import LoadedModel
@@ -263,7 +263,7 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
         from runnx.ops.kernel_loads import load_in_background, record_path  # (imports numba)
         load_in_background(record_path(source))
     from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
-    keep_freed()  # glibc keeps the runs' freed temporaries mapped from now on (runtime/allocator.py)
+    keep_freed_if_asked()  # RUNNX_KEEP_FREED=1: glibc keeps the runs' freed temporaries mapped (runtime/allocator.py)
     sleep_after_calls()  # OpenBLAS's threads, when numpy loaded it before runnx (runtime/openblas.py)
     with _collection_paused(), settles_held():
         return Model(load_model(source, weights, options.allow_newer_opset), options)

@@ -1,5 +1,7 @@
-"""glibc's malloc keeps a run's freed temporaries mapped for the next run, once a process loads a
-runnx model (`keep_freed`, called by `runnx.load`).
+"""glibc's malloc keeps a run's freed temporaries mapped for the next run, when the user asks:
+`runnx.keep_freed()`, RUNNX_KEEP_FREED=1 (read by `runnx.load`), or running the `runnx` command
+(its own process: `runnx/cli.py` asks unless RUNNX_KEEP_FREED=0). A library changes a process's
+allocator only when told to.
 
 By default glibc returns the top of its heap to the system once more than about twice its largest
 recent allocation is free there, and serves arrays above its mmap threshold from fresh mappings: a
@@ -10,10 +12,9 @@ Here the heap keeps up to TRIM_BYTES free at its top, and serves arrays up to MM
 ceiling for it) from the heap. onnxruntime and PyTorch keep their freed memory the same way, in
 arenas of their own.
 
-The settings are the process's, so they wait for a model to load: a process that only imports
-runnx (onnxruntime's benchmark workers import it for OpenBLAS's thread timeout) keeps glibc's
-defaults; set at import, they raised those processes' peak memory by 14-29%. What stays mapped
-after a run is at most TRIM_BYTES. Settings the user made win: glibc's own variables
+The settings are the process's, so a process that did not ask keeps glibc's defaults (set for
+every process that imported runnx, they raised some processes' peak memory by 14-29%). What stays
+mapped after a run is at most TRIM_BYTES. Settings the user made win: glibc's own variables
 (MALLOC_TRIM_THRESHOLD_, MALLOC_MMAP_THRESHOLD_, read when the process started) leave both alone,
 and so does RUNNX_KEEP_FREED=0. Other C libraries, and other systems, are left alone.
 """
@@ -31,11 +32,21 @@ _kept: bool | None = None  # None: not tried yet in this process
 
 
 def keep_freed() -> bool:
-    """Set glibc's thresholds, once per process; whether they are set."""
+    """Ask glibc's malloc to keep a run's freed temporaries mapped for the next run, for this whole
+    process (a trim threshold of TRIM_BYTES, arrays up to MMAP_BYTES from the heap): worth it in a
+    process that runs models many times (a transcription's encoder windows would otherwise fault
+    their arrays in again every window). Once per process; whether they are set (not on other C
+    libraries, nor when RUNNX_KEEP_FREED=0 or glibc's own variables are set)."""
     global _kept
     if _kept is None:
         _kept = _set_thresholds()
     return _kept
+
+
+def keep_freed_if_asked() -> bool:
+    """`keep_freed` when RUNNX_KEEP_FREED asks for it (1, true, yes, on); what `runnx.load` calls."""
+    value = os.environ.get("RUNNX_KEEP_FREED", "").strip().lower()
+    return keep_freed() if value in ("1", "true", "yes", "on") else False
 
 
 def _set_thresholds() -> bool:
