@@ -9,9 +9,9 @@ their strides (`grid_at`: an attention's query, cache and output) and C-contiguo
 (`bytes_at`: 8-bit matrices, 4-bit tiles, int32 sums). Posting an array stores a reference to it
 in its slot (numba's reference counts are atomic): the job holds every array its units touch until
 it is released, so no unit ever reads memory its job does not keep alive, whatever its caller does
-meanwhile. The slots are fields, one each, read and written through the accessors below (a chain
-of comparisons that LLVM turns into a jump, or folds when the slot is a constant): a field costs
-a few nanoseconds where a numba typed list's C helpers cost 20-70.
+meanwhile. The slots are fields, one each, read and written through the accessors below (a switch
+over the group's fields, folded when the slot is a constant): a field costs a few nanoseconds where
+a numba typed list's C helpers cost 20-70. A slot holding nothing is null: an empty array to a unit.
 
 A `Board` is a job and the unit loop every thread calls on it (`mailbox.py`): one compiled copy, a
 first-class function (a C callback numba compiles once), so a result never depends on which
