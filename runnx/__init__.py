@@ -9,7 +9,6 @@
 """
 __version__ = "0.1.0"  # before any import: the numba cache folder's name reads it (runnx/ops/_jit_cache.py)
 
-from runnx.runtime import openblas  # noqa: F401  (first: OpenBLAS's thread timeout, before numpy loads it)
 from runnx.capture import Owned
 from runnx.errors import (
     CycleError, ExternalDataError, InPlaceMismatchError, InputError, InputShapeError, InputTypeError, InvalidModelError,

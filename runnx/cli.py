@@ -409,13 +409,14 @@ def _version() -> str:
 def main(argv=None) -> int:
     from runnx import background_compile
     from runnx.errors import RunnxError
-    from runnx.runtime import keep_freed
+    from runnx.runtime import keep_freed, sleep_after_calls
     parser = build_parser()
     args = parser.parse_args(argv)
     first_run = None
     code = EXIT_ERROR
     try:
         keep_freed()  # the command's own process: its runs' freed temporaries stay mapped (runtime/allocator.py)
+        sleep_after_calls()  # and OpenBLAS's threads sleep after each call, decided before any thread starts
         first_run = background_compile.start(args)
         code = args.func(args) or 0
     except (RunnxError, CliError) as error:

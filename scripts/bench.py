@@ -425,7 +425,7 @@ if __name__ == "__main__":
         import numpy as np
         print(json.dumps(worker_genai(int(ARGS.threads), [int(c) for c in ARGS.contexts.split(",")], ARGS.steps)))
     elif ARGS.worker:
-        import runnx  # first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS
+        import runnx
 
         import numpy as np
         import onnxruntime

@@ -32,7 +32,7 @@ parser.add_argument("--rounds", type=int, default=20)
 ARGS = parser.parse_args()
 set_threads(ARGS.threads)
 
-import runnx  # noqa: E402  (first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS)
+import runnx  # noqa: E402
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402

@@ -42,7 +42,7 @@ ARGS = parse_args()
 set_threads(ARGS.threads)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import runnx  # noqa: E402  (before numpy: it sets OpenBLAS's thread timeout)
+import runnx  # noqa: E402
 
 import numpy as np  # noqa: E402
 

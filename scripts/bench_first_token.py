@@ -44,7 +44,7 @@ ENGINES = ("runnx", "onnxruntime-genai", "onnxruntime")
 # -- workers: one engine, one process; each prints one JSON line ---------------------------------------
 def worker_runnx(ids: list[int], threads: int, profile: bool, weights: str) -> dict:
     started = time.perf_counter()
-    import runnx  # noqa: F401  (first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS)
+    import runnx  # noqa: F401
     from runnx.generate.generator import Generator
     imported = time.perf_counter()
     generator = Generator.from_folder(MODEL_FOLDERS[weights])

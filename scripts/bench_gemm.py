@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import runnx  # noqa: E402  (first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS)
+from report import git_revision, machine, update_section  # noqa: E402  (scripts/: this script's folder; before numpy)
+
 import numpy as np  # noqa: E402
 
-from report import git_revision, machine, update_section  # noqa: E402  (scripts/: this script's folder)
+import runnx  # noqa: E402
 from runnx.ops import _matmul  # noqa: E402
 
 SHAPES = (("prompt of 32, q/k/v and gate/up", 32, 576, 1536), ("prompt of 32, down", 32, 1536, 576),

@@ -45,7 +45,6 @@ CLIPS = ("john.wav", "fox.wav", "weather.wav")  # each under 30 s: one call of o
 
 def worker_runnx(folder: Path, contexts: list[int], steps: int) -> dict:
     sys.path.insert(0, str(ROOT))
-    import runnx  # noqa: F401  (first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS)
     import numpy as np
     from runnx.generate.decoder import DecoderStep
 

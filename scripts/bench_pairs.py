@@ -39,7 +39,7 @@ def _parse():
 ARGS = _parse()
 set_threads(ARGS.threads)
 
-import runnx  # noqa: E402  (first: it sets OpenBLAS's thread timeout before numpy loads OpenBLAS)
+import runnx  # noqa: E402
 
 import numpy as np  # noqa: E402
 import onnxruntime  # noqa: E402

@@ -61,7 +61,6 @@ def _bandwidth(threads: int) -> float:
 
 def worker(threads: int, rounds: int) -> dict:
     set_threads(threads)
-    import runnx  # noqa: F401  (first: OpenBLAS's thread timeout before numpy loads it)
     import numpy as np
     import onnx
 

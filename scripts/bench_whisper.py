@@ -101,7 +101,6 @@ def _whisper(engine: str):
     for folder in (str(REPO / "tests" / "generate"), str(REPO)):
         if folder not in sys.path:
             sys.path.insert(0, folder)
-    import runnx  # noqa: F401  (first, after the thread variables: it sets OpenBLAS's thread timeout)
     from runnx.generate.whisper import Whisper
 
     if engine == "onnxruntime":

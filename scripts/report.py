@@ -14,6 +14,9 @@ HEADER = "# Benchmarks\n\nEach section is written by the script it names; rerun 
 # temporaries mapped, as the `runnx` command does (onnxruntime keeps its own arenas), unless the
 # environment says otherwise (runnx/runtime/allocator.py)
 os.environ.setdefault("RUNNX_KEEP_FREED", "1")
+# and OpenBLAS's threads sleep after each call whatever threads run when a model loads: OpenBLAS
+# reads this when numpy loads it, so the scripts import this module before numpy (runnx/runtime/openblas.py)
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 

@@ -18,6 +18,10 @@ ran and said what it should.
 from __future__ import annotations
 
 import os
+
+# before numpy loads OpenBLAS, which reads it then: beside xdist's threads a load would leave OpenBLAS's spinning
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path

@@ -4,9 +4,9 @@ workers), the decode pool itself, glibc's malloc thresholds and OpenBLAS's spin 
 These settings belong to the process, not to a model, so they live apart from `interp` (which
 applies a model's options through the functions below) and from `ops` (whose decode kernels post
 jobs to the pool: `pool.py`, `jobs.py`). `interp` and `generate` call only the names here.
-Importing this package loads neither numpy nor numba: `import runnx` imports `runtime.openblas`
-before numpy loads OpenBLAS (a process that imported numpy first gets its timeout at load:
-`sleep_after_calls`).
+Importing this package loads neither numpy nor numba, and changes nothing in the process: what
+concerns the whole process (OpenBLAS's thread timeout, malloc's thresholds) is set by `runnx.load`,
+the user's own call or the `runnx` command, whose process it is (`sleep_after_calls`, `keep_freed`).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from runnx.runtime import openblas
 
 @pytest.fixture
 def sleeping_blas(monkeypatch):
-    """As in a process that imported runnx before numpy (OpenBLAS's threads sleep after a call)."""
+    """As after a load (`openblas.sleep_after_calls`): OpenBLAS's threads sleep after a call."""
     monkeypatch.setattr(openblas, "THREADS_SLEEP", True)
     with threadpoolctl.threadpool_limits(2, user_api="blas"):
         yield

@@ -20,7 +20,7 @@ from runnx.runtime import pool as decode_pool
 @pytest.fixture
 def threads(monkeypatch):
     """Set runnx's thread count (the decode pool's workers + 1) for `share_rows`, OpenBLAS's
-    threads sleeping after their calls as in a process that imported runnx first and the pool's
+    threads sleeping after their calls as after a load (`openblas.sleep_after_calls`) and the pool's
     workers taken as asleep (a prompt attention's pool job leaves them spinning a while)."""
     monkeypatch.setattr(openblas, "THREADS_SLEEP", True)
     monkeypatch.setattr(decode_pool, "workers_spinning", lambda: False)

@@ -1,8 +1,12 @@
 """runnx.runtime's thread settings: `set_threads` and `threads`, Options.threads applying them at
-load and the profile reporting them; OpenBLAS's timeout set before numpy loads; the layers above
-calling only runtime's public names."""
+load and the profile reporting them; OpenBLAS's threads sleeping after each call from the first load
+(or the `runnx` command) on, importing runnx changing nothing; the layers above calling only
+runtime's public names."""
 import ast
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,19 +52,6 @@ def test_session_intra_op_threads_become_options_threads():
         assert runnx.InferenceSession(_matmul_model().SerializeToString()).model.options.threads == runnx.Options().threads
 
 
-def test_importing_runnx_first_makes_openblas_threads_sleep_after_each_call():
-    """OpenBLAS reads its spin timeout when numpy loads it: runnx sets a short one unless told."""
-    import subprocess
-    import sys
-    code = "import runnx, os; print(os.environ['OPENBLAS_THREAD_TIMEOUT'])"
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    for given, expected in ((None, "4"), ("12", "12")):
-        if given is not None:
-            env["OPENBLAS_THREAD_TIMEOUT"] = given
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-        assert done.stdout.split() == [expected], done.stderr
-
-
 def test_set_threads_sets_every_pool_and_threads_reports_them():
     import numba
     numba_threads = numba.get_num_threads()
@@ -86,58 +77,100 @@ def test_set_threads_refuses_what_is_not_a_thread_count(count):
         runtime.set_threads(count)
 
 
-def test_import_runnx_sets_the_timeout_before_numpy_loads_openblas():
-    """runnx imports runtime.openblas first: OpenBLAS has not read its variables yet then."""
-    import subprocess
-    import sys
-    code = "import runnx.runtime.openblas as o; print(o.THREADS_SLEEP)"
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert done.stdout.split() == ["True"], done.stderr
-
-
-_NUMPY_FIRST = """
-import ctypes, sys, threading
+_OPENBLAS = """
+import ctypes, threadpoolctl
+path = next(c.filepath for c in threadpoolctl.ThreadpoolController().lib_controllers if c.internal_api == "openblas")
+library = ctypes.CDLL(path)
+"""
+# prints what OpenBLAS read at numpy's import, and what a load (argv: runnx or numpy first, another
+# thread or not, the model) left: runnx's decision, OpenBLAS's timeout and whether its threads run
+_LOAD = """
+import json, os, sys, threading
+order, case, model = sys.argv[1:]
+environment = dict(os.environ)
+if order == "runnx-first":
+    import runnx
 import numpy as np
-import threadpoolctl
-a = np.ones((256, 256), np.float32)
-a @ a  # OpenBLAS's threads, started with its default timeout
 import runnx
 from runnx.runtime import openblas
-path = [c.filepath for c in threadpoolctl.ThreadpoolController().lib_controllers if c.internal_api == "openblas"][0]
-library = ctypes.CDLL(path)
-if sys.argv[1] == "other-thread":
+""" + _OPENBLAS + """
+a = np.ones((256, 256), np.float32)
+a @ a  # OpenBLAS's threads, started with the timeout it read
+read = library.openblas_thread_timeout()
+if case == "other-thread":
     threading.Thread(target=threading.Event().wait, args=(60,), daemon=True).start()
-print(openblas.THREADS_SLEEP, library.openblas_thread_timeout())
-runnx.load(sys.argv[2])
-print(openblas.THREADS_SLEEP, library.openblas_thread_timeout(),
-      ctypes.c_int.in_dll(library, "blas_server_avail").value)
-print(float((a @ a)[0, 0]))
+runnx.load(model)
+print(json.dumps({"read": read, "sleep": openblas.THREADS_SLEEP, "timeout": library.openblas_thread_timeout(),
+                  "threads_running": ctypes.c_int.in_dll(library, "blas_server_avail").value,
+                  "environment_kept": dict(os.environ) == environment, "product": float((a @ a)[0, 0])}))
 """
+_ADVICE = "set OPENBLAS_THREAD_TIMEOUT=4 in the environment before numpy is imported"
 
 
-@pytest.mark.parametrize("case", ["alone", "other-thread"])
-def test_a_process_that_imported_numpy_first_gets_openblas_threads_sleeping_at_load(case, tmp_path):
-    """OpenBLAS read its variables before runnx set the timeout: runnx.load has it read them again
-    and stops its threads (none running: `blas_server_avail` 0), so its next threaded call starts
-    them with the timeout; not while a thread that is not runnx's may be inside a BLAS call, which
-    a warning says (once) with what to do instead."""
-    import subprocess
-    import sys
+def _python(code: str, *args: str, **environment) -> tuple[dict, str]:
+    """The last line of `code`'s output (JSON) and its stderr, run with two OpenBLAS threads and
+    OPENBLAS_THREAD_TIMEOUT only as `environment` gives it."""
     if not any(c.internal_api == "openblas" for c in threadpoolctl.ThreadpoolController().lib_controllers):
         pytest.skip("numpy's BLAS is not OpenBLAS here")
-    onnx_path = tmp_path / "matmul.onnx"
-    onnx_path.write_bytes(_matmul_model().SerializeToString())
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS")}
-    env["OPENBLAS_NUM_THREADS"] = "2"
-    done = subprocess.run([sys.executable, "-c", _NUMPY_FIRST, case, str(onnx_path)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    lines = done.stdout.splitlines()
-    assert lines[0] == "False 0", done.stderr  # (0: the variable was not set when OpenBLAS read it)
-    assert lines[1] == ("True 4 0" if case == "alone" else "False 0 1"), done.stderr
-    assert lines[2] == "256.0"  # a product after the threads stopped
-    # left spinning: the user is told how to have them sleep
-    assert ("set OPENBLAS_THREAD_TIMEOUT=4 in the environment" in done.stderr) == (case == "other-thread")
+    left_out = ("OPENBLAS_THREAD_TIMEOUT", "OPENBLAS_NUM_THREADS", "RUNNX_THREADS")
+    env = {**{k: v for k, v in os.environ.items() if k not in left_out}, "OPENBLAS_NUM_THREADS": "2", **environment}
+    done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1]), done.stderr
+
+
+@pytest.fixture
+def matmul_path(tmp_path):
+    path = tmp_path / "matmul.onnx"
+    path.write_bytes(_matmul_model().SerializeToString())
+    return str(path)
+
+
+def test_importing_runnx_changes_nothing_in_the_process():
+    """Not its environment, not even while runnx imports numpy: OpenBLAS reads no timeout (0)."""
+    code = ("import json, os\nbefore = dict(os.environ)\nimport runnx\nafter = dict(os.environ)\n" + _OPENBLAS
+            + "print(json.dumps([after == before, library.openblas_thread_timeout()]))")
+    assert _python(code)[0] == [True, 0]
+
+
+@pytest.mark.parametrize("order", ["runnx-first", "numpy-first"])
+def test_a_load_has_openblas_threads_sleep_after_each_call(order, matmul_path):
+    """Unset when OpenBLAS read it: the load has it read the timeout again and stops its threads
+    (`blas_server_avail` 0), which its next threaded call starts with it; the environment is left
+    as it was."""
+    result, stderr = _python(_LOAD, order, "alone", matmul_path)
+    assert result == {"read": 0, "sleep": True, "timeout": 4, "threads_running": 0, "environment_kept": True,
+                      "product": 256.0}, stderr
+    assert _ADVICE not in stderr
+
+
+def test_with_another_thread_running_a_load_leaves_openblas_threads_spinning(matmul_path):
+    """That thread may be inside a BLAS call, which stopping OpenBLAS's threads would hang: nothing
+    restarted, and a warning says what to do instead."""
+    result, stderr = _python(_LOAD, "numpy-first", "other-thread", matmul_path)
+    assert result == {"read": 0, "sleep": False, "timeout": 0, "threads_running": 1, "environment_kept": True,
+                      "product": 256.0}, stderr
+    assert _ADVICE in stderr and "import runnx first" not in stderr
+
+
+@pytest.mark.parametrize("given, case, sleep", [("12", "alone", False), ("4", "alone", True),
+                                                ("4", "other-thread", True)])
+def test_the_users_timeout_is_respected(given, case, sleep, matmul_path):
+    """A timeout in the environment is the user's: OpenBLAS's threads keep running as they are (a
+    quick one read makes them sleep, with or without other threads), and no warning."""
+    result, stderr = _python(_LOAD, "numpy-first", case, matmul_path, OPENBLAS_THREAD_TIMEOUT=given)
+    assert result == {"read": int(given), "sleep": sleep, "timeout": int(given), "threads_running": 1,
+                      "environment_kept": True, "product": 256.0}, stderr
+    assert _ADVICE not in stderr
+
+
+def test_the_command_has_openblas_threads_sleep_before_its_subcommand_runs(matmul_path):
+    """`runnx` owns its process: decided before any thread starts (`inspect` loads no model)."""
+    code = ("import json, os, sys\nbefore = dict(os.environ)\nimport runnx.cli\nfrom runnx.runtime import openblas\n"
+            + _OPENBLAS + "code = runnx.cli.main(['inspect', sys.argv[1]])\n"
+            "print(json.dumps([code, openblas.THREADS_SLEEP, library.openblas_thread_timeout(), "
+            "dict(os.environ) == before]))")
+    assert _python(code, matmul_path)[0] == [0, True, 4, True]
 
 
 def test_interp_and_generate_import_only_runtimes_public_names():
