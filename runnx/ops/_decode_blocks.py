@@ -132,23 +132,6 @@ def normed_gate_nbits(board, workers, a, b, epsilon, one, norm_weight, skip, til
     nodes it replaced."""
     summed = b.copy()
     normed = _add_norm(a, summed, epsilon, one, norm_weight, skip)
-    return _gate_and_up_nbits(board, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner)
-
-
-@_jit
-def projected_gate_nbits(board, workers, a, x, projection, projection_scales, projection_zeros, epsilon, one,
-                         norm_weight, skip, tiles, scales, zeros, columns, gate_at, up_at, inner):
-    """`normed_gate_nbits` of a and b = x (M, projected) times a 4-bit projection's tiles (one
-    products job before the others): GatedMLPNBits with its attention's output projection."""
-    summed = np.empty(a.shape, np.float32)
-    post_nbits(board, workers, x, projection, projection_scales, projection_zeros, summed)
-    normed = _add_norm(a, summed, epsilon, one, norm_weight, skip)
-    return _gate_and_up_nbits(board, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner)
-
-
-@_jit
-def _gate_and_up_nbits(board, workers, summed, normed, tiles, scales, zeros, columns, gate_at, up_at, inner):
-    """(summed, gate, -gate, up, max(-gate)) of `normed_gate_nbits`, from its sum and norm."""
     products = np.empty((normed.shape[0], columns), np.float32)
     post_nbits(board, workers, normed, tiles, scales, zeros, products)
     gate = np.ascontiguousarray(products[:, gate_at:gate_at + inner])

@@ -1,7 +1,6 @@
 """A decoder layer's MLP in 4-bit products (`runnx/interp/fusion/nbits_products.py`): GatedMLPNBits,
-a residual add and its RMS norm (of the attention's 4-bit output projection, when it joins), the
-SiLU-gated MLP's gate, up and down products (onnxruntime's MatMulNBits) and the residual add and
-norm after it, as one node. Any decoder whose MLP weights are 4-bit MatMulNBits matches it
+a residual add and its RMS norm, the SiLU-gated MLP's gate, up and down products (onnxruntime's
+MatMulNBits) and the residual add and norm after it, as one node of thirteen inputs. Any decoder whose MLP weights are 4-bit MatMulNBits matches it
 (onnxruntime-genai's int4 builds, onnxruntime's quantizer over an Optimum export), whatever the
 architecture around it.
 
@@ -16,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_blocks import (add_norm_into, gated_down_nbits, normed_gate_nbits, open_gated_down_nbits,
-                                     projected_gate_nbits)
+from runnx.ops._decode_blocks import add_norm_into, gated_down_nbits, normed_gate_nbits, open_gated_down_nbits
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.ops.contrib_quantized import (TILED_ROWS, MatMulNBits, SharedInputMatMulNBits, four_bit_tiles,
@@ -31,26 +29,21 @@ _FLOAT32 = np.dtype(np.float32)
 
 
 def _prepack_block(inputs: tuple, attrs: dict) -> list:
-    """The gate and up weights' joined tiles, the down weight's and the projection's, planned ahead
-    as their own nodes' prepacks plan them (`registry`'s prepack)."""
-    parts, down, projection = inputs[3:9], inputs[9:12], inputs[13:16]
+    """The gate and up weights' joined tiles and the down weight's, planned ahead as their own
+    nodes' prepacks plan them (`registry`'s prepack)."""
+    parts, down = inputs[3:9], inputs[9:12]
     K, block_size, columns = attrs.get("K"), attrs.get("block_size"), attrs.get("columns")
     pending = [prepack_joined_tiles((None, *parts), {"K": K, "block_size": block_size, "columns": columns}),
                prepack_tiles((None, *down), {"K": columns[0], "N": K, "bits": 4, "block_size": block_size})]
-    if attrs.get("projected"):
-        pending.append(prepack_tiles((None, *projection), {"K": attrs["projected"], "N": K, "bits": 4,
-                                                           "block_size": block_size}))
     return [p for p in pending if p is not None]
 
 
 @register("GatedMLPNBits", since=1, domain=DOMAIN, overlaps_jobs=True, prepack=_prepack_block)
 def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_zeros, up_or_gate, up_or_gate_scales,
-                  up_or_gate_zeros, down, down_scales, down_zeros, down_norm_weight, projection=None,
-                  projection_scales=None, projection_zeros=None, *, K: int, block_size: int, columns: tuple,
-                  gated: tuple, epsilon: float, one: float = 1.0, down_epsilon: float, down_one: float = 1.0,
-                  skip: int = 0, to: int = 0, cast: int = 0, projected: int = 0):
-    """(s, n) = AddRMSNorm(a, b, norm_weight), with projected > 0 b the MatMulNBits of the given b
-    (projected wide) by the projection (its N = K); the gate and up products of n (4-bit weights of K
+                  up_or_gate_zeros, down, down_scales, down_zeros, down_norm_weight, *, K: int, block_size: int,
+                  columns: tuple, gated: tuple, epsilon: float, one: float = 1.0, down_epsilon: float,
+                  down_one: float = 1.0, skip: int = 0, to: int = 0, cast: int = 0):
+    """(s, n) = AddRMSNorm(a, b, norm_weight); the gate and up products of n (4-bit weights of K
     rows, `columns` each, in the order SharedInputMatMulNBits joined them, `gated` saying which is
     the gate); (s', n') = AddRMSNorm(s, SiluMul(gate, up) times the down weight, down_norm_weight);
     every weight in blocks of block_size. Returns (s', n'). skip: both norms are onnxruntime's
@@ -60,20 +53,14 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
     leave = take_leave()  # (for its last job only: its nodes' kernels finish theirs)
     parts = (gate_or_up, gate_or_up_scales, gate_or_up_zeros, up_or_gate, up_or_gate_scales, up_or_gate_zeros)
     skipped = bool(skip)
-    if _native_rows(a, b, norm_weight, down_norm_weight, K, projected or K, columns):
+    if _native_rows(a, b, norm_weight, down_norm_weight, K, columns):
         tiles = joined_four_bit_tiles((K, block_size, columns), *parts)
         down_tiles = four_bit_tiles(down, down_scales, down_zeros, columns[0], K, block_size)
         rows = a.size // K
         gate_at, up_at = (sum(columns[:p]) for p in gated)
-        gate_and_up = (epsilon, one, norm_weight, skipped, *tiles, sum(columns), gate_at, up_at, columns[0])
-        if projected:
-            summed, gate, decay, up, largest = decode_pool.shared_call(
-                projected_gate_nbits, a.reshape(rows, K), b.reshape(rows, projected),
-                *four_bit_tiles(projection, projection_scales, projection_zeros, projected, K, block_size),
-                *gate_and_up)
-        else:
-            summed, gate, decay, up, largest = decode_pool.shared_call(
-                normed_gate_nbits, a.reshape(rows, K), b.reshape(rows, K), *gate_and_up)
+        summed, gate, decay, up, largest = decode_pool.shared_call(
+            normed_gate_nbits, a.reshape(rows, K), b.reshape(rows, K), epsilon, one, norm_weight, skipped, *tiles,
+            sum(columns), gate_at, up_at, columns[0])
         decay = exp_in_place(decay, largest)
         if leave:  # the down product left open, its residual add and norm after it (the next node's checks meanwhile)
             product, normed = np.empty((rows, K), np.float32), np.empty((rows, K), np.float32)
@@ -86,10 +73,6 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
                                                  down_epsilon, down_one, down_norm_weight, skipped)
         return summed.reshape(a.shape), normed.reshape(a.shape)
     decode_pool.settle()  # (a or b may be a job's output left open)
-    if projected:
-        b = MatMulNBits(b, projection, projection_scales, projection_zeros, K=projected, N=K, bits=4,
-                        block_size=block_size)
-        decode_pool.settle()
     summed, normed = AddRMSNorm(a, b, norm_weight, epsilon=np.float32(epsilon), one=np.float32(one), to=to, cast=cast,
                                 skip=skip)
     (activated,) = SharedInputMatMulNBits(normed, *parts, K=K, columns=columns, block_size=block_size, gated=gated)
@@ -99,14 +82,13 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
                       to=to, cast=cast, skip=skip)
 
 
-def _native_rows(a, b, norm_weight, down_norm_weight, K: int, width: int, columns: tuple) -> bool:
-    """Whether the block's rows take the two native calls: C-contiguous float32 a, K wide, and b,
-    `width` wide, with the same rows before, few enough rows that the nodes' kernels would run them
-    on one thread too (their products on the tiles, their norms and gate unshared), and float32
-    norm weights of K values."""
-    if not (_native.enabled and a.dtype == _FLOAT32 and b.dtype == _FLOAT32 and a.ndim and b.ndim == a.ndim
-            and a.shape[:-1] == b.shape[:-1] and a.shape[-1] == K and b.shape[-1] == width and a.flags.c_contiguous
-            and b.flags.c_contiguous and len(columns) == 2 and columns[0] == columns[1]):
+def _native_rows(a, b, norm_weight, down_norm_weight, K: int, columns: tuple) -> bool:
+    """Whether the block's rows take the two native calls: C-contiguous float32 a and b of one
+    shape, K wide, few enough rows that the nodes' kernels would run them on one thread too (their
+    products on the tiles, their norms and gate unshared), and float32 norm weights of K values."""
+    if not (_native.enabled and a.dtype == _FLOAT32 and b.dtype == _FLOAT32 and a.ndim and b.shape == a.shape
+            and a.shape[-1] == K and a.flags.c_contiguous and b.flags.c_contiguous and len(columns) == 2
+            and columns[0] == columns[1]):
         return False
     rows = a.size // K if K else 0
     return (0 < rows <= TILED_ROWS and rows * max(K, columns[0]) < SHARED_FROM
