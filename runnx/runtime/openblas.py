@@ -7,12 +7,13 @@ cycles) they sleep at once; waking costs microseconds, next to a GEMM's millisec
 
 OpenBLAS reads the variable when numpy loads it, and importing runnx changes nothing in the process.
 So `sleep_after_calls` (called by `runnx.load`, and by the `runnx` command, whose process it is)
-asks each OpenBLAS what it read (`openblas_thread_timeout`). A quick timeout read, or a variable the
-user set, is left as it is. Otherwise OpenBLAS reads its variables again (`openblas_read_env`) with
-the timeout set for that call only, and stops its threads (`blas_thread_shutdown_`, what its own
-fork handler calls), which its next threaded call starts anew with the timeout. Not while a thread
-that is not runnx's runs: it may be inside a BLAS call, which stopping the threads under it would
-hang; a warning then says to set the variable before numpy is imported.
+asks each OpenBLAS what it read (`openblas_thread_timeout`). A quick timeout read, or a slow one the
+user set, is left as it is. Otherwise OpenBLAS reads its variables again (`openblas_read_env`): the
+user's quick timeout set after numpy loaded it, or runnx's, set for that call only. Then its
+threads are stopped (`blas_thread_shutdown_`, what its own fork handler calls), and its next
+threaded call starts them anew with the timeout. Not while a thread that is not runnx's runs: it may
+be inside a BLAS call, which stopping the threads under it would hang; a warning then says to set
+the variable before numpy is imported.
 
 THREADS_SLEEP says whether they sleep, for the code that runs BLAS on several threads of runnx's
 (`blas_split.py`, `rows.py`). It is False until `sleep_after_calls` decides, and when no OpenBLAS
@@ -53,19 +54,29 @@ def _decide() -> bool | None:
     spinning = [library for library in libraries if library.openblas_thread_timeout() not in QUICK]
     if not libraries or not spinning:
         return bool(libraries)
-    if VARIABLE in os.environ:  # the user's choice, read or not
+    given = os.environ.get(VARIABLE)
+    if given is not None and not _quick(given):  # the user's choice: their threads spin
         return False
     if _other_threads_running():
         _warn_spinning()
         return None
-    for library in spinning:
-        _read_timeout(library)
+    for library in spinning:  # (a quick timeout the user set after numpy loaded OpenBLAS is read now)
+        _read_timeout(library, given)
         library.blas_thread_shutdown_()
     return True
 
 
-def _read_timeout(library) -> None:
-    """OpenBLAS reads its variables with TIMEOUT set, the environment as it was afterwards."""
+def _quick(value: str) -> bool:
+    """Whether OpenBLAS would read `value` as a timeout that sleeps at once (it reads it by atoi)."""
+    return value.strip().isdigit() and int(value) in QUICK
+
+
+def _read_timeout(library, given: str | None) -> None:
+    """OpenBLAS reads its variables, with TIMEOUT set unless the user gave one, the environment as
+    it was afterwards."""
+    if given is not None:
+        library.openblas_read_env()
+        return
     os.environ[VARIABLE] = TIMEOUT
     try:
         library.openblas_read_env()

@@ -97,6 +97,9 @@ from runnx.runtime import openblas
 a = np.ones((256, 256), np.float32)
 a @ a  # OpenBLAS's threads, started with the timeout it read
 read = library.openblas_thread_timeout()
+if case == "set-late":  # the user's quick timeout, set after numpy loaded OpenBLAS
+    os.environ["OPENBLAS_THREAD_TIMEOUT"] = "4"
+    environment = dict(os.environ)
 if case == "other-thread":
     threading.Thread(target=threading.Event().wait, args=(60,), daemon=True).start()
 runnx.load(model)
@@ -162,6 +165,13 @@ def test_the_users_timeout_is_respected(given, case, sleep, matmul_path):
     assert result == {"read": int(given), "sleep": sleep, "timeout": int(given), "threads_running": 1,
                       "environment_kept": True, "product": 256.0}, stderr
     assert _ADVICE not in stderr
+
+
+def test_a_quick_timeout_the_user_set_after_numpy_loaded_openblas_is_read_at_load(matmul_path):
+    """OpenBLAS read none; the load has it read the user's, restarting its threads."""
+    result, stderr = _python(_LOAD, "numpy-first", "set-late", matmul_path)
+    assert result == {"read": 0, "sleep": True, "timeout": 4, "threads_running": 0, "environment_kept": True,
+                      "product": 256.0}, stderr
 
 
 def test_the_command_has_openblas_threads_sleep_before_its_subcommand_runs(matmul_path):
