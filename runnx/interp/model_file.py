@@ -20,6 +20,7 @@ import ctypes
 import functools
 import mmap
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -72,11 +73,11 @@ def read_ranges(handle, ranges: list[tuple[int, int]]) -> list[np.ndarray] | Non
 
 def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], np.ndarray | None]:
     """(byte buffers of these lengths, 64-byte aligned slices of one zeroed anonymous map, the map's
-    bytes to `settle`, or None: nothing to settle). Its pages are faulted in by one call: in huge
-    pages at once where the kernel has free ones enough (`_free_huge_pages`), else in 4 KiB pages,
-    to be `settle`d into huge pages by a collapse (a huge page at fault time may wait for the
-    kernel to compact memory, up to seconds; the collapse takes seconds of a core beside the load
-    and the first prompts, which it made twice as slow)."""
+    bytes to `settle`, or None: nothing to settle). Its pages are faulted in up front: in huge pages
+    where the kernel has free ones enough (`_free_huge_pages`) while they come fast
+    (`_fault_in_huge_pages`), else in 4 KiB pages, to be `settle`d into huge pages by a collapse (a
+    huge page at fault time may wait for the kernel to compact memory, up to seconds; the collapse
+    takes seconds of a core beside the load and the first prompts, which it made twice as slow)."""
     starts, total = [], 0
     for length in lengths:
         starts.append(total)
@@ -87,10 +88,12 @@ def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], np.ndarray | Non
     except (AttributeError, OSError, ValueError):
         arena, mapped = np.zeros(total + 64, np.uint8), None
     else:
-        if total >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE") and _free_huge_pages() * HUGE_PAGE >= 2 * total:
-            if _advise(arena, mmap.MADV_HUGEPAGE):
-                mapped = None  # in huge pages from the start
-        _advise(arena, _MADV_POPULATE_WRITE)
+        if (total >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE") and _free_huge_pages() * HUGE_PAGE >= 2 * total
+                and _advise(arena, mmap.MADV_HUGEPAGE)):
+            _fault_in_huge_pages(arena)
+            mapped = None  # in huge pages from the start, or at the kernel's pace
+        else:
+            _advise(arena, _MADV_POPULATE_WRITE)
     base = -arena.ctypes.data % 64
     _ARENAS[id(arena)] = weakref.ref(arena, lambda _, key=id(arena): _ARENAS.pop(key, None))
     return [arena[base + start:base + start + length] for start, length in zip(starts, lengths)], mapped
@@ -116,6 +119,31 @@ def owned_bytes(array: np.ndarray) -> np.ndarray | None:
 _MADV_POPULATE_WRITE, _MADV_COLLAPSE = 23, 25  # Linux 5.14 and 6.1 (Python 3.11's mmap names neither)
 HUGE_PAGE = 2 << 20
 _HUGE_ORDER = 9  # a 2 MiB page is 2**9 of 4 KiB
+
+
+_CHUNK = 16 << 20  # bytes of a map faulted in huge pages at a time, each timed
+_FAST = 1 << 30  # bytes/s at least, while the kernel hands out huge pages of its own
+
+
+def _fault_in_huge_pages(arena: np.ndarray) -> None:
+    """Fault a map advised MADV_HUGEPAGE in, a chunk at a time, while each chunk comes fast. Free
+    2 MiB blocks may be ones a virtual machine reported free to its host (virtio's free page
+    reporting), which the host must back again: 0.1 GB/s against 7, and a collapse into them holds
+    the process's memory map lock through those waits (SmolLM2's load took 4-5 s after another
+    process's exit: every allocation beside the collapse waited). So after a slow chunk the rest
+    comes in 4 KiB pages, advised for the kernel's khugepaged to collapse at its own pace."""
+    for start in range(0, arena.size, _CHUNK):
+        chunk = arena[start:start + _CHUNK]
+        began = time.perf_counter()
+        _advise(chunk, _MADV_POPULATE_WRITE)
+        if (time.perf_counter() - began) * _FAST > chunk.size:
+            rest = arena[start + chunk.size:]
+            if rest.size:
+                small = _advise(rest, mmap.MADV_NOHUGEPAGE)
+                _advise(rest, _MADV_POPULATE_WRITE)
+                if small:
+                    _advise(rest, mmap.MADV_HUGEPAGE)
+            return
 
 
 def _free_huge_pages() -> int:

@@ -1,6 +1,8 @@
 """Model files are parsed without the top-level initializers' raw_data, whose bytes are read
 apart, each into its own aligned slice of one map (then moved to huge pages); the arrays, the
 errors and everything else are what parsing the whole file gives."""
+import mmap
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -128,7 +130,8 @@ def test_the_weights_settle_into_huge_pages_on_a_thread_of_their_own(monkeypatch
 
 def test_weights_come_in_huge_pages_at_once_where_the_kernel_has_them_free():
     """Enough free 2 MiB blocks (twice the map) and THP on: the map is faulted in huge pages as it is
-    populated, with nothing to settle; else it comes in 4 KiB pages, to be settled."""
+    populated (its first chunk at least: the rest too unless that came slowly), with nothing to
+    settle; else it comes in 4 KiB pages, to be settled."""
     from pathlib import Path
 
     from runnx.interp import model_file
@@ -146,6 +149,43 @@ def test_weights_come_in_huge_pages_at_once_where_the_kernel_has_them_free():
     assert not buffer.any()
     buffer[:] = 3
     assert (buffer == 3).all()
+
+
+def test_huge_pages_that_come_slowly_leave_the_rest_of_the_map_to_4kib_pages(monkeypatch):
+    """A chunk faulted in slower than `_FAST` (a virtual machine's host backing free blocks the
+    guest reported to it) ends the huge pages: the rest of the map comes in 4 KiB pages, advised
+    for the kernel to collapse at its own pace, nothing left to settle; the bytes are zeros and
+    writable all the same. Chunks that come fast all take huge pages."""
+    from pathlib import Path
+
+    from runnx.interp import model_file
+
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("no transparent huge pages on this system")
+    size, chunk = 64 << 20, 8 << 20
+    monkeypatch.setattr(model_file, "_CHUNK", chunk)
+    monkeypatch.setattr(model_file, "_free_huge_pages", lambda: 1 << 20)
+    advised = []
+    advise = model_file._advise
+    monkeypatch.setattr(model_file, "_advise", lambda mapped, advice: advised.append((advice, mapped.size))
+                        or advise(mapped, advice))
+    monkeypatch.setattr(model_file, "_FAST", 1 << 60)  # every chunk slow: only the first is faulted in huge pages
+    (buffer,), mapped = model_file.weight_arena([size])
+    rest = size + 64 - chunk
+    assert mapped is None and (model_file._MADV_POPULATE_WRITE, chunk) in advised
+    assert advised[-3:] == [(mmap.MADV_NOHUGEPAGE, rest), (model_file._MADV_POPULATE_WRITE, rest),
+                            (mmap.MADV_HUGEPAGE, rest)]
+    assert _huge_pages_of(buffer.ctypes.data) <= (2 * chunk) >> 10  # KiB: the first chunk's (and one more page)
+    assert not buffer.any()
+    buffer[:] = 5
+    assert (buffer == 5).all()
+
+    advised.clear()
+    monkeypatch.setattr(model_file, "_FAST", 1)  # every chunk fast
+    (buffer,), mapped = model_file.weight_arena([size])
+    assert mapped is None and [a for a, _ in advised].count(model_file._MADV_POPULATE_WRITE) == size // chunk + 1
+    assert mmap.MADV_NOHUGEPAGE not in [a for a, _ in advised]
 
 
 def test_settles_held_wait_for_the_fold_then_collapse_one_map_after_another(monkeypatch):
