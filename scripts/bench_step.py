@@ -55,8 +55,8 @@ import bench  # noqa: E402
 from runnx.ops import fused, linalg
 from runnx.runtime import pool as decode_pool  # noqa: E402
 from runnx.runtime.jobs import post_attention, post_products  # noqa: E402
-from runnx.runtime.slots import MAILBOX_SIZE  # noqa: E402
-from runnx.ops._kernels_fused import add_rms_norm  # noqa: E402
+from runnx.runtime.mailbox import make_board  # noqa: E402
+from runnx.ops._kernels_fused import add_rms_norm_into  # noqa: E402
 
 bench.runnx, bench.np = runnx, np
 SPENT = {"products": 0.0, "attention": 0.0}
@@ -106,7 +106,16 @@ SHAPES = [(HIDDEN, HIDDEN), (HIDDEN, KV_HEADS * DEPTH), (HIDDEN, KV_HEADS * DEPT
 
 
 @numba.njit(nogil=True)
-def native_step(box, workers, x, weights, keys, values, head, norm, scratch, length):
+def add_rms_norm(a, b, residual, epsilon, one, weight):
+    """The norm of residual = a + b, a new row (what the fused AddRMSNorm computes)."""
+    out = np.empty_like(residual)
+    add_rms_norm_into(a.reshape((1, -1)), b.reshape((1, -1)), residual.reshape((1, -1)), epsilon, one, weight,
+                      out.reshape((1, -1)))
+    return out
+
+
+@numba.njit(nogil=True)
+def native_step(board, workers, x, weights, keys, values, head, norm, scratch, length):
     """One decode step of the layers' arithmetic over caches holding `length` positions; the
     greedy token."""
     residual = x.copy()
@@ -117,24 +126,24 @@ def native_step(box, workers, x, weights, keys, values, head, norm, scratch, len
     attended = np.empty((1, HEADS, 1, DEPTH), np.float32)
     for layer in range(LAYERS):
         w = 7 * layer
-        post_products(box, workers, hidden, (weights[w], weights[w + 1], weights[w + 2]), (q, k, v), scratch,
+        post_products(board, workers, hidden, (weights[w], weights[w + 1], weights[w + 2]), (q, k, v), scratch,
                       0.0, 1.0)
         key_cache, value_cache = keys[layer], values[layer]
         for head_index in range(KV_HEADS):
             for j in range(DEPTH):
                 key_cache[0, head_index, length, j] = k[head_index * DEPTH + j]
                 value_cache[0, head_index, length, j] = v[head_index * DEPTH + j]
-        post_attention(box, workers, q.reshape((1, HEADS, 1, DEPTH)), key_cache[:, :, :length + 1],
+        post_attention(board, workers, q.reshape((1, HEADS, 1, DEPTH)), key_cache[:, :, :length + 1],
                        value_cache[:, :, :length + 1], None, 0.125, np.nan, attended)
-        post_products(box, workers, attended.reshape(HIDDEN), (weights[w + 3],), (o,), scratch, 0.0, 1.0)
+        post_products(board, workers, attended.reshape(HIDDEN), (weights[w + 3],), (o,), scratch, 0.0, 1.0)
         hidden = add_rms_norm(residual, o, residual, 1e-5, 1.0, norm)
-        post_products(box, workers, hidden, (weights[w + 4], weights[w + 5]), (gate, up), scratch, 0.0, 1.0)
+        post_products(board, workers, hidden, (weights[w + 4], weights[w + 5]), (gate, up), scratch, 0.0, 1.0)
         for j in range(INNER):
             gate[j] = gate[j] / (np.float32(1) + np.exp(-gate[j])) * up[j]
-        post_products(box, workers, gate, (weights[w + 6],), (d,), scratch, 0.0, 1.0)
+        post_products(board, workers, gate, (weights[w + 6],), (d,), scratch, 0.0, 1.0)
         hidden = add_rms_norm(residual, d, residual, 1e-5, 1.0, norm)
     logits = np.empty(VOCAB, np.float32)
-    post_products(box, workers, hidden, (head,), (logits,), scratch, 0.0, 1.0)
+    post_products(board, workers, hidden, (head,), (logits,), scratch, 0.0, 1.0)
     return logits.argmax()
 
 
@@ -158,11 +167,11 @@ class NativeBound:
         pool = decode_pool.pool()
         arguments = (self.x, self.weights, self.keys, self.values, self.head, self.norm, self.scratch, self.context)
         if pool is None:
-            native_step(np.zeros(MAILBOX_SIZE, np.int64), 0, *arguments)
+            native_step(make_board()[0], 0, *arguments)
             return
         pool._wake()
         with pool._lock:
-            native_step(pool.box, pool._workers, *arguments)
+            native_step(pool.board, pool._workers, *arguments)
 
 
 TOKEN = np.array([[42]], np.int64)
