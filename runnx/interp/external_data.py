@@ -7,10 +7,10 @@ A graph's float initializers in a data file are read into anonymous memory that 
 pages (`model_file.weight_arena`, as a model file's own initializers are), one map a file, when
 they take a huge page or more and at most half the memory available: a decode step streams every
 such weight, and a file's map stays in 4 KiB pages (the kernel collapses no read-only file map
-here), whose TLB misses made a float32 135M-parameter decoder's step from onnxruntime-genai's folder 4-19% slower.
-Other tensors (indices, packed bytes), float ones no node streams as stored (the loader leaves
-them out: an embedding is read a few rows a step, a 4-bit weight's scales are repacked with it) and
-files memory could not hold twice are memory-mapped.
+here), whose TLB misses made a float32 135M-parameter decoder's step from onnxruntime-genai's
+folder 4-19% slower. Other tensors (indices, packed bytes), float ones no node streams as stored
+(the loader leaves them out: an embedding is read a few rows a step, a 4-bit weight's scales are
+repacked with it) and files memory could not hold twice are memory-mapped.
 """
 from __future__ import annotations
 

@@ -274,8 +274,8 @@ def _collection_paused():
     """Python's cyclic garbage collector off while a model loads, as it was after: a load makes tens
     of thousands of objects that live as long as the model (nodes, attributes, kernels), and each of
     the few full collections their count set off went through every object of the process (about
-    50 ms each for a 135M-parameter decoder, 0.2 s of its load); what cycles a load drops, the first collection
-    after it finds. Off already (the caller's choice, or another thread's load): left as it is."""
+    50 ms each for a 135M-parameter decoder, 0.2 s of its load); what cycles a load drops, the first
+    collection after it finds. Off already (the caller's choice, or another thread's load): left as it is."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -119,8 +119,6 @@ def owned_bytes(array: np.ndarray) -> np.ndarray | None:
 _MADV_POPULATE_WRITE, _MADV_COLLAPSE = 23, 25  # Linux 5.14 and 6.1 (Python 3.11's mmap names neither)
 HUGE_PAGE = 2 << 20
 _HUGE_ORDER = 9  # a 2 MiB page is 2**9 of 4 KiB
-
-
 _CHUNK = 16 << 20  # bytes of a map faulted in huge pages at a time, each timed
 _FAST = 1 << 30  # bytes/s at least, while the kernel hands out huge pages of its own
 
@@ -129,9 +127,9 @@ def _fault_in_huge_pages(arena: np.ndarray) -> None:
     """Fault a map advised MADV_HUGEPAGE in, a chunk at a time, while each chunk comes fast. Free
     2 MiB blocks may be ones a virtual machine reported free to its host (virtio's free page
     reporting), which the host must back again: 0.1 GB/s against 7, and a collapse into them holds
-    the process's memory map lock through those waits (a 540 MB model's load took 4-5 s after another
-    process's exit: every allocation beside the collapse waited). So after a slow chunk the rest
-    comes in 4 KiB pages, advised for the kernel's khugepaged to collapse at its own pace."""
+    the process's memory map lock through those waits (a 540 MB model's load took 4-5 s after
+    another process's exit: every allocation beside the collapse waited). So after a slow chunk the
+    rest comes in 4 KiB pages, advised for the kernel's khugepaged to collapse at its own pace."""
     for start in range(0, arena.size, _CHUNK):
         chunk = arena[start:start + _CHUNK]
         began = time.perf_counter()
@@ -193,8 +191,8 @@ _collapsing: threading.Thread | None = None
 def settle(mapped: np.ndarray | None) -> None:
     """Move the read weights (`mapped`: a whole anonymous map's bytes) into transparent huge pages
     (where THP is `madvise`, as on these machines): a decode step then streams them through 2 MiB
-    pages, fewer TLB misses (4-9% of a 135M-parameter decoder's step, one process). The kernel's collapse
-    copies them (seconds of a core for a small LM, as long as memory needs compacting) on a thread
+    pages, fewer TLB misses (4-9% of a 135M-parameter decoder's step). The kernel's collapse copies
+    them (seconds of a core for a small LM, as long as memory needs compacting) on a thread
     of its own, one map after another: ctypes' call leaves the GIL, readers see the same bytes
     throughout. Inside `settles_held` on this thread, the map waits for `settle_held`. Best effort:
     older kernels and other systems keep 4 KiB pages."""
@@ -229,7 +227,8 @@ def _collapse_queued() -> None:
 def settles_held():
     """A block in which this thread's `settle` calls wait for `settle_held` (or the block's end): a
     load reads its weights, then folds constants from them (a tied LM head's transposed copy), which
-    a collapse under way beside it made several times slower (0.08 -> 0.5 s for a 135M-parameter decoder's)."""
+    a collapse under way beside it made several times slower (0.08 -> 0.5 s for a 135M-parameter
+    decoder's)."""
     outer = getattr(_held, "maps", None)
     _held.maps = []
     try:

@@ -1,12 +1,12 @@
 """A decoder layer's MLP in 4-bit products (`runnx/interp/fusion/nbits_products.py`): GatedMLPNBits,
 a residual add and its RMS norm, the SiLU-gated MLP's gate, up and down products (onnxruntime's
-MatMulNBits) and the residual add and norm after it, as one node of thirteen inputs. Any decoder whose MLP weights are 4-bit MatMulNBits matches it
-(onnxruntime-genai's int4 builds, onnxruntime's quantizer over an Optimum export), whatever the
-architecture around it.
+MatMulNBits) and the residual add and norm after it, as one node of thirteen inputs. Any decoder
+whose MLP weights are 4-bit MatMulNBits matches it (onnxruntime-genai's int4 builds, onnxruntime's
+quantizer over an Optimum export), whatever the architecture around it.
 
 A decode step's rows (and a short prompt's) run as two native calls posting the decode pool's
 products jobs, numpy's exp between them (`_decode_blocks.py`): the kernels the replaced nodes call,
-in their order, so the same bits, where the nodes took five calls and Python between them; given
+in their order, so the same bits, where the nodes took four calls and Python between them; given
 leave, the down product's job is left open, its residual add and norm after it
 (`runtime/open_jobs.py`). Other rows run the nodes' kernels in turn.
 """

@@ -3,9 +3,9 @@
     MatMulInteger(a, B, a_zero, B_zero) -> Cast(to float) -> Mul(., Mul(a_scale, B_scale))
 
 (a, a_scale, a_zero from DynamicQuantizeLinear of the activation, B and its scale and zero point
-constants): three or four nodes a product, two thousand a decode step of an int8 135M-parameter decoder. Their
-standard fused op is onnxruntime's contrib MatMulIntegerToFloat(a, B, a_scale, B_scale, a_zero,
-B_zero), whose kernel (ops/contrib_quantized.py) computes MatMulInteger's int32 product, then in
+constants): three or four nodes a product, two thousand a decode step of an int8 135M-parameter
+decoder. Their standard fused op is onnxruntime's contrib MatMulIntegerToFloat(a, B, a_scale,
+B_scale, a_zero, B_zero), whose kernel (ops/contrib_quantized.py) computes MatMulInteger's int32 product, then in
 float32 the Cast, the scales' product and the Mul, in that order: bitwise what the nodes computed,
 so the pattern also runs on graphs that quantize computed values (fusion/__init__.py). A quantizer
 whose outputs only one such product reads joins it: DynamicQuantizeMatMul (the same two kernels).
