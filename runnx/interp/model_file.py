@@ -73,30 +73,43 @@ def read_ranges(handle, ranges: list[tuple[int, int]]) -> list[np.ndarray] | Non
 
 def weight_arena(lengths: list[int]) -> tuple[list[np.ndarray], np.ndarray | None]:
     """(byte buffers of these lengths, 64-byte aligned slices of one zeroed anonymous map, the map's
-    bytes to `settle`, or None: nothing to settle). Its pages are faulted in up front: in huge pages
-    where the kernel has free ones enough (`_free_huge_pages`) while they come fast
-    (`_fault_in_huge_pages`), else in 4 KiB pages, to be `settle`d into huge pages by a collapse (a
-    huge page at fault time may wait for the kernel to compact memory, up to seconds; the collapse
-    takes seconds of a core beside the load and the first prompts, which it made twice as slow)."""
+    bytes to `settle`, or None: nothing to settle), its pages faulted in up front (`fault_in`)."""
     starts, total = [], 0
     for length in lengths:
         starts.append(total)
         total += -(-length // 64) * 64
-    try:
-        arena = np.frombuffer(mmap.mmap(-1, total + 64, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
-        mapped = arena
-    except (AttributeError, OSError, ValueError):
-        arena, mapped = np.zeros(total + 64, np.uint8), None
-    else:
-        if (total >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE") and _free_huge_pages() * HUGE_PAGE >= 2 * total
-                and _advise(arena, mmap.MADV_HUGEPAGE)):
-            _fault_in_huge_pages(arena)
-            mapped = None  # in huge pages from the start, or at the kernel's pace
-        else:
-            _advise(arena, _MADV_POPULATE_WRITE)
+    arena = fresh_map(total + 64)
+    mapped = fault_in(arena)
     base = -arena.ctypes.data % 64
     _ARENAS[id(arena)] = weakref.ref(arena, lambda _, key=id(arena): _ARENAS.pop(key, None))
     return [arena[base + start:base + start + length] for start, length in zip(starts, lengths)], mapped
+
+
+def fresh_map(nbytes: int) -> np.ndarray:
+    """The zeroed bytes of a new anonymous map, no page of it faulted in yet (`fault_in` does), or of a
+    zeroed array where there are no maps. Not numpy's own: numpy advises every array of 4 MiB and more
+    for huge pages, which a new process may get at the host's pace (`_fault_in_huge_pages`)."""
+    try:
+        return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+    except (AttributeError, OSError, ValueError):
+        return np.zeros(nbytes, np.uint8)
+
+
+def fault_in(arena: np.ndarray) -> np.ndarray | None:
+    """Fault a `fresh_map`'s pages in at once: in huge pages where the kernel has free ones enough
+    (`_free_huge_pages`) while they come fast (`_fault_in_huge_pages`), else in 4 KiB pages; returns
+    the bytes to `settle` into huge pages by a collapse (a huge page at fault time may wait for the
+    kernel to compact memory, up to seconds; the collapse takes seconds of a core beside the load
+    and the first prompts, which it made twice as slow), or None."""
+    if not isinstance(getattr(arena.base, "obj", None), mmap.mmap):
+        return None  # (a plain array: numpy's pages, faulted in already)
+    total = arena.size
+    if (total >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE") and _free_huge_pages() * HUGE_PAGE >= 2 * total
+            and _advise(arena, mmap.MADV_HUGEPAGE)):
+        _fault_in_huge_pages(arena)
+        return None  # in huge pages from the start, or at the kernel's pace
+    _advise(arena, _MADV_POPULATE_WRITE)
+    return arena
 
 
 _ARENAS: dict[int, weakref.ref] = {}  # id -> the weight arenas made here, while they live

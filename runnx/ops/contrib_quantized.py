@@ -177,6 +177,7 @@ class _PendingTiles:
             repack_listed(*listings[0][0], 0, 0, PREPACK)
 
         def make() -> None:
+            arena.fault_in()  # (here, not in the load: `prepack_in_background` returns once this is planned)
             for listing, group in listings:
                 states = listing[3]
                 repack_listed(*listing, 0, len(states), PREPACK)

@@ -135,6 +135,38 @@ def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made, li
         assert np.array_equal(outputs[name], value), name
 
 
+def test_the_tiles_lie_in_a_map_of_their_own_faulted_in_on_the_prepacking_thread(listings, monkeypatch, tmp_path):
+    """The tiles' arena is not numpy's (which advises a buffer of 4 MiB and more for huge pages, which
+    a virtual machine's host may back at its own pace: a first prompt waited for them) but a fresh
+    map faulted in by the weights' policy (`model_file.fault_in`) on the prepacking thread, before
+    any tile is written, after `prepack_in_background` returned."""
+    import mmap
+
+    from runnx.interp import model_file
+    from runnx.ops import _tile_listing
+
+    faulted = []
+    original = model_file.fault_in
+
+    def recorded(arena):
+        faulted.append((threading.current_thread().name, arena, len(listings)))
+        return original(arena)
+    monkeypatch.setattr(_tile_listing, "fault_in", recorded)
+    model_bytes = _model()
+    model = _from_file(tmp_path, model_bytes)
+    thread = model.prepack_in_background()
+    thread.join()
+    (name, arena, listed_before), = faulted
+    assert name == "runnx-prepack" and listed_before == 0
+    assert isinstance(arena.base.obj, mmap.mmap)
+    (_, _, _, _, states), = listings
+    assert list(states) == [contrib_quantized.PREPACK + MADE] * 4
+    x = RNG.standard_normal((1, 1, K)).astype(np.float32)
+    reference = runnx.load(model_bytes).run({"x": x})
+    for key, value in model.run({"x": x}).items():
+        assert np.array_equal(value, reference[key]), key
+
+
 def test_a_node_with_several_weights_has_each_prepacked(made, listings, tmp_path):
     """A 4-bit gated MLP after its output projection (GatedMLPNBits: its gate and up weights joined,
     its down weight alone; the projection's MatMulNBits): all made by the prepack in its one call,
