@@ -24,7 +24,9 @@ class Arena:
     The buffer is a map of its own, faulted in by `fault_in` as the weights' arena is
     (`model_file.fault_in`: huge pages only while they come fast), not numpy's: numpy advises a
     buffer this large for huge pages, which after a while idle came at the host's pace on a virtual
-    machine (64 MB in 0.23-0.36 s against 0.03 in 4 KiB pages), and a first prompt waited for them."""
+    machine (64 MB in 0.23-0.36 s against 0.03 in 4 KiB pages), and a first prompt waited for them.
+    The prepack faults it in while it plans, which the load waits for: the policy's Python between
+    its madvise calls, beside a tokenizer's load holding the GIL, took 0.23 s for 30 ms of faults."""
 
     def __init__(self, nbytes: int):
         self.buffer = fresh_map(nbytes)

@@ -159,6 +159,7 @@ class _PendingTiles:
         (`join`): no tiles made twice, and the run waits for at most the items being made."""
         pending = [p for p in pending if not p.known()]  # (a run may have made some since)
         arena = Arena(Arena.sized([shape for p in pending for shape in _tile_shapes(p.parts)]))
+        arena.fault_in()  # (while planning, which the load waits for: faulting between GIL-holding calls stalled)
         groups: dict = {}
         for p in pending:
             p.result, p.items = _planned_tiles(p.parts, arena.empty)
@@ -177,7 +178,6 @@ class _PendingTiles:
             repack_listed(*listings[0][0], 0, 0, PREPACK)
 
         def make() -> None:
-            arena.fault_in()  # (here, not in the load: `prepack_in_background` returns once this is planned)
             for listing, group in listings:
                 states = listing[3]
                 repack_listed(*listing, 0, len(states), PREPACK)

@@ -155,7 +155,8 @@ def test_huge_pages_that_come_slowly_leave_the_rest_of_the_map_to_4kib_pages(mon
     """A chunk faulted in slower than `_FAST` (a virtual machine's host backing free blocks the
     guest reported to it) ends the huge pages: the rest of the map comes in 4 KiB pages, advised
     for the kernel to collapse at its own pace, nothing left to settle; the bytes are zeros and
-    writable all the same. Chunks that come fast all take huge pages."""
+    writable all the same; the first chunk is one huge page, each next one twice the last. Chunks
+    that come fast all take huge pages."""
     from pathlib import Path
 
     from runnx.interp import model_file
@@ -172,11 +173,12 @@ def test_huge_pages_that_come_slowly_leave_the_rest_of_the_map_to_4kib_pages(mon
                         or advise(mapped, advice))
     monkeypatch.setattr(model_file, "_FAST", 1 << 60)  # every chunk slow: only the first is faulted in huge pages
     (buffer,), mapped = model_file.weight_arena([size])
-    rest = size + 64 - chunk
-    assert mapped is None and (model_file._MADV_POPULATE_WRITE, chunk) in advised
+    first = model_file.HUGE_PAGE  # the first chunk: one huge page
+    rest = size + 64 - first
+    assert mapped is None and (model_file._MADV_POPULATE_WRITE, first) in advised
     assert advised[-3:] == [(mmap.MADV_NOHUGEPAGE, rest), (model_file._MADV_POPULATE_WRITE, rest),
                             (mmap.MADV_HUGEPAGE, rest)]
-    assert _huge_pages_of(buffer.ctypes.data) <= (2 * chunk) >> 10  # KiB: the first chunk's (and one more page)
+    assert _huge_pages_of(buffer.ctypes.data) <= (2 * first) >> 10  # KiB: the first chunk's (and one more page)
     assert not buffer.any()
     buffer[:] = 5
     assert (buffer == 5).all()
@@ -184,7 +186,13 @@ def test_huge_pages_that_come_slowly_leave_the_rest_of_the_map_to_4kib_pages(mon
     advised.clear()
     monkeypatch.setattr(model_file, "_FAST", 1)  # every chunk fast
     (buffer,), mapped = model_file.weight_arena([size])
-    assert mapped is None and [a for a, _ in advised].count(model_file._MADV_POPULATE_WRITE) == size // chunk + 1
+    chunks, left, step = [], size + 64, model_file.HUGE_PAGE  # each chunk twice the last, up to `_CHUNK`
+    while left > 0:
+        chunks.append(min(step, left))
+        left -= chunks[-1]
+        step = min(2 * step, chunk)
+    assert mapped is None and [(a, n) for a, n in advised if a == model_file._MADV_POPULATE_WRITE] == [
+        (model_file._MADV_POPULATE_WRITE, n) for n in chunks]
     assert mmap.MADV_NOHUGEPAGE not in [a for a, _ in advised]
 
 

@@ -135,11 +135,12 @@ def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made, li
         assert np.array_equal(outputs[name], value), name
 
 
-def test_the_tiles_lie_in_a_map_of_their_own_faulted_in_on_the_prepacking_thread(listings, monkeypatch, tmp_path):
+def test_the_tiles_lie_in_a_map_of_their_own_faulted_in_while_the_prepack_plans(listings, monkeypatch, tmp_path):
     """The tiles' arena is not numpy's (which advises a buffer of 4 MiB and more for huge pages, which
     a virtual machine's host may back at its own pace: a first prompt waited for them) but a fresh
     map faulted in by the weights' policy (`model_file.fault_in`) on the prepacking thread, before
-    any tile is written, after `prepack_in_background` returned."""
+    any tile is written and before `prepack_in_background` returns (the policy's Python between its
+    calls would wait for the GIL a tokenizer's load holds)."""
     import mmap
 
     from runnx.interp import model_file
@@ -155,8 +156,8 @@ def test_the_tiles_lie_in_a_map_of_their_own_faulted_in_on_the_prepacking_thread
     model_bytes = _model()
     model = _from_file(tmp_path, model_bytes)
     thread = model.prepack_in_background()
+    (name, arena, listed_before), = faulted  # (already)
     thread.join()
-    (name, arena, listed_before), = faulted
     assert name == "runnx-prepack" and listed_before == 0
     assert isinstance(arena.base.obj, mmap.mmap)
     (_, _, _, _, states), = listings
