@@ -241,3 +241,31 @@ def test_matmul_integer_of_a_constant_weight_is_the_same_on_any_thread_count():
         decode_pool.set_workers(workers)
     for result in results:
         np.testing.assert_array_equal(result, expected)
+
+
+@pytest.mark.parametrize("first, stop", [(0, 1), (0, 3), (0, 4), (5, 6), (3, 38), (0, 513), (17, 530)])
+@pytest.mark.parametrize("depth, height", [(576, 1), (37, 1), (64, 3)])
+def test_columns_read_in_quarters_are_each_columns_own_dot(first, stop, depth, height):
+    """`columns_into` reads its range's columns four quarters side by side (`_lane_dots4`), each
+    element the sum `_lane_dot` makes of that column alone: so the bits do not depend on the range
+    a column falls in, its place among the quarters, or how many rows come with it; float64's
+    product to float32's rounding. Outside the range nothing is written."""
+    import numba
+
+    from runnx.ops._kernels_linalg import _lane_dot, columns_into
+
+    @numba.njit
+    def one_at_a_time(rows, columns, out, first, stop):
+        for n in range(first, stop):
+            for m in range(rows.shape[0]):
+                out[m, n] = _lane_dot(rows[m], columns, n)
+
+    rows = RNG.standard_normal((height, depth)).astype(np.float32)
+    columns = RNG.standard_normal((stop + 7, depth)).astype(np.float32)
+    out, expected = np.full((height, stop + 7), 7.0, np.float32), np.full((height, stop + 7), 7.0, np.float32)
+    columns_into(rows, columns, out, first, stop)
+    one_at_a_time(rows, columns, expected, first, stop)
+    assert np.array_equal(out, expected)
+    assert (out[:, :first] == 7).all() and (out[:, stop:] == 7).all()
+    exact = rows.astype(np.float64) @ columns[first:stop].T.astype(np.float64)
+    np.testing.assert_allclose(out[:, first:stop], exact, rtol=1e-4, atol=1e-4 * np.sqrt(depth))
