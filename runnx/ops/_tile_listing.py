@@ -21,20 +21,17 @@ _ALIGN = 64  # each output starts on a cache line of the arena
 class Arena:
     """One uint8 buffer carved into arrays in order (`empty`, np.empty's signature): a model's tiles
     side by side, `repack_listed`'s outputs. `sized` first gives the bytes the same calls will need.
-    The buffer is a map of its own, faulted in by `fault_in` as the weights' arena is
+    The buffer is a map of its own, faulted in when made and settled as the weights' arena is
     (`model_file.fault_in`: huge pages only while they come fast), not numpy's: numpy advises a
     buffer this large for huge pages, which after a while idle came at the host's pace on a virtual
     machine (64 MB in 0.23-0.36 s against 0.03 in 4 KiB pages), and a first prompt waited for them.
-    The prepack faults it in while it plans, which the load waits for: the policy's Python between
-    its madvise calls, beside a tokenizer's load holding the GIL, took 0.23 s for 30 ms of faults."""
+    A prepack makes it while it plans, which the load waits for: the policy's Python between its
+    madvise calls, beside a tokenizer's load holding the GIL, took 0.23 s for 30 ms of faults."""
 
     def __init__(self, nbytes: int):
         self.buffer = fresh_map(nbytes)
-        self.used = 0
-
-    def fault_in(self) -> None:
-        """Fault the buffer's pages in at once and settle it as weights settle (`model_file`)."""
         settle(fault_in(self.buffer))
+        self.used = 0
 
     @staticmethod
     def sized(shapes: list) -> int:

@@ -158,8 +158,7 @@ class _PendingTiles:
         makes the items of it that the prepacking thread has not started, and waits for the others
         (`join`): no tiles made twice, and the run waits for at most the items being made."""
         pending = [p for p in pending if not p.known()]  # (a run may have made some since)
-        arena = Arena(Arena.sized([shape for p in pending for shape in _tile_shapes(p.parts)]))
-        arena.fault_in()  # (while planning, which the load waits for: faulting between GIL-holding calls stalled)
+        arena = Arena(Arena.sized([shape for p in pending for shape in _tile_shapes(p.parts)]))  # (faulted in now)
         groups: dict = {}
         for p in pending:
             p.result, p.items = _planned_tiles(p.parts, arena.empty)
