@@ -115,9 +115,11 @@ def _names(plan) -> dict[int, str]:
 def compile_plan(graph: Graph, plan, overlap_jobs: bool = False):
     """A function (values, keys, table, ctx) -> (output values, output keys) running `plan` like
     the interpreted loop, or None for a plan with subgraph nodes. overlap_jobs: the kernels
-    declaring `overlaps_jobs` are called with leave to return while their pool job computes
-    (`runtime/pool.py`), and a step reading what such a job may still write settles it first; the
-    caller settles after the function returns or raises, and takes the leave back."""
+    declaring `overlaps_jobs` are called with leave to return before their outputs are written
+    (their pool job computing, or their calls deferred: `runtime/open_jobs.py`), and a step that
+    may read what is still pending settles first: any other step but a memo (shapes only), or one
+    of theirs whose `reads_data` inputs a pending step outputs; the caller settles after the
+    function returns, and takes the leave back."""
     if any(step.node.subgraphs for step in plan.steps):
         return None
     names = _names(plan)
@@ -130,13 +132,22 @@ def compile_plan(graph: Graph, plan, overlap_jobs: bool = False):
     for vid in plan.constants:  # globals: never assigned in the function
         program.set(f"v{names[vid]}", plan.values_template[vid])
         program.set(f"k{names[vid]}", plan.keys_template[vid])
-    open_job = False  # whether a step since the last settle may have left a pool job open
+    pending: set | None = None  # values a step since the last settle may still be writing (None: no such step)
     for index, step in enumerate(plan.steps):
         kernel = step.node.kernel
         overlaps = overlap_jobs and kernel is not None and kernel.overlaps_jobs and step.fn is kernel.fn
         memo = isinstance(step.fn, ShapeGroup)  # (reads shapes only)
-        _step(program, index, step, names, keyless, settles=open_job and not overlaps and not memo, overlaps=overlaps)
-        open_job = overlaps or (open_job and memo)
+        if pending is None or memo:
+            settles = False
+        elif overlaps:  # (reads data from Python only where it says)
+            settles = any(p < len(step.inputs) and step.inputs[p] in pending for p in kernel.reads_data)
+        else:
+            settles = True
+        _step(program, index, step, names, keyless, settles=settles, overlaps=overlaps)
+        if settles or not overlaps and not memo:
+            pending = None
+        if overlaps:
+            pending = (pending or set()) | set(step.outputs)
     return program.build(f"[{', '.join(f'v{names[v]}' for v in plan.outputs)}], "
                          f"[{', '.join(f'k{names[v]}' for v in plan.outputs)}]")
 

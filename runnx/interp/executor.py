@@ -19,7 +19,7 @@ from runnx.interp.compiled import bound_outputs, compile_plan
 from runnx.interp.node_context import describe_value, node_error
 from runnx.interp.ir import MISSING, Graph
 from runnx.interp.planner import Plan, make_plan
-from runnx.runtime import opening, pool_workers, settle
+from runnx.runtime import drop_deferred, opening, settle
 
 
 def _same(a, b) -> bool:
@@ -83,7 +83,10 @@ class Executor:
             self._hold_bound(bound, values, keys, hold)
             try:
                 outputs, output_keys = compiled(values, keys, table, ctx)
-            finally:  # (a job the last steps left open; the leave a failing step was given)
+            except BaseException:
+                drop_deferred()  # (they would write only what the failed run discards)
+                raise
+            finally:  # (what the last steps deferred or left open; the leave a failing step was given)
                 settle()
                 opening.allowed = False
             return outputs, [table.is_owned(k) for k in output_keys] if owned else None
@@ -179,9 +182,7 @@ class Executor:
                 make_programs()
         compiled = plan.state.get("compiled")
         if compiled is None:
-            # (jobs are left open only for a pool's workers to compute: with none, the plan has no leave to give)
-            overlap = options.overlap_jobs and pool_workers() > 0
-            compiled = plan.state["compiled"] = compile_plan(graph, plan, overlap) or False
+            compiled = plan.state["compiled"] = compile_plan(graph, plan, options.overlap_jobs) or False
         return compiled
 
     @staticmethod

@@ -91,9 +91,10 @@ class Options:
     n-th run on, a plan runs compiled to straight-line Python (interp/compiled.py; 0 never).
     specialize_branches: a model that is one If on one of its inputs (Optimum's merged decoders)
     runs the branch that input picks as a graph of its own (interp/branches.py). overlap_jobs: a
-    compiled plan's float and 4-bit products return while the decode pool's workers compute them,
-    the plan going on to the next node until one reads what they write (runtime/open_jobs.py). inplace: run ops
-    in place and move captures (bitwise identical off).
+    compiled plan's decode kernels return before their outputs are written, their products left
+    computing on the decode pool's workers or their native calls deferred, the plan going on to the
+    next node until one reads what they write (runtime/open_jobs.py; bitwise identical off).
+    inplace: run ops in place and move captures (bitwise identical off).
     last_position: outputs (an LM head's logits) computed for the last position only, by name
     (interp/last_position.py; the generation API loads decoders with ("logits",)).
 

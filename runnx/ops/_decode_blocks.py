@@ -9,10 +9,11 @@ nodes run one by one, but for a block that holds an attention (whose kernels are
 nodes' anyway); LayerNorm blocks (LayerNorm, erf GELU) call what their nodes call: `layer_norm_rows`,
 and ErfGelu's pool job (`post_gelu`) on a board of their own. Called through
 `runtime.pool.shared_call` (the pool's workers, or alone on a board of the call: the same compiled
-code, so the same results); each returns what it computed. The `open_*` ones instead open their
-block's last job and return at once (`runtime.pool.open_shared_call`), what completes the outputs
-from it a tail the pool runs once it is finished (`add_norm_into`, `projected_rope_tail`): the same
-job and kernels.
+code, so the same results); each returns what it computed. The `*_into` ones write into arrays the
+caller allocated, for a kernel that defers them (`runtime.defer`: its Python runs ahead, the calls
+when the thread settles): the same jobs and kernels, so the same bits. `open_gated_down_nbits`
+opens its block's last job and returns at once (`runtime.pool.open_shared_call`), what completes
+the outputs from it a tail the pool runs once it is finished (`add_norm_into`).
 """
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._kernels_contrib import skip_norm_rows
-from runnx.ops._kernels_fused import add_rms_norm_into, rope_append_fits, rope_append_into, silu_mul_into
+from runnx.ops._kernels_fused import add_rms_norm_into, rope_append_into, silu_mul_into
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops._kernels_rows import split_heads_into
-from runnx.runtime.jobs import (open_nbits, open_products, post_attention, post_gelu, post_gemm, post_gemms, post_nbits,
+from runnx.runtime.jobs import (open_nbits, post_attention, post_gelu, post_gemm, post_gemms, post_nbits,
                                 post_products)
 from runnx.runtime.board import own_board
 
@@ -93,15 +94,34 @@ def projected_gate(board, workers, x, weight, residual, epsilon, one, norm_weigh
 
 
 @_jit
-def _negated(gate):
-    """(-gate, its largest element) for a C-contiguous gate: numpy's exp then takes the first."""
-    negated = np.empty_like(gate)
+def projected_gate_into(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip,
+                        summed, gate, negated, up, largest):
+    """`projected_gate` into the caller's arrays (`largest` one element): its jobs and kernels, so
+    its bits; for a call deferred with its outputs allocated before it runs (`open_jobs.defer`)."""
+    post_products(board, workers, x, (weight,), (summed,), np.empty(chunk_count(x.size) * summed.size, np.float32),
+                  0.0, 1.0)
+    normed = _add_norm(residual, summed, epsilon, one, norm_weight, skip)
+    post_products(board, workers, normed, (gate_weight, up_weight), (gate, up),
+                  np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32), 0.0, 1.0)
+    largest[0] = _negated_into(gate, negated)
+
+
+@_jit
+def _negated_into(gate, negated):
+    """-gate into negated (both C-contiguous), and its largest element."""
     flat_gate, flat_negated = gate.reshape(gate.size), negated.reshape(negated.size)
     largest = -np.inf
     for i in range(flat_gate.size):
         flat_negated[i] = -flat_gate[i]
         largest = max(largest, flat_negated[i])
-    return negated, largest
+    return largest
+
+
+@_jit
+def _negated(gate):
+    """(-gate, its largest element) for a C-contiguous gate: numpy's exp then takes the first."""
+    negated = np.empty_like(gate)
+    return negated, _negated_into(gate, negated)
 
 
 @_jit
@@ -113,13 +133,13 @@ def gated_down(board, workers, gate, decay, up, weight, residual, epsilon, one, 
 
 
 @_jit
-def open_gated_down(board, workers, gate, decay, up, weight, product, scratch):
-    """`gated_down`'s activation (into decay's buffer), then its down product into `product` opened
-    (`open_products`: returns before its units are computed; every array must live until the job
-    is finished), the residual add and norm left to `add_norm_into` after it: the same job and
-    kernels, so the same bits. 1 when a worker was idle, else 0 (`DecodePool.open_call`)."""
-    return 1 if open_products(board, workers, silu_mul_into(gate, decay, up), (weight,), (product,), scratch, 0.0,
-                              1.0) else 0
+def gated_down_into(board, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, skip, summed,
+                    normed):
+    """`gated_down` into the caller's arrays (`summed` the product, then the sum; `normed` its norm):
+    its jobs and kernels, so its bits, for a deferred call as `projected_gate_into`."""
+    post_products(board, workers, silu_mul_into(gate, decay, up), (weight,), (summed,),
+                  np.empty(chunk_count(gate.size) * summed.size, np.float32), 0.0, 1.0)
+    add_norm_into(residual, summed, epsilon, one, norm_weight, skip, normed)
 
 
 @_jit
@@ -155,7 +175,7 @@ def gated_down_nbits(board, workers, gate, decay, up, tiles, scales, zeros, widt
 def open_gated_down_nbits(board, workers, gate, decay, up, tiles, scales, zeros, summed, scratch):
     """`gated_down_nbits`' activation, then its down product into `summed` opened (`open_nbits`, its
     lanes and sums in `scratch`: rows x chunks x (2 CHUNK_BYTES + 1) floats), the residual add and
-    norm left to `add_norm_into` after it: 1 when a worker was idle, else 0 (`open_gated_down`)."""
+    norm left to `add_norm_into` after it: 1 when a worker was idle, else 0 (`DecodePool.open_call`)."""
     rows = silu_mul_into(gate, decay, up)
     height, chunks = rows.shape[0], tiles.shape[1]
     lanes = height * 2 * chunks * CHUNK_BYTES
@@ -292,6 +312,18 @@ def projected_rope_append(board, workers, x, weights, biases, rows, rope):
 
 
 @_jit
+def projected_rope_into(board, workers, x, weights, biases, rows, rope, rotated):
+    """`projected_rope_append` with the rotated query written into `rotated` (its jobs and kernels,
+    so its bits), for a deferred call: the caller checked that `rope_append_into(*rope)` writes
+    (`rope_append_fits`); ValueError if it would not."""
+    size = 0
+    for row in rows:
+        size += row.size
+    post_products(board, workers, x, weights, rows, np.empty(chunk_count(x.size) * size, np.float32), 0.0, 1.0)
+    projected_rope_tail(biases, rows, rope, rotated)
+
+
+@_jit
 def _add_biases(biases, rows):
     """rows[m] = biases[m] + rows[m] (an empty bias: nothing): SplitHeads' `_biased` sums."""
     for m in range(len(rows)):
@@ -302,22 +334,10 @@ def _add_biases(biases, rows):
 
 
 @_jit
-def open_projected_rope(board, workers, x, weights, rows, rope, scratch):
-    """`projected_rope_append`'s products job opened (`open_products`: every array must live until it
-    is finished), the biases, rotation and cache growth left to `projected_rope_tail` after it; 1
-    when a worker was idle, 0 when not, -1 (nothing posted) when `rope_append_into(*rope)` would
-    not write (`rope_append_fits`): the caller then computes it finished."""
-    if not rope_append_fits(rope[0], rope[1], rope[2], rope[3], rope[4], rope[5], rope[6], rope[7], rope[8], rope[9],
-                            rope[10]):
-        return -1
-    return 1 if open_products(board, workers, x, weights, rows, scratch, 0.0, 1.0) else 0
-
-
-@_jit
 def projected_rope_tail(biases, rows, rope, rotated):
     """`projected_rope_append`'s work after its products job: the biases added, then
-    `rope_append_into(*rope)` (its rotated query into `rotated`), which writes: `open_projected_rope`
-    checked that it fits."""
+    `rope_append_into(*rope)` (its rotated query into `rotated`), which writes: the caller checked
+    that it fits (`rope_append_fits`)."""
     _add_biases(biases, rows)
     done, query = rope_append_into(*rope)
     if not done:

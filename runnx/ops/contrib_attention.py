@@ -217,7 +217,8 @@ def _attend_rows(queries, present_key, present_value, starts, lengths, reach: in
                       bool(smooth_softmax), head_sink)
 
 
-@register("GroupQueryAttention", since=1, domain=DOMAIN, inplace=(3, 4), overlaps_jobs=True)
+@register("GroupQueryAttention", since=1, domain=DOMAIN, inplace=(3, 4), overlaps_jobs=True,
+          reads_data=(5, 6, 9))
 def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, total_sequence_length,
                         cos_cache=None, sin_cache=None, position_ids=None, attention_bias=None, head_sink=None, *,
                         do_rotary: int = 0, kv_num_heads: int, local_window_size: int = -1, num_heads: int,

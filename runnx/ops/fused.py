@@ -35,7 +35,8 @@ from runnx.ops._kernels_fused import attention
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape
 from runnx.ops._matmul import matmul, rest_workers_before
-from runnx.runtime import opening, pool as decode_pool
+from runnx.runtime import defer, pool as decode_pool, take_leave
+from runnx.runtime.jobs import post_attention
 
 _FLOAT32 = np.dtype(np.float32)
 
@@ -80,7 +81,7 @@ def RepeatedKVShape(kv, *, repeat: int):
     return stand_in(kv.dtype, (kv.shape[0], kv.shape[1] * repeat, *kv.shape[2:]))
 
 
-@register("RepeatedKVAttention", since=1, domain=DOMAIN, overlaps_jobs=True)
+@register("RepeatedKVAttention", since=1, domain=DOMAIN, overlaps_jobs=True, reads_data=(5, 6))
 def RepeatedKVAttention(query, key, value, bias=None, merged_target=None, mask=None, mask_end=None, *,
                         repeat: int = 1, query_scale, key_scale, nan_fill, axis: int = -1, mask_axis: int = -1,
                         masked_then=None, masked_else=None, ctx=None):
@@ -93,15 +94,20 @@ def RepeatedKVAttention(query, key, value, bias=None, merged_target=None, mask=N
     masked_then, masked_else), mask_end the key's length when absent. query, key and value may be
     the outputs of a job the previous node left open (a ProjectedRopeAppend's,
     `runtime/open_jobs.py`): the decode pool's attention post finishes it first; every other path
-    settles before it reads them. Given leave, a decode row's attention job is left open (its
-    merged heads a view of its output)."""
+    settles before it reads them. Given leave, a decode row's attention is deferred
+    (`runtime.defer`: its merged heads a view of its output, written when the thread settles). The
+    mask is read here (the plan settles first when a deferred call may still write it)."""
+    leave = take_leave()
     if mask is not None:
         end = key.shape[2] if mask_end is None else _one_number(mask_end)
         bias = _mask_bias(mask, end, mask_axis, masked_then, masked_else, ctx)
-    heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, repeat, axis, ctx)
+    heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, repeat, axis, ctx, leave)
     if merged_target is None:
         return heads
-    return Reshape(heads.transpose(0, 2, 1, 3), merged_target)
+    merged = heads.transpose(0, 2, 1, 3)
+    if not merged.flags.c_contiguous:  # (Reshape copies it: reads it)
+        decode_pool.settle()
+    return Reshape(merged, merged_target)
 
 
 def _one_number(end) -> int:
@@ -126,7 +132,7 @@ def _mask_bias(mask, end: int, axis: int, then, otherwise, ctx=None):
 
 
 def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, repeat: int, axis: int,
-                           ctx=None):
+                           ctx=None, leave: bool = False):
     if axis % 4 != 3 or not _grouped(query, key, value) or query.shape[1] != key.shape[1] * repeat:
         _settled()  # (the product's broadcasting decides what that computes, or raises)
         scores = matmul(np.multiply(query, query_scale),
@@ -136,7 +142,7 @@ def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_
     if (query_scale.dtype == dtype and key_scale.dtype == dtype and nan_fill.dtype == dtype
             and (bias is None or bias.dtype == dtype)):
         result = _attend_kernel(query, key, value, bias, query_scale.item() * key_scale.item(), nan_fill.item(),
-                                query.shape[2] == 1)
+                                leave and query.shape[2] == 1)
         if result is not None:
             return result
     _settled()
@@ -182,16 +188,15 @@ _KERNEL_ROWS, _KERNEL_KEYS = 48, 64
 
 
 def _settled() -> None:
-    """Before a path that reads the inputs otherwise than through a pool post: the job left open
-    finished, and no leave for the kernels it calls."""
+    """Before a path that reads the inputs otherwise than through a pool post: the deferred calls
+    run, the job left open finished."""
     decode_pool.settle()
-    opening.allowed = False
 
 
-def _attend_kernel(query, key, value, bias, scale: float, fill: float, leave_open: bool = False):
+def _attend_kernel(query, key, value, bias, scale: float, fill: float, defer_it: bool = False):
     """The numba attention for float32/float64 in one dtype, or None (then numpy computes it):
-    another dtype, a bias that does not broadcast into the scores, or a long query. leave_open:
-    the pool's job may be left open, given leave (`DecodePool.attention`)."""
+    another dtype, a bias that does not broadcast into the scores, or a long query. defer_it: a
+    float32 attention is deferred (`runtime.defer`), for a kernel given leave."""
     dtype = query.dtype
     if not _native.enabled or dtype not in KERNEL_DTYPES or key.dtype != dtype or value.dtype != dtype:
         return None
@@ -210,10 +215,11 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float, leave_ope
                 and (shape[2] == 1 or shape[2] == length) and (shape[3] == 1 or shape[3] == size)):
             return None
     if dtype == np.float32:  # the decode pool's workers take KV heads: same results with or without them
-        workers = decode_pool.pool()
-        if workers is not None and batch * groups > 1:
-            return workers.attention(query, key, value, bias, scale, fill, leave_open)
-        return decode_pool.attention_job(query, key, value, bias, scale, fill)
+        if defer_it:
+            out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
+            defer(post_attention, (query, key, value, bias, scale, fill, out), job=True)
+            return out
+        return decode_pool.attention_into(query, key, value, bias, scale, fill)
     _settled()
     return attention(query, key, value, bias, scale, fill)
 

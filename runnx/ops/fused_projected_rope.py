@@ -14,9 +14,8 @@ from typing import NamedTuple
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_blocks import (open_projected_rope, projected_rope_append, projected_rope_append_rows,
-                                     projected_rope_tail)
-from runnx.ops._kernels_linalg import chunk_count
+from runnx.ops._decode_blocks import projected_rope_append, projected_rope_append_rows, projected_rope_into
+from runnx.ops._kernels_fused import rope_append_fits
 from runnx.ops._fused_common import stand_in
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops.cache import count_appends
@@ -25,7 +24,7 @@ from runnx.ops.fused_layer_norm_blocks import split_shape
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _split_shapes, _vector
 from runnx.ops.fused_rotary import RopeAppend, appended_caches, rope_append_arguments
 from runnx.ops.registry import register
-from runnx.runtime import pool as decode_pool, take_leave
+from runnx.runtime import defer, pool as decode_pool, take_leave
 from runnx.runtime.rows import SHARED_FROM
 
 
@@ -63,12 +62,10 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, k
         return _rope_appended(done, rotated, heads, x, layer, overwrite, ctx)
     heads, bias_rows, arguments = planned
     row, rows = np.ascontiguousarray(x.reshape(-1)), tuple([h.reshape(-1) for h in heads])
-    if leave:  # the products job left open, the rotation and growth after it (the next node's checks meanwhile)
+    if leave and rope_append_fits(*arguments[:11]):  # the call deferred, the next nodes' checks first
         rotated = np.empty(heads[0].shape, np.float32)
-        if decode_pool.open_shared_call(open_projected_rope, (row, weights, rows, arguments), (row, *weights, *heads),
-                                        projected_rope_tail, (bias_rows, rows, arguments, rotated),
-                                        chunk_count(row.size) * sum([h.size for h in heads])):
-            return _rope_appended(True, rotated, heads, x, layer, overwrite, ctx)
+        defer(projected_rope_into, (row, weights, bias_rows, rows, arguments, rotated), job=True)
+        return _rope_appended(True, rotated, heads, x, layer, overwrite, ctx)
     done, rotated = decode_pool.shared_call(projected_rope_append, row, weights, bias_rows, rows, arguments)
     return _rope_appended(done, rotated, heads, x, layer, overwrite, ctx)
 

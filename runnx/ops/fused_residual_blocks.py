@@ -11,9 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_blocks import (add_norm_into, gated_down, gated_down_rows, gelu_mlp, open_gated_down,
-                                     projected_gate, projected_gate_rows, projected_layer_norm)
-from runnx.ops._kernels_linalg import chunk_count
+from runnx.ops._decode_blocks import (gated_down, gated_down_into, gated_down_rows, gelu_mlp, projected_gate,
+                                     projected_gate_into, projected_gate_rows, projected_layer_norm)
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops._remembered import Remembered
@@ -22,7 +21,7 @@ from runnx.ops.fused_norms import AddRMSNorm, exp_in_place, norm_fits
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _matrix, _product, _vector
 from runnx.ops.linalg import _FLOAT32, MatMul
 from runnx.ops.registry import register
-from runnx.runtime import pool as decode_pool, take_leave
+from runnx.runtime import defer, pool as decode_pool, take_leave
 
 
 @register("MatMulAddRMSNorm", since=1, domain=DOMAIN)
@@ -56,8 +55,11 @@ def ResidualGatedMLP(x, weight, bias, residual, norm_weight, gate_weight, up_wei
     block = _gated_mlp_row(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                            down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:
-        return _gated_down(decode_pool.shared_call(projected_gate, *block[0], skipped), residual, down_weight,
-                           block[1], down_norm_weight, skipped, leave)
+        first, down_numbers = block
+        if leave:  # the calls deferred, the next nodes' checks first
+            return _deferred_gated_mlp(first, residual, down_weight, down_numbers, down_norm_weight, skipped)
+        return _gated_down(decode_pool.shared_call(projected_gate, *first, skipped), residual, down_weight,
+                           down_numbers, down_norm_weight, skipped)
     decode_pool.settle()  # (every other path reads its inputs before any post)
     block = _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                             down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
@@ -140,23 +142,33 @@ def _gated_block_numbers(values: tuple, weight, norm_weight, gate_weight, up_wei
     return epsilon.item(), one.item(), down_epsilon.item(), down_one.item()
 
 
-def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool, leave: bool):
-    """ResidualGatedMLP's outputs from `projected_gate`'s results: numpy's exp, then `gated_down`,
-    or (given leave, the pool free) `open_gated_down` with `add_norm_into` for its tail."""
+def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool):
+    """ResidualGatedMLP's outputs from `projected_gate`'s results: numpy's exp, then `gated_down`."""
     summed, gate, decay, up, largest = first
     decay = exp_in_place(decay, largest)
-    if leave:  # (the outputs allocated here only then: a token's every layer takes the other path on one thread)
-        product, normed = np.empty(residual.shape, np.float32), np.empty(residual.shape, np.float32)
-        flat = product.reshape(-1)
-        if decode_pool.open_shared_call(open_gated_down, (gate, decay, up, down_weight, flat),
-                                        (gate, decay, up, down_weight, product),
-                                        add_norm_into, (summed, flat, *down_numbers, down_norm_weight, skip,
-                                                        normed.reshape(-1)),
-                                        chunk_count(gate.size) * flat.size):
-            return product, normed
     summed, normed = decode_pool.shared_call(gated_down, gate, decay, up, down_weight, summed, *down_numbers,
                                              down_norm_weight, skip)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
+
+
+def _deferred_gated_mlp(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool) -> tuple:
+    """ResidualGatedMLP's outputs, allocated, with the calls that write them deferred
+    (`runtime.defer`): `projected_gate` and `gated_down` into them (their `_into` forms: the same
+    jobs and kernels, so the same bits), numpy's exp between them."""
+    width, inner = residual.shape[-1], down_weight.shape[0]
+    summed, product, normed = (np.empty(width, np.float32) for _ in range(3))
+    gate, decay, up = (np.empty(inner, np.float32) for _ in range(3))
+    largest = np.empty(1)
+    defer(projected_gate_into, (*first, skip, summed, gate, decay, up, largest), job=True)
+    defer(_exp_into, (decay, largest))
+    defer(gated_down_into, (gate, decay, up, down_weight, summed, *down_numbers, down_norm_weight, skip, product,
+                            normed), job=True)
+    return product.reshape(residual.shape), normed.reshape(residual.shape)
+
+
+def _exp_into(decay, largest) -> None:
+    """numpy's exp of `decay` in place, its largest element in `largest`'s one."""
+    exp_in_place(decay, largest[0])
 
 
 @register("MatMulAddLayerNorm", since=1, domain=DOMAIN)

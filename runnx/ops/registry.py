@@ -18,11 +18,14 @@ planner lets an earlier node overwrite such an input's data in place.
 `inplace_target` (`binary`'s rule) or `unary` picks, without the two calls around it (half a
 tiny node's cost).
 
-``overlaps_jobs=True`` declares a kernel that may return while a decode-pool job it posted still
-computes its output (`runtime/pool.py`: `open_nbits_rows`, `open_shared_call`), when the run allows
-it, and that may be called while the previous node's job computes: the compiled plan settles only
-before the next node that is not declared so. Such a kernel reads no input's data before its post
-finishes the previous job (the post does that first), and settles before reading data any other way.
+``overlaps_jobs=True`` declares a kernel that may return before its outputs are written, when the
+run allows it (`runtime/open_jobs.py`): a decode-pool job it posted still computing them
+(`open_nbits_rows`, `open_shared_call`), or its native calls deferred (`runtime.defer`); and that
+may be called while earlier nodes' jobs or deferred calls are pending: the compiled plan settles
+only before the next node that is not declared so. Such a kernel reads its inputs' data only in
+native calls that post or defer (a post runs whatever is pending first), or after settling, but
+for the positions it declares in ``reads_data=`` (a mask, sequence lengths: read from Python),
+before which the plan settles when a pending call may still write them.
 
 ``prepack=fn`` declares a kernel that prepares something from its constant inputs on its first
 call and keeps it (a 4-bit weight's tiles, in a `Remembered`): fn(inputs, attrs), given the
@@ -74,6 +77,7 @@ class Kernel:
     ufunc: typing.Any = None  # the numpy ufunc the kernel is `binary`/`unary` of, if it is exactly that
     overlaps_jobs: bool = False  # may return while a pool job still writes its output (`runtime/pool.py`)
     prepack: typing.Callable | None = None  # fn(constant inputs, attributes): what a first call would make
+    reads_data: tuple[int, ...] = ()  # input positions an overlaps_jobs kernel reads the data of from Python
 
     def attributes_of(self, attrs: dict) -> dict:
         """A node's attributes `attrs` with the defaults of those it leaves out (required ones it
@@ -111,7 +115,7 @@ def _allowed_types(annotation) -> tuple:
 
 def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace: tuple[int, ...] = (),
              inplace_from: int | None = None, shape_only: tuple[int, ...] = (), ufunc=None,
-             overlaps_jobs: bool = False, prepack=None):
+             overlaps_jobs: bool = False, prepack=None, reads_data: tuple[int, ...] = ()):
     """Register a kernel for `op_type` from opset `since` on; see the module docstring."""
 
     def decorate(fn):
@@ -133,7 +137,7 @@ def register(op_type: str, *, since: int, domain: str = DEFAULT_DOMAIN, inplace:
         arity = (sum(p.default is REQUIRED for p in positional), None if variadic else len(positional))
         kernel = Kernel(op_type, _canonical_domain(domain), since, fn, tuple(inplace), inplace_from, attrs,
                         tuple(subgraphs), "ctx" in params, "output_count" in params, arity, tuple(shape_only), ufunc,
-                        overlaps_jobs, prepack)
+                        overlaps_jobs, prepack, tuple(reads_data))
         versions = _REGISTRY.setdefault((kernel.domain, op_type), [])
         if any(k.since == since for k in versions):
             raise ValueError(f"{op_type} since {since} registered twice")

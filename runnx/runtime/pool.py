@@ -32,15 +32,14 @@ import numba
 import numpy as np
 
 from runnx.ops import _kernels_gemm as gemm, _native
-from runnx.ops._kernels_fused import attention_scratch
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_columns, rows_times_matrix
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
-from runnx.runtime.jobs import (open_attention, open_column_products, open_nbits, open_products, post_attention,
+from runnx.runtime.jobs import (open_column_products, open_nbits, open_products, post_attention,
                                 post_attention_blocks,
                                 post_column_products, post_gelu, post_gemm, post_gemms, post_nbits, post_products,
                                 post_softmax, post_vnni)
 from runnx.runtime.mailbox import finish, finish_and_release, make_board, rest, serve, stop
-from runnx.runtime.open_jobs import holding, opening, settle
+from runnx.runtime.open_jobs import deferred, holding, opening, run_deferred, settle
 from runnx.runtime.slots import IDLE, MAX_MATRICES, MAX_WORKERS, ROW_BLOCK, SHARED
 
 _SHARED_ROWS = 2 * ROW_BLOCK  # fewer rows (a decode step's GELU) run the job alone, never the pool
@@ -104,8 +103,11 @@ class DecodePool:
         """Take the pool for a post: True when this thread has its lock, taken now or held through
         a job it left open (closed now when it has a tail, else by the post right before its native
         call, `_close`, so that the post's Python runs while the workers compute); False when another
-        thread has it (this thread then has no job open). A job this thread left open on a pool
-        since replaced (`set_workers`) is finished first."""
+        thread has it (this thread then has no job open). This thread's deferred calls run first
+        (`open_jobs.defer`: nothing overtakes them), and a job it left open on a pool since
+        replaced (`set_workers`) is finished."""
+        if deferred.calls is not None:
+            run_deferred()
         held = holding.pool
         if held is self:
             if self._tail is not None:  # what reads the job's output comes first (`open_call`)
@@ -150,7 +152,7 @@ class DecodePool:
 
     def open_call(self, job, arguments: tuple, arrays: tuple, tail, tail_arguments: tuple, scratch: int = 0) -> bool:
         """job(board, workers, *arguments[, the pool's scratch of `scratch` floats]), a numba function
-        opening one job (`open_gated_down`) and returning 1 when a worker was idle, 0 when not,
+        opening one job (`open_gated_down_nbits`) and returning 1 when a worker was idle, 0 when not,
         -1 when it posted nothing (its arrays do not fit); the job left open: the pool keeps
         `arrays` (every array its units read or write) and its lock, and this thread runs
         tail(*tail_arguments) (what completes the outputs from the job's: a residual add and norm)
@@ -287,26 +289,13 @@ class DecodePool:
             self._partials = np.empty(size, np.float32)
         return self._partials
 
-    def attention(self, query, key, value, bias, scale: float, fill: float, leave_open: bool = False):
-        """`attention_job` with this pool's workers (alone when the pool is busy); leave_open as
-        `products` (the output written until `settle`)."""
-        if not self._enter():
-            return attention_job(query, key, value, bias, scale, fill)
-        try:
+    def attention(self, query, key, value, bias, scale: float, fill: float, out=None):
+        """`attention_job` with this pool's workers (alone when the pool is busy), into `out` when
+        given."""
+        if out is None:
             out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
-            if not (leave_open and opening.allowed):
-                self._close()
-                idle = post_attention(self.board, self._workers, query, key, value, bias, scale, fill, out)
-                self._leave(None)  # (the post finished the job this thread left open, then its own)
-                if idle:
-                    self._wake()
-                return out
-            partials, stats = attention_scratch(query, key, value)
-        except BaseException:
-            self.settle()
-            raise
-        self._post(True, open_attention, None, (query, key, value, bias, scale, fill, out, partials, stats),
-                   (query, key, value, bias, out, partials, stats))
+        if self.call(post_attention, query, key, value, bias, scale, fill, out) is BUSY:
+            alone(post_attention, query, key, value, bias, scale, fill, out)
         return out
 
     def call(self, job, *arguments):
@@ -355,14 +344,25 @@ class DecodePool:
             thread.join()
 
 
-def attention_job(query, key, value, bias, scale: float, fill: float):
+def attention_job(query, key, value, bias, scale: float, fill: float, out=None):
     """`attention(query, key, value, bias, scale, fill)` of ops/_kernels_fused.py for float32 arrays of
     4 dimensions (bias too, or None), computed as the pool computes it (the same compiled code:
     with its reassociating float flags, `attention` compiled for other array layouts may round
-    differently), on this thread; `pool().attention` shares it with the workers."""
-    out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
+    differently), on this thread, into `out` when given; `pool().attention` shares it with the
+    workers."""
+    if out is None:
+        out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
     alone(post_attention, query, key, value, bias, scale, fill, out)
     return out
+
+
+def attention_into(query, key, value, bias, scale: float, fill: float, out=None):
+    """`attention_job`, its KV heads shared with the pool's workers when there are any and more than
+    one (the same compiled code: the same results with or without them)."""
+    workers = pool()
+    if workers is not None and query.shape[0] * key.shape[1] > 1:
+        return workers.attention(query, key, value, bias, scale, fill, out)
+    return attention_job(query, key, value, bias, scale, fill, out)
 
 
 def rest_workers(multiply_adds: int | None = None) -> None:
@@ -490,6 +490,32 @@ def open_shared_call(job, arguments: tuple, arrays: tuple, tail, tail_arguments:
     return workers is not None and workers.open_call(job, arguments, arrays, tail, tail_arguments, scratch)
 
 
+def run_calls(calls: list) -> None:
+    """Run deferred calls (`open_jobs.defer`: (function, arguments, whether a pool job)) in order, the
+    jobs with the pool's workers when there are any and it is free (taken once for all of them),
+    else on this thread's own board: the same compiled code either way, so the same results."""
+    workers = pool()
+    if workers is not None and workers._enter():
+        try:
+            workers._close()
+            board, count = workers.board, workers._workers
+            for function, arguments, job in calls:
+                if job:
+                    workers._wake_sleeping()
+                    function(board, count, *arguments)
+                else:
+                    function(*arguments)
+        finally:
+            workers.settle()  # (nothing is open: releases the lock)
+        return
+    board = _own_board()
+    for function, arguments, job in calls:
+        if job:
+            function(board, 0, *arguments)
+        else:
+            function(*arguments)
+
+
 def alone(job, *arguments):
     """job(board, workers, *arguments) on a board of this thread's, no worker: what the pool computes,
     on this thread. Row kernels take this path below two blocks of rows (a decode step's GELU)
@@ -499,10 +525,15 @@ def alone(job, *arguments):
     Each thread keeps its one board for these: a job is synchronous and never posts another from
     Python, so a thread's jobs never overlap."""
     settle()
+    return job(_own_board(), 0, *arguments)
+
+
+def _own_board():
+    """This thread's board for jobs run alone."""
     board = getattr(_own_boards, "board", None)
     if board is None:
         board = _own_boards.board = make_board()[0]
-    return job(board, 0, *arguments)
+    return board
 
 
 _own_boards = threading.local()  # each thread's board for jobs run alone

@@ -54,7 +54,8 @@ def test_greedy_ids_equal_onnxruntime_and_smollm2(folder, level, request, smollm
 
 
 def native_calls_of_a_step(folder) -> Counter:
-    """How many times each native job runs in one decode step after a prompt (`shared_call`)."""
+    """How many times each native job runs in one decode step after a prompt (`shared_call`, or
+    deferred: `run_calls`)."""
     from runnx.runtime import pool as decode_pool
     generator = Generator.from_folder(folder)
     generator.start(max_new_tokens=8, stop_token_ids=())
@@ -73,11 +74,17 @@ def native_calls_of_a_step(folder) -> Counter:
         calls[job.__name__] += opened  # (not opened: the kernel posts the finished job instead)
         return opened
 
-    decode_pool.shared_call, decode_pool.open_shared_call = spied, spied_open
+    def spied_deferred(deferred):
+        calls.update(function.__name__ for function, _, _ in deferred)
+        return run_calls(deferred)
+
+    run_calls = decode_pool.run_calls
+    decode_pool.shared_call, decode_pool.open_shared_call, decode_pool.run_calls = spied, spied_open, spied_deferred
     try:
         generator.generate_next_token()
     finally:
-        decode_pool.shared_call, decode_pool.open_shared_call = shared_call, open_shared_call
+        decode_pool.shared_call, decode_pool.open_shared_call, decode_pool.run_calls = (shared_call, open_shared_call,
+                                                                                        run_calls)
     return calls
 
 
@@ -85,9 +92,9 @@ def native_calls_of_a_step(folder) -> Counter:
 def test_a_decode_step_runs_smollm2s_native_calls(folder, request, smollm2_dir):
     folder = request.getfixturevalue(folder)
     want = native_calls_of_a_step(smollm2_dir)
-    layers = (want["projected_rope_append"] + want["open_projected_rope"], want["projected_gate"],
-              want["gated_down"] + want["open_gated_down"])
-    assert layers == (30, 30, 30)  # SmolLM2's layers (the ops' last jobs left open with two threads)
+    layers = (want["projected_rope_append"] + want["projected_rope_into"],
+              want["projected_gate"] + want["projected_gate_into"], want["gated_down"] + want["gated_down_into"])
+    assert layers == (30, 30, 30)  # SmolLM2's layers (their calls deferred in a compiled plan)
     assert native_calls_of_a_step(folder) == want
 
 

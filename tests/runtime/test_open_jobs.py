@@ -15,6 +15,7 @@ from runnx.ops.contrib_quantized import _nibble_tiles
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.runtime import jobs, mailbox, opening, settle, slots
 from runnx.runtime import pool as decode_pool
+from runnx.runtime import open_jobs
 from runnx.runtime.open_jobs import holding
 
 RNG = np.random.default_rng(0)
@@ -92,7 +93,7 @@ def test_a_jobs_tail_completes_its_outputs_before_anything_reads_them(pool, skip
         product, got = np.empty(width, np.float32), np.empty(width, np.float32)
         activated = decay.copy()
         tail = (residual.copy(), product, 1e-5, 1.0, norm_weight, skip, got)
-        assert pool.open_call(_decode_blocks.open_gated_down, (gate, activated, up, weight, product),
+        assert pool.open_call(_open_gated_down, (gate, activated, up, weight, product),
                               (gate, activated, up, weight, product), _decode_blocks.add_norm_into, tail,
                               chunk_count(inner) * width)
         assert holding.pool is pool and pool._tail is not None and not _free(pool)
@@ -106,9 +107,18 @@ def test_a_jobs_tail_completes_its_outputs_before_anything_reads_them(pool, skip
         np.testing.assert_array_equal(got, normed)
 
 
+def _open_gated_down(board, workers, gate, decay, up, weight, product, scratch):
+    """ResidualGatedMLP's activation, then its down product opened (`open_products`), as a kernel's
+    `open_call` job: 1 when a worker was idle, else 0."""
+    from runnx.ops._kernels_fused import silu_mul_into
+
+    return 1 if jobs.open_products(board, workers, silu_mul_into(gate, decay, up), (weight,), (product,), scratch, 0.0,
+                                   1.0) else 0
+
+
 def test_a_job_that_posts_nothing_is_not_left_open(pool):
-    """A job whose arrays do not fit posts nothing (`open_projected_rope`: -1): `open_call` returns
-    False, the pool free and no tail kept (the kernel then computes it finished)."""
+    """A job whose arrays do not fit posts nothing (it returns -1): `open_call` returns False, the
+    pool free and no tail kept (the kernel then computes it finished)."""
     ran = []
     assert not pool.open_call(lambda box, workers: -1, (), (), lambda: ran.append(1), ())
     assert holding.pool is None and pool._tail is None and _free(pool) and not ran
@@ -239,13 +249,13 @@ def _greedy_logits(folder, overlap: bool, steps: int) -> list:
 @pytest.mark.parametrize("folder", ["smollm2_genai_int4_dir", "smollm2_genai_fp32_dir", "smollm2_dir"])
 def test_real_decoders_give_the_same_bits_with_jobs_left_open(pool, folder, request):
     """onnxruntime-genai's folders (4-bit and float products, GroupQueryAttention and
-    SkipSimplifiedLayerNormalization between them) and the Optimum export (its layers' down
-    products left open by ResidualGatedMLP, their residual add and norm after), decoded with two
-    threads with jobs left open and with every job finished: bitwise the same logits."""
+    SkipSimplifiedLayerNormalization between them) and the Optimum export (its layers' calls
+    deferred), decoded with two threads with jobs left open or calls deferred and with every job
+    finished at once: bitwise the same logits."""
     path = request.getfixturevalue(folder)
-    left = pool.left_open
+    left, deferred = pool.left_open, open_jobs.deferred.count
     overlapped = _greedy_logits(path, True, 8)
-    assert pool.left_open - left >= 8 * 30
+    assert pool.left_open - left + open_jobs.deferred.count - deferred >= 8 * 30
     for got, expected in zip(overlapped, _greedy_logits(path, False, 8)):
         np.testing.assert_array_equal(got, expected)
 
