@@ -34,6 +34,20 @@ def _turn(source, target, cos, sin, half, interleaved):
 
 
 @_kernel
+def rows_fit(positions, starts, batch, steps, half, angle_rows, length):
+    """Whether `rotary_append` writes its rows: each of `batch` sequences' `steps` rows from starts[b]
+    on fall in [0, length), and (half: rotated) each position in [0, angle_rows), the cos/sin
+    caches' rows."""
+    for b in range(batch):
+        if starts[b] < 0 or starts[b] + steps > length:
+            return False
+        for s in range(steps):
+            if half and (positions[b, s] < 0 or positions[b, s] >= angle_rows):
+                return False
+    return True
+
+
+@_kernel
 def rotary_append(query, key, value, positions, cos_cache, sin_cache, half, interleaved, queries, key_cache,
                   value_cache, starts):
     """queries[b, n, s] = query head n of row (b, s) turned at positions[b, s]; key head g of row
@@ -45,12 +59,8 @@ def rotary_append(query, key, value, positions, cos_cache, sin_cache, half, inte
     falls past T (the caller raises); True otherwise."""
     batch, steps = query.shape[0], query.shape[1]
     heads, groups = query.shape[2], key.shape[2]
-    for b in range(batch):
-        if starts[b] < 0 or starts[b] + steps > key_cache.shape[2]:
-            return False
-        for s in range(steps):
-            if half and (positions[b, s] < 0 or positions[b, s] >= cos_cache.shape[0]):
-                return False
+    if not rows_fit(positions, starts, batch, steps, half, cos_cache.shape[0], key_cache.shape[2]):
+        return False
     for b in range(batch):
         for s in range(steps):
             position = positions[b, s] if half else 0

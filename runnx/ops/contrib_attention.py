@@ -22,11 +22,12 @@ import numpy as np
 from runnx.capture.capacity import append_in_place, concatenate_with_headroom
 from runnx.errors import RunnxError
 from runnx.ops import _native
-from runnx.ops._kernels_contrib_attention import decode_step, rotary_append
+from runnx.ops._kernels_contrib_attention import decode_step, rotary_append, rows_fit
 from runnx.ops.fused import attend
 from runnx.ops.fused_layer_norm_blocks import attention_in_blocks, causal_attention_in_blocks
 from runnx.ops.registry import register
 from runnx.ops._matmul import matmul
+from runnx.runtime import defer, take_leave
 from runnx.runtime.pool import settle, shared_call
 from runnx.runtime.rows import share_rows
 
@@ -227,6 +228,7 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
     """Grouped-query attention with its KV cache, onnxruntime's semantics: sequence b holds
     seqlens_k[b] + 1 tokens after this step, its new tokens from seqlens_k[b] + 1 - S on (from 0 on
     a first prompt, S == total_sequence_length)."""
+    leave = take_leave()
     if qk_output:
         raise RunnxError("GroupQueryAttention: qk_output is not supported")
     if num_heads % kv_num_heads:
@@ -240,7 +242,7 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
         step = _one_packed_row(query, past_key, past_value, seqlens_k, total_sequence_length,
                                cos_cache if do_rotary else None, sin_cache if do_rotary else None, num_heads,
                                kv_num_heads, local_window_size, scale, bool(rotary_interleaved), overwrite, ctx,
-                               output_count)
+                               output_count, leave)
         if step is not None:
             return step
     q, k, v = _split_packed(query, key, value, num_heads, kv_num_heads)
@@ -280,7 +282,7 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
                 and all(n == stops[0] for n in stops)):
             return _decode_step(q, k, v, past_key, past_value, positions, starts, stops[0], local_window_size, factor,
                                 cos_cache if do_rotary else None, sin_cache if do_rotary else None,
-                                bool(rotary_interleaved), overwrite, ctx, output_count)
+                                bool(rotary_interleaved), overwrite, ctx, output_count, leave)
         settle()
         queries, present_key, present_value = _rotate_and_append(
             q, k, v, past_key, past_value, positions, starts, length, cos_cache if do_rotary else None,
@@ -313,7 +315,8 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
 
 
 def _one_packed_row(query, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache, heads: int,
-                    kv_heads: int, window: int, scale: float, interleaved: bool, overwrite, ctx, output_count: int):
+                    kv_heads: int, window: int, scale: float, interleaved: bool, overwrite, ctx, output_count: int,
+                    leave: bool = False):
     """A decode step's common case, one sequence's one new row of packed q, k and v into a shared
     buffer, sent to `_decode_step` as the general path sends it, its checks made on the few
     numbers it reads (a decode step runs it once a layer); None when any of them differs, the
@@ -331,7 +334,7 @@ def _one_packed_row(query, past_key, past_value, seqlens_k, total_sequence_lengt
     return _decode_step(q.reshape(1, 1, heads, width), k.reshape(1, 1, kv_heads, width),
                         v.reshape(1, 1, kv_heads, width), past_key, past_value, starts.reshape(1, 1), starts, count,
                         window, scale or 1 / math.sqrt(width), cos_cache, sin_cache, interleaved, overwrite, ctx,
-                        output_count)
+                        output_count, leave)
 
 
 def _outputs(output, present_key, present_value, output_count: int):
@@ -388,9 +391,10 @@ def _rotate_and_append(q, k, v, past_key, past_value, positions, starts, length:
 
 
 def _decode_step(q, k, v, past_key, past_value, positions, starts, count: int, window: int, factor: float, cos_cache,
-                 sin_cache, interleaved: bool, overwrite, ctx, output_count: int):
+                 sin_cache, interleaved: bool, overwrite, ctx, output_count: int, leave: bool = False):
     """One new row per sequence, all `count` long, into a shared buffer (in place when granted):
-    `decode_step`, the rows kernel and the decode attention job in one native call."""
+    `decode_step`, the rows kernel and the decode attention job in one native call, deferred given
+    leave (`runtime.defer`) when its rows fit (`rows_fit`, the call's own check)."""
     batch, _, heads, size = q.shape
     if 3 not in overwrite or 4 not in overwrite:
         settle()  # (copying reads the caches)
@@ -403,8 +407,11 @@ def _decode_step(q, k, v, past_key, past_value, positions, starts, count: int, w
     half = cos_cache.shape[1] if cos_cache is not None else 0
     angles = (cos_cache, sin_cache) if cos_cache is not None else (_NO_ANGLES, _NO_ANGLES)
     begin = max(0, count - window) if window > 0 else 0
-    if not shared_call(decode_step, q, k, v, positions, *angles, half, interleaved, queries, present_key,
-                       present_value, starts, begin, count, factor, output):
+    arguments = (q, k, v, positions, *angles, half, interleaved, queries, present_key, present_value, starts, begin,
+                 count, factor, output)
+    if leave and rows_fit(positions, starts, batch, 1, half, angles[0].shape[0], present_key.shape[2]):
+        defer(decode_step, arguments, job=True)
+    elif not shared_call(decode_step, *arguments):
         _refuse_rows(positions, starts, cos_cache, 1, present_key.shape[2])
     return _outputs(output.reshape(batch, 1, heads * size), present_key, present_value, output_count)
 

@@ -13,12 +13,12 @@ import numpy as np
 from runnx.capture.capacity import whole_buffer
 from runnx.errors import RunnxError
 from runnx.ops import _native
-from runnx.ops._kernels_linalg import rows_times_columns, rows_times_matrix
+from runnx.ops._kernels_linalg import chunk_count, rows_times_columns, rows_times_matrix
 from runnx.ops._matmul import matmul, own_kernels, rest_workers_before, stacked_product
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, repeated_heads
 from runnx.ops.registry import register
-from runnx.runtime import pool as decode_pool
-from runnx.runtime.jobs import FEW_ROWS, few
+from runnx.runtime import defer, opening, pool as decode_pool
+from runnx.runtime.jobs import FEW_ROWS, few, post_products
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
 # decode-pool's workers when there are any (float32, this many elements on: smaller products are done
@@ -70,8 +70,15 @@ def _by_columns(a, b) -> bool:
 
 @register("MatMul", since=1, overlaps_jobs=True)
 def MatMul(a, b):
-    """a @ b; a decode step's few rows times a float32 matrix go to the decode pool, whose job may be
-    left open (`runtime/pool.py`), as do those times a matrix given by its columns."""
+    """a @ b; a decode step's few rows times a float32 matrix are a decode pool job, deferred given
+    leave (`runtime.defer`: the same job, so the same bits), and those times a matrix given by its
+    columns one whose job may be left open (`runtime/pool.py`)."""
+    if opening.allowed and _native.enabled and a.flags.c_contiguous and _pooled_rows(a, (b,)):
+        rows = _rows(a)
+        product = np.empty(rows.size // rows.shape[-1] * b.shape[1], np.float32)
+        scratch = np.empty(chunk_count(rows.shape[-1]) * product.size, np.float32)
+        defer(post_products, (rows, (b,), (product,), scratch, 0.0, 1.0), job=True)
+        return product.reshape(a.shape[:-1] + b.shape[1:])
     workers = decode_pool.pool()
     if workers is not None and a.flags.c_contiguous and _pooled_rows(a, (b,)):
         (product,) = workers.products(_rows(a), (b,), leave_open=True)
