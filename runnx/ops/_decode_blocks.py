@@ -221,17 +221,24 @@ def projected_layer_norm(board, workers, x, weight, bias, residual, scale, norm_
     """(s, LayerNorm(s)) for s = residual + (x @ weight + bias) (bias empty: none), float32 rows and
     a C-contiguous matrix: a LayerNorm layer's output projections and second MLP product with the
     residual add and the next LayerNormalization (MatMulAddLayerNorm's nodes, the same sums)."""
-    summed = _product(board, workers, x, weight)
+    summed, normed = np.empty(weight.shape[1], np.float32), np.empty((1, weight.shape[1]), np.float32)
+    projected_layer_norm_into(board, workers, x, weight, bias, residual, scale, norm_bias, epsilon, summed, normed)
+    return summed, normed
+
+
+@_jit
+def projected_layer_norm_into(board, workers, x, weight, bias, residual, scale, norm_bias, epsilon, summed, normed):
+    """`projected_layer_norm` into summed (N,) and normed (1, N), C-contiguous."""
+    post_products(board, workers, x, (weight,), (summed,), np.empty(chunk_count(x.size) * summed.size, np.float32),
+                  0.0, 1.0)
     if bias.size:
         for i in range(summed.size):
             summed[i] += bias[i]
     for i in range(summed.size):
         summed[i] = residual[i] + summed[i]
-    normed = np.empty((1, summed.size), np.float32)
     statistics = np.empty((2, 1), np.float32)  # mean and 1/std, unused
     layer_norm_rows(summed.reshape((1, summed.size)), scale, norm_bias, epsilon, normed, statistics[0],
                     statistics[1])
-    return summed, normed
 
 
 @_jit
@@ -241,12 +248,22 @@ def gelu_mlp(board, workers, x, weight, bias, residual, scale, norm_bias, epsilo
     up_bias) @ down_weight + down_bias) (empty biases: none): a LayerNorm layer from its last
     attention's output projection to the next layer's norm. The GELU is ErfGelu's job run alone on a
     mailbox of its own (as `runtime.pool.alone` runs it for ErfGelu's node)."""
-    summed, normed = projected_layer_norm(board, workers, x, weight, bias, residual, scale, norm_bias, epsilon)
-    up = _product(board, workers, normed[0], up_weight)
+    summed, normed = np.empty(down_weight.shape[1], np.float32), np.empty((1, down_weight.shape[1]), np.float32)
+    gelu_mlp_into(board, workers, x, weight, bias, residual, scale, norm_bias, epsilon, up_weight, up_bias, divisor,
+                  one, half, down_weight, down_bias, down_scale, down_norm_bias, down_epsilon, summed, normed)
+    return summed, normed
+
+
+@_jit
+def gelu_mlp_into(board, workers, x, weight, bias, residual, scale, norm_bias, epsilon, up_weight, up_bias, divisor,
+                  one, half, down_weight, down_bias, down_scale, down_norm_bias, down_epsilon, summed, normed):
+    """`gelu_mlp` into summed (N,) and normed (1, N), C-contiguous."""
+    first, first_normed = projected_layer_norm(board, workers, x, weight, bias, residual, scale, norm_bias, epsilon)
+    up = _product(board, workers, first_normed[0], up_weight)
     activated = np.empty((1, up.size), np.float32)
     post_gelu(own_board(board), 0, up.reshape((1, up.size)), up_bias, divisor, one, half, activated)
-    return projected_layer_norm(board, workers, activated[0], down_weight, down_bias, summed, down_scale,
-                                down_norm_bias, down_epsilon)
+    projected_layer_norm_into(board, workers, activated[0], down_weight, down_bias, first, down_scale, down_norm_bias,
+                              down_epsilon, summed, normed)
 
 
 @_jit
@@ -277,12 +294,19 @@ def appended_products(board, workers, x, weights, key_bias, value_bias, key_buff
     length, depth), the three products one job: a decoder layer's projections and its KV cache
     growth, the values SplitHeads and Concat give (ProjectedAppend's nodes)."""
     query = np.empty(weights[0].shape[1], np.float32)
+    appended_products_into(board, workers, x, weights, key_bias, value_bias, key_buffer, value_buffer, position, query)
+    return query
+
+
+@_jit
+def appended_products_into(board, workers, x, weights, key_bias, value_bias, key_buffer, value_buffer, position,
+                           query):
+    """`appended_products` with its query row written into `query`."""
     key, value = np.empty(weights[1].shape[1], np.float32), np.empty(weights[2].shape[1], np.float32)
     post_products(board, workers, x, weights, (query, key, value),
                   np.empty(chunk_count(x.size) * (query.size + key.size + value.size), np.float32), 0.0, 1.0)
     _append_row(key, key_bias, key_buffer, position)
     _append_row(value, value_bias, value_buffer, position)
-    return query
 
 
 @_jit

@@ -42,6 +42,7 @@ from runnx.ops._shape_util import int_tuple
 from runnx.ops.shape import reshape_target
 from runnx.ops.softmax import Softmax_13
 from runnx.ops._matmul import matmul, own_kernels
+from runnx.runtime import defer, settle, take_leave
 from runnx.runtime.blas_split import split_among_threads
 from runnx.runtime.pool import gelu_rows, shared_call, softmax_rows
 from runnx.runtime.rows import share_rows
@@ -79,7 +80,7 @@ def _target(shape: tuple, source: tuple, dims: tuple, axes: tuple) -> tuple:
     return tuple(shape[i] if d == 0 else d for i, d in enumerate(target))
 
 
-@register("HeadsAttention", since=1, domain=DOMAIN, shape_only=(6, 8))
+@register("HeadsAttention", since=1, domain=DOMAIN, shape_only=(6, 8), overlaps_jobs=True, reads_data=(5, 7))
 def HeadsAttention(query, query_bias, key, value, bias, query_target, query_source, output_target, output_source, *,
                    query_scale=None, head_scale=None, key_scale=None, nan_fill=None, query_dims: tuple[int, ...] = (),
                    query_axes: tuple[int, ...] = (), output_dims: tuple[int, ...] = (),
@@ -90,13 +91,15 @@ def HeadsAttention(query, query_bias, key, value, bias, query_target, query_sour
     when given), merged = Transpose(probabilities @ Transpose(value, value_perm), (0, 2, 1, 3)).
     Targets: query_target/output_target when given, else query_dims/output_dims with dimension a
     of query_source/output_source where the matching *_axes entry a >= 0; absent biases are 0,
-    absent scales 1; the scales and the fill are numpy scalars of the graph's constants' dtypes."""
+    absent scales 1; the scales and the fill are numpy scalars of the graph's constants' dtypes. A
+    decode row given leave defers its native call (`attended_row`); the targets are read here."""
     attended = attended_row(query, None, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill,
                             query_target, query_source, output_target, output_source, query_dims=query_dims,
                             query_axes=query_axes, output_dims=output_dims, output_axes=output_axes,
-                            key_perm=key_perm, value_perm=value_perm)
+                            key_perm=key_perm, value_perm=value_perm, leave=take_leave())
     if attended is not None:
         return attended
+    settle()  # (what follows reads the inputs' data)
     scaled = _biased(query, query_bias)
     if query_scale is not None:
         scaled = np.multiply(scaled, query_scale, out=scaled if scaled is not query else None)
@@ -122,12 +125,16 @@ def HeadsAttention(query, query_bias, key, value, bias, query_target, query_sour
 
 def attended_row(x, weight, query_bias, key, value, bias, query_scale, head_scale, key_scale, nan_fill, query_target,
                  query_source, output_target, output_source, *, query_dims: tuple, query_axes: tuple,
-                 output_dims: tuple, output_axes: tuple, key_perm: tuple, value_perm: tuple):
+                 output_dims: tuple, output_axes: tuple, key_perm: tuple, value_perm: tuple, leave: bool = False):
     """HeadsAttention of query x @ weight (weight None: x) when that is one float32 row of batch 1
     attending without broadcasting (`_plain`; a NaN fill is `_query_row`'s to check), as one native
     call (`_decode_blocks.attended_row`: the query's product, bias and scale, then the decode pool's
-    attention job), else None. A decode step's HeadsAttention in Python cost ~20 us hot and 2-3x
-    that in a step (its objects out of cache)."""
+    attention job), else None; given leave, that call deferred (`runtime.defer`: the same call).
+    A decode step's HeadsAttention in Python cost ~20 us hot and 2-3x that in a step (its objects
+    out of cache). x, key, value and bias are read by the native call only (a pending call may
+    write them: `runtime/open_jobs.py`)."""
+    if not x.flags.c_contiguous:  # (a copy of x reads it)
+        settle()
     if (not _native.enabled or x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1] or head_scale is not None
             or key_scale is not None or key.ndim != 4 or value.ndim != 4):
         return None
@@ -146,11 +153,16 @@ def attended_row(x, weight, query_bias, key, value, bias, query_scale, head_scal
     if bias is not None:
         bias = bias.reshape((1,) * (4 - bias.ndim) + bias.shape)
     out = np.empty(heads.shape[:3] + values.shape[3:], np.float32)
-    shared_call(_decode_blocks.attended_row, np.ascontiguousarray(x.reshape(-1)),
-                _NO_WEIGHT if weight is None else weight, _NO_BIAS[_FLOAT32] if query_bias is None else query_bias,
-                _NO_BIAS[_FLOAT32] if query_scale is None else query_scale.reshape(1), row.reshape(-1), heads,
-                keys.swapaxes(2, 3), values, bias, fill, out)
-    return _reshaped(out.transpose(0, 2, 1, 3), output_target, output_source, output_dims, output_axes)
+    arguments = (np.ascontiguousarray(x.reshape(-1)), _NO_WEIGHT if weight is None else weight,
+                 _NO_BIAS[_FLOAT32] if query_bias is None else query_bias,
+                 _NO_BIAS[_FLOAT32] if query_scale is None else query_scale.reshape(1), row.reshape(-1), heads,
+                 keys.swapaxes(2, 3), values, bias, fill, out)
+    merged = out.transpose(0, 2, 1, 3)
+    if leave and merged.flags.c_contiguous:  # (its Reshape a view: reads nothing)
+        defer(_decode_blocks.attended_row, arguments, job=True)
+    else:
+        shared_call(_decode_blocks.attended_row, *arguments)
+    return _reshaped(merged, output_target, output_source, output_dims, output_axes)
 
 
 @Remembered

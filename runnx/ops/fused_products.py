@@ -10,7 +10,7 @@ import numpy as np
 
 from runnx.capture.capacity import prefix_room
 from runnx.ops import _native
-from runnx.ops._decode_blocks import appended_products
+from runnx.ops._decode_blocks import appended_products, appended_products_into
 from runnx.ops._fused_common import DOMAIN, absent
 from runnx.ops._matmul import shared_input_products
 from runnx.ops._remembered import Remembered
@@ -19,7 +19,7 @@ from runnx.ops.fused_layer_norm_blocks import SplitHeads, split_shape
 from runnx.ops.fused_norms import SiluMul
 from runnx.ops.linalg import _FLOAT32, MatMul, _pooled_rows, _rows
 from runnx.ops.registry import register
-from runnx.runtime import pool as decode_pool
+from runnx.runtime import defer, pool as decode_pool, take_leave
 
 _NO_BIAS = absent((0,))  # an absent bias, as the native blocks take it
 
@@ -53,7 +53,8 @@ def SharedInputMatMul(x, *inputs, splits: tuple = (), gated: tuple = ()):
     return tuple(products)
 
 
-@register("ProjectedAppend", since=1, domain=DOMAIN, inplace=(1, 2), shape_only=(8, 11))
+@register("ProjectedAppend", since=1, domain=DOMAIN, inplace=(1, 2), shape_only=(8, 11), overlaps_jobs=True,
+          reads_data=(7, 10))
 def ProjectedAppend(x, past_key, past_value, query_weight, key_weight, value_weight, key_bias, key_target, key_source,
                     value_bias, value_target, value_source, *, key_dims: tuple[int, ...] = (),
                     key_axes: tuple[int, ...] = (), value_dims: tuple[int, ...] = (),
@@ -62,14 +63,24 @@ def ProjectedAppend(x, past_key, past_value, query_weight, key_weight, value_wei
     Concat(past_value, SplitHeads(x @ value_weight, value_bias, ...))): a decoder layer's projections
     and its KV cache growth (a self-attention's; `runnx/interp/fusion/products.py`). A decode
     step's float32 row with both caches granted and room in their buffers is one native call
-    (`appended_products`) writing the new rows in place; anything else the nodes' kernels."""
+    (`appended_products`) writing the new rows in place, deferred given leave (`runtime.defer`);
+    anything else the nodes' kernels. The split targets are read here (`reads_data`)."""
+    leave = take_leave()
+    if not x.flags.c_contiguous:  # (a copy of x reads it)
+        decode_pool.settle()
     if 1 in overwrite and 2 in overwrite:
         appended = append_arguments(x, past_key, past_value, query_weight, key_weight, value_weight, key_bias,
                                     key_target, key_source, value_bias, value_target, value_source, key_dims, key_axes,
                                     value_dims, value_axes, key_axis, value_axis)
         if appended is not None:
-            query = decode_pool.shared_call(appended_products, np.ascontiguousarray(x.reshape(-1)), *appended)
+            row = np.ascontiguousarray(x.reshape(-1))
+            if leave:
+                query = np.empty(query_weight.shape[1], np.float32)
+                defer(appended_products_into, (row, *appended, query), job=True)
+            else:
+                query = decode_pool.shared_call(appended_products, row, *appended)
             return appended_outputs(query, x.shape, appended, ctx)
+    decode_pool.settle()  # (what follows reads the inputs' data)
     query, key, value = SharedInputMatMul(x, query_weight, key_weight, value_weight, key_bias, key_target, key_source,
                                           value_bias, value_target, value_source,
                                           splits=((1, key_dims, key_axes), (2, value_dims, value_axes)))

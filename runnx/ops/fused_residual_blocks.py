@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_blocks import (gated_down, gated_down_into, gated_down_rows, gelu_mlp, projected_gate,
-                                     projected_gate_into, projected_gate_rows, projected_layer_norm)
+from runnx.ops._decode_blocks import (gated_down, gated_down_into, gated_down_rows, gelu_mlp, gelu_mlp_into,
+                                     projected_gate, projected_gate_into, projected_gate_rows, projected_layer_norm,
+                                     projected_layer_norm_into)
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops._remembered import Remembered
@@ -171,20 +172,34 @@ def _exp_into(decay, largest) -> None:
     exp_in_place(decay, largest[0])
 
 
-@register("MatMulAddLayerNorm", since=1, domain=DOMAIN)
+@register("MatMulAddLayerNorm", since=1, domain=DOMAIN, overlaps_jobs=True)
 def MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, *, axis: int = -1, epsilon: float = 1e-5,
                        stash_type: int = 1):
     """AddLayerNorm(residual, MatMul(x, weight) [+ bias]), as MatMulAddRMSNorm. A decode step's
-    float32 row is one native call posting the product to the decode pool (`_decode_blocks.py`)."""
+    float32 row is one native call posting the product to the decode pool (`_decode_blocks.py`),
+    deferred given leave (`runtime.defer`)."""
+    leave = take_leave()
     arguments = _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis, epsilon)
     if arguments is not None:
-        summed, normed = decode_pool.shared_call(projected_layer_norm, *arguments)
-        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+        return _into_or_now(leave, projected_layer_norm_into, projected_layer_norm, arguments, residual.shape)
+    decode_pool.settle()  # (what follows reads the inputs' data)
     return add_layer_norm(residual, MatMul(x, weight), bias, scale, norm_bias, axis, epsilon, stash_type,
                           overwrite=(1,))
 
 
-@register("ResidualGeluMLP", since=1, domain=DOMAIN)
+def _into_or_now(leave: bool, into, now, arguments: tuple, shape: tuple) -> tuple:
+    """A LayerNorm block's (sum, norm) of `shape`: `into`(..., sum, norm) deferred given leave
+    (`runtime.defer`), else `now` (the same block allocating them) called at once."""
+    if leave:
+        width = shape[-1]
+        summed, normed = np.empty(width, np.float32), np.empty((1, width), np.float32)
+        defer(into, (*arguments, summed, normed), job=True)
+    else:
+        summed, normed = decode_pool.shared_call(now, *arguments)
+    return summed.reshape(shape), normed.reshape(shape)
+
+
+@register("ResidualGeluMLP", since=1, domain=DOMAIN, overlaps_jobs=True)
 def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, down_weight, down_bias,
                     down_scale, down_norm_bias, *, divisor, one, half, norm: tuple = (-1, 1e-5, 1),
                     down_norm: tuple = (-1, 1e-5, 1)):
@@ -193,12 +208,14 @@ def ResidualGeluMLP(x, weight, bias, residual, scale, norm_bias, up_weight, up_b
     s, down_scale, down_norm_bias): a LayerNorm layer from its last attention's output projection to
     the next layer's norm (`runnx/interp/fusion/products.py`); norm and down_norm are the norms'
     (axis, epsilon, stash_type), divisor, one and half ErfGelu's. A decode step's float32 row is one
-    native call (`_decode_blocks.py`); other rows (the encoder's) run the four nodes' kernels in turn."""
+    native call (`_decode_blocks.py`), deferred given leave (`runtime.defer`); other rows (the
+    encoder's) run the four nodes' kernels in turn."""
+    leave = take_leave()
     arguments = _gelu_mlp_row(x, weight, bias, residual, scale, norm_bias, up_weight, up_bias, divisor, one, half,
                               down_weight, down_bias, down_scale, down_norm_bias, norm, down_norm)
     if arguments is not None:
-        summed, normed = decode_pool.shared_call(gelu_mlp, *arguments)
-        return summed.reshape(residual.shape), normed.reshape(residual.shape)
+        return _into_or_now(leave, gelu_mlp_into, gelu_mlp, arguments, residual.shape)
+    decode_pool.settle()  # (what follows reads the inputs' data)
     (axis, epsilon, stash_type), (down_axis, down_epsilon, down_stash_type) = norm, down_norm
     summed, normed = MatMulAddLayerNorm(x, weight, bias, residual, scale, norm_bias, axis=axis, epsilon=epsilon,
                                         stash_type=stash_type)
@@ -243,7 +260,10 @@ def _gelu_numbers(values: tuple, up_weight, up_bias, down_weight, down_bias, dow
 def _layer_norm_row(x, weight, bias, residual, scale, norm_bias, axis: int, epsilon: float) -> tuple | None:
     """MatMulAddLayerNorm's arguments as `projected_layer_norm` takes them when it is one float32
     row through a C-contiguous float32 matrix onto a residual of the product's shape, its bias,
-    scale and norm bias float32 vectors over the last axis; else None."""
+    scale and norm bias float32 vectors over the last axis; else None. x and the residual are read
+    by the native call only (a pending call may write them: `runtime/open_jobs.py`)."""
+    if not (x.flags.c_contiguous and residual.flags.c_contiguous):  # (a copy reads them)
+        decode_pool.settle()
     if (not _native.enabled or x.dtype != _FLOAT32 or not x.ndim or x.size != x.shape[-1]
             or residual.dtype != _FLOAT32 or not residual.ndim):
         return None
@@ -264,7 +284,8 @@ def _layer_norm_fits(sizes: tuple, weight, bias, scale, norm_bias) -> bool:
             and (bias is None or _vector(bias, width)))
 
 
-@register("ProjectedHeadsAttention", since=1, domain=DOMAIN, shape_only=(7, 9))
+@register("ProjectedHeadsAttention", since=1, domain=DOMAIN, shape_only=(7, 9), overlaps_jobs=True,
+          reads_data=(6, 8))
 def ProjectedHeadsAttention(x, weight, query_bias, key, value, bias, query_target, query_source, output_target,
                             output_source, *, query_scale=None, head_scale=None, key_scale=None, nan_fill=None,
                             query_dims: tuple[int, ...] = (), query_axes: tuple[int, ...] = (),
@@ -272,14 +293,16 @@ def ProjectedHeadsAttention(x, weight, query_bias, key, value, bias, query_targe
                             key_perm: tuple[int, ...], value_perm: tuple[int, ...]):
     """HeadsAttention(MatMul(x, weight), ...): attention with its query projection
     (`runnx/interp/fusion/products.py`; a decoder's cross-attention). A decode step's float32 row is
-    one native call, the product, the query's bias and scale and the attention (`attended_row`)."""
+    one native call, the product, the query's bias and scale and the attention (`attended_row`),
+    deferred given leave (`runtime.defer`)."""
     inputs = (query_bias, key, value, bias)
     targets = (query_target, query_source, output_target, output_source)
     numbers = (query_scale, head_scale, key_scale, nan_fill)
     attrs = {"query_dims": query_dims, "query_axes": query_axes, "output_dims": output_dims,
              "output_axes": output_axes, "key_perm": key_perm, "value_perm": value_perm}
-    attended = attended_row(x, weight, *inputs, *numbers, *targets, **attrs)
+    attended = attended_row(x, weight, *inputs, *numbers, *targets, **attrs, leave=take_leave())
     if attended is not None:
         return attended
+    decode_pool.settle()  # (what follows reads the inputs' data)
     return HeadsAttention(MatMul(x, weight), *inputs, *targets, **attrs, query_scale=query_scale,
                           head_scale=head_scale, key_scale=key_scale, nan_fill=nan_fill)

@@ -17,7 +17,7 @@ from runnx.ops._kernels_linalg import chunk_count, rows_times_columns, rows_time
 from runnx.ops._matmul import matmul, own_kernels, rest_workers_before, stacked_product
 from runnx.ops.fused import DOMAIN as FUSED_DOMAIN, repeated_heads
 from runnx.ops.registry import register
-from runnx.runtime import defer, opening, pool as decode_pool
+from runnx.runtime import defer, pool as decode_pool, take_leave
 from runnx.runtime.jobs import FEW_ROWS, few, post_products
 
 # one row times a float, C-contiguous matrix (decoding) goes to runnx's loop shared with the
@@ -71,9 +71,9 @@ def _by_columns(a, b) -> bool:
 @register("MatMul", since=1, overlaps_jobs=True)
 def MatMul(a, b):
     """a @ b; a decode step's few rows times a float32 matrix are a decode pool job, deferred given
-    leave (`runtime.defer`: the same job, so the same bits), and those times a matrix given by its
-    columns one whose job may be left open (`runtime/pool.py`)."""
-    if opening.allowed and _native.enabled and a.flags.c_contiguous and _pooled_rows(a, (b,)):
+    leave (`runtime.defer`: the same job, so the same bits), as are those times a matrix given by
+    its columns (finished: an LM head's, the plan's last step)."""
+    if take_leave() and _native.enabled and a.flags.c_contiguous and _pooled_rows(a, (b,)):
         rows = _rows(a)
         product = np.empty(rows.size // rows.shape[-1] * b.shape[1], np.float32)
         scratch = np.empty(chunk_count(rows.shape[-1]) * product.size, np.float32)
@@ -81,11 +81,11 @@ def MatMul(a, b):
         return product.reshape(a.shape[:-1] + b.shape[1:])
     workers = decode_pool.pool()
     if workers is not None and a.flags.c_contiguous and _pooled_rows(a, (b,)):
-        (product,) = workers.products(_rows(a), (b,), leave_open=True)
+        (product,) = workers.products(_rows(a), (b,))
         return product.reshape(a.shape[:-1] + b.shape[1:])
     if _by_columns(a, b):
         if workers is not None:
-            return workers.column_products(_rows(a), b.T, leave_open=True).reshape(a.shape[:-1] + b.shape[1:])
+            return workers.column_products(_rows(a), b.T).reshape(a.shape[:-1] + b.shape[1:])
         decode_pool.settle()
         rows = np.ascontiguousarray(a).reshape(-1, b.shape[0])
         return rows_times_columns(rows, b.T).reshape(a.shape[:-1] + b.shape[1:])

@@ -522,18 +522,28 @@ def test_a_whisper_decode_step_runs_five_native_calls_a_layer(fixtures_dir, monk
     """A decode step of the two-layer model runs each layer as five native calls: its projections
     and KV cache appends (ProjectedAppend), its self-attention (HeadsAttention), output projection
     and norm (MatMulAddLayerNorm), its cross-attention with its query projection
-    (ProjectedHeadsAttention) and its MLP to the next norm (ResidualGeluMLP); the prefill's rows take
-    the nodes' kernels. The tokens are those of the model without fusion."""
+    (ProjectedHeadsAttention) and its MLP to the next norm (ResidualGeluMLP), called at once or
+    deferred (their `_into` forms, `runtime.defer`); the prefill's rows take the nodes' kernels. The
+    tokens are those of the model without fusion."""
     from runnx.generate.whisper import Whisper
     from runnx.ops import _decode_blocks, fused_layer_norm_blocks
     from runnx.runtime import pool as decode_pool
 
     folder = fixtures_dir / "tiny-whisper"
     calls = []
-    shared_call = decode_pool.shared_call
+    shared_call, run_calls = decode_pool.shared_call, decode_pool.run_calls
+    into = {_decode_blocks.appended_products_into: _decode_blocks.appended_products,
+            _decode_blocks.projected_layer_norm_into: _decode_blocks.projected_layer_norm,
+            _decode_blocks.gelu_mlp_into: _decode_blocks.gelu_mlp}
     record = lambda job, *a: calls.append(job) or shared_call(job, *a)  # noqa: E731
+
+    def record_deferred(deferred):
+        calls.extend(into.get(function, function) for function, _, _ in deferred)
+        return run_calls(deferred)
+
     monkeypatch.setattr(decode_pool, "shared_call", record)
     monkeypatch.setattr(fused_layer_norm_blocks, "shared_call", record)
+    monkeypatch.setattr(decode_pool, "run_calls", record_deferred)
     model = Whisper(folder)
     jobs = {_decode_blocks.appended_products: 1, _decode_blocks.attended_row: 2, _decode_blocks.projected_layer_norm: 1,
             _decode_blocks.gelu_mlp: 1}

@@ -270,6 +270,40 @@ def test_real_decoders_give_the_same_bits_with_jobs_left_open(workers, folder, r
         decode_pool.set_workers(None)
 
 
+def _whisper_logits(folder, features, overlap: bool, steps: int) -> list:
+    """The decoder's logits over a window's greedy decoding (`steps` tokens) of Whisper in `folder`."""
+    from runnx.generate.whisper import Whisper
+
+    whisper = Whisper(folder, load=lambda path: runnx.load(path, check_symbolic_dims=False, overlap_jobs=overlap))
+    logits, step = [], whisper.decoder.step
+    whisper.decoder.step = lambda *a, **k: logits.append(step(*a, **k).copy()) or logits[-1]
+    whisper.decode(whisper.encode(features), max_new_tokens=steps)
+    return logits
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["one thread", "two threads"])
+def test_whisper_decodes_the_same_bits_with_calls_deferred(workers, whisper_dir, audio_dir):
+    """Whisper tiny.en's decoder (LayerNorm layers: ProjectedAppend, HeadsAttention,
+    MatMulAddLayerNorm, ProjectedHeadsAttention, ResidualGeluMLP defer their calls) against
+    everything computed at once: bitwise the same logits at every step, one thread and two."""
+    from runnx.generate.audio import load_audio
+    from runnx.generate.mel import window_features
+
+    features = window_features(load_audio(audio_dir / "john.wav"))
+    decode_pool.set_workers(workers)
+    try:
+        deferred = open_jobs.deferred.count
+        overlapped = _whisper_logits(whisper_dir, features, True, 12)
+        assert open_jobs.deferred.count - deferred >= 8 * 5 * 4  # (every layer's five ops, from the third step)
+        expected = _whisper_logits(whisper_dir, features, False, 12)
+        assert len(overlapped) == len(expected) > 8
+        for got, want in zip(overlapped, expected):
+            np.testing.assert_array_equal(got, want)
+    finally:
+        settle()
+        decode_pool.set_workers(None)
+
+
 def test_a_job_left_open_on_a_replaced_pool_is_finished_by_the_next_post(leave):
     """set_workers replaces the pool: the thread's next post, on the new pool, finishes the job it
     left open on the old one (whose output it may read) and releases the old pool."""
