@@ -1,14 +1,15 @@
-"""Pool jobs left open and calls deferred: a kernel may return while the decode pool's workers still
-compute its output, so that the calling thread runs the plan's next steps meanwhile (the Python between two
-kernels, which two threads would otherwise spend one waiting for the other).
+"""Pool jobs left open and calls deferred: a kernel may return while the decode pool's workers
+still compute its output, so that the calling thread runs the plan's next steps meanwhile (the
+Python between two kernels, which two threads would otherwise spend one waiting for the other).
 
 A compiled plan (interp/compiled.py) gives a kernel declaring `overlaps_jobs` leave for its call
 (`opening.allowed`); the kernel's post (`pool.DecodePool.products`, `open_nbits`) then returns at
 once and the pool keeps the job's arrays and its lock (`holding.pool`) until this thread settles:
 the plan settles before the next step that is not declared so (or that reads, from Python, data a
-pending step may write: `reads_data`), and after its last step, and the pool's next post on this thread finishes the job before it reads anything. Everything is this
-thread's: another thread finds the pool busy and computes alone. No numpy here: `interp` imports
-these names through `runnx.runtime`.
+pending step may write: `reads_data`), and after its last step, and the pool's next post on this
+thread finishes the job before it reads anything. Everything is this thread's: another thread
+finds the pool busy and computes alone. No numpy here: `interp` imports these names through
+`runnx.runtime`.
 
 A kernel given leave may instead defer its native calls (`defer`): it allocates its outputs, decides
 from its inputs' shapes and layouts alone that the calls will write them, queues the calls and

@@ -314,6 +314,24 @@ class DecodePool:
         self._leave(None)  # (`job` posts finished jobs only)
         return result
 
+    def run_calls(self, calls: list) -> bool:
+        """`run_calls` with this pool taken once for all the calls, sleeping workers woken before
+        each job; False when another thread has the pool (nothing run)."""
+        if not self._enter():
+            return False
+        try:
+            self._close()
+            board, workers = self.board, self._workers
+            for function, arguments, job in calls:
+                if job:
+                    self._wake_sleeping()
+                    function(board, workers, *arguments)
+                else:
+                    function(*arguments)
+        finally:
+            self.settle()  # (nothing is open: releases the lock)
+        return True
+
     def rest(self):
         """Let workers spinning after a decode job sleep now: a multi-threaded BLAS product is
         about to run, and OpenBLAS's threads need their cores (an encoder-decoder's first decoder step,
@@ -492,21 +510,10 @@ def open_shared_call(job, arguments: tuple, arrays: tuple, tail, tail_arguments:
 
 def run_calls(calls: list) -> None:
     """Run deferred calls (`open_jobs.defer`: (function, arguments, whether a pool job)) in order, the
-    jobs with the pool's workers when there are any and it is free (taken once for all of them),
-    else on this thread's own board: the same compiled code either way, so the same results."""
+    jobs with the pool's workers when there are any and it is free (`DecodePool.run_calls`), else
+    on this thread's own board: the same compiled code either way, so the same results."""
     workers = pool()
-    if workers is not None and workers._enter():
-        try:
-            workers._close()
-            board, count = workers.board, workers._workers
-            for function, arguments, job in calls:
-                if job:
-                    workers._wake_sleeping()
-                    function(board, count, *arguments)
-                else:
-                    function(*arguments)
-        finally:
-            workers.settle()  # (nothing is open: releases the lock)
+    if workers is not None and workers.run_calls(calls):
         return
     board = _own_board()
     for function, arguments, job in calls:
