@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 import runnx
 from runnx.ops import registry
-from runnx.ops._kernels_linalg import row_times_matrix
+from runnx.ops._kernels_linalg import chunk_count, row_times_matrix
 from runnx.runtime import defer, jobs, open_jobs, opening, settle, take_leave
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.open_jobs import deferred, holding
@@ -32,7 +32,7 @@ def workers(request):
 
 def _products_into(row, matrix, out):
     """row @ matrix into out, deferred as a pool job (`jobs.post_products`)."""
-    scratch = np.empty(16 * out.size, np.float32)
+    scratch = np.empty(chunk_count(row.size) * out.size, np.float32)
     defer(jobs.post_products, (row, (matrix,), (out,), scratch, 0.0, 1.0), job=True)
 
 
