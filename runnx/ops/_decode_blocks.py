@@ -150,14 +150,26 @@ def normed_gate_nbits(board, workers, a, b, epsilon, one, norm_weight, skip, til
     of the gate and up weights (and any others: `columns` in all), one products job
     (`post_nbits`): GatedMLPNBits' residual add and norm and its two products, the bits of the
     nodes it replaced."""
-    summed = b.copy()
+    rows = a.shape[0]
+    summed, gate, negated, up = (np.empty(a.shape, np.float32), np.empty((rows, inner), np.float32),
+                                 np.empty((rows, inner), np.float32), np.empty((rows, inner), np.float32))
+    largest = np.empty(1)
+    normed_gate_nbits_into(board, workers, a, b, epsilon, one, norm_weight, skip, tiles, scales, zeros, columns,
+                           gate_at, up_at, inner, summed, gate, negated, up, largest)
+    return summed, gate, negated, up, largest[0]
+
+
+@_jit
+def normed_gate_nbits_into(board, workers, a, b, epsilon, one, norm_weight, skip, tiles, scales, zeros, columns,
+                           gate_at, up_at, inner, summed, gate, negated, up, largest):
+    """`normed_gate_nbits` into the caller's C-contiguous arrays (`largest` one element)."""
+    summed[:] = b
     normed = _add_norm(a, summed, epsilon, one, norm_weight, skip)
     products = np.empty((normed.shape[0], columns), np.float32)
     post_nbits(board, workers, normed, tiles, scales, zeros, products)
-    gate = np.ascontiguousarray(products[:, gate_at:gate_at + inner])
-    up = np.ascontiguousarray(products[:, up_at:up_at + inner])
-    negated, largest = _negated(gate)
-    return summed, gate, negated, up, largest
+    gate[:] = products[:, gate_at:gate_at + inner]
+    up[:] = products[:, up_at:up_at + inner]
+    largest[0] = _negated_into(gate, negated)
 
 
 @_jit
@@ -166,9 +178,18 @@ def gated_down_nbits(board, workers, gate, decay, up, tiles, scales, zeros, widt
     """(residual + silu(gate) * up times the down weight's 4-bit tiles, its norm: `_add_norm`) for
     decay = exp(-gate) (numpy's), rows (M, inner): GatedMLPNBits' activation, down product, residual
     add and the next norm."""
-    summed = np.empty((gate.shape[0], width), np.float32)
+    summed, normed = np.empty((gate.shape[0], width), np.float32), np.empty((gate.shape[0], width), np.float32)
+    gated_down_nbits_into(board, workers, gate, decay, up, tiles, scales, zeros, residual, epsilon, one, norm_weight,
+                          skip, summed, normed)
+    return summed, normed
+
+
+@_jit
+def gated_down_nbits_into(board, workers, gate, decay, up, tiles, scales, zeros, residual, epsilon, one, norm_weight,
+                          skip, summed, normed):
+    """`gated_down_nbits` into the caller's C-contiguous summed and normed (rows, width)."""
     post_nbits(board, workers, silu_mul_into(gate, decay, up), tiles, scales, zeros, summed)
-    return summed, _add_norm(residual, summed, epsilon, one, norm_weight, skip)
+    add_norm_into(residual, summed, epsilon, one, norm_weight, skip, normed)
 
 
 @_jit

@@ -27,7 +27,7 @@ from runnx.ops.fused import attend
 from runnx.ops.fused_layer_norm_blocks import attention_in_blocks, causal_attention_in_blocks
 from runnx.ops.registry import register
 from runnx.ops._matmul import matmul
-from runnx.runtime import defer, take_leave
+from runnx.runtime import defer, deferring, pool as decode_pool, take_leave
 from runnx.runtime.pool import settle, shared_call
 from runnx.runtime.rows import share_rows
 
@@ -394,7 +394,9 @@ def _decode_step(q, k, v, past_key, past_value, positions, starts, count: int, w
                  sin_cache, interleaved: bool, overwrite, ctx, output_count: int, leave: bool = False):
     """One new row per sequence, all `count` long, into a shared buffer (in place when granted):
     `decode_step`, the rows kernel and the decode attention job in one native call, deferred given
-    leave (`runtime.defer`) when its rows fit (`rows_fit`, the call's own check)."""
+    leave (`runtime.defer`) when its rows fit (`rows_fit`, the call's own check) and either calls
+    before it are deferred or the process has no pool workers: between products left open to the
+    workers (4-bit ones), a queue of one would only hold them idle."""
     batch, _, heads, size = q.shape
     if 3 not in overwrite or 4 not in overwrite:
         settle()  # (copying reads the caches)
@@ -409,7 +411,8 @@ def _decode_step(q, k, v, past_key, past_value, positions, starts, count: int, w
     begin = max(0, count - window) if window > 0 else 0
     arguments = (q, k, v, positions, *angles, half, interleaved, queries, present_key, present_value, starts, begin,
                  count, factor, output)
-    if leave and rows_fit(positions, starts, batch, 1, half, angles[0].shape[0], present_key.shape[2]):
+    if (leave and (deferring() or decode_pool.pool() is None)
+            and rows_fit(positions, starts, batch, 1, half, angles[0].shape[0], present_key.shape[2])):
         defer(decode_step, arguments, job=True)
     elif not shared_call(decode_step, *arguments):
         _refuse_rows(positions, starts, cos_cache, 1, present_key.shape[2])

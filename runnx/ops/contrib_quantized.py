@@ -28,7 +28,8 @@ from runnx.ops.linalg_integer import MatMulInteger
 from runnx.ops.quantization import DynamicQuantizeLinear
 from runnx.ops.registry import COMPUTED, register
 from runnx.ops._matmul import matmul, own_product, rest_workers_before
-from runnx.runtime import pool as decode_pool
+from runnx.runtime import defer, opening, pool as decode_pool
+from runnx.runtime.jobs import post_nbits
 from runnx.runtime.rows import share_rows
 
 DOMAIN = "com.microsoft"
@@ -255,7 +256,8 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
     """a (..., K) @ dequantize(b).T (+ bias): b (N, blocks, block_size * bits / 8) uint8, value i of a
     block in bits i*bits.. of its bytes, dequantized as (q - zero point) * scale per block.
     accuracy_level (onnxruntime's minimum compute precision) is accepted; runnx always computes in
-    the scales' precision or wider."""
+    the scales' precision or wider. Given leave, a few rows' tiled product is left open for the
+    decode pool's workers, or with none deferred (`runtime.defer`: the same job)."""
     if bits == 4 and a.dtype == _FLOAT32 and g_idx is None and a.shape[-1:] == (K,) and block_size >= 32:
         tiles = _kept_tiles(b, scales, zero_points, K, N, block_size)
         if tiles is not None:
@@ -263,7 +265,10 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
             if rows.shape[0] <= TILED_ROWS and rows.flags.c_contiguous:
                 out = np.empty((rows.shape[0], N), _FLOAT32)
                 if bias is None:
-                    decode_pool.open_nbits_rows(rows, *tiles, out)
+                    if opening.allowed and decode_pool.pool() is None:  # (no workers to leave it open to)
+                        defer(post_nbits, (rows, *tiles, out), job=True)
+                    else:
+                        decode_pool.open_nbits_rows(rows, *tiles, out)
                     return out.reshape(a.shape[:-1] + (N,))
                 decode_pool.nbits_rows(rows, *tiles, out)
                 return _with_bias(out, bias, _FLOAT32).reshape(a.shape[:-1] + (N,))

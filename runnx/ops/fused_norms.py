@@ -144,3 +144,9 @@ def exp_in_place(x, largest: float):
         return np.exp(x, out=x)
     with np.errstate(over="ignore"):
         return np.exp(x, out=x)
+
+
+def exp_into(x, largest) -> None:
+    """`exp_in_place` of x whose largest element is `largest`'s one: for a deferred call
+    (`runtime.defer`), the largest known only when the call before it has run."""
+    exp_in_place(x, largest[0])

@@ -18,7 +18,7 @@ from runnx.ops._fused_common import DOMAIN
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops._remembered import Remembered
 from runnx.ops.fused_layer_norm_blocks import ErfGelu, HeadsAttention, add_layer_norm, attended_row
-from runnx.ops.fused_norms import AddRMSNorm, exp_in_place, norm_fits
+from runnx.ops.fused_norms import AddRMSNorm, exp_in_place, exp_into, norm_fits
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _matrix, _product, _vector
 from runnx.ops.linalg import _FLOAT32, MatMul
 from runnx.ops.registry import register
@@ -161,15 +161,10 @@ def _deferred_gated_mlp(first, residual, down_weight, down_numbers, down_norm_we
     gate, decay, up = (np.empty(inner, np.float32) for _ in range(3))
     largest = np.empty(1)
     defer(projected_gate_into, (*first, skip, summed, gate, decay, up, largest), job=True)
-    defer(_exp_into, (decay, largest))
+    defer(exp_into, (decay, largest))
     defer(gated_down_into, (gate, decay, up, down_weight, summed, *down_numbers, down_norm_weight, skip, product,
                             normed), job=True)
     return product.reshape(residual.shape), normed.reshape(residual.shape)
-
-
-def _exp_into(decay, largest) -> None:
-    """numpy's exp of `decay` in place, its largest element in `largest`'s one."""
-    exp_in_place(decay, largest[0])
 
 
 @register("MatMulAddLayerNorm", since=1, domain=DOMAIN, overlaps_jobs=True)

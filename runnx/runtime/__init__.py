@@ -13,7 +13,7 @@ from __future__ import annotations
 import operator
 
 from runnx.runtime.allocator import keep_freed, keep_freed_if_asked
-from runnx.runtime.open_jobs import defer, drop_deferred, opening, settle, take_leave
+from runnx.runtime.open_jobs import defer, deferring, drop_deferred, opening, settle, take_leave
 from runnx.runtime.openblas import sleep_after_calls
 
 
@@ -61,5 +61,5 @@ def start_pool_in_background(model_path=None) -> None:
     start_in_background(load_jobs=not recorded)
 
 
-__all__ = ["defer", "drop_deferred", "keep_freed", "keep_freed_if_asked", "opening", "pool_workers", "set_threads",
+__all__ = ["defer", "deferring", "drop_deferred", "keep_freed", "keep_freed_if_asked", "opening", "pool_workers", "set_threads",
            "settle", "sleep_after_calls", "start_pool_in_background", "take_leave", "threads"]

@@ -69,6 +69,13 @@ def defer(function, arguments: tuple, job: bool = False) -> None:
     deferred.count += 1
 
 
+def deferring() -> bool:
+    """Whether this thread has deferred calls waiting: a kernel whose neighbours leave jobs open to
+    the pool's workers rather than defer may join such a queue, where starting one would hold the
+    workers idle through the Python after it."""
+    return deferred.calls is not None
+
+
 def run_deferred() -> None:
     """Run this thread's deferred calls, in order (`pool.run_calls`: the pool taken once for them),
     and any they defer in turn."""

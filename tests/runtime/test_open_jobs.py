@@ -262,7 +262,7 @@ def test_real_decoders_give_the_same_bits_with_jobs_left_open(workers, folder, r
         left, deferred = pool.left_open if pool else 0, open_jobs.deferred.count
         overlapped = _greedy_logits(path, True, 8)
         overlaps = (pool.left_open - left if pool else 0) + open_jobs.deferred.count - deferred
-        assert overlaps >= (8 * 30 if workers or folder != "smollm2_genai_int4_dir" else 0)  # (4-bit: open jobs)
+        assert overlaps >= 8 * 30
         for got, expected in zip(overlapped, _greedy_logits(path, False, 8)):
             np.testing.assert_array_equal(got, expected)
     finally:
