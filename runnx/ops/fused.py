@@ -92,9 +92,9 @@ def RepeatedKVAttention(query, key, value, bias=None, merged_target=None, mask=N
     dtypes. With merged_target: Reshape(Transpose(that, (0, 2, 1, 3)), merged_target), the heads
     merged back. With mask (bias absent): bias = Where(mask cut to [0, mask_end) on mask_axis,
     masked_then, masked_else), mask_end the key's length when absent. query, key and value may be
-    the outputs of a job the previous node left open (a ProjectedRopeAppend's,
-    `runtime/open_jobs.py`): the decode pool's attention post finishes it first; every other path
-    settles before it reads them. Given leave, a decode row's attention is deferred
+    the outputs of calls still pending (a ProjectedRopeAppend's deferred ones,
+    `runtime/open_jobs.py`): the attention's own post, or its deferred call, runs after them; every
+    other path settles before it reads them. Given leave, a decode row's attention is deferred
     (`runtime.defer`: its merged heads a view of its output, written when the thread settles). The
     mask is read here (the plan settles first when a deferred call may still write it)."""
     leave = take_leave()
