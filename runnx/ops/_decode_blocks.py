@@ -39,9 +39,15 @@ _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 def _product(board, workers, row, matrix):
     """row @ matrix as one pool job."""
     out = np.empty(matrix.shape[1], np.float32)
+    _product_into(board, workers, row, matrix, out)
+    return out
+
+
+@_jit
+def _product_into(board, workers, row, matrix, out):
+    """row @ matrix into out, as one pool job."""
     post_products(board, workers, row, (matrix,), (out,), np.empty(chunk_count(row.size) * out.size, np.float32), 0.0,
                   1.0)
-    return out
 
 
 @_jit
@@ -70,36 +76,26 @@ def add_norm_into(residual, summed, epsilon, one, norm_weight, skip, normed):
 
 
 @_jit
-def _gate_and_up(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip):
-    """(s, gate, up) for s = residual + x @ weight and gate, up its norm (`_add_norm`) @ gate_weight,
-    @ up_weight (one job for the two)."""
-    summed = _product(board, workers, x, weight)
-    normed = _add_norm(residual, summed, epsilon, one, norm_weight, skip)
-    gate, up = np.empty(gate_weight.shape[1], np.float32), np.empty(up_weight.shape[1], np.float32)
-    post_products(board, workers, normed, (gate_weight, up_weight), (gate, up),
-                  np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32), 0.0, 1.0)
-    return summed, gate, up
-
-
-@_jit
 def projected_gate(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip):
     """(s, gate, -gate, up, max(-gate)) for s = residual + x @ weight and gate, up its norm
     (`_add_norm`) @ gate_weight, @ up_weight (one job for the two), float32 rows and C-contiguous
     matrices: an attention's output projection, the residual add, the MLP's norm and its gate and up
     products."""
-    summed, gate, up = _gate_and_up(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight,
-                                    up_weight, skip)
-    negated, largest = _negated(gate)
-    return summed, gate, negated, up, largest
+    summed = np.empty(weight.shape[1], np.float32)
+    gate, negated, up = (np.empty(gate_weight.shape[1], np.float32), np.empty(gate_weight.shape[1], np.float32),
+                         np.empty(up_weight.shape[1], np.float32))
+    largest = np.empty(1)
+    projected_gate_into(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip,
+                        summed, gate, negated, up, largest)
+    return summed, gate, negated, up, largest[0]
 
 
 @_jit
 def projected_gate_into(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip,
                         summed, gate, negated, up, largest):
-    """`projected_gate` into the caller's arrays (`largest` one element): its jobs and kernels, so
-    its bits; for a call deferred with its outputs allocated before it runs (`open_jobs.defer`)."""
-    post_products(board, workers, x, (weight,), (summed,), np.empty(chunk_count(x.size) * summed.size, np.float32),
-                  0.0, 1.0)
+    """`projected_gate` into the caller's C-contiguous arrays (`largest` one element), for a call
+    deferred with its outputs allocated before it runs (`runtime.defer`)."""
+    _product_into(board, workers, x, weight, summed)
     normed = _add_norm(residual, summed, epsilon, one, norm_weight, skip)
     post_products(board, workers, normed, (gate_weight, up_weight), (gate, up),
                   np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32), 0.0, 1.0)
@@ -108,7 +104,8 @@ def projected_gate_into(board, workers, x, weight, residual, epsilon, one, norm_
 
 @_jit
 def _negated_into(gate, negated):
-    """-gate into negated (both C-contiguous), and its largest element."""
+    """-gate into negated (both C-contiguous), and its largest element: numpy's exp then takes the
+    first."""
     flat_gate, flat_negated = gate.reshape(gate.size), negated.reshape(negated.size)
     largest = -np.inf
     for i in range(flat_gate.size):
@@ -118,27 +115,20 @@ def _negated_into(gate, negated):
 
 
 @_jit
-def _negated(gate):
-    """(-gate, its largest element) for a C-contiguous gate: numpy's exp then takes the first."""
-    negated = np.empty_like(gate)
-    return negated, _negated_into(gate, negated)
-
-
-@_jit
 def gated_down(board, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, skip):
     """(residual + silu(gate) * up @ weight, its norm: `_add_norm`) for decay = exp(-gate) (numpy's):
     the MLP's activation, down product, residual add and the next norm."""
-    summed = _product(board, workers, silu_mul_into(gate, decay, up), weight)
-    return summed, _add_norm(residual, summed, epsilon, one, norm_weight, skip)
+    summed, normed = np.empty(weight.shape[1], np.float32), np.empty(weight.shape[1], np.float32)
+    gated_down_into(board, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, skip, summed, normed)
+    return summed, normed
 
 
 @_jit
 def gated_down_into(board, workers, gate, decay, up, weight, residual, epsilon, one, norm_weight, skip, summed,
                     normed):
-    """`gated_down` into the caller's arrays (`summed` the product, then the sum; `normed` its norm):
-    its jobs and kernels, so its bits, for a deferred call as `projected_gate_into`."""
-    post_products(board, workers, silu_mul_into(gate, decay, up), (weight,), (summed,),
-                  np.empty(chunk_count(gate.size) * summed.size, np.float32), 0.0, 1.0)
+    """`gated_down` into the caller's arrays (`summed` the product, then the sum; `normed` its norm),
+    for a deferred call as `projected_gate_into`."""
+    _product_into(board, workers, silu_mul_into(gate, decay, up), weight, summed)
     add_norm_into(residual, summed, epsilon, one, norm_weight, skip, normed)
 
 
@@ -226,8 +216,8 @@ def projected_gate_rows(board, workers, x, weight, residual, epsilon, one, norm_
     gate = np.empty((x.shape[0], gate_weight.shape[1]), np.float32)
     up = np.empty((x.shape[0], up_weight.shape[1]), np.float32)
     post_gemms(board, workers, normed, (gate_weight, up_weight), (gate, up), False, units[1])
-    negated, largest = _negated(gate)
-    return summed, gate, negated, up, largest
+    negated = np.empty_like(gate)
+    return summed, gate, negated, up, _negated_into(gate, negated)
 
 
 @_jit
@@ -250,8 +240,7 @@ def projected_layer_norm(board, workers, x, weight, bias, residual, scale, norm_
 @_jit
 def projected_layer_norm_into(board, workers, x, weight, bias, residual, scale, norm_bias, epsilon, summed, normed):
     """`projected_layer_norm` into summed (N,) and normed (1, N), C-contiguous."""
-    post_products(board, workers, x, (weight,), (summed,), np.empty(chunk_count(x.size) * summed.size, np.float32),
-                  0.0, 1.0)
+    _product_into(board, workers, x, weight, summed)
     if bias.size:
         for i in range(summed.size):
             summed[i] += bias[i]

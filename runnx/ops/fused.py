@@ -219,7 +219,10 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float, defer_it:
             out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
             defer(post_attention, (query, key, value, bias, scale, fill, out), job=True)
             return out
-        return decode_pool.attention_into(query, key, value, bias, scale, fill)
+        workers = decode_pool.pool()
+        if workers is not None and batch * groups > 1:
+            return workers.attention(query, key, value, bias, scale, fill)
+        return decode_pool.attention_job(query, key, value, bias, scale, fill)
     _settled()
     return attention(query, key, value, bias, scale, fill)
 

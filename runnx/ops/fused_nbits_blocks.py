@@ -21,9 +21,9 @@ from runnx.ops._fused_common import DOMAIN
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.ops.contrib_quantized import (TILED_ROWS, MatMulNBits, SharedInputMatMulNBits, four_bit_tiles,
                                          joined_four_bit_tiles, prepack_joined_tiles, prepack_tiles)
-from runnx.ops.fused_norms import AddRMSNorm, exp_in_place, exp_into
+from runnx.ops.fused_norms import AddRMSNorm, defer_gated_mlp, exp_in_place
 from runnx.ops.registry import register
-from runnx.runtime import defer, pool as decode_pool, take_leave
+from runnx.runtime import pool as decode_pool, take_leave
 from runnx.runtime.rows import SHARED_FROM
 
 _FLOAT32 = np.dtype(np.float32)
@@ -60,10 +60,12 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
         rows = a.size // K
         gate_at, up_at = (sum(columns[:p]) for p in gated)
         if leave and decode_pool.pool() is None:  # one thread: the calls deferred (`runtime.defer`)
-            first = (a.reshape(rows, K), b.reshape(rows, K), epsilon, one, norm_weight, skipped, *tiles, sum(columns),
-                     gate_at, up_at, columns[0])
-            down = (*down_tiles, down_epsilon, down_one, down_norm_weight, skipped)
-            return _deferred_block(first, down, rows, K, columns[0], a.shape)
+            summed, normed = defer_gated_mlp(
+                normed_gate_nbits_into, (a.reshape(rows, K), b.reshape(rows, K), epsilon, one, norm_weight, skipped,
+                                         *tiles, sum(columns), gate_at, up_at, columns[0]),
+                gated_down_nbits_into, down_tiles, (down_epsilon, down_one, down_norm_weight, skipped), rows, K,
+                columns[0])
+            return summed.reshape(a.shape), normed.reshape(a.shape)
         summed, gate, decay, up, largest = decode_pool.shared_call(
             normed_gate_nbits, a.reshape(rows, K), b.reshape(rows, K), epsilon, one, norm_weight, skipped, *tiles,
             sum(columns), gate_at, up_at, columns[0])
@@ -86,20 +88,6 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
     decode_pool.settle()  # (MatMulNBits may leave its job open)
     return AddRMSNorm(summed, product, down_norm_weight, epsilon=np.float32(down_epsilon), one=np.float32(down_one),
                       to=to, cast=cast, skip=skip)
-
-
-def _deferred_block(first: tuple, down: tuple, rows: int, width: int, inner: int, shape: tuple) -> tuple:
-    """GatedMLPNBits' outputs, allocated, with the calls that write them deferred (`runtime.defer`):
-    `normed_gate_nbits` and `gated_down_nbits` into them (their `_into` forms: the same jobs and
-    kernels, so the same bits), numpy's exp between them."""
-    summed, product, normed = (np.empty((rows, width), np.float32) for _ in range(3))
-    gate, decay, up = (np.empty((rows, inner), np.float32) for _ in range(3))
-    largest = np.empty(1)
-    defer(normed_gate_nbits_into, (*first, summed, gate, decay, up, largest), job=True)
-    defer(exp_into, (decay, largest))
-    tiles, numbers = down[:3], down[3:]
-    defer(gated_down_nbits_into, (gate, decay, up, *tiles, summed, *numbers, product, normed), job=True)
-    return product.reshape(shape), normed.reshape(shape)
 
 
 def _native_rows(a, b, norm_weight, down_norm_weight, K: int, columns: tuple) -> bool:

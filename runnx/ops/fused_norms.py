@@ -20,6 +20,7 @@ from runnx.ops._fused_common import DOMAIN, KERNEL_DTYPES, fits
 from runnx.ops._kernels_fused import add_rms_norm_into, rms_norm_into, silu_mul_into
 from runnx.ops.contrib_normalization import skip_norm
 from runnx.ops.registry import register
+from runnx.runtime import defer
 from runnx.runtime.rows import share_rows
 
 
@@ -146,7 +147,24 @@ def exp_in_place(x, largest: float):
         return np.exp(x, out=x)
 
 
-def exp_into(x, largest) -> None:
-    """`exp_in_place` of x whose largest element is `largest`'s one: for a deferred call
-    (`runtime.defer`), the largest known only when the call before it has run."""
+def defer_gated_mlp(first, first_arguments: tuple, down, weights: tuple, numbers: tuple, rows: int, width: int,
+                    inner: int) -> tuple:
+    """(sum, norm), each (rows, width), of a gated MLP block whose calls are deferred
+    (`runtime.defer`) into arrays allocated here: the pool job first(board, workers,
+    *first_arguments, summed, gate, -gate, up, largest) (an add, norm and the gate and up products),
+    numpy's exp of -gate, then the pool job down(board, workers, gate, exp(-gate), up, *weights,
+    summed, *numbers, sum, norm) (SiLU gate, down product, residual add and norm): ResidualGatedMLP's
+    and GatedMLPNBits' `_into` blocks."""
+    summed, product, normed = (np.empty((rows, width), np.float32) for _ in range(3))
+    gate, decay, up = (np.empty((rows, inner), np.float32) for _ in range(3))
+    largest = np.empty(1)
+    defer(first, (*first_arguments, summed, gate, decay, up, largest), job=True)
+    defer(_exp_into, (decay, largest))
+    defer(down, (gate, decay, up, *weights, summed, *numbers, product, normed), job=True)
+    return product, normed
+
+
+def _exp_into(x, largest) -> None:
+    """`exp_in_place` of x whose largest element is `largest`'s one, known only when the call
+    before it has run."""
     exp_in_place(x, largest[0])

@@ -18,7 +18,7 @@ from runnx.ops._fused_common import DOMAIN
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops._remembered import Remembered
 from runnx.ops.fused_layer_norm_blocks import ErfGelu, HeadsAttention, add_layer_norm, attended_row
-from runnx.ops.fused_norms import AddRMSNorm, exp_in_place, exp_into, norm_fits
+from runnx.ops.fused_norms import AddRMSNorm, defer_gated_mlp, exp_in_place, norm_fits
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _matrix, _product, _vector
 from runnx.ops.linalg import _FLOAT32, MatMul
 from runnx.ops.registry import register
@@ -57,8 +57,11 @@ def ResidualGatedMLP(x, weight, bias, residual, norm_weight, gate_weight, up_wei
                            down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:
         first, down_numbers = block
-        if leave:  # the calls deferred, the next nodes' checks first
-            return _deferred_gated_mlp(first, residual, down_weight, down_numbers, down_norm_weight, skipped)
+        if leave:  # the calls deferred (their `_into` forms: the same jobs, so the same bits)
+            summed, normed = defer_gated_mlp(projected_gate_into, (*first, skipped), gated_down_into, (down_weight,),
+                                             (*down_numbers, down_norm_weight, skipped), 1, residual.shape[-1],
+                                             down_weight.shape[0])
+            return summed.reshape(residual.shape), normed.reshape(residual.shape)
         return _gated_down(decode_pool.shared_call(projected_gate, *first, skipped), residual, down_weight,
                            down_numbers, down_norm_weight, skipped)
     decode_pool.settle()  # (every other path reads its inputs before any post)
@@ -150,21 +153,6 @@ def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight, sk
     summed, normed = decode_pool.shared_call(gated_down, gate, decay, up, down_weight, summed, *down_numbers,
                                              down_norm_weight, skip)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
-
-
-def _deferred_gated_mlp(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool) -> tuple:
-    """ResidualGatedMLP's outputs, allocated, with the calls that write them deferred
-    (`runtime.defer`): `projected_gate` and `gated_down` into them (their `_into` forms: the same
-    jobs and kernels, so the same bits), numpy's exp between them."""
-    width, inner = residual.shape[-1], down_weight.shape[0]
-    summed, product, normed = (np.empty(width, np.float32) for _ in range(3))
-    gate, decay, up = (np.empty(inner, np.float32) for _ in range(3))
-    largest = np.empty(1)
-    defer(projected_gate_into, (*first, skip, summed, gate, decay, up, largest), job=True)
-    defer(exp_into, (decay, largest))
-    defer(gated_down_into, (gate, decay, up, down_weight, summed, *down_numbers, down_norm_weight, skip, product,
-                            normed), job=True)
-    return product.reshape(residual.shape), normed.reshape(residual.shape)
 
 
 @register("MatMulAddLayerNorm", since=1, domain=DOMAIN, overlaps_jobs=True)

@@ -289,11 +289,9 @@ class DecodePool:
             self._partials = np.empty(size, np.float32)
         return self._partials
 
-    def attention(self, query, key, value, bias, scale: float, fill: float, out=None):
-        """`attention_job` with this pool's workers (alone when the pool is busy), into `out` when
-        given."""
-        if out is None:
-            out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
+    def attention(self, query, key, value, bias, scale: float, fill: float):
+        """`attention_job` with this pool's workers (alone when the pool is busy)."""
+        out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
         if self.call(post_attention, query, key, value, bias, scale, fill, out) is BUSY:
             alone(post_attention, query, key, value, bias, scale, fill, out)
         return out
@@ -362,25 +360,14 @@ class DecodePool:
             thread.join()
 
 
-def attention_job(query, key, value, bias, scale: float, fill: float, out=None):
+def attention_job(query, key, value, bias, scale: float, fill: float):
     """`attention(query, key, value, bias, scale, fill)` of ops/_kernels_fused.py for float32 arrays of
     4 dimensions (bias too, or None), computed as the pool computes it (the same compiled code:
     with its reassociating float flags, `attention` compiled for other array layouts may round
-    differently), on this thread, into `out` when given; `pool().attention` shares it with the
-    workers."""
-    if out is None:
-        out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
+    differently), on this thread; `pool().attention` shares it with the workers."""
+    out = np.empty(query.shape[:3] + value.shape[3:], np.float32)
     alone(post_attention, query, key, value, bias, scale, fill, out)
     return out
-
-
-def attention_into(query, key, value, bias, scale: float, fill: float, out=None):
-    """`attention_job`, its KV heads shared with the pool's workers when there are any and more than
-    one (the same compiled code: the same results with or without them)."""
-    workers = pool()
-    if workers is not None and query.shape[0] * key.shape[1] > 1:
-        return workers.attention(query, key, value, bias, scale, fill, out)
-    return attention_job(query, key, value, bias, scale, fill, out)
 
 
 def rest_workers(multiply_adds: int | None = None) -> None:
