@@ -5,7 +5,7 @@ import gc
 import os
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -29,7 +29,7 @@ from runnx.interp.profiler import Profile
 from runnx.interp.shape_cache import memoize_shapes, topological
 from runnx.interp.validation import bind_feeds, feed_specs
 from runnx.ops.registry import COMPUTED
-from runnx.runtime import keep_freed_if_asked, set_threads, sleep_after_calls, threads
+from runnx.runtime import arena, keep_freed_if_asked, set_threads, sleep_after_calls, threads
 
 if TYPE_CHECKING:
     from runnx.interp.loader import LoadedModel
@@ -40,6 +40,8 @@ class Model:
         self.loaded = loaded
         self.graph = loaded.graph
         self.options = (options or Options()).effective()  # the switches its optimization level allows
+        if self.options.arena:
+            arena.prepare()  # (on a thread of its own: runs before it is ready allocate as numpy does)
         self.widened = widen_float16(self.graph)  # float16 arithmetic in float32 at every level: float16.py
         self.folded = fold_constants(self.graph, self.options) if self.options.fold_constants else 0
         settle_held()  # the weights' huge pages, once the fold's copies of them are made (model_file.py)
@@ -152,7 +154,7 @@ class Model:
             self._threads = self._threads or threads()
             record.threads = self._threads
         ctx = RunContext(self.options, record)
-        with self._kernel_loads.running():
+        with self._kernel_loads.running(), arena.kept() if self.options.arena else nullcontext():
             values, _ = self._executor.run(graph, plan, bound, ctx, owned=False)  # (an unrewritten graph shares ids)
         names = [self.graph.names[v] for v in output_vids]
         result = {}

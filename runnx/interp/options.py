@@ -15,7 +15,7 @@ from runnx.errors import InvalidOptionError
 LEVELS = ("disabled", "basic", "extended", "all")
 _ALLOWED = {
     "disabled": (),
-    "basic": ("fold_constants", "shape_cache", "memo_read_ahead"),
+    "basic": ("fold_constants", "shape_cache", "memo_read_ahead", "arena"),
     "extended": ("fuse", "compile_after", "specialize_branches", "overlap_jobs"),
     "all": ("last_position",),
 }
@@ -37,6 +37,7 @@ REMOVED = {
     "RUNNX_FOLD_CONSTANTS": f"{_BASIC}; runnx.load(..., fold_constants=False) this one alone",
     "RUNNX_SHAPE_CACHE": f"{_BASIC}; runnx.load(..., shape_cache=False) this one alone",
     "RUNNX_MEMO_READ_AHEAD": f"{_BASIC}; runnx.load(..., memo_read_ahead=False) this one alone",
+    "RUNNX_ARENA": f"{_BASIC}; runnx.load(..., arena=False) this one alone",
     "RUNNX_FUSE": f"{_EXTENDED}; runnx.load(..., fuse=False) this one alone",
     "RUNNX_COMPILE_AFTER": f"{_EXTENDED}; runnx.load(..., compile_after=N) this one alone",
     "RUNNX_SPECIALIZE_BRANCHES": f"{_EXTENDED}; runnx.load(..., specialize_branches=False) this one alone",
@@ -86,7 +87,8 @@ class Options:
     benchmarks): fold_constants runs nodes whose inputs are all constants once, at load.
     shape_cache: nodes computing values from tensor shapes only run once per shapes seen.
     memo_read_ahead: a memo missing on shapes grown by a decode step also computes the next steps'
-    (interp/read_ahead.py). fuse: recurring patterns (residual add + norm, gated MLP, rotary
+    (interp/read_ahead.py). arena: a run's large numpy arrays, once freed, kept for its next arrays of
+    their size instead of going back to the system (runtime/arena.py). fuse: recurring patterns (residual add + norm, gated MLP, rotary
     embedding, attention over the KV cache) become fused kernels at load. compile_after: from its
     n-th run on, a plan runs compiled to straight-line Python (interp/compiled.py; 0 never).
     specialize_branches: a model that is one If on one of its inputs (Optimum's merged decoders)
@@ -117,6 +119,7 @@ class Options:
     fold_constants: bool = True
     shape_cache: bool = True
     memo_read_ahead: bool = True
+    arena: bool = True
     fuse: bool = True
     compile_after: int = 2
     specialize_branches: bool = True
@@ -145,5 +148,6 @@ class Options:
         return replace(self, **off) if off else self
 
 
-_OFF = {"fold_constants": False, "shape_cache": False, "memo_read_ahead": False, "fuse": False, "compile_after": 0,
+_OFF = {"fold_constants": False, "shape_cache": False, "memo_read_ahead": False, "arena": False, "fuse": False,
+        "compile_after": 0,
         "specialize_branches": False, "overlap_jobs": False, "last_position": ()}

@@ -1,5 +1,6 @@
 """The process's machinery under the interpreter: threads (BLAS's, numba's and the decode pool's
-workers), the decode pool itself, glibc's malloc thresholds and OpenBLAS's spin timeout.
+workers), the decode pool itself, the arena numpy allocates a run's arrays from (`arena.kept`),
+glibc's malloc thresholds and OpenBLAS's spin timeout.
 
 These settings belong to the process, not to a model, so they live apart from `interp` (which
 applies a model's options through the functions below) and from `ops` (whose decode kernels post
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import operator
 
+from runnx.runtime import arena
 from runnx.runtime.allocator import keep_freed, keep_freed_if_asked
 from runnx.runtime.open_jobs import defer, deferring, drop_deferred, opening, settle, take_leave
 from runnx.runtime.openblas import sleep_after_calls
@@ -61,5 +63,5 @@ def start_pool_in_background(model_path=None) -> None:
     start_in_background(load_jobs=not recorded)
 
 
-__all__ = ["defer", "deferring", "drop_deferred", "keep_freed", "keep_freed_if_asked", "opening", "pool_workers",
+__all__ = ["arena", "defer", "deferring", "drop_deferred", "keep_freed", "keep_freed_if_asked", "opening", "pool_workers",
            "set_threads", "settle", "sleep_after_calls", "start_pool_in_background", "take_leave", "threads"]

@@ -24,6 +24,7 @@ graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
 runnx.load(helper.make_model(graph))
+runnx.runtime.arena.wait_prepared()  # (loading its functions on a thread of its own faults pages too)
 ASK
 
 def run():
