@@ -43,6 +43,11 @@ def keep_freed() -> bool:
     return _kept
 
 
+def kept() -> bool:
+    """Whether glibc keeps freed memory for this process (`keep_freed` asked, and set)."""
+    return bool(_kept)
+
+
 def keep_freed_if_asked() -> bool:
     """`keep_freed` when RUNNX_KEEP_FREED asks for it (1, true, yes, on); what `runnx.load` calls."""
     value = os.environ.get("RUNNX_KEEP_FREED", "").strip().lower()

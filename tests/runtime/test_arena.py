@@ -66,6 +66,16 @@ def test_the_handler_holds_on_the_running_thread_only_and_within_runs():
     assert arena.kept_bytes() == 0
 
 
+def test_a_process_keeping_freed_memory_in_glibc_has_no_arena(monkeypatch):
+    """`runnx.keep_freed()` (the `runnx` command's, the benchmarks'): glibc's heap keeps freed memory
+    of any size, and runs allocate as numpy does."""
+    from runnx.runtime import allocator
+    monkeypatch.setattr(allocator, "_kept", True)
+    assert not arena.wait_prepared()
+    with arena.kept():
+        assert _handler_name() == "default_allocator"
+
+
 def test_zeros_resizing_and_contents_are_numpys():
     with arena.kept():
         dirty = np.full(LARGE, 3.0, np.float32)
