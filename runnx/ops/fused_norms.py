@@ -129,9 +129,17 @@ def _add_rms_norm_rows(a, b, residual, epsilon: float, one: float, weight, out, 
 
 def _silu_mul_rows(gate, up, decay, start: int, stop: int) -> None:
     """decay[start:stop] = SiLU(gate) * up of those rows: exp(-gate) by numpy (the unfused Sigmoid's
-    exp), then `silu_mul_into`, which divides by it."""
-    part = np.negative(gate[start:stop], out=decay[start:stop])
-    silu_mul_into(gate[start:stop], exp_in_place(part, math.inf), up[start:stop])
+    exp), then `silu_mul_into`, which divides by it; SILU_BLOCK elements at a time, whose three
+    passes then read from cache (a long prompt's gate is megabytes: one pass over it each was
+    memory's, 2.15 ms for 1000 x 1536 rows against 1.49 in blocks). Elementwise: the same bits."""
+    step = max(1, SILU_BLOCK // max(1, gate.shape[1]))
+    for first in range(start, stop, step):
+        last = min(stop, first + step)
+        part = np.negative(gate[first:last], out=decay[first:last])
+        silu_mul_into(gate[first:last], exp_in_place(part, math.inf), up[first:last])
+
+
+SILU_BLOCK = 1 << 15  # elements of SiluMul's rows a pass (128 KiB an array: L2 holds all three)
 
 
 _EXP_FINITE = 88.0  # float32 exp overflows from 88.72 on

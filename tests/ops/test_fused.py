@@ -86,6 +86,19 @@ def test_silu_mul_is_bitwise_the_unfused_operations(dtype):
     np.testing.assert_array_equal(got, _unfused_silu(gate, up))
 
 
+@pytest.mark.parametrize("block", [1 << 40, 1 << 15, 1000], ids=["one pass", "default blocks", "small blocks"])
+def test_a_long_prompts_silu_mul_in_blocks_is_bitwise_the_unfused_operations(block, monkeypatch):
+    """SiluMul runs a long prompt's rows SILU_BLOCK elements at a time (a row or more each): the
+    same bits whatever the blocks, and the unfused nodes' (rows neither a multiple of a block nor
+    of the threads' share)."""
+    from runnx.ops import fused_norms
+    monkeypatch.setattr(fused_norms, "SILU_BLOCK", block)
+    gate = (RNG.standard_normal((1, 203, 1536)) * 8).astype(np.float32)
+    gate[0, 100, :2] = [1000, -1000]
+    up = RNG.standard_normal((1, 203, 1536)).astype(np.float32)
+    np.testing.assert_array_equal(SiluMul(gate, up), _unfused_silu(gate, up))
+
+
 def test_silu_mul_broadcasts_through_numpy():
     gate = RNG.standard_normal((3, 8)).astype(np.float32)
     up = RNG.standard_normal((8,)).astype(np.float32)
