@@ -28,6 +28,10 @@ from numba.core.compiler_lock import global_compiler_lock
 
 from runnx.ops import _jit_cache, _native
 
+# modules whose functions a model's runs call but which are the process's, loaded on a thread of
+# their own when wanted: the arena's allocator (runtime/arena.py; not in a process where glibc keeps
+# freed memory), whose loads beside a first prompt held the GIL through it (30 ms of a first token)
+_NOT_A_MODELS = ("runnx.runtime.arena_functions",)
 _running = threading.local()  # .recorder: the Recorder of the run on this thread, if any
 _RECORD_FORMAT = 2  # in a record's key: records written before callees were left out are not read
 _KEPT_SECONDS = 30 * 24 * 3600  # a record neither loaded nor written for this long goes (its model is gone)
@@ -115,7 +119,7 @@ def read_record(path: Path) -> list[tuple[str, str, str]]:
     if not isinstance(entries, list):
         return []
     return [tuple(entry) for entry in entries if isinstance(entry, list) and len(entry) == 3
-            and all(isinstance(part, str) for part in entry)]
+            and all(isinstance(part, str) for part in entry) and entry[0] not in _NOT_A_MODELS]
 
 
 def _noted(py_func, signature) -> None:
@@ -124,7 +128,8 @@ def _noted(py_func, signature) -> None:
     the model's: a later process loads the caller whole, and loading its callees too would cost
     a millisecond or more each, beside the first prompt, for nothing."""
     recorder = getattr(_running, "recorder", None)
-    if recorder is not None and "<locals>" not in py_func.__qualname__ and not _inside_a_compile():
+    if (recorder is not None and "<locals>" not in py_func.__qualname__ and py_func.__module__ not in _NOT_A_MODELS
+            and not _inside_a_compile()):
         recorder.note((py_func.__module__, py_func.__qualname__, str(signature)))
 
 

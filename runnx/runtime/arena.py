@@ -158,6 +158,7 @@ def _build():
     state = np.ctypeslib.as_array((ctypes.c_int64 * words).from_address(state_at))
     state[functions.MOST], state[functions.LEAST] = KEPT_BYTES, KEPT_FROM
     state[functions.HUGE_PAGES] = int(np._core.multiarray._get_madvise_hugepage())  # (as numpy's own does)
+    functions.release(state)  # (loaded from numba's cache here, not at a run's end on the run's thread)
     handler = Handler.from_address(state_at + 8 * words)
     handler.name, handler.version = b"runnx_arena", 1
     handler.allocator = Allocator(state_at, *functions.addresses())

@@ -138,6 +138,21 @@ def test_a_run_records_the_loads_of_its_own_thread(tmp_path):
     assert recorder.path.stat().st_mtime_ns == written  # nothing new: not written again
 
 
+def test_the_arenas_functions_are_never_a_models_loads(tmp_path):
+    """The arena loads its allocator on a thread of its own when wanted (runtime/arena.py): neither
+    recorded for a model nor read back from a record that has them (loaded beside a first prompt,
+    they held the GIL through it)."""
+    from runnx.runtime import arena_functions
+    recorder = kernel_loads.Recorder(tmp_path / "loads" / "model.json")
+    with recorder.running():
+        kernel_loads._noted(arena_functions.release.py_func, (numba.int64[:],))
+        kernel_loads._noted(_kernels_fused.add_rms_norm_into.py_func, (numba.float32,))
+    assert kernel_loads.read_record(recorder.path) == [("runnx.ops._kernels_fused", "add_rms_norm_into", "(float32,)")]
+    recorder.path.write_text('[["runnx.runtime.arena_functions", "_malloc", "(int64,)"], '
+                             '["runnx.ops._kernels_fused", "silu_mul_into", "(float32,)"]]')
+    assert kernel_loads.read_record(recorder.path) == [("runnx.ops._kernels_fused", "silu_mul_into", "(float32,)")]
+
+
 def test_a_kernel_asked_for_while_another_compiles_is_not_recorded(tmp_path):
     # numba holds its re-entrant compiler lock once for a kernel's own compile or load, and again
     # for each kernel that compile calls: those are linked into it, and a later process loads it whole
