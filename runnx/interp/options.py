@@ -87,9 +87,10 @@ class Options:
     benchmarks): fold_constants runs nodes whose inputs are all constants once, at load.
     shape_cache: nodes computing values from tensor shapes only run once per shapes seen.
     memo_read_ahead: a memo missing on shapes grown by a decode step also computes the next steps'
-    (interp/read_ahead.py). arena: a run's large numpy arrays, once freed, kept for its next arrays of
-    their size instead of going back to the system (runtime/arena.py). fuse: recurring patterns (residual add + norm, gated MLP, rotary
-    embedding, attention over the KV cache) become fused kernels at load. compile_after: from its
+    (interp/read_ahead.py). arena: a run's large numpy arrays, once freed, kept for its next arrays
+    of their size instead of going back to the system (runtime/arena.py). fuse: recurring patterns
+    (residual add + norm, gated MLP, rotary embedding, attention over the KV cache) become fused
+    kernels at load. compile_after: from its
     n-th run on, a plan runs compiled to straight-line Python (interp/compiled.py; 0 never).
     specialize_branches: a model that is one If on one of its inputs (Optimum's merged decoders)
     runs the branch that input picks as a graph of its own (interp/branches.py). overlap_jobs: a
@@ -149,5 +150,4 @@ class Options:
 
 
 _OFF = {"fold_constants": False, "shape_cache": False, "memo_read_ahead": False, "arena": False, "fuse": False,
-        "compile_after": 0,
-        "specialize_branches": False, "overlap_jobs": False, "last_position": ()}
+        "compile_after": 0, "specialize_branches": False, "overlap_jobs": False, "last_position": ()}

@@ -139,6 +139,7 @@ def _build():
     name live in memory never freed: an array made in a run may be freed at the interpreter's exit,
     after this module's objects."""
     import numpy as np
+
     from runnx.runtime import arena_functions as functions
 
     class Allocator(ctypes.Structure):

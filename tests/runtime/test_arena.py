@@ -131,8 +131,9 @@ def test_a_real_decoders_long_prompt_gives_the_same_logits_with_the_arena(smollm
     prompt = np.random.default_rng(2).integers(3, 40000, (1, 300)).astype(np.int64)
     logits = {}
     for on in (True, False):
-        load = lambda path: runnx.load(path, check_symbolic_dims=False, last_position=("logits",),  # noqa: E731
-                                       arena=on)
+        def load(path, on=on):
+            return runnx.load(path, check_symbolic_dims=False, last_position=("logits",), arena=on)
+
         decoder = DecoderStep.from_folder(smollm2_dir, capacity=320, load=load)
         before = arena.reused()
         steps = [decoder.step(prompt)]
