@@ -25,6 +25,7 @@ that asked glibc to keep its freed memory (`allocator.keep_freed`) has no need o
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import threading
 
@@ -38,7 +39,8 @@ _handler = None  # (capsule, PyDataMem_SetHandler, state, arena_functions) once 
 _handler_lock = threading.Lock()
 _preparing: threading.Thread | None = None
 _runs = 0  # runs under way in the process, under _handler_lock (the state's ACTIVE word too)
-_depth = threading.local()  # this thread's nesting of `kept` (a subgraph's run inside a model's)
+_depth = threading.local()  # this thread's nesting of `kept` (a subgraph's run inside a model's), and
+# whether its outermost one set the handler (`holding`)
 
 
 def supported() -> bool:
@@ -95,6 +97,7 @@ class kept:
             _runs += 1
             state[functions.ACTIVE] = _runs
         self._previous = set_handler(capsule)
+        _depth.holding = True
         return self
 
     def __exit__(self, *exc):
@@ -104,6 +107,7 @@ class kept:
             return False
         _, set_handler, state, functions = _handler
         set_handler(previous)  # (ctypes owns the references PyDataMem_SetHandler returns)
+        _depth.holding = False
         global _runs
         with _handler_lock:
             _runs -= 1
@@ -111,6 +115,25 @@ class kept:
             if not _runs:
                 functions.release(state)
         return False
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has only the forking thread: runs other threads had under way (and a lock one
+    of them may have held) are not its own. Its count starts again from this thread's own runs, and
+    what was kept goes back to libc when they end (at once, when there are none)."""
+    global _runs, _handler_lock
+    _handler_lock = threading.Lock()
+    if not _handler:
+        return
+    state, functions = _handler[2], _handler[3]
+    _runs = 1 if getattr(_depth, "holding", False) else 0
+    state[functions.LOCK], state[functions.ACTIVE] = 0, _runs
+    if not _runs:
+        functions.release(state)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def kept_bytes() -> int:

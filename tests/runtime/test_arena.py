@@ -2,6 +2,7 @@
 handler, which keeps freed blocks of KEPT_FROM bytes or more for the run's next request of their
 size and gives them back when the last run ends; everywhere else numpy's own allocator holds. On or
 off, a run's results are the same bits."""
+import os
 import threading
 
 import numpy as np
@@ -74,6 +75,44 @@ def test_a_process_keeping_freed_memory_in_glibc_has_no_arena(monkeypatch):
     assert not arena.wait_prepared()
     with arena.kept():
         assert _handler_name() == "default_allocator"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_counts_only_its_own_runs():
+    """Another thread's run under way at a fork is not the child's: the child keeps nothing between
+    its own runs, and its own runs keep and give back as the parent's do."""
+    entered, leave = threading.Event(), threading.Event()
+
+    def another_run():
+        with arena.kept():
+            entered.set()
+            leave.wait()
+
+    thread = threading.Thread(target=another_run)
+    thread.start()
+    entered.wait()
+    try:
+        child = os.fork()
+        if child == 0:  # the child: only this thread
+            failed = 1
+            try:
+                outside = np.empty(LARGE, np.float32)
+                del outside  # no run of its own under way: back to libc
+                with arena.kept():
+                    kept_outside = arena.kept_bytes()
+                    first = np.empty(LARGE, np.float32)
+                    address = first.ctypes.data
+                    del first
+                    again = np.empty(LARGE, np.float32).ctypes.data == address
+                failed = int(not (kept_outside == 0 and again and arena.kept_bytes() == 0))
+            finally:
+                os._exit(failed)
+        _, status = os.waitpid(child, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        leave.set()
+        thread.join()
+    assert arena.kept_bytes() == 0
 
 
 def test_zeros_resizing_and_contents_are_numpys():
