@@ -27,6 +27,7 @@ from runnx.ops._kernels_fused import add_rms_norm_into, rope_append_into, silu_m
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.ops._kernels_nn import layer_norm_rows
+from runnx.ops._kernels_numpy_exp import exp_into
 from runnx.ops._kernels_rows import split_heads_into
 from runnx.runtime.jobs import (open_nbits, post_attention, post_gelu, post_gemm, post_gemms, post_nbits,
                                 post_products)
@@ -76,41 +77,47 @@ def add_norm_into(residual, summed, epsilon, one, norm_weight, skip, normed):
 
 
 @_jit
-def projected_gate(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip):
-    """(s, gate, -gate, up, max(-gate)) for s = residual + x @ weight and gate, up its norm
+def projected_gate(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip,
+                   loop):
+    """(s, gate, decay, up, max(-gate)) for s = residual + x @ weight and gate, up its norm
     (`_add_norm`) @ gate_weight, @ up_weight (one job for the two), float32 rows and C-contiguous
     matrices: an attention's output projection, the residual add, the MLP's norm and its gate and up
-    products."""
+    products. decay is numpy's exp(-gate) where `loop` is numpy's exp (`_kernels_numpy_exp.EXP`),
+    else -gate, whose exp the caller takes (`_decay_into`)."""
     summed = np.empty(weight.shape[1], np.float32)
     gate, negated, up = (np.empty(gate_weight.shape[1], np.float32), np.empty(gate_weight.shape[1], np.float32),
                          np.empty(up_weight.shape[1], np.float32))
     largest = np.empty(1)
     projected_gate_into(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip,
-                        summed, gate, negated, up, largest)
+                        loop, summed, gate, negated, up, largest)
     return summed, gate, negated, up, largest[0]
 
 
 @_jit
 def projected_gate_into(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip,
-                        summed, gate, negated, up, largest):
+                        loop, summed, gate, negated, up, largest):
     """`projected_gate` into the caller's C-contiguous arrays (`largest` one element), for a call
     deferred with its outputs allocated before it runs (`runtime.defer`)."""
     _product_into(board, workers, x, weight, summed)
     normed = _add_norm(residual, summed, epsilon, one, norm_weight, skip)
     post_products(board, workers, normed, (gate_weight, up_weight), (gate, up),
                   np.empty(chunk_count(normed.size) * (gate.size + up.size), np.float32), 0.0, 1.0)
-    largest[0] = _negated_into(gate, negated)
+    largest[0] = _decay_into(loop, gate, negated)
 
 
 @_jit
-def _negated_into(gate, negated):
-    """-gate into negated (both C-contiguous), and its largest element: numpy's exp then takes the
-    first."""
-    flat_gate, flat_negated = gate.reshape(gate.size), negated.reshape(negated.size)
+def _decay_into(loop, gate, decay):
+    """-gate into decay (both C-contiguous), then numpy's exp of it in place where `loop` is numpy's
+    exp (`_kernels_numpy_exp.EXP`; (0, 0): the caller takes it, with numpy): the SiLU's exp(-gate).
+    Returns the largest element of -gate (the caller's exp silences overflow only when it can
+    happen)."""
+    flat_gate, flat_decay = gate.reshape(gate.size), decay.reshape(decay.size)
     largest = -np.inf
     for i in range(flat_gate.size):
-        flat_negated[i] = -flat_gate[i]
-        largest = max(largest, flat_negated[i])
+        flat_decay[i] = -flat_gate[i]
+        largest = max(largest, flat_decay[i])
+    if loop[0] != 0:
+        exp_into(loop, flat_decay, flat_decay)
     return largest
 
 
@@ -134,24 +141,24 @@ def gated_down_into(board, workers, gate, decay, up, weight, residual, epsilon, 
 
 @_jit
 def normed_gate_nbits(board, workers, a, b, epsilon, one, norm_weight, skip, tiles, scales, zeros, columns, gate_at,
-                      up_at, inner):
-    """(s, gate, -gate, up, max(-gate)) for s = a + b, C-contiguous float32 rows (M, K), and gate, up
+                      up_at, inner, loop):
+    """(s, gate, decay, up, max(-gate)) for s = a + b, C-contiguous float32 rows (M, K), and gate, up
     the columns gate_at and up_at .. + inner of its norm (`_add_norm`) times the joined 4-bit tiles
     of the gate and up weights (and any others: `columns` in all), one products job
     (`post_nbits`): GatedMLPNBits' residual add and norm and its two products, the bits of the
-    nodes it replaced."""
+    nodes it replaced; decay as `projected_gate`'s."""
     rows = a.shape[0]
     summed, gate, negated, up = (np.empty(a.shape, np.float32), np.empty((rows, inner), np.float32),
                                  np.empty((rows, inner), np.float32), np.empty((rows, inner), np.float32))
     largest = np.empty(1)
     normed_gate_nbits_into(board, workers, a, b, epsilon, one, norm_weight, skip, tiles, scales, zeros, columns,
-                           gate_at, up_at, inner, summed, gate, negated, up, largest)
+                           gate_at, up_at, inner, loop, summed, gate, negated, up, largest)
     return summed, gate, negated, up, largest[0]
 
 
 @_jit
 def normed_gate_nbits_into(board, workers, a, b, epsilon, one, norm_weight, skip, tiles, scales, zeros, columns,
-                           gate_at, up_at, inner, summed, gate, negated, up, largest):
+                           gate_at, up_at, inner, loop, summed, gate, negated, up, largest):
     """`normed_gate_nbits` into the caller's C-contiguous arrays (`largest` one element)."""
     summed[:] = b
     normed = _add_norm(a, summed, epsilon, one, norm_weight, skip)
@@ -159,7 +166,7 @@ def normed_gate_nbits_into(board, workers, a, b, epsilon, one, norm_weight, skip
     post_nbits(board, workers, normed, tiles, scales, zeros, products)
     gate[:] = products[:, gate_at:gate_at + inner]
     up[:] = products[:, up_at:up_at + inner]
-    largest[0] = _negated_into(gate, negated)
+    largest[0] = _decay_into(loop, gate, negated)
 
 
 @_jit
@@ -206,7 +213,7 @@ def _gemm(board, workers, rows, matrix, unit):
 
 @_jit
 def projected_gate_rows(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, units,
-                        skip):
+                        skip, loop):
     """`projected_gate` for a short prompt's rows x (M, K), residual (M, N), C-contiguous float32: the
     products as pool jobs of units[0] and units[1] columns a unit (`post_gemm`, `post_gemms`: those
     of MatMul and SharedInputMatMul for such rows), the sum and norm the norm node's, so the nodes'
@@ -217,7 +224,7 @@ def projected_gate_rows(board, workers, x, weight, residual, epsilon, one, norm_
     up = np.empty((x.shape[0], up_weight.shape[1]), np.float32)
     post_gemms(board, workers, normed, (gate_weight, up_weight), (gate, up), False, units[1])
     negated = np.empty_like(gate)
-    return summed, gate, negated, up, _negated_into(gate, negated)
+    return summed, gate, negated, up, _decay_into(loop, gate, negated)
 
 
 @_jit

@@ -5,7 +5,8 @@ whose MLP weights are 4-bit MatMulNBits matches it (onnxruntime-genai's int4 bui
 quantizer over an Optimum export), whatever the architecture around it.
 
 A decode step's rows (and a short prompt's) run as two native calls posting the decode pool's
-products jobs, numpy's exp between them (`_decode_blocks.py`): the kernels the replaced nodes call,
+products jobs, numpy's exp of the gate in the first (`_decode_blocks.py`; or between them where numba
+cannot call it: `fused_norms.decayed`): the kernels the replaced nodes call,
 in their order, so the same bits, where the nodes took four calls and Python between them; given
 leave, the down product's job is left open, its residual add and norm after it
 (`runtime/open_jobs.py`). Other rows run the nodes' kernels in turn.
@@ -14,14 +15,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from runnx.ops import _native
+from runnx.ops import _kernels_numpy_exp, _native
 from runnx.ops._decode_blocks import (add_norm_into, gated_down_nbits, gated_down_nbits_into, normed_gate_nbits,
                                      normed_gate_nbits_into, open_gated_down_nbits)
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.ops.contrib_quantized import (TILED_ROWS, MatMulNBits, SharedInputMatMulNBits, four_bit_tiles,
                                          joined_four_bit_tiles, prepack_joined_tiles, prepack_tiles)
-from runnx.ops.fused_norms import AddRMSNorm, defer_gated_mlp, exp_in_place
+from runnx.ops.fused_norms import AddRMSNorm, decayed, defer_gated_mlp
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool, take_leave
 from runnx.runtime.rows import SHARED_FROM
@@ -68,8 +69,8 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
             return summed.reshape(a.shape), normed.reshape(a.shape)
         summed, gate, decay, up, largest = decode_pool.shared_call(
             normed_gate_nbits, a.reshape(rows, K), b.reshape(rows, K), epsilon, one, norm_weight, skipped, *tiles,
-            sum(columns), gate_at, up_at, columns[0])
-        decay = exp_in_place(decay, largest)
+            sum(columns), gate_at, up_at, columns[0], _kernels_numpy_exp.EXP)
+        decay = decayed(decay, largest)
         if leave:  # the down product left open, its residual add and norm after it (the next node's checks meanwhile)
             product, normed = np.empty((rows, K), np.float32), np.empty((rows, K), np.float32)
             if decode_pool.open_shared_call(open_gated_down_nbits, (gate, decay, up, *down_tiles, product),

@@ -14,10 +14,10 @@ import math
 import numpy as np
 
 from runnx.interp.dtypes import ONNX_TO_NUMPY
-from runnx.ops import _native
+from runnx.ops import _kernels_numpy_exp, _native
 from runnx.ops._elementwise_util import binary, sigmoid
 from runnx.ops._fused_common import DOMAIN, KERNEL_DTYPES, fits
-from runnx.ops._kernels_fused import add_rms_norm_into, rms_norm_into, silu_mul_into
+from runnx.ops._kernels_fused import add_rms_norm_into, rms_norm_into, silu_mul_blocks, silu_mul_into
 from runnx.ops.contrib_normalization import skip_norm
 from runnx.ops.registry import register
 from runnx.runtime import defer
@@ -131,7 +131,12 @@ def _silu_mul_rows(gate, up, decay, start: int, stop: int) -> None:
     """decay[start:stop] = SiLU(gate) * up of those rows: exp(-gate) by numpy (the unfused Sigmoid's
     exp), then `silu_mul_into`, which divides by it; SILU_BLOCK elements at a time, whose three
     passes then read from cache (a long prompt's gate is megabytes: one pass over it each was
-    memory's, 2.15 ms for 1000 x 1536 rows against 1.49 in blocks). Elementwise: the same bits."""
+    memory's, 2.15 ms for 1000 x 1536 rows against 1.49 in blocks). Elementwise: the same bits.
+    float32 rows go in one call (`silu_mul_blocks`, numpy's exp called from it): three Python
+    calls a block took the GIL, which the threads sharing the rows then waited for."""
+    if gate.dtype == np.float32 and _kernels_numpy_exp.available():
+        silu_mul_blocks(_kernels_numpy_exp.EXP, gate[start:stop], up[start:stop], decay[start:stop], SILU_BLOCK)
+        return
     step = max(1, SILU_BLOCK // max(1, gate.shape[1]))
     for first in range(start, stop, step):
         last = min(stop, first + step)
@@ -143,6 +148,13 @@ SILU_BLOCK = 1 << 15  # elements of SiluMul's rows a pass (128 KiB an array: L2 
 
 
 _EXP_FINITE = 88.0  # float32 exp overflows from 88.72 on
+
+
+def decayed(decay, largest: float):
+    """exp(-gate) from a gate block's `decay` output (`_decode_blocks._decay_into`): the block took
+    numpy's exp itself where its loop is at hand (`_kernels_numpy_exp.available`), else decay is
+    -gate, whose exp numpy takes here (`exp_in_place`)."""
+    return decay if _kernels_numpy_exp.available() else exp_in_place(decay, largest)
 
 
 def exp_in_place(x, largest: float):
@@ -159,15 +171,17 @@ def defer_gated_mlp(first, first_arguments: tuple, down, weights: tuple, numbers
                     inner: int) -> tuple:
     """(sum, norm), each (rows, width), of a gated MLP block whose calls are deferred
     (`runtime.defer`) into arrays allocated here: the pool job first(board, workers,
-    *first_arguments, summed, gate, -gate, up, largest) (an add, norm and the gate and up products),
-    numpy's exp of -gate, then the pool job down(board, workers, gate, exp(-gate), up, *weights,
-    summed, *numbers, sum, norm) (SiLU gate, down product, residual add and norm): ResidualGatedMLP's
-    and GatedMLPNBits' `_into` blocks."""
+    *first_arguments, loop, summed, gate, decay, up, largest) (an add, norm, the gate and up
+    products and exp(-gate): `decayed`), numpy's exp of -gate where the job could not take it, then
+    the pool job down(board, workers, gate, exp(-gate), up, *weights, summed, *numbers, sum, norm)
+    (SiLU gate, down product, residual add and norm): ResidualGatedMLP's and GatedMLPNBits' `_into`
+    blocks."""
     summed, product, normed = (np.empty((rows, width), np.float32) for _ in range(3))
     gate, decay, up = (np.empty((rows, inner), np.float32) for _ in range(3))
     largest = np.empty(1)
-    defer(first, (*first_arguments, summed, gate, decay, up, largest), job=True)
-    defer(_exp_into, (decay, largest))
+    defer(first, (*first_arguments, _kernels_numpy_exp.EXP, summed, gate, decay, up, largest), job=True)
+    if not _kernels_numpy_exp.available():
+        defer(_exp_into, (decay, largest))
     defer(down, (gate, decay, up, *weights, summed, *numbers, product, normed), job=True)
     return product, normed
 

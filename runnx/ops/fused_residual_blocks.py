@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from runnx.ops import _native
+from runnx.ops import _kernels_numpy_exp, _native
 from runnx.ops._decode_blocks import (gated_down, gated_down_into, gated_down_rows, gelu_mlp, gelu_mlp_into,
                                      projected_gate, projected_gate_into, projected_gate_rows, projected_layer_norm,
                                      projected_layer_norm_into)
@@ -18,7 +18,7 @@ from runnx.ops._fused_common import DOMAIN
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops._remembered import Remembered
 from runnx.ops.fused_layer_norm_blocks import ErfGelu, HeadsAttention, add_layer_norm, attended_row
-from runnx.ops.fused_norms import AddRMSNorm, defer_gated_mlp, exp_in_place, norm_fits
+from runnx.ops.fused_norms import AddRMSNorm, decayed, defer_gated_mlp, norm_fits
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _matrix, _product, _vector
 from runnx.ops.linalg import _FLOAT32, MatMul
 from runnx.ops.registry import register
@@ -44,8 +44,8 @@ def ResidualGatedMLP(x, weight, bias, residual, norm_weight, gate_weight, up_wei
     (`runnx/interp/fusion/products.py`); norm and down_norm are the norms' (axis, to, cast), skip
     whether both are onnxruntime's SkipSimplifiedLayerNormalization (AddRMSNorm's `skip`). A decode
     step's float32 row (no biases, both norms the numba kernel's) runs as two native calls posting
-    the decode pool's jobs, numpy's exp between them (`_decode_blocks.py`), and so do a short
-    prompt's rows (`_gated_mlp_rows`): bitwise the nodes'. Given leave (`runtime/open_jobs.py`), a
+    the decode pool's jobs, numpy's exp of the gate in the first (or between them: `decayed`), and
+    so do a short prompt's rows (`_gated_mlp_rows`): bitwise the nodes'. Given leave (`runtime/open_jobs.py`), a
     decode row's down product is left open, its residual add and norm done once it is finished:
     the next node's checks run while the workers compute it. x may be the output of a job the
     previous node left open (a RepeatedKVAttention's): only its native calls read it."""
@@ -62,14 +62,14 @@ def ResidualGatedMLP(x, weight, bias, residual, norm_weight, gate_weight, up_wei
                                              (*down_numbers, down_norm_weight, skipped), 1, residual.shape[-1],
                                              down_weight.shape[0])
             return summed.reshape(residual.shape), normed.reshape(residual.shape)
-        return _gated_down(decode_pool.shared_call(projected_gate, *first, skipped), residual, down_weight,
-                           down_numbers, down_norm_weight, skipped)
+        return _gated_down(decode_pool.shared_call(projected_gate, *first, skipped, _kernels_numpy_exp.EXP), residual,
+                           down_weight, down_numbers, down_norm_weight, skipped)
     decode_pool.settle()  # (every other path reads its inputs before any post)
     block = _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                             down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
     if block is not None:
-        return _gated_down_rows(decode_pool.shared_call(projected_gate_rows, *block[0], skipped), residual,
-                                down_weight, block[1], down_norm_weight, skipped)
+        first = decode_pool.shared_call(projected_gate_rows, *block[0], skipped, _kernels_numpy_exp.EXP)
+        return _gated_down_rows(first, residual, down_weight, block[1], down_norm_weight, skipped)
     axis, to, cast = norm
     summed, normed = MatMulAddRMSNorm(x, weight, bias, residual, norm_weight, epsilon=epsilon, one=one, axis=axis,
                                       to=to, cast=cast, skip=skip)
@@ -121,10 +121,10 @@ def _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_w
 
 
 def _gated_down_rows(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool):
-    """ResidualGatedMLP's outputs from `projected_gate_rows`' results: numpy's exp, then `gated_down_rows`."""
+    """ResidualGatedMLP's outputs from `projected_gate_rows`' results: `decayed`, then `gated_down_rows`."""
     summed, gate, decay, up, largest = first
     epsilon, one, unit = down_numbers
-    summed, normed = decode_pool.shared_call(gated_down_rows, gate, exp_in_place(decay, largest), up, down_weight,
+    summed, normed = decode_pool.shared_call(gated_down_rows, gate, decayed(decay, largest), up, down_weight,
                                              summed, epsilon, one, down_norm_weight, unit, skip)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
 
@@ -147,9 +147,9 @@ def _gated_block_numbers(values: tuple, weight, norm_weight, gate_weight, up_wei
 
 
 def _gated_down(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool):
-    """ResidualGatedMLP's outputs from `projected_gate`'s results: numpy's exp, then `gated_down`."""
+    """ResidualGatedMLP's outputs from `projected_gate`'s results: `decayed`, then `gated_down`."""
     summed, gate, decay, up, largest = first
-    decay = exp_in_place(decay, largest)
+    decay = decayed(decay, largest)
     summed, normed = decode_pool.shared_call(gated_down, gate, decay, up, down_weight, summed, *down_numbers,
                                              down_norm_weight, skip)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
