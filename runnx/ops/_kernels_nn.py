@@ -7,6 +7,7 @@ import numba
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._vector_width import full_width
 
 
 @numba.njit(cache=True)
@@ -88,6 +89,7 @@ def pairwise_total(terms, n):
     Each step is element by element, so it vectorises without fast-math flags and every compiled
     copy of a caller (a decode block's, a pool worker's) rounds alike; eight running sums, whose
     order no flag may change, stay scalar."""
+    full_width()
     while n > 8:
         half = n // 2
         for j in range(half):
@@ -105,6 +107,7 @@ def pairwise_total(terms, n):
 def _float64_sum(row, centre, squares, scratch):
     """sum(row - centre) (squares False) or sum((row - centre) ** 2) in float64 (`pairwise_total`
     of the terms in scratch, float64 of row's length)."""
+    full_width()
     if squares:
         for j in range(row.shape[0]):
             v = np.float64(row[j]) - centre
@@ -120,6 +123,7 @@ def layer_norm_rows(x, scale, bias, epsilon, out, mean, inv_std):
     """Normalise every row of x (rows, cols) in two passes, statistics accumulated in float64
     (`_float64_sum`); writes out = (x - mean) * inv_std * scale + bias, and the per-row mean and
     inv_std."""
+    full_width()
     scratch = np.empty(x.shape[1])
     for r in range(x.shape[0]):
         mean[r], inv_std[r] = _normalised_row(x[r], scale, bias, epsilon, out[r], scratch)
@@ -130,6 +134,7 @@ def add_layer_norm_rows(a, b, offset, scale, bias, epsilon, summed, out):
     """summed = a + (b + offset) (an empty offset: a + b), row by row, each normalised into out as
     `layer_norm_rows` does while in cache: a residual add, the bias of the product b before it,
     and the norm in one pass over memory where numpy's adds took two more. summed may be a or b."""
+    full_width()
     scratch = np.empty(a.shape[1])
     for r in range(a.shape[0]):
         row, first, second = summed[r], a[r], b[r]
@@ -145,6 +150,7 @@ def add_layer_norm_rows(a, b, offset, scale, bias, epsilon, summed, out):
 @numba.njit(cache=True)
 def _normalised_row(row, scale, bias, epsilon, out, scratch):
     """out = LayerNorm(row); (mean, 1/std)."""
+    full_width()
     m = _float64_sum(row, 0.0, False, scratch) / row.shape[0]
     inv = 1.0 / math.sqrt(_float64_sum(row, m, True, scratch) / row.shape[0] + epsilon)
     _normalised(row, m, inv, scale, bias, out)
@@ -154,5 +160,6 @@ def _normalised_row(row, scale, bias, epsilon, out, scratch):
 @numba.njit(cache=True, fastmath={"contract", "nsz", "arcp"})
 def _normalised(row, m, inv, scale, bias, out):
     """out = (row - m) * inv * scale + bias, element by element (no sum for the flags to reorder)."""
+    full_width()
     for c in range(row.shape[0]):
         out[c] = (row[c] - m) * inv * scale[c] + bias[c]

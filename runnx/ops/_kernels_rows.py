@@ -24,6 +24,7 @@ from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kern
 from runnx.ops._kernels_elementwise import erf_float32
 from runnx.ops._kernels_fused import float32_from_bits
 from runnx.ops._kernels_nn import pairwise_total
+from runnx.ops._vector_width import full_width
 
 _REORDER = {"reassoc", "contract", "nsz", "arcp"}
 _REORDER_SIGNED = {"reassoc", "contract", "arcp"}
@@ -45,6 +46,7 @@ def _row_peak(bits):
     Integer max and min reductions vectorise where NaN-aware float ones do not, and the row is read
     while in L1, not in a pass of its own. Every step is cast to int32: numba widens int32
     arithmetic to int64, which halves the lanes."""
+    full_width()
     high, low = np.int32(-0x80000000), np.int32(0x7FFFFFFF)
     for j in range(bits.shape[0]):
         b = bits[j]
@@ -60,6 +62,7 @@ def _row_peak(bits):
 def _exponentials(row, peak):
     """row = exp(row - peak) = 2^n * 2^f, element by element (no sums: the flags that vectorise it
     cannot change how a copy rounds a sum); 2^n's bits made in int32 (see `_row_peak`)."""
+    full_width()
     for j in range(row.shape[0]):
         t = max((row[j] - peak) * _LOG2E, _LOWEST)
         n = np.int32(t - _HALF)  # t <= 0: truncating t - 1/2 rounds to the nearest, so |f| <= 1/2
@@ -72,6 +75,7 @@ def _exponentials(row, peak):
 def _row_total(row, scratch):
     """sum(row), float32 (row's length >= 1): its halves' sums into scratch (half its length, and
     one), then `pairwise_total`, no flags: the same rounding in every compiled copy."""
+    full_width()
     n = row.shape[0]
     if n == 1:
         return row[0]
@@ -90,6 +94,7 @@ def softmax_rows_float32(scores, fill):
     fast-math flags (`_row_total`), so every compiled copy rounds alike (the decode pool's worker
     loop has its own): with them, a worker's copy rounded some rows 1 ulp apart from the caller's
     in some processes, and a row's softmax depended on which thread took its block."""
+    full_width()
     scratch = np.empty(scores.shape[1] // 2 + 1, np.float32)
     bits = scores.view(np.int32)
     for r in range(scores.shape[0]):
@@ -108,6 +113,7 @@ def gelu_rows_float32(x, bias, divisor, one, half, out):
     """out = ((v * (erf(v / divisor) + one)) * half, v = x + bias, for every row of x (rows, columns);
     an empty bias adds nothing. One loop with the erf inlined: each row is read once, while it
     is in cache."""
+    full_width()
     for r in range(x.shape[0]):
         row, result = x[r], out[r]
         if bias.shape[0]:
