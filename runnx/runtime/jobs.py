@@ -25,7 +25,7 @@ from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE
 from runnx.ops._kernels_vnni import unsigned_rows, with_zero_points
 from runnx.runtime.atomics import bits_of_float64, store
 from runnx.runtime.board import hold_bytes, hold_floats, hold_grid, hold_matrix, release_finished, words_of
-from runnx.runtime.mailbox import PATIENCE, begin_job, finish, open_job, run_job
+from runnx.runtime.mailbox import PATIENCE, STEP_PATIENCE, begin_job, finish, open_job, run_job
 from runnx.runtime.slots import (ATTENDED, ATTENTION, BIAS, BLOCKS, BLOCK_BIAS, BLOCK_ENDS, BLOCK_FILL, BLOCK_HAS_BIAS,
                                  BLOCK_KEY, BLOCK_OUT, BLOCK_PER, BLOCK_POSITIONS, BLOCK_QUERY, BLOCK_VALUE, CHUNKS,
                                  COLUMNS, DEPTH, ENTRIES, ENTRY_SCALE, ENTRY_ZERO, FILL, FIRST_MATRIX, FIRST_PHASE,
@@ -126,7 +126,7 @@ def _check_products(row, matrices, outs, scratch):
 def _begin_products(board, height, depth, chunks):
     """`begin_job` of a products job over `height` rows of `depth`, `chunks` units a matrix in its
     first phase; the job's sequence number (its rows and matrices posted after)."""
-    sequence = begin_job(board, PATIENCE)
+    sequence = begin_job(board, STEP_PATIENCE)
     box = words_of(board.job)
     store(box, KIND, PRODUCTS)
     store(box, HEIGHT, height)
@@ -269,7 +269,7 @@ def open_attention(board, workers, query, key, value, bias, scale, fill, out, pa
     ValueError before anything is posted."""
     _check_attention(query, key, value, bias, out)
     _check_attention_scratch(query, key, value, partials, stats)
-    sequence = begin_job(board, PATIENCE)
+    sequence = begin_job(board, STEP_PATIENCE)
     job = board.job
     box = words_of(job)
     store(box, KIND, ATTENTION)
@@ -337,7 +337,7 @@ def open_nbits(board, workers, rows, lanes, sums, tiles, scales, zeros, out):
     finish(board)
     nbits_lanes(rows, 2 * CHUNK_BYTES, lanes, sums)
     height, columns = out.shape
-    sequence = begin_job(board, PATIENCE)
+    sequence = begin_job(board, STEP_PATIENCE)
     job = board.job
     box = words_of(job)
     store(box, KIND, NBITS)
@@ -389,7 +389,7 @@ def post_vnni(board, workers, a, flip, tiles, column_sums, a_zero, b_zero, out):
     finish(board)  # a may be the last job's output
     words, row_sums = unsigned_rows(a, flip, tiles.shape[1])
     raw = np.empty((a.shape[0], tiles.shape[0] * TILE), np.int32)
-    sequence = begin_job(board, PATIENCE)
+    sequence = begin_job(board, STEP_PATIENCE)
     job = board.job
     box = words_of(job)
     store(box, KIND, VNNI)

@@ -230,6 +230,20 @@ def test_workers_take_chunks_and_sleep_when_idle(pool):
     np.testing.assert_array_equal(pool.products(row, (matrix,))[0], expected)  # woken, or done alone
 
 
+def test_a_decode_steps_jobs_linger_past_the_python_between_two_steps(pool):
+    """A decode step's jobs (one-row products, the decode attention) keep the workers spinning for
+    STEP_PATIENCE polls, longer than a prompt's (PATIENCE): a worker that stops spinning waits for
+    the GIL to sleep, and while it waits every GIL release of the caller's Python between two steps
+    is a futex wake (mailbox.py)."""
+    assert mailbox.STEP_PATIENCE >= 4 * mailbox.PATIENCE
+    row, matrix = np.ones(64, np.float32), np.ones((64, 32), np.float32)
+    pool.products(row, (matrix,))
+    assert pool.box[slots.KIND] == slots.PRODUCTS and pool.box[slots.LINGER] == mailbox.STEP_PATIENCE
+    pool.attention(np.ones((1, 2, 1, 8), np.float32), np.ones((1, 2, 5, 8), np.float32),
+                   np.ones((1, 2, 5, 8), np.float32), None, 0.5, 0.0)
+    assert pool.box[slots.KIND] == slots.ATTENTION and pool.box[slots.LINGER] == mailbox.STEP_PATIENCE
+
+
 def test_a_product_as_large_as_an_lm_head_wakes_sleeping_workers_before_its_job(pool):
     # woken after it (as smaller jobs wake them), the workers would sleep through the whole product
     depth, width = 1024, decode_pool._WAKE_FIRST // 1024
