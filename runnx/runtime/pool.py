@@ -314,18 +314,25 @@ class DecodePool:
 
     def run_calls(self, calls: list) -> bool:
         """`run_calls` with this pool taken once for all the calls, sleeping workers woken before
-        each job; False when another thread has the pool (nothing run)."""
+        the first job and before each job after a call that is not one; False when another thread
+        has the pool (nothing run). Back to back, jobs keep the workers spinning (a decode step's
+        linger `STEP_PATIENCE`): checking their idle flags before each one cost a two-thread
+        SmolLM2 step ~0.17 ms of 120 checks."""
         if not self._enter():
             return False
         try:
             self._close()
             board, workers = self.board, self._workers
+            woken = False
             for function, arguments, job in calls:
                 if job:
-                    self._wake_sleeping()
+                    if not woken:
+                        self._wake_sleeping()
+                        woken = True
                     function(board, workers, *arguments)
                 else:
                     function(*arguments)
+                    woken = False
         finally:
             self.settle()  # (nothing is open: releases the lock)
         return True
