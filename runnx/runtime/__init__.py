@@ -63,5 +63,6 @@ def start_pool_in_background(model_path=None) -> None:
     start_in_background(load_jobs=not recorded)
 
 
-__all__ = ["arena", "defer", "deferring", "drop_deferred", "keep_freed", "keep_freed_if_asked", "opening", "pool_workers",
-           "set_threads", "settle", "sleep_after_calls", "start_pool_in_background", "take_leave", "threads"]
+__all__ = ["arena", "defer", "deferring", "drop_deferred", "keep_freed", "keep_freed_if_asked", "opening",
+           "pool_workers", "set_threads", "settle", "sleep_after_calls", "start_pool_in_background", "take_leave",
+           "threads"]

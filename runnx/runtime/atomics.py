@@ -1,7 +1,7 @@
 """numba intrinsics for threads sharing memory without locks (`pool.py`, a prepack's claimed
 parts): atomic loads, stores, compare-and-swap and add on an int64 array, the spin-wait hint, a
 short sleep, and a float64's bits as an int64 word and back. None makes a pointer from an integer:
-only the arena's allocator does (`arena_functions.py`)."""
+of the runtime's modules only the arena's allocator does (`arena_functions.py`)."""
 from __future__ import annotations
 
 import os
