@@ -419,3 +419,30 @@ def test_recorded_human_speech_transcribes_word_for_word(tiny_en, fixtures_dir):
     transcript = tiny_en.transcribe(fixtures_dir / name)
     assert 7.0 < transcript.timings.audio < 7.2  # FLAC at 16 kHz: no resampling
     assert _spoken_words(transcript.text) == said.split(), transcript.text
+
+
+def test_a_window_lets_go_of_the_last_windows_arrays_before_its_encoder_runs(tiny_whisper, fixtures_dir):
+    """The decoder holds a window's encoder states (and its KV cache) after decoding it, until the next
+    window's `encode`, which drops them before its encoder runs: a transcription's peak memory holds
+    one window's, not two."""
+    import weakref
+    model = Whisper(tiny_whisper)
+    outputs, alive_at_runs = [], []
+    run = model.encoder.run
+
+    def spied(*arguments, **options):
+        alive_at_runs.append(sum(ref() is not None for ref in outputs))
+        result = run(*arguments, **options)
+        outputs.extend(weakref.ref(array) for array in result.values())
+        return result
+
+    model.encoder.run = spied
+    features = mel.window_features(load_audio(fixtures_dir / "whisper_features" / "clip.wav"))
+    hidden = model.encode(features)
+    model.decode(hidden, max_new_tokens=5)
+    assert model.decoder.fixed_feeds["encoder_hidden_states"] is hidden  # (inspectable after decoding)
+    del hidden
+    model.encode(features)
+    clip = load_audio(fixtures_dir / "whisper_features" / "clip.wav")
+    assert model.transcribe(np.tile(clip, 14), max_new_tokens=20).timings.windows > 1
+    assert len(alive_at_runs) > 3 and alive_at_runs == [0] * len(alive_at_runs)
