@@ -15,8 +15,8 @@ The bound: all 30 layers' products, KV appends, attention, residual adds, RMSNor
 in one numba loop that posts the pool's own compiled jobs (`post_products`, `post_attention`), on random
 weights of the real shapes, timed in alternating blocks against runnx's real step. Not a runner:
 no rotary embedding, no mask, numba's exponentials in the SiLU, no shape bookkeeping; a product
-costs what it costs in runnx, only the Python around them is gone. A job posted from native code
-cannot wake a sleeping worker, so the worker is woken before each step.
+costs what it costs in runnx, only the Python around them is gone. Sleeping workers are woken
+before each step, as runnx's own calls wake them.
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ class NativeBound:
         if pool is None:
             native_step(make_board()[0], 0, *arguments)
             return
-        pool._wake()
+        pool._wake_sleeping()
         with pool._lock:
             native_step(pool.board, pool._workers, *arguments)
 

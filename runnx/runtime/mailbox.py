@@ -11,14 +11,17 @@ before it rewrites them). The caller waits only for units a worker has claimed, 
 Every thread, the caller as well as the workers, computes units through one compiled copy of the
 unit loop (`_units_entry`, the board's `units`): a result never depends on which thread took which
 unit.
-Each job says how long a worker spins after it (`LINGER`): decode jobs come every few microseconds,
-and a worker that stops spinning sleeps on its Event, which takes the GIL. A decode step's jobs
+Each job says how long a worker spins after it (`LINGER`): decode jobs come every few microseconds.
+A worker that stops spinning sleeps inside `serve`, in the kernel, until the mailbox's job number
+changes (`atomics.sleep_while`, Linux's futex), and whoever posts the next job wakes it from native
+code (`open_job`): it never returns to Python, so it never waits for the GIL (a worker sleeping on a
+Python Event needed it to wake, and while it waited, each of the caller's GIL releases, a nogil
+kernel's call, cost a futex wake of about 13 us here). Where there is no futex (`NATIVE_SLEEP`
+False) `serve` returns and `pool.py` puts the worker to sleep on its Event. A decode step's jobs
 (one-row products, the decode attention, 4-bit and 8-bit rows) linger through the Python between a
-step's last job and the next step's first (`STEP_PATIENCE`): a worker waiting for the GIL while the
-caller's Python runs made each of the caller's GIL releases (a nogil kernel's call) a futex wake of
-about 13 us here (30 such calls a SmolLM2 step took 0.46 ms, against 0.06 with the worker spinning
-or asleep). A prompt's jobs (`post_gemms`, the attention in blocks) keep the shorter `PATIENCE`:
-while workers spin, a prompt's row kernels run on one thread (`runtime/rows.py`).
+step's last job and the next step's first (`STEP_PATIENCE`), so the next step's first job finds them
+spinning. A prompt's jobs (`post_gemms`, the attention in blocks) keep the shorter `PATIENCE`: while
+workers spin, a prompt's row kernels run on one thread (`runtime/rows.py`).
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import numba.experimental.function_type  # noqa: F401  (numba types a C callback
 import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.runtime.atomics import add, compare_and_swap, load, pause, store
+from runnx.runtime.atomics import FUTEX, add, compare_and_swap, load, pause, sleep_while, store, wake_sleepers
 from runnx.runtime.board import JOB, new_board, release_finished, words_of
 from runnx.runtime.slots import (CLAIM, CLAIM_SHIFT, COMPLETED, FIRST_PHASE, IDLE, INDEX_BITS, KIND, LINGER,
                                  MAILBOX_SIZE, NOTHING_TO_CLAIM, POSTED, SHARED, STOP, UNITS)
@@ -39,6 +42,7 @@ DEFAULT_CLAIM_SHIFT = 3  # a claim takes an eighth of the units left
 SEQUENCES = (1 << 31) - 1  # job numbers wrap here, so that the tagged counter stays positive
 PATIENCE = 1 << 16  # polls (each a `pause`) before a worker sleeps: about 2.5 ms here
 STEP_PATIENCE = 1 << 18  # after a decode step's jobs: about 10 ms here, past a step's Python (3-5 ms)
+NATIVE_SLEEP = FUTEX  # idle workers sleep inside `serve` and posts wake them (else on their Events, `pool.py`)
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -109,8 +113,11 @@ def make_board() -> tuple:
 
 @_jit
 def serve(board, worker):
-    """Worker `worker`'s loop: returns True when told to stop, False when it has been idle for as
-    many polls as its last job said (`LINGER`)."""
+    """Worker `worker`'s loop: returns True when told to stop; once idle for as many polls as its
+    last job said (`LINGER`), it sleeps until the next job is posted (`NATIVE_SLEEP`), or returns
+    False for its thread to sleep (elsewhere). Its idle flag is set while it sleeps: a poster
+    that reads it set wakes it (`open_job`), and one that reads it clear posted before the worker
+    looked at the job number again (both sequentially consistent), so no wake-up is lost."""
     units, job = board.units, board.job
     box = words_of(job)
     store(box, IDLE + worker, 0)
@@ -127,9 +134,12 @@ def serve(board, worker):
             pause()
         else:
             store(box, IDLE + worker, 1)
-            if load(box, POSTED) == handled:  # nothing posted in between: the caller will wake us
-                return False
+            if load(box, POSTED) == handled and not load(box, STOP):  # nothing posted in between
+                if not NATIVE_SLEEP:
+                    return False  # (the caller will wake its thread)
+                sleep_while(box, POSTED, handled)
             store(box, IDLE + worker, 0)
+            polls = patience  # (woken for nothing new: asleep again at once)
     return True
 
 
@@ -171,16 +181,26 @@ def begin_job(board, linger):
 @_jit
 def open_job(board, workers, sequence, units):
     """Open job `sequence` of `units` units to the workers and return at once, before any unit is
-    computed: whether a worker was idle (asleep or falling asleep) when it was posted. The job's
-    arrays are held (`board.py`) until it is released."""
+    computed: whether a worker was idle (asleep or falling asleep) when it was posted (woken now:
+    `wake_idle`). The job's arrays are held (`board.py`) until it is released."""
     box = words_of(board.job)
     store(box, UNITS, units)
     store(box, COMPLETED, 0)
     store(box, CLAIM, sequence << INDEX_BITS)
     store(box, POSTED, sequence)
+    return wake_idle(box, workers)
+
+
+@_jit
+def wake_idle(box, workers):
+    """Wake the first `workers` workers of mailbox `box` that are asleep or falling asleep (their idle
+    flags set; `NATIVE_SLEEP`); whether there was one (where workers sleep on Events, the
+    caller wakes them)."""
     idle = False
     for worker in range(workers):
         idle |= load(box, IDLE + worker) != 0
+    if idle and NATIVE_SLEEP:
+        wake_sleepers(box, POSTED)
     return idle
 
 
@@ -201,4 +221,6 @@ def rest(board):
 
 @_jit
 def stop(board):
-    store(words_of(board.job), STOP, 1)
+    box = words_of(board.job)
+    store(box, STOP, 1)
+    wake_sleepers(box, POSTED)

@@ -6,12 +6,14 @@ microseconds of streaming weights from memory, and one attention per layer strea
 One core does not saturate memory on most machines (scripts/bench_gemv.py: 18 GB/s from one thread,
 29 from two on the first one), but handing each kernel to a thread pool costs more than it gains:
 numba's parallel regions and a Python-level hand-off take 30-50 us each. So the workers here never
-leave native code while a decode is running: each spins on a shared mailbox (`mailbox.py`'s loop;
-its layout in `slots.py`, what a unit computes in `units.py`, the jobs in `jobs.py`) for a few
-milliseconds after its last job, then sleeps on its own Event (a shared one, cleared by whichever
-worker wakes first, could leave another asleep through a wake-up meant for it). Workers found asleep
-are woken for the next job; the current one runs on the caller's thread. Before a rows job (half a
-millisecond of rows is worth the wake-up) the caller wakes sleeping workers; fewer rows than two
+leave native code: each spins on a shared mailbox (`mailbox.py`'s loop; its layout in `slots.py`,
+what a unit computes in `units.py`, the jobs in `jobs.py`) for a few milliseconds after its last
+job, then sleeps in the kernel until the next post wakes it (`mailbox.NATIVE_SLEEP`; where there is
+no futex, its loop returns and it sleeps on its own Event: a shared one, cleared by whichever worker
+wakes first, could leave another asleep through a wake-up meant for it). Before a job the caller
+wakes sleeping workers (`_wake_sleeping`), as its post does; a job they come too late for runs on
+the caller's thread. Before a rows job (half a millisecond of rows is worth the wake-up) the caller
+wakes sleeping workers; fewer rows than two
 blocks (a decode step's GELU) run the job alone on a mailbox of their own (`alone`), never the
 pool's, so they never set its linger to zero under a decode's spinning workers.
 
@@ -38,7 +40,7 @@ from runnx.runtime.jobs import (open_column_products, open_nbits, open_products,
                                 post_attention_blocks,
                                 post_column_products, post_gelu, post_gemm, post_gemms, post_nbits, post_products,
                                 post_softmax, post_vnni)
-from runnx.runtime.mailbox import finish, finish_and_release, make_board, rest, serve, stop
+from runnx.runtime.mailbox import NATIVE_SLEEP, finish, finish_and_release, make_board, rest, serve, stop, wake_idle
 from runnx.runtime.open_jobs import deferred, holding, opening, run_deferred, settle
 from runnx.runtime.slots import IDLE, MAX_MATRICES, MAX_WORKERS, ROW_BLOCK, SHARED
 
@@ -63,8 +65,9 @@ class DecodePool:
         # `rest`, first called by a multi-threaded BLAS product while workers spin (an
         # encoder-decoder window's first step after a decode): loading it from numba's cache there
         # would stall that step
-        stopped, _ = make_board()
+        stopped, stopped_box = make_board()
         rest(stopped)
+        wake_idle(stopped_box, 0)
         stop(stopped)
         serve(stopped, 0)
         finish(stopped)  # (and what this class calls from Python: `settle`'s finish and release, a
@@ -90,11 +93,17 @@ class DecodePool:
             self._wakes[worker].clear()
 
     def _wake(self):
-        for wake in self._wakes:
-            wake.set()
+        """Wake workers sleeping on their Events (none where they sleep in native code, woken by the
+        post itself)."""
+        if not NATIVE_SLEEP:
+            for wake in self._wakes:
+                wake.set()
 
     def _wake_sleeping(self):
         """Wake the workers that are asleep (or falling asleep), under the lock, before a job."""
+        if NATIVE_SLEEP:
+            wake_idle(self.box, self._workers)
+            return
         for worker, wake in enumerate(self._wakes):
             if self.box[IDLE + worker]:
                 wake.set()
@@ -298,8 +307,9 @@ class DecodePool:
 
     def call(self, job, *arguments):
         """job(board, workers, *arguments), a numba function posting this pool's jobs (`post_softmax`,
-        `post_gelu`, a decoder block of `ops/_decode_blocks.py`), with sleeping workers woken first (native
-        code cannot wake them); its result, or BUSY when the pool is busy (nothing done)."""
+        `post_gelu`, a decoder block of `ops/_decode_blocks.py`), with sleeping workers woken first (its
+        posts wake them too where they sleep in native code); its result, or BUSY when the pool is busy
+        (nothing done)."""
         if not self._enter():
             return BUSY
         try:
@@ -343,8 +353,10 @@ class DecodePool:
         its cross-attention keys and values of 1500 encoder rows between pool jobs)."""
         settle()
         # a worker woken after a job it came too late for still reads as idle until its thread
-        # runs: it would then spin through the product beside OpenBLAS's threads
-        waking = any([wake.is_set() for wake in self._wakes])
+        # runs: it would then spin through the product beside OpenBLAS's threads. Its wake-up
+        # leaves no trace where workers sleep in native code: the empty job is posted anyway (it
+        # wakes no one), and such a worker finds it and sleeps again at once
+        waking = NATIVE_SLEEP or any([wake.is_set() for wake in self._wakes])
         if (waking or self.spinning()) and self._lock.acquire(blocking=False):
             try:
                 rest(self.board)

@@ -299,10 +299,11 @@ def test_products_worth_blas_threads_let_spinning_workers_sleep(pool, blas_produ
 
 
 def test_a_worker_woken_but_not_yet_running_is_put_to_rest_before_a_blas_product(pool, blas_products):
-    # A job small enough to finish alone wakes the sleeping workers after it: a worker whose thread
-    # has not run yet still reads as idle. Left alone, it would wake during the next BLAS product and
-    # spin beside OpenBLAS's threads (a 32-token prompt's attention, then its output projection: 8x
-    # slower). rest() posts its empty job for such a worker too.
+    # A job small enough to finish alone wakes the sleeping workers: a worker whose thread has not
+    # run yet still reads as idle. Left alone, it would run during the next BLAS product, find the
+    # job it came too late for and spin after it beside OpenBLAS's threads (a 32-token prompt's
+    # attention, then its output projection: 8x slower). rest() posts its empty job for such a
+    # worker too: where workers sleep in native code, a wake-up leaves no trace, so always.
     assert _asleep(pool, 2)
     rows = RNG.standard_normal((64, 512)).astype(np.float32)
     matrix = RNG.standard_normal((512, 256)).astype(np.float32)
@@ -359,9 +360,32 @@ def test_a_short_prompts_products_of_one_input_are_one_pool_job_with_each_matmul
         assert product.shape == value.shape and np.array_equal(product.view(np.int32), value.view(np.int32))
 
 
+@pytest.mark.skipif(not mailbox.NATIVE_SLEEP, reason="workers sleep on Python Events here (no futex)")
+def test_a_job_posted_from_native_code_wakes_sleeping_workers_without_python(pool):
+    """Idle workers sleep in the kernel, never in Python: the post itself wakes them (`wake_idle` in
+    `open_job`), no Event, no GIL. A job posted on the pool's board straight from its numba posting
+    function, with nothing done in Python beforehand, gets units computed by a worker that was
+    asleep (sleeping on an Event, it would have slept through every one of these jobs)."""
+    from runnx.runtime.jobs import post_products
+    matrix = RNG.standard_normal((1024, 8192)).astype(np.float32)  # 8 chunks of 4 MB: the worker arrives in time
+    row = RNG.standard_normal(1024).astype(np.float32)
+    out = np.empty(8192, np.float32)
+    scratch = np.empty(chunk_count(1024) * 8192, np.float32)
+    expected = row_times_matrix(row, matrix)
+    before = pool.shared_units
+    deadline = time.monotonic() + 10  # a woken worker joins once its core is free (the suite runs two processes)
+    with pool._lock:  # (the pool is this test's: no other post can wake them)
+        while pool.shared_units == before and time.monotonic() < deadline:
+            assert _asleep(pool, 2)
+            post_products(pool.board, 2, row, (matrix,), (out,), scratch, 0.0, 1.0)
+            np.testing.assert_array_equal(out, expected)
+    assert pool.shared_units > before
+
+
 def test_a_pool_of_sleeping_workers_closes():
-    # close() wakes every sleeping worker (each sleeps on its own Event: a shared one, cleared by
-    # the first worker woken, once left another asleep and close() waiting for it forever)
+    # close() wakes every sleeping worker (in native code, or where each sleeps on its own Event:
+    # a shared one, cleared by the first worker woken, once left another asleep and close() waiting
+    # for it forever)
     pool = decode_pool.DecodePool(3)
     matrix = RNG.standard_normal((512, 256)).astype(np.float32)
     pool.products(RNG.standard_normal(512).astype(np.float32), (matrix,))
@@ -666,8 +690,9 @@ def test_pool_gelu_rows_are_bitwise_one_threads(pool, rows, with_bias):
 
 
 def test_a_native_block_wakes_sleeping_workers_and_computes_alone_when_the_pool_is_busy(pool):
-    """Native code posting jobs cannot wake a sleeping worker: `shared_call` wakes them first. A
-    pool held by another caller is BUSY; the block then runs alone, to the same bits."""
+    """`shared_call` wakes sleeping workers before a native block (whose posts wake them too where
+    they sleep in native code: `mailbox.NATIVE_SLEEP`). A pool held by another caller is BUSY; the
+    block then runs alone, to the same bits."""
     from runnx.ops._decode_blocks import gated_down
 
     rng = np.random.default_rng(12)
