@@ -366,15 +366,20 @@ class Whisper:
         """What `decode` takes of a window's features [1, n_mels, 3000]: the encoder hidden states
         [1, 1500, d_model], or, from an onnxruntime-genai folder's encoder, {decoder input: array}
         of every layer's cross-attention keys and values (read-only: each step feeds the same arrays).
-        The decoder lets go of the last window's first (its encoder states or cross-attention KV, its
-        self-attention cache): held on, they stayed alive beside what the encoder makes (Whisper tiny:
-        23 MiB more at the peak of every transcription after the first)."""
-        self.generator.reset()
-        self.generator.decoder.reset()
+        The decoder lets go of the last window's arrays first (`release`)."""
+        self.release()
         if not self._cross:
             return next(iter(self.encoder.run({self.encoder_input: features}).values()))
         outputs = self.encoder.run({self.encoder_input: features}, [output for output, _ in self._cross])
         return {name: read_only_view(outputs[output]) for output, name in self._cross}
+
+    def release(self) -> None:
+        """Let go of the last window's arrays, which the decoder holds after decoding it (its encoder
+        states or cross-attention KV, its self-attention cache: 23 MiB for Whisper tiny): held on, they
+        stayed alive beside the next window's encoder and the next audio's features, and in an idle
+        model between transcriptions. `encode` and the end of `transcribe` call it."""
+        self.generator.reset()
+        self.generator.decoder.reset()
 
     def decode(self, hidden, *, language: str | None = None, task: str = "transcribe",
                timestamps: bool = False, max_new_tokens: int | None = None) -> Decoded:
@@ -484,6 +489,7 @@ class Whisper:
             seek += advance
             if progress is not None:
                 progress(min(seek, content_frames) * FRAME_SECONDS, content_frames * FRAME_SECONDS)
+        self.release()
         text = self._text([t for s in segments for t in s.tokens])
         return Transcript(text, segments, language if self.tokens.multilingual else "en", timings)
 

@@ -423,8 +423,9 @@ def test_recorded_human_speech_transcribes_word_for_word(tiny_en, fixtures_dir):
 
 def test_a_window_lets_go_of_the_last_windows_arrays_before_its_encoder_runs(tiny_whisper, fixtures_dir):
     """The decoder holds a window's encoder states (and its KV cache) after decoding it, until the next
-    window's `encode`, which drops them before its encoder runs: a transcription's peak memory holds
-    one window's, not two."""
+    window's `encode`, which drops them before its encoder runs, or the end of `transcribe`: a
+    transcription's peak memory holds one window's, not two, and an idle model none (held, they
+    stayed alive through the next audio's features too)."""
     import weakref
     model = Whisper(tiny_whisper)
     outputs, alive_at_runs = [], []
@@ -446,3 +447,5 @@ def test_a_window_lets_go_of_the_last_windows_arrays_before_its_encoder_runs(tin
     clip = load_audio(fixtures_dir / "whisper_features" / "clip.wav")
     assert model.transcribe(np.tile(clip, 14), max_new_tokens=20).timings.windows > 1
     assert len(alive_at_runs) > 3 and alive_at_runs == [0] * len(alive_at_runs)
+    assert not any(ref() is not None for ref in outputs)  # nothing held once the transcription is done
+    assert model.decoder.fixed_feeds == {} and model.decoder.cache is None
