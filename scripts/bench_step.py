@@ -7,9 +7,10 @@ The split: the step's one-row products (the weights streamed from memory; the de
 with two threads), its attention over the KV cache, and everything else (the nodes' Python, the
 compiled plan, the shape memos), by wall clock around the kernels' entry points. The products
 count from the call into the pool (or into the one-thread loop, or into a native block such as
-ResidualGatedMLP's, its residual adds and norms included) to its return, their Python included;
-GB/s is the matrices' bytes over that time. The attention counts from the numba
-kernel's entry (`_attend_kernel`) on.
+ResidualGatedMLP's, its residual adds and norms included, or a call the step deferred that reads
+weight matrices) to its return, their Python included; GB/s is the matrices' bytes over that time.
+The attention counts from the numba kernel's entry (`_attend_kernel`) on, or a deferred call
+reading no weights (the decode attention's job, its rotary embedding and cache append with it).
 
 The bound: all 30 layers' products, KV appends, attention, residual adds, RMSNorms and SiLU gates
 in one numba loop that posts the pool's own compiled jobs (`post_products`, `post_attention`), on random
@@ -53,7 +54,7 @@ import numpy as np  # noqa: E402
 
 import bench  # noqa: E402
 from runnx.ops import fused, linalg
-from runnx.runtime import pool as decode_pool  # noqa: E402
+from runnx.runtime import open_jobs, pool as decode_pool  # noqa: E402
 from runnx.runtime.jobs import post_attention, post_products  # noqa: E402
 from runnx.runtime.mailbox import make_board  # noqa: E402
 from runnx.ops._kernels_fused import add_rms_norm_into  # noqa: E402
@@ -82,21 +83,50 @@ def _timed(part: str, fn, matrices=None):
     return timed
 
 
+def _after_queue(timed):
+    """`timed` run after this thread's deferred calls, as its post would run them first: they are
+    timed as calls of their own (`_timed_calls`), not as part of it."""
+    def call(*args, **kwargs):
+        open_jobs.run_deferred()
+        return timed(*args, **kwargs)
+    return call
+
+
+def _weights(arguments) -> list:
+    """The weight matrices among a call's arguments, or in tuples of them (2-D arrays of a pooled
+    product's size)."""
+    flat = [a for argument in arguments for a in (argument if isinstance(argument, tuple) else (argument,))]
+    return [a for a in flat if getattr(a, "ndim", 0) == 2 and a.size >= 1 << 16]
+
+
+def _timed_calls(run_calls):
+    """`pool.run_calls` with each deferred call (a step's native blocks and jobs, queued by the
+    plan: `runtime/open_jobs.py`) timed: products when it reads weight matrices, else attention."""
+    def timed(calls):
+        wrapped = [(_timed("products" if _weights(arguments) else "attention", function, _weights),
+                    arguments, job) for function, arguments, job in calls]
+        return run_calls(wrapped)
+    return timed
+
+
 @contextlib.contextmanager
 def _instrumented():
-    """The products' and the attention's entry points timed, while inside."""
+    """The products' and the attention's entry points timed, while inside: the calls a step defers
+    and those it makes at once."""
     originals = (decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
-                 decode_pool.shared_call)
+                 decode_pool.shared_call, decode_pool.run_calls, decode_pool.DecodePool.column_products)
     decode_pool.DecodePool.products = _timed("products", originals[0], lambda a: a[2])
+    decode_pool.DecodePool.column_products = _after_queue(_timed("products", originals[5], lambda a: a[2:3]))
     linalg.rows_times_matrix = _timed("products", originals[1], lambda a: a[1:2])
     fused._attend_kernel = _timed("attention", originals[2])
     decode_pool.shared_call = _timed("products", originals[3],  # native blocks (ResidualGatedMLP)
                                       lambda a: [m for m in a if getattr(m, "ndim", 0) == 2])
+    decode_pool.run_calls = _timed_calls(originals[4])
     try:
         yield
     finally:
         (decode_pool.DecodePool.products, linalg.rows_times_matrix, fused._attend_kernel,
-         decode_pool.shared_call) = originals
+         decode_pool.shared_call, decode_pool.run_calls, decode_pool.DecodePool.column_products) = originals
 
 
 LAYERS, HIDDEN, KV_HEADS, HEADS, DEPTH, INNER, VOCAB = 30, 576, 3, 9, 64, 1536, 49152
