@@ -12,10 +12,9 @@ job, then sleeps in the kernel until the next post wakes it (`mailbox.NATIVE_SLE
 no futex, its loop returns and it sleeps on its own Event: a shared one, cleared by whichever worker
 wakes first, could leave another asleep through a wake-up meant for it). Before a job the caller
 wakes sleeping workers (`_wake_sleeping`), as its post does; a job they come too late for runs on
-the caller's thread. Before a rows job (half a millisecond of rows is worth the wake-up) the caller
-wakes sleeping workers; fewer rows than two
-blocks (a decode step's GELU) run the job alone on a mailbox of their own (`alone`), never the
-pool's, so they never set its linger to zero under a decode's spinning workers.
+the caller's thread. Fewer rows than two blocks (a decode step's GELU: not worth a wake-up) run a
+rows job alone on a mailbox of their own (`alone`), never the pool's, so they never set its linger
+to zero under a decode's spinning workers.
 
 Memory: a job holds every array its units read and write (`board.py`: typed references in the
 job's fields, numba's reference counts being atomic), from its posting function (`jobs.py`, which
