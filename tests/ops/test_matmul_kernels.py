@@ -316,6 +316,29 @@ def test_a_streamed_product_is_the_same_bits_as_the_blocked_one(rows, depth, col
 
 
 @needs_avx512
+@pytest.mark.parametrize("rows", [gemm.PACKED_FROM, 121, 263])
+@pytest.mark.parametrize("depth", [1, 255, 257, 600])
+@pytest.mark.parametrize("columns, first, stop", [(65, 0, 65), (100, 0, 100), (1100, 0, 1100), (1100, 64, 777)])
+def test_b_packed_into_panels_gives_the_bits_of_b_read_in_place(rows, depth, columns, first, stop):
+    """From PACKED_FROM rows of a, `gemm_columns` packs each block of b into panels when it has the
+    scratch for them (`b_block`; without it, b is read in place): the same tiles over the same
+    chains, every element the same bits, across KC blocks, column blocks, a range's partial panels
+    and ranges that start and end inside a block; nothing written outside the range."""
+    a, b = _operands(rows, depth, columns)
+    scratch = lambda: (np.empty(gemm.MC * gemm.KC, np.float32), np.empty(gemm.KC * gemm.NR, np.float32),
+                       np.empty((gemm.MR, gemm.NR), np.float32))
+    in_place = np.full((rows, columns), np.nan, np.float32)
+    gemm.gemm_columns(a, b, in_place, first, stop, *scratch(), False, np.empty(1, np.float32))
+    packed = np.full((rows, columns), np.nan, np.float32)
+    block = np.full(gemm.KC * gemm.BLOCK_COLUMNS, np.nan, np.float32)
+    gemm.gemm_columns(a, b, packed, first, stop, *scratch(), False, block)
+    np.testing.assert_array_equal(packed.view(np.int32), in_place.view(np.int32))
+    assert not np.isnan(block).all()  # (b's blocks went through it)
+    assert np.isnan(packed[:, :first]).all() and np.isnan(packed[:, stop:]).all()
+    _close_to_exact(packed[:, first:stop], a, b[:, first:stop])
+
+
+@needs_avx512
 @pytest.mark.parametrize("rows", [1, 12, 13, 64, 121, 250])
 @pytest.mark.parametrize("depth", [1, 64, 80, 256])
 @pytest.mark.parametrize("columns, panels", [(5, 1), (32, 1), (64, 3), (100, 4), (1500, 47)])
