@@ -32,6 +32,19 @@ def _operands(rows, depth, columns):
             RNG.standard_normal((depth, columns), dtype=np.float32))
 
 
+def _scratch() -> tuple:
+    """`gemm_columns`' scratch but b_block: a's panels, b's last panel, an edge tile."""
+    return (np.empty(gemm.MC * gemm.KC, np.float32), np.empty(gemm.KC * gemm.NR, np.float32),
+            np.empty((gemm.MR, gemm.NR), np.float32))
+
+
+def _in_place(a, b, first: int, stop: int):
+    """a @ b[:, first:stop] by `gemm_columns` reading b in place (no room to pack it), NaN elsewhere."""
+    out = np.full((a.shape[0], b.shape[1]), np.nan, np.float32)
+    gemm.gemm_columns(a, b, out, first, stop, *_scratch(), False, np.empty(1, np.float32))
+    return out
+
+
 def _close_to_exact(product, a, b):
     exact = np.matmul(a.astype(np.float64), b.astype(np.float64))
     scale = np.matmul(np.abs(a).astype(np.float64), np.abs(b).astype(np.float64)) + 1e-30
@@ -304,10 +317,7 @@ def test_a_streamed_product_is_the_same_bits_as_the_blocked_one(rows, depth, col
     every element the same bits as `gemm_columns`, across KC blocks, slices, partial tiles and
     panels, column ranges and passes narrower than the range; nothing written outside the range."""
     a, b = _operands(rows, depth, columns)
-    scratch = lambda: (np.empty(gemm.MC * gemm.KC, np.float32), np.empty(gemm.KC * gemm.NR, np.float32),
-                       np.empty((gemm.MR, gemm.NR), np.float32))
-    blocked = np.full((rows, columns), np.nan, np.float32)
-    gemm.gemm_columns(a, b, blocked, first, stop, *scratch(), False, np.empty(1, np.float32))
+    blocked = _in_place(a, b, first, stop)
     streamed = np.full((rows, columns), np.nan, np.float32)
     gemm.gemm_streamed(a, b, streamed, first, stop, np.empty((gemm.streamed_rows(rows), span), np.float32))
     np.testing.assert_array_equal(streamed, blocked)
@@ -325,13 +335,10 @@ def test_b_packed_into_panels_gives_the_bits_of_b_read_in_place(rows, depth, col
     chains, every element the same bits, across KC blocks, column blocks, a range's partial panels
     and ranges that start and end inside a block; nothing written outside the range."""
     a, b = _operands(rows, depth, columns)
-    scratch = lambda: (np.empty(gemm.MC * gemm.KC, np.float32), np.empty(gemm.KC * gemm.NR, np.float32),
-                       np.empty((gemm.MR, gemm.NR), np.float32))
-    in_place = np.full((rows, columns), np.nan, np.float32)
-    gemm.gemm_columns(a, b, in_place, first, stop, *scratch(), False, np.empty(1, np.float32))
+    in_place = _in_place(a, b, first, stop)
     packed = np.full((rows, columns), np.nan, np.float32)
     block = np.full(gemm.KC * gemm.BLOCK_COLUMNS, np.nan, np.float32)
-    gemm.gemm_columns(a, b, packed, first, stop, *scratch(), False, block)
+    gemm.gemm_columns(a, b, packed, first, stop, *_scratch(), False, block)
     np.testing.assert_array_equal(packed.view(np.int32), in_place.view(np.int32))
     assert not np.isnan(block).all()  # (b's blocks went through it)
     assert np.isnan(packed[:, :first]).all() and np.isnan(packed[:, stop:]).all()
