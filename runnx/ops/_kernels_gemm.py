@@ -14,8 +14,8 @@ block's columns packed, `_pack_columns`), in 24 vector registers (12 rows x 2 ve
 one fused multiply-add per register a step of k, and adds the tile to c (stores it, for the first
 block of k). Reading b in place, not packing it, is 3x faster for a prompt's first few dozen rows;
 from PACKED_FROM rows of a on, each block of b is packed into panels once for all of them (a tile
-then reads its panel in order, where b in place steps across b's rows, a page a row or more: a
-2,000-row product 1.07-1.17x faster, a 512-row prompt's LM head 1.65x). b's columns go in blocks of
+then reads its panel in order, where b in place steps across b's rows, a page a row or more: 1,500-
+and 2,000-row products up to 1.16x faster, a 512-row prompt's LM head 1.5-1.9x). b's columns go in blocks of
 BLOCK_COLUMNS, whose KC rows stay
 in cache while every row of a passes, and each tile prefetches the next panel's rows (a wide b, an
 LM head's, has each of its rows a page or more apart: the hardware's prefetcher follows none). The
