@@ -73,9 +73,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = parser.parse_args()
-    if not _matmul.own_kernels():
-        print("runnx's own products are not the default here (no AVX-512, or numpy's BLAS is as wide, "
-              "but for a short prompt's): compared with them forced on")
+    forced = "" if _matmul.own_kernels() else (
+        " runnx's own products are not the default here (no AVX-512, or numpy's BLAS is as wide) but for a short"
+        " prompt's (fewer than 240 rows): these rows have them forced on.")
+    if forced:
+        print(forced.strip())
     _matmul.set_own_kernels(True)
     counts = [int(t) for t in args.threads.split(",")]
     results = [measure(threads, args.rounds) for threads in counts]
@@ -90,7 +92,7 @@ def main() -> None:
         return
     update_section("gemm", f"""## float32 products (`scripts/bench_gemm.py`)
 
-runnx's own products beside numpy's BLAS in one process, taking turns (ratio: the median of the rounds' time ratios); runnx {git_revision()}; {machine()}. Command: `.venv/bin/python scripts/bench_gemm.py --threads {args.threads} --rounds {args.rounds}`.
+runnx's own products beside numpy's BLAS in one process, taking turns (ratio: the median of the rounds' time ratios); runnx {git_revision()}; {machine()}. Command: `.venv/bin/python scripts/bench_gemm.py --threads {args.threads} --rounds {args.rounds}`.{forced}
 
 {table}
 """)
