@@ -261,11 +261,13 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
     if option_values:
         options = Options(**option_values) if options is None else _replace(options, option_values)
     options = options or Options()
+    # RUNNX_KEEP_FREED=1: glibc keeps the runs' freed temporaries mapped (runtime/allocator.py), asked
+    # before the threads below first allocate (each would keep an arena of its own)
+    keep_freed_if_asked()
     if isinstance(source, (str, os.PathLike)):  # the kernels its runs loaded before, while it loads
         from runnx.ops.kernel_loads import load_in_background, record_path  # (imports numba)
         load_in_background(record_path(source))
     from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
-    keep_freed_if_asked()  # RUNNX_KEEP_FREED=1: glibc keeps the runs' freed temporaries mapped (runtime/allocator.py)
     sleep_after_calls()  # OpenBLAS's threads, when numpy loaded it before runnx (runtime/openblas.py)
     with _collection_paused(), settles_held():
         return Model(load_model(source, weights, options.allow_newer_opset), options)

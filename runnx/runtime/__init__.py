@@ -53,8 +53,10 @@ def start_pool_in_background(model_path=None) -> None:
     """Start the decode pool on a thread of its own, beside a decoder's load (the first numba code a
     process loads carries numba's own start); nothing when the process runs one thread or the pool
     is there already (`pool_start.start_in_background`). The jobs every decoder calls are loaded too,
-    unless `model_path` has a record of its kernels (`ops/kernel_loads.py`), which loads its own."""
+    unless `model_path` has a record of its kernels (`ops/kernel_loads.py`), which loads its own.
+    RUNNX_KEEP_FREED is read first, as `runnx.load` reads it: before the threads allocate."""
     from runnx.runtime.pool_start import start_in_background
+    keep_freed_if_asked()
     recorded = False
     if model_path is not None:
         from runnx.ops.kernel_loads import record_path

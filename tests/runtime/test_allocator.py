@@ -89,3 +89,48 @@ def test_the_command_asks_unless_told_not_to():
 def test_the_users_own_malloc_settings_win():
     assert _second_round("runnx.keep_freed()", MALLOC_TRIM_THRESHOLD_="1048576")[1] is False
     assert _second_round("runnx.keep_freed()", MALLOC_MMAP_THRESHOLD_="1048576")[1] is False
+
+
+# how many arenas glibc's malloc has once runnx's threads (the decode pool's start, a model's kernel
+# loads) and a thread of the caller's have allocated: each thread's first allocation takes an arena
+# of its own by default, and what a thread frees stays in its arena
+_ARENAS = """
+import ctypes, os, tempfile, threading
+import numpy as np
+import runnx
+from runnx.runtime import pool_start
+
+runnx.set_threads(2)
+runnx.runtime.start_pool_in_background()
+if pool_start._starting is not None:
+    pool_start._starting.join()
+runnx.load(MODEL_PATH)
+worker = threading.Thread(target=lambda: np.ones(1 << 20).sum())
+worker.start()
+worker.join()
+libc = ctypes.CDLL(None)
+libc.fdopen.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = (ctypes.c_int, ctypes.c_void_p)
+libc.fclose.argtypes = (ctypes.c_void_p,)
+with tempfile.TemporaryFile() as report:
+    stream = libc.fdopen(os.dup(report.fileno()), b"w")
+    libc.malloc_info(0, stream)
+    libc.fclose(stream)
+    report.seek(0)
+    print(report.read().decode().count("<heap nr="))
+"""
+
+
+def _arenas(**environment) -> int:
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_ARENA_MAX", "RUNNX_KEEP_FREED")}
+    env.update(environment)
+    out = subprocess.run([sys.executable, "-c", _ARENAS.replace("MODEL_PATH", repr(str(MODEL)))], env=env,
+                         capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not _glibc(), reason="glibc's malloc settings: not this C library")
+def test_asked_every_thread_allocates_from_one_arena():
+    assert _arenas() > 1  # glibc's default: the threads' own arenas, which the probe sees
+    assert _arenas(RUNNX_KEEP_FREED="1") == 1  # asked before runnx's own threads first allocate
+    assert _arenas(RUNNX_KEEP_FREED="1", MALLOC_ARENA_MAX="4") > 1  # the user's setting wins
