@@ -10,7 +10,9 @@ such weight, and a file's map stays in 4 KiB pages (the kernel collapses no read
 here), whose TLB misses made a float32 135M-parameter decoder's step from onnxruntime-genai's
 folder 4-19% slower. Other tensors (indices, packed bytes), float ones no node streams as stored
 (the loader leaves them out: an embedding is read a few rows a step, a 4-bit weight's scales are
-repacked with it) and files memory could not hold twice are memory-mapped.
+repacked with it) and files memory could not hold twice are memory-mapped. A mapped tensor that a
+kernel has copied into a layout of its own (a 4-bit weight's tiles) hands its pages back
+(`release_pages`): the file still holds its bytes, and reading them again faults them in again.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 import mmap
 import os
 import struct
+import weakref
 
 import numpy as np
 from onnx import TensorProto
@@ -32,11 +35,48 @@ SAFETENSORS_DTYPES = {
 }
 
 
+_FILE_MAPS: weakref.WeakSet = weakref.WeakSet()  # the read-only maps of files made here (`_map_file`)
+
+
 def _map_file(path: str) -> mmap.mmap | bytes:
     with open(path, "rb") as handle:
         if os.fstat(handle.fileno()).st_size == 0:
             return b""
-        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        data = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+    _FILE_MAPS.add(data)
+    return data
+
+
+def in_file_map(array: np.ndarray) -> bool:
+    """Whether an array's bytes lie in a file's read-only map made here (`_map_file`)."""
+    return _file_map_of(array) is not None
+
+
+def _file_map_of(array: np.ndarray) -> mmap.mmap | None:
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    data = root.base.obj if isinstance(root.base, memoryview) else root.base
+    return data if isinstance(data, mmap.mmap) and data in _FILE_MAPS and not data.closed else None
+
+
+def release_pages(array: np.ndarray) -> int:
+    """Hand back to the kernel this process's pages that lie wholly inside the bytes of a
+    C-contiguous array, when those lie in a file's read-only map made here (`_map_file`: a data
+    file, a safetensors file): the file holds them, and anything reading them again faults them in
+    again from it, so nothing is lost. Memory anywhere else (runnx's arenas, a caller's array), whose
+    pages hold the only copy, is never touched. Returns the bytes handed back."""
+    data = _file_map_of(array)
+    if data is None or not array.flags.c_contiguous or not hasattr(data, "madvise"):
+        return 0
+    offset = array.__array_interface__["data"][0] - np.frombuffer(data, np.uint8).__array_interface__["data"][0]
+    if offset < 0 or offset + array.nbytes > len(data):
+        return 0
+    first, stop = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE, (offset + array.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if stop <= first:
+        return 0
+    data.madvise(mmap.MADV_DONTNEED, first, stop - first)
+    return stop - first
 
 
 # element types a product streams as stored (read into a weight arena)

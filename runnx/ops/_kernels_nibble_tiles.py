@@ -27,6 +27,9 @@ padding) are zeros.
 """
 from __future__ import annotations
 
+import mmap
+import sys
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -196,12 +199,13 @@ def tile_rows(lanes, sums, tiles, scales, zeros, out, first, stop):
 
 
 @intrinsic
-def _transpose_block(typingctx, source, source_at, source_step, target, target_at):
-    """target[target_at + 16 j + i] = source[source_at + source_step i + j] for i, j < 16 (flat uint8
-    arrays): a 16 x 16 block of bytes transposed in vector registers, four rounds of interleaving
-    row i with row i + 8 (which LLVM lowers to byte unpacks), where a strided copy moves one byte
-    at a time (a 4-bit weight's bytes into its tiles: 4x faster than numpy's transposing copy)."""
-    signature = types.void(source, source_at, source_step, target, target_at)
+def _transpose_block(typingctx, source, source_at, source_step, target, target_at, target_step):
+    """target[target_at + target_step j + i] = source[source_at + source_step i + j] for i, j < 16
+    (flat uint8 arrays): a 16 x 16 block of bytes transposed in vector registers, four rounds of
+    interleaving row i with row i + 8 (which LLVM lowers to byte unpacks), where a strided copy moves
+    one byte at a time (a 4-bit weight's bytes into its tiles: 4x faster than numpy's transposing
+    copy)."""
+    signature = types.void(source, source_at, source_step, target, target_at, target_step)
 
     def codegen(context, builder, sig, args):
         source_a = context.make_array(sig.args[0])(context, builder, args[0])
@@ -220,7 +224,7 @@ def _transpose_block(typingctx, source, source_at, source_step, target, target_a
             rows = [builder.shuffle_vector(rows[i // 2], rows[i // 2 + half], high if i % 2 else low)
                     for i in range(TILE)]
         for j, row in enumerate(rows):
-            at = builder.add(args[4], ir.Constant(ir.IntType(64), TILE * j))
+            at = builder.add(args[4], builder.mul(args[5], ir.Constant(ir.IntType(64), j)))
             builder.store(row, builder.bitcast(builder.gep(target_a.data, [at]), octets.as_pointer()), align=1)
         return context.get_dummy_value()
     return signature, codegen
@@ -243,7 +247,7 @@ def _transpose_whole(source, target, count, chunks):
     for t in range(count):
         for c in range(chunks):
             _transpose_block(source, (t * TILE * chunks + c) * CHUNK_BYTES, step, target,
-                             (t * chunks + c) * CHUNK_BYTES * TILE)
+                             (t * chunks + c) * CHUNK_BYTES * TILE, TILE)
 
 
 @_kernel
@@ -286,9 +290,14 @@ def repack(weights, block_scales, packed_zeros, typed_zeros, zero_mode, tiles, s
 
 
 # the columns of a `repack_listed` table: where each input lies (which source, at which byte) and its
-# sizes, and where each output lies in the arena
+# sizes, where each output lies in the arena, and which inputs go back to their file once the item is
+# made (`HAND_BACK`: bits W_BACK, S_BACK, Z_BACK)
 (W_SOURCE, W_AT, COLUMNS, BLOCKS, BLOB, S_SOURCE, S_AT, ZERO_MODE, Z_SOURCE, Z_AT, Z_COUNT,
- TILE_COUNT, CHUNKS, TILES_AT, SCALES_AT, ZEROS_AT, LISTED) = range(17)
+ TILE_COUNT, CHUNKS, TILES_AT, SCALES_AT, ZEROS_AT, HAND_BACK, LISTED) = range(18)
+W_BACK, S_BACK, Z_BACK = 1, 2, 4
+# madvise's advice that hands a map's pages back (a file's: read again from it if anything reads them)
+_DONTNEED = getattr(mmap, "MADV_DONTNEED", None) if sys.platform.startswith("linux") else None
+_PAGE = mmap.PAGESIZE
 # an item's state in `repack_listed`: FREE, the maker's number (1-255) while it makes it, then that
 # number with MADE or REFUSED (repack raised) added: who made each item stays readable
 FREE, MADE, REFUSED = 0, 256, 512
@@ -308,7 +317,9 @@ def repack_listed(sources, table, arena, states, first, count, maker):
     outputs byte ranges of `arena`: a whole model's weights take one call, no array a weight, no
     GIL between them. A prepacking thread and a run reaching the same weights share their items,
     none made twice, and each returns with all of them made: the run waits only for the items the
-    other thread is making."""
+    other thread is making. Once an item is made, the inputs its row marks (`HAND_BACK`) give their
+    pages back to the file they are mapped from, one weight after another: a model's weights and
+    their tiles are never all in memory at once."""
     for k in range(first, first + count):
         if compare_and_swap(states, k, FREE, maker):
             state = MADE
@@ -316,6 +327,8 @@ def repack_listed(sources, table, arena, states, first, count, maker):
                 _repack_row(sources, table[k], arena)
             except Exception:  # (a run making these tiles alone raises it, with its checks)
                 state = REFUSED
+            if state == MADE:
+                _hand_back_row(sources, table[k])
             store(states, k, maker + state)
     made = True
     for k in range(first, first + count):
@@ -353,3 +366,123 @@ def _repack_row(sources, row, arena):
     rows = count if mode == ZERO_TYPED else 0
     float_zeros = _bytes(arena, row[ZEROS_AT], 4 * rows * chunks * TILE).view(np.float32).reshape((rows, chunks, TILE))
     repack(weights, block_scales, packed, typed, mode, tiles, scales, byte_zeros, float_zeros)
+
+
+def tile_lanes_panel(tiles, scales, zeros, first, out):
+    """out (P, K) float32 = the columns first .. first + P of a 4-bit weight's tiles (`repack`'s
+    layout, read as they are kept) dequantized in lanes order: the values
+    `_kernels_contrib.nibble_lanes_panel` gives from the weight's own blocks, bitwise ((q - zero) *
+    scale in float32 for integer zero points, in float64 rounded once for float ones), so that a
+    prompt's product over such panels is the product over the original layout's. A weight whose
+    tiles are kept is then never read in its own layout again (`contrib_quantized.py`)."""
+    if zeros.dtype == np.float32:
+        _tile_lanes_wide(tiles, scales, zeros, first, out)
+    else:
+        _tile_lanes_narrow(tiles, scales, zeros, first, out)
+
+
+@_kernel
+def _tile_columns(flat, chunks, t, used, columns):
+    """columns[i, :used * 16] = the bytes of column 16 t + i in the weight's own layout (its `used`
+    first chunks), each chunk of the tile transposed back (`_transpose_block`)."""
+    step = columns.shape[1]
+    target = columns.reshape(-1)
+    for c in range(used):
+        _transpose_block(flat, (t * chunks + c) * CHUNK_BYTES * TILE, TILE, target, c * CHUNK_BYTES, step)
+
+
+@_kernel
+def _tile_lanes_narrow(tiles, scales, zeros, first, out):
+    """`tile_lanes_panel` for uint8 zero points (a model's own, or the default's shared row): a
+    tile's columns back in their own layout (`_tile_columns`), then each column's blocks into its
+    low and high lanes, as `nibble_lanes_panel` unpacks them."""
+    pairs, odd = out.shape[1] >> 1, out.shape[1] & 1
+    lows, chunks, stop = pairs + odd, tiles.shape[1], first + out.shape[0]
+    used = min(chunks, (lows + CHUNK_BYTES - 1) // CHUNK_BYTES)
+    flat, columns = tiles.reshape(-1), np.empty((TILE, used * CHUNK_BYTES), np.uint8)
+    whole = pairs // CHUNK_BYTES  # chunks whose every byte holds two values
+    span = columns.shape[1] // used  # (CHUNK_BYTES)
+    for t in range(first // TILE, (stop + TILE - 1) // TILE):
+        _tile_columns(flat, chunks, t, used, columns)
+        zt = t if zeros.shape[0] > 1 else 0
+        for i in range(max(first - t * TILE, 0), min(stop - t * TILE, TILE)):
+            row, column = out[t * TILE + i - first], columns[i]
+            low, high = row[:lows], row[lows:]
+            for c in range(whole):
+                z = np.float32(zeros[zt, c if zeros.shape[1] > 1 else 0, i])
+                s = scales[t, c, i]
+                start = c * span
+                for j in range(start, start + span):  # (a trip count LLVM vectorises, not unrolls)
+                    byte = np.int32(column[j])
+                    low[j] = (np.float32(byte & np.int32(15)) - z) * s
+                    high[j] = (np.float32(byte >> np.int32(4)) - z) * s
+            if whole < used:  # the last values (an odd K: one low more)
+                z = np.float32(zeros[zt, whole if zeros.shape[1] > 1 else 0, i])
+                s = scales[t, whole, i]
+                for j in range(whole * CHUNK_BYTES, lows):
+                    byte = np.int32(column[j])
+                    low[j] = (np.float32(byte & np.int32(15)) - z) * s
+                    if j < pairs:
+                        high[j] = (np.float32(byte >> np.int32(4)) - z) * s
+
+
+@_kernel
+def _tile_lanes_wide(tiles, scales, zeros, first, out):
+    """`tile_lanes_panel` for float32 zero points: `_lanes_panel_wide`'s arithmetic."""
+    pairs, odd = out.shape[1] >> 1, out.shape[1] & 1
+    lows, chunks, stop = pairs + odd, tiles.shape[1], first + out.shape[0]
+    used = min(chunks, (lows + CHUNK_BYTES - 1) // CHUNK_BYTES)
+    flat, columns = tiles.reshape(-1), np.empty((TILE, used * CHUNK_BYTES), np.uint8)
+    for t in range(first // TILE, (stop + TILE - 1) // TILE):
+        _tile_columns(flat, chunks, t, used, columns)
+        for i in range(max(first - t * TILE, 0), min(stop - t * TILE, TILE)):
+            row, column = out[t * TILE + i - first], columns[i]
+            for j in range(lows):
+                c = j // CHUNK_BYTES
+                z, s = np.float64(zeros[t, c, i]), np.float64(scales[t, c, i])
+                byte = np.int32(column[j])
+                row[j] = (np.float64(byte & np.int32(15)) - z) * s
+                if j < pairs:
+                    row[lows + j] = (np.float64(byte >> np.int32(4)) - z) * s
+
+
+@numba.njit(cache=True, nogil=True, error_model="numpy")
+def _hand_back_row(sources, row):
+    """The pages of the inputs of a made item that its row marks (`HAND_BACK`) handed back."""
+    back, mode = row[HAND_BACK], row[ZERO_MODE]
+    if back & W_BACK:
+        _hand_back(sources[row[W_SOURCE]], row[W_AT], row[COLUMNS] * row[BLOCKS] * row[BLOB])
+    if back & S_BACK:
+        _hand_back(sources[row[S_SOURCE]], row[S_AT], 4 * row[COLUMNS] * row[BLOCKS])
+    if back & Z_BACK:
+        _hand_back(sources[row[Z_SOURCE]], row[Z_AT], row[Z_COUNT] * (4 if mode == ZERO_TYPED else 1))
+
+
+@intrinsic
+def _hand_back(typingctx, buffer, at, length):
+    """madvise(MADV_DONTNEED) over the whole pages inside bytes at .. at + length of `buffer` (uint8,
+    read-only), which the caller knows to be a file's map (`_tile_listing.listed`: its pages are read
+    from the file again should anything read them); nothing for a range outside the buffer, nor
+    where there is no such advice. The pointer is the buffer's own, moved by a byte count."""
+    signature = types.void(buffer, at, length)
+
+    def codegen(context, builder, sig, args):
+        if _DONTNEED is None:
+            return context.get_dummy_value()
+        i32, i64, i8_pointer = ir.IntType(32), ir.IntType(64), ir.IntType(8).as_pointer()
+        array = context.make_array(sig.args[0])(context, builder, args[0])
+        at, length = args[1], args[2]
+        size = builder.extract_value(array.shape, 0)
+        inside = builder.and_(builder.icmp_signed(">=", at, ir.Constant(i64, 0)),
+                              builder.icmp_signed("<=", builder.add(at, length), size))
+        base = builder.ptrtoint(array.data, i64)
+        mask = ir.Constant(i64, ~(_PAGE - 1))
+        first = builder.sub(builder.and_(builder.add(builder.add(base, at), ir.Constant(i64, _PAGE - 1)), mask), base)
+        stop = builder.sub(builder.and_(builder.add(builder.add(base, at), length), mask), base)
+        with builder.if_then(builder.and_(inside, builder.icmp_signed(">", stop, first))):
+            madvise = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i8_pointer, i64, i32]),
+                                                     "madvise")
+            pointer = builder.bitcast(builder.gep(array.data, [first]), i8_pointer)
+            builder.call(madvise, [pointer, builder.sub(stop, first), ir.Constant(i32, _DONTNEED)])
+        return context.get_dummy_value()
+    return signature, codegen

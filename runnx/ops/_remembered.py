@@ -27,12 +27,14 @@ class Remembered:
     of `arrays` when each is None or a read-only array. An entry holds its arrays weakly and goes
     when one of them does (its id is then free for another object): a model's weights are not
     kept alive by facts about them. fn returns facts (numbers, shapes, None) that do not hold the
-    arrays, never an array a caller could write."""
+    arrays, never an array a caller could write. kept(values, *arrays), when given, is called once
+    a result is kept for them (a weight's tiles: its own bytes are read no more)."""
 
-    __slots__ = ("fn", "known", "_promised", "_computing")
+    __slots__ = ("fn", "kept", "known", "_promised", "_computing")
 
-    def __init__(self, fn=None):
+    def __init__(self, fn=None, kept=None):
         self.fn = fn  # None: results come from each `lookup`'s compute
+        self.kept = kept
         self.known: dict[tuple, tuple] = {}
         self._promised: dict[tuple, object] = {}  # key -> its maker (`promise`)
         # held while a missing entry is computed: a prepacking thread (`registry`'s prepack) and a
@@ -88,6 +90,8 @@ class Remembered:
                     self.known.clear()
                 forget = functools.partial(_forget, self.known, key)
                 self.known[key] = (tuple([weakref.ref(a, forget) for a in arrays if a is not None]), result)
+                if self.kept is not None:
+                    self.kept(values, *arrays)
         return result
 
 

@@ -11,9 +11,10 @@ import numpy as np
 
 from runnx.interp.model_file import fault_in, fresh_map, settle
 from runnx.ops._kernels_contrib import ZERO_PACKED, ZERO_TYPED
-from runnx.ops._kernels_nibble_tiles import (BLOB, BLOCKS, CHUNKS, COLUMNS, LISTED, S_AT, S_SOURCE, SCALES_AT,
-                                             TILE_COUNT, TILES_AT, W_AT, W_SOURCE, Z_AT, Z_COUNT, Z_SOURCE,
-                                             ZERO_MODE, ZEROS_AT)
+from runnx.interp.external_data import in_file_map
+from runnx.ops._kernels_nibble_tiles import (BLOB, BLOCKS, CHUNKS, COLUMNS, HAND_BACK, LISTED, S_AT, S_BACK, S_SOURCE,
+                                             SCALES_AT, TILE_COUNT, TILES_AT, W_AT, W_BACK, W_SOURCE, Z_AT, Z_BACK,
+                                             Z_COUNT, Z_SOURCE, ZERO_MODE, ZEROS_AT)
 
 _ALIGN = 64  # each output starts on a cache line of the arena
 
@@ -47,13 +48,16 @@ class Arena:
         return array
 
 
-def listed(items: list, arena: Arena) -> tuple[tuple, np.ndarray]:
+def listed(items: list, arena: Arena, hand_back=()) -> tuple[tuple, np.ndarray]:
     """(sources, table) for `repack_listed`: a row a `repack` item (its argument tuple), whose outputs
     are arrays of `arena`. Inputs lying in the buffers of the first item's weights, scales and zero
     points (a mapped data file, the load's weight arena, or a file a tensor) are read there; any
     other (a joined weight, scales converted to float32) is copied into a staging buffer, the last
-    source. `buffers_of` groups a model's weights so that each group's lie in its own buffers."""
+    source. `buffers_of` groups a model's weights so that each group's lie in its own buffers.
+    hand_back[k]: item k's tiles will be kept, so its inputs read from a file's map (`in_file_map`:
+    never memory holding the only copy) give their pages back once it is made (`HAND_BACK`)."""
     mains = [b if b is not None else _NOWHERE for b in buffers_of(items[0])] if items else [_NOWHERE] * 3
+    mapped = [bool(b.size) and in_file_map(b) for b in mains]
     staged_arrays: list[np.ndarray] = []
     staged_bytes = 0
     places: list[tuple] = []  # (source, at) of each item's weights, scales, zero points
@@ -85,6 +89,11 @@ def listed(items: list, arena: Arena) -> tuple[tuple, np.ndarray]:
         row[TILES_AT], row[SCALES_AT] = _offset_in(tiles, arena.buffer), _offset_in(tile_scales, arena.buffer)
         zeros = byte_zeros if mode == ZERO_PACKED else float_zeros if mode == ZERO_TYPED else None
         row[ZEROS_AT] = 0 if zeros is None else _offset_in(zeros, arena.buffer)
+    for k, row in enumerate(table):
+        if k < len(hand_back) and hand_back[k]:
+            row[HAND_BACK] = sum(bit for bit, source in ((W_BACK, row[W_SOURCE]), (S_BACK, row[S_SOURCE]),
+                                                           (Z_BACK, row[Z_SOURCE]))
+                                 if source < len(mains) and mapped[source])
     return tuple(_read_only(source) for source in (*mains, staged)), table
 
 

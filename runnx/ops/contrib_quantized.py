@@ -14,11 +14,12 @@ import functools
 import numpy as np
 
 from runnx.errors import RunnxError
-from runnx.ops import _native
+from runnx.interp.external_data import release_pages
+from runnx.ops import _native, _remembered
 from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED,
                                         bnb4_dequantize, bnb4_rows, lanes_order_into, nbits_dequantize, nbits_lanes,
                                         nbits_rows, nibble_lanes_panel)
-from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, MADE, TILE, repack, repack_listed
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, MADE, TILE, repack, repack_listed, tile_lanes_panel
 from runnx.ops._fused_common import DOMAIN as FUSED_DOMAIN
 from runnx.ops._remembered import Remembered
 from runnx.ops._tile_listing import Arena, buffers_key, buffers_of, listed
@@ -166,7 +167,8 @@ class _PendingTiles:
             groups.setdefault(buffers_key(buffers_of(p.items[0])), []).append(p)
         listings = []
         for group in groups.values():
-            sources, table = listed([item for p in group for item in p.items], arena)
+            sources, table = listed([item for p in group for item in p.items], arena,
+                                    [p.keeps() for p in group for _ in p.items])
             states, first = np.zeros(len(table), np.int64), 0
             for p in group:
                 p.listing, p.first = (sources, table, arena.buffer, states), first
@@ -195,6 +197,12 @@ class _PendingTiles:
             return _sealed(self.result)
         return None
 
+    def keeps(self) -> bool:
+        """Whether these tiles will be kept once made (as `Remembered.lookup` keeps a result): their
+        weight's own bytes are then read no more (`_release_weights`)."""
+        return _remembered.enabled and all(a is None or (type(a) is np.ndarray and not a.flags.writeable)
+                                           for a in self.arrays)
+
     def known(self) -> bool:
         """Whether these tiles are made already (a run got to them first)."""
         return self.remembered.knows(self.values, self.arrays)
@@ -215,9 +223,19 @@ def _pending(remembered: Remembered, values, arrays: tuple, parts) -> _PendingTi
     return _PendingTiles(remembered, values, arrays, parts())
 
 
-# a constant weight's tiles are made on its first product and kept while it lives (an extra copy of
-# the packed weights: what onnxruntime's prepacking keeps too)
-_remembered_tiles = Remembered(_nibble_tiles)
+def _release_weights(_, *arrays) -> None:
+    """Once a weight's tiles are kept, its own bytes (weights, scales, zero points) are read no more
+    (few rows read the tiles, more rows their panels: `_tiled_panel_product`): those mapped from a
+    data file hand their pages back (`external_data.release_pages`), as onnxruntime's prepacking
+    frees the initializers it packed. A 4-bit model's weights then take memory once, not twice."""
+    for array in arrays:
+        if array is not None:
+            release_pages(array)
+
+
+# a constant weight's tiles are made on its first product (or ahead, by the load's prepack) and kept
+# while it lives, its own bytes handed back when a file holds them (`_release_weights`)
+_remembered_tiles = Remembered(_nibble_tiles, kept=_release_weights)
 
 
 def _nibble_product(rows, b, scales, zero_points, out) -> None:
@@ -271,6 +289,11 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
                         decode_pool.open_nbits_rows(rows, *tiles, out)
                     return out.reshape(a.shape[:-1] + (N,))
                 decode_pool.nbits_rows(rows, *tiles, out)
+                return _with_bias(out, bias, _FLOAT32).reshape(a.shape[:-1] + (N,))
+            if rows.shape[0] > TILED_ROWS:  # a prompt's: panels of the tiles, the weight's own bytes handed back
+                decode_pool.settle()  # a may be the output of a job left open
+                out = np.empty((rows.shape[0], N), _FLOAT32)
+                _tiled_panel_product(np.ascontiguousarray(rows), tiles, 0, out)
                 return _with_bias(out, bias, _FLOAT32).reshape(a.shape[:-1] + (N,))
     decode_pool.settle()  # a may be the output of a job left open
     blocks = _check_weight(b, scales, K, N, bits, block_size)
@@ -359,7 +382,7 @@ def _joined_parts(shape: tuple, *parts) -> list:
 
 # made on the first few-row product, kept while the weights live (`_remembered_tiles`):
 # joined_four_bit_tiles((K, block_size, columns), *parts), the parts checked when they are made
-joined_four_bit_tiles = Remembered(_joined_tiles)
+joined_four_bit_tiles = Remembered(_joined_tiles, kept=_release_weights)
 
 
 def prepack_joined_tiles(inputs: tuple, attrs: dict) -> _PendingTiles | None:
@@ -398,6 +421,15 @@ def SharedInputMatMulNBits(a, *inputs, K: int, columns: tuple, block_size: int, 
         for n in columns:
             products.append(out[:, start:start + n].reshape(lead + (n,)))
             start += n
+    elif (rows is not None and a.dtype == _FLOAT32 and block_size >= 32
+          and (tiles := joined_four_bit_tiles.known_result(((K, block_size, columns), *map(id, parts)))) is not None):
+        decode_pool.settle()  # (a may be the output of a job left open) a prompt's rows: each product over
+        rows, products, offset = np.ascontiguousarray(rows), [], 0  # its columns of the joined tiles
+        for n in columns:
+            out = np.empty((rows.shape[0], n), _FLOAT32)
+            _tiled_panel_product(rows, tiles, offset, out)
+            products.append(out.reshape(a.shape[:-1] + (n,)))
+            offset += n
     else:
         products = [MatMulNBits(a, *parts[i:i + 3], K=K, N=n, bits=4, block_size=block_size)
                     for i, n in zip(range(0, len(parts), 3), columns)]
@@ -415,6 +447,25 @@ def SharedInputMatMulNBits(a, *inputs, K: int, columns: tuple, block_size: int, 
 def _panel_product(rows, b, scales, zero_points: tuple, bits: int, block_size: int, out) -> None:
     """out = rows @ dequantized(b).T through `matmul`, a panel of columns dequantized at a time into
     a buffer that stays in cache; 4-bit panels and the rows in lanes order (`nibble_lanes_panel`)."""
+    if bits == 4:
+        _panels(rows, True, out, lambda first, panel: nibble_lanes_panel(b, scales, *zero_points, block_size, first,
+                                                                         panel))
+        return
+    _panels(rows, False, out,
+            lambda first, panel: nbits_dequantize(b, scales, *zero_points, bits, block_size, first, panel))
+
+
+def _tiled_panel_product(rows, tiles: tuple, offset: int, out) -> None:
+    """`_panel_product` of a 4-bit weight over its kept tiles (`tile_lanes_panel`: the same panels,
+    bitwise), its columns from column `offset` of the tiles on (a part of joined tiles): once a
+    weight has tiles, a prompt's products read them, not the weight's own bytes, which
+    `_release_weights` hands back to the file they were mapped from."""
+    _panels(rows, True, out, lambda first, panel: tile_lanes_panel(*tiles, offset + first, panel))
+
+
+def _panels(rows, lanes: bool, out, fill) -> None:
+    """out = rows @ panels.T, fill(first, panel) dequantizing columns first .. first + len(panel) into
+    each panel, in lanes order when `lanes` (the rows put in it too)."""
     columns, depth = out.shape[1], rows.shape[1]
     panel_bytes = _OWN_PANEL_BYTES if own_product(rows.shape[0], True) else _PANEL_BYTES
     # a panel holds at least the rows' bytes: each panel's product packs every row again (a
@@ -422,14 +473,11 @@ def _panel_product(rows, b, scales, zero_points: tuple, bits: int, block_size: i
     width = max(1, min(columns, max(panel_bytes, rows.nbytes) // (depth * rows.itemsize)))
     panel = np.empty((width, depth), rows.dtype)
     rest_workers_before(rows.size * columns, rows.shape[0])  # BLAS's threads need the cores
-    if bits == 4:
+    if lanes:
         rows = lanes_order(rows)
     for first in range(0, columns, width):
         count = min(width, columns - first)
-        if bits == 4:
-            nibble_lanes_panel(b, scales, *zero_points, block_size, first, panel[:count])
-        else:
-            nbits_dequantize(b, scales, *zero_points, bits, block_size, first, panel[:count])
+        fill(first, panel[:count])
         matmul(rows, panel[:count].T, out=out[:, first:first + count])
 
 

@@ -4,6 +4,7 @@ import json
 import mmap
 import os
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -446,3 +447,44 @@ def test_a_load_pauses_the_garbage_collector_and_leaves_it_as_it_found_it(fixtur
     finally:
         (gc.enable if was else gc.disable)()
     assert seen == [False, False]
+
+
+def _resident_kib(address: int) -> int:
+    """This process's resident KiB of the map holding `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and not fields[0].endswith(":"):
+                start, stop = (int(x, 16) for x in fields[0].split("-"))
+                inside = start <= address < stop
+            elif inside and fields[0] == "Rss:":
+                return int(fields[1])
+    raise AssertionError("no map holds the address")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps: Linux")
+def test_a_mapped_tensors_pages_go_back_to_its_file_and_read_the_same_again(tmp_path):
+    """`release_pages` hands back the pages wholly inside a tensor mapped from a file (its kernel's
+    copy, a 4-bit weight's tiles, holds what it needs): they leave the process's memory, and reading
+    the tensor again gives its bytes from the file. Memory holding the only copy (an anonymous map,
+    numpy's own) is never handed back."""
+    from runnx.interp import external_data
+
+    payload = np.random.default_rng(5).integers(0, 256, 3 << 20, dtype=np.uint8)
+    (tmp_path / "data.bin").write_bytes(payload.tobytes())
+    data = external_data._map_file(str(tmp_path / "data.bin"))
+    tensor = np.frombuffer(memoryview(data)[1000:1000 + (2 << 20)], np.uint8)
+    assert int(tensor.sum()) == int(payload[1000:1000 + (2 << 20)].sum())  # (its pages read in)
+    address = tensor.__array_interface__["data"][0]
+    before = _resident_kib(address)
+    released = external_data.release_pages(tensor)
+    assert released == (2 << 20) - mmap.PAGESIZE  # the pages wholly inside it
+    assert _resident_kib(address) <= before - released // 1024
+    np.testing.assert_array_equal(tensor, payload[1000:1000 + (2 << 20)])
+    anonymous = np.frombuffer(mmap.mmap(-1, 1 << 20), np.uint8)
+    anonymous[:] = payload[:1 << 20]
+    own = payload.copy()
+    assert external_data.release_pages(anonymous) == 0 and external_data.release_pages(own) == 0
+    np.testing.assert_array_equal(anonymous, payload[:1 << 20])
+    np.testing.assert_array_equal(own, payload)

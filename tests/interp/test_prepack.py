@@ -3,6 +3,7 @@ what a first few-row run would make (a 4-bit weight's tiles, joined or alone; an
 tiles) is made on a thread of its own, kept as the run keeps it, made once when a run asks for it
 meanwhile, and the outputs are bitwise those of a model that made it in its run; what a prepack
 cannot make is left to the run, which refuses it."""
+import sys
 import threading
 import time
 
@@ -15,6 +16,7 @@ from runnx.errors import RunnxError
 from runnx.generate.decoder import DecoderStep, load_decoder
 from runnx.ops import _kernels_vnni as vnni, contrib_quantized, linalg_integer
 from runnx.ops._kernels_nibble_tiles import MADE, REFUSED, TILE_COUNT, repack
+from tests.interp.test_loader import _resident_kib
 
 F = TensorProto.FLOAT
 MS = "com.microsoft"
@@ -334,3 +336,53 @@ def test_a_real_int4_decoder_finds_every_weight_prepacked(smollm2_genai_int4_dir
     fresh = DecoderStep.from_folder(smollm2_genai_int4_dir, capacity=64)  # its first prompt makes its own
     assert int(fresh.step(prompt)[0, -1].argmax()) == token
     assert len(made) > 30 * 4
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps: Linux")
+@pytest.mark.parametrize("prepacked", [True, False])
+def test_a_folders_4_bit_weights_leave_memory_once_their_tiles_are_made(prepacked, listings, monkeypatch, tmp_path):
+    """A 4-bit model whose weights lie in a data file (memory-mapped, as onnxruntime-genai's folders
+    have them): as the prepack makes each weight's tiles, in its one native call, the weight's own
+    pages go back to the file (`repack_listed`'s HAND_BACK; checked here without the hand-back that
+    follows keeping them), or, tiles made by a first run, once they are kept (`_release_weights`);
+    neither a prompt (its panels come from the tiles) nor a decode row reads them again; the
+    outputs are the bits of the same model whose weights stay in memory (loaded from bytes: the
+    load's arena, whose pages never go back)."""
+    import onnx
+
+    depth, rows = 512, contrib_quantized.TILED_ROWS + 36
+    nodes, constants = [], {}
+    for i, N in enumerate((512, 256, 384)):  # two products of x (joined tiles) and one of y0
+        source = "x" if i < 2 else "y0"
+        constants.update(zip((f"b{i}", f"s{i}", f"z{i}"), _nbits(N, depth // BLOCK)))
+        nodes.append(helper.make_node("MatMulNBits", [source, f"b{i}", f"s{i}", f"z{i}"], [f"y{i}"], domain=MS,
+                                      K=depth, N=N, bits=4, block_size=BLOCK))
+    graph = helper.make_graph(nodes, "products", [helper.make_tensor_value_info("x", F, None)],
+                              [helper.make_tensor_value_info(f"y{i}", F, None) for i in (1, 2)],
+                              [numpy_helper.from_array(v, k) for k, v in constants.items()])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)],
+                              ir_version=10)
+    in_memory = runnx.load(proto.SerializeToString())
+    in_memory.prepack_in_background().join()
+    listings.clear()
+    onnx.save(proto, str(tmp_path / "model.onnx"), save_as_external_data=True, location="model.onnx.data",
+              size_threshold=0)
+    model = runnx.load(str(tmp_path / "model.onnx"))
+    assert "SharedInputMatMulNBits" in _kinds(model)
+    if prepacked:
+        for remembered in (contrib_quantized._remembered_tiles, contrib_quantized.joined_four_bit_tiles):
+            monkeypatch.setattr(remembered, "kept", None)
+        model.prepack_in_background().join()
+        assert [count for _, _, count, _, _ in listings] == [3]  # (the file's weights in one call)
+    else:
+        model.run({"x": RNG.standard_normal((1, 1, depth)).astype(np.float32)})
+    weight = model.graph.constants[model.graph.ids["b0"]]
+    data = (tmp_path / "model.onnx.data").stat().st_size
+    resident = _resident_kib(weight.__array_interface__["data"][0])
+    assert resident * 1024 < data // 8  # (scales and the page at each tensor's ends may stay)
+    for length in (rows, 1):
+        x = RNG.standard_normal((1, length, depth)).astype(np.float32)
+        expected = in_memory.run({"x": x})
+        for name, value in model.run({"x": x}).items():
+            np.testing.assert_array_equal(value, expected[name])
+    assert _resident_kib(weight.__array_interface__["data"][0]) <= resident + 8

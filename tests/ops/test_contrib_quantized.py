@@ -503,3 +503,57 @@ def test_many_rows_take_panels_at_least_as_large_as_their_rows_with_the_same_bit
                                                   zeros.reshape(2500, -1)[first:first + 64], K=256,
                                                   N=min(64, 2500 - first), bits=4, block_size=32)
     np.testing.assert_array_equal(wide, narrow)
+
+
+@pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
+@pytest.mark.parametrize("K,N,block_size", [(576, 70, 32), (67, 40, 32), (301, 33, 64), (130, 16, 128), (33, 17, 32)])
+def test_4_bit_tiles_give_the_panels_of_the_weights_own_bytes(zero_points, K, N, block_size):
+    """A prompt's panels dequantized from a weight's tiles (`tile_lanes_panel`) are the panels of its
+    own bytes (`nibble_lanes_panel`), bit for bit: any column range (within a tile, across tiles, the
+    last tile's), odd K and partial last blocks, every kind of zero point."""
+    from runnx.ops._kernels_contrib import nibble_lanes_panel
+    from runnx.ops._kernels_nibble_tiles import tile_lanes_panel
+    from runnx.ops.contrib_quantized import _nbits_zero_points, _nibble_tiles
+
+    _, b, scales, zeros = _nbits_inputs((1,), K, N, 4, block_size, zero_points)
+    tiles = _nibble_tiles((), b, scales, zeros)
+    mode, packed, typed = _nbits_zero_points(zeros, N, b.shape[1], 4, np.float32)
+    for first, count in [(0, N), (3, 9), (15, min(2, N - 15)), (N - 1, 1), (N // 2, N - N // 2)]:
+        expected, got = np.empty((count, K), np.float32), np.full((count, K), np.nan, np.float32)
+        nibble_lanes_panel(b, scales, packed, typed, mode, block_size, first, expected)
+        tile_lanes_panel(*tiles, first, got)
+        np.testing.assert_array_equal(got.view(np.int32), expected.view(np.int32))
+
+
+@pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
+def test_a_prompt_over_kept_tiles_reads_them_with_the_bits_of_the_weights_own_bytes(zero_points, monkeypatch):
+    """Once a constant 4-bit weight has tiles, a prompt's product (more than TILED_ROWS rows) reads
+    its panels from them, never the weight's own bytes (which `_release_weights` may hand back), and
+    gives the bits of the product over those bytes; so do SharedInputMatMulNBits' products over their
+    joined tiles, each part from its own columns."""
+    from runnx.ops import _kernels_contrib, contrib_quantized
+    from runnx.ops.contrib_quantized import MatMulNBits, SharedInputMatMulNBits
+
+    K, block_size, columns = 96, 32, (48, 20, 33)
+    rows = contrib_quantized.TILED_ROWS + 30
+    a = RNG.standard_normal((1, rows, K)).astype(np.float32)
+    parts = []
+    for n in columns:
+        _, b, scales, zeros = _nbits_inputs((1,), K, n, 4, block_size, zero_points)
+        for array in (b, scales, zeros):
+            if array is not None:
+                array.flags.writeable = False  # (constants: their tiles are kept)
+        parts.append((b, scales, zeros))
+    expected = [MatMulNBits(a, *part, K=K, N=n, bits=4, block_size=block_size) for part, n in zip(parts, columns)]
+    read = []
+    monkeypatch.setattr(contrib_quantized, "nibble_lanes_panel",
+                        lambda *args: read.append(args) or _kernels_contrib.nibble_lanes_panel(*args))
+    for part, n, want in zip(parts, columns, expected):
+        MatMulNBits(a[:, :1], *part, K=K, N=n, bits=4, block_size=block_size)  # one row: its tiles made and kept
+        got = MatMulNBits(a, *part, K=K, N=n, bits=4, block_size=block_size)
+        np.testing.assert_array_equal(got, want)
+    flat = [x for part in parts for x in part]
+    SharedInputMatMulNBits(a[:, :1], *flat, K=K, columns=columns, block_size=block_size)  # its joined tiles kept
+    for got, want in zip(SharedInputMatMulNBits(a, *flat, K=K, columns=columns, block_size=block_size), expected):
+        np.testing.assert_array_equal(got, want)
+    assert read == []

@@ -2,6 +2,7 @@
 read where they lie (a mapped data file, the load's weight arena) or staged when they lie apart,
 outputs carved from one arena, and the tiles the same bits as a run's own (`repack` an item)."""
 import mmap
+import sys
 
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from runnx.ops import contrib_quantized as cq
 from runnx.ops._kernels_nibble_tiles import FREE, MADE, repack_listed
 from runnx.ops._tile_listing import Arena, _buffer_of, listed
+from tests.interp.test_loader import _resident_kib
 
 RNG = np.random.default_rng(11)
 BLOCK = 32
@@ -126,3 +128,47 @@ def test_an_item_claimed_elsewhere_is_left_to_its_maker():
     assert repack_listed(sources, table, arena.buffer, states, 0, 1, 1) and states[0] == 1 + MADE
     for made, want in zip(result, cq._made(*cq._planned_tiles(parts))):
         assert np.array_equal(made, want)
+
+
+@pytest.mark.parametrize("where", ["arena", "anonymous map", "file"])
+def test_only_a_files_pages_are_marked_to_go_back_and_only_for_kept_tiles(where, tmp_path):
+    """An item's inputs are marked to give their pages back once it is made (HAND_BACK) when its tiles
+    will be kept and they lie in a file's read-only map, whose pages the file holds: never memory
+    holding the only copy (the load's arena, an anonymous map), nor a staged copy. The tiles are the
+    same bits either way, and the inputs read the same after their pages went back."""
+    from runnx.interp import external_data
+    from runnx.ops._kernels_nibble_tiles import HAND_BACK, S_BACK, W_BACK, Z_BACK
+
+    parts = [_weights(256, 512, "packed"), _weights(128, 512, "packed")]
+    flat = [a for part in parts for a in part]
+    originals = [a.copy() for a in flat]
+    if where == "file":
+        raw = b"".join(a.tobytes() + bytes(-a.nbytes % 64) for a in flat)
+        (tmp_path / "data.bin").write_bytes(raw)
+        memory = memoryview(external_data._map_file(str(tmp_path / "data.bin")))
+        placed, at = [], 0
+        for a in flat:
+            placed.append(np.frombuffer(memory[at:at + a.nbytes], a.dtype).reshape(a.shape))
+            at += a.nbytes + (-a.nbytes % 64)
+    else:
+        placed = _in_one_buffer(flat, "arena" if where == "arena" else "mapped")
+    weight_parts = [[tuple(placed[0:3])], [tuple(placed[3:6])]]
+    arena = Arena(Arena.sized([shape for p in weight_parts for shape in cq._tile_shapes(p)]))
+    planned = [cq._planned_tiles(p, arena.empty) for p in weight_parts]
+    items = [item for _, its in planned for item in its]
+    sources, table = listed(items, arena, [True, False])
+    everything = W_BACK | S_BACK | Z_BACK
+    assert list(table[:, HAND_BACK]) == ([everything, 0] if where == "file" else [0, 0])
+    address = placed[0].__array_interface__["data"][0]
+    resident = None
+    if where == "file" and sys.platform.startswith("linux"):
+        assert sum(int(a.sum()) for a in placed) > 0  # (their pages read in)
+        resident = _resident_kib(address)
+    assert repack_listed(sources, table, arena.buffer, np.zeros(2, np.int64), 0, 2, 1)
+    if resident is not None:  # the first weight's bytes (64 KiB) and scales (16) went back, the second's stayed
+        assert resident - 84 <= _resident_kib(address) <= resident - 72
+    for (result, _), p in zip(planned, weight_parts):
+        for got, expected in zip(result, cq._nibble_tiles((), *p[0])):
+            np.testing.assert_array_equal(got, expected)
+    for got, expected in zip(placed, originals):
+        np.testing.assert_array_equal(got, expected)
