@@ -17,8 +17,8 @@ from runnx.errors import RunnxError
 from runnx.interp.external_data import release_pages
 from runnx.ops import _native, _remembered
 from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED,
-                                        bnb4_dequantize, bnb4_rows, lanes_order_into, nbits_dequantize, nbits_lanes,
-                                        nbits_rows, nibble_lanes_panel)
+                                        bnb4_dequantize, bnb4_rows, gather_blocks_into, lanes_order_into,
+                                        nbits_dequantize, nbits_lanes, nbits_rows, nibble_lanes_panel)
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, MADE, TILE, repack, repack_listed, tile_lanes_panel
 from runnx.ops._fused_common import DOMAIN as FUSED_DOMAIN
 from runnx.ops._remembered import Remembered
@@ -560,6 +560,9 @@ def MatMulBnb4(a, b, absmax, *, K: int, N: int, block_size: int, quant_type: int
     return out.reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
 
 
+_NO_ZERO_ROWS = np.empty((1, 0), np.uint8)  # `gather_blocks_into`'s zero points when there are none
+
+
 def _unpack_last_axis(data, bits: int, length: int):
     """uint8 values packed 8 // bits to a byte along the last axis (low bits first), as int32, cut to `length`."""
     per_byte = 8 // bits
@@ -592,6 +595,14 @@ def GatherBlockQuantized(data, indices, scales, zero_points=None, *, bits: int =
     positions = np.where(indices < 0, indices + data.shape[gather_axis], indices).astype(np.intp)
     if positions.size and (positions.min() < 0 or positions.max() >= data.shape[gather_axis]):
         raise RunnxError(f"GatherBlockQuantized: indices out of range for {data.shape[gather_axis]} rows")
+    if (_native.enabled and packed and rank == 2 and gather_axis == 0 and scales.dtype == _FLOAT32
+            and (zero_points is None or zero_points.dtype == np.uint8
+                 and zero_points.shape == (data.shape[0], -(-blocks // (8 // bits))))):
+        out = np.empty((positions.size, width), _FLOAT32)
+        zeros = _NO_ZERO_ROWS if zero_points is None else np.ascontiguousarray(zero_points)
+        gather_blocks_into(np.ascontiguousarray(data), positions.reshape(-1), np.ascontiguousarray(scales), zeros,
+                           bits, block_size, out)
+        return out.reshape(positions.shape + (width,))
     gathered = np.take(data, positions, axis=gather_axis)
     values = _unpack_last_axis(gathered, bits, width) if packed else gathered.astype(np.int32)
     chosen_scales = np.take(scales, positions, axis=gather_axis)

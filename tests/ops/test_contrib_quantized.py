@@ -244,6 +244,28 @@ def test_gather_block_quantized_packed_uint8(bits, width, block_size, with_zero_
     assert_close(got, expected)
 
 
+@pytest.mark.parametrize("bits,width,block_size", [(4, 576, 32), (4, 70, 16), (2, 40, 16), (8, 48, 32)])
+@pytest.mark.parametrize("with_zero_points", [True, False])
+def test_gather_block_quantized_compiled_rows_are_numpys_bits(bits, width, block_size, with_zero_points, monkeypatch):
+    """An embedding table's gathered rows (a prompt's thousands) dequantized by the compiled kernel are
+    the bits of numpy's arithmetic (int32 differences times the scales in float64, rounded once), in
+    the indices' shape."""
+    from runnx.ops import _native, contrib_quantized
+
+    rows, per_byte = 50, 8 // bits
+    blocks = (width + block_size - 1) // block_size
+    data = RNG.integers(0, 256, (rows, (width + per_byte - 1) // per_byte), dtype=np.uint8)
+    scales = (RNG.standard_normal((rows, blocks)) * 0.05).astype(np.float32)
+    zeros = RNG.integers(0, 256, (rows, (blocks + per_byte - 1) // per_byte), dtype=np.uint8) if with_zero_points else None
+    indices = RNG.integers(-rows, rows, (3, 700))
+    attributes = dict(bits=bits, block_size=block_size)
+    compiled = contrib_quantized.GatherBlockQuantized(data, indices, scales, zeros, **attributes)
+    monkeypatch.setattr(_native, "enabled", False)
+    expected = contrib_quantized.GatherBlockQuantized(data, indices, scales, zeros, **attributes)
+    assert compiled.shape == expected.shape == (3, 700, data.shape[1] * per_byte) and compiled.dtype == np.float32
+    np.testing.assert_array_equal(compiled.view(np.int32), expected.view(np.int32))
+
+
 def test_gather_block_quantized_int4_data():
     data = RNG.integers(-8, 8, (6, 64)).astype(ml_dtypes.int4)
     scales = (RNG.random((6, 2)) + 0.1).astype(np.float16)
