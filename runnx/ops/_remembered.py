@@ -71,6 +71,11 @@ class Remembered:
         known = self.known.get(key) if enabled else None
         return None if known is None else known[1]
 
+    @staticmethod
+    def keeps(arrays: tuple) -> bool:
+        """Whether a result for these arrays is kept: each None or a read-only array."""
+        return enabled and all(a is None or (type(a) is np.ndarray and not a.flags.writeable) for a in arrays)
+
     def lookup(self, values, arrays: tuple, compute):
         """What compute(values, *arrays) gave for these values and arrays, or its result now."""
         key = (values, *map(id, arrays))
@@ -85,7 +90,7 @@ class Remembered:
             result = None if make is None else make()
             if result is None:
                 result = compute(values, *arrays)
-            if enabled and all(a is None or (type(a) is np.ndarray and not a.flags.writeable) for a in arrays):
+            if self.keeps(arrays):
                 if len(self.known) >= _LIMIT:
                     self.known.clear()
                 forget = functools.partial(_forget, self.known, key)

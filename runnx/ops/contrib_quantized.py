@@ -15,7 +15,7 @@ import numpy as np
 
 from runnx.errors import RunnxError
 from runnx.interp.external_data import release_pages
-from runnx.ops import _native, _remembered
+from runnx.ops import _native
 from runnx.ops._kernels_contrib import (BNB4_TABLES, ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED,
                                         bnb4_dequantize, bnb4_rows, gather_blocks_into, lanes_order_into,
                                         nbits_dequantize, nbits_lanes, nbits_rows, nibble_lanes_panel)
@@ -198,10 +198,9 @@ class _PendingTiles:
         return None
 
     def keeps(self) -> bool:
-        """Whether these tiles will be kept once made (as `Remembered.lookup` keeps a result): their
-        weight's own bytes are then read no more (`_release_weights`)."""
-        return _remembered.enabled and all(a is None or (type(a) is np.ndarray and not a.flags.writeable)
-                                           for a in self.arrays)
+        """Whether these tiles will be kept once made: their weight's own bytes are then read no more
+        (`_release_weights`)."""
+        return self.remembered.keeps(self.arrays)
 
     def known(self) -> bool:
         """Whether these tiles are made already (a run got to them first)."""
@@ -423,8 +422,9 @@ def SharedInputMatMulNBits(a, *inputs, K: int, columns: tuple, block_size: int, 
             start += n
     elif (rows is not None and a.dtype == _FLOAT32 and block_size >= 32
           and (tiles := joined_four_bit_tiles.known_result(((K, block_size, columns), *map(id, parts)))) is not None):
-        decode_pool.settle()  # (a may be the output of a job left open) a prompt's rows: each product over
-        rows, products, offset = np.ascontiguousarray(rows), [], 0  # its columns of the joined tiles
+        # a prompt's rows once the joined tiles are kept: each product over its columns of them
+        decode_pool.settle()  # (a may be the output of a job left open)
+        rows, products, offset = np.ascontiguousarray(rows), [], 0
         for n in columns:
             out = np.empty((rows.shape[0], n), _FLOAT32)
             _tiled_panel_product(rows, tiles, offset, out)
