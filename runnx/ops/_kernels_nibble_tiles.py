@@ -1,4 +1,6 @@
-"""4-bit products of a few rows over weights repacked in tiles of 16 columns.
+"""4-bit products of a few rows over weights repacked in tiles of 16 columns; a prompt's panels of
+the same weights dequantized from those tiles (`tile_lanes_panel`), so that once the tiles are made
+the weights' own bytes go back to their file (`repack_listed`'s HAND_BACK).
 
 A one-row product over 4-bit weights is bound by instructions, not memory: every weight is
 unpacked (mask or shift), widened and converted before its multiply-add. Laid out as onnxruntime
