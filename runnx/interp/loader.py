@@ -94,7 +94,7 @@ def load_model(source, weights=None, allow_newer_opset=False) -> LoadedModel:
 # Inputs read otherwise than streamed as stored, a step: (domain, op type) -> positions. A table a
 # Gather looks rows up in (an embedding: a few rows a step), a quantized one's data and scales
 # likewise, and a 4-bit weight's bytes, scales and zero points, which runnx repacks into tiles of its
-# own at load (`ops/contrib_quantized.py`: its products never read them again).
+# own at load (`ops/nibble_tiles.py`: its products never read them again).
 _NOT_STREAMED = {("", "Gather"): (0,), ("com.microsoft", "GatherBlockQuantized"): (0, 1, 2),
                  ("com.microsoft", "MatMulNBits"): (1, 2, 3)}
 

@@ -376,7 +376,7 @@ def tile_lanes_panel(tiles, scales, zeros, first, out):
     `_kernels_contrib.nibble_lanes_panel` gives from the weight's own blocks, bitwise ((q - zero) *
     scale in float32 for integer zero points, in float64 rounded once for float ones), so that a
     prompt's product over such panels is the product over the original layout's. A weight whose
-    tiles are kept is then never read in its own layout again (`contrib_quantized.py`)."""
+    tiles are kept is then never read in its own layout again (`nibble_tiles.py`)."""
     if zeros.dtype == np.float32:
         _tile_lanes_wide(tiles, scales, zeros, first, out)
     else:

@@ -20,8 +20,8 @@ from runnx.ops._decode_blocks import (add_norm_into, gated_down_nbits, gated_dow
                                      normed_gate_nbits_into, open_gated_down_nbits)
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
-from runnx.ops.contrib_quantized import (TILED_ROWS, MatMulNBits, SharedInputMatMulNBits, four_bit_tiles,
-                                         joined_four_bit_tiles, prepack_joined_tiles, prepack_tiles)
+from runnx.ops.contrib_quantized import TILED_ROWS, MatMulNBits, SharedInputMatMulNBits
+from runnx.ops.nibble_tiles import four_bit_tiles, joined_four_bit_tiles, prepack_joined_tiles, prepack_tiles
 from runnx.ops.fused_norms import AddRMSNorm, decayed, defer_gated_mlp
 from runnx.ops.registry import register
 from runnx.runtime import pool as decode_pool, take_leave

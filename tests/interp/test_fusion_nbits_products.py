@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import runnx
 from runnx.errors import RunnxError
-from runnx.ops import contrib_quantized
+from runnx.ops import contrib_quantized, nibble_tiles
 
 F = TensorProto.FLOAT
 MS = "com.microsoft"
@@ -111,7 +111,7 @@ def test_matmul_nbits_second_call_takes_its_remembered_tiles_with_the_same_bits(
     a = RNG.standard_normal((2, 100)).astype(np.float32)
     bias = RNG.standard_normal(40).astype(np.float32)
     first = contrib_quantized.MatMulNBits(a, b, scales, zeros, **attributes)
-    assert contrib_quantized._remembered_tiles.known_result(((), id(b), id(scales), id(zeros))) is not None
+    assert nibble_tiles.remembered_tiles.known_result(((), id(b), id(scales), id(zeros))) is not None
     np.testing.assert_array_equal(contrib_quantized.MatMulNBits(a, b, scales, zeros, **attributes), first)
     np.testing.assert_array_equal(contrib_quantized.MatMulNBits(a, b, scales, zeros, None, bias, **attributes),
                                   first + bias)

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 import runnx
 from runnx.errors import RunnxError
 from runnx.generate.decoder import DecoderStep, load_decoder
-from runnx.ops import _kernels_vnni as vnni, contrib_quantized, linalg_integer
+from runnx.ops import _kernels_vnni as vnni, contrib_quantized, linalg_integer, nibble_tiles
 from runnx.ops._kernels_nibble_tiles import MADE, REFUSED, TILE_COUNT, repack
 from tests.interp.test_loader import _resident_kib
 
@@ -61,13 +61,13 @@ def made(monkeypatch):
     """Every computation of 4-bit tiles (joined or alone) and VNNI tiles, by thread and weight: a run's
     own (the `Remembered`'s function), a run's share of a prepack's (`join`), or a prepack's kept."""
     calls = []
-    for remembered in (contrib_quantized._remembered_tiles, contrib_quantized.joined_four_bit_tiles,
+    for remembered in (nibble_tiles.remembered_tiles, nibble_tiles.joined_four_bit_tiles,
                        linalg_integer._vnni_weights):
         def counted(values, *arrays, original=remembered.fn, kind=remembered):
             calls.append((threading.current_thread().name, kind, id(arrays[0])))
             return original(values, *arrays)
         monkeypatch.setattr(remembered, "fn", counted)
-    keep, join = contrib_quantized._PendingTiles.keep, contrib_quantized._PendingTiles.join
+    keep, join = nibble_tiles._PendingTiles.keep, nibble_tiles._PendingTiles.join
 
     def kept(pending):
         if keep(pending):
@@ -80,8 +80,8 @@ def made(monkeypatch):
         if result is not None:
             calls.append((threading.current_thread().name, pending.remembered, id(pending.arrays[0])))
         return result
-    monkeypatch.setattr(contrib_quantized._PendingTiles, "keep", kept)
-    monkeypatch.setattr(contrib_quantized._PendingTiles, "join", joined)
+    monkeypatch.setattr(nibble_tiles._PendingTiles, "keep", kept)
+    monkeypatch.setattr(nibble_tiles._PendingTiles, "join", joined)
     return calls
 
 
@@ -90,13 +90,13 @@ def listings(monkeypatch):
     """The native calls making listed tiles: (thread, first, count, maker, states) of each that makes
     any (a prepack's first call, with no items, only loads the kernel)."""
     calls = []
-    native = contrib_quantized.repack_listed
+    native = nibble_tiles.repack_listed
 
     def listed(sources, table, arena, states, first, count, maker):
         if count:
             calls.append((threading.current_thread().name, first, count, maker, states))
         return native(sources, table, arena, states, first, count, maker)
-    monkeypatch.setattr(contrib_quantized, "repack_listed", listed)
+    monkeypatch.setattr(nibble_tiles, "repack_listed", listed)
     return calls
 
 
@@ -128,8 +128,8 @@ def test_prepack_makes_what_a_first_run_would_and_the_run_makes_nothing(made, li
     assert len(made) == expected and {name for name, _, _ in made} == {"runnx-prepack"}
     # four parts (three joined, one alone) in one call, each made by the prepack
     (name, first, count, maker, states), = listings
-    assert (name, first, count, maker) == ("runnx-prepack", 0, 4, contrib_quantized.PREPACK)
-    assert list(states) == [contrib_quantized.PREPACK + MADE] * 4
+    assert (name, first, count, maker) == ("runnx-prepack", 0, 4, nibble_tiles.PREPACK)
+    assert list(states) == [nibble_tiles.PREPACK + MADE] * 4
     made.clear()
     outputs = model.run({"x": x})
     assert made == []  # the run found all of it made
@@ -163,7 +163,7 @@ def test_the_tiles_lie_in_a_map_of_their_own_faulted_in_while_the_prepack_plans(
     assert name == "runnx-prepack" and listed_before == 0
     assert isinstance(arena.base.obj, mmap.mmap)
     (_, _, _, _, states), = listings
-    assert list(states) == [contrib_quantized.PREPACK + MADE] * 4
+    assert list(states) == [nibble_tiles.PREPACK + MADE] * 4
     x = RNG.standard_normal((1, 1, K)).astype(np.float32)
     reference = runnx.load(model_bytes).run({"x": x})
     for key, value in model.run({"x": x}).items():
@@ -184,10 +184,10 @@ def test_a_node_with_several_weights_has_each_prepacked(made, listings, tmp_path
     model = _from_file(tmp_path, model_bytes)
     assert _kinds(model) == ["GatedMLPNBits", "MatMulNBits"]
     model.prepack_in_background().join()
-    assert sorted(kind is contrib_quantized.joined_four_bit_tiles for _, kind, _ in made) == [False, False, True]
+    assert sorted(kind is nibble_tiles.joined_four_bit_tiles for _, kind, _ in made) == [False, False, True]
     assert {name for name, _, _ in made} == {"runnx-prepack"}
     (_, _, count, _, states), = listings
-    assert count == 4 and list(states) == [contrib_quantized.PREPACK + MADE] * 4
+    assert count == 4 and list(states) == [nibble_tiles.PREPACK + MADE] * 4
     made.clear()
     outputs = model.run(feeds)
     assert made == []
@@ -204,14 +204,14 @@ def test_a_run_beside_the_prepack_shares_its_items_and_makes_none_twice(made, li
     reference = runnx.load(model_bytes).run({"x": x})
     made.clear()
     model = _from_file(tmp_path, model_bytes)
-    listed = contrib_quantized.repack_listed
+    listed = nibble_tiles.repack_listed
 
     def held_back(*args):
         if threading.current_thread().name == "runnx-prepack" and args[5]:
             time.sleep(0.2)
         return listed(*args)
 
-    monkeypatch.setattr(contrib_quantized, "repack_listed", held_back)
+    monkeypatch.setattr(nibble_tiles, "repack_listed", held_back)
     thread = model.prepack_in_background()
     outputs = model.run({"x": x})
     thread.join()
@@ -220,7 +220,7 @@ def test_a_run_beside_the_prepack_shares_its_items_and_makes_none_twice(made, li
     runs = [call for call in listings if call[0] == "MainThread"]
     assert [count for _, _, count, _, _ in runs] == [3, 1]  # the joined weight's three parts, then y0's
     states = listings[-1][4]
-    assert list(states) == [contrib_quantized.RUN + MADE] * 4  # none made by the prepack
+    assert list(states) == [nibble_tiles.RUN + MADE] * 4  # none made by the prepack
     for name, value in reference.items():
         assert np.array_equal(outputs[name], value), name
 
@@ -234,7 +234,7 @@ def test_the_prepack_makes_its_tiles_while_another_thread_holds_the_gil(listings
     sum(range(20_000_000))  # C code holding the GIL throughout (no bytecode between)
     states = listings[0][4].copy()
     thread.join()
-    assert list(states) == [contrib_quantized.PREPACK + MADE] * 4
+    assert list(states) == [nibble_tiles.PREPACK + MADE] * 4
 
 
 def test_a_run_waits_for_the_items_another_thread_is_making():
@@ -244,34 +244,34 @@ def test_a_run_waits_for_the_items_another_thread_is_making():
     for array in (b, scales, zeros):
         array.flags.writeable = False
     attrs = {"K": K, "N": 48, "bits": 4, "block_size": BLOCK}
-    pending = contrib_quantized.prepack_tiles((None, b, scales, zeros), attrs)
-    contrib_quantized._PendingTiles.batch([pending])
+    pending = nibble_tiles.prepack_tiles((None, b, scales, zeros), attrs)
+    nibble_tiles._PendingTiles.batch([pending])
     states = pending.listing[3]
-    states[0] = contrib_quantized.PREPACK  # claimed by the prepacking thread, not made yet
+    states[0] = nibble_tiles.PREPACK  # claimed by the prepacking thread, not made yet
     result = []
     waiting = threading.Thread(target=lambda: result.append(pending.join()))
     waiting.start()
     waiting.join(0.1)
     assert waiting.is_alive()
     repack(*pending.items[0])  # the other thread's work, then its mark
-    states[0] = contrib_quantized.PREPACK + MADE
+    states[0] = nibble_tiles.PREPACK + MADE
     waiting.join(10)
-    expected = contrib_quantized._nibble_tiles((), b, scales, zeros)
+    expected = nibble_tiles._nibble_tiles((), b, scales, zeros)
     assert all(np.array_equal(made, want) for made, want in zip(result[0], expected))
-    contrib_quantized._remembered_tiles.withdraw((), (b, scales, zeros))
+    nibble_tiles.remembered_tiles.withdraw((), (b, scales, zeros))
 
-    refused = contrib_quantized.prepack_tiles((None, *_nbits(48)), attrs)
-    contrib_quantized._PendingTiles.batch([refused])
+    refused = nibble_tiles.prepack_tiles((None, *_nbits(48)), attrs)
+    nibble_tiles._PendingTiles.batch([refused])
     refused.listing[1][0, TILE_COUNT] = 1  # tiles for 16 of the 48 columns: repack raises
     assert refused.join() is None
-    assert refused.listing[3][0] == contrib_quantized.RUN + REFUSED
+    assert refused.listing[3][0] == nibble_tiles.RUN + REFUSED
     refused.remembered.withdraw(refused.values, refused.arrays)
 
 
 def test_what_a_prepack_cannot_make_is_left_to_the_run_which_refuses_it(made):
     model = runnx.load(_model(b_shape_wrong=True))
     model.prepack_in_background().join()  # nothing raised on its thread
-    assert [kind for _, kind, _ in made] == [contrib_quantized.joined_four_bit_tiles]
+    assert [kind for _, kind, _ in made] == [nibble_tiles.joined_four_bit_tiles]
     with pytest.raises(RunnxError, match="B must be uint8 of shape"):
         model.run({"x": RNG.standard_normal((1, 1, K)).astype(np.float32)})
 
@@ -370,7 +370,7 @@ def test_a_folders_4_bit_weights_leave_memory_once_their_tiles_are_made(prepacke
     model = runnx.load(str(tmp_path / "model.onnx"))
     assert "SharedInputMatMulNBits" in _kinds(model)
     if prepacked:
-        for remembered in (contrib_quantized._remembered_tiles, contrib_quantized.joined_four_bit_tiles):
+        for remembered in (nibble_tiles.remembered_tiles, nibble_tiles.joined_four_bit_tiles):
             monkeypatch.setattr(remembered, "kept", None)
         model.prepack_in_background().join()
         assert [count for _, _, count, _, _ in listings] == [3]  # (the file's weights in one call)

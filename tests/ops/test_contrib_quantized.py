@@ -373,7 +373,8 @@ def test_matmul_nbits_4_bit_tiles_keep_zero_points_as_given(K, N, block_size, ro
     32 values of a column, and the zero points as the model gives them (a byte for 4-bit ones, one
     shared row for the default), each multiplied by its scale in the kernel. The same zero points
     given as bytes, as floats of the scales' type, or left to the default (8), give the same bits."""
-    from runnx.ops.contrib_quantized import MatMulNBits, _nibble_tiles
+    from runnx.ops.contrib_quantized import MatMulNBits
+    from runnx.ops.nibble_tiles import _nibble_tiles
 
     a, b, scales, _ = _nbits_inputs(rows, K, N, 4, block_size, None)
     blocks, chunks, tiles = b.shape[1], b.shape[1] * block_size // 32, (N + 15) // 16
@@ -458,7 +459,7 @@ def test_repacking_into_tiles_of_another_shape_is_refused():
 def test_4_bit_tiles_are_the_weights_bytes_in_their_layout_padding_zero(N, block_size, zero_points):
     """`repack` fills buffers from np.empty: tile t's chunk c holds byte j of columns 16 t .. 16 t + 15
     at [t, c, j], the chunk's scales and zero points beside it, every padding column zero."""
-    from runnx.ops.contrib_quantized import _nibble_tiles
+    from runnx.ops.nibble_tiles import _nibble_tiles
 
     K = 4 * block_size
     _, b, scales, zeros = _nbits_inputs((1,), K, N, 4, block_size, zero_points)
@@ -490,7 +491,7 @@ def test_4_bit_tiles_are_the_weights_bytes_in_their_layout_padding_zero(N, block
 def test_joined_4_bit_tiles_are_the_tiles_of_the_joined_weights(columns, zero_points):
     """SharedInputMatMulNBits' tiles: each part repacked into its share when the parts before the
     last have whole tiles, else the parts joined then repacked; the same arrays either way."""
-    from runnx.ops.contrib_quantized import _joined_tiles, _nibble_tiles
+    from runnx.ops.nibble_tiles import _joined_tiles, _nibble_tiles
 
     K, block_size = 128, 32
     parts = [_nbits_inputs((1,), K, n, 4, block_size, zero_points)[1:] for n in columns]
@@ -535,11 +536,11 @@ def test_4_bit_tiles_give_the_panels_of_the_weights_own_bytes(zero_points, K, N,
     last tile's), odd K and partial last blocks, every kind of zero point."""
     from runnx.ops._kernels_contrib import nibble_lanes_panel
     from runnx.ops._kernels_nibble_tiles import tile_lanes_panel
-    from runnx.ops.contrib_quantized import _nbits_zero_points, _nibble_tiles
+    from runnx.ops.nibble_tiles import _nibble_tiles, nbits_zero_points
 
     _, b, scales, zeros = _nbits_inputs((1,), K, N, 4, block_size, zero_points)
     tiles = _nibble_tiles((), b, scales, zeros)
-    mode, packed, typed = _nbits_zero_points(zeros, N, b.shape[1], 4, np.float32)
+    mode, packed, typed = nbits_zero_points(zeros, N, b.shape[1], 4, np.float32)
     for first, count in [(0, N), (3, 9), (15, min(2, N - 15)), (N - 1, 1), (N // 2, N - N // 2)]:
         expected, got = np.empty((count, K), np.float32), np.full((count, K), np.nan, np.float32)
         nibble_lanes_panel(b, scales, packed, typed, mode, block_size, first, expected)

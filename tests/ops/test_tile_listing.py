@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from runnx.ops import contrib_quantized as cq
+from runnx.ops import nibble_tiles as nt
 from runnx.ops._kernels_nibble_tiles import FREE, MADE, repack_listed
 from runnx.ops._tile_listing import Arena, _buffer_of, listed
 from tests.interp.test_loader import _resident_kib
@@ -53,8 +53,8 @@ def _in_one_buffer(arrays: list, buffer_kind: str) -> list:
 
 def _listed_tiles(weight_parts: list):
     """Each weight's tiles planned in one arena, listed, and made in one `repack_listed` call."""
-    arena = Arena(Arena.sized([shape for parts in weight_parts for shape in cq._tile_shapes(parts)]))
-    planned = [cq._planned_tiles(parts, arena.empty) for parts in weight_parts]
+    arena = Arena(Arena.sized([shape for parts in weight_parts for shape in nt._tile_shapes(parts)]))
+    planned = [nt._planned_tiles(parts, arena.empty) for parts in weight_parts]
     items = [item for _, its in planned for item in its]
     sources, table = listed(items, arena)
     states = np.zeros(len(items), np.int64)
@@ -80,7 +80,7 @@ def test_listed_tiles_are_a_runs_own_bits(zeros, where):
     apart = sum(a.nbytes for a in flat[3:] if a is not None)  # all but the first weight's own buffers
     assert sources[-1].size == (apart if where == "apart" else 0)
     for parts, result in zip(weight_parts, results):
-        expected = cq._made(*cq._planned_tiles(parts))
+        expected = nt._made(*nt._planned_tiles(parts))
         assert len(result) == len(expected)
         for made, want in zip(result, expected):
             assert made.shape == want.shape and np.array_equal(made, want)
@@ -92,17 +92,17 @@ def test_weights_in_buffers_of_their_own_are_listed_apart_and_nothing_is_copied(
     alone = [_in_one_buffer(list(_weights(48, 96, "packed")), "mapped") for _ in range(2)]
     shared = _in_one_buffer([a for _ in range(2) for a in _weights(32, 64, "packed")], "mapped")
     triples = alone + [shared[:3], shared[3:]]
-    pending = [cq.prepack_tiles((None, *t), {"K": t[0].shape[1] * BLOCK, "N": t[0].shape[0], "bits": 4,
+    pending = [nt.prepack_tiles((None, *t), {"K": t[0].shape[1] * BLOCK, "N": t[0].shape[0], "bits": 4,
                                               "block_size": BLOCK}) for t in triples]
-    make = cq._PendingTiles.batch(pending)
+    make = nt._PendingTiles.batch(pending)
     tables = {id(p.listing[1]): p.listing for p in pending}
     assert len(tables) == 3  # one a file alone, one for the two sharing a file
     assert all(listing[0][-1].size == 0 for listing in tables.values())  # nothing staged
     make()
     for t in triples:
-        made = cq._remembered_tiles.known_result(((), *map(id, t)))
+        made = nt.remembered_tiles.known_result(((), *map(id, t)))
         assert made is not None
-        for got, want in zip(made, cq._made(*cq._planned_tiles([t]))):
+        for got, want in zip(made, nt._made(*nt._planned_tiles([t]))):
             assert np.array_equal(got, want)
 
 
@@ -118,15 +118,15 @@ def test_an_item_claimed_elsewhere_is_left_to_its_maker():
     """A call making items skips one another thread has claimed (its state not FREE) and returns
     once that one is marked made."""
     parts = [_weights(32, 64, "packed")]
-    arena = Arena(Arena.sized(cq._tile_shapes(parts)))
-    result, items = cq._planned_tiles(parts, arena.empty)
+    arena = Arena(Arena.sized(nt._tile_shapes(parts)))
+    result, items = nt._planned_tiles(parts, arena.empty)
     sources, table = listed(items, arena)
     states = np.array([2 + MADE], np.int64)  # made by maker 2 already
     assert repack_listed(sources, table, arena.buffer, states, 0, 1, 1)
     assert states[0] == 2 + MADE  # not made again (nor claimed) by maker 1
     states[0] = FREE
     assert repack_listed(sources, table, arena.buffer, states, 0, 1, 1) and states[0] == 1 + MADE
-    for made, want in zip(result, cq._made(*cq._planned_tiles(parts))):
+    for made, want in zip(result, nt._made(*nt._planned_tiles(parts))):
         assert np.array_equal(made, want)
 
 
@@ -153,8 +153,8 @@ def test_only_a_files_pages_are_marked_to_go_back_and_only_for_kept_tiles(where,
     else:
         placed = _in_one_buffer(flat, "arena" if where == "arena" else "mapped")
     weight_parts = [[tuple(placed[0:3])], [tuple(placed[3:6])]]
-    arena = Arena(Arena.sized([shape for p in weight_parts for shape in cq._tile_shapes(p)]))
-    planned = [cq._planned_tiles(p, arena.empty) for p in weight_parts]
+    arena = Arena(Arena.sized([shape for p in weight_parts for shape in nt._tile_shapes(p)]))
+    planned = [nt._planned_tiles(p, arena.empty) for p in weight_parts]
     items = [item for _, its in planned for item in its]
     sources, table = listed(items, arena, [True, False])
     everything = W_BACK | S_BACK | Z_BACK
@@ -168,7 +168,7 @@ def test_only_a_files_pages_are_marked_to_go_back_and_only_for_kept_tiles(where,
     if resident is not None:  # the first weight's bytes (64 KiB) and scales (16) went back, the second's stayed
         assert resident - 84 <= _resident_kib(address) <= resident - 72
     for (result, _), p in zip(planned, weight_parts):
-        for got, expected in zip(result, cq._nibble_tiles((), *p[0])):
+        for got, expected in zip(result, nt._nibble_tiles((), *p[0])):
             np.testing.assert_array_equal(got, expected)
     for got, expected in zip(placed, originals):
         np.testing.assert_array_equal(got, expected)

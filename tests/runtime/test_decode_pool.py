@@ -739,7 +739,7 @@ def test_claims_of_several_units_give_the_bits_of_claims_of_one(pool, columns):
     """A thread claims an eighth of the units left at once (at least one): each unit is still
     computed whole, once, by one thread, so the columns come out as one unit a claim gives them,
     and as one thread gives them."""
-    from runnx.ops.contrib_quantized import _nibble_tiles
+    from runnx.ops.nibble_tiles import _nibble_tiles
 
     depth = 576
     b = RNG.integers(0, 256, (columns, depth // 32, 16), dtype=np.uint8)

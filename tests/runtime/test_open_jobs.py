@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import runnx
-from runnx.ops.contrib_quantized import _nibble_tiles
+from runnx.ops.nibble_tiles import _nibble_tiles
 from runnx.ops._kernels_linalg import row_times_matrix
 from runnx.runtime import jobs, mailbox, opening, settle, slots
 from runnx.runtime import pool as decode_pool
