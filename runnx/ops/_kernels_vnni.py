@@ -15,7 +15,9 @@ offsets: (a - za)(b - zb) = (a' - za')(b' - zb') with za' = za + 128 for a signe
 zb' = zb - 128 for an unsigned weight; the zero points then come out of the sum as in
 `integer_rows`. The product runs as the decode pool's job (`runtime/jobs.post_vnni`: the rows
 made unsigned, the tiles' sums, then the zero points), with workers or alone. Only CPUs with
-AVX-512 VNNI take this path (`AVAILABLE`); LLVM has no portable form of the instruction.
+AVX-512 VNNI take this path (`AVAILABLE`); LLVM has no portable form of the instruction, so
+elsewhere the kernel compiles the same sums in generic IR (the pool's unit kernel compiles every
+kind of unit on any CPU: the instruction itself would abort LLVM there).
 """
 from __future__ import annotations
 
@@ -48,6 +50,31 @@ AVAILABLE = _compiles_vnni()
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
+def _dot_function(builder, lanes):
+    """dot(builder, sums, row, weights): `vpdpbusd` where numba compiles for AVX-512 VNNI (`AVAILABLE`),
+    else the same sums in portable IR (each lane's four unsigned bytes of row times its four signed
+    bytes of weights, widened to int32 and added to the lane's sum): the pool's unit kernel compiles
+    every kind of unit on any CPU, though only a CPU with the instruction posts this kind."""
+    if AVAILABLE:
+        instruction = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
+                                                     "llvm.x86.avx512.vpdpbusd.512")
+        return lambda b, sums, row, weights: b.call(instruction, [sums, row, weights])
+    return _portable_dot
+
+
+def _portable_dot(builder, sums, row, weights):
+    """`vpdpbusd`'s arithmetic in generic IR (`_dot_function`)."""
+    count = TILE * 4
+    wide = ir.VectorType(ir.IntType(32), count)
+    unsigned = builder.zext(builder.bitcast(row, ir.VectorType(ir.IntType(8), count)), wide)
+    signed = builder.sext(builder.bitcast(weights, ir.VectorType(ir.IntType(8), count)), wide)
+    products = builder.mul(unsigned, signed)
+    for byte in range(4):
+        picked = ir.Constant(ir.VectorType(ir.IntType(32), TILE), [4 * lane + byte for lane in range(TILE)])
+        sums = builder.add(sums, builder.shuffle_vector(products, products, picked))
+    return sums
+
+
 @intrinsic
 def _tile_sums(typingctx, tiles, words, tile, out):
     """out[:16] (int32) = one row's unsigned bytes (as int32 words of 4, `words`) times tile
@@ -58,8 +85,7 @@ def _tile_sums(typingctx, tiles, words, tile, out):
         tiles_a, words_a, out_a = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3))
         i32, i64 = ir.IntType(32), ir.IntType(64)
         lanes = ir.VectorType(i32, TILE)
-        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
-                                             "llvm.x86.avx512.vpdpbusd.512")
+        dot = _dot_function(builder, lanes)
         groups = builder.extract_value(tiles_a.shape, 1)
         chains = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0] * TILE)) for _ in range(4)]
         first_group = builder.mul(args[2], groups)
@@ -74,7 +100,7 @@ def _tile_sums(typingctx, tiles, words, tile, out):
                     at = builder.mul(builder.add(first_group, group), ir.Constant(i64, 4 * TILE))
                     weights = builder.load(builder.bitcast(builder.gep(tiles_a.data, [at]), lanes.as_pointer()),
                                            align=1)
-                    builder.store(builder.call(dot, [builder.load(chains[chain]), row, weights]), chains[chain])
+                    builder.store(dot(builder, builder.load(chains[chain]), row, weights), chains[chain])
         total = builder.add(builder.add(builder.load(chains[0]), builder.load(chains[1])),
                             builder.add(builder.load(chains[2]), builder.load(chains[3])))
         builder.store(total, builder.bitcast(out_a.data, lanes.as_pointer()), align=4)

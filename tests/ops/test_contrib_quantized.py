@@ -508,8 +508,11 @@ def test_joined_4_bit_tiles_are_the_tiles_of_the_joined_weights(columns, zero_po
 def test_many_rows_take_panels_at_least_as_large_as_their_rows_with_the_same_bits(rows, panels, monkeypatch):
     """A prompt's 4-bit product dequantizes panels of columns of at least the rows' bytes (each
     panel's product packs every row again): 600 rows of 256 (600 KB) in 1 MB panels of 1024 columns,
-    3000 rows (3 MB) in one; each element the bits of narrow panels' products."""
+    3000 rows (3 MB) in one; each element the bits of narrow panels' products where runnx's own
+    kernels multiply (AVX-512: any block of columns sums alike), within float32 rounding where
+    OpenBLAS does (its kernels for a last, narrower block of columns may round otherwise)."""
     from runnx.ops import contrib_quantized
+    from runnx.ops._matmul import own_product
     from runnx.ops.contrib_quantized import MatMulNBits
 
     a, b, scales, zeros = _nbits_inputs((rows,), 256, 2500, 4, 32, "packed", rng=np.random.default_rng(3))
@@ -525,7 +528,10 @@ def test_many_rows_take_panels_at_least_as_large_as_their_rows_with_the_same_bit
         narrow[:, first:first + 64] = MatMulNBits(a, b[first:first + 64], scales.reshape(2500, -1)[first:first + 64],
                                                   zeros.reshape(2500, -1)[first:first + 64], K=256,
                                                   N=min(64, 2500 - first), bits=4, block_size=32)
-    np.testing.assert_array_equal(wide, narrow)
+    if own_product(rows, True):
+        np.testing.assert_array_equal(wide, narrow)
+    else:
+        np.testing.assert_allclose(wide, narrow, rtol=1e-5, atol=1e-4)  # (sums of 256 terms up to ~10)
 
 
 @pytest.mark.parametrize("zero_points", [None, "packed", "typed"])

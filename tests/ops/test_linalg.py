@@ -220,6 +220,29 @@ def test_matmul_integer_of_a_constant_weight_is_the_same_bits_through_vnni(monke
     np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize("flip", [False, True])
+def test_vnni_tile_sums_are_exact_on_any_cpu(flip):
+    """The tiles' kernel compiles on every CPU (the pool's unit kernel holds it): `vpdpbusd` where
+    the CPU has AVX-512 VNNI, the same sums in portable IR elsewhere (that instruction aborts LLVM
+    on a CPU without it). Either way: exact int32 sums of unsigned rows by the repacked weight."""
+    from runnx.ops import _kernels_vnni as vnni
+
+    depth, width = 203, 70  # a partial group of four rows and a partial tile of 16 columns
+    a = RNG.integers(0, 256, (3, depth)).astype(np.uint8)
+    b = RNG.integers(0, 256, (depth, width)).astype(np.uint8) if flip else \
+        RNG.integers(-128, 128, (depth, width)).astype(np.int8)
+    groups = (depth + 3) // 4
+    tiles = np.zeros(((width + vnni.TILE - 1) // vnni.TILE, groups, vnni.TILE, 4), np.uint8)
+    column_sums = np.empty(width, np.int32)
+    vnni.repack(b, flip, tiles, column_sums)
+    words, _ = vnni.unsigned_rows(a, False, groups)
+    raw = np.full((3, tiles.shape[0] * vnni.TILE), -7, np.int32)
+    vnni.tile_sums_into(tiles, words, raw, 0, tiles.shape[0])
+    signed = b.astype(np.int64) - (128 if flip else 0)
+    np.testing.assert_array_equal(raw[:, :width], a.astype(np.int64) @ signed)
+    np.testing.assert_array_equal(raw[:, width:], 0)  # the zero-filled columns of the last tile
+
+
 def test_matmul_integer_of_a_constant_weight_is_the_same_on_any_thread_count():
     """The VNNI product is a decode pool job of column tiles (`post_vnni`): with workers or alone,
     the same int32 values, equal to exact arithmetic."""
