@@ -32,7 +32,7 @@ from runnx.runtime.rows import share_rows
 
 BLOCK = 64  # query positions a block (numpy's products): its scores (query heads a KV head x 64 x keys) stay in L2
 _NO_ENDS = np.empty((1, 1, 0), np.int64)
-POOLED = _kernels_gemm.AVAILABLE  # whether blocks are the pool's job (runnx's own products: AVX-512)
+POOLED = _kernels_gemm.AVAILABLE  # whether blocks are the pool's job (runnx's own products: AVX-512 or AVX2)
 
 
 def _visible_ends_of(bias) -> tuple:

@@ -1,4 +1,5 @@
-"""float32 matrix products at the CPU's full vector width (AVX-512), for when BLAS runs narrower.
+"""float32 matrix products at the CPU's full vector width (AVX-512, or AVX2 with FMA), for when BLAS runs
+narrower or a product's shape suits them better (`_matmul.py` decides).
 
 numpy's OpenBLAS picks its kernels by the CPU it detects, and OPENBLAS_CORETYPE overrides that:
 some machines pin it to the AVX2 kernels (older OpenBLAS builds miscomputed on their CPUs), which
@@ -10,7 +11,7 @@ is packed into panels of MR rows (`_pack_a`, k-major: one panel row a step of k;
 most ROWS_IN_PLACE columns reads a's rows in place instead, `_tile_of_rows`); `_tile`
 multiplies such a panel by KC x NR of b, read in place (a panel of NR columns is two vectors a row;
 only the last columns short of NR are packed; a b given by its columns, b.T C-contiguous, has a
-block's columns packed, `_pack_columns`), in 24 vector registers (12 rows x 2 vectors of 16),
+block's columns packed, `_pack_columns`), in MR x 2 vector registers (AVX-512: 12 rows x 2 vectors of 16),
 one fused multiply-add per register a step of k, and adds the tile to c (stores it, for the first
 block of k). Reading b in place, not packing it, is 3x faster for a prompt's first few dozen rows;
 from PACKED_FROM rows of a on, each block of b is packed into panels once for all of them (a tile
@@ -42,28 +43,34 @@ from numba.extending import intrinsic
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._array_types import any_layout, read_only
 
-MR, NR = 12, 32  # a tile: rows of a x columns of b, 24 of the 32 vector registers
-LANES = 16  # float32 lanes of a 512-bit register
+
+def _compiles_features(*names: str) -> bool:
+    """Whether numba compiles for a CPU with all these features: this machine's (numba's default), or
+    the one the user named (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)."""
+    if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:
+        features = llvm.get_host_cpu_features()
+        return all(features.get(name, False) for name in names)
+    named = (numba.config.CPU_FEATURES or "").split(",")
+    return all(f"+{name}" in named for name in names)
+
+
+WIDE = _compiles_features("avx512f")  # 512-bit registers, 32 of them
+AVAILABLE = WIDE or _compiles_features("avx2", "fma")  # 256-bit registers, 16 of them: half the tile
+
+# The tiles fill the registers the CPU has (AVX-512: 24 sums of 32; AVX2: 12 of 16, beside the b
+# vectors and a's broadcast value). Each element's arithmetic is the same chain at either width,
+# so the two give the same bits.
+LANES = 16 if WIDE else 8  # float32 lanes of a register
+MR, NR = (12, 32) if WIDE else (6, 16)  # a tile: rows of a x columns of b, two vectors of b a row
 KC, MC = 256, 120  # blocks of k (a panel of b: 32 KiB) and of a's rows (a's packed block: 120 KiB)
 BLOCK_COLUMNS = 512  # b's columns a block: KC rows of them (512 KiB) stay in cache for every row of a
 ROWS_IN_PLACE = 2 * NR  # products of at most this many columns read a's rows in place
 SLICE_ROWS, STREAMED_COLUMNS = 32, 2016  # `gemm_streamed`: b's rows a slice and columns a pass
 # a product of at most STREAMED_ROWS rows, over a range of at least STREAMED_FROM columns, is streamed
-STREAMED_ROWS, STREAMED_FROM = 4 * MR, 4 * NR
-SHORT_MR, SHORT_NR = 8, 48  # `gemm_streamed`'s tile for more than MR rows: 24 registers too
+STREAMED_ROWS, STREAMED_FROM = 48, 4 * NR  # (a few dozen rows, whatever the tile; four panels)
+SHORT_MR, SHORT_NR = (8, 48) if WIDE else (4, 24)  # `gemm_streamed`'s tile for more than MR rows: as many sums
 STREAMED_SPAN = 96  # `gemm_streamed`'s passes are a multiple of this many columns (of NR and SHORT_NR)
 PACKED_FROM = MC  # `gemm_columns` packs b's blocks into panels for products of this many rows of a or more
-
-
-def _compiles_avx512() -> bool:
-    """Whether numba compiles for a CPU with AVX-512F: this machine's (numba's default), or the one
-    the user named (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)."""
-    if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:
-        return bool(llvm.get_host_cpu_features().get("avx512f", False))
-    return "+avx512f" in (numba.config.CPU_FEATURES or "").split(",")
-
-
-AVAILABLE = _compiles_avx512()
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -81,7 +88,7 @@ def _tile_codegen(a_in_place: bool, resumable: bool = False, rows: int = MR, col
         ahead_at, ahead_step, ahead_rows = args[12], args[13], args[14]
         i32, i64 = ir.IntType(32), ir.IntType(64)
         vector = ir.VectorType(ir.FloatType(), LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fma.v{LANES}f32")
         i8_pointer = ir.IntType(8).as_pointer()
         prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8_pointer, i32, i32, i32]),
                                                   "llvm.prefetch.p0i8")
@@ -104,23 +111,23 @@ def _tile_codegen(a_in_place: bool, resumable: bool = False, rows: int = MR, col
                         builder.store(builder.load(pointer, align=4), sums[i][j])
 
         a_rows = [builder.add(a_at, builder.mul(a_step, ir.Constant(i64, i))) for i in range(rows)]
-        with cgutils.for_range(builder, depth) as loop:
-            b_row = builder.add(b_at, builder.mul(loop.index, b_step))
+
+        def step(k):  # one step of k: each sum's next fused multiply-add
+            b_row = builder.add(b_at, builder.mul(k, b_step))
             b_vectors = [builder.load(builder.bitcast(builder.gep(b_arr.data, [at(b_row, LANES * j)]),
                                                       vector.as_pointer()), align=4) for j in range(columns // LANES)]
-            for j in range(columns // LANES):  # the next panel's row, read in place: its own stream for the prefetcher
-                builder.call(prefetch, [builder.bitcast(builder.gep(b_arr.data, [at(b_row, columns + LANES * j)]), i8_pointer),
+            for j in range(0, columns, 16):  # the next panel's row, read in place: its own stream for the prefetcher
+                builder.call(prefetch, [builder.bitcast(builder.gep(b_arr.data, [at(b_row, columns + j)]), i8_pointer),
                                         ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            with builder.if_then(builder.icmp_signed("<", loop.index, ahead_rows)):
-                ahead_row = builder.add(ahead_at, builder.mul(loop.index, ahead_step))
-                for j in range(columns // LANES):  # a row of the next block's panel (`gemm_columns`)
-                    builder.call(prefetch, [builder.bitcast(builder.gep(ahead_arr.data, [at(ahead_row, LANES * j)]),
-                                                            i8_pointer),
+            with builder.if_then(builder.icmp_signed("<", k, ahead_rows)):
+                ahead_row = builder.add(ahead_at, builder.mul(k, ahead_step))
+                for j in range(0, columns, 16):  # a row of the next block's panel (`gemm_columns`), a line at a time
+                    builder.call(prefetch, [builder.bitcast(builder.gep(ahead_arr.data, [at(ahead_row, j)]), i8_pointer),
                                             ir.Constant(i32, 0), ir.Constant(i32, 2), ir.Constant(i32, 1)])
             if a_in_place:
-                a_places = [builder.add(start, loop.index) for start in a_rows]
+                a_places = [builder.add(start, k) for start in a_rows]
             else:
-                a_column = builder.add(a_at, builder.mul(loop.index, ir.Constant(i64, rows)))
+                a_column = builder.add(a_at, builder.mul(k, ir.Constant(i64, rows)))
                 a_places = [at(a_column, i) for i in range(rows)]
             for i in range(rows):
                 value = builder.load(builder.gep(a_arr.data, [a_places[i]]))
@@ -128,6 +135,19 @@ def _tile_codegen(a_in_place: bool, resumable: bool = False, rows: int = MR, col
                                                   undefined, broadcast)
                 for j, b_vector in enumerate(b_vectors):
                     builder.store(builder.call(fma, [a_vector, b_vector, builder.load(sums[i][j])]), sums[i][j])
+
+        if WIDE:
+            with cgutils.for_range(builder, depth) as loop:
+                step(loop.index)
+        else:  # two steps a pass, then the odd last one, each sum's chain in k's order: AVX2's tiles have
+            # half the sums of AVX-512's to spread the loop's own instructions over (a 512-row
+            # product 53 -> 79 GFLOP/s on a Zen 3 core)
+            pairs = builder.and_(depth, ir.Constant(i64, -2))
+            with cgutils.for_range_slice(builder, ir.Constant(i64, 0), pairs, ir.Constant(i64, 2)) as (k, _):
+                step(k)
+                step(builder.add(k, ir.Constant(i64, 1)))
+            with builder.if_then(builder.icmp_signed("<", pairs, depth)):
+                step(pairs)
         stored = builder.icmp_unsigned("!=", first, ir.Constant(first.type, 0))
         row_step = builder.sdiv(builder.extract_value(c_arr.strides, 0), ir.Constant(i64, 4))
         corner = builder.add(builder.mul(row, row_step), column)
@@ -490,15 +510,15 @@ def _fma(typingctx, x, y, z):
 
 @intrinsic
 def _strip(typingctx, row, columns, first, k_start, k_stop, sums):
-    """sums[first:first + 16] = the chains of fused multiply-adds, from zero, of row[k] times
+    """sums[first:first + LANES] = the chains of fused multiply-adds, from zero, of row[k] times
     columns[first + lane, k] for k in k_start .. k_stop (columns: C-contiguous (N, K), a b given
-    by its columns), 16 columns in one register: each lane's chain in order, as a tile sums it."""
+    by its columns), LANES columns in one register: each lane's chain in order, as a tile sums it."""
     def codegen(context, builder, sig, args):
         row_a, columns_a, sums_a = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 5))
         first, k_start, k_stop = args[2], args[3], args[4]
         i32, i64 = ir.IntType(32), ir.IntType(64)
         vector = ir.VectorType(ir.FloatType(), LANES)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), "llvm.fma.v16f32")
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vector, [vector] * 3), f"llvm.fma.v{LANES}f32")
         depth = builder.extract_value(columns_a.shape, 1)
         total = cgutils.alloca_once_value(builder, ir.Constant(vector, [0.0] * LANES))
         undefined, broadcast = ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(i32, LANES), [0] * LANES)
@@ -535,7 +555,7 @@ def few_rows(a, b, c, columns_given, sums):
         for k_block in range(0, depth, KC):
             sums[:columns] = 0
             stop = min(k_block + KC, depth)
-            if columns_given:  # 16 columns at a time in one register, each lane its own chain
+            if columns_given:  # LANES columns at a time in one register, each lane its own chain
                 whole = columns // LANES * LANES
                 for first in range(0, whole, LANES):
                     _strip(a[i], b, first, k_block, stop, sums)

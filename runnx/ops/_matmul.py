@@ -48,7 +48,7 @@ def own_kernels() -> bool:
     global _enabled
     if _enabled is None:
         libraries = blas_split.blas_libraries()
-        _enabled = gemm.AVAILABLE and bool(libraries) and all(
+        _enabled = gemm.WIDE and bool(libraries) and all(
             c.internal_api == "openblas" and (getattr(c, "architecture", None) or "").lower() not in _AVX512_OPENBLAS
             for c in libraries)
     return _enabled
@@ -56,11 +56,14 @@ def own_kernels() -> bool:
 
 def _short_products() -> bool:
     """Whether a short prompt's products by a matrix run on the own kernels in this process (module
-    docstring): numba compiles for AVX-512 and every BLAS numpy loaded is OpenBLAS."""
+    docstring): numba compiles for AVX-512 and every BLAS numpy loaded is OpenBLAS. (With AVX2 the
+    tiles hold half the sums, and OpenBLAS's AVX2 kernels multiply faster at every row count: the
+    own kernels 0.52-0.91x its speed on a Zen 3 core, scripts/bench_gemm.py, and 0.6-0.75x with
+    the weights cold from memory.)"""
     global _short
     if _short is None:
         libraries = blas_split.blas_libraries()
-        _short = gemm.AVAILABLE and bool(libraries) and all(c.internal_api == "openblas" for c in libraries)
+        _short = gemm.WIDE and bool(libraries) and all(c.internal_api == "openblas" for c in libraries)
     return _short
 
 

@@ -487,7 +487,7 @@ def test_a_short_prompts_layer_blocks_are_native_calls_with_the_nodes_bits(fixtu
             buffers = {n: o.array.base for n, o in owned.items()} if room else {}
             calls.clear()
             got = fused.run({**feeds, **owned})
-            blocks = 2 if _matmul.own_product(20, True) else 0  # each layer's (own kernels: AVX-512)
+            blocks = 2 if _matmul.own_product(20, True) else 0  # each layer's (own kernels: AVX-512 or AVX2)
             assert calls.count(_decode_blocks.projected_rope_append_rows) == blocks
             assert calls.count(_decode_blocks.projected_gate_rows) == calls.count(_decode_blocks.gated_down_rows) == blocks
             want = apart.run({**feeds, **{n: runnx.with_capacity(v, 2, capacity) for n, v in past.items()}})
@@ -688,7 +688,7 @@ def test_an_output_projection_and_gated_mlp_up_to_the_next_norm_become_one_node(
             assert ops == ["ResidualGatedMLP"]
             native = ((_decode_blocks.projected_gate, _decode_blocks.gated_down) if rows == 1
                       else (_decode_blocks.projected_gate_rows, _decode_blocks.gated_down_rows)
-                      if rows > 3 and _matmul.own_product(rows, True) else ())  # (own kernels: AVX-512)
+                      if rows > 3 and _matmul.own_product(rows, True) else ())  # (own kernels: AVX-512 or AVX2)
             assert calls == (list(native) if dtype == np.float32 else [])
             for name in plain:
                 assert fused[name].shape == plain[name].shape == (1, rows, 384)
@@ -759,7 +759,7 @@ def test_onnxruntime_skip_norms_around_a_gated_mlp_become_one_node_with_their_bi
             assert ops == ["ResidualGatedMLP"]
             native = ((_decode_blocks.projected_gate, _decode_blocks.gated_down) if rows == 1
                       else (_decode_blocks.projected_gate_rows, _decode_blocks.gated_down_rows)
-                      if 3 < rows < 240 and _matmul.own_product(rows, True) else ())  # (own kernels: AVX-512)
+                      if 3 < rows < 240 and _matmul.own_product(rows, True) else ())  # (own kernels: AVX-512 or AVX2)
             assert calls == list(native)
             for name, expected in zip(("s2", "n2"), reference.run(["s2", "n2"], feeds)):
                 assert fused[name].shape == plain[name].shape == (1, rows, 384)

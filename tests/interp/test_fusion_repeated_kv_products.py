@@ -117,7 +117,7 @@ def test_a_decode_step_multiplies_no_repeated_array(monkeypatch):
     capacity buffer itself, the keys' as their scaled copy of the cache's heads (not of the repeat).
     runnx's own products are made to run: numpy's OpenBLAS with its AVX-512 kernels would take them."""
     if not _kernels_gemm.AVAILABLE:
-        pytest.skip("runnx's own float32 products need numba compiling for AVX-512")
+        pytest.skip("runnx's own float32 products need numba compiling for AVX-512 or AVX2 with FMA")
     monkeypatch.setattr(_matmul, "_enabled", True)
     seen = []
     original = _matmul.stacked_product

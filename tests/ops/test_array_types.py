@@ -48,7 +48,7 @@ def _signatures_added(kernel, call):
     return set(kernel.signatures) - before
 
 
-@pytest.mark.skipif(not gemm.AVAILABLE, reason="this CPU has no AVX-512: numpy's BLAS multiplies")
+@pytest.mark.skipif(not gemm.AVAILABLE, reason="this CPU has neither AVX-512 nor AVX2 with FMA: numpy's BLAS multiplies")
 def test_the_product_compiles_one_body_for_weights_values_and_strided_outputs():
     """`product_columns` with a read-only or writable a and b, a whole or a strided c: the same bits
     each way, and its body (`_columns_product`) compiled for one type only."""

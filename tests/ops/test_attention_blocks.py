@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runnx.ops import _attention_blocks
+from runnx.ops import _attention_blocks, _kernels_gemm
 from runnx.ops._attention_blocks import attend_blocks, visible_ends
 from runnx.runtime import pool as decode_pool
 
 RNG = np.random.default_rng(7)
 LOWEST = np.finfo(np.float32).min
 needs_avx512 = pytest.mark.skipif(not _attention_blocks.POOLED,
-                                  reason="this CPU has no AVX-512: numpy's products compute every block")
+                                  reason="this CPU has neither AVX-512 nor AVX2 with FMA: numpy's products compute every block")
 
 
 @pytest.fixture(autouse=True, params=[pytest.param("job", marks=needs_avx512), "numpy"])
@@ -177,11 +177,12 @@ def test_keys_reach_the_job_as_the_panels_of_their_columns_from_any_layout(layou
     given = {"rows": key, "heads interleaved": np.ascontiguousarray(key.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3),
              "columns": np.ascontiguousarray(key.swapaxes(2, 3)).swapaxes(2, 3)}[layout]
     panels = _attention_blocks._key_panels(given)
-    count = -(-size // 32)
-    assert panels.shape == (2, 3, count * 16, 32) and panels.flags.c_contiguous
-    padded = np.zeros((2, 3, count * 32, 16), np.float32)
+    width = _kernels_gemm.NR  # a panel's keys (32 with AVX-512, 16 with AVX2)
+    count = -(-size // width)
+    assert panels.shape == (2, 3, count * 16, width) and panels.flags.c_contiguous
+    padded = np.zeros((2, 3, count * width, 16), np.float32)
     padded[:, :, :size] = key
-    expected = padded.reshape(2, 3, count, 32, 16).transpose(0, 1, 2, 4, 3).reshape(2, 3, count * 16, 32)
+    expected = padded.reshape(2, 3, count, width, 16).transpose(0, 1, 2, 4, 3).reshape(2, 3, count * 16, width)
     np.testing.assert_array_equal(panels, expected)
 
 

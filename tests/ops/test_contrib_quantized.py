@@ -509,7 +509,7 @@ def test_many_rows_take_panels_at_least_as_large_as_their_rows_with_the_same_bit
     """A prompt's 4-bit product dequantizes panels of columns of at least the rows' bytes (each
     panel's product packs every row again): 600 rows of 256 (600 KB) in 1 MB panels of 1024 columns,
     3000 rows (3 MB) in one; each element the bits of narrow panels' products where runnx's own
-    kernels multiply (AVX-512: any block of columns sums alike), within float32 rounding where
+    kernels multiply (any block of columns sums alike), within float32 rounding where
     OpenBLAS does (its kernels for a last, narrower block of columns may round otherwise)."""
     from runnx.ops import contrib_quantized
     from runnx.ops._matmul import own_product

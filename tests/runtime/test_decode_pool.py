@@ -19,7 +19,7 @@ from runnx.runtime import jobs, mailbox, slots
 from runnx.runtime import pool as decode_pool, pool_start
 
 RNG = np.random.default_rng(0)
-needs_avx512 = pytest.mark.skipif(not gemm.AVAILABLE, reason="this CPU has no AVX-512: numpy's BLAS multiplies")
+needs_avx512 = pytest.mark.skipif(not gemm.AVAILABLE, reason="this CPU has neither AVX-512 nor AVX2 with FMA: numpy's BLAS multiplies")
 _HOST_FMA = bool(llvm.get_host_cpu_features().get("fma"))
 # (depth, width): fewer rows than chunks, rows not a multiple of four, wide rows (four per pass), an
 # LM head's width (its partial rows added by the pool in blocks of columns, the last one short)
