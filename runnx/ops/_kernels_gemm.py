@@ -32,7 +32,6 @@ the element, so results never depend on the thread count. A short prompt's produ
 """
 from __future__ import annotations
 
-import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
@@ -42,20 +41,11 @@ from numba.extending import intrinsic
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops._array_types import any_layout, read_only
+from runnx.ops._vector_width import compiles_for
 
 
-def _compiles_features(*names: str) -> bool:
-    """Whether numba compiles for a CPU with all these features: this machine's (numba's default), or
-    the one the user named (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES)."""
-    if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:
-        features = llvm.get_host_cpu_features()
-        return all(features.get(name, False) for name in names)
-    named = (numba.config.CPU_FEATURES or "").split(",")
-    return all(f"+{name}" in named for name in names)
-
-
-WIDE = _compiles_features("avx512f")  # 512-bit registers, 32 of them
-AVAILABLE = WIDE or _compiles_features("avx2", "fma")  # 256-bit registers, 16 of them: half the tile
+WIDE = compiles_for("avx512f")  # 512-bit registers, 32 of them
+AVAILABLE = WIDE or compiles_for("avx2", "fma")  # 256-bit registers, 16 of them: half the tile
 
 # The tiles fill the registers the CPU has (AVX-512: 24 sums of 32; AVX2: 12 of 16, beside the b
 # vectors and a's broadcast value). Each element's arithmetic is the same chain at either width,
@@ -141,7 +131,7 @@ def _tile_codegen(a_in_place: bool, resumable: bool = False, rows: int = MR, col
                 step(loop.index)
         else:  # two steps a pass, then the odd last one, each sum's chain in k's order: AVX2's tiles have
             # half the sums of AVX-512's to spread the loop's own instructions over (a 512-row
-            # product 53 -> 79 GFLOP/s on a Zen 3 core)
+            # product 53 -> 65-79 GFLOP/s on a Zen 3 core)
             pairs = builder.and_(depth, ir.Constant(i64, -2))
             with cgutils.for_range_slice(builder, ir.Constant(i64, 0), pairs, ir.Constant(i64, 2)) as (k, _):
                 step(k)

@@ -21,7 +21,6 @@ kind of unit on any CPU: the instruction itself would abort LLVM there).
 """
 from __future__ import annotations
 
-import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
@@ -30,22 +29,12 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._vector_width import compiles_for
 
 TILE = 16  # columns a tile: one 512-bit vector of int32 sums
 
 
-def _compiles_vnni() -> bool:
-    """Whether numba compiles for a CPU with AVX-512 VNNI: this machine's (numba's default), or the
-    CPU and features the user named (NUMBA_CPU_NAME, NUMBA_CPU_FEATURES: a portable cache's generic
-    target would fail to compile the instruction)."""
-    if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:
-        features = llvm.get_host_cpu_features()
-        return all(features.get(name, False) for name in ("avx512f", "avx512bw", "avx512vnni"))
-    named = (numba.config.CPU_FEATURES or "").split(",")
-    return all(f"+{name}" in named for name in ("avx512f", "avx512bw", "avx512vnni"))
-
-
-AVAILABLE = _compiles_vnni()
+AVAILABLE = compiles_for("avx512f", "avx512bw", "avx512vnni")
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 

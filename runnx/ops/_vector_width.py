@@ -14,6 +14,8 @@ another width: those kernels keep their width.
 """
 from __future__ import annotations
 
+import llvmlite.binding as llvm
+import numba
 from numba.core import types
 from numba.extending import intrinsic
 
@@ -28,3 +30,15 @@ def full_width(typingctx):
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+def compiles_for(*features: str) -> bool:
+    """Whether numba compiles for a CPU with all these features (LLVM's names: "avx512f", "fma"):
+    this machine's (numba's default), or the CPU and features the user named (NUMBA_CPU_NAME,
+    NUMBA_CPU_FEATURES: a portable cache's generic target has none of them). Kernels that write a
+    feature's instructions or registers out ask first."""
+    if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:
+        host = llvm.get_host_cpu_features()
+        return all(host.get(name, False) for name in features)
+    named = (numba.config.CPU_FEATURES or "").split(",")
+    return all(f"+{name}" in named for name in features)
