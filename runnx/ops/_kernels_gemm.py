@@ -1,5 +1,5 @@
 """float32 matrix products at the CPU's full vector width (AVX-512, or AVX2 with FMA), for when BLAS runs
-narrower or a product's shape suits them better (`_matmul.py` decides).
+narrower or a product's shape suits them better.
 
 numpy's OpenBLAS picks its kernels by the CPU it detects, and OPENBLAS_CORETYPE overrides that:
 some machines pin it to the AVX2 kernels (older OpenBLAS builds miscomputed on their CPUs), which

@@ -39,20 +39,16 @@ AVAILABLE = compiles_for("avx512f", "avx512bw", "avx512vnni")
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
 
-def _dot_function(builder, lanes):
-    """dot(builder, sums, row, weights): `vpdpbusd` where numba compiles for AVX-512 VNNI (`AVAILABLE`),
-    else the same sums in portable IR (each lane's four unsigned bytes of row times its four signed
-    bytes of weights, widened to int32 and added to the lane's sum): the pool's unit kernel compiles
-    every kind of unit on any CPU, though only a CPU with the instruction posts this kind."""
+def _dot(builder, sums, row, weights):
+    """sums + `vpdpbusd`(row, weights) in each of the 16 int32 lanes: the instruction where numba
+    compiles for AVX-512 VNNI (`AVAILABLE`), else the same sums in generic IR (each lane's four
+    unsigned bytes of row times its four signed bytes of weights, widened to int32 and added to the
+    lane's sum): the pool's unit kernel compiles every kind of unit on any CPU, though only a CPU
+    with the instruction posts this kind."""
     if AVAILABLE:
-        instruction = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
+        instruction = cgutils.get_or_insert_function(builder.module, ir.FunctionType(sums.type, [sums.type] * 3),
                                                      "llvm.x86.avx512.vpdpbusd.512")
-        return lambda b, sums, row, weights: b.call(instruction, [sums, row, weights])
-    return _portable_dot
-
-
-def _portable_dot(builder, sums, row, weights):
-    """`vpdpbusd`'s arithmetic in generic IR (`_dot_function`)."""
+        return builder.call(instruction, [sums, row, weights])
     count = TILE * 4
     wide = ir.VectorType(ir.IntType(32), count)
     unsigned = builder.zext(builder.bitcast(row, ir.VectorType(ir.IntType(8), count)), wide)
@@ -74,7 +70,6 @@ def _tile_sums(typingctx, tiles, words, tile, out):
         tiles_a, words_a, out_a = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3))
         i32, i64 = ir.IntType(32), ir.IntType(64)
         lanes = ir.VectorType(i32, TILE)
-        dot = _dot_function(builder, lanes)
         groups = builder.extract_value(tiles_a.shape, 1)
         chains = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0] * TILE)) for _ in range(4)]
         first_group = builder.mul(args[2], groups)
@@ -89,7 +84,7 @@ def _tile_sums(typingctx, tiles, words, tile, out):
                     at = builder.mul(builder.add(first_group, group), ir.Constant(i64, 4 * TILE))
                     weights = builder.load(builder.bitcast(builder.gep(tiles_a.data, [at]), lanes.as_pointer()),
                                            align=1)
-                    builder.store(dot(builder, builder.load(chains[chain]), row, weights), chains[chain])
+                    builder.store(_dot(builder, builder.load(chains[chain]), row, weights), chains[chain])
         total = builder.add(builder.add(builder.load(chains[0]), builder.load(chains[1])),
                             builder.add(builder.load(chains[2]), builder.load(chains[3])))
         builder.store(total, builder.bitcast(out_a.data, lanes.as_pointer()), align=4)
