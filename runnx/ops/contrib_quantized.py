@@ -40,9 +40,22 @@ _STREAMED_ROWS = 8  # up to this many rows of A stream the packed weights; more 
 # dequantizing a panel of every weight costs more than the rows' multiply-adds (a 32-token prompt's
 # products 1.8x faster, 64 rows 1.2x; 96 rows even)
 TILED_ROWS = 64
+# where a prompt's panels go to BLAS (no own float kernels: AVX2) and no pool worker shares the tiles'
+# job, the panels win from a few dozen rows (one Zen 3 core, 32 rows: 0.75-0.85x the tiles' time, 64
+# rows 0.55-0.6x; with two threads the tiles' job is shared and they stay ahead up to TILED_ROWS)
+ALONE_TILED_ROWS = 16
 _PANEL_BYTES = 1 << 20  # a dequantized panel's size for the BLAS path
 # runnx's own kernels pack the rows anew for every product: wider panels, fewer packings
 _OWN_PANEL_BYTES = 1 << 22
+
+
+def tiled_rows() -> int:
+    """The most rows for which a 4-bit float32 product reads its column tiles (TILED_ROWS), not
+    panels dequantized from them: ALONE_TILED_ROWS on one thread where the panels' products are
+    BLAS's."""
+    if decode_pool.pool() is None and not own_product(TILED_ROWS, True):
+        return ALONE_TILED_ROWS
+    return TILED_ROWS
 
 
 def _lanes(rows, blocks: int, block_size: int, bits: int):
@@ -81,7 +94,7 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
         tiles = kept_tiles(b, scales, zero_points, K, N, block_size)
         if tiles is not None:
             rows = a.reshape(-1, K)  # B, scales and zero points checked when their tiles were made
-            if rows.shape[0] <= TILED_ROWS and rows.flags.c_contiguous:
+            if rows.shape[0] <= tiled_rows() and rows.flags.c_contiguous:
                 out = np.empty((rows.shape[0], N), _FLOAT32)
                 if bias is None:
                     if opening.allowed and decode_pool.pool() is None:  # (no workers to leave it open to)
@@ -91,7 +104,7 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
                     return out.reshape(a.shape[:-1] + (N,))
                 decode_pool.nbits_rows(rows, *tiles, out)
                 return _with_bias(out, bias, _FLOAT32).reshape(a.shape[:-1] + (N,))
-            if rows.shape[0] > TILED_ROWS:  # a prompt's: panels of the tiles, the weight's own bytes handed back
+            if rows.shape[0] > tiled_rows():  # a prompt's: panels of the tiles, the weight's own bytes handed back
                 decode_pool.settle()  # a may be the output of a job left open
                 out = np.empty((rows.shape[0], N), _FLOAT32)
                 _tiled_panel_product(np.ascontiguousarray(rows), tiles, 0, out)
@@ -104,7 +117,7 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
     work = np.dtype(np.float64) if a.dtype == np.float64 else np.dtype(np.float32)
     rows = np.ascontiguousarray(a.reshape(-1, K), dtype=work)
     out = np.empty((rows.shape[0], N), work)
-    if rows.shape[0] <= TILED_ROWS and bits == 4 and block_size >= 32 and work == np.float32:
+    if rows.shape[0] <= tiled_rows() and bits == 4 and block_size >= 32 and work == np.float32:
         _nibble_product(rows, b, scales, zero_points, out)  # zero points checked once
         return _with_bias(out, bias, work).reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
     mode, packed, typed = nbits_zero_points(zero_points, N, blocks, bits, work)
@@ -131,7 +144,7 @@ def SharedInputMatMulNBits(a, *inputs, K: int, columns: tuple, block_size: int, 
     (position, dims, axes) of `splits`: product `position` comes out with its heads split."""
     parts = inputs[:3 * len(columns)]
     rows = a.reshape(-1, K) if a.shape[-1:] == (K,) else None
-    if (rows is not None and a.dtype == _FLOAT32 and rows.shape[0] <= TILED_ROWS and block_size >= 32
+    if (rows is not None and a.dtype == _FLOAT32 and rows.shape[0] <= tiled_rows() and block_size >= 32
             and rows.flags.c_contiguous):
         out = np.empty((rows.shape[0], sum(columns)), _FLOAT32)
         tiles = joined_four_bit_tiles((K, block_size, columns), *parts)

@@ -87,10 +87,12 @@ def test_matmul_nbits_two_bits(zero_points, K, block_size, rows):
 @pytest.mark.parametrize("K,block_size", [(576, 32), (320, 64)])
 @pytest.mark.parametrize("count", [8, 64])
 def test_matmul_nbits_few_rows_stream_deterministically(monkeypatch, K, block_size, count):
-    """Decoding's few-row products and a short prompt's (up to `TILED_ROWS`) read the packed
+    """Decoding's few-row products and a short prompt's (up to `tiled_rows()`) read the packed
     weights (no panel dequantized), and a row's result does not depend on the rows beside it: one
     row alone equals it inside a batch, bit for bit."""
     from runnx.ops import contrib_quantized
+
+    count = min(count, contrib_quantized.tiled_rows())
 
     def refuse(*args):
         raise AssertionError("a panel was dequantized for a few rows")
@@ -398,7 +400,7 @@ def test_matmul_nbits_4_bit_tiles_keep_zero_points_as_given(K, N, block_size, ro
 @pytest.mark.parametrize("K,N,block_size", [(576, 70, 32), (256, 48, 64), (130, 33, 128)])
 @pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
 def test_matmul_nbits_4_bit_prompt_rows_are_each_the_one_row_bits(K, N, block_size, zero_points):
-    """A prompt's rows go four at a time over one unpacking of each tile (`_tiles_dot`), the rest one
+    """A prompt's rows go GROUPED_ROWS at a time over one unpacking of each tile (`_tiles_dot`), the rest one
     by one: every row is the bits of that row alone (a decode step's product), whatever the number
     of rows around it, for each kind of zero point and a last tile short of 16 columns."""
     from runnx.ops.contrib_quantized import MatMulNBits
@@ -552,6 +554,28 @@ def test_4_bit_tiles_give_the_panels_of_the_weights_own_bytes(zero_points, K, N,
         nibble_lanes_panel(b, scales, packed, typed, mode, block_size, first, expected)
         tile_lanes_panel(*tiles, first, got)
         np.testing.assert_array_equal(got.view(np.int32), expected.view(np.int32))
+
+
+def test_a_prompt_reads_4_bit_tiles_for_fewer_rows_alone_where_its_panels_are_blas_products(monkeypatch):
+    """`tiled_rows`: a pool's workers share the tiles' job, and runnx's own float kernels multiply
+    the panels (AVX-512): then up to TILED_ROWS rows read the tiles; on one thread with BLAS's panel
+    products, up to ALONE_TILED_ROWS; and a product of more rows than that dequantizes panels."""
+    from runnx.ops import contrib_quantized
+    from runnx.runtime import pool as decode_pool
+
+    for workers, own, expected in ((object(), False, contrib_quantized.TILED_ROWS),
+                                   (None, True, contrib_quantized.TILED_ROWS),
+                                   (None, False, contrib_quantized.ALONE_TILED_ROWS)):
+        monkeypatch.setattr(decode_pool, "pool", lambda workers=workers: workers)
+        monkeypatch.setattr(contrib_quantized, "own_product", lambda rows, matrix, own=own: own)
+        assert contrib_quantized.tiled_rows() == expected
+    assert contrib_quantized.ALONE_TILED_ROWS < contrib_quantized.TILED_ROWS
+    panels = []
+    monkeypatch.setattr(contrib_quantized, "_panels", lambda rows, lanes, out, fill: panels.append(rows.shape))
+    K, N, block_size, rows = 96, 20, 32, contrib_quantized.ALONE_TILED_ROWS + 1
+    a, b, scales, zeros = _nbits_inputs((rows,), K, N, 4, block_size, "packed")
+    contrib_quantized.MatMulNBits(a, b, scales, zeros, K=K, N=N, bits=4, block_size=block_size)
+    assert panels == [(rows, K)]
 
 
 @pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
