@@ -510,12 +510,17 @@ def test_joined_4_bit_tiles_are_the_tiles_of_the_joined_weights(columns, zero_po
 def test_many_rows_take_panels_at_least_as_large_as_their_rows_with_the_same_bits(rows, panels, monkeypatch):
     """A prompt's 4-bit product dequantizes panels of columns of at least the rows' bytes (each
     panel's product packs every row again): 600 rows of 256 (600 KB) in 1 MB panels of 1024 columns,
-    3000 rows (3 MB) in one; each element the bits of narrow panels' products where runnx's own
+    3000 rows (3 MB) in one (several panels: as many for each thread BLAS would use, when it
+    multiplies them); each element the bits of narrow panels' products where runnx's own
     kernels multiply (any block of columns sums alike), within float32 rounding where
     OpenBLAS does (its kernels for a last, narrower block of columns may round otherwise)."""
     from runnx.ops import contrib_quantized
     from runnx.ops._matmul import own_product
     from runnx.ops.contrib_quantized import MatMulNBits
+    from runnx.runtime.blas_split import blas_threads
+
+    threads = 1 if own_product(rows, True) or panels == 1 else blas_threads()
+    panels = -(-panels // threads) * threads
 
     a, b, scales, zeros = _nbits_inputs((rows,), 256, 2500, 4, 32, "packed", rng=np.random.default_rng(3))
     monkeypatch.setattr(contrib_quantized, "_PANEL_BYTES", 1 << 20)
@@ -576,6 +581,42 @@ def test_a_prompt_reads_4_bit_tiles_for_fewer_rows_alone_where_its_panels_are_bl
     a, b, scales, zeros = _nbits_inputs((rows,), K, N, 4, block_size, "packed")
     contrib_quantized.MatMulNBits(a, b, scales, zeros, K=K, N=N, bits=4, block_size=block_size)
     assert panels == [(rows, K)]
+
+
+def test_a_prompts_4_bit_panels_are_dealt_evenly_to_the_threads_blas_would_use(monkeypatch):
+    """Where BLAS multiplies a prompt's 4-bit panels with two threads, `_panels` deals whole panels
+    to the threads instead, as many to each, none wider than one thread's would be, with the values
+    one thread gives; a single panel (a long prompt's) stays one product for BLAS's threads."""
+    from runnx.ops import contrib_quantized
+
+    K, N, block_size = 96, 3000, 32
+    rows = contrib_quantized.TILED_ROWS + 8
+    a, b, scales, zeros = _nbits_inputs((rows,), K, N, 4, block_size, "packed")
+    attributes = dict(K=K, N=N, bits=4, block_size=block_size)
+    monkeypatch.setattr(contrib_quantized, "own_product", lambda rows, matrix: False)
+    monkeypatch.setattr(contrib_quantized, "blas_threads", lambda: 1)
+    alone = contrib_quantized.MatMulNBits(a, b, scales, zeros, **attributes)
+    dealt = []
+
+    def split(work, parts):
+        dealt.append(list(parts))
+        for part in parts:
+            work(part)
+        return True
+    monkeypatch.setattr(contrib_quantized, "split_among_threads", split)
+    monkeypatch.setattr(contrib_quantized, "blas_threads", lambda: 2)
+    shared = contrib_quantized.MatMulNBits(a, b, scales, zeros, **attributes)
+    one_thread_width = contrib_quantized._PANEL_BYTES // (K * 4)
+    assert len(dealt) == 1 and len(dealt[0]) % 2 == 0 and len(dealt[0]) >= -(-N // one_thread_width)
+    widths = np.diff(dealt[0] + [N])
+    assert widths.max() <= one_thread_width and widths.max() - widths.min() < widths.max()
+    np.testing.assert_allclose(shared, alone, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(shared, _nbits_reference(a, b, scales, zeros, K, N, 4, block_size), rtol=1e-4,
+                               atol=1e-4)
+    dealt.clear()
+    long_rows = np.repeat(a, -(-contrib_quantized._PANEL_BYTES * 4 // a.nbytes), axis=0)  # rows of 4 MB: one panel
+    contrib_quantized.MatMulNBits(long_rows, b, scales, zeros, **attributes)
+    assert dealt == []
 
 
 @pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
