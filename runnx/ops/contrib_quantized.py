@@ -60,6 +60,12 @@ def tiled_rows() -> int:
     return TILED_ROWS
 
 
+def reads_tiles(rows: int) -> bool:
+    """Whether a 4-bit float32 product of `rows` rows reads its column tiles (`tiled_rows`): a decode
+    step's few rows answered without asking the pool, once a layer and token."""
+    return rows <= ALONE_TILED_ROWS or rows <= tiled_rows()
+
+
 def _lanes(rows, blocks: int, block_size: int, bits: int):
     """The rows of A split into the lanes of a packed byte and each block's sum (`nbits_lanes`)."""
     per_byte = 8 // bits
@@ -96,7 +102,7 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
         tiles = kept_tiles(b, scales, zero_points, K, N, block_size)
         if tiles is not None:
             rows = a.reshape(-1, K)  # B, scales and zero points checked when their tiles were made
-            if rows.shape[0] <= tiled_rows() and rows.flags.c_contiguous:
+            if reads_tiles(rows.shape[0]) and rows.flags.c_contiguous:
                 out = np.empty((rows.shape[0], N), _FLOAT32)
                 if bias is None:
                     if opening.allowed and decode_pool.pool() is None:  # (no workers to leave it open to)
@@ -106,7 +112,7 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
                     return out.reshape(a.shape[:-1] + (N,))
                 decode_pool.nbits_rows(rows, *tiles, out)
                 return _with_bias(out, bias, _FLOAT32).reshape(a.shape[:-1] + (N,))
-            if rows.shape[0] > tiled_rows():  # a prompt's: panels of the tiles, the weight's own bytes handed back
+            if not reads_tiles(rows.shape[0]):  # a prompt's: panels of the tiles, the weight's own bytes handed back
                 decode_pool.settle()  # a may be the output of a job left open
                 out = np.empty((rows.shape[0], N), _FLOAT32)
                 _tiled_panel_product(np.ascontiguousarray(rows), tiles, 0, out)
@@ -119,7 +125,7 @@ def MatMulNBits(a, b, scales, zero_points=None, g_idx=None, bias=None, *, K: int
     work = np.dtype(np.float64) if a.dtype == np.float64 else np.dtype(np.float32)
     rows = np.ascontiguousarray(a.reshape(-1, K), dtype=work)
     out = np.empty((rows.shape[0], N), work)
-    if rows.shape[0] <= tiled_rows() and bits == 4 and block_size >= 32 and work == np.float32:
+    if reads_tiles(rows.shape[0]) and bits == 4 and block_size >= 32 and work == np.float32:
         _nibble_product(rows, b, scales, zero_points, out)  # zero points checked once
         return _with_bias(out, bias, work).reshape(a.shape[:-1] + (N,)).astype(a.dtype, copy=False)
     mode, packed, typed = nbits_zero_points(zero_points, N, blocks, bits, work)
@@ -146,7 +152,7 @@ def SharedInputMatMulNBits(a, *inputs, K: int, columns: tuple, block_size: int, 
     (position, dims, axes) of `splits`: product `position` comes out with its heads split."""
     parts = inputs[:3 * len(columns)]
     rows = a.reshape(-1, K) if a.shape[-1:] == (K,) else None
-    if (rows is not None and a.dtype == _FLOAT32 and rows.shape[0] <= tiled_rows() and block_size >= 32
+    if (rows is not None and a.dtype == _FLOAT32 and reads_tiles(rows.shape[0]) and block_size >= 32
             and rows.flags.c_contiguous):
         out = np.empty((rows.shape[0], sum(columns)), _FLOAT32)
         tiles = joined_four_bit_tiles((K, block_size, columns), *parts)

@@ -20,7 +20,7 @@ from runnx.ops._decode_blocks import (add_norm_into, gated_down_nbits, gated_dow
                                      normed_gate_nbits_into, open_gated_down_nbits)
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
-from runnx.ops.contrib_quantized import MatMulNBits, SharedInputMatMulNBits, tiled_rows
+from runnx.ops.contrib_quantized import MatMulNBits, SharedInputMatMulNBits, reads_tiles
 from runnx.ops.nibble_tiles import four_bit_tiles, joined_four_bit_tiles, prepack_joined_tiles, prepack_tiles
 from runnx.ops.fused_norms import AddRMSNorm, decayed, defer_gated_mlp
 from runnx.ops.registry import register
@@ -100,6 +100,6 @@ def _native_rows(a, b, norm_weight, down_norm_weight, K: int, columns: tuple) ->
             and columns[0] == columns[1]):
         return False
     rows = a.size // K if K else 0
-    return (0 < rows <= tiled_rows() and rows * max(K, columns[0]) < SHARED_FROM
+    return (0 < rows and reads_tiles(rows) and rows * max(K, columns[0]) < SHARED_FROM
             and all(w.dtype == _FLOAT32 and w.shape == (K,) and w.flags.c_contiguous
                     for w in (norm_weight, down_norm_weight)))
