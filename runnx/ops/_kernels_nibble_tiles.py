@@ -17,6 +17,11 @@ directly: portable IR (LLVM splits the 16-lane vectors for narrower machines), f
 reassociation. A column's sum does not depend on how many tiles or rows come with it, nor on the
 thread that computes it.
 
+A prompt's rows share the unpacking: `_tiles_dot` takes GROUPED_ROWS rows over one unpacking of a
+tile's bytes (as many as the registers hold), and from UNPACKED_ROWS rows `tile_rows_unpacked`
+unpacks each chunk of a tile once into 2 KiB of floats that every row's multiply-adds then read from
+L1. Both keep each row's chains and their order: a row's bits are its one-row product's.
+
 Layout (`repack`): for weights of `chunks` chunks of 32 values (16 bytes, a block of 32, or a part
 of a larger block), tiles[t, c, j, i] is byte j of chunk c of column 16 t + i (low nibble value
 2 j, high nibble 2 j + 1); scales[t, c, i] the scale of that chunk's block and zeros[t, c, i] its
@@ -181,25 +186,182 @@ def _tiles_dot(typingctx, tiles, lanes, sums, scales, zeros, tile, ahead, out, r
     return signature, codegen
 
 
+# a chunk of a tile unpacked once for many rows (`_unpack_chunk`): for each byte j its 16 low nibbles
+# as floats at 32 j, its 16 high ones at 32 j + 16, then the chunk's 16 scales and their products
+# with the zero points
+_UNPACKED = 2 * CHUNK_BYTES * TILE + 2 * TILE
+
+
+@intrinsic
+def _unpack_chunk(typingctx, tiles, scales, zeros, tile, chunk, ahead, unpacked):
+    """unpacked (`_UNPACKED` float32) = chunk `chunk` of tile `tile` as `_emit_tiles` converts it
+    (the same instructions, so the same values), and each column's scale times its zero point."""
+    signature = types.void(tiles, scales, zeros, tile, chunk, ahead, unpacked)
+    zero_bytes = zeros.dtype == types.uint8
+
+    def codegen(context, builder, sig, args):
+        tiles_a, scales_a, zeros_a = (context.make_array(kind)(context, builder, value)
+                                      for kind, value in zip(sig.args[:3], args[:3]))
+        target = context.make_array(sig.args[6])(context, builder, args[6]).data
+        tile, chunk, ahead = args[3], args[4], args[5]
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        floats, words = ir.VectorType(ir.FloatType(), TILE), ir.VectorType(i32, TILE)
+        octets = ir.VectorType(ir.IntType(8), TILE)
+        fifteen, four = ir.Constant(words, [15] * TILE), ir.Constant(words, [4] * TILE)
+
+        def vector(pointer, index, kind):
+            return builder.load(builder.bitcast(builder.gep(pointer, [index]), kind.as_pointer()), align=1)
+
+        def put(value, at):
+            builder.store(value, builder.bitcast(builder.gep(target, [ir.Constant(i64, at)]), floats.as_pointer()),
+                          align=4)
+
+        prefetch_function = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+        chunks = builder.extract_value(tiles_a.shape, 1)
+        zero_rows = builder.mul(builder.extract_value(zeros_a.shape, 0), builder.extract_value(zeros_a.shape, 1))
+        shared_zeros = builder.icmp_unsigned("==", zero_rows, ir.Constant(i64, 1))
+        at = builder.add(builder.mul(tile, chunks), chunk)
+        bytes_at = builder.mul(at, ir.Constant(i64, CHUNK_BYTES * TILE))
+        columns_at = builder.mul(at, ir.Constant(i64, TILE))
+        for line in range(0, CHUNK_BYTES * TILE, 64):  # (past the last tile: prefetches never fault)
+            address = builder.gep(tiles_a.data, [builder.add(bytes_at, builder.add(ahead, ir.Constant(i64, line)))])
+            builder.call(prefetch_function, [builder.bitcast(address, ir.IntType(8).as_pointer()),
+                                             ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        for j in range(CHUNK_BYTES):
+            packed = builder.zext(vector(tiles_a.data, builder.add(bytes_at, ir.Constant(i64, TILE * j)), octets),
+                                  words)
+            put(builder.uitofp(builder.and_(packed, fifteen), floats), 2 * TILE * j)
+            put(builder.uitofp(builder.lshr(packed, four), floats), 2 * TILE * j + TILE)
+        zeros_at = builder.select(shared_zeros, ir.Constant(i64, 0), columns_at)
+        scale = vector(scales_a.data, columns_at, floats)
+        if zero_bytes:
+            zero = builder.uitofp(builder.zext(vector(zeros_a.data, zeros_at, octets), words), floats)
+        else:
+            zero = vector(zeros_a.data, zeros_at, floats)
+        put(scale, 2 * CHUNK_BYTES * TILE)
+        put(builder.fmul(zero, scale), 2 * CHUNK_BYTES * TILE + TILE)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@intrinsic
+def _unpacked_dot(typingctx, unpacked, lanes, sums, chunk, out, column, row):
+    """Row `row`'s share of `_tile_dot` from one chunk read as `_unpack_chunk`'s floats: out[row,
+    column:column + 16] (the row's running total, taken as zero at chunk 0) gets the chunk's sums by
+    the same chains and operations, in the same order, as `_emit_tiles`: the same bits. Each
+    weight is an operand read from L1 by its multiply-add."""
+    signature = types.void(unpacked, lanes, sums, chunk, out, column, row)
+
+    def codegen(context, builder, sig, args):
+        unpacked_a, lanes_a, sums_a = (context.make_array(kind)(context, builder, value)
+                                       for kind, value in zip(sig.args[:3], args[:3]))
+        out_a = context.make_array(sig.args[4])(context, builder, args[4])
+        chunk, column, row = args[3], args[5], args[6]
+        f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+        floats = ir.VectorType(f32, TILE)
+        fmuladd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3),
+                                                 "llvm.fmuladd.v16f32")
+        nothing = ir.Constant(floats, [0.0] * TILE)
+        undefined, first_lane = ir.Constant(floats, ir.Undefined), ir.Constant(ir.VectorType(i32, TILE), [0] * TILE)
+
+        def broadcast(pointer, index):
+            value = builder.insert_element(undefined, builder.load(builder.gep(pointer, [index])), ir.Constant(i32, 0))
+            return builder.shuffle_vector(value, undefined, first_lane)
+
+        # the floats' address hidden from LLVM at each call: the same for every row, their 34 vectors
+        # could be hoisted out of the rows' loop into 16 registers (seen with two rows a call: spilled)
+        address = unpacked_a.data
+        address = builder.asm(ir.FunctionType(address.type, [address.type]), "", "=r,0", [address], side_effect=True)
+
+        def stored(at):
+            pointer = builder.gep(address, [ir.Constant(i64, at)])
+            return builder.load(builder.bitcast(pointer, floats.as_pointer()), align=4)
+
+        lane_width = builder.extract_value(lanes_a.shape, 2)
+        chunks, columns = builder.extract_value(sums_a.shape, 1), builder.extract_value(out_a.shape, 1)
+        low = builder.gep(lanes_a.data, [builder.mul(row, builder.add(lane_width, lane_width))])
+        high = builder.gep(low, [lane_width])
+        values_at = builder.mul(chunk, ir.Constant(i64, CHUNK_BYTES))
+        sums = [nothing] * 4  # the chains of `_emit_tiles`
+        for j in range(CHUNK_BYTES):
+            position = builder.add(values_at, ir.Constant(i64, j))
+            chain = 2 * (j & 1)
+            sums[chain] = builder.call(fmuladd, [stored(2 * TILE * j), broadcast(low, position), sums[chain]])
+            sums[chain + 1] = builder.call(fmuladd, [stored(2 * TILE * j + TILE), broadcast(high, position),
+                                                     sums[chain + 1]])
+        scale, zero_scale = stored(2 * CHUNK_BYTES * TILE), stored(2 * CHUNK_BYTES * TILE + TILE)
+        total_at = builder.gep(out_a.data, [builder.add(builder.mul(row, columns), column)])
+        total_at = builder.bitcast(total_at, floats.as_pointer())
+        first = builder.icmp_unsigned("==", chunk, ir.Constant(i64, 0))
+        total = builder.select(first, nothing, builder.load(total_at, align=4))
+        chunk_sum = builder.fadd(builder.fadd(sums[0], sums[1]), builder.fadd(sums[2], sums[3]))
+        zero_share = builder.fmul(zero_scale, broadcast(sums_a.data, builder.add(builder.mul(row, chunks), chunk)))
+        scaled = builder.call(fmuladd, [chunk_sum, scale, total])
+        builder.store(builder.fsub(scaled, zero_share), total_at, align=4)
+        return context.get_dummy_value()
+
+    return signature, codegen
+
+
+@_kernel
+def tile_rows_unpacked(lanes, sums, tiles, scales, zeros, out, first, stop):
+    """`tile_rows` of whole tiles first .. stop, each chunk of a tile unpacked once into floats
+    (`_unpack_chunk`, 2 KiB) that every row then reads from L1 (`_unpacked_dot`): a row's work on a
+    chunk is 32 multiply-adds with a weight operand each, where over registers (`_tiles_dot`) AVX2's
+    16 hold two rows' chains and every two rows unpack it again."""
+    rows, chunks = out.shape[0], tiles.shape[1]
+    unpacked = np.empty(_UNPACKED, np.float32)
+    for t in range(first, stop):
+        for c in range(chunks):
+            _unpack_chunk(tiles, scales, zeros, t, c, _ROWS_AHEAD, unpacked)
+            for m in range(rows):
+                _unpacked_dot(unpacked, lanes, sums, c, out, t * TILE, m)
+
+
+@_kernel
+def tile_rows_grouped(lanes, sums, tiles, scales, zeros, out, first, stop):
+    """`tile_rows` of whole tiles first .. stop, GROUPED_ROWS rows over each unpacking of a tile's
+    bytes (`_tiles_dot`), the rest one by one."""
+    rows = out.shape[0]
+    ahead = _ROW_AHEAD if rows == 1 else _ROWS_AHEAD
+    grouped = rows // GROUPED_ROWS * GROUPED_ROWS
+    for t in range(first, stop):
+        for m in range(0, grouped, GROUPED_ROWS):
+            _tiles_dot(tiles, lanes, sums, scales, zeros, t, ahead, out, m)
+        start = t * TILE
+        for m in range(grouped, rows):
+            _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, ahead, out[m, start:start + TILE])
+
+
+# rows from which `tile_rows` unpacks each chunk of a tile once into floats that every row reads
+# from L1 (`tile_rows_unpacked`) rather than unpacking it again each GROUPED_ROWS rows; 0: never.
+# With AVX2's 16 registers two rows share an unpacking: a Zen 3 core, 8 to 32 rows' products took
+# 0.75-0.95x the time unpacked, 4 rows 1.05x. AVX-512's four rows an unpacking were not measured
+# against it
+UNPACKED_ROWS = 0 if compiles_for("avx512f") else 8
+
+
 @_kernel
 def tile_rows(lanes, sums, tiles, scales, zeros, out, first, stop):
     """out (M, N) columns of tiles first .. stop = the rows (as `lanes` (M, 2, 16 chunks): even and
     odd positions, zero past K; `sums` (M, chunks)) times the repacked weights (module docstring),
-    GROUPED_ROWS rows at a time over one unpacking of a tile's bytes, the same bits as row by row.
-    All arrays C-contiguous float32 but the uint8 tiles (and zeros, uint8 or float32)."""
+    GROUPED_ROWS rows at a time over one unpacking of a tile's bytes, or from UNPACKED_ROWS rows each
+    chunk unpacked once for all: the same bits as row by row. All arrays C-contiguous float32 but the
+    uint8 tiles (and zeros, uint8 or float32)."""
     rows, columns = out.shape
     ahead = _ROW_AHEAD if rows == 1 else _ROWS_AHEAD
-    grouped = rows // GROUPED_ROWS * GROUPED_ROWS
-    for t in range(first, stop):
+    whole = max(first, min(stop, columns // TILE))  # (tiles first .. whole have 16 columns)
+    if UNPACKED_ROWS and rows >= UNPACKED_ROWS:
+        tile_rows_unpacked(lanes, sums, tiles, scales, zeros, out, first, whole)
+    else:
+        tile_rows_grouped(lanes, sums, tiles, scales, zeros, out, first, whole)
+    for t in range(whole, stop):  # the last tile's padding columns go to scratch (allocated here only: a unit each job)
         start = t * TILE
         count = min(TILE, columns - start)
-        if count == TILE:
-            for m in range(0, grouped, GROUPED_ROWS):
-                _tiles_dot(tiles, lanes, sums, scales, zeros, t, ahead, out, m)
-            for m in range(grouped, rows):
-                _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, ahead, out[m, start:start + TILE])
-            continue
-        for m in range(rows):  # the last tile's padding columns go to scratch (allocated here only: a unit each job)
+        for m in range(rows):
             scratch = np.empty(TILE, np.float32)
             _tile_dot(tiles, lanes[m, 0], lanes[m, 1], sums[m], scales, zeros, t, ahead, scratch)
             out[m, start:columns] = scratch[:count]
@@ -493,3 +655,4 @@ def _hand_back(typingctx, buffer, at, length):
             builder.call(madvise, [pointer, builder.sub(stop, first), ir.Constant(i32, _DONTNEED)])
         return context.get_dummy_value()
     return signature, codegen
+

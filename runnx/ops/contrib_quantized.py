@@ -43,9 +43,10 @@ _STREAMED_ROWS = 8  # up to this many rows of A stream the packed weights; more 
 # products 1.8x faster, 64 rows 1.2x; 96 rows even)
 TILED_ROWS = 64
 # where a prompt's panels go to BLAS (no own float kernels: AVX2) and no pool worker shares the tiles'
-# job, the panels win from a few dozen rows (one Zen 3 core, 32 rows: 0.75-0.85x the tiles' time, 64
-# rows 0.55-0.6x; with two threads the tiles' job is shared and they stay ahead up to TILED_ROWS)
-ALONE_TILED_ROWS = 16
+# job, the panels win from a few dozen rows (one Zen 3 core over unpacked chunks: 24 rows' tiles
+# 0.81-0.90x the panels' time, 32 even, 40 1.05x, 64 1.17x; with two threads the tiles' job is shared
+# and they stay ahead up to TILED_ROWS)
+ALONE_TILED_ROWS = 32
 _PANEL_BYTES = 1 << 20  # a dequantized panel's size for the BLAS path
 # runnx's own kernels pack the rows anew for every product: wider panels, fewer packings
 _OWN_PANEL_BYTES = 1 << 22

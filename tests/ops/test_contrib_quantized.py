@@ -401,10 +401,11 @@ def test_matmul_nbits_4_bit_tiles_keep_zero_points_as_given(K, N, block_size, ro
 @pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
 def test_matmul_nbits_4_bit_prompt_rows_are_each_the_one_row_bits(K, N, block_size, zero_points):
     """A prompt's rows go GROUPED_ROWS at a time over one unpacking of each tile (`_tiles_dot`), the rest one
-    by one: every row is the bits of that row alone (a decode step's product), whatever the number
-    of rows around it, for each kind of zero point and a last tile short of 16 columns."""
+    by one, or from UNPACKED_ROWS rows over each chunk unpacked once into floats: every row is the
+    bits of that row alone (a decode step's product), whatever the number of rows around it, for each
+    kind of zero point and a last tile short of 16 columns."""
     from runnx.ops.contrib_quantized import MatMulNBits
-    from runnx.ops._kernels_nibble_tiles import GROUPED_ROWS
+    from runnx.ops._kernels_nibble_tiles import GROUPED_ROWS, UNPACKED_ROWS
 
     a, b, scales, zeros = _nbits_inputs((35,), K, N, 4, block_size, zero_points)
     for array in (b, scales, zeros):
@@ -413,12 +414,39 @@ def test_matmul_nbits_4_bit_prompt_rows_are_each_the_one_row_bits(K, N, block_si
     attributes = dict(K=K, N=N, bits=4, block_size=block_size)
     each = np.concatenate([MatMulNBits(a[m:m + 1], b, scales, zeros, **attributes) for m in range(35)])
     runnx.runtime.settle()
-    for count in (GROUPED_ROWS, GROUPED_ROWS + 3, 2 * GROUPED_ROWS, 35):
+    for count in (GROUPED_ROWS, GROUPED_ROWS + 3, 2 * GROUPED_ROWS, max(UNPACKED_ROWS, 1), 35):
         np.testing.assert_array_equal(MatMulNBits(a[:count], b, scales, zeros, **attributes), each[:count])
         runnx.runtime.settle()
     if zero_points != "typed":  # (the reference reads zero points as packed nibbles)
         np.testing.assert_allclose(each, _nbits_reference(a, b, scales, zeros, K, N, 4, block_size), rtol=1e-4,
                                    atol=1e-4)
+
+
+@pytest.mark.parametrize("zero_points", [None, "packed", "typed"])
+def test_rows_over_unpacked_chunks_are_each_the_one_row_bits(zero_points):
+    """`tile_rows_unpacked` (each chunk of a tile unpacked once into floats for all rows), which
+    `tile_rows` takes from UNPACKED_ROWS rows where the CPU has it, run directly on every CPU: each
+    row is `tile_rows`'s one-row bits, for 1, 2, 7 and 13 rows and a range of tiles inside the weight,
+    and it writes no column outside that range."""
+    from runnx.ops._kernels_nibble_tiles import tile_rows, tile_rows_unpacked
+    from runnx.ops.nibble_tiles import _nibble_tiles
+
+    K, N, block_size = 576, 80, 32
+    a, b, scales, zeros = _nbits_inputs((13,), K, N, 4, block_size, zero_points)
+    tiles, tile_scales, tile_zeros = _nibble_tiles((), b, scales, zeros)
+    chunks = tiles.shape[1]
+    lanes = np.zeros((13, 2, 16 * chunks), np.float32)
+    lanes[:, 0, :K // 2], lanes[:, 1, :K // 2] = a[:, 0::2], a[:, 1::2]
+    sums = lanes.reshape(13, 2, chunks, 16).sum(axis=(1, 3), dtype=np.float32)
+    each = np.empty((13, N), np.float32)
+    for m in range(13):
+        tile_rows(lanes[m:m + 1], sums[m:m + 1], tiles, tile_scales, tile_zeros, each[m:m + 1], 0, tiles.shape[0])
+    assert np.abs(each).max() > 0
+    for count in (1, 2, 7, 13):
+        out = np.full((count, N), np.nan, np.float32)
+        tile_rows_unpacked(lanes[:count], sums[:count], tiles, tile_scales, tile_zeros, out, 1, 4)
+        np.testing.assert_array_equal(out[:, 16:64], each[:count, 16:64])
+        assert np.isnan(out[:, :16]).all() and np.isnan(out[:, 64:]).all()
 
 
 @pytest.mark.parametrize("tiles,chunks", [(1, 1), (3, 2), (5, 18), (2, 48)])
