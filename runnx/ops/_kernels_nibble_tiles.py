@@ -271,13 +271,8 @@ def _unpacked_dot(typingctx, unpacked, lanes, sums, chunk, out, column, row):
             value = builder.insert_element(undefined, builder.load(builder.gep(pointer, [index])), ir.Constant(i32, 0))
             return builder.shuffle_vector(value, undefined, first_lane)
 
-        # the floats' address hidden from LLVM at each call: the same for every row, their 34 vectors
-        # could be hoisted out of the rows' loop into 16 registers (seen with two rows a call: spilled)
-        address = unpacked_a.data
-        address = builder.asm(ir.FunctionType(address.type, [address.type]), "", "=r,0", [address], side_effect=True)
-
         def stored(at):
-            pointer = builder.gep(address, [ir.Constant(i64, at)])
+            pointer = builder.gep(unpacked_a.data, [ir.Constant(i64, at)])
             return builder.load(builder.bitcast(pointer, floats.as_pointer()), align=4)
 
         lane_width = builder.extract_value(lanes_a.shape, 2)
@@ -339,7 +334,7 @@ def tile_rows_grouped(lanes, sums, tiles, scales, zeros, out, first, stop):
 # rows from which `tile_rows` unpacks each chunk of a tile once into floats that every row reads
 # from L1 (`tile_rows_unpacked`) rather than unpacking it again each GROUPED_ROWS rows; 0: never.
 # With AVX2's 16 registers two rows share an unpacking: a Zen 3 core, 8 to 32 rows' products took
-# 0.75-0.95x the time unpacked, 4 rows 1.05x. AVX-512's four rows an unpacking were not measured
+# 0.73-0.93x the time unpacked, 4 rows 1.05x. AVX-512's four rows an unpacking were not measured
 # against it
 UNPACKED_ROWS = 0 if compiles_for("avx512f") else 8
 
