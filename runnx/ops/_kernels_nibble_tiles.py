@@ -650,4 +650,3 @@ def _hand_back(typingctx, buffer, at, length):
             builder.call(madvise, [pointer, builder.sub(stop, first), ir.Constant(i32, _DONTNEED)])
         return context.get_dummy_value()
     return signature, codegen
-
