@@ -317,7 +317,9 @@ def tile_rows_unpacked(lanes, sums, tiles, scales, zeros, out, first, stop):
             _unpack_chunk(tiles, scales, zeros, t, c, _ROWS_AHEAD, unpacked)
             for m in range(rows):
                 _unpacked_dot(unpacked, lanes, sums, c, totals, 0, m)
-        out[:, t * TILE:(t + 1) * TILE] = totals
+        for m in range(rows):  # (element by element: numba's 2-d slice assignment took 5 s to compile)
+            for i in range(TILE):
+                out[m, t * TILE + i] = totals[m, i]
 
 
 @_kernel
