@@ -60,8 +60,8 @@ _PACKAGE = Path(__file__).resolve().parents[1]
 CACHED_MODULES = ("capture/capacity.py", "ops/_decode_blocks.py", "ops/_kernels_attention_blocks.py",
                   "ops/_kernels_contrib.py", "ops/_kernels_contrib_attention.py", "ops/_kernels_elementwise.py",
                   "ops/_kernels_fused.py", "ops/_kernels_gemm.py", "ops/_kernels_integer.py", "ops/_kernels_linalg.py",
-                  "ops/_kernels_nibble_tiles.py", "ops/_kernels_nn.py", "ops/_kernels_numpy_exp.py",
-                  "ops/_kernels_rows.py", "ops/_kernels_vnni.py", "runtime/arena_functions.py", "runtime/board.py",
+                  "ops/_kernels_nibble_layout.py", "ops/_kernels_nibble_tiles.py", "ops/_kernels_nn.py",
+                  "ops/_kernels_numpy_exp.py", "ops/_kernels_rows.py", "ops/_kernels_vnni.py", "runtime/arena_functions.py", "runtime/board.py",
                   "runtime/jobs.py", "runtime/mailbox.py", "runtime/units.py")
 # and the modules whose constants those kernels compile in (the decode pool's job layout)
 CONSTANT_MODULES = ("runtime/slots.py",)

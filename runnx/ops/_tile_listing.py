@@ -1,4 +1,4 @@
-"""A model's 4-bit weights listed for `repack_listed` (`_kernels_nibble_tiles`): each input as a byte
+"""A model's 4-bit weights listed for `repack_listed` (`_kernels_nibble_layout`): each input as a byte
 range of the buffer the weights lie in, each output as a byte range of one arena. Made from a
 prepacking thread's items in one native call, a model's tiles need the GIL only before and after:
 a tokenizer loading beside the model, which holds it for 90 ms, does not stop them half-made.
@@ -12,7 +12,7 @@ import numpy as np
 from runnx.interp.model_file import fault_in, fresh_map, settle
 from runnx.ops._kernels_contrib import ZERO_PACKED, ZERO_TYPED
 from runnx.interp.external_data import in_file_map
-from runnx.ops._kernels_nibble_tiles import (BLOB, BLOCKS, CHUNKS, COLUMNS, HAND_BACK, LISTED, S_AT, S_BACK, S_SOURCE,
+from runnx.ops._kernels_nibble_layout import (BLOB, BLOCKS, CHUNKS, COLUMNS, HAND_BACK, LISTED, S_AT, S_BACK, S_SOURCE,
                                              SCALES_AT, TILE_COUNT, TILES_AT, W_AT, W_BACK, W_SOURCE, Z_AT, Z_BACK,
                                              Z_COUNT, Z_SOURCE, ZERO_MODE, ZEROS_AT)
 

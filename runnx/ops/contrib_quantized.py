@@ -20,7 +20,7 @@ from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._kernels_contrib import (BNB4_TABLES, bnb4_dequantize, bnb4_rows, gather_blocks_into, lanes_order_into,
                                         nbits_dequantize, nbits_lanes, nbits_rows, nibble_lanes_panel)
-from runnx.ops._kernels_nibble_tiles import tile_lanes_panel
+from runnx.ops._kernels_nibble_layout import tile_lanes_panel
 from runnx.ops._fused_common import DOMAIN as FUSED_DOMAIN
 from runnx.ops.fused_layer_norm_blocks import SplitHeads
 from runnx.ops.fused_norms import SiluMul

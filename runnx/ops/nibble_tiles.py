@@ -1,4 +1,4 @@
-"""A constant 4-bit weight's tiles (`_kernels_nibble_tiles`' layout): made on its first few-row
+"""A constant 4-bit weight's tiles (`_kernels_nibble_layout`): made on its first few-row
 product or ahead of it by the load's prepack (`registry`'s prepack hooks: `prepack_tiles`,
 `prepack_joined_tiles`), kept while the weight lives (a `Remembered` each: one weight's, and the
 joined tiles of the products of one input), and, once kept, the weight's own bytes handed back to
@@ -16,7 +16,8 @@ import numpy as np
 from runnx.errors import RunnxError
 from runnx.interp.external_data import release_pages
 from runnx.ops._kernels_contrib import ZERO_DEFAULT, ZERO_PACKED, ZERO_TYPED
-from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, MADE, TILE, repack, repack_listed
+from runnx.ops._kernels_nibble_layout import MADE, repack, repack_listed
+from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES, TILE
 from runnx.ops._remembered import Remembered
 from runnx.ops._tile_listing import Arena, buffers_key, buffers_of, listed
 from runnx.ops.registry import COMPUTED
@@ -60,7 +61,7 @@ def check_weight(b, scales, K: int, N: int, bits: int, block_size: int) -> int:
 
 def _nibble_tiles(_, weights, scales, zero_points):
     """4-bit weights with blobs of 16 bytes or more repacked in tiles of 16 columns, with a scale
-    and a zero point for each 32 values (`_kernels_nibble_tiles`: uint8 zero points, float32 ones
+    and a zero point for each 32 values (`_kernels_nibble_layout`: uint8 zero points, float32 ones
     of the scales' type, or one shared row of the default), read-only."""
     return _made(*_planned_tiles([(weights, scales, zero_points)]))
 

@@ -15,7 +15,7 @@ import runnx
 from runnx.errors import RunnxError
 from runnx.generate.decoder import DecoderStep, load_decoder
 from runnx.ops import _kernels_vnni as vnni, contrib_quantized, linalg_integer, nibble_tiles
-from runnx.ops._kernels_nibble_tiles import MADE, REFUSED, TILE_COUNT, repack
+from runnx.ops._kernels_nibble_layout import MADE, REFUSED, TILE_COUNT, repack
 from tests.interp.test_loader import _resident_kib
 
 F = TensorProto.FLOAT

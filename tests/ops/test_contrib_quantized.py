@@ -454,7 +454,7 @@ def test_a_weights_bytes_transposed_in_registers_are_its_tiles_and_nothing_else_
     """`transpose_tiles` (16 x 16 byte blocks transposed by vector shuffles) writes tile t's chunk c
     as byte j of columns 16 t .. 16 t + 15 at [t, c, j]: numpy's transposing copy, every byte distinct
     enough to catch a lane out of place; columns past the tiles are not read, nothing past them written."""
-    from runnx.ops._kernels_nibble_tiles import transpose_tiles
+    from runnx.ops._kernels_nibble_layout import transpose_tiles
 
     rng = np.random.default_rng(tiles * 100 + chunks)
     weights = rng.integers(0, 256, (16 * tiles + 7, chunks, 16), dtype=np.uint8)
@@ -471,7 +471,7 @@ def test_repacking_into_tiles_of_another_shape_is_refused():
     """`repack` writes by index into buffers it is handed: tiles too few for the weight's columns, or
     of another number of chunks, raise before anything is written."""
     from runnx.ops._kernels_contrib import ZERO_DEFAULT
-    from runnx.ops._kernels_nibble_tiles import repack
+    from runnx.ops._kernels_nibble_layout import repack
 
     weights = np.zeros((33, 4, 16), np.uint8)  # 33 columns: three tiles, 4 chunks of a block each
     scales, none_u8, none_f32 = np.ones(33 * 4, np.float32), np.empty(0, np.uint8), np.empty(0, np.float32)
@@ -576,7 +576,7 @@ def test_4_bit_tiles_give_the_panels_of_the_weights_own_bytes(zero_points, K, N,
     own bytes (`nibble_lanes_panel`), bit for bit: any column range (within a tile, across tiles, the
     last tile's), odd K and partial last blocks, every kind of zero point."""
     from runnx.ops._kernels_contrib import nibble_lanes_panel
-    from runnx.ops._kernels_nibble_tiles import tile_lanes_panel
+    from runnx.ops._kernels_nibble_layout import tile_lanes_panel
     from runnx.ops.nibble_tiles import _nibble_tiles, nbits_zero_points
 
     _, b, scales, zeros = _nbits_inputs((1,), K, N, 4, block_size, zero_points)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from runnx.ops import nibble_tiles as nt
-from runnx.ops._kernels_nibble_tiles import FREE, MADE, repack_listed
+from runnx.ops._kernels_nibble_layout import FREE, MADE, repack_listed
 from runnx.ops._tile_listing import Arena, _buffer_of, listed
 from tests.interp.test_loader import _resident_kib
 
@@ -137,7 +137,7 @@ def test_only_a_files_pages_are_marked_to_go_back_and_only_for_kept_tiles(where,
     holding the only copy (the load's arena, an anonymous map), nor a staged copy. The tiles are the
     same bits either way, and the inputs read the same after their pages went back."""
     from runnx.interp import external_data
-    from runnx.ops._kernels_nibble_tiles import HAND_BACK, S_BACK, W_BACK, Z_BACK
+    from runnx.ops._kernels_nibble_layout import HAND_BACK, S_BACK, W_BACK, Z_BACK
 
     parts = [_weights(256, 512, "packed"), _weights(128, 512, "packed")]
     flat = [a for part in parts for a in part]
