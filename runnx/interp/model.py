@@ -264,13 +264,16 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
     # RUNNX_KEEP_FREED=1: glibc keeps the runs' freed temporaries mapped (runtime/allocator.py), asked
     # before the threads below first allocate (each would keep an arena of its own)
     keep_freed_if_asked()
+    ahead = None
     if isinstance(source, (str, os.PathLike)):  # the kernels its runs loaded before, while it loads
         from runnx.ops.kernel_loads import load_in_background, record_path  # (imports numba)
-        load_in_background(record_path(source))
+        ahead = load_in_background(record_path(source))
     from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
     sleep_after_calls()  # OpenBLAS's threads, when numpy loaded it before runnx (runtime/openblas.py)
     with _collection_paused(), settles_held():
-        return Model(load_model(source, weights, options.allow_newer_opset), options)
+        model = Model(load_model(source, weights, options.allow_newer_opset), options)
+    model._kernel_loads.ahead = ahead  # (its first run waits for them)
+    return model
 
 
 @contextmanager

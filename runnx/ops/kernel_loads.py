@@ -20,6 +20,7 @@ import hashlib
 import importlib
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -34,6 +35,9 @@ from runnx.ops import _jit_cache, _native
 _NOT_A_MODELS = ("runnx.runtime.arena_functions",)
 _running = threading.local()  # .recorder: the Recorder of the run on this thread, if any
 _RECORD_FORMAT = 2  # in a record's key: records written before callees were left out are not read
+_LOADING_SWITCH = 0.0002  # seconds: sys.setswitchinterval while kernels load ahead (`_load_switching_often`)
+_switching = [0, 0.005, 0.0]  # loading threads running; the interval the first of them found; as set (rounded)
+_switch_lock = threading.Lock()
 _KEPT_SECONDS = 30 * 24 * 3600  # a record neither loaded nor written for this long goes (its model is gone)
 
 
@@ -59,6 +63,16 @@ class Recorder:
         self._entries: dict[tuple, None] = dict.fromkeys(read_record(path)) if path is not None else {}
         self._saved = len(self._entries)
         self._lock = threading.Lock()
+        self.ahead: threading.Thread | None = None  # `load_in_background`'s thread for this model
+
+    def wait_ahead(self) -> None:
+        """Let the loads ahead finish before this model's first run asks for kernels: beside a run,
+        the loading thread and the run take the GIL from each other (a waiter gets it every 5 ms)
+        and numba's compiler lock, and the kernels the run waits for come last (a 32-token 4-bit
+        prompt's first run 83-92 ms instead of 57-60 when the loads were still going)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            ahead.join()
 
     def note(self, entry: tuple) -> None:
         with self._lock:
@@ -94,6 +108,8 @@ class _Running:
         self.recorder = recorder
 
     def __enter__(self):
+        if self.recorder.ahead is not None:
+            self.recorder.wait_ahead()
         self.before = getattr(_running, "recorder", None)  # a nested model's run records as its own
         _running.recorder = self.recorder
 
@@ -157,9 +173,32 @@ def load_in_background(path: Path | None) -> threading.Thread | None:
         os.utime(path)  # in use: kept (`_forget_old`)
     except OSError:
         pass
-    thread = threading.Thread(target=load_cached, args=(entries,), name="runnx-kernel-loads")
+    thread = threading.Thread(target=_load_switching_often, args=(entries,), name="runnx-kernel-loads")
     thread.start()
     return thread
+
+
+def _load_switching_often(entries: list[tuple[str, str, str]]) -> None:
+    """`load_cached` with the interpreter's switch interval at `_LOADING_SWITCH` seconds meanwhile.
+    Why: numba's load makes hundreds of LLVM calls through ctypes, each releasing the GIL and then
+    waiting for it; beside a loading model's Python (imports, the graph's rewrites, a tokenizer's
+    load), each wait lasted the interval, 5 ms by default, and the loads meant for a 4-bit
+    SmolLM2's first prompt were still going when its load ended (15-25 ms of them left, run first
+    by that prompt: 75-95 ms instead of 57-60). The interval is process-wide: the first loader to
+    start sets it, the last to end puts back what it found (unless someone else changed it since)."""
+    with _switch_lock:
+        if _switching[0] == 0:
+            _switching[1] = sys.getswitchinterval()
+            sys.setswitchinterval(_LOADING_SWITCH)
+            _switching[2] = sys.getswitchinterval()
+        _switching[0] += 1
+    try:
+        load_cached(entries)
+    finally:
+        with _switch_lock:
+            _switching[0] -= 1
+            if _switching[0] == 0 and sys.getswitchinterval() == _switching[2]:
+                sys.setswitchinterval(_switching[1])
 
 
 def load_cached(entries: list[tuple[str, str, str]]) -> int:

@@ -211,3 +211,43 @@ def test_records_unused_for_a_month_are_forgotten_when_another_is_written(tmp_pa
     with recorder.running():
         kernel_loads._noted(_kernels_fused.rms_norm_into.py_func, ())
     assert sorted(p.name for p in folder.iterdir()) == ["new.json", "recent.json"]
+
+
+def test_a_models_first_run_waits_for_its_loads_ahead():
+    model = __import__("runnx").load(str(FIXTURE / "model.onnx"))
+    release, finished = threading.Event(), []
+
+    def loading():  # a load ahead still going when the run starts
+        release.wait(10)
+        finished.append(True)
+
+    ahead = threading.Thread(target=loading)
+    ahead.start()
+    model._kernel_loads.ahead = ahead
+    threading.Timer(0.2, release.set).start()
+    with model.recording_loads():  # (what a run enters first)
+        assert finished == [True]  # joined before anything asked numba's cache
+    assert model._kernel_loads.ahead is None and not ahead.is_alive()
+
+
+def test_the_switch_interval_is_short_while_kernels_load_ahead_and_put_back_after(monkeypatch):
+    before = sys.getswitchinterval()
+    seen, gates = [], [threading.Event(), threading.Event()]
+
+    def load_cached(entries):
+        seen.append(sys.getswitchinterval())
+        gates[entries[0]].wait(10)
+
+    monkeypatch.setattr(kernel_loads, "load_cached", load_cached)
+    first = threading.Thread(target=kernel_loads._load_switching_often, args=([0],))
+    second = threading.Thread(target=kernel_loads._load_switching_often, args=([1],))
+    first.start()
+    second.start()
+    gates[0].set()  # the first ends while the second still loads: the interval stays short
+    first.join()
+    short = sys.getswitchinterval()
+    assert abs(short - kernel_loads._LOADING_SWITCH) < 1e-6
+    gates[1].set()
+    second.join()
+    assert seen == [short] * 2
+    assert sys.getswitchinterval() == before
