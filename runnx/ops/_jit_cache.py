@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import sys
 import threading
 import time
 from pathlib import Path
@@ -193,6 +194,37 @@ def light_loads() -> bool:
 
 
 _loading = threading.local()  # runnx: this thread is loading one of runnx's kernels (`light_loads`)
+
+
+LOADING_SWITCH = 0.0002  # seconds: the interpreter's switch interval while `switching_often`
+_switching = [0, 0.005, 0.0]  # threads inside; the interval the first of them found; as set (rounded)
+_switch_lock = threading.Lock()
+
+
+class switching_often:
+    """A context for a thread loading kernels in the background: the interpreter's switch interval
+    LOADING_SWITCH instead of 5 ms meanwhile. Why: numba's load makes hundreds of LLVM calls through
+    ctypes, each releasing the GIL and then waiting to take it back, which beside another thread's
+    Python lasts the interval. The interval is the process's: the first thread in sets it, the last
+    out puts back what the first found (unless someone changed it since)."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        with _switch_lock:
+            if _switching[0] == 0:
+                _switching[1] = sys.getswitchinterval()
+                sys.setswitchinterval(LOADING_SWITCH)
+                _switching[2] = sys.getswitchinterval()
+            _switching[0] += 1
+        return self
+
+    def __exit__(self, *failure):
+        with _switch_lock:
+            _switching[0] -= 1
+            if _switching[0] == 0 and sys.getswitchinterval() == _switching[2]:
+                sys.setswitchinterval(_switching[1])
+        return False
 
 
 def lazy_bitcode() -> bool:

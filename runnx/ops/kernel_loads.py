@@ -20,7 +20,6 @@ import hashlib
 import importlib
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -35,9 +34,6 @@ from runnx.ops import _jit_cache, _native
 _NOT_A_MODELS = ("runnx.runtime.arena_functions",)
 _running = threading.local()  # .recorder: the Recorder of the run on this thread, if any
 _RECORD_FORMAT = 2  # in a record's key: records written before callees were left out are not read
-_LOADING_SWITCH = 0.0002  # seconds: sys.setswitchinterval while kernels load ahead (`_load_switching_often`)
-_switching = [0, 0.005, 0.0]  # loading threads running; the interval the first of them found; as set (rounded)
-_switch_lock = threading.Lock()
 _KEPT_SECONDS = 30 * 24 * 3600  # a record neither loaded nor written for this long goes (its model is gone)
 
 
@@ -179,26 +175,12 @@ def load_in_background(path: Path | None) -> threading.Thread | None:
 
 
 def _load_switching_often(entries: list[tuple[str, str, str]]) -> None:
-    """`load_cached` with the interpreter's switch interval at `_LOADING_SWITCH` seconds meanwhile.
-    Why: numba's load makes hundreds of LLVM calls through ctypes, each releasing the GIL and then
-    waiting for it; beside a loading model's Python (imports, the graph's rewrites, a tokenizer's
-    load), each wait lasted the interval, 5 ms by default, and the loads meant for a 4-bit
-    SmolLM2's first prompt were still going when its load ended (15-25 ms of them left, run first
-    by that prompt: 75-95 ms instead of 57-60). The interval is process-wide: the first loader to
-    start sets it, the last to end puts back what it found (unless someone else changed it since)."""
-    with _switch_lock:
-        if _switching[0] == 0:
-            _switching[1] = sys.getswitchinterval()
-            sys.setswitchinterval(_LOADING_SWITCH)
-            _switching[2] = sys.getswitchinterval()
-        _switching[0] += 1
-    try:
+    """`load_cached` with the GIL changing hands often (`_jit_cache.switching_often`): beside a
+    loading model's Python (imports, the graph's rewrites, a tokenizer's load) a 4-bit SmolLM2's
+    loads were otherwise still going when its load ended (15-25 ms of them left, taken by its first
+    prompt: 75-95 ms instead of 57-60)."""
+    with _jit_cache.switching_often():
         load_cached(entries)
-    finally:
-        with _switch_lock:
-            _switching[0] -= 1
-            if _switching[0] == 0 and sys.getswitchinterval() == _switching[2]:
-                sys.setswitchinterval(_switching[1])
 
 
 def load_cached(entries: list[tuple[str, str, str]]) -> int:

@@ -148,8 +148,10 @@ def reused() -> int:
 
 def _make_handler() -> None:
     global _handler
+    from runnx.ops._jit_cache import switching_often  # (numba: its functions load from numba's cache)
     try:
-        made = _build()
+        with switching_often():  # beside a model's load (kernel_loads.py)
+            made = _build()
     except (AttributeError, OSError, ValueError, ImportError):
         made = False
     with _handler_lock:

@@ -8,6 +8,7 @@ import threading
 import numpy as np
 
 from runnx.ops import _native
+from runnx.ops._jit_cache import switching_often
 from runnx.ops._kernels_linalg import chunk_count
 from runnx.runtime import pool as decode_pool
 from runnx.runtime.jobs import open_products, post_gelu, post_products, post_softmax
@@ -40,22 +41,24 @@ def start_in_background(load_jobs: bool = True) -> None:
 
 
 def _start_and_load(load_jobs: bool) -> None:
-    _import_for_numba_typing()
-    _find_blas()
-    decode_pool.pool()
-    if load_jobs:
-        _load_jobs()
-        _load_products()
+    with switching_often():  # beside a model's load (kernel_loads.py)
+        _import_for_numba_typing()
+        _find_blas()
+        decode_pool.pool()
+        if load_jobs:
+            _load_jobs()
+            _load_products()
 
 
 def _load_alone(load_products: bool) -> None:
     """With no workers: the unit loop that jobs run alone call (`pool.alone`: a decoder's attention, a
     prompt's softmax), then the products' kernels unless a model's record loads what it calls."""
-    _import_for_numba_typing()
-    _find_blas()
-    make_board()
-    if load_products:
-        _load_products()
+    with switching_often():
+        _import_for_numba_typing()
+        _find_blas()
+        make_board()
+        if load_products:
+            _load_products()
 
 
 def _import_for_numba_typing() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numba
 from numba.core.compiler_lock import global_compiler_lock
 
-from runnx.ops import _kernels_fused, kernel_loads
+from runnx.ops import _jit_cache, _kernels_fused, kernel_loads
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny-llama"
 
@@ -246,7 +246,7 @@ def test_the_switch_interval_is_short_while_kernels_load_ahead_and_put_back_afte
     gates[0].set()  # the first ends while the second still loads: the interval stays short
     first.join()
     short = sys.getswitchinterval()
-    assert abs(short - kernel_loads._LOADING_SWITCH) < 1e-6
+    assert abs(short - _jit_cache.LOADING_SWITCH) < 1e-6
     gates[1].set()
     second.join()
     assert seen == [short] * 2
