@@ -1,10 +1,11 @@
 """onnxruntime's contrib attention against onnxruntime: RotaryEmbedding (halves, interleaved,
 offsets, partial rotary), GroupQueryAttention (prompt and decode, separate and shared KV buffers,
 per-sequence lengths, rotary inside, local windows, softcap, packed QKV, float16) and the in-place
-growth of its KV cache. Every case runs three times: with the prompt threshold as shipped, and
-with every prompt's attention in blocks (`attention_in_blocks`, `causal_attention_in_blocks`), which
-runs for long prompts only: as the decode pool's prompt-attention job where runnx's own products
-run, and as numpy's BLAS products."""
+growth of its KV cache. Every case runs four times: with the prompt thresholds as shipped; with
+every prompt's attention in blocks (`attention_in_blocks`, `causal_attention_in_blocks`, as
+shipped for long unmasked prompts and causal ones of more than a few rows), as the decode pool's
+prompt-attention job where runnx's own products run and as numpy's BLAS products; and with every
+causal prompt through the mask and the attention kernel instead."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,11 +19,14 @@ from tests.ops._contrib_node import assert_close, contrib_model, run_both
 RNG = np.random.default_rng(44)
 
 
-@pytest.fixture(autouse=True, params=["as shipped", "in blocks", "in numpy blocks"])
+@pytest.fixture(autouse=True, params=["as shipped", "in blocks", "in numpy blocks", "masked"])
 def _attention_path(request, monkeypatch):
-    if request.param != "as shipped":
-        from runnx.ops import _attention_blocks, contrib_attention
+    from runnx.ops import _attention_blocks, contrib_attention
+    if request.param == "masked":  # every causal prompt through the mask and the attention kernel
+        monkeypatch.setattr(contrib_attention, "_CAUSAL_BLOCKED_ROWS", 1 << 30)
+    elif request.param != "as shipped":
         monkeypatch.setattr(contrib_attention, "_BLOCKED_ROWS", 0)
+        monkeypatch.setattr(contrib_attention, "_CAUSAL_BLOCKED_ROWS", 0)
         if request.param == "in numpy blocks":
             monkeypatch.setattr(_attention_blocks, "POOLED", False)
 
