@@ -211,8 +211,9 @@ def _attend_rows(queries, present_key, present_value, starts, lengths, reach: in
     dtype = queries.dtype
     steps = queries.shape[2]
     if (_native.enabled and dtype == np.float32 and steps > _CAUSAL_BLOCKED_ROWS and window <= 0
-            and attention_bias is None and not softcap and not smooth_softmax and head_sink is None and present_key.dtype == np.float32
-            and present_value.dtype == np.float32 and np.all(starts == starts[0]) and starts[0] + steps == reach):
+            and attention_bias is None and not softcap and not smooth_softmax and head_sink is None
+            and present_key.dtype == np.float32 and present_value.dtype == np.float32
+            and np.all(starts == starts[0]) and starts[0] + steps == reach):
         scaled = np.multiply(queries, np.float32(factor))
         return causal_attention_in_blocks(scaled, present_key[:, :, :reach], present_value[:, :, :reach],
                                           int(starts[0])).transpose(0, 2, 1, 3)
