@@ -324,8 +324,8 @@ def tile_rows_grouped(lanes, sums, tiles, scales, zeros, out, first, stop):
 # rows from which `tile_rows` unpacks each chunk of a tile once into floats that every row reads
 # from L1 (`tile_rows_unpacked`) rather than unpacking it again each GROUPED_ROWS rows; 0: never.
 # With AVX2's 16 registers two rows share an unpacking: a Zen 3 core, 8 to 32 rows' products took
-# 0.73-0.93x the time unpacked, 4 rows 1.05x. AVX-512's four rows an unpacking were not measured
-# against it
+# 0.73-0.93x the time unpacked, 4 rows 1.05x. With AVX-512's four rows an unpacking, unpacked was
+# slower on a Xeon core: 1.15-1.21x the time at 32 rows, 1.24-1.35x at 8 and 16, 1.44x at 4
 UNPACKED_ROWS = 0 if compiles_for("avx512f") else 8
 
 
