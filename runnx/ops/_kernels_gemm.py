@@ -252,7 +252,7 @@ def _pack_a(a, first_row, height, first_k, depth, panels):
 
 
 @_kernel
-def _copy_block(source, source_row, source_column, target, target_row, target_column, rows, columns):
+def copy_block(source, source_row, source_column, target, target_row, target_column, rows, columns):
     """target[target_row:+rows, target_column:+columns] = the same block of source, element by element:
     numba's 2-d slice assignment costs seconds of compiling for each kernel that has one."""
     for i in range(rows):
@@ -331,14 +331,14 @@ def gemm_columns(a, b, c, first_column, stop_column, a_panels, b_panel, edge, co
                                       b_flat, ahead_at, ahead_step, ahead_count)
                             continue
                         if not first:
-                            _copy_block(c, row, column, edge, 0, 0, tile_rows, tile_columns)
+                            copy_block(c, row, column, edge, 0, 0, tile_rows, tile_columns)
                         if in_place:
                             _tile_of_rows(a_flat, a_at, depth, b_source, b_at, b_from, k_count, edge, 0, 0, first,
                                           b_flat, ahead_at, ahead_step, ahead_count)
                         else:
                             _tile(a_panels, a_at, 0, b_source, b_at, b_from, k_count, edge, 0, 0, first, b_flat,
                                   ahead_at, ahead_step, ahead_count)
-                        _copy_block(edge, 0, 0, c, row, column, tile_rows, tile_columns)
+                        copy_block(edge, 0, 0, c, row, column, tile_rows, tile_columns)
 
 
 @_kernel
@@ -379,7 +379,7 @@ def panels_product(a, panels, c, a_panels, edge):
                     continue
                 _tile(a_panels, i * depth, 0, flat, column * depth, NR, depth, edge, 0, 0, True, flat, 0, 0, 0)
                 count = min(NR, columns - column)
-                _copy_block(edge, 0, 0, c, row, column, tile_rows, count)
+                copy_block(edge, 0, 0, c, row, column, tile_rows, count)
 
 
 @_kernel
@@ -454,10 +454,10 @@ def gemm_streamed(a, b, c, first_column, stop_column, sums):
                                            ahead_rows)
                         else:
                             if not first:
-                                _copy_block(c, row, column, edge, 0, 0, tile_rows, tile_columns)
+                                copy_block(c, row, column, edge, 0, 0, tile_rows, tile_columns)
                             _streamed_tile(short, a_panels, a_at, b_source, b_at, b_from, steps, edge, 0, 0, first,
                                            b_flat, sums, init_at, sums_step, resume, ahead_at, b_step, ahead_rows)
-                            _copy_block(edge, 0, 0, c, row, column, tile_rows, tile_columns)
+                            copy_block(edge, 0, 0, c, row, column, tile_rows, tile_columns)
 
 
 @_kernel

@@ -31,6 +31,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
+from runnx.ops._kernels_gemm import copy_block
 from runnx.ops._vector_width import compiles_for
 
 TILE = 16  # columns a tile: one 512-bit vector of float32 sums
@@ -301,9 +302,7 @@ def tile_rows_unpacked(lanes, sums, tiles, scales, zeros, out, first, stop):
             _unpack_chunk(tiles, scales, zeros, t, c, _ROWS_AHEAD, unpacked)
             for m in range(rows):
                 _unpacked_dot(unpacked, lanes, sums, c, totals, 0, m)
-        for m in range(rows):  # (element by element: numba's 2-d slice assignment took 5 s to compile)
-            for i in range(TILE):
-                out[m, t * TILE + i] = totals[m, i]
+        copy_block(totals, 0, 0, out, 0, t * TILE, rows, TILE)
 
 
 @_kernel

@@ -13,8 +13,8 @@ from runnx.interp.model_file import fault_in, fresh_map, settle
 from runnx.ops._kernels_contrib import ZERO_PACKED, ZERO_TYPED
 from runnx.interp.external_data import in_file_map
 from runnx.ops._kernels_nibble_layout import (BLOB, BLOCKS, CHUNKS, COLUMNS, HAND_BACK, LISTED, S_AT, S_BACK, S_SOURCE,
-                                             SCALES_AT, TILE_COUNT, TILES_AT, W_AT, W_BACK, W_SOURCE, Z_AT, Z_BACK,
-                                             Z_COUNT, Z_SOURCE, ZERO_MODE, ZEROS_AT)
+                                              SCALES_AT, TILE_COUNT, TILES_AT, W_AT, W_BACK, W_SOURCE, Z_AT, Z_BACK,
+                                              Z_COUNT, Z_SOURCE, ZERO_MODE, ZEROS_AT)
 
 _ALIGN = 64  # each output starts on a cache line of the arena
 
