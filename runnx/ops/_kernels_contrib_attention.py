@@ -1,7 +1,8 @@
 """numba kernel of GroupQueryAttention's decode step (`ops/contrib_attention.py`): the new query
 and key rows turned by the rotary caches and the new key and value rows written into the KV cache,
-in one pass over the step's few rows instead of a dozen numpy calls; and `decode_step`, that pass
-and the decode attention job in one native call.
+in one pass over the step's few rows instead of a dozen numpy calls; `decode_step`, that pass
+and the decode attention job in one native call; and `prompt_step`, that pass and a causal
+prompt's attention job in one.
 
 The rotation is the numpy reference's arithmetic in its order (x1 * cos - x2 * sin, x2 * cos +
 x1 * sin, no fused multiply-add), so the rows are bitwise those of `contrib_attention._rotate`.
@@ -9,9 +10,12 @@ x1 * sin, no fused multiply-add), so the rows are bitwise those of `contrib_atte
 from __future__ import annotations
 
 import numba
+import numpy as np
 
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
-from runnx.runtime.jobs import post_attention
+from runnx.ops._kernels_attention_blocks import key_panels_into
+from runnx.ops._kernels_gemm import NR
+from runnx.runtime.jobs import post_attention, post_attention_blocks
 
 _kernel = numba.njit(cache=True, nogil=True, error_model="numpy")
 
@@ -87,4 +91,36 @@ def decode_step(board, workers, query, key, value, positions, cos_cache, sin_cac
         return False
     post_attention(board, workers, queries, key_cache[:, :, begin:stop], value_cache[:, :, begin:stop], None, scale,
                    0.0, out)
+    return True
+
+
+@_kernel
+def prompt_step(board, workers, query, key, value, positions, cos_cache, sin_cache, half, interleaved, key_cache,
+                value_cache, starts, scale, block, out):
+    """A causal prompt of sequences that all continue their caches at starts[0] (B, S new rows), in
+    one native call as a decode pool job (`runtime.pool.shared_call`): `rotary_append` into the
+    caches and a scratch of turned queries, those times `scale` (float32, as numpy multiplies
+    them), the caches' first starts[0] + S keys as the panels of their columns
+    (`key_panels_into`), then the prompt-attention job (`post_attention_blocks`: blocks of `block`
+    query positions, row s seeing the keys up to its own position) into out (B, N, S, H; any
+    layout): the arrays and the job `contrib_attention._attend_rows` makes and posts from
+    Python, so the same bits. False, having written nothing, when `rotary_append` refuses the
+    rows."""
+    batch, steps, heads, size = query.shape
+    queries = np.empty((batch, heads, steps, size), np.float32)
+    if not rotary_append(query, key, value, positions, cos_cache, sin_cache, half, interleaved, queries, key_cache,
+                         value_cache, starts):
+        return False
+    turned = queries.reshape(queries.size)
+    for i in range(turned.shape[0]):
+        turned[i] = turned[i] * scale
+    start = starts[0]
+    reach = start + steps
+    keys = key_cache[:, :, :reach]
+    panels = np.empty((batch, keys.shape[1], (reach + NR - 1) // NR * size, NR), np.float32)
+    key_panels_into(keys, panels)
+    ends = np.empty((1, 1, steps), np.int64)
+    for s in range(steps):
+        ends[0, 0, s] = start + s + 1
+    post_attention_blocks(board, workers, queries, panels, value_cache[:, :, :reach], None, ends, 0.0, block, out)
     return True

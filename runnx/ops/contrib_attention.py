@@ -8,9 +8,11 @@ is written in place: the shared buffer itself, or past grown into its spare capa
 grows a KV cache (`runnx/capture/capacity.py`), so a decode step copies only the new rows.
 float32 new rows are turned and written into the cache by one numba pass (`rotary_append`); a
 decode step (one row a sequence) then takes the decode attention job over each sequence's own rows
-(`decode_step`, one native call when the lengths are equal in a shared buffer), no mask. Prompts go
-through `fused.attend` with an additive causal mask; softcap, smooth softmax, sinks and a bias take
-a numpy path.
+(`decode_step`, one native call when the lengths are equal in a shared buffer), no mask. A causal
+prompt of more than `_CAUSAL_BLOCKED_ROWS` rows ending the cache goes in blocks of query positions
+(`causal_attention_in_blocks`), and in a granted shared buffer its rows pass and the blocks job are
+one native call (`prompt_step`); shorter prompts go through `fused.attend` with an additive causal
+mask; softcap, smooth softmax, sinks and a bias take a numpy path.
 """
 from __future__ import annotations
 
@@ -22,20 +24,25 @@ import numpy as np
 from runnx.capture.capacity import append_in_place, concatenate_with_headroom
 from runnx.errors import RunnxError
 from runnx.ops import _native
-from runnx.ops._kernels_contrib_attention import decode_step, rotary_append, rows_fit
+from runnx.ops._attention_blocks import POOLED
+from runnx.ops._kernels_attention_blocks import block_positions
+from runnx.ops._kernels_contrib_attention import decode_step, prompt_step, rotary_append, rows_fit
+from runnx.ops._kernels_gemm import KC
 from runnx.ops.fused import attend
 from runnx.ops.fused_layer_norm_blocks import attention_in_blocks, causal_attention_in_blocks
 from runnx.ops.registry import register
 from runnx.ops._matmul import matmul
 from runnx.runtime import defer, deferring, pool as decode_pool, take_leave
 from runnx.runtime.pool import settle, shared_call
-from runnx.runtime.rows import share_rows
+from runnx.runtime.rows import SHARED_FROM, share_rows
 
 _BLOCKED_ROWS = 48  # query rows a head from which attention goes in blocks of BLAS products
 # query rows from which a causal prompt over the cache's end goes in blocks (`_attend_rows`): the
 # blocks job skips the mask that the other path builds with numpy a layer a call (a 32-token prompt's
 # attention 107 -> 64 us a layer on one thread, 82 -> 52 on two; 4 rows 20 -> 18, 2 and 3 even)
 _CAUSAL_BLOCKED_ROWS = 3
+# such a prompt in a granted shared buffer as one native call (`_prompt_step`); tests compare it off
+_PROMPT_IN_ONE_CALL = True
 
 DOMAIN = "com.microsoft"
 _FLOAT32 = np.dtype(np.float32)
@@ -289,6 +296,13 @@ def GroupQueryAttention(query, key, value, past_key, past_value, seqlens_k, tota
             return _decode_step(q, k, v, past_key, past_value, positions, starts, stops[0], local_window_size, factor,
                                 cos_cache if do_rotary else None, sin_cache if do_rotary else None,
                                 bool(rotary_interleaved), overwrite, ctx, output_count, leave)
+        if not decoding and (merged := _prompt_step(q, k, v, past_key, past_value, positions, starts, lengths,
+                                                    length, local_window_size, attention_bias, softcap,
+                                                    smooth_softmax, head_sink, factor,
+                                                    cos_cache if do_rotary else None,
+                                                    sin_cache if do_rotary else None, bool(rotary_interleaved),
+                                                    overwrite, ctx)) is not None:
+            return _outputs(merged.reshape(batch, steps, num_heads * head_size), past_key, past_value, output_count)
         settle()
         queries, present_key, present_value = _rotate_and_append(
             q, k, v, past_key, past_value, positions, starts, length, cos_cache if do_rotary else None,
@@ -423,6 +437,38 @@ def _decode_step(q, k, v, past_key, past_value, positions, starts, count: int, w
     elif not shared_call(decode_step, *arguments):
         _refuse_rows(positions, starts, cos_cache, 1, present_key.shape[2])
     return _outputs(output.reshape(batch, 1, heads * size), present_key, present_value, output_count)
+
+
+def _prompt_step(q, k, v, past_key, past_value, positions, starts, lengths, length: int, window: int, attention_bias,
+                 softcap: float, smooth_softmax: int, head_sink, factor: float, cos_cache, sin_cache, interleaved: bool,
+                 overwrite, ctx):
+    """The attention output (B, S, N, H) of a causal float32 prompt whose sequences all continue a shared
+    buffer granted in place (past as long as the present) at one row and end their caches there, no
+    window, bias, softcap or softmax variant, where the prompt-attention job runs (`POOLED`):
+    `prompt_step`, the rows kernel and the job in one native call, given the arrays `_rotate_and_append`
+    and `_attend_rows` would give them (the same bits) without their dozen numpy calls and checks
+    from Python (a 32-token prompt's layer spent more there than in its attention); None for any
+    other prompt, which those take, and for rows enough to share out (`SHARED_FROM` elements), whose
+    rows pass `_rotate_and_append` splits among runnx's threads. q, k, v (B, S, N or G, H) as
+    `_rotate_positions` takes them."""
+    batch, steps, heads, size = q.shape
+    if (not _PROMPT_IN_ONE_CALL or not POOLED or steps <= _CAUSAL_BLOCKED_ROWS
+            or batch * steps * (heads + 2 * k.shape[2]) * size >= SHARED_FROM or window > 0 or attention_bias is not None
+            or softcap or smooth_softmax or head_sink is not None or past_key is None or 3 not in overwrite
+            or 4 not in overwrite or past_key.shape[2] != length or past_value.shape[2] != length or size > KC
+            or past_value.strides[3] != 4 or past_value.strides[2] != 4 * size
+            or not (batch == 1 or (starts == starts[0]).all() and (lengths == lengths[0]).all())
+            or int(starts[0]) + steps != int(lengths[0])):
+        return None
+    if ctx is not None:
+        ctx.count("GroupQueryAttention.writes_in_place", 2)
+    half = cos_cache.shape[1] if cos_cache is not None else 0
+    angles = (cos_cache, sin_cache) if cos_cache is not None else (_NO_ANGLES, _NO_ANGLES)
+    merged = np.empty((batch, steps, heads, size), _FLOAT32)
+    if not shared_call(prompt_step, q, k, v, positions, *angles, half, interleaved, past_key, past_value, starts,
+                       np.float32(factor), block_positions(heads // past_key.shape[1]), merged.transpose(0, 2, 1, 3)):
+        _refuse_rows(positions, starts, cos_cache, steps, length)
+    return merged
 
 
 def _rotate_positions(q, k, v, positions, cos_cache, sin_cache, half: int, interleaved: bool, queries, present_key,

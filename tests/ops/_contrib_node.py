@@ -8,6 +8,7 @@ from onnx import helper, numpy_helper
 
 import runnx
 from runnx.interp.dtypes import onnx_type
+from runnx.runtime import pool as decode_pool
 
 MS = "com.microsoft"
 
@@ -52,3 +53,16 @@ def assert_close(got, expected, rtol=1e-5, atol=1e-5):
         assert g.dtype == e.dtype, (g.dtype, e.dtype)
         assert g.shape == e.shape, (g.shape, e.shape)
         np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=atol)
+
+
+def alone_and_with_workers(run):
+    """(run() with no decode pool workers, run() with two): a result the pool shares out must not
+    depend on it."""
+    try:
+        decode_pool.set_workers(0)
+        alone = run()
+        decode_pool.set_workers(2)
+        shared = run()
+    finally:
+        decode_pool.set_workers(None)
+    return alone, shared

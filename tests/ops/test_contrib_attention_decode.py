@@ -9,8 +9,7 @@ import pytest
 from runnx.errors import RunnxError
 from runnx.ops import _native, contrib_attention
 from runnx.ops.contrib_attention import GroupQueryAttention
-from runnx.runtime import pool as decode_pool
-from tests.ops._contrib_node import run_both
+from tests.ops._contrib_node import alone_and_with_workers, run_both
 
 RNG = np.random.default_rng(45)
 
@@ -134,13 +133,7 @@ def test_decode_step_does_not_depend_on_the_thread_count(lengths):
     """Bitwise the same with the decode pool's workers as without (spans of a long cache shared out)."""
     inputs = _step(lengths, 1600, 6, 2, 32, rotary_positions=1600)
     attributes = dict(num_heads=6, kv_num_heads=2, do_rotary=1)
-    try:
-        decode_pool.set_workers(0)
-        alone = _run(inputs, **attributes)
-        decode_pool.set_workers(2)
-        shared = _run(inputs, **attributes)
-    finally:
-        decode_pool.set_workers(None)
+    alone, shared = alone_and_with_workers(lambda: _run(inputs, **attributes))
     for a, s in zip(alone, shared):
         np.testing.assert_array_equal(a, s)
 
