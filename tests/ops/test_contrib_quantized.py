@@ -679,3 +679,30 @@ def test_a_prompt_over_kept_tiles_reads_them_with_the_bits_of_the_weights_own_by
     for got, want in zip(SharedInputMatMulNBits(a, *flat, K=K, columns=columns, block_size=block_size), expected):
         np.testing.assert_array_equal(got, want)
     assert read == []
+
+
+@pytest.mark.parametrize("bits,block_size", [(4, 32), (4, 16), (8, 64), (2, 128)])
+@pytest.mark.parametrize("depth", [1, 31, 576, 1000])
+def test_nbits_lanes_are_a_copy_and_each_blocks_sum_in_order(bits, block_size, depth):
+    """The rows of a k-bit product (`nbits_lanes`: every block's chain side by side) against the
+    one loop a position and a block they replace: the lanes a copy, zero past K, and each block's
+    sum a float64 chain in k's order from row[0] * 0 (inf and NaN in a row included), bit for bit."""
+    from runnx.ops._kernels_contrib import nbits_lanes
+
+    per_byte = 8 // bits
+    blocks = -(-depth // block_size) + 1  # (one more than K needs: its sum is the chain's start)
+    rows = (RNG.standard_normal((5, depth)) * 300).astype(np.float32)
+    rows[1, 0], rows[2, -1], rows[3, 0] = np.inf, np.nan, -0.0
+    lanes = np.full((5, per_byte, blocks * block_size // per_byte), 7, np.float32)
+    sums = np.full((5, blocks), 7, np.float32)
+    nbits_lanes(rows, block_size, lanes, sums)
+    padded = np.zeros((5, blocks * block_size), np.float32)
+    padded[:, :depth] = rows
+    for lane in range(per_byte):
+        np.testing.assert_array_equal(lanes[:, lane].view(np.int32), padded[:, lane::per_byte].view(np.int32))
+    for m, row in enumerate(rows):
+        for block in range(blocks):
+            total = np.float64(row[0]) * 0.0
+            for value in row[block * block_size:min(depth, (block + 1) * block_size)]:
+                total += np.float64(value)
+            assert np.float32(total).view(np.int32) == sums[m, block].view(np.int32), (m, block)
