@@ -136,9 +136,9 @@ def nbits_lanes(rows, block_size, lanes, sums):
     values at positions l, l + 8 // bits, ... (zero past K, so a last block's tail adds nothing),
     and sums (M, blocks), each block's sum in order from rows[m, 0] * 0.0 (a float64 chain), stored
     in the sums' type. Each lane is one strided pass over the row, and the blocks' chains run side
-    by side (a step of each block in turn), where one block's chain at a time waited for every add:
-    a 4-bit job's rows (`runtime/jobs.py`), made by one thread while the others wait, 32 rows of 576
-    (1536) in 29.7 (81) -> 12.9 (28) us, the same values."""
+    by side (a step of each block in turn), each the same adds in k's order: one chain at a time
+    waited for every add, and a 4-bit job's posting thread makes its rows while the workers wait
+    (`runtime/jobs.py`)."""
     count, depth = rows.shape
     per_byte = lanes.shape[1]
     length = lanes.shape[2]
