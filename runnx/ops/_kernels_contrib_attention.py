@@ -1,4 +1,4 @@
-"""numba kernel of GroupQueryAttention's decode step (`ops/contrib_attention.py`): the new query
+"""numba kernel of GroupQueryAttention's decode step (`ops/contrib_group_query_attention.py`): the new query
 and key rows turned by the rotary caches and the new key and value rows written into the KV cache,
 in one pass over the step's few rows instead of a dozen numpy calls; `decode_step`, that pass
 and the decode attention job in one native call; and `prompt_step`, that pass and a causal
@@ -103,7 +103,7 @@ def prompt_step(board, workers, query, key, value, positions, cos_cache, sin_cac
     them), the caches' first starts[0] + S keys as the panels of their columns
     (`key_panels_into`), then the prompt-attention job (`post_attention_blocks`: blocks of `block`
     query positions, row s seeing the keys up to its own position) into out (B, N, S, H; any
-    layout): the arrays and the job `contrib_attention._attend_rows` makes and posts from
+    layout): the arrays and the job `contrib_group_query_attention._attend_rows` makes and posts from
     Python, so the same bits. False, having written nothing, when `rotary_append` refuses the
     rows."""
     batch, steps, heads, size = query.shape

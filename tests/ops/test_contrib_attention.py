@@ -21,12 +21,12 @@ RNG = np.random.default_rng(44)
 
 @pytest.fixture(autouse=True, params=["as shipped", "in blocks", "in numpy blocks", "masked"])
 def _attention_path(request, monkeypatch):
-    from runnx.ops import _attention_blocks, contrib_attention
+    from runnx.ops import _attention_blocks, contrib_attention, contrib_group_query_attention
     if request.param == "masked":  # every causal prompt through the mask and the attention kernel
-        monkeypatch.setattr(contrib_attention, "_CAUSAL_BLOCKED_ROWS", 1 << 30)
+        monkeypatch.setattr(contrib_group_query_attention, "_CAUSAL_BLOCKED_ROWS", 1 << 30)
     elif request.param != "as shipped":
         monkeypatch.setattr(contrib_attention, "_BLOCKED_ROWS", 0)
-        monkeypatch.setattr(contrib_attention, "_CAUSAL_BLOCKED_ROWS", 0)
+        monkeypatch.setattr(contrib_group_query_attention, "_CAUSAL_BLOCKED_ROWS", 0)
         if request.param == "in numpy blocks":
             monkeypatch.setattr(_attention_blocks, "POOLED", False)
 

@@ -11,7 +11,7 @@ import pytest
 
 import runnx
 
-from runnx.ops import (_attention_blocks, contrib_attention, contrib_normalization, contrib_quantized,
+from runnx.ops import (_attention_blocks, contrib_group_query_attention, contrib_normalization, contrib_quantized,
                        fused_layer_norm_blocks, fused_norms, fused_rotary, normalization)
 from runnx.runtime import openblas, rows
 from runnx.runtime import pool as decode_pool
@@ -100,7 +100,7 @@ def _cases(rng):
     group_query_rows = (packed[:, :, :4], packed[:, :, 4:6], packed[:, :, 6:], None, None,
                         np.arange(3, 3 + positions)[None], np.zeros(1, np.int64), positions, *angles)
     return [
-        ("GroupQueryAttention's rotary and append", lambda: contrib_attention._rotate_and_append(
+        ("GroupQueryAttention's rotary and append", lambda: contrib_group_query_attention._rotate_and_append(
             *group_query_rows, False, (), None)),
         ("4-bit products' rows in lanes order", lambda: contrib_quantized.lanes_order(x.reshape(-1, 700))),
         ("SkipSimplifiedLayerNormalization", lambda: contrib_normalization.SkipSimplifiedLayerNormalization(

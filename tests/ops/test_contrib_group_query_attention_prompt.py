@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from runnx.errors import RunnxError
-from runnx.ops import contrib_attention
+from runnx.ops import contrib_group_query_attention
 from runnx.ops._attention_blocks import POOLED
-from runnx.ops.contrib_attention import GroupQueryAttention
+from runnx.ops.contrib_group_query_attention import GroupQueryAttention
 from tests.ops._contrib_node import alone_and_with_workers, run_both
 
 RNG = np.random.default_rng(46)
@@ -55,12 +55,12 @@ def _run(inputs, granted=True, **attributes):
 def taken(monkeypatch):
     """The calls of `prompt_step`."""
     calls = []
-    original = contrib_attention.prompt_step
+    original = contrib_group_query_attention.prompt_step
 
     def counted(*arguments):
         calls.append(arguments[5].shape)  # (the rows' positions, after the board, workers, q, k, v)
         return original(*arguments)
-    monkeypatch.setattr(contrib_attention, "prompt_step", counted)
+    monkeypatch.setattr(contrib_group_query_attention, "prompt_step", counted)
     return calls
 
 
@@ -83,7 +83,7 @@ def test_prompt_in_one_call_equals_the_path_it_replaces(monkeypatch, taken, case
     attributes = dict(num_heads=heads, kv_num_heads=kv_heads, do_rotary=int(rotary), **extra)
     one_call = _run(inputs, **attributes)
     assert taken == [(batch, steps)]
-    monkeypatch.setattr(contrib_attention, "_PROMPT_IN_ONE_CALL", False)
+    monkeypatch.setattr(contrib_group_query_attention, "_PROMPT_IN_ONE_CALL", False)
     replaced = _run(inputs, **attributes)
     assert len(taken) == 1
     for o, r in zip(one_call, replaced, strict=True):

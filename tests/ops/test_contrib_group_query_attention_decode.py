@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from runnx.errors import RunnxError
-from runnx.ops import _native, contrib_attention
-from runnx.ops.contrib_attention import GroupQueryAttention
+from runnx.ops import _native, contrib_group_query_attention
+from runnx.ops.contrib_group_query_attention import GroupQueryAttention
 from tests.ops._contrib_node import alone_and_with_workers, run_both
 
 RNG = np.random.default_rng(45)
@@ -49,12 +49,12 @@ def spy(monkeypatch):
     calls = {"job": 0, "rows": 0, "attention": 0}
 
     def counting(name, key):
-        original = getattr(contrib_attention, name)
+        original = getattr(contrib_group_query_attention, name)
 
         def counted(*arguments):
             calls[key] += 1
             return original(*arguments)
-        monkeypatch.setattr(contrib_attention, name, counted)
+        monkeypatch.setattr(contrib_group_query_attention, name, counted)
 
     counting("decode_step", "job")
     counting("rotary_append", "rows")
@@ -166,11 +166,11 @@ def test_one_packed_row_takes_a_shorter_road_to_the_same_bits(monkeypatch, case)
                       rotary_interleaved=int(case == "interleaved"), local_window_size=4 if case == "window" else -1,
                       scale=0.3 if case == "scale" else 0.0)
     taken = []
-    original = contrib_attention._one_packed_row
-    monkeypatch.setattr(contrib_attention, "_one_packed_row", lambda *a: taken.append(original(*a)) or taken[-1])
+    original = contrib_group_query_attention._one_packed_row
+    monkeypatch.setattr(contrib_group_query_attention, "_one_packed_row", lambda *a: taken.append(original(*a)) or taken[-1])
     short = _run(inputs, **attributes)
     assert len(taken) == 1 and taken[0] is not None
-    monkeypatch.setattr(contrib_attention, "_one_packed_row", lambda *a: None)
+    monkeypatch.setattr(contrib_group_query_attention, "_one_packed_row", lambda *a: None)
     general = _run(inputs, **attributes)
     for s, g in zip(short, general):
         np.testing.assert_array_equal(s, g)
@@ -180,8 +180,8 @@ def test_one_packed_row_leaves_other_steps_to_the_general_path(monkeypatch):
     """A first prompt's row, rows past the buffer, two sequences, rotary without its caches: the
     general path decides (growing the cache, raising) as it always did."""
     taken = []
-    original = contrib_attention._one_packed_row
-    monkeypatch.setattr(contrib_attention, "_one_packed_row", lambda *a: taken.append(original(*a)) or taken[-1])
+    original = contrib_group_query_attention._one_packed_row
+    monkeypatch.setattr(contrib_group_query_attention, "_one_packed_row", lambda *a: taken.append(original(*a)) or taken[-1])
     attributes = dict(num_heads=4, kv_num_heads=2, do_rotary=1)
     first = _step([0], 8, 4, 2, 16, packed=True, rotary_positions=16)
     first[6] = np.array(1, np.int32)
@@ -208,5 +208,5 @@ def test_a_prompts_refused_rows_leave_the_granted_caches_unwritten(rotary_rows, 
     cos, sin = (rng.standard_normal((rotary_rows, 8)).astype(np.float32) for _ in range(2))
     positions = np.arange(start, start + 300)[None]
     with pytest.raises(RunnxError, match="rotary position ids must be in|do not fit the present cache"):
-        contrib_attention._rotate_and_append(q, k, v, *buffers, positions, np.array([start]), 310, cos, sin, False, (3, 4), None)
+        contrib_group_query_attention._rotate_and_append(q, k, v, *buffers, positions, np.array([start]), 310, cos, sin, False, (3, 4), None)
     assert all((b == 7.0).all() for b in buffers)
