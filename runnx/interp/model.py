@@ -23,6 +23,7 @@ from runnx.interp.fusion.split_products import rejoined
 from runnx.interp.ir import MISSING
 from runnx.interp.last_position import keep_last_position
 from runnx.interp.model_file import settle_held, settles_held
+from runnx.interp.quiet import BUSY
 from runnx.interp.options import Options
 from runnx.interp.planner import Plan, make_plan
 from runnx.interp.profiler import Profile
@@ -154,7 +155,7 @@ class Model:
             self._threads = self._threads or threads()
             record.threads = self._threads
         ctx = RunContext(self.options, record)
-        with self._kernel_loads.running(), arena.kept() if self.options.arena else nullcontext():
+        with BUSY, self._kernel_loads.running(), arena.kept() if self.options.arena else nullcontext():
             values, _ = self._executor.run(graph, plan, bound, ctx, owned=False)  # (an unrewritten graph shares ids)
         names = [self.graph.names[v] for v in output_vids]
         result = {}
@@ -220,7 +221,13 @@ class Model:
 
 def _prepack(work: list, planned: threading.Event) -> None:
     """Each node's prepack in the graph's order, and the pending work they return planned by kind
-    (`ops/registry.py`); then `planned` is set, and each kind's work made, in order."""
+    (`ops/registry.py`); then `planned` is set, and each kind's work made, in order (busy throughout:
+    weights settling into huge pages wait for it)."""
+    with BUSY:
+        _prepack_busy(work, planned)
+
+
+def _prepack_busy(work: list, planned: threading.Event) -> None:
     makes = []
     try:
         pending: dict = {}
@@ -270,7 +277,7 @@ def load(source, *, weights=None, options: Options | None = None, **option_value
         ahead = load_in_background(record_path(source))
     from runnx.interp.loader import load_model  # imports onnx (seconds: it imports ml_dtypes)
     sleep_after_calls()  # OpenBLAS's threads, when numpy loaded it before runnx (runtime/openblas.py)
-    with _collection_paused(), settles_held():
+    with _collection_paused(), settles_held(), BUSY:  # (the weights settle once it has been quiet a while)
         model = Model(load_model(source, weights, options.allow_newer_opset), options)
     model._kernel_loads.ahead = ahead  # (its first run waits for them)
     return model

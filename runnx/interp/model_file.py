@@ -18,12 +18,15 @@ import collections
 import contextlib
 import ctypes
 import functools
+import itertools
 import mmap
 import threading
 import time
 import weakref
 
 import numpy as np
+
+from runnx.interp.quiet import wait_quiet
 
 _GRAPH, _INITIALIZER, _RAW_DATA = 7, 5, 9  # ModelProto.graph, GraphProto.initializer, TensorProto.raw_data
 _NAME = 8  # TensorProto.name
@@ -98,16 +101,15 @@ def fresh_map(nbytes: int) -> np.ndarray:
 def fault_in(arena: np.ndarray) -> np.ndarray | None:
     """Fault a `fresh_map`'s pages in at once: in huge pages where the kernel has free ones enough
     (`_free_huge_pages`) while they come fast (`_fault_in_huge_pages`), else in 4 KiB pages; returns
-    the bytes to `settle` into huge pages by a collapse (a huge page at fault time may wait for the
-    kernel to compact memory, up to seconds; the collapse takes seconds of a core beside the load
-    and the first prompts, which it made twice as slow), or None."""
+    the bytes left in 4 KiB pages, to `settle` into huge pages by a collapse while the models are
+    quiet (a huge page at fault time may wait for the kernel to compact memory, or for a virtual
+    machine's host, up to seconds), or None."""
     if not isinstance(getattr(arena.base, "obj", None), mmap.mmap):
         return None  # (a plain array: numpy's pages, faulted in already)
     total = arena.size
     if (total >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE") and _free_huge_pages() * HUGE_PAGE >= 2 * total
             and _advise(arena, mmap.MADV_HUGEPAGE)):
-        _fault_in_huge_pages(arena)
-        return None  # in huge pages from the start, or at the kernel's pace
+        return _fault_in_huge_pages(arena)  # None: in huge pages from the start
     _advise(arena, _MADV_POPULATE_WRITE)
     return arena
 
@@ -136,15 +138,14 @@ _CHUNK = 16 << 20  # bytes of a map faulted in huge pages at a time, each timed
 _FAST = 1 << 30  # bytes/s at least, while the kernel hands out huge pages of its own
 
 
-def _fault_in_huge_pages(arena: np.ndarray) -> None:
+def _fault_in_huge_pages(arena: np.ndarray) -> np.ndarray | None:
     """Fault a map advised MADV_HUGEPAGE in, a chunk at a time, while each chunk comes fast. Free
     2 MiB blocks may be ones a virtual machine reported free to its host (virtio's free page
-    reporting), which the host must back again: 0.1-0.3 GB/s against 7, and a collapse into them
-    holds the process's memory map lock through those waits (a 540 MB model's load took 4-5 s after
-    another process's exit: every allocation beside the collapse waited). So after a slow chunk the
-    rest comes in 4 KiB pages, advised for the kernel's khugepaged to collapse at its own pace. The
-    first chunk is one huge page and each next one twice the last, up to `_CHUNK`: a slow chunk of
-    16 MiB waits 0.05-0.16 s, a huge page 2.5-20 ms."""
+    reporting), which the host must back again: 0.1-0.3 GB/s against 7 (a 540 MB model's load took
+    4-5 s after another process's exit). So after a slow chunk the rest comes in 4 KiB pages (0.14 s),
+    advised for huge pages and returned for `settle` to collapse while the models are quiet; None
+    when every chunk came in huge pages. The first chunk is one huge page and each next one twice
+    the last, up to `_CHUNK`: a slow chunk of 16 MiB waits 0.05-0.16 s, a huge page 2.5-20 ms."""
     start, size = 0, HUGE_PAGE
     while start < arena.size:
         chunk = arena[start:start + size]
@@ -153,13 +154,15 @@ def _fault_in_huge_pages(arena: np.ndarray) -> None:
         start += chunk.size
         if (time.perf_counter() - began) * _FAST > chunk.size:
             rest = arena[start:]
-            if rest.size:
-                small = _advise(rest, mmap.MADV_NOHUGEPAGE)
-                _advise(rest, _MADV_POPULATE_WRITE)
-                if small:
-                    _advise(rest, mmap.MADV_HUGEPAGE)
-            return
+            if not rest.size:
+                return None
+            small = _advise(rest, mmap.MADV_NOHUGEPAGE)
+            _advise(rest, _MADV_POPULATE_WRITE)
+            if small:
+                _advise(rest, mmap.MADV_HUGEPAGE)
+            return rest
         size = min(2 * size, _CHUNK)
+    return None
 
 
 def _free_huge_pages() -> int:
@@ -204,16 +207,22 @@ _held = threading.local()  # this thread's maps whose settling waits (`settles_h
 _queued: collections.deque = collections.deque()  # maps waiting for the collapsing thread, in order
 _queue_lock = threading.Lock()
 _collapsing: threading.Thread | None = None
+QUIET = 0.5  # seconds the models are quiet before each huge page of a settling map collapses
 
 
 def settle(mapped: np.ndarray | None) -> None:
-    """Move the read weights (`mapped`: a whole anonymous map's bytes) into transparent huge pages
-    (where THP is `madvise`, as on these machines): a decode step then streams them through 2 MiB
-    pages, fewer TLB misses (4-9% of a 135M-parameter decoder's step). The kernel's collapse copies
-    them (seconds of a core for a small LM, as long as memory needs compacting) on a thread
-    of its own, one map after another: ctypes' call leaves the GIL, readers see the same bytes
-    throughout. Inside `settles_held` on this thread, the map waits for `settle_held`. Best effort:
-    older kernels and other systems keep 4 KiB pages."""
+    """Move the read weights (`mapped`: bytes of an anonymous map in 4 KiB pages) into transparent
+    huge pages (where THP is `madvise`, as on these machines): a decode step then streams them
+    through 2 MiB pages, fewer TLB misses (a 135M-parameter decoder's two-thread step 7-8% faster,
+    its one-row products 13-26%). The kernel's collapse copies them into new huge pages, which
+    may come at a virtual machine's host's pace (12 ms each: seconds of a core for a small LM,
+    which made a first prompt beside it twice as slow and a decode step 12% slower). So a thread
+    of its own collapses them a huge page at a time, one map after another, each only once the
+    models have been quiet for `QUIET` seconds (`quiet.BUSY`: no run, load or prepack): a server's
+    idle time or a chat's turns, never a decode loop. ctypes' call leaves the GIL, readers see the
+    same bytes throughout. Inside `settles_held` on this thread, the map waits for `settle_held`.
+    Best effort: older kernels and other systems keep 4 KiB pages (as does a process that is never
+    quiet, but for the kernel's khugepaged, at its own pace)."""
     global _collapsing
     if mapped is None or not hasattr(mmap, "MADV_HUGEPAGE"):
         return
@@ -223,8 +232,12 @@ def settle(mapped: np.ndarray | None) -> None:
         return
     if not _advise(mapped, mmap.MADV_HUGEPAGE):
         return
-    with _queue_lock:
-        _queued.append(mapped)
+    root = mapped
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    offset = mapped.ctypes.data - root.ctypes.data
+    with _queue_lock:  # (held weakly: a model dropped meanwhile takes its weights with it)
+        _queued.append((weakref.ref(root), offset, offset + mapped.size))
         if _collapsing is None:
             _collapsing = threading.Thread(target=_collapse_queued, daemon=True, name="runnx-huge-pages")
             _collapsing.start()
@@ -237,8 +250,25 @@ def _collapse_queued() -> None:
             if not _queued:
                 _collapsing = None
                 return
-            mapped = _queued.popleft()
-        _advise(mapped, _MADV_COLLAPSE)
+            held, start, stop = _queued.popleft()
+        root = held()
+        pieces = [] if root is None else _huge_page_pieces(root.ctypes.data, start, stop)
+        del root
+        for first, last in pieces:
+            wait_quiet(QUIET)
+            root = held()
+            if root is None:
+                break
+            _advise(root[first:last], _MADV_COLLAPSE)
+            del root
+
+
+def _huge_page_pieces(address: int, start: int, stop: int) -> list[tuple[int, int]]:
+    """Bytes start .. stop of the memory at address, cut at each 2 MiB boundary of the address space:
+    a huge page a piece (the ends may be parts of one, which a collapse leaves)."""
+    first = start + -(address + start) % HUGE_PAGE
+    cuts = [start, *range(first if first > start else first + HUGE_PAGE, stop, HUGE_PAGE), stop]
+    return [(a, b) for a, b in itertools.pairwise(cuts) if b > a]
 
 
 @contextlib.contextmanager

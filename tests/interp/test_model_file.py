@@ -154,9 +154,9 @@ def test_weights_come_in_huge_pages_at_once_where_the_kernel_has_them_free():
 def test_huge_pages_that_come_slowly_leave_the_rest_of_the_map_to_4kib_pages(monkeypatch):
     """A chunk faulted in slower than `_FAST` (a virtual machine's host backing free blocks the
     guest reported to it) ends the huge pages: the rest of the map comes in 4 KiB pages, advised
-    for the kernel to collapse at its own pace, nothing left to settle; the bytes are zeros and
+    for huge pages and left to settle (while the models are quiet); the bytes are zeros and
     writable all the same; the first chunk is one huge page, each next one twice the last. Chunks
-    that come fast all take huge pages."""
+    that come fast all take huge pages, nothing left to settle."""
     from pathlib import Path
 
     from runnx.interp import model_file
@@ -175,7 +175,9 @@ def test_huge_pages_that_come_slowly_leave_the_rest_of_the_map_to_4kib_pages(mon
     (buffer,), mapped = model_file.weight_arena([size])
     first = model_file.HUGE_PAGE  # the first chunk: one huge page
     rest = size + 64 - first
-    assert mapped is None and (model_file._MADV_POPULATE_WRITE, first) in advised
+    assert (model_file._MADV_POPULATE_WRITE, first) in advised
+    assert mapped is not None and mapped.size == rest  # the map's bytes after the first chunk: its end
+    assert buffer.ctypes.data < mapped.ctypes.data < mapped.ctypes.data + rest >= buffer.ctypes.data + size
     assert advised[-3:] == [(mmap.MADV_NOHUGEPAGE, rest), (model_file._MADV_POPULATE_WRITE, rest),
                             (mmap.MADV_HUGEPAGE, rest)]
     assert _huge_pages_of(buffer.ctypes.data) <= (2 * first) >> 10  # KiB: the first chunk's (and one more page)
@@ -215,6 +217,7 @@ def test_settles_held_wait_for_the_fold_then_collapse_one_map_after_another(monk
         return True
 
     monkeypatch.setattr(model_file, "_advise", advise)
+    monkeypatch.setattr(model_file, "QUIET", 0.0)
     maps = [np.zeros(4096, np.uint8) for _ in range(4)]
     with model_file.settles_held():
         model_file.settle(maps[0])
@@ -224,8 +227,63 @@ def test_settles_held_wait_for_the_fold_then_collapse_one_map_after_another(monk
         model_file.settle(maps[2])  # held again, until the block ends
     model_file.settle(maps[3])
     for _ in range(200):
-        if model_file._collapsing is None and len(collapsed) == 4:
+        if model_file._collapsing is None and len(collapsed) >= 4:
             break
         time.sleep(0.02)
-    assert [id(m) for m in collapsed] == [id(m) for m in maps]
-    assert running == [1, 1, 1, 1]
+    owners = [next(i for i, m in enumerate(maps) if m.ctypes.data <= piece.ctypes.data < m.ctypes.data + m.size)
+              for piece in collapsed]  # (a map crossing a 2 MiB boundary collapses in two pieces)
+    assert sorted(set(owners)) == [0, 1, 2, 3] and owners == sorted(owners)
+    assert set(running) == {1}
+
+
+def test_settling_collapses_a_huge_page_at_a_time_once_the_models_are_quiet(monkeypatch):
+    """A settling map collapses a 2 MiB piece of the address space at a time (the ends, parts of one,
+    pieces of their own), in order, each only once nothing has been busy (a run, load or prepack:
+    `quiet.BUSY`) for `QUIET` seconds: nothing while a block stays busy, then all of it."""
+    import time
+
+    from runnx.interp import model_file
+    from runnx.interp.quiet import BUSY
+
+    collapsed = []
+
+    def advise(mapped, advice):
+        if advice == model_file._MADV_COLLAPSE:
+            collapsed.append((mapped.ctypes.data, mapped.size, BUSY.quiet_for()))
+        return True
+
+    monkeypatch.setattr(model_file, "_advise", advise)
+    monkeypatch.setattr(model_file, "QUIET", 0.2)
+    page = model_file.HUGE_PAGE
+    backing = np.zeros(6 * page, np.uint8)
+    start = -backing.ctypes.data % page + page // 2  # half a huge page into one
+    mapped = backing[start:start + 3 * page]  # half, two whole, half
+    with BUSY:
+        model_file.settle(mapped)
+        time.sleep(0.5)
+        assert collapsed == []  # busy throughout
+    for _ in range(300):
+        if model_file._collapsing is None:
+            break
+        time.sleep(0.01)
+    address = mapped.ctypes.data
+    assert [(a - address, n) for a, n, _ in collapsed] == [(0, page // 2), (page // 2, page),
+                                                         (3 * page // 2, page), (5 * page // 2, page // 2)]
+    assert all(quiet >= 0.2 for _, _, quiet in collapsed)
+
+    collapsed.clear()  # a map dropped while it waits is not kept alive, nor collapsed
+    import gc
+    import weakref
+    dropped = np.zeros(2 * page, np.uint8)
+    gone = weakref.ref(dropped)
+    with BUSY:
+        model_file.settle(dropped[page // 2:])
+        del dropped
+        gc.collect()
+        assert gone() is None
+    for _ in range(300):
+        if model_file._collapsing is None:
+            break
+        time.sleep(0.01)
+    assert collapsed == []
+    assert model_file._collapsing is None  # the thread ended with its queue
