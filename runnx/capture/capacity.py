@@ -9,6 +9,7 @@ import numba
 import numpy as np
 
 from runnx.capture.ownership import Owned
+from runnx.interp.model_file import in_small_pages
 from runnx.ops import _jit_cache  # noqa: F401  (numba caches this module's kernels under RUNNX_CACHE)
 from runnx.ops import _native
 
@@ -47,11 +48,14 @@ def _axis(array: np.ndarray, axis: int) -> int:
     return axis % array.ndim
 
 
-def allocate_prefix(shape: tuple, axis: int, capacity: int, dtype) -> np.ndarray:
-    """An uninitialised buffer with `capacity` rows along `axis`, as a prefix view of `shape`."""
+def allocate_prefix(shape: tuple, axis: int, capacity: int, dtype, zeroed: bool = False) -> np.ndarray:
+    """An uninitialised (or zeroed) buffer with `capacity` rows along `axis`, as a prefix view of
+    `shape`. Its untouched pages cost no memory, and come in 4 KiB pages as rows are written
+    (`model_file.in_small_pages`: a huge page at first touch may wait for a virtual machine's host)."""
     buffer_shape = list(shape)
     buffer_shape[axis] = max(capacity, shape[axis])
-    buffer = np.empty(buffer_shape, dtype=dtype)
+    buffer = (np.zeros if zeroed else np.empty)(buffer_shape, dtype=dtype)
+    in_small_pages(buffer)
     return buffer[(slice(None),) * axis + (slice(0, shape[axis]),)]
 
 

@@ -117,11 +117,7 @@ class KVCache:
 
 
 def _allocate(shape: tuple, capacity: int, dtype, zeroed: bool) -> np.ndarray:
-    if not zeroed:
-        return allocate_prefix(shape, SEQUENCE_AXIS, capacity, dtype)
-    buffer_shape = list(shape)
-    buffer_shape[SEQUENCE_AXIS] = max(capacity, shape[SEQUENCE_AXIS])
-    return np.zeros(buffer_shape, dtype)[(slice(None),) * SEQUENCE_AXIS + (slice(0, shape[SEQUENCE_AXIS]),)]
+    return allocate_prefix(shape, SEQUENCE_AXIS, capacity, dtype, zeroed)
 
 
 def _copy_into_buffer(array: np.ndarray, capacity: int, zeroed: bool = False) -> np.ndarray:
