@@ -268,14 +268,15 @@ def _collapse_queued() -> None:
                 return
             held, start, stop = _queued.popleft()
         root = held()
-        pieces = [] if root is None else _huge_page_pieces(root.ctypes.data, start, stop)
+        pieces = [] if root is None or not root.flags.c_contiguous else _huge_page_pieces(root.ctypes.data, start,
+                                                                                          stop)
         del root
         for first, last in pieces:
             wait_quiet(QUIET)
             root = held()
             if root is None:
                 break
-            _advise(root[first:last], _MADV_COLLAPSE)
+            _advise(root.reshape(-1).view(np.uint8)[first:last], _MADV_COLLAPSE)  # (byte offsets, any dtype)
             del root
 
 

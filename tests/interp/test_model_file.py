@@ -255,9 +255,9 @@ def test_settling_collapses_a_huge_page_at_a_time_once_the_models_are_quiet(monk
     monkeypatch.setattr(model_file, "_advise", advise)
     monkeypatch.setattr(model_file, "QUIET", 0.2)
     page = model_file.HUGE_PAGE
-    backing = np.zeros(6 * page, np.uint8)
+    backing = np.zeros(6 * page // 4, np.float32)  # (the map's owner of any dtype: pieces are bytes)
     start = -backing.ctypes.data % page + page // 2  # half a huge page into one
-    mapped = backing[start:start + 3 * page]  # half, two whole, half
+    mapped = backing.view(np.uint8)[start:start + 3 * page]  # half, two whole, half
     with BUSY:
         model_file.settle(mapped)
         time.sleep(0.5)
