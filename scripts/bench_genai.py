@@ -52,6 +52,7 @@ def worker_runnx(folder: Path, contexts: list[int], steps: int) -> dict:
     decoder = DecoderStep.from_folder(folder, capacity=max(contexts) + steps + 2)
     decoder.wait_prepared()  # its 4-bit tiles made, as onnxruntime-genai's load prepacks its weights
     load_seconds = time.perf_counter() - start
+    huge_mb = _huge_pages_mb()
     rng = np.random.default_rng(0)
     heads, head_dim, dtype = next(iter(decoder._layout.values()))
     names = [k.past for k in decoder.past_io.kv if not k.is_cross_attention]
@@ -76,7 +77,18 @@ def worker_runnx(folder: Path, contexts: list[int], steps: int) -> dict:
     decoder.step(prompt)
     prefill = prompt.shape[1] / (time.perf_counter() - begin)
     return {"load_s": load_seconds, "decode_tps": decode, "prefill_tps": prefill,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "huge_mb": huge_mb}
+
+
+def _huge_pages_mb() -> int:
+    """This process's anonymous memory in huge pages (AnonHugePages), MiB: after runnx's load, how much
+    of its weights got them (on a guest whose host backs huge pages slowly, a load keeps what does not
+    come fast in 4 KiB pages, and a one-row product streams 13-26% slower there)."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            return next((int(line.split()[1]) // 1024 for line in rollup if line.startswith("AnonHugePages:")), 0)
+    except OSError:
+        return 0
 
 
 def worker_genai(folder: Path, threads: int, contexts: list[int], steps: int) -> dict:
@@ -175,6 +187,7 @@ def _median(results: list) -> dict | None:
             "decode_tps": {c: statistics.median(r["decode_tps"][c] for r in results) for c in results[0]["decode_tps"]},
             "prefill_tps": statistics.median(r["prefill_tps"] for r in results),
             "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in results),
+            "huge_mb": statistics.median(r.get("huge_mb", 0) for r in results),
             "best": {"decode_tps": {c: max(r["decode_tps"][c] for r in results) for c in results[0]["decode_tps"]},
                      "prefill_tps": max(r["prefill_tps"] for r in results)}}
 
@@ -182,7 +195,7 @@ def _median(results: list) -> dict | None:
 def _table(results: dict, contexts: list[int]) -> str:
     header = ["folder", "threads"] + [f"runnx / genai tok/s @{c}" for c in contexts] + \
              [f"ratio @{c}" for c in contexts] + [f"prefill tok/s ({contexts[-1]}) runnx / genai", "ratio",
-                                                  "peak RSS MiB runnx / genai"]
+                                                  "peak RSS MiB runnx / genai", "runnx's huge pages MiB"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for (folder, threads) in sorted({(f, t) for _, f, t in results}):
         mine, theirs = results.get(("runnx", folder, threads)), results.get(("onnxruntime-genai", folder, threads))
@@ -197,7 +210,7 @@ def _table(results: dict, contexts: list[int]) -> str:
                    f"{mine['prefill_tps'] / theirs['prefill_tps']:.2f}x "
                    f"({best_mine['prefill_tps'] / best_theirs['prefill_tps']:.2f}x)")
         lines.append(f"| {folder} | {threads} | " + " | ".join(speeds + ratios) + f" | {prefill}"
-                     + f" | {mine['peak_rss_mb']:.0f} / {theirs['peak_rss_mb']:.0f} |")
+                     + f" | {mine['peak_rss_mb']:.0f} / {theirs['peak_rss_mb']:.0f} | {mine['huge_mb']:.0f} |")
     return "\n".join(lines)
 
 
@@ -264,7 +277,8 @@ SmolLM2-135M and its weights as Qwen2 and Phi-3 as onnxruntime-genai's model bui
 runnx: `DecoderStep.from_folder` and `wait_prepared` (4-bit tiles made, as genai's load prepacks); genai: its Generator.
 Decode tokens/s: the median step of {args.steps}, the median of {args.rounds} processes per engine, alternating (ratios: of
 the medians, then in brackets of each engine's best process); prefill: a prompt of
-the largest context. runnx {git_revision()}; {machine()}. Command: `{command}`.
+the largest context. runnx's huge pages: its process's after the load (the median), the part of its weights that got
+them (genai keeps its own in 4 KiB pages). runnx {git_revision()}; {machine()}. Command: `{command}`.
 
 {table}
 {whisper}""")
