@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from report import THREAD_VARIABLES, git_revision, machine, update_section  # scripts/: this script's folder
+from report import THREAD_VARIABLES, git_revision, huge_pages_mb, machine, update_section  # scripts/: this script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
@@ -52,7 +52,7 @@ def worker_runnx(folder: Path, contexts: list[int], steps: int) -> dict:
     decoder = DecoderStep.from_folder(folder, capacity=max(contexts) + steps + 2)
     decoder.wait_prepared()  # its 4-bit tiles made, as onnxruntime-genai's load prepacks its weights
     load_seconds = time.perf_counter() - start
-    huge_mb = _huge_pages_mb()
+    huge_mb = huge_pages_mb()
     rng = np.random.default_rng(0)
     heads, head_dim, dtype = next(iter(decoder._layout.values()))
     names = [k.past for k in decoder.past_io.kv if not k.is_cross_attention]
@@ -78,17 +78,6 @@ def worker_runnx(folder: Path, contexts: list[int], steps: int) -> dict:
     prefill = prompt.shape[1] / (time.perf_counter() - begin)
     return {"load_s": load_seconds, "decode_tps": decode, "prefill_tps": prefill,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "huge_mb": huge_mb}
-
-
-def _huge_pages_mb() -> int:
-    """This process's anonymous memory in huge pages (AnonHugePages), MiB: after runnx's load, how much
-    of its weights got them (on a guest whose host backs huge pages slowly, a load keeps what does not
-    come fast in 4 KiB pages, and a one-row product streams 13-26% slower there)."""
-    try:
-        with open("/proc/self/smaps_rollup") as rollup:
-            return next((int(line.split()[1]) // 1024 for line in rollup if line.startswith("AnonHugePages:")), 0)
-    except OSError:
-        return 0
 
 
 def worker_genai(folder: Path, threads: int, contexts: list[int], steps: int) -> dict:

@@ -26,19 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-from report import THREAD_VARIABLES, git_revision, machine, update_section  # scripts/: this script's folder
+from report import THREAD_VARIABLES, git_revision, huge_pages_mb, machine, update_section  # scripts/: this script's folder
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("RUNNX_CACHE") or Path.home() / ".cache" / "runnx").expanduser()
 KINDS = ("settling", "4 KiB kept")
-
-
-def _huge_mb() -> int:
-    with open("/proc/self/smaps_rollup") as rollup:
-        for line in rollup:
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) // 1024
-    return 0
 
 
 def worker(folder: Path, kind: str, turns: int, tokens: int, pause: float) -> dict:
@@ -52,7 +44,7 @@ def worker(folder: Path, kind: str, turns: int, tokens: int, pause: float) -> di
         model_file.settle = folding.settle = lambda mapped: None
     decoder = DecoderStep.from_folder(folder, capacity=32 + turns * tokens + 8)
     decoder.wait_prepared()
-    loaded = _huge_mb()
+    loaded = huge_pages_mb()
     prompt = np.random.default_rng(0).integers(3, 40000, size=(1, 32)).astype(np.int64)
     token = decoder.step(prompt)[:, -1:].argmax(-1).astype(np.int64)
     steps, huge = [], []
@@ -65,7 +57,7 @@ def worker(folder: Path, kind: str, turns: int, tokens: int, pause: float) -> di
             token = decoder.step(token)[:, -1:].argmax(-1).astype(np.int64)
             times.append(time.perf_counter() - begin)
         steps.append(statistics.median(times) * 1e3)
-        huge.append(_huge_mb())
+        huge.append(huge_pages_mb())
     return {"loaded_huge_mb": loaded, "step_ms": steps, "huge_mb": huge}
 
 

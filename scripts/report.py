@@ -55,6 +55,17 @@ def _openblas_kernels() -> list[str]:
     return ([f"OpenBLAS {'/'.join(kernels)} kernels"] if kernels else []) + own
 
 
+def huge_pages_mb() -> int:
+    """This process's anonymous memory in huge pages (AnonHugePages), MiB: after runnx's load, how much
+    of its weights got them (on a guest whose host backs huge pages slowly, a load keeps what does not
+    come fast in 4 KiB pages, and a one-row product streams 13-26% slower there)."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            return next((int(line.split()[1]) // 1024 for line in rollup if line.startswith("AnonHugePages:")), 0)
+    except OSError:
+        return 0
+
+
 def git_revision() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

@@ -26,7 +26,7 @@ import numpy as np
 from onnx import TensorProto
 
 from runnx.errors import ExternalDataError
-from runnx.interp.model_file import HUGE_PAGE, read_ranges
+from runnx.interp.model_file import HUGE_PAGE, owning_array, read_ranges
 
 SAFETENSORS_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
@@ -53,9 +53,7 @@ def in_file_map(array: np.ndarray) -> bool:
 
 
 def _file_map_of(array: np.ndarray) -> mmap.mmap | None:
-    root = array
-    while isinstance(root.base, np.ndarray):
-        root = root.base
+    root = owning_array(array)
     data = root.base.obj if isinstance(root.base, memoryview) else root.base
     return data if isinstance(data, mmap.mmap) and data in _FILE_MAPS and not data.closed else None
 

@@ -121,14 +121,21 @@ def owned_bytes(array: np.ndarray) -> np.ndarray | None:
     """A writable uint8 view of a C-contiguous array's bytes when they lie in a weight arena made
     here (memory of runnx's own, read from a file: no caller holds it), else None. A load-time pass
     that no longer needs a weight may lay what replaces it there (`fusion/split_products.py`)."""
-    root = array
-    while isinstance(root.base, np.ndarray):
-        root = root.base
+    root = owning_array(array)
     known = _ARENAS.get(id(root))
     if known is None or known() is not root or not root.flags.writeable or not array.flags.c_contiguous:
         return None
     offset = array.ctypes.data - root.ctypes.data
     return root[offset:offset + array.nbytes] if 0 <= offset and offset + array.nbytes <= root.nbytes else None
+
+
+def owning_array(array: np.ndarray) -> np.ndarray:
+    """The last array in `array`'s chain of bases: the one whose memory it views (a map's bytes, an
+    arena), `array` itself when its base is no array."""
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return root
 
 
 _MADV_POPULATE_WRITE, _MADV_COLLAPSE = 23, 25  # Linux 5.14 and 6.1 (Python 3.11's mmap names neither)
@@ -248,9 +255,7 @@ def settle(mapped: np.ndarray | None) -> None:
         return
     if not _advise(mapped, mmap.MADV_HUGEPAGE):
         return
-    root = mapped
-    while isinstance(root.base, np.ndarray):
-        root = root.base
+    root = owning_array(mapped)
     offset = mapped.ctypes.data - root.ctypes.data
     with _queue_lock:  # (held weakly: a model dropped meanwhile takes its weights with it)
         _queued.append((weakref.ref(root), offset, offset + mapped.size))

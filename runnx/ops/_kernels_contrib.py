@@ -145,7 +145,7 @@ def nbits_lanes(rows, block_size, lanes, sums):
     blocks = sums.shape[1]
     whole = min(length, depth // per_byte)  # (positions whose lanes all fall before K)
     full = min(blocks, depth // block_size)
-    totals = np.full(blocks, rows[0, 0] * 0.0 if count and depth else 0.0)
+    totals = np.empty(blocks)  # (float64: each row's chains start from row[0] * 0.0)
     for m in range(count):
         row = rows[m]
         for lane in range(per_byte):

@@ -12,20 +12,7 @@ import pytest
 from runnx.capture import capacity
 from runnx.generate import kv_cache
 from runnx.interp import model_file
-
-
-def _smaps_field(address: int, field: str) -> int:
-    """A field (kB) of the mapping holding `address`, from /proc/self/smaps."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                start, end = (int(part, 16) for part in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == field + ":":
-                return int(line.split()[1])
-    return 0
+from tests._pages import huge_pages_of
 
 
 @pytest.mark.parametrize("zeroed", [False, True])
@@ -59,5 +46,5 @@ def test_rows_written_into_a_kv_buffer_take_no_huge_pages():
     buffer = cache._buffers["past"]
     buffer[0, :, 0, :] = 1.0  # a prompt's first row in each head's plane
     middle = buffer.ctypes.data + buffer.nbytes // 2
-    assert _smaps_field(middle, "AnonHugePages") == 0
+    assert huge_pages_of(middle) == 0
     assert (buffer[0, :, 0] == 1.0).all() and not buffer[0, :, 1:].any()
