@@ -45,6 +45,7 @@ from runnx.generate.layouts import FolderLayout, read_folder
 from runnx.generate.kv_cache import SEQUENCE_AXIS, KVCache
 from runnx.interp.dtypes import numpy_dtype
 from runnx.interp.model import load as runnx_load
+from runnx.interp.quiet import BUSY
 from runnx.runtime import start_pool_in_background
 
 
@@ -191,7 +192,9 @@ class DecoderStep:
         first = not self.started
         model = self.first_model if first else self.past_model
         recording = getattr(model, "recording_loads", None)  # a runnx Model's (tests step onnxruntime's too)
-        with recording() if recording is not None else nullcontext():  # its cache's kernels are the model's
+        # busy from here (`quiet.py`), not from the run's start: a settling collapse beside the cache's
+        # first allocation stalled each of its heap growths for the collapse of a huge page (5-12 ms)
+        with BUSY, recording() if recording is not None else nullcontext():  # its cache's kernels are the model's
             return self._step(model, first, input_ids, new_mask)
 
     def _step(self, model, first: bool, input_ids: np.ndarray, new_mask: np.ndarray) -> np.ndarray:

@@ -44,6 +44,7 @@ from runnx.generate.layouts import ENCODER_BASES, GENAI_CONFIG, read_folder, tra
 from runnx.generate.mel import FRAME_SECONDS, N_FRAMES, N_SAMPLES, log_mel_spectrogram, pad_or_trim
 from runnx.generate.tokenizer import Tokenizer
 from runnx.interp.model import load as runnx_load
+from runnx.interp.quiet import BUSY
 from runnx.runtime import start_pool_in_background
 
 TIMESTAMP_SECONDS = 0.02  # one timestamp token step: 2 mel frames (the encoder halves the frames)
@@ -453,6 +454,10 @@ class Whisper:
         if self.tokenizer is None:
             raise WhisperError(f"{self.folder} has no tokenizer.json: transcribe() makes text from it "
                                "(decode() gives token ids)")
+        with BUSY:  # (the mel's and windows' arrays too: `quiet.py`, as a decoder's step)
+            return self._transcribe(audio, sample_rate, language, task, timestamps, max_new_tokens, progress)
+
+    def _transcribe(self, audio, sample_rate, language, task, timestamps, max_new_tokens, progress) -> Transcript:
         timings = Timings()
         started = time.perf_counter()
         samples = load_audio(audio, sample_rate)

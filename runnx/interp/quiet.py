@@ -2,9 +2,10 @@
 
 A chore that competes with them for the cores waits for such a moment (`wait_quiet`): settling
 weights into huge pages (`model_file.settle`), which on a virtual machine whose host backs each
-new huge page slowly holds a core for seconds. Runs, loads and prepacks mark themselves `BUSY`;
-a decode loop's steps follow each other within a millisecond, a server's requests and a chat's
-turns leave gaps, and the chore takes those.
+new huge page slowly holds a core for seconds. Runs, loads and prepacks mark themselves `BUSY`,
+and so do a decoder's steps and a transcription from their start (their first allocations wait
+for a collapse under way); a decode loop's steps follow each other within a millisecond, a server's
+requests and a chat's turns leave gaps, and the chore takes those.
 """
 from __future__ import annotations
 

@@ -65,3 +65,30 @@ def test_loads_and_runs_are_busy(tmp_path):
     assert BUSY.quiet_for() >= 0.15
     model.run({"x": np.array([-1.0, 2.0], np.float32)})
     assert BUSY.quiet_for() < 0.15
+
+
+def test_a_decoder_step_is_busy_before_its_run(fixtures_dir, monkeypatch):
+    """A step is busy from its start, its KV cache's allocation included: a settling collapse beside
+    that allocation stalled each heap growth for a huge page's collapse (a first prompt after a
+    pause: 156-164 ms against 78-88)."""
+    from runnx.generate import kv_cache
+    from runnx.generate.decoder import DecoderStep, load_decoder
+    seen = []
+    allocate = kv_cache._allocate
+    monkeypatch.setattr(kv_cache, "_allocate", lambda *a, **k: (seen.append(BUSY.quiet_for()), allocate(*a, **k))[1])
+    decoder = DecoderStep(load_decoder(str(fixtures_dir / "tiny-llama" / "model.onnx")))
+    time.sleep(0.02)
+    decoder.step(np.array([[1, 2, 3]], np.int64))
+    assert seen and all(quiet == 0.0 for quiet in seen)
+
+
+def test_a_transcription_is_busy_from_its_audio_on(fixtures_dir, monkeypatch):
+    from runnx.generate import whisper
+    seen = []
+    features = whisper.log_mel_spectrogram
+    monkeypatch.setattr(whisper, "log_mel_spectrogram",
+                        lambda *a, **k: (seen.append(BUSY.quiet_for()), features(*a, **k))[1])
+    model = whisper.Whisper(fixtures_dir / "tiny-whisper")
+    time.sleep(0.02)
+    model.transcribe(np.zeros(16000, np.float32), max_new_tokens=4)
+    assert seen == [0.0]
