@@ -1,7 +1,7 @@
 """Time to first token in a fresh process: runnx, onnxruntime-genai and onnxruntime side by side.
 
     .venv/bin/python scripts/bench_first_token.py [--threads 1,2] [--processes 5] [--prompt-tokens 32]
-                                                  [--weights fp32,int4] [--tree PATH] [--write] [--profile]
+                                                  [--weights fp32,int4] [--pause 0] [--tree PATH] [--write] [--profile]
 
 Each engine runs greedily from the same prompt ids in processes of its own (import, load, then the
 clock; a load is the model's and its tokenizer's, as a generation needs both): the first token of
@@ -12,6 +12,9 @@ per engine and thread count, the engines taking turns. runnx: `Generator.from_fo
 SmolLM2-135M export; onnxruntime-genai: its own generator on its fp32 build of the same weights (its
 venv, `make models` target smollm2-genai); onnxruntime: one session run on Optimum's model.onnx.
 --weights int4: runnx and onnxruntime-genai both on onnxruntime-genai's int4 folder (MatMulNBits).
+--pause S: each process waits S seconds between its load and its first token, as a chat's first prompt
+comes some seconds after the load (runnx settles its weights into huge pages in such a pause:
+`interp/model_file.py`'s `settle`); its table goes to a section of its own.
 --profile prints a cProfile of runnx's first token (one process) instead; --tree runs another
 checkout's runnx (its numba cache warmed by a run of its own first). --write puts the table into
 docs/benchmarks.md.
@@ -146,6 +149,7 @@ def worker_onnxruntime(ids: list[int], threads: int) -> dict:
 
 
 def _figures(started, imported, loaded, first_token) -> dict:
+    time.sleep(PAUSE)  # (`--pause`: a chat's first prompt comes a while after the load)
     first, token = first_token()
     steady, again = first_token()
     return {"import_s": imported - started, "load_s": loaded - imported, "first_s": first, "steady_s": steady,
@@ -167,7 +171,7 @@ def run_worker(engine: str, ids: list[int], threads: int, profile: bool = False,
     python = str(GENAI_PYTHON) if engine == "onnxruntime-genai" else sys.executable
     environment = dict(os.environ, **{v: str(threads) for v in THREAD_VARIABLES}, PYTHONPATH=str(tree.resolve()))
     command = [python, __file__, "--worker", engine, "--ids", json.dumps(ids), "--threads", str(threads),
-               "--weights", weights]
+               "--weights", weights, "--pause", str(PAUSE)]
     completed = subprocess.run(command + (["--profile"] if profile else []), capture_output=True, text=True,
                                env=environment, timeout=1800)
     if profile:
@@ -220,12 +224,17 @@ def main(args) -> int:
     if args.write:
         sys.path.insert(0, str(ROOT / "scripts"))
         from report import git_revision, machine, update_section
+        paused = f" --pause {args.pause:g}" if args.pause else ""
         command = (f".venv/bin/python scripts/bench_first_token.py --threads {args.threads} "
-                   f"--processes {args.processes} --prompt-tokens {args.prompt_tokens} --weights {args.weights} --write")
-        update_section("first-token", f"""## Time to first token in a fresh process (`scripts/bench_first_token.py`)
+                   f"--processes {args.processes} --prompt-tokens {args.prompt_tokens} --weights {args.weights}"
+                   f"{paused} --write")
+        title = f", {args.pause:g} s after the load" if args.pause else ""
+        pause = f" a pause of {args.pause:g} s," if args.pause else ""
+        update_section("first-token" + ("-after-pause" if args.pause else ""),
+                       f"""## Time to first token in a fresh process{title} (`scripts/bench_first_token.py`)
 
 A {args.prompt_tokens}-token prompt, SmolLM2-135M: fp32 (runnx on Optimum's export, genai on its fp32 build, onnxruntime on model.onnx)
-and int4 (runnx and genai on genai's int4 folder). Each engine in its own processes: import, load (model and tokenizer),
+and int4 (runnx and genai on genai's int4 folder). Each engine in its own processes: import, load (model and tokenizer),{pause}
 the first token (numba's cache warm), then again (steady); medians of {args.processes} processes, each process's first in
 brackets; runnx's and onnxruntime's loads copy the weights into fresh memory (slow on this guest), genai maps its file.
 runnx {git_revision()}; {machine()}; load average {os.getloadavg()[0]:.1f} at the end.
@@ -243,6 +252,7 @@ def parse_args():
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"among {', '.join(ENGINES)}")
     parser.add_argument("--weights", default="fp32,int4", help="fp32 and/or int4 (onnxruntime-genai's int4 folder)")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds between each process's load and its first token")
     parser.add_argument("--profile", action="store_true", help="cProfile of runnx's first token (one process)")
     parser.add_argument("--tree", type=Path, default=ROOT, help="the runnx checkout to run (default: this one)")
     parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
@@ -253,6 +263,7 @@ def parse_args():
 
 if __name__ == "__main__":
     ARGS = parse_args()
+    PAUSE = ARGS.pause
     if ARGS.worker:
         IDS, THREADS = json.loads(ARGS.ids), int(ARGS.threads)
         if ARGS.worker == "runnx":
