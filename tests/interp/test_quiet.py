@@ -69,8 +69,8 @@ def test_loads_and_runs_are_busy(tmp_path):
 
 def test_a_decoder_step_is_busy_before_its_run(fixtures_dir, monkeypatch):
     """A step is busy from its start, its KV cache's allocation included: a settling collapse beside
-    that allocation stalled each heap growth for a huge page's collapse (a first prompt after a
-    pause: 156-164 ms against 78-88)."""
+    that allocation stalled each heap growth for a huge page's collapse (a first prompt one second
+    after the load: 156-164 ms against 78-88)."""
     from runnx.generate import kv_cache
     from runnx.generate.decoder import DecoderStep, load_decoder
     seen = []
@@ -83,6 +83,7 @@ def test_a_decoder_step_is_busy_before_its_run(fixtures_dir, monkeypatch):
 
 
 def test_a_transcription_is_busy_from_its_audio_on(fixtures_dir, monkeypatch):
+    """So is a transcription, from before its audio's features (the windows' arrays after them)."""
     from runnx.generate import whisper
     seen = []
     features = whisper.log_mel_spectrogram
