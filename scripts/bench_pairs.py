@@ -54,6 +54,9 @@ def main() -> None:
                "onnxruntime": bench._OnnxRuntime(bench.SMOLLM2, ARGS.threads)}
     if importlib.util.find_spec("onnxruntime_genai") and (bench.GENAI_MODEL / "genai_config.json").exists():
         engines["onnxruntime-genai"] = bench.GenAI(bench.GENAI_MODEL, ARGS.threads)
+    else:  # (said, so that a table without it is not taken for one that has it)
+        print("onnxruntime-genai left out: it needs `onnxruntime_genai` in this environment (pip install -e "
+              f"'.[bench]') and {bench.GENAI_MODEL} (make models)", file=sys.stderr, flush=True)
     peers = list(engines)[1:]
     lines = [f"SmolLM2-135M decode, {ARGS.threads} thread(s), {', '.join(engines)} in one process: "
              f"{ARGS.blocks} alternating blocks of {ARGS.steps} steps each",
