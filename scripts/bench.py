@@ -387,6 +387,7 @@ Encoder s/window, decoder ms/token (first window after warm-ups; steady: the sam
 factor of the 68.8 s `long.wav`, runnx vs onnxruntime behind the same pipeline code: medians of processes, then
 {WHISPER_PAIRS} turns each in one process (`scripts/bench_whisper.py` says what a turn runs), the ratio the turns' median.
 runnx {git_revision()}; {machine()}.
+Command: `{command}`, which runs `.venv/bin/python scripts/bench_whisper.py --threads T --pairs {WHISPER_PAIRS}` for each T.
 
 {whisper_blocks}
 """)
