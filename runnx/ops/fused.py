@@ -52,11 +52,13 @@ def _softmax_in_place(scores, axis: int):
     return scores
 
 
-@register("LastPosition", since=1, domain=DOMAIN)
+@register("LastPosition", since=1, domain=DOMAIN, overlaps_jobs=True)
 def LastPosition(x):
     """x[..., -1:, :], as Slice(x, -1, end, axis -2) would take it: an LM head's input for the next
     token's logits only (`runnx/interp/last_position.py`). A decode step's one position is x itself,
-    with none of a Slice's parsing of starts, ends and axes."""
+    with none of a Slice's parsing of starts, ends and axes. A view, its data never read here: x may
+    be the output of calls still pending (`overlaps_jobs`), so a decode step's LM head joins the
+    layers' deferred calls instead of waiting for them behind a settle (`runtime/open_jobs.py`)."""
     if x.ndim < 2:
         raise RunnxError(f"LastPosition needs a rank of at least 2 (positions, features), got shape {list(x.shape)}")
     return x if x.shape[-2] == 1 else x[..., -1:, :]

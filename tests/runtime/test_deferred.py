@@ -185,3 +185,30 @@ def test_a_failing_run_drops_its_deferred_calls(workers, lazy_kernels):
         assert len(NEGATED) == ran + (deferred.count == count)  # run at once, or deferred and dropped
         assert deferred.calls is None and holding.pool is None and not opening.allowed
     assert deferred.count > count
+
+
+def test_a_plan_does_not_settle_before_last_position(workers, lazy_kernels):
+    """LastPosition (a decode step's LM head input) makes a view and reads no data, so a compiled
+    plan leaves calls pending across it: a decode step's LM head joins its layers' queued calls.
+    SumOfBlind after it reads the NaNs of a call not yet run (nothing settled before either);
+    SumOf, declaring the read, gets the values."""
+    def model(reader: str):
+        nodes = [helper.make_node("LazyNeg", ["x"], ["m"], domain="runnx.test"),
+                 helper.make_node("LastPosition", ["m"], ["last"], domain="runnx.fused"),
+                 helper.make_node(reader, ["last", "last"], ["y"], domain="runnx.test"),
+                 helper.make_node("Relu", ["y"], ["out"])]
+        graph = helper.make_graph(nodes, "last", [helper.make_tensor_value_info("x", F, [1, 2, 3])],
+                                  [helper.make_tensor_value_info("out", F, None)])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("runnx.test", 1),
+                                                       helper.make_opsetid("runnx.fused", 1)], ir_version=10)
+
+    x = RNG.standard_normal((1, 2, 3)).astype(np.float32)
+    last = -x[:, -1:]
+    expected = np.maximum(last + np.float32(last.sum()), 0)
+    declared, blind = runnx.load(model("SumOf")), runnx.load(model("SumOfBlind"))
+    for _ in range(declared.options.compile_after + 2):  # interpreted runs, then compiled ones
+        np.testing.assert_array_equal(declared.run({"x": x})["out"], expected)
+        assert deferred.calls is None
+    got = [blind.run({"x": x})["out"] for _ in range(blind.options.compile_after + 2)]
+    np.testing.assert_array_equal(got[0], expected)  # (interpreted: nothing deferred)
+    assert np.isnan(got[-1]).all()
