@@ -153,7 +153,8 @@ def _rope_rows(x, layer: _Layer) -> tuple | None:
         return None
     heads = tuple([np.empty(shape, np.float32) for shape in shapes])
     arguments = _rope_arguments(heads, layer)
-    unit = decode_pool.gemm_unit(sum(w.shape[1] for w in weights))
+    widths = tuple([w.shape[1] for w in weights])
+    unit = decode_pool.gemm_unit(sum(widths), widths)
     return (heads, biases, unit, arguments) if arguments else None
 
 

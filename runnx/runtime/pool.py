@@ -469,21 +469,35 @@ def columns_products(a, weights: tuple, outs: tuple) -> bool:
     workers = pool()
     if workers is None:
         return False
-    unit = _gemm_unit(workers, sum(out.shape[1] for out in outs))
-    return workers.call(post_gemms, a, weights, outs, False, unit) is not BUSY
+    widths = tuple([out.shape[1] for out in outs])
+    return workers.call(post_gemms, a, weights, outs, False, _gemm_unit(workers, sum(widths), widths)) is not BUSY
 
 
-def _gemm_unit(workers, columns: int) -> int:
-    """Columns a unit of a products job over `columns` columns (`GEMM_UNITS_PER_THREAD`)."""
+def _gemm_unit(workers, columns: int, widths: tuple = ()) -> int:
+    """Columns a unit of a products job over `columns` columns (`GEMM_UNITS_PER_THREAD`). For a job of
+    several products (their `widths`), a product whose last unit would be narrower than a streamed
+    range (`gemm.STREAMED_FROM` columns: computed without `gemm_streamed`) is cut into equal units
+    instead: a layer's q, k and v of 576, 192 and 192 columns go in units of 288, not of 480 and a
+    last 96 of q (two threads, a 32-token prompt: 214-225 us a layer against 241-255). Any unit
+    gives the same bits."""
     units = GEMM_UNITS_PER_THREAD * (workers._workers + 1)
-    return max(gemm.NR, -(-columns // (units * gemm.NR)) * gemm.NR)
+    unit = max(gemm.NR, -(-columns // (units * gemm.NR)) * gemm.NR)
+    for width in widths:
+        if width > unit and 0 < width % unit < gemm.STREAMED_FROM:
+            even = -(-width // (-(-width // unit) * gemm.NR)) * gemm.NR
+            if even >= gemm.STREAMED_FROM:  # (a product too narrow for that streams in no unit)
+                unit = even
+    return unit
 
 
-def gemm_unit(columns: int) -> int:
+def gemm_unit(columns: int, widths: tuple = ()) -> int:
     """Columns a unit of a prompt's products job over `columns` columns that native code posts
-    (`shared_call`): the pool's split of them when it has workers, else the whole range, one unit."""
+    (`shared_call`): the pool's split of them (`_gemm_unit`: of these products' `widths`) when it
+    has workers, else the whole range, one unit."""
     workers = pool()
-    return _gemm_unit(workers, columns) if workers is not None else max(gemm.NR, -(-columns // gemm.NR) * gemm.NR)
+    if workers is None:
+        return max(gemm.NR, -(-columns // gemm.NR) * gemm.NR)
+    return _gemm_unit(workers, columns, widths)
 
 
 def attention_blocks(scaled, key_panels, value, bias, ends, fill: float, positions: int, out) -> None:

@@ -998,7 +998,7 @@ def test_a_prompts_product_job_refuses_arrays_it_cannot_read_before_posting(chan
 
 # (rows, depth, columns of each product, unit): one product and up to MAX_GEMM_PARTS, units crossing
 # no product's end (each product's units its own), a product of one short unit, rows past a block
-_GEMMS_CASES = [(20, 576, (576, 192, 192), 480), (32, 64, (1536, 1536), 1536), (17, 300, (5,), 32),
+_GEMMS_CASES = [(20, 576, (576, 192, 192), 480), (20, 576, (576, 192, 192), 288), (32, 64, (1536, 1536), 1536), (17, 300, (5,), 32),
                 (250, 40, (33, 64, 7, 100), 64), (13, 257, (545, 31), 96)]
 
 
@@ -1112,3 +1112,16 @@ def test_a_prompts_attention_job_refuses_arrays_it_cannot_read_before_posting(ch
         jobs.post_attention_blocks(board, 0, *arrays.values())
     assert box[slots.POSTED] == 0
 
+
+
+@pytest.mark.parametrize("widths, workers, unit", [((576, 192, 192), 1, 288), ((960,), 1, 480), ((1536, 1536), 1, 1536),
+                                                   ((576,), 1, 288), ((576, 192, 192), 0, 960), ((100, 30), 1, 96)])
+def test_a_products_jobs_units_leave_no_product_a_sliver_short_of_a_streamed_range(widths, workers, unit):
+    """A job's unit splits its columns evenly among the threads (one thread: the whole job, one unit),
+    except that a product whose last unit would be narrower than `gemm.STREAMED_FROM` columns (and
+    so not streamed) is cut into equal units instead: q, k and v of 576, 192, 192 in units of 288,
+    not 480 and 96; a product too narrow for units of that width keeps the even split (100 and 30
+    columns: units of 96)."""
+    class Workers:
+        _workers = workers
+    assert decode_pool._gemm_unit(Workers(), sum(widths), widths) == unit
