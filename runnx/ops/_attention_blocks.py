@@ -26,7 +26,7 @@ import numpy as np
 from runnx.ops import _kernels_gemm
 from runnx.ops._kernels_attention_blocks import adds_nothing, block_positions, key_panels_into, visible_ends
 from runnx.ops._matmul import matmul, rest_workers_before
-from runnx.runtime import pool as decode_pool
+from runnx.runtime import pool as decode_pool, prompt_jobs
 from runnx.runtime.jobs import rows_contiguous
 from runnx.runtime.rows import share_rows
 
@@ -107,7 +107,7 @@ def pooled_attention(scaled, key, value, bias, ends, fill: float, out) -> bool:
     if not POOLED or not _job_takes(scaled, key, value, bias, out):
         return False
     positions = block_positions(scaled.shape[1] // key.shape[1])
-    decode_pool.attention_blocks(scaled, _key_panels(key), _rows_contiguous(value), bias,
+    prompt_jobs.attention_blocks(scaled, _key_panels(key), _rows_contiguous(value), bias,
                                  _NO_ENDS if ends is None else ends, fill, positions, out)
     return True
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from runnx.ops import _kernels_gemm as gemm, _native
 from runnx.runtime import blas_split, helpers
-from runnx.runtime import pool as decode_pool
+from runnx.runtime import pool as decode_pool, prompt_jobs
 from runnx.runtime.jobs import few, post_gemm
 
 _AVX512_OPENBLAS = {"skylakex", "cooperlake", "sapphirerapids"}  # OpenBLAS's AVX-512 kernel sets
@@ -145,7 +145,7 @@ def shared_input_products(a, weights: tuple) -> list | None:
     if not _pooled(rows, rows * depth * sum(w.shape[1] for w in weights)):
         return None
     outs = tuple([np.empty((rows, w.shape[1]), np.float32) for w in weights])
-    if not decode_pool.columns_products(_read_only(a), tuple([_read_only(w) for w in weights]), outs):
+    if not prompt_jobs.columns_products(_read_only(a), tuple([_read_only(w) for w in weights]), outs):
         return None
     return list(outs)
 
@@ -171,7 +171,7 @@ def _matrix_product(a, b, out, columns_given: bool = False) -> None:
     rows, columns = a.shape[0], out.shape[1]
     multiply_adds = rows * a.shape[1] * columns
     threads = blas_split.blas_threads() if multiply_adds >= _SPLIT_FROM else 1
-    if _pooled(rows, multiply_adds) and decode_pool.columns_product(_read_only(a), _read_only(b), out, columns_given):
+    if _pooled(rows, multiply_adds) and prompt_jobs.columns_product(_read_only(a), _read_only(b), out, columns_given):
         return
     if rows <= FEW_ROWS and threads < 2 and out.flags.c_contiguous:
         gemm.few_rows(_read_only(a), _read_only(b), out, columns_given, np.empty(columns, np.float32))

@@ -24,7 +24,7 @@ from runnx.ops.fused_layer_norm_blocks import split_shape
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _split_shapes, _vector
 from runnx.ops.fused_rotary import RopeAppend, appended_caches, rope_append_arguments
 from runnx.ops.registry import register
-from runnx.runtime import defer, pool as decode_pool, take_leave
+from runnx.runtime import defer, pool as decode_pool, prompt_jobs, take_leave
 from runnx.runtime.rows import SHARED_FROM
 
 
@@ -154,7 +154,7 @@ def _rope_rows(x, layer: _Layer) -> tuple | None:
     heads = tuple([np.empty(shape, np.float32) for shape in shapes])
     arguments = _rope_arguments(heads, layer)
     widths = tuple([w.shape[1] for w in weights])
-    unit = decode_pool.gemm_unit(sum(widths), widths)
+    unit = prompt_jobs.gemm_unit(sum(widths), widths)
     return (heads, biases, unit, arguments) if arguments else None
 
 

@@ -22,7 +22,7 @@ from runnx.ops.fused_norms import AddRMSNorm, decayed, defer_gated_mlp, norm_fit
 from runnx.ops.fused_products import _NO_BIAS, SharedInputMatMul, _matrix, _product, _vector
 from runnx.ops.linalg import _FLOAT32, MatMul
 from runnx.ops.registry import register
-from runnx.runtime import defer, pool as decode_pool, take_leave
+from runnx.runtime import defer, pool as decode_pool, prompt_jobs, take_leave
 
 
 @register("MatMulAddRMSNorm", since=1, domain=DOMAIN)
@@ -115,9 +115,9 @@ def _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_w
     if (numbers is None or not pooled_prompt(rows, depth, (width,)) or not pooled_prompt(rows, width, (inner, inner))
             or not pooled_prompt(rows, inner, (width,))):
         return None
-    units = (decode_pool.gemm_unit(width), decode_pool.gemm_unit(2 * inner))
+    units = (prompt_jobs.gemm_unit(width), prompt_jobs.gemm_unit(2 * inner))
     return ((np.ascontiguousarray(x).reshape(rows, depth), weight, residual.reshape(rows, width), *numbers[:2],
-             norm_weight, gate_weight, up_weight, units), (*numbers[2:], decode_pool.gemm_unit(width)))
+             norm_weight, gate_weight, up_weight, units), (*numbers[2:], prompt_jobs.gemm_unit(width)))
 
 
 def _gated_down_rows(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool):

@@ -32,13 +32,11 @@ import threading
 import numba
 import numpy as np
 
-from runnx.ops import _kernels_gemm as gemm, _native
+from runnx.ops import _native
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_columns, rows_times_matrix
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.runtime.jobs import (open_column_products, open_nbits, open_products, post_attention,
-                                post_attention_blocks,
-                                post_column_products, post_gelu, post_gemm, post_gemms, post_nbits, post_products,
-                                post_softmax, post_vnni)
+                                post_column_products, post_gelu, post_nbits, post_products, post_softmax, post_vnni)
 from runnx.runtime.mailbox import NATIVE_SLEEP, finish, finish_and_release, make_board, rest, serve, stop, wake_idle
 from runnx.runtime.open_jobs import deferred, holding, opening, run_deferred, settle
 from runnx.runtime.slots import IDLE, MAX_MATRICES, MAX_WORKERS, ROW_BLOCK, SHARED
@@ -367,6 +365,11 @@ class DecodePool:
         return not all(self.box[IDLE:IDLE + self._workers])
 
     @property
+    def worker_threads(self) -> int:
+        """The workers beside the calling thread."""
+        return self._workers
+
+    @property
     def shared_units(self) -> int:
         """Units the workers have computed so far (the rest ran on callers' threads)."""
         return int(self.box[SHARED])
@@ -442,70 +445,6 @@ def vnni_rows(a, flip: bool, tiles, column_sums, a_zero, b_zero, out) -> None:
     """out (M, N) int32 = the 8-bit product of `post_vnni` (C-contiguous tiles), with the pool's
     workers when there are any (exact integer sums: the same values whoever computes them)."""
     shared_call(post_vnni, a, flip, tiles, column_sums, a_zero, b_zero, out)
-
-
-# a prompt's product is cut into about this many units of columns a thread: one, since each unit packs
-# a's rows again and a short prompt's weights stream faster the wider its rows are (`product_columns`);
-# more units, letting a fast thread take a slow one's share, measured slower on two cores
-GEMM_UNITS_PER_THREAD = 1
-
-
-def columns_product(a, b, out, columns_given: bool) -> bool:
-    """out = a @ b (`post_gemm`: C-contiguous float32 a (M, K), b (K, N) or its columns (N, K), out's
-    rows contiguous), its columns shared with the pool's workers; False, having done nothing, when
-    there are none or another thread has the pool. The same compiled kernel on every thread, each
-    element summed alike in any unit: the one-thread product's values."""
-    workers = pool()
-    if workers is None:
-        return False
-    return workers.call(post_gemm, a, b, out, columns_given, _gemm_unit(workers, out.shape[1])) is not BUSY
-
-
-def columns_products(a, weights: tuple, outs: tuple) -> bool:
-    """outs[p] = a @ weights[p] for each p (`post_gemms`: the products of one input as one job, at most
-    MAX_MATRICES; arrays as `columns_product` takes them, the weights' rows given), their columns
-    shared with the pool's workers; False, having done nothing, when there are none or another
-    thread has the pool. Each element the bits of its product alone."""
-    workers = pool()
-    if workers is None:
-        return False
-    widths = tuple([out.shape[1] for out in outs])
-    return workers.call(post_gemms, a, weights, outs, False, _gemm_unit(workers, sum(widths), widths)) is not BUSY
-
-
-def _gemm_unit(workers, columns: int, widths: tuple = ()) -> int:
-    """Columns a unit of a products job over `columns` columns (`GEMM_UNITS_PER_THREAD`). For a job of
-    several products (their `widths`), a product whose last unit would be narrower than a streamed
-    range (`gemm.STREAMED_FROM` columns: computed without `gemm_streamed`) is cut into equal units
-    instead: a layer's q, k and v of 576, 192 and 192 columns go in units of 288, not of 480 and a
-    last 96 of q (two threads, a 32-token prompt: 214-225 us a layer against 241-255). Any unit
-    gives the same bits."""
-    units = GEMM_UNITS_PER_THREAD * (workers._workers + 1)
-    unit = max(gemm.NR, -(-columns // (units * gemm.NR)) * gemm.NR)
-    for width in widths:
-        if width > unit and 0 < width % unit < gemm.STREAMED_FROM:
-            even = -(-width // (-(-width // unit) * gemm.NR)) * gemm.NR
-            if even >= gemm.STREAMED_FROM:  # (a product too narrow for that streams in no unit)
-                unit = even
-    return unit
-
-
-def gemm_unit(columns: int, widths: tuple = ()) -> int:
-    """Columns a unit of a prompt's products job over `columns` columns that native code posts
-    (`shared_call`): the pool's split of them (`_gemm_unit`: of these products' `widths`) when it
-    has workers, else the whole range, one unit."""
-    workers = pool()
-    if workers is None:
-        return max(gemm.NR, -(-columns // gemm.NR) * gemm.NR)
-    return _gemm_unit(workers, columns, widths)
-
-
-def attention_blocks(scaled, key_panels, value, bias, ends, fill: float, positions: int, out) -> None:
-    """A prompt's attention into out (`post_attention_blocks`: float32 arrays, each KV head's keys as
-    the panels of their columns and values C-contiguous), its blocks of query positions shared with
-    the pool's workers when there are any: the same compiled code on every thread, each block
-    computed whole by one, so the same values whatever the thread count."""
-    shared_call(post_attention_blocks, scaled, key_panels, value, bias, ends, float(fill), positions, out)
 
 
 def shared_call(job, *arguments):

@@ -9,7 +9,7 @@ import pytest
 
 from runnx.ops import _attention_blocks, _kernels_gemm
 from runnx.ops._attention_blocks import attend_blocks, visible_ends
-from runnx.runtime import pool as decode_pool
+from runnx.runtime import prompt_jobs
 
 RNG = np.random.default_rng(7)
 LOWEST = np.finfo(np.float32).min
@@ -151,8 +151,8 @@ def test_a_bias_that_adds_nothing_before_each_rows_end_is_left_out_with_the_same
         bias[40, 2] = np.nan
     bias = bias[None, None]
     given = []
-    real = decode_pool.attention_blocks
-    monkeypatch.setattr(decode_pool, "attention_blocks", lambda *a: (given.append(a[3]), real(*a))[1])
+    real = prompt_jobs.attention_blocks
+    monkeypatch.setattr(prompt_jobs, "attention_blocks", lambda *a: (given.append(a[3]), real(*a))[1])
     got = attend_blocks(scaled, key, value, bias, 0.0)
     np.testing.assert_allclose(got, _reference(scaled, key, value, bias, 0.0), rtol=2e-5, atol=2e-6)
     if path == "numpy":

@@ -15,7 +15,7 @@ from runnx.ops._kernels_attention_blocks import visible_ends
 from runnx.ops._kernels_fused import ATTENTION_SPAN
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, row_times_matrix
 from runnx.ops.linalg import MatMul
-from runnx.runtime import jobs, mailbox, slots
+from runnx.runtime import jobs, mailbox, prompt_jobs, slots
 from runnx.runtime import pool as decode_pool, pool_start
 
 RNG = np.random.default_rng(0)
@@ -1122,6 +1122,4 @@ def test_a_products_jobs_units_leave_no_product_a_sliver_short_of_a_streamed_ran
     so not streamed) is cut into equal units instead: q, k and v of 576, 192, 192 in units of 288,
     not 480 and 96; a product too narrow for units of that width keeps the even split (100 and 30
     columns: units of 96)."""
-    class Workers:
-        _workers = workers
-    assert decode_pool._gemm_unit(Workers(), sum(widths), widths) == unit
+    assert prompt_jobs.unit_columns(workers, sum(widths), widths) == unit
