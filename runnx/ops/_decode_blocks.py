@@ -29,8 +29,8 @@ from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.ops._kernels_nn import layer_norm_rows
 from runnx.ops._kernels_numpy_exp import exp_into
 from runnx.ops._kernels_rows import split_heads_into
-from runnx.runtime.jobs import (open_nbits, post_attention, post_gelu, post_gemm, post_gemms, post_nbits,
-                                post_products)
+from runnx.runtime.jobs import (open_attention, open_gemms, open_nbits, post_attention, post_gelu, post_gemm,
+                                post_gemms, post_nbits, post_products)
 from runnx.runtime.board import own_board
 
 _jit = numba.njit(cache=True, nogil=True, error_model="numpy")
@@ -235,6 +235,14 @@ def gated_down_rows(board, workers, gate, decay, up, weight, residual, epsilon, 
 
 
 @_jit
+def open_gated_down_rows(board, workers, gate, decay, up, weight, unit, summed):
+    """`gated_down_rows`' activation, then its down product into `summed` opened (`open_gemms`), the
+    residual add and norm left to `add_norm_into` after it: 1 when a worker was idle, else 0
+    (`DecodePool.open_call`)."""
+    return 1 if open_gemms(board, workers, silu_mul_into(gate, decay, up), (weight,), (summed,), False, unit) else 0
+
+
+@_jit
 def projected_layer_norm(board, workers, x, weight, bias, residual, scale, norm_bias, epsilon):
     """(s, LayerNorm(s)) for s = residual + (x @ weight + bias) (bias empty: none), float32 rows and
     a C-contiguous matrix: a LayerNorm layer's output projections and second MLP product with the
@@ -400,6 +408,33 @@ def projected_rope_append_rows(board, workers, x, weights, biases, heads, unit, 
     _split_into(products[1], biases[1], heads[1])
     _split_into(products[2], biases[2], heads[2])
     return rope_append_into(*rope)
+
+
+@_jit
+def open_projected_rows(board, workers, x, weights, products, unit):
+    """`projected_rope_append_rows`' products job opened (`open_gemms`), what follows it left to
+    `projected_rows_tail`: 1 when a worker was idle, else 0 (`DecodePool.open_call`)."""
+    return 1 if open_gemms(board, workers, x, weights, products, False, unit) else 0
+
+
+@_jit
+def projected_rows_tail(products, biases, heads, rope, rotated):
+    """`projected_rope_append_rows` after its products job: each split into its heads with its bias,
+    then `rope_append_into(*rope)`, its rotated query into `rotated`; the caller checked that it
+    writes (`rope_append_fits`): ValueError if it would not."""
+    _split_into(products[0], biases[0], heads[0])
+    _split_into(products[1], biases[1], heads[1])
+    _split_into(products[2], biases[2], heads[2])
+    done, query = rope_append_into(*rope)
+    if not done:
+        raise ValueError("a rotary embedding left open no longer fits its caches")
+    rotated[...] = query
+
+
+@_jit
+def open_attention_call(board, workers, query, key, value, bias, scale, fill, out, partials, stats):
+    """`open_attention` as `DecodePool.open_call` calls it: 1 when a worker was idle, else 0."""
+    return 1 if open_attention(board, workers, query, key, value, bias, scale, fill, out, partials, stats) else 0
 
 
 @_jit

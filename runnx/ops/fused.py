@@ -31,7 +31,8 @@ from runnx.errors import RunnxError
 from runnx.ops import _native
 from runnx.ops._attention_blocks import attend_blocks
 from runnx.ops._fused_common import DOMAIN, KERNEL_DTYPES, fits, stand_in
-from runnx.ops._kernels_fused import attention
+from runnx.ops._decode_blocks import open_attention_call
+from runnx.ops._kernels_fused import attention, attention_scratch
 from runnx.ops.registry import register
 from runnx.ops.shape import Reshape
 from runnx.ops._matmul import matmul, rest_workers_before
@@ -103,7 +104,8 @@ def RepeatedKVAttention(query, key, value, bias=None, merged_target=None, mask=N
     if mask is not None:
         end = key.shape[2] if mask_end is None else _one_number(mask_end)
         bias = _mask_bias(mask, end, mask_axis, masked_then, masked_else, ctx)
-    heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, repeat, axis, ctx, leave)
+    heads = _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, repeat, axis, ctx, leave,
+                                   merged_target is not None)
     if merged_target is None:
         return heads
     merged = heads.transpose(0, 2, 1, 3)
@@ -134,7 +136,9 @@ def _mask_bias(mask, end: int, axis: int, then, otherwise, ctx=None):
 
 
 def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_fill, repeat: int, axis: int,
-                           ctx=None, leave: bool = False):
+                           ctx=None, leave: bool = False, merged: bool = False):
+    """The attention's heads (B, H, Q, W). Given leave, a decode row's kernel call is deferred, and a
+    prompt's job whose heads are then `merged` left open, written merged (merging copies nothing)."""
     if axis % 4 != 3 or not _grouped(query, key, value) or query.shape[1] != key.shape[1] * repeat:
         _settled()  # (the product's broadcasting decides what that computes, or raises)
         scores = matmul(np.multiply(query, query_scale),
@@ -144,7 +148,7 @@ def _repeated_kv_attention(query, key, value, bias, query_scale, key_scale, nan_
     if (query_scale.dtype == dtype and key_scale.dtype == dtype and nan_fill.dtype == dtype
             and (bias is None or bias.dtype == dtype)):
         result = _attend_kernel(query, key, value, bias, query_scale.item() * key_scale.item(), nan_fill.item(),
-                                leave and query.shape[2] == 1)
+                                leave and query.shape[2] == 1, leave and merged)
         if result is not None:
             return result
     _settled()
@@ -195,10 +199,13 @@ def _settled() -> None:
     decode_pool.settle()
 
 
-def _attend_kernel(query, key, value, bias, scale: float, fill: float, defer_it: bool = False):
+def _attend_kernel(query, key, value, bias, scale: float, fill: float, defer_it: bool = False,
+                   open_merged: bool = False):
     """The numba attention for float32/float64 in one dtype, or None (then numpy computes it):
     another dtype, a bias that does not broadcast into the scores, or a long query. defer_it: a
-    float32 attention is deferred (`runtime.defer`), for a kernel given leave."""
+    float32 attention is deferred (`runtime.defer`), for a kernel given leave; open_merged: its job
+    is left open to the pool's workers (`DecodePool.open_call`), written into heads merged ((B, Q, H,
+    W) storage), for a kernel given leave that merges them."""
     dtype = query.dtype
     if not _native.enabled or dtype not in KERNEL_DTYPES or key.dtype != dtype or value.dtype != dtype:
         return None
@@ -223,6 +230,12 @@ def _attend_kernel(query, key, value, bias, scale: float, fill: float, defer_it:
             return out
         workers = decode_pool.pool()
         if workers is not None and batch * groups > 1:
+            if open_merged:
+                out = np.empty((batch, length, heads, value.shape[3]), np.float32).transpose(0, 2, 1, 3)
+                partials, stats = attention_scratch(query, key, value)
+                if workers.open_call(open_attention_call, (query, key, value, bias, scale, fill, out, partials, stats),
+                                     (query, key, value, bias, out, partials, stats), None, ()):
+                    return out
             return workers.attention(query, key, value, bias, scale, fill)
         return decode_pool.attention_job(query, key, value, bias, scale, fill)
     _settled()

@@ -14,7 +14,8 @@ from typing import NamedTuple
 import numpy as np
 
 from runnx.ops import _native
-from runnx.ops._decode_blocks import projected_rope_append, projected_rope_append_rows, projected_rope_into
+from runnx.ops._decode_blocks import (open_projected_rows, projected_rope_append, projected_rope_append_rows,
+                                     projected_rope_into, projected_rows_tail)
 from runnx.ops._kernels_fused import rope_append_fits
 from runnx.ops._fused_common import stand_in
 from runnx.ops._matmul import pooled_prompt
@@ -50,16 +51,21 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, k
                                                                     value_cache_axis))
     granted = 7 in overwrite and 8 in overwrite
     planned = _rope_row(x, layer) if granted else None
-    if planned is None or not x.flags.c_contiguous:  # (a copy of x reads it)
-        decode_pool.settle()
     if planned is None:
-        prompt = _rope_rows(x, layer) if granted else None
+        prompt = _rope_rows(x, layer) if granted else None  # (x C-contiguous: its rows a view)
+        if prompt is not None and leave and decode_pool.pool() is not None and rope_append_fits(*prompt[3][:11]):
+            rotated = _open_rows(x.reshape(-1, x.shape[-1]), weights, prompt)
+            if rotated is not None:
+                return _rope_appended(True, rotated, prompt[0], x, layer, overwrite, ctx)
+        decode_pool.settle()  # (the paths below read x)
         if prompt is None:
             return _rope_appended(False, None, None, x, layer, overwrite, ctx)
         heads, bias_rows, unit, arguments = prompt
         done, rotated = decode_pool.shared_call(projected_rope_append_rows, x.reshape(-1, x.shape[-1]), weights,
                                                 bias_rows, heads, unit, arguments)
         return _rope_appended(done, rotated, heads, x, layer, overwrite, ctx)
+    if not x.flags.c_contiguous:  # (a copy of x reads it)
+        decode_pool.settle()
     heads, bias_rows, arguments = planned
     row, rows = np.ascontiguousarray(x.reshape(-1)), tuple([h.reshape(-1) for h in heads])
     if leave and rope_append_fits(*arguments[:11]):  # the call deferred, the next nodes' checks first
@@ -68,6 +74,20 @@ def ProjectedRopeAppend(x, query_weight, key_weight, value_weight, query_bias, k
         return _rope_appended(True, rotated, heads, x, layer, overwrite, ctx)
     done, rotated = decode_pool.shared_call(projected_rope_append, row, weights, bias_rows, rows, arguments)
     return _rope_appended(done, rotated, heads, x, layer, overwrite, ctx)
+
+
+def _open_rows(rows, weights: tuple, prompt: tuple):
+    """A short prompt's rotated query, its products job left open to the pool's workers
+    (`open_projected_rows`: the next node's Python runs while they compute it), the heads' split,
+    biases, rotation and cache growth its tail; None when the pool is busy or absent (nothing
+    done)."""
+    heads, biases, unit, arguments = prompt
+    products = tuple([np.empty((rows.shape[0], weight.shape[1]), np.float32) for weight in weights])
+    rotated = np.empty(heads[0].shape, np.float32)
+    if decode_pool.open_shared_call(open_projected_rows, (rows, weights, products, unit), (rows, weights, products),
+                                    projected_rows_tail, (products, biases, heads, arguments, rotated)):
+        return rotated
+    return None
 
 
 class _Layer(NamedTuple):

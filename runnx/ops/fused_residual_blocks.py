@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.ops import _kernels_numpy_exp, _native
-from runnx.ops._decode_blocks import (gated_down, gated_down_into, gated_down_rows, gelu_mlp, gelu_mlp_into,
-                                     projected_gate, projected_gate_into, projected_gate_rows, projected_layer_norm,
-                                     projected_layer_norm_into)
+from runnx.ops._decode_blocks import (add_norm_into, gated_down, gated_down_into, gated_down_rows, gelu_mlp,
+                                     gelu_mlp_into, open_gated_down_rows, projected_gate, projected_gate_into,
+                                     projected_gate_rows, projected_layer_norm, projected_layer_norm_into)
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops._remembered import Remembered
@@ -64,12 +64,12 @@ def ResidualGatedMLP(x, weight, bias, residual, norm_weight, gate_weight, up_wei
             return summed.reshape(residual.shape), normed.reshape(residual.shape)
         return _gated_down(decode_pool.shared_call(projected_gate, *first, skipped, _kernels_numpy_exp.EXP), residual,
                            down_weight, down_numbers, down_norm_weight, skipped)
-    decode_pool.settle()  # (every other path reads its inputs before any post)
     block = _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_weight, up_weight, down_weight,
                             down_bias, down_epsilon, down_one, down_norm_weight, norm, down_norm)
-    if block is not None:
+    if block is not None:  # (its post finishes a job left open first)
         first = decode_pool.shared_call(projected_gate_rows, *block[0], skipped, _kernels_numpy_exp.EXP)
-        return _gated_down_rows(first, residual, down_weight, block[1], down_norm_weight, skipped)
+        return _gated_down_rows(first, residual, down_weight, block[1], down_norm_weight, skipped, leave)
+    decode_pool.settle()  # (every other path reads its inputs before any post)
     axis, to, cast = norm
     summed, normed = MatMulAddRMSNorm(x, weight, bias, residual, norm_weight, epsilon=epsilon, one=one, axis=axis,
                                       to=to, cast=cast, skip=skip)
@@ -120,12 +120,22 @@ def _gated_mlp_rows(x, weight, bias, residual, epsilon, one, norm_weight, gate_w
              norm_weight, gate_weight, up_weight, units), (*numbers[2:], prompt_jobs.gemm_unit(width)))
 
 
-def _gated_down_rows(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool):
-    """ResidualGatedMLP's outputs from `projected_gate_rows`' results: `decayed`, then `gated_down_rows`."""
+def _gated_down_rows(first, residual, down_weight, down_numbers, down_norm_weight, skip: bool, leave: bool):
+    """ResidualGatedMLP's outputs from `projected_gate_rows`' results: `decayed`, then `gated_down_rows`,
+    or given leave its down product left open to the pool's workers (`open_gated_down_rows`), the
+    residual add and norm its tail: the next node's Python runs while they compute it."""
     summed, gate, decay, up, largest = first
     epsilon, one, unit = down_numbers
-    summed, normed = decode_pool.shared_call(gated_down_rows, gate, decayed(decay, largest), up, down_weight,
-                                             summed, epsilon, one, down_norm_weight, unit, skip)
+    decay = decayed(decay, largest)
+    if leave and decode_pool.pool() is not None:
+        product = np.empty((gate.shape[0], down_weight.shape[1]), np.float32)
+        normed = np.empty(product.shape, np.float32)
+        if decode_pool.open_shared_call(open_gated_down_rows, (gate, decay, up, down_weight, unit, product),
+                                        (down_weight, product), add_norm_into,
+                                        (summed, product, epsilon, one, down_norm_weight, skip, normed)):
+            return product.reshape(residual.shape), normed.reshape(residual.shape)
+    summed, normed = decode_pool.shared_call(gated_down_rows, gate, decay, up, down_weight, summed, epsilon, one,
+                                             down_norm_weight, unit, skip)
     return summed.reshape(residual.shape), normed.reshape(residual.shape)
 
 

@@ -497,6 +497,15 @@ def post_gemms(board, workers, a, weights, outs, columns_given, unit):
     whether a worker was idle. Every element is summed alike whichever unit holds it (the kernel's
     docstring), so each output is its one-thread product's bits. Arrays that do not fit (or more
     than MAX_GEMM_PARTS products) raise ValueError before anything is posted."""
+    idle = open_gemms(board, workers, a, weights, outs, columns_given, unit)
+    _finished(board)
+    return idle
+
+
+@_inlined
+def open_gemms(board, workers, a, weights, outs, columns_given, unit):
+    """`post_gemms` opened (`mailbox.open_job`): it returns before the units are computed, the job
+    holding every array until it is released. Whether a worker was idle."""
     _check_gemms(a, weights, outs, columns_given, unit)
     sequence = begin_job(board, PATIENCE)  # (which finishes the last job, whose output a may be)
     job = board.job
@@ -516,9 +525,7 @@ def post_gemms(board, workers, a, weights, outs, columns_given, unit):
         store(box, slot + GEMM_FIRST_UNIT, units)
         hold_matrix(job, p, outs[p])
         units += (outs[p].shape[1] + unit - 1) // unit
-    idle = run_job(board, workers, sequence, units)
-    release_finished(job)
-    return idle
+    return open_job(board, workers, sequence, units)
 
 
 @_jit

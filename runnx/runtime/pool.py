@@ -161,9 +161,9 @@ class DecodePool:
         opening one job (`open_gated_down_nbits`) and returning 1 when a worker was idle, 0 when not,
         -1 when it posted nothing (its arrays do not fit); the job left open: the pool keeps
         `arrays` (every array its units read or write) and its lock, and this thread runs
-        tail(*tail_arguments) (what completes the outputs from the job's: a residual add and norm)
-        once the job is finished: at `settle`, or first thing in its next post. False when the pool
-        is busy or the job posted nothing (nothing done)."""
+        tail(*tail_arguments) (what completes the outputs from the job's: a residual add and norm;
+        None: nothing) once the job is finished: at `settle`, or first thing in its next post. False
+        when the pool is busy or the job posted nothing (nothing done)."""
         if not self._enter():
             return False
         try:
@@ -180,7 +180,7 @@ class DecodePool:
             self._leave(None)
             return False
         self._leave(arrays)
-        self._tail = (tail, tail_arguments)
+        self._tail = (tail, tail_arguments) if tail is not None else None
         if state:
             self._wake()
         return True

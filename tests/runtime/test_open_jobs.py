@@ -270,6 +270,38 @@ def test_real_decoders_give_the_same_bits_with_jobs_left_open(workers, folder, r
         decode_pool.set_workers(None)
 
 
+def _prompt_logits(folder, overlap: bool, pool) -> tuple:
+    """The logits of a 32-token prompt of the decoder in `folder`, and the jobs left open for it."""
+    from runnx.generate.decoder import DecoderStep
+
+    load = lambda path: runnx.load(path, check_symbolic_dims=False, last_position=("logits",),  # noqa: E731
+                                   overlap_jobs=overlap)
+    decoder = DecoderStep.from_folder(folder, capacity=64, load=load)
+    left = pool.left_open
+    logits = decoder.step(np.arange(1000, 1032, dtype=np.int64)[None])
+    return logits, pool.left_open - left
+
+
+@pytest.mark.parametrize("folder", ["smollm2_dir", "qwen2_dir", "phi3_dir"])
+def test_a_short_prompt_leaves_its_layers_jobs_open_with_the_same_bits(folder, request):
+    """A 32-token prompt of Optimum's exports (SmolLM2, its Qwen2 and Phi-3 builds) at two threads:
+    each layer's q/k/v products, its attention and its down product are left open to the workers
+    (the next node's Python runs while they compute), and the logits are bitwise those of
+    everything computed at once."""
+    path = request.getfixturevalue(folder)
+    decode_pool.set_workers(1)
+    try:
+        pool = decode_pool.pool()
+        opened, count = _prompt_logits(path, True, pool)
+        assert count >= 3 * 30
+        expected, none = _prompt_logits(path, False, pool)
+        assert none == 0
+        np.testing.assert_array_equal(opened, expected)
+    finally:
+        settle()
+        decode_pool.set_workers(None)
+
+
 def _whisper_logits(folder, features, overlap: bool, steps: int) -> list:
     """The decoder's logits over a window's greedy decoding (`steps` tokens) of Whisper in `folder`."""
     from runnx.generate.whisper import Whisper
