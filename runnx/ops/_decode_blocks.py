@@ -109,15 +109,20 @@ def projected_gate_into(board, workers, x, weight, residual, epsilon, one, norm_
 def _decay_into(loop, gate, decay):
     """-gate into decay (both C-contiguous), then numpy's exp of it in place where `loop` is numpy's
     exp (`_kernels_numpy_exp.EXP`; (0, 0): the caller takes it, with numpy): the SiLU's exp(-gate).
-    Returns the largest element of -gate (the caller's exp silences overflow only when it can
-    happen)."""
+    Returns the largest element of -gate when the caller takes the exp (which silences overflow
+    only when it can happen), else inf (unused). Only then is the maximum sought: its chain of
+    compares, one an element, took three times as long as the exp (a 32-token prompt's 57 us a
+    layer, on the calling thread alone)."""
     flat_gate, flat_decay = gate.reshape(gate.size), decay.reshape(decay.size)
+    if loop[0] != 0:
+        for i in range(flat_gate.size):
+            flat_decay[i] = -flat_gate[i]
+        exp_into(loop, flat_decay, flat_decay)
+        return np.inf
     largest = -np.inf
     for i in range(flat_gate.size):
         flat_decay[i] = -flat_gate[i]
         largest = max(largest, flat_decay[i])
-    if loop[0] != 0:
-        exp_into(loop, flat_decay, flat_decay)
     return largest
 
 

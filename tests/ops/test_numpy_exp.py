@@ -135,3 +135,21 @@ def test_decoders_give_the_same_bits_with_numpys_exp_in_their_kernels(workers, f
     finally:
         settle()
         decode_pool.set_workers(None)
+
+
+def test_a_gates_decay_is_numpys_exp_of_minus_the_gate_its_maximum_sought_only_for_numpy():
+    """`_decode_blocks._decay_into` with numpy's loop: exp(-gate) bitwise np.exp's (NaN, infinities
+    and overflow included), and inf for its maximum, which no caller then reads; with (0, 0) it
+    leaves -gate for numpy and returns its largest element (the caller's overflow check)."""
+    from runnx.ops._decode_blocks import _decay_into
+
+    gate = (np.random.default_rng(2).standard_normal((3, 1537)) * 40).astype(np.float32)
+    gate[0, :5] = [np.nan, np.inf, -np.inf, 100, -100]
+    decay = np.empty_like(gate)
+    assert _decay_into(EXP, gate, decay) == np.inf
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(_bits(decay), _bits(np.exp(-gate)))
+    finite = gate[1:]
+    decay = np.empty_like(finite)
+    assert _decay_into((0, 0), finite, decay) == float((-finite).max())
+    np.testing.assert_array_equal(_bits(decay), _bits(-finite))
