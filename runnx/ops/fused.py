@@ -98,8 +98,9 @@ def RepeatedKVAttention(query, key, value, bias=None, merged_target=None, mask=N
     the outputs of calls still pending (a ProjectedRopeAppend's deferred ones,
     `runtime/open_jobs.py`): the attention's own post, or its deferred call, runs after them; every
     other path settles before it reads them. Given leave, a decode row's attention is deferred
-    (`runtime.defer`: its merged heads a view of its output, written when the thread settles). The
-    mask is read here (the plan settles first when a deferred call may still write it)."""
+    (`runtime.defer`: its merged heads a view of its output, written when the thread settles), and
+    with pool workers and merged_target a short prompt's job is left open, written into its heads
+    merged. The mask is read here (the plan settles first when a deferred call may still write it)."""
     leave = take_leave()
     if mask is not None:
         end = key.shape[2] if mask_end is None else _one_number(mask_end)

@@ -45,10 +45,11 @@ def ResidualGatedMLP(x, weight, bias, residual, norm_weight, gate_weight, up_wei
     whether both are onnxruntime's SkipSimplifiedLayerNormalization (AddRMSNorm's `skip`). A decode
     step's float32 row (no biases, both norms the numba kernel's) runs as two native calls posting
     the decode pool's jobs, numpy's exp of the gate in the first (or between them: `decayed`), and
-    so do a short prompt's rows (`_gated_mlp_rows`): bitwise the nodes'. Given leave (`runtime/open_jobs.py`), a
-    decode row's down product is left open, its residual add and norm done once it is finished:
-    the next node's checks run while the workers compute it. x may be the output of a job the
-    previous node left open (a RepeatedKVAttention's): only its native calls read it."""
+    so do a short prompt's rows (`_gated_mlp_rows`): bitwise the nodes'. Given leave
+    (`runtime/open_jobs.py`), a decode row's two calls are deferred, and with pool workers a short
+    prompt's down product is left open, its residual add and norm done once it is finished: the
+    next node's checks run while the workers compute it. x may be the output of a job the previous
+    node left open (a RepeatedKVAttention's): only its native calls read it."""
     leave = take_leave()  # (for its last job only: its nodes' kernels finish theirs)
     if not x.flags.c_contiguous:  # (a copy of x reads it: x may be a job's output left open, an attention's)
         decode_pool.settle()
