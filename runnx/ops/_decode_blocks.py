@@ -145,6 +145,19 @@ def gated_down_into(board, workers, gate, decay, up, weight, residual, epsilon, 
 
 
 @_jit
+def projected_gate_down_into(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight,
+                             skip, loop, summed, gate, negated, up, largest, down_weight, down_epsilon, down_one,
+                             down_norm_weight, down_skip, product, normed):
+    """`projected_gate_into`, then `gated_down_into` on its outputs (numpy's exp of the gate taken in
+    the first: `loop` numpy's), as one native call: a deferred gated MLP's two calls in one, so the
+    Python between them, with its code and data evicted by the gate and up weights, is not run."""
+    projected_gate_into(board, workers, x, weight, residual, epsilon, one, norm_weight, gate_weight, up_weight, skip,
+                        loop, summed, gate, negated, up, largest)
+    gated_down_into(board, workers, gate, negated, up, down_weight, summed, down_epsilon, down_one, down_norm_weight,
+                    down_skip, product, normed)
+
+
+@_jit
 def normed_gate_nbits(board, workers, a, b, epsilon, one, norm_weight, skip, tiles, scales, zeros, columns, gate_at,
                       up_at, inner, loop):
     """(s, gate, decay, up, max(-gate)) for s = a + b, C-contiguous float32 rows (M, K), and gate, up
@@ -172,6 +185,19 @@ def normed_gate_nbits_into(board, workers, a, b, epsilon, one, norm_weight, skip
     gate[:] = products[:, gate_at:gate_at + inner]
     up[:] = products[:, up_at:up_at + inner]
     largest[0] = _decay_into(loop, gate, negated)
+
+
+@_jit
+def normed_gate_down_nbits_into(board, workers, a, b, epsilon, one, norm_weight, skip, tiles, scales, zeros, columns,
+                                gate_at, up_at, inner, loop, summed, gate, negated, up, largest, down_tiles,
+                                down_scales, down_zeros, down_epsilon, down_one, down_norm_weight, down_skip, product,
+                                normed):
+    """`normed_gate_nbits_into`, then `gated_down_nbits_into` on its outputs, as one native call
+    (`projected_gate_down_into`'s reason; `loop` numpy's exp)."""
+    normed_gate_nbits_into(board, workers, a, b, epsilon, one, norm_weight, skip, tiles, scales, zeros, columns,
+                           gate_at, up_at, inner, loop, summed, gate, negated, up, largest)
+    gated_down_nbits_into(board, workers, gate, negated, up, down_tiles, down_scales, down_zeros, summed, down_epsilon,
+                          down_one, down_norm_weight, down_skip, product, normed)
 
 
 @_jit

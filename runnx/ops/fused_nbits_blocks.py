@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.ops import _kernels_numpy_exp, _native
-from runnx.ops._decode_blocks import (add_norm_into, gated_down_nbits, gated_down_nbits_into, normed_gate_nbits,
-                                     normed_gate_nbits_into, open_gated_down_nbits)
+from runnx.ops._decode_blocks import (add_norm_into, gated_down_nbits, gated_down_nbits_into, normed_gate_down_nbits_into,
+                                     normed_gate_nbits, normed_gate_nbits_into, open_gated_down_nbits)
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.ops.contrib_quantized import MatMulNBits, SharedInputMatMulNBits, reads_tiles
@@ -65,7 +65,7 @@ def GatedMLPNBits(a, b, norm_weight, gate_or_up, gate_or_up_scales, gate_or_up_z
                 normed_gate_nbits_into, (a.reshape(rows, K), b.reshape(rows, K), epsilon, one, norm_weight, skipped,
                                          *tiles, sum(columns), gate_at, up_at, columns[0]),
                 gated_down_nbits_into, down_tiles, (down_epsilon, down_one, down_norm_weight, skipped), rows, K,
-                columns[0])
+                columns[0], normed_gate_down_nbits_into)
             return summed.reshape(a.shape), normed.reshape(a.shape)
         summed, gate, decay, up, largest = decode_pool.shared_call(
             normed_gate_nbits, a.reshape(rows, K), b.reshape(rows, K), epsilon, one, norm_weight, skipped, *tiles,

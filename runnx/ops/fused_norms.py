@@ -168,18 +168,26 @@ def exp_in_place(x, largest: float):
 
 
 def defer_gated_mlp(first, first_arguments: tuple, down, weights: tuple, numbers: tuple, rows: int, width: int,
-                    inner: int) -> tuple:
+                    inner: int, both=None) -> tuple:
     """(sum, norm), each (rows, width), of a gated MLP block whose calls are deferred
     (`runtime.defer`) into arrays allocated here: the pool job first(board, workers,
     *first_arguments, loop, summed, gate, decay, up, largest) (an add, norm, the gate and up
     products and exp(-gate): `decayed`), numpy's exp of -gate where the job could not take it, then
     the pool job down(board, workers, gate, exp(-gate), up, *weights, summed, *numbers, sum, norm)
     (SiLU gate, down product, residual add and norm): ResidualGatedMLP's and GatedMLPNBits' `_into`
-    blocks."""
+    blocks. Where the first takes numpy's exp, `both` (the two in one native call, given the
+    first's arguments, then *weights, *numbers, sum, norm) is deferred instead: between two calls a
+    decode step's worker waits while the calling thread's Python and numba's dispatch, their code
+    and data evicted by the gate and up weights, take about 10 us."""
     summed, product, normed = (np.empty((rows, width), np.float32) for _ in range(3))
     gate, decay, up = (np.empty((rows, inner), np.float32) for _ in range(3))
     largest = np.empty(1)
-    defer(first, (*first_arguments, _kernels_numpy_exp.EXP, summed, gate, decay, up, largest), job=True)
+    loop = _kernels_numpy_exp.EXP
+    if both is not None and _kernels_numpy_exp.available():
+        defer(both, (*first_arguments, loop, summed, gate, decay, up, largest, *weights, *numbers, product, normed),
+              job=True)
+        return product, normed
+    defer(first, (*first_arguments, loop, summed, gate, decay, up, largest), job=True)
     if not _kernels_numpy_exp.available():
         defer(_exp_into, (decay, largest))
     defer(down, (gate, decay, up, *weights, summed, *numbers, product, normed), job=True)

@@ -13,7 +13,8 @@ import numpy as np
 from runnx.ops import _kernels_numpy_exp, _native
 from runnx.ops._decode_blocks import (add_norm_into, gated_down, gated_down_into, gated_down_rows, gelu_mlp,
                                      gelu_mlp_into, open_gated_down_rows, projected_gate, projected_gate_into,
-                                     projected_gate_rows, projected_layer_norm, projected_layer_norm_into)
+                                     projected_gate_down_into, projected_gate_rows, projected_layer_norm,
+                                     projected_layer_norm_into)
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._matmul import pooled_prompt
 from runnx.ops._remembered import Remembered
@@ -61,7 +62,7 @@ def ResidualGatedMLP(x, weight, bias, residual, norm_weight, gate_weight, up_wei
         if leave:  # the calls deferred (their `_into` forms: the same jobs, so the same bits)
             summed, normed = defer_gated_mlp(projected_gate_into, (*first, skipped), gated_down_into, (down_weight,),
                                              (*down_numbers, down_norm_weight, skipped), 1, residual.shape[-1],
-                                             down_weight.shape[0])
+                                             down_weight.shape[0], projected_gate_down_into)
             return summed.reshape(residual.shape), normed.reshape(residual.shape)
         return _gated_down(decode_pool.shared_call(projected_gate, *first, skipped, _kernels_numpy_exp.EXP), residual,
                            down_weight, down_numbers, down_norm_weight, skipped)

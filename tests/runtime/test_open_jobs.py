@@ -270,6 +270,31 @@ def test_real_decoders_give_the_same_bits_with_jobs_left_open(workers, folder, r
         decode_pool.set_workers(None)
 
 
+@pytest.mark.parametrize("folder", ["smollm2_genai_fp32_dir", "smollm2_dir"])
+def test_a_deferred_gated_mlp_is_one_native_call_with_the_bits_of_two(folder, request, monkeypatch):
+    """Where numpy's exp loop is at hand, a decode step's gated MLP (ResidualGatedMLP: onnxruntime-genai's
+    fp32 folder and Optimum's export) defers one native call (`projected_gate_down_into`) where it
+    deferred two: a layer's call fewer each step, and bitwise the logits of the two calls."""
+    from runnx.ops import fused_norms, fused_residual_blocks
+
+    path = request.getfixturevalue(folder)
+    decode_pool.set_workers(1)
+    try:
+        steps, before = 6, open_jobs.deferred.count
+        merged = _greedy_logits(path, True, steps)
+        merged_calls, before = open_jobs.deferred.count - before, open_jobs.deferred.count
+        original = fused_norms.defer_gated_mlp
+        monkeypatch.setattr(fused_residual_blocks, "defer_gated_mlp", lambda *arguments: original(*arguments[:8]))
+        two = _greedy_logits(path, True, steps)
+        fewer = open_jobs.deferred.count - before - merged_calls
+        assert fewer >= 30 * (steps - 1) and fewer % 30 == 0
+        for got, expected in zip(merged, two):
+            np.testing.assert_array_equal(got, expected)
+    finally:
+        settle()
+        decode_pool.set_workers(None)
+
+
 def _prompt_logits(folder, overlap: bool, pool) -> tuple:
     """The logits of a 32-token prompt of the decoder in `folder`, and the jobs left open for it."""
     from runnx.generate.decoder import DecoderStep
