@@ -435,6 +435,13 @@ def projected_rope_append_rows(board, workers, x, weights, biases, heads, unit, 
                 np.empty((x.shape[0], weights[1].shape[1]), np.float32),
                 np.empty((x.shape[0], weights[2].shape[1]), np.float32))
     post_gemms(board, workers, x, weights, products, False, unit)
+    return _split_and_rotate(products, biases, heads, rope)
+
+
+@_jit
+def _split_and_rotate(products, biases, heads, rope):
+    """The q/k/v products each split into its heads with its bias (`_split_into`), then
+    `rope_append_into(*rope)` reading them: (whether it wrote, the rotated query)."""
     _split_into(products[0], biases[0], heads[0])
     _split_into(products[1], biases[1], heads[1])
     _split_into(products[2], biases[2], heads[2])
@@ -453,10 +460,7 @@ def projected_rows_tail(products, biases, heads, rope, rotated):
     """`projected_rope_append_rows` after its products job: each split into its heads with its bias,
     then `rope_append_into(*rope)`, its rotated query into `rotated`; the caller checked that it
     writes (`rope_append_fits`): ValueError if it would not."""
-    _split_into(products[0], biases[0], heads[0])
-    _split_into(products[1], biases[1], heads[1])
-    _split_into(products[2], biases[2], heads[2])
-    done, query = rope_append_into(*rope)
+    done, query = _split_and_rotate(products, biases, heads, rope)
     if not done:
         raise ValueError("a rotary embedding left open no longer fits its caches")
     rotated[...] = query
