@@ -35,6 +35,7 @@ import numpy as np
 from runnx.ops import _native
 from runnx.ops._kernels_linalg import ROW_CHUNKS, chunk_count, rows_times_bytes, rows_times_columns, rows_times_matrix
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
+from runnx.runtime.entry_points import run as run_entries
 from runnx.runtime.jobs import (open_column_products, open_nbits, open_products, post_attention,
                                 post_column_products, post_gelu, post_nbits, post_products, post_softmax, post_vnni)
 from runnx.runtime.mailbox import NATIVE_SLEEP, finish, finish_and_release, make_board, rest, serve, stop, wake_idle
@@ -320,26 +321,16 @@ class DecodePool:
         return result
 
     def run_calls(self, calls: list) -> bool:
-        """`run_calls` with this pool taken once for all the calls, sleeping workers woken before
-        the first job and before each job after a call that is not one; False when another thread
-        has the pool (nothing run). Back to back, jobs keep the workers spinning (a decode step's
+        """`run_calls` with this pool taken once for all the calls (through their entry points,
+        `entry_points.run`), sleeping workers woken before the first job and before each job after
+        a call that is not one; False when another thread has the pool (nothing run). Back to back, jobs keep the workers spinning (a decode step's
         linger `STEP_PATIENCE`): checking their idle flags before each one cost a two-thread
         SmolLM2 step ~0.17 ms of 120 checks."""
         if not self._enter():
             return False
         try:
             self._close()
-            board, workers = self.board, self._workers
-            woken = False
-            for function, arguments, job in calls:
-                if job:
-                    if not woken:
-                        self._wake_sleeping()
-                        woken = True
-                    function(board, workers, *arguments)
-                else:
-                    function(*arguments)
-                    woken = False
+            run_entries(calls, self.board, self._workers, self._wake_sleeping)
         finally:
             self.settle()  # (nothing is open: releases the lock)
         return True
@@ -469,16 +460,12 @@ def open_shared_call(job, arguments: tuple, arrays: tuple, tail, tail_arguments:
 def run_calls(calls: list) -> None:
     """Run deferred calls (`open_jobs.defer`: (function, arguments, whether a pool job)) in order, the
     jobs with the pool's workers when there are any and it is free (`DecodePool.run_calls`), else
-    on this thread's own board: the same compiled code either way, so the same results."""
+    on this thread's own board: the same compiled code either way (each call's entry point, past
+    numba's dispatcher: `entry_points.py`), so the same results."""
     workers = pool()
     if workers is not None and workers.run_calls(calls):
         return
-    board = _own_board()
-    for function, arguments, job in calls:
-        if job:
-            function(board, 0, *arguments)
-        else:
-            function(*arguments)
+    run_entries(calls, _own_board(), 0)
 
 
 def alone(job, *arguments):
