@@ -14,7 +14,8 @@ are the same bits.
 An entry point is learnt from the dispatcher itself (`learn`): the first call with a fingerprint runs
 through the dispatcher (compiling or loading what it needs), and the overload whose signature is
 exactly its arguments' types is remembered under the function, whether it is a pool job, and the
-fingerprint. numba keys its own type cache on the same fingerprints, so equal fingerprints mean the
+fingerprint (the function itself where there is none: a plain Python one is then called as given,
+not looked up again). numba keys its own type cache on the same fingerprints, so equal fingerprints mean the
 overload the dispatcher picks. A Python int of 2**63 or more has every int's fingerprint: numba types
 it uint64, but its dispatcher picks an int64 overload for it where there is one (whose unboxing
 raises OverflowError), as the learnt entry point does; no entry point is learnt from such a call.
@@ -52,17 +53,18 @@ def resolved(calls: list) -> tuple[list, list]:
 
 def learn(key: tuple, leading: tuple, arguments: tuple) -> None:
     """Remember the entry point of the overload of `key`'s function whose signature is exactly the
-    types of leading + arguments (a call made through the dispatcher), if it has one; never from a
-    call with an int typed uint64 (under the fingerprint of every int, which the dispatcher gives
-    int64's overload where there is one)."""
-    function = key[0]
-    overloads = getattr(function, "overloads", None)  # a dispatcher's (a kernel may be plain Python)
-    if overloads is None or key in _entries or _has_large_int(arguments):
+    types of leading + arguments (a call made through the dispatcher), or the function itself when
+    there is none (plain Python, or an overload the dispatcher converted to): learnt once, called
+    as given. Nothing from a call with an int typed uint64 (under the fingerprint of every int,
+    which the dispatcher gives int64's overload where there is one)."""
+    if key in _entries or _has_large_int(arguments):
         return
-    signature = tuple(function.typeof_pyval(value) for value in (*leading, *arguments))
-    compiled = overloads.get(signature)
-    if compiled is not None:
-        _entries[key] = compiled.entry_point
+    function = key[0]
+    overloads = getattr(function, "overloads", None)  # a dispatcher's
+    compiled = None
+    if overloads is not None:
+        compiled = overloads.get(tuple(function.typeof_pyval(value) for value in (*leading, *arguments)))
+    _entries[key] = function if compiled is None else compiled.entry_point
 
 
 def _has_large_int(values: tuple) -> bool:

@@ -91,6 +91,7 @@ def test_arguments_numba_cannot_fingerprint_and_plain_functions_are_called_as_gi
     plain = [(lambda value: seen.append(value), (7,), False)]
     entry_points.run(plain * 2, None, 0)
     assert seen == [7, 7] and _resolved_functions(plain) == [plain[0][0]]
+    assert entry_points.resolved(plain)[1] == []  # learnt as itself: not looked up again
 
 
 @pytest.mark.parametrize("workers", [0, 1], ids=["alone", "pool"])
