@@ -15,8 +15,8 @@ An entry point is learnt from the dispatcher itself (`learn`): the first call wi
 through the dispatcher (compiling or loading what it needs), and the overload whose signature is
 exactly its arguments' types is remembered under the function, whether it is a pool job, and the
 fingerprint (the function itself where there is none: a plain Python one is then called as given,
-not looked up again). numba keys its own type cache on the same fingerprints, so equal fingerprints mean the
-overload the dispatcher picks. A Python int of 2**63 or more has every int's fingerprint: numba types
+not looked up again). numba keys its own type cache on the same fingerprints, so equal fingerprints
+mean the overload the dispatcher picks. A Python int of 2**63 or more has every int's fingerprint: numba types
 it uint64, but its dispatcher picks an int64 overload for it where there is one (whose unboxing
 raises OverflowError), as the learnt entry point does; no entry point is learnt from such a call.
 Arguments numba cannot fingerprint (strings, typed containers) are never resolved: such calls
@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from numba._dispatcher import compute_fingerprint
 
-_entries: dict = {}  # (function, whether a pool job, fingerprint of its arguments) -> entry point
+_entries: dict = {}  # (function, whether a pool job, fingerprint of its arguments) -> entry point (or function)
+_LIMIT = 4096  # entries, all dropped at once beyond: a model's deferred calls have a few dozen
 
 
 def resolved(calls: list) -> tuple[list, list]:
@@ -64,6 +65,8 @@ def learn(key: tuple, leading: tuple, arguments: tuple) -> None:
     compiled = None
     if overloads is not None:
         compiled = overloads.get(tuple(function.typeof_pyval(value) for value in (*leading, *arguments)))
+    if len(_entries) >= _LIMIT:  # (functions made per call, closures, would otherwise pile up)
+        _entries.clear()
     _entries[key] = function if compiled is None else compiled.entry_point
 
 

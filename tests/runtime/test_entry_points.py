@@ -94,6 +94,15 @@ def test_arguments_numba_cannot_fingerprint_and_plain_functions_are_called_as_gi
     assert entry_points.resolved(plain)[1] == []  # learnt as itself: not looked up again
 
 
+def test_the_entries_stay_bounded_whatever_functions_come(monkeypatch):
+    """Functions made per call (closures) would each add an entry: past the limit all are dropped."""
+    monkeypatch.setattr(entry_points, "_entries", {})
+    monkeypatch.setattr(entry_points, "_LIMIT", 4)
+    for value in range(10):
+        entry_points.run([((lambda v: None), (value,), False)], None, 0)
+        assert len(entry_points._entries) <= 4
+
+
 @pytest.mark.parametrize("workers", [0, 1], ids=["alone", "pool"])
 def test_deferred_pool_jobs_run_their_entry_points_with_the_same_bits(workers):
     """A products job deferred (`jobs.post_products`, board and worker count first) on this thread's
