@@ -16,8 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from runnx.ops import _kernels_numpy_exp, _native
-from runnx.ops._decode_blocks import (add_norm_into, gated_down_nbits, gated_down_nbits_into, normed_gate_down_nbits_into,
-                                     normed_gate_nbits, normed_gate_nbits_into, open_gated_down_nbits)
+from runnx.ops._decode_blocks import (add_norm_into, gated_down_nbits, gated_down_nbits_into,
+                                     normed_gate_down_nbits_into, normed_gate_nbits, normed_gate_nbits_into,
+                                     open_gated_down_nbits)
 from runnx.ops._fused_common import DOMAIN
 from runnx.ops._kernels_nibble_tiles import CHUNK_BYTES
 from runnx.ops.contrib_quantized import MatMulNBits, SharedInputMatMulNBits, reads_tiles

@@ -182,13 +182,13 @@ def defer_gated_mlp(first, first_arguments: tuple, down, weights: tuple, numbers
     summed, product, normed = (np.empty((rows, width), np.float32) for _ in range(3))
     gate, decay, up = (np.empty((rows, inner), np.float32) for _ in range(3))
     largest = np.empty(1)
-    loop = _kernels_numpy_exp.EXP
-    if both is not None and _kernels_numpy_exp.available():
+    loop, exp_in_first = _kernels_numpy_exp.EXP, _kernels_numpy_exp.available()
+    if both is not None and exp_in_first:
         defer(both, (*first_arguments, loop, summed, gate, decay, up, largest, *weights, *numbers, product, normed),
               job=True)
         return product, normed
     defer(first, (*first_arguments, loop, summed, gate, decay, up, largest), job=True)
-    if not _kernels_numpy_exp.available():
+    if not exp_in_first:
         defer(_exp_into, (decay, largest))
     defer(down, (gate, decay, up, *weights, summed, *numbers, product, normed), job=True)
     return product, normed
