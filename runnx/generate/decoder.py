@@ -42,7 +42,7 @@ import numpy as np
 from runnx.capture.ownership import read_only_view
 from runnx.generate.io_names import DecoderIO, DecoderIOError, KVName
 from runnx.generate.layouts import FolderLayout, read_folder
-from runnx.generate.kv_cache import SEQUENCE_AXIS, KVCache
+from runnx.generate.kv_cache import SEQUENCE_AXIS, KVCache, SpareBuffers
 from runnx.interp.dtypes import numpy_dtype
 from runnx.interp.model import load as runnx_load
 from runnx.interp.quiet import BUSY
@@ -91,6 +91,10 @@ class DecoderStep:
         self._cross_pasts = [k.past for k in self.past_io.kv if k.is_cross_attention and k.past]
         self._ids_dtype = _input_dtype(model, self.first_io.input_ids, np.dtype(np.int64))
         self.reset()
+        self_attention = [k for k in self.first_io.kv if k.past and not k.is_cross_attention]
+        self._spare = SpareBuffers.made({k.past: self._empty_shape(k) for k in self_attention},
+                                        {k.past: self._layout[k.slot][2] for k in self_attention}, capacity,
+                                        share_buffer)
         for first, decoder in ((True, self.first_model), (False, self.past_model)):
             plan_ahead = getattr(decoder, "plan_ahead", None)  # a runnx Model's (tests step onnxruntime's too)
             if plan_ahead is not None:
@@ -132,9 +136,13 @@ class DecoderStep:
 
     # -- state -------------------------------------------------------------------------------
     def reset(self, batch_size: int = 1, fixed_feeds: dict | None = None) -> None:
-        """Forget everything: the next step is a prefill."""
+        """Forget everything: the next step is a prefill (into the cache's buffers again, where they fit
+        and nothing else holds them: `SpareBuffers`)."""
         self.batch_size = batch_size
         self.fixed_feeds = dict(fixed_feeds or {})
+        cache = getattr(self, "cache", None)
+        if cache is not None:
+            self._spare = cache.spare()
         self.cache: KVCache | None = None  # self-attention KV, keyed by the past input names
         self.cross: dict[str, np.ndarray] = {}  # cross-attention KV from the first step
         self.attention_mask = np.zeros((batch_size, 0), np.int64)
@@ -175,7 +183,8 @@ class DecoderStep:
                                      f"takes {dtype}[batch, {heads}, length, {head_dim}]")
         self_names = [k.past for k in self.past_io.kv if not k.is_cross_attention]
         self.cache = KVCache.with_capacity({n: arrays[n] for n in self_names},
-                                           max(self.capacity, 2 * attention_mask.shape[1]), zeroed=self.share_buffer)
+                                           max(self.capacity, 2 * attention_mask.shape[1]), zeroed=self.share_buffer,
+                                           spare=self._take_spare())
         self.cross = {k.past: read_only_view(arrays[k.past]) for k in self.past_io.kv if k.is_cross_attention}
         self.attention_mask = attention_mask
 
@@ -243,17 +252,23 @@ class DecoderStep:
         self_attention = [k for k in io.kv if k.past and not k.is_cross_attention]
         self.cache = KVCache.empty({k.past: self._empty_shape(k) for k in self_attention},
                                    {k.past: self._layout[k.slot][2] for k in self_attention}, self.capacity,
-                                   zeroed=self.share_buffer)
+                                   zeroed=self.share_buffer, spare=self._take_spare())
         feeds = self.cache.handover(new, whole=self.share_buffer)
         feeds.update({k.past: self._empty(k) for k in io.kv if k.past and k.is_cross_attention})
         return feeds
+
+    def _take_spare(self):
+        """The last reset's buffers, once (what the new cache does not take is freed with them)."""
+        spare, self._spare = self._spare, None
+        return spare
 
     def _take_presents(self, outputs: dict, first: bool, length: int) -> None:
         self_presents = {past: outputs[present] for past, present in self._self_presents[first]}
         if first:  # read-only, so that every step feeds these same arrays (not new read-only views of them)
             self.cross = {past: read_only_view(outputs[present]) for past, present in self._cross_presents}
         if self.cache is None:  # a prefill without past inputs returned exact-size arrays
-            self.cache = KVCache.with_capacity(self_presents, self.capacity, zeroed=self.share_buffer)
+            self.cache = KVCache.with_capacity(self_presents, self.capacity, zeroed=self.share_buffer,
+                                               spare=self._take_spare())
         else:
             self.cache.accept(self_presents, length if self.share_buffer else None)
 

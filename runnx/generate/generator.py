@@ -30,6 +30,7 @@ from runnx.generate.tokenizer import TextStream, Tokenizer, as_tokenizer
 
 
 SAMPLING_SETTINGS = ("temperature", "top_k", "top_p", "min_p")
+CAPACITY_STEP = 256  # a generation's KV capacity is a multiple of this many rows (`compute_logits`)
 
 
 @dataclass(frozen=True)
@@ -236,8 +237,10 @@ class Generator:
             pending = self.token_ids[:, fed:]
             if pending.shape[1] == 0:
                 raise RunnxError("no tokens to run: append_tokens() first")
-            if fed == 0 and not self.decoder.started:
-                self.decoder.capacity = max(self.decoder.capacity, self._length_limit())
+            if fed == 0 and not self.decoder.started:  # the whole generation's rows, in steps of CAPACITY_STEP
+                # (untouched rows cost no memory; equal capacities let the next prefill take these buffers)
+                rows = -(-self._length_limit() // CAPACITY_STEP) * CAPACITY_STEP
+                self.decoder.capacity = max(self.decoder.capacity, rows)
             self._logits = self.decoder.step(pending, self.attention_mask[:, fed:])[:, -1]
         return self._logits
 

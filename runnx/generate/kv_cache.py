@@ -10,11 +10,14 @@ not use.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from runnx.capture.capacity import allocate_prefix, whole_buffer
 from runnx.capture.ownership import Owned, storage_root
 from runnx.errors import RunnxError
+from runnx.interp.model_file import faulted_in
 
 SEQUENCE_AXIS = 2  # [batch, kv_heads, sequence, head_dim], the layout of every Optimum export
 
@@ -30,23 +33,33 @@ class KVCache:
         # buffers' spare rows zero, not uninitialised: a model reading whole buffers (handover(whole=
         # True)) masks the rows past each sequence's length, and a mask cannot hide a NaN
         self.zeroed = zeroed
+        # the rows ever written (a buffer kept for reuse is zeroed again this far: `SpareBuffers`)
+        self.rows_written = self.length
         self.regrowths = 0  # buffers copied to a larger one (0 when everything appended in place)
         self.appended_in_place = True  # did the last step write into the buffers it was handed?
         self._handed_over = False
 
     @classmethod
     def empty(cls, shapes: dict[str, tuple], dtypes: dict[str, np.dtype], capacity: int, *,
-              zeroed: bool = False) -> "KVCache":
-        """Length-0 views of fresh buffers with `capacity` rows; `shapes` give [batch, heads, 0, head_dim]."""
-        return cls({name: _allocate(tuple(shape), capacity, dtypes[name], zeroed) for name, shape in shapes.items()},
-                   zeroed=zeroed)
+              zeroed: bool = False, spare: SpareBuffers | None = None) -> "KVCache":
+        """Length-0 views of buffers with `capacity` rows, `spare`'s where they fit, else fresh;
+        `shapes` give [batch, heads, 0, head_dim]."""
+        spare = spare or SpareBuffers({})
+        return cls({name: spare.take(name, tuple(shape), capacity, dtypes[name], zeroed)
+                    for name, shape in shapes.items()}, zeroed=zeroed)
 
     @classmethod
-    def with_capacity(cls, arrays: dict[str, np.ndarray], capacity: int, *, zeroed: bool = False) -> "KVCache":
-        """Copies of `arrays` in buffers with room for `capacity` rows (used after a prefill that
-        returned exact-size arrays, or when restoring a saved state)."""
-        return cls({name: _copy_into_buffer(array, max(capacity, array.shape[SEQUENCE_AXIS]), zeroed)
-                    for name, array in arrays.items()}, zeroed=zeroed)
+    def with_capacity(cls, arrays: dict[str, np.ndarray], capacity: int, *, zeroed: bool = False,
+                      spare: SpareBuffers | None = None) -> "KVCache":
+        """Copies of `arrays` in buffers with room for `capacity` rows, `spare`'s where they fit
+        (used after a prefill that returned exact-size arrays, or when restoring a saved state)."""
+        spare = spare or SpareBuffers({})
+        views = {}
+        for name, array in arrays.items():
+            view = views[name] = spare.take(name, array.shape, max(capacity, array.shape[SEQUENCE_AXIS]),
+                                            array.dtype, zeroed)
+            view[...] = array
+        return cls(views, zeroed=zeroed)
 
     @property
     def length(self) -> int:
@@ -109,11 +122,66 @@ class KVCache:
             views[name], buffers[name] = array, buffer
         self.appended_in_place = in_place
         self.arrays, self._buffers = views, buffers
+        self.rows_written = max(self.rows_written, self.length)
         self._handed_over = False
+
+    def spare(self) -> SpareBuffers:
+        """The buffers, for the next prefill to take (`SpareBuffers`); the cache is not used after."""
+        buffers = {} if self._handed_over else {name: buffer for name, buffer in self._buffers.items()
+                                                 if buffer is not None}
+        self.arrays, self._buffers = {}, {}
+        return SpareBuffers(buffers, self.rows_written if self.zeroed else None)
 
     def copy_arrays(self) -> dict[str, np.ndarray]:
         """Exact-size copies of the current tensors (for saving; the buffers stay the cache's)."""
         return {name: np.ascontiguousarray(array) for name, array in self.arrays.items()}
+
+
+FAULTED_ROWS = 256  # rows of a decoder's first cache faulted in at its load: a first prompt's, most often
+
+
+class SpareBuffers:
+    """A reset cache's buffers (or a decoder's first, made at its load: `made`), which the next
+    prefill's cache takes where they are what it would allocate (shape, rows and dtype) and nothing
+    else holds them.
+    Why: glibc maps a fresh buffer of this size anew and hands it back when freed, so each prompt's
+    first rows faulted its pages in again, one at a time: a 32-token prompt into SmolLM2's cache of
+    600 rows took ~580 faults, none with its buffers taken again (1-3 ms of a two-thread prompt of
+    60 ms; a decoder's first prompt, its buffers made at the load, ~360 fewer faults).
+    `zeroed_rows`: the rows written since the buffers were zeroed (None: never zeroed)."""
+
+    def __init__(self, buffers: dict[str, np.ndarray], zeroed_rows: int | None = None):
+        self._buffers = dict(buffers)
+        self._zeroed_rows = zeroed_rows
+        self.taken = 0  # buffers reused (tests)
+
+    @classmethod
+    def made(cls, shapes: dict[str, tuple], dtypes: dict[str, np.dtype], capacity: int,
+             zeroed: bool) -> SpareBuffers:
+        """Buffers as `KVCache.empty` would allocate them, the pages of each sequence's first
+        FAULTED_ROWS rows faulted in now (`faulted_in`): a decoder's load makes the first prompt's
+        cache. Rows past those cost no memory until written, as in any fresh buffer."""
+        buffers = {}
+        for name, shape in shapes.items():
+            buffer = buffers[name] = _allocate(tuple(shape), capacity, dtypes[name], zeroed).base
+            for index in np.ndindex(buffer.shape[:SEQUENCE_AXIS]):
+                faulted_in(buffer[index][:FAULTED_ROWS])
+        return cls(buffers, 0 if zeroed else None)
+
+    def take(self, name: str, shape: tuple, capacity: int, dtype, zeroed: bool) -> np.ndarray:
+        """A length shape[SEQUENCE_AXIS] prefix view of the spare buffer `name` when it fits, else of
+        a fresh one (`_allocate`); its rows past those written are as a fresh one's would be."""
+        buffer = self._buffers.pop(name, None)
+        whole = list(shape)
+        whole[SEQUENCE_AXIS] = max(capacity, shape[SEQUENCE_AXIS])
+        # 2: `buffer` and getrefcount's own argument; any view of it elsewhere holds one more
+        if (buffer is None or sys.getrefcount(buffer) > 2 or buffer.dtype != np.dtype(dtype)
+                or buffer.shape != tuple(whole) or (zeroed and self._zeroed_rows is None)):
+            return _allocate(shape, capacity, dtype, zeroed)
+        if zeroed:
+            buffer[(slice(None),) * SEQUENCE_AXIS + (slice(0, self._zeroed_rows),)] = 0
+        self.taken += 1
+        return buffer[(slice(None),) * SEQUENCE_AXIS + (slice(0, shape[SEQUENCE_AXIS]),)]
 
 
 def _allocate(shape: tuple, capacity: int, dtype, zeroed: bool) -> np.ndarray:

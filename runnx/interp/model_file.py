@@ -188,6 +188,17 @@ def in_small_pages(array: np.ndarray) -> None:
         _advise(array.reshape(-1).view(np.uint8)[first:first + whole], mmap.MADV_NOHUGEPAGE)
 
 
+def faulted_in(array: np.ndarray) -> np.ndarray:
+    """`array` with the whole pages of its memory faulted in now, in one call (MADV_POPULATE_WRITE;
+    nothing where it is missing), not one fault at a time as it is first written: a buffer a timed
+    run will write, made beforehand (a decoder's KV cache at its load: `generate/decoder.py`)."""
+    first = -array.ctypes.data % mmap.PAGESIZE
+    whole = (array.nbytes - first) // mmap.PAGESIZE * mmap.PAGESIZE
+    if whole > 0:
+        _advise(array.reshape(-1).view(np.uint8)[first:first + whole], _MADV_POPULATE_WRITE)
+    return array
+
+
 def _free_huge_pages() -> int:
     """How many 2 MiB pages the kernel could hand out now without compacting memory: the free blocks
     of 2 MiB and more in /proc/buddyinfo (0 where it cannot tell, or THP is off)."""

@@ -2,6 +2,8 @@
 and the KV cache grows in place (profile counters, shared buffers), doubling when it runs out."""
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 
@@ -109,6 +111,32 @@ def test_every_step_appends_the_kv_cache_in_place(fixtures_dir, export):
     for name, array in decoder.cache.arrays.items():
         assert array.shape[2] == 14
         assert array.base is buffers[name]  # still a prefix view of the buffer reserved at the prefill
+
+
+@pytest.mark.parametrize("export", ["llama-single", "llama-merged", "gpt2-single"])
+def test_each_prefill_takes_buffers_made_before_and_gives_the_same_ids(fixtures_dir, export):
+    name, first, later = EXPORTS[export]
+    folder = fixtures_dir / name
+    decoder = _decoder(folder, first, later, capacity=32)
+    made = decoder._spare  # made and faulted in at the load
+    assert _greedy(decoder, [1, 5, 9], 8) == _greedy(_decoder(folder, first, later, capacity=32), [1, 5, 9], 8)
+    assert made.taken == len(decoder.cache.arrays) > 0
+    buffers = [weakref.ref(buffer) for buffer in decoder.cache._buffers.values()]
+    ids = _greedy(decoder, [7, 3], 8)  # reset: the next prefill writes into the same buffers
+    assert [buffer() for buffer in buffers] == list(decoder.cache._buffers.values())
+    assert ids == _greedy(_decoder(folder, first, later, capacity=32), [7, 3], 8)
+
+
+def test_a_reset_never_writes_into_cache_rows_a_caller_still_holds(fixtures_dir):
+    folder = fixtures_dir / "tiny-llama"
+    decoder = _decoder(folder, "model.onnx", "model.onnx", capacity=32)
+    _greedy(decoder, [1, 5, 9], 4)
+    held = dict(decoder.cache.arrays)  # views of the cache's buffers, kept past the reset
+    values = {name: array.copy() for name, array in held.items()}
+    _greedy(decoder, [7, 3, 11, 2], 6)
+    assert all(array.base is not buffer for array, buffer in zip(held.values(), decoder.cache._buffers.values()))
+    for name, array in held.items():
+        np.testing.assert_array_equal(array, values[name])
 
 
 def test_cache_doubles_when_capacity_runs_out(fixtures_dir):

@@ -1,17 +1,20 @@
 """KVCache on its own: which buffers a step is handed, what it keeps of the model's outputs, when it
 regrows, whatever way the model returns its present tensors."""
+import weakref
+
 import numpy as np
 import pytest
 
 from runnx import Owned
 from runnx.errors import RunnxError
-from runnx.generate.kv_cache import KVCache
+from runnx.generate.kv_cache import KVCache, SpareBuffers
 
 SHAPE = (1, 2, 0, 4)
 
 
-def _cache(capacity: int, zeroed: bool = False) -> KVCache:
-    return KVCache.empty({"k": SHAPE, "v": SHAPE}, {"k": np.float32, "v": np.float32}, capacity, zeroed=zeroed)
+def _cache(capacity: int, zeroed: bool = False, spare: SpareBuffers | None = None) -> KVCache:
+    return KVCache.empty({"k": SHAPE, "v": SHAPE}, {"k": np.float32, "v": np.float32}, capacity, zeroed=zeroed,
+                         spare=spare)
 
 
 def _append(view: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -80,3 +83,70 @@ def test_a_full_restored_cache_regrows_on_the_next_step_and_accept_checks_names(
         cache.accept({"k": fed["k"].array})
     cache.accept({name: feed.array for name, feed in fed.items()}, length=4)
     assert cache.length == 4 and isinstance(Owned(cache.arrays["k"]), Owned)
+
+
+def _filled(capacity: int, rows: int, zeroed: bool = False) -> KVCache:
+    cache = _cache(capacity, zeroed)
+    fed = cache.handover(rows)
+    cache.accept({name: _append(feed.array, _rows(3.5, rows)) for name, feed in fed.items()})
+    return cache
+
+
+def test_a_spent_caches_buffers_are_the_next_prefills():
+    old = _filled(8, 3)
+    buffers = {name: weakref.ref(buffer) for name, buffer in old._buffers.items()}  # (a reference would hold them)
+    spare = old.spare()
+    assert old.arrays == {}  # the spent cache lets go of its views
+    cache = _cache(8, spare=spare)
+    assert spare.taken == 2 and all(cache._buffers[name] is buffers[name]() for name in buffers)
+    assert cache.length == 0 and cache.capacity == 8
+
+
+def test_a_spare_buffer_still_viewed_elsewhere_is_never_written_again():
+    old = _filled(8, 3)
+    held = old.arrays["k"]  # a caller still holds a view of the key buffer
+    held_values = held.copy()
+    spare = old.spare()
+    cache = _cache(8, spare=spare)
+    fed = cache.handover(3)
+    cache.accept({name: _append(feed.array, _rows(-1.0, 3)) for name, feed in fed.items()})
+    assert spare.taken == 1 and cache._buffers["k"] is not held.base  # the value buffer only
+    np.testing.assert_array_equal(held, held_values)
+
+
+def test_a_spare_of_another_shape_capacity_or_dtype_is_not_taken():
+    for capacity, shapes, dtype in ((16, SHAPE, np.float32), (8, (2, 2, 0, 4), np.float32), (8, SHAPE, np.float16)):
+        spare = _filled(8, 3).spare()
+        cache = KVCache.empty({"k": shapes, "v": shapes}, {"k": dtype, "v": dtype}, capacity, spare=spare)
+        assert spare.taken == 0 and cache.capacity == capacity and cache.arrays["k"].dtype == dtype
+
+
+def test_zeroed_spare_buffers_are_zero_again_and_uninitialised_ones_never_serve_a_zeroed_cache():
+    old = _cache(8, zeroed=True)
+    buffers = {name: feed.array for name, feed in old.handover(5, whole=True).items()}
+    for b in buffers.values():
+        b[:, :, :5] = 7.0  # a shared-buffer model wrote five rows
+    old.accept(dict(buffers), length=5)
+    old.handover(1, whole=True)
+    old.accept(dict(buffers), length=2)  # (the cache kept fewer rows than were written)
+    del buffers, b  # (the test's references would hold them)
+    spare = old.spare()
+    cache = _cache(8, zeroed=True, spare=spare)
+    assert spare.taken == 2
+    assert all(not b.any() for b in cache._buffers.values())  # every row written is zero again
+    spare = _filled(8, 3).spare()
+    cache = _cache(8, zeroed=True, spare=spare)
+    assert spare.taken == 0 and all(not b.any() for b in cache._buffers.values())
+
+
+def test_buffers_made_ahead_are_what_a_prefill_would_allocate():
+    for zeroed in (False, True):
+        spare = SpareBuffers.made({"k": SHAPE, "v": SHAPE}, {"k": np.float32, "v": np.float32}, 8, zeroed)
+        cache = _cache(8, zeroed, spare=spare)
+        assert spare.taken == 2 and cache.capacity == 8 and cache.arrays["k"].shape == SHAPE
+        assert not zeroed or all(not b.any() for b in cache._buffers.values())
+        restored = KVCache.with_capacity({"k": _rows(1.0, 2), "v": _rows(2.0, 2)}, 8, zeroed=zeroed,
+                                         spare=SpareBuffers.made({"k": SHAPE, "v": SHAPE},
+                                                                 {"k": np.float32, "v": np.float32}, 8, zeroed))
+        np.testing.assert_array_equal(restored.arrays["v"], _rows(2.0, 2))
+        assert restored.capacity == 8
