@@ -92,9 +92,10 @@ class DecoderStep:
         self._ids_dtype = _input_dtype(model, self.first_io.input_ids, np.dtype(np.int64))
         self.reset()
         self_attention = [k for k in self.first_io.kv if k.past and not k.is_cross_attention]
-        self._spare = SpareBuffers.made({k.past: self._empty_shape(k) for k in self_attention},
-                                        {k.past: self._layout[k.slot][2] for k in self_attention}, capacity,
-                                        share_buffer)
+        with BUSY:  # the first prefill's cache, made with the load (no settling collapse beside it: `step`)
+            self._spare = SpareBuffers.made({k.past: self._empty_shape(k) for k in self_attention},
+                                            {k.past: self._layout[k.slot][2] for k in self_attention}, capacity,
+                                            share_buffer)
         for first, decoder in ((True, self.first_model), (False, self.past_model)):
             plan_ahead = getattr(decoder, "plan_ahead", None)  # a runnx Model's (tests step onnxruntime's too)
             if plan_ahead is not None:

@@ -498,7 +498,8 @@ def test_a_short_prompts_layer_blocks_are_native_calls_with_the_nodes_bits(fixtu
 
 def test_a_decoder_keeps_no_cache_alive_after_a_reset(fixtures_dir):
     """Nothing a decode step's fused nodes made holds the caches: once a generation lets them go (a
-    reset), their buffers are freed."""
+    reset), the next prefill takes their buffers again (it takes none that anything else holds:
+    `SpareBuffers`), and without a next prefill they are freed."""
     import gc
     import weakref
 
@@ -511,6 +512,11 @@ def test_a_decoder_keeps_no_cache_alive_after_a_reset(fixtures_dir):
     buffers = [weakref.ref(array.base) for array in decoder.cache.arrays.values()]
     assert buffers and all(buffer() is not None for buffer in buffers)
     decoder.reset()
+    gc.collect()
+    decoder.step(np.array([[3, 5, 7]]))
+    assert [buffer() for buffer in buffers] == [array.base for array in decoder.cache.arrays.values()]
+    decoder.reset()
+    decoder._take_spare()  # (what the next prefill would take)
     gc.collect()
     assert all(buffer() is None for buffer in buffers)
 
