@@ -189,13 +189,16 @@ def in_small_pages(array: np.ndarray) -> None:
 
 
 def faulted_in(array: np.ndarray) -> np.ndarray:
-    """`array` with the whole pages of its memory faulted in now, in one call (MADV_POPULATE_WRITE;
-    nothing where it is missing), not one fault at a time as it is first written: a buffer a timed
-    run will write, made beforehand (a decoder's KV cache at its load: `generate/decoder.py`)."""
-    first = -array.ctypes.data % mmap.PAGESIZE
-    whole = (array.nbytes - first) // mmap.PAGESIZE * mmap.PAGESIZE
-    if whole > 0:
-        _advise(array.reshape(-1).view(np.uint8)[first:first + whole], _MADV_POPULATE_WRITE)
+    """`array` with the pages of its memory faulted in now, in one call (MADV_POPULATE_WRITE, which
+    writes nothing; nothing where it is missing), not one fault at a time as it is first written: a
+    buffer a timed run will write, made beforehand (a decoder's KV cache at its load:
+    `generate/decoder.py`); a C-contiguous array (another is returned as it is). Its first and last
+    pages are whole pages of its map, so they are faulted in too."""
+    madvise = _madvise()
+    if madvise is not None and array.flags.c_contiguous and array.nbytes:
+        start = array.ctypes.data // mmap.PAGESIZE * mmap.PAGESIZE
+        stop = -(-(array.ctypes.data + array.nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
+        madvise(start, stop - start, _MADV_POPULATE_WRITE)
     return array
 
 

@@ -1,5 +1,7 @@
 """KVCache on its own: which buffers a step is handed, what it keeps of the model's outputs, when it
 regrows, whatever way the model returns its present tensors."""
+import resource
+import sys
 import weakref
 
 import numpy as np
@@ -150,3 +152,19 @@ def test_buffers_made_ahead_are_what_a_prefill_would_allocate():
                                                                  {"k": np.float32, "v": np.float32}, 8, zeroed))
         np.testing.assert_array_equal(restored.arrays["v"], _rows(2.0, 2))
         assert restored.capacity == 8
+
+
+def _faults_writing_rows(cache: KVCache, rows: int) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for buffer in cache._buffers.values():
+        buffer[:, :, :rows] = 1.0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_buffers_made_ahead_have_their_first_rows_pages_faulted_in_already():
+    shapes, dtypes = {"k": (1, 4, 0, 64), "v": (1, 4, 0, 64)}, {"k": np.float32, "v": np.float32}
+    fresh = KVCache.empty(shapes, dtypes, 4096)  # 4 MiB a buffer: pages of its own, none touched yet
+    assert _faults_writing_rows(fresh, 256) >= 2 * 4 * 16  # 64 KiB a head: 16 pages
+    cache = KVCache.empty(shapes, dtypes, 4096, spare=SpareBuffers.made(shapes, dtypes, 4096, False))
+    assert _faults_writing_rows(cache, 256) == 0
