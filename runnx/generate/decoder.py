@@ -91,11 +91,8 @@ class DecoderStep:
         self._cross_pasts = [k.past for k in self.past_io.kv if k.is_cross_attention and k.past]
         self._ids_dtype = _input_dtype(model, self.first_io.input_ids, np.dtype(np.int64))
         self.reset()
-        self_attention = [k for k in self.first_io.kv if k.past and not k.is_cross_attention]
         with BUSY:  # the first prefill's cache, made with the load (no settling collapse beside it: `step`)
-            self._spare = SpareBuffers.made({k.past: self._empty_shape(k) for k in self_attention},
-                                            {k.past: self._layout[k.slot][2] for k in self_attention}, capacity,
-                                            share_buffer)
+            self._spare = SpareBuffers.made(*self._cache_layout(self.first_io), capacity, share_buffer)
         for first, decoder in ((True, self.first_model), (False, self.past_model)):
             plan_ahead = getattr(decoder, "plan_ahead", None)  # a runnx Model's (tests step onnxruntime's too)
             if plan_ahead is not None:
@@ -250,13 +247,17 @@ class DecoderStep:
         if io.use_cache_branch:  # merged decoder, first step: the past is ignored but must be fed
             return {k.past: self._empty(k) for k in io.kv if k.past}
         # model.onnx: the prefill appends into the reserved buffers already
-        self_attention = [k for k in io.kv if k.past and not k.is_cross_attention]
-        self.cache = KVCache.empty({k.past: self._empty_shape(k) for k in self_attention},
-                                   {k.past: self._layout[k.slot][2] for k in self_attention}, self.capacity,
-                                   zeroed=self.share_buffer, spare=self._take_spare())
+        self.cache = KVCache.empty(*self._cache_layout(io), self.capacity, zeroed=self.share_buffer,
+                                   spare=self._take_spare())
         feeds = self.cache.handover(new, whole=self.share_buffer)
         feeds.update({k.past: self._empty(k) for k in io.kv if k.past and k.is_cross_attention})
         return feeds
+
+    def _cache_layout(self, io: DecoderIO) -> tuple[dict, dict]:
+        """The self-attention cache's shapes ([batch, heads, 0, head_dim]) and dtypes, by past name."""
+        self_attention = [k for k in io.kv if k.past and not k.is_cross_attention]
+        return ({k.past: self._empty_shape(k) for k in self_attention},
+                {k.past: self._layout[k.slot][2] for k in self_attention})
 
     def _take_spare(self):
         """The last reset's buffers, once (what the new cache does not take is freed with them)."""

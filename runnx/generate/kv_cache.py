@@ -33,7 +33,8 @@ class KVCache:
         # buffers' spare rows zero, not uninitialised: a model reading whole buffers (handover(whole=
         # True)) masks the rows past each sequence's length, and a mask cannot hide a NaN
         self.zeroed = zeroed
-        # the rows ever written (a buffer kept for reuse is zeroed again this far: `SpareBuffers`)
+        # the rows a whole-buffer model wrote (`accept`'s length), which a zeroed buffer kept for reuse
+        # is zeroed again up to (`SpareBuffers`)
         self.rows_written = self.length
         self.regrowths = 0  # buffers copied to a larger one (0 when everything appended in place)
         self.appended_in_place = True  # did the last step write into the buffers it was handed?
@@ -122,7 +123,8 @@ class KVCache:
             views[name], buffers[name] = array, buffer
         self.appended_in_place = in_place
         self.arrays, self._buffers = views, buffers
-        self.rows_written = max(self.rows_written, self.length)
+        if length is not None:  # (a zeroed cache's rows, the model writing at each sequence's length)
+            self.rows_written = max(self.rows_written, length)
         self._handed_over = False
 
     def spare(self) -> SpareBuffers:
