@@ -1,5 +1,6 @@
 """KVCache on its own: which buffers a step is handed, what it keeps of the model's outputs, when it
 regrows, whatever way the model returns its present tensors."""
+import mmap
 import resource
 import sys
 import weakref
@@ -9,7 +10,9 @@ import pytest
 
 from runnx import Owned
 from runnx.errors import RunnxError
+from runnx.generate import kv_cache
 from runnx.generate.kv_cache import KVCache, SpareBuffers
+from runnx.interp import model_file
 
 SHAPE = (1, 2, 0, 4)
 
@@ -154,17 +157,26 @@ def test_buffers_made_ahead_are_what_a_prefill_would_allocate():
         assert restored.capacity == 8
 
 
-def _faults_writing_rows(cache: KVCache, rows: int) -> int:
+def _faults_writing(array: np.ndarray) -> int:
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for buffer in cache._buffers.values():
-        buffer[:, :, :rows] = 1.0
+    array[...] = 1
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
-def test_buffers_made_ahead_have_their_first_rows_pages_faulted_in_already():
-    shapes, dtypes = {"k": (1, 4, 0, 64), "v": (1, 4, 0, 64)}, {"k": np.float32, "v": np.float32}
-    fresh = KVCache.empty(shapes, dtypes, 4096)  # 4 MiB a buffer: pages of its own, none touched yet
-    assert _faults_writing_rows(fresh, 256) >= 2 * 4 * 16  # 64 KiB a head: 16 pages
-    cache = KVCache.empty(shapes, dtypes, 4096, spare=SpareBuffers.made(shapes, dtypes, 4096, False))
-    assert _faults_writing_rows(cache, 256) == 0
+def test_faulted_in_memory_is_written_without_a_fault():
+    pages = 64
+    fresh = model_file.fresh_map(pages * mmap.PAGESIZE)  # (an anonymous map: none of its pages touched yet)
+    assert _faults_writing(fresh) >= pages // 2
+    made = model_file.faulted_in(model_file.fresh_map(pages * mmap.PAGESIZE)[100:-100])  # (rounded out)
+    assert _faults_writing(made) == 0
+
+
+def test_buffers_made_ahead_have_each_heads_first_rows_faulted_in(monkeypatch):
+    faulted = []
+    monkeypatch.setattr(kv_cache, "faulted_in", faulted.append)
+    shapes, dtypes = {"k": (2, 3, 0, 64), "v": (2, 3, 0, 64)}, {"k": np.float32, "v": np.float32}
+    spare = SpareBuffers.made(shapes, dtypes, 4096, False)
+    assert len(faulted) == 2 * 2 * 3  # each (batch entry, head) of both buffers
+    assert all(rows.shape == (kv_cache.FAULTED_ROWS, 64) and rows.flags.c_contiguous for rows in faulted)
+    assert {id(rows.base) for rows in faulted} == {id(buffer) for buffer in spare._buffers.values()}
